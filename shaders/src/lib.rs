@@ -1,0 +1,184 @@
+//! Every WGSL kernel of expertkv, embedded as text.
+//!
+//! Files live under `wgsl/`, grouped by pipeline stage; shared definitions are in `wgsl/common/`
+//! and are pulled in by `//!import <path>` lines, which [`resolve`] replaces by the file's text
+//! (each file once). Nothing else in the workspace names a shader path: code asks for a
+//! [`Kernel`] and gets its resolved source, entry point and label.
+
+/// One embedded WGSL file: its path under `wgsl/` and its text.
+#[derive(Clone, Copy, Debug)]
+pub struct Source {
+    pub path: &'static str,
+    pub text: &'static str,
+}
+
+macro_rules! sources {
+    ($($name:ident => $path:literal),* $(,)?) => {
+        $(
+            #[doc = concat!("`wgsl/", $path, "`")]
+            pub const $name: Source = Source { path: $path, text: include_str!(concat!("../wgsl/", $path)) };
+        )*
+        /// Every WGSL file of the crate, kernels and shared pieces alike.
+        pub const ALL_SOURCES: &[Source] = &[$($name),*];
+    };
+}
+
+sources! {
+    COMMON_POOL => "common/pool.wgsl",
+    COMMON_APPEND => "common/append.wgsl",
+    COMMON_WINDOW => "common/window.wgsl",
+    SHARD_APPEND_PLAN => "shard/append_plan.wgsl",
+    SHARD_APPEND_ALLOC => "shard/append_alloc.wgsl",
+    SHARD_APPEND_WRITE => "shard/append_write.wgsl",
+    SHARD_GATHER_PAGES => "shard/gather_pages.wgsl",
+    SHARD_RELEASE => "shard/release.wgsl",
+    ATTEND_COMMON => "attend/common.wgsl",
+    ATTEND_SPLIT_TILED => "attend/split_tiled.wgsl",
+    ATTEND_SPLIT_SUBGROUP => "attend/split_subgroup.wgsl",
+    ATTEND_REDUCE => "attend/reduce.wgsl",
+    ATTEND_MASS => "attend/mass.wgsl",
+    BENCH_COPY => "bench/copy.wgsl",
+}
+
+/// Every dispatchable kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Kernel {
+    ShardAppendPlan,
+    ShardAppendAlloc,
+    ShardAppendWrite,
+    ShardGatherPages,
+    ShardRelease,
+    AttendSplitTiled,
+    AttendSplitSubgroup,
+    AttendReduce,
+    AttendMass,
+    BenchCopy,
+}
+
+impl Kernel {
+    pub const ALL: &'static [Kernel] = &[
+        Kernel::ShardAppendPlan,
+        Kernel::ShardAppendAlloc,
+        Kernel::ShardAppendWrite,
+        Kernel::ShardGatherPages,
+        Kernel::ShardRelease,
+        Kernel::AttendSplitTiled,
+        Kernel::AttendSplitSubgroup,
+        Kernel::AttendReduce,
+        Kernel::AttendMass,
+        Kernel::BenchCopy,
+    ];
+
+    pub fn source(self) -> Source {
+        match self {
+            Kernel::ShardAppendPlan => SHARD_APPEND_PLAN,
+            Kernel::ShardAppendAlloc => SHARD_APPEND_ALLOC,
+            Kernel::ShardAppendWrite => SHARD_APPEND_WRITE,
+            Kernel::ShardGatherPages => SHARD_GATHER_PAGES,
+            Kernel::ShardRelease => SHARD_RELEASE,
+            Kernel::AttendSplitTiled => ATTEND_SPLIT_TILED,
+            Kernel::AttendSplitSubgroup => ATTEND_SPLIT_SUBGROUP,
+            Kernel::AttendReduce => ATTEND_REDUCE,
+            Kernel::AttendMass => ATTEND_MASS,
+            Kernel::BenchCopy => BENCH_COPY,
+        }
+    }
+
+    /// Label of every pipeline, bind group and buffer of this kernel: its path.
+    pub fn label(self) -> &'static str {
+        self.source().path
+    }
+
+    pub fn entry_point(self) -> &'static str {
+        "main"
+    }
+
+    /// Needs the SUBGROUP feature (only on the capability tier that has it).
+    pub fn needs_subgroups(self) -> bool {
+        matches!(self, Kernel::AttendSplitSubgroup)
+    }
+
+    /// The source with its imports resolved, exactly as the runtime compiles it.
+    pub fn resolved(self) -> Result<String, ResolveError> {
+        resolve(self.source())
+    }
+}
+
+/// An `//!import` that names no embedded file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResolveError {
+    pub file: &'static str,
+    pub import: String,
+}
+
+impl std::fmt::Display for ResolveError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: `//!import {}` names no file under shaders/wgsl", self.file, self.import)
+    }
+}
+
+impl std::error::Error for ResolveError {}
+
+const IMPORT: &str = "//!import ";
+
+fn find(path: &str) -> Option<Source> {
+    ALL_SOURCES.iter().copied().find(|s| s.path == path)
+}
+
+/// Replace every `//!import path` line by that file's (recursively resolved) text, once per file.
+pub fn resolve(source: Source) -> Result<String, ResolveError> {
+    let mut out = String::with_capacity(source.text.len() * 2);
+    let mut seen = vec![source.path];
+    resolve_into(source, &mut seen, &mut out)?;
+    Ok(out)
+}
+
+fn resolve_into(source: Source, seen: &mut Vec<&'static str>, out: &mut String) -> Result<(), ResolveError> {
+    for line in source.text.lines() {
+        if let Some(rest) = line.trim_start().strip_prefix(IMPORT) {
+            let path = rest.trim();
+            let import = find(path).ok_or_else(|| ResolveError { file: source.path, import: path.to_owned() })?;
+            if !seen.contains(&import.path) {
+                seen.push(import.path);
+                out.push_str("// ---- begin ");
+                out.push_str(import.path);
+                out.push('\n');
+                resolve_into(import, seen, out)?;
+                out.push_str("// ---- end ");
+                out.push_str(import.path);
+                out.push('\n');
+            }
+        } else {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kernel_is_listed_once() {
+        let mut paths: Vec<_> = Kernel::ALL.iter().map(|k| k.label()).collect();
+        paths.sort_unstable();
+        paths.dedup();
+        assert_eq!(paths.len(), Kernel::ALL.len());
+    }
+
+    #[test]
+    fn unknown_import_is_an_error() {
+        let bad = Source { path: "test/bad.wgsl", text: "//!import common/nope.wgsl\n" };
+        let err = resolve(bad).unwrap_err();
+        assert_eq!(err.import, "common/nope.wgsl");
+    }
+
+    #[test]
+    fn imports_resolve_once() {
+        let text = Kernel::ShardAppendWrite.resolved().unwrap();
+        assert_eq!(text.matches("struct Geometry").count(), 1);
+        assert!(!text.contains(IMPORT));
+    }
+}

@@ -1,0 +1,65 @@
+//! Every WGSL file, resolved exactly as the runtime resolves it, must parse and validate with
+//! naga (all validation flags, all capabilities the kernel may use). Needs no GPU: a broken
+//! shader fails here even if no test dispatches it.
+
+use std::path::Path;
+
+use expertkv_shaders::{ALL_SOURCES, Kernel, resolve};
+
+fn validate(path: &str, text: &str) -> Result<(), String> {
+    let module = naga::front::wgsl::parse_str(text).map_err(|e| format!("{path}: parse error:\n{}", e.emit_to_string(text)))?;
+    let caps = naga::valid::Capabilities::all();
+    naga::valid::Validator::new(naga::valid::ValidationFlags::all(), caps)
+        .subgroup_stages(naga::valid::ShaderStages::COMPUTE)
+        .subgroup_operations(naga::valid::SubgroupOperationSet::all())
+        .validate(&module)
+        .map_err(|e| format!("{path}: validation error:\n{}", e.emit_to_string(text)))?;
+    Ok(())
+}
+
+#[test]
+fn every_kernel_validates_with_naga() {
+    let mut failures = Vec::new();
+    for kernel in Kernel::ALL {
+        let text = kernel.resolved().expect("imports resolve");
+        if let Err(e) = validate(kernel.label(), &text) {
+            failures.push(e);
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
+#[test]
+fn every_wgsl_file_validates_with_naga() {
+    // Shared pieces validate on their own too (they hold only declarations).
+    let mut failures = Vec::new();
+    for source in ALL_SOURCES {
+        let text = resolve(*source).expect("imports resolve");
+        if let Err(e) = validate(source.path, &text) {
+            failures.push(e);
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
+#[test]
+fn every_wgsl_file_on_disk_is_embedded() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("wgsl");
+    let mut on_disk = Vec::new();
+    let mut stack = vec![root.clone()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).expect("read wgsl dir") {
+            let path = entry.expect("dir entry").path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if path.extension().is_some_and(|e| e == "wgsl") {
+                let rel = path.strip_prefix(&root).expect("under root").to_string_lossy().replace('\\', "/");
+                on_disk.push(rel);
+            }
+        }
+    }
+    for path in &on_disk {
+        assert!(ALL_SOURCES.iter().any(|s| s.path == path), "{path} is not embedded in expertkv-shaders");
+    }
+    assert_eq!(on_disk.len(), ALL_SOURCES.len());
+}
