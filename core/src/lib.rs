@@ -1,1 +1,19 @@
+//! expertkv-core: the paged, sharded KV pool of MoE decoding on wgpu, its kernels, their CPU
+//! references, the synthetic workload and the decode pipeline.
 
+pub mod attend;
+pub mod bench;
+pub mod config;
+pub mod error;
+pub mod gpu_data;
+pub mod pipeline;
+pub mod pool;
+pub mod reference;
+pub mod rng;
+pub mod runtime;
+pub mod timer;
+pub mod workload;
+
+pub use config::{KvDtype, PoolConfig, ShardMap};
+pub use error::{Error, Result};
+pub use runtime::{Runtime, RuntimeOptions, ShaderChecks, Tier};

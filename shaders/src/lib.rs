@@ -98,6 +98,15 @@ impl Kernel {
         matches!(self, Kernel::AttendSplitSubgroup)
     }
 
+    /// Kernels whose every index the GPU-vs-CPU tests (`tests/tests/gpu`) exercise over random
+    /// shapes, so the runtime may build them without wgpu's bounds checks (never in a browser).
+    pub fn may_run_unchecked(self) -> bool {
+        matches!(
+            self,
+            Kernel::AttendSplitTiled | Kernel::AttendSplitSubgroup | Kernel::AttendReduce | Kernel::BenchCopy
+        )
+    }
+
     /// The source with its imports resolved, exactly as the runtime compiles it.
     pub fn resolved(self) -> Result<String, ResolveError> {
         resolve(self.source())

@@ -1,1 +1,12 @@
+//! GPU-vs-CPU tests of every kernel, on whatever adapter the machine has (Mesa lavapipe in CI).
+//! Inputs are fresh random draws from printed seeds (`EXPERTKV_TEST_SEED` replays one);
+//! outputs are poisoned before each run; decisions must match the CPU reference exactly.
 
+mod common;
+
+mod attend;
+mod buffers;
+mod copy;
+mod errors;
+mod pipeline;
+mod shard;

@@ -1,0 +1,281 @@
+//! Decode attention on the GPU over the pool's pages (flash-decoding: a split pass per pool
+//! buffer over chunks of pages, then a reduce pass; optionally an attention-mass pass).
+
+use expertkv_shaders::Kernel;
+
+use crate::config::KvDtype;
+use crate::error::{Error, Result};
+use crate::gpu_data::AttendParams;
+use crate::pool::KvPool;
+use crate::runtime::{Runtime, Tier};
+
+/// Which split kernel runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub enum SplitVariant {
+    /// Workgroup-memory tiles; runs everywhere (WebGPU core).
+    Tiled,
+    /// `lanes` invocations of a subgroup per token, `vpl` 16-byte loads each per row.
+    Subgroup { lanes: u32, vpl: u32 },
+}
+
+impl SplitVariant {
+    pub fn name(self) -> String {
+        match self {
+            SplitVariant::Tiled => "tiled".into(),
+            SplitVariant::Subgroup { lanes, vpl } => format!("subgroup(lanes={lanes},vpl={vpl})"),
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct AttendOptions {
+    /// Query heads per KV head.
+    pub group: u32,
+    /// Sequences attended per call (0..n_seqs).
+    pub n_seqs: u32,
+    /// Pages per split chunk.
+    pub chunk_pages: u32,
+    /// Also run the attention-mass pass (feeds H2O-style schedulers).
+    pub mass: bool,
+    /// `None`: the best variant the device's tier allows.
+    pub variant: Option<SplitVariant>,
+}
+
+impl Default for AttendOptions {
+    fn default() -> Self {
+        AttendOptions { group: 4, n_seqs: 1, chunk_pages: 16, mass: true, variant: None }
+    }
+}
+
+pub const MAX_GROUP: u32 = 8;
+pub const MAX_CHUNK_PAGES: u32 = 64;
+
+/// The best subgroup layout for this shape and device, if any: 16 lanes when subgroups are that
+/// wide (NVIDIA, AMD, Apple), else 8; each lane loads at most 4 16-byte words per row.
+pub fn subgroup_layout(rt: &Runtime, head_dim: u32, dtype: KvDtype) -> Option<SplitVariant> {
+    if rt.tier != Tier::Subgroups {
+        return None;
+    }
+    let vals_per_vec4 = match dtype {
+        KvDtype::F16 => 8,
+        KvDtype::F32 => 4,
+    };
+    if head_dim % vals_per_vec4 != 0 {
+        return None;
+    }
+    let vec4s = head_dim / vals_per_vec4;
+    for lanes in [16u32, 8] {
+        if rt.caps.subgroup_min_size >= lanes && vec4s % lanes == 0 && (1..=4).contains(&(vec4s / lanes)) {
+            return Some(SplitVariant::Subgroup { lanes, vpl: vec4s / lanes });
+        }
+    }
+    None
+}
+
+pub struct Attention {
+    pub opts: AttendOptions,
+    pub variant: SplitVariant,
+    pub n_chunks: u32,
+    pub max_tokens: u32,
+    q_heads: u32,
+    head_dim: u32,
+    split: wgpu::ComputePipeline,
+    reduce: wgpu::ComputePipeline,
+    mass: Option<wgpu::ComputePipeline>,
+    params: wgpu::Buffer,
+    pub queries: wgpu::Buffer,
+    pub partials: wgpu::Buffer,
+    pub scores: wgpu::Buffer,
+    pub out: wgpu::Buffer,
+    pub stats: wgpu::Buffer,
+    split_bgs: Vec<wgpu::BindGroup>,
+    reduce_bg: wgpu::BindGroup,
+    mass_bg: Option<wgpu::BindGroup>,
+    n_buffers: u32,
+    kv_heads: u32,
+    scale: f32,
+}
+
+impl Attention {
+    pub async fn new(rt: &Runtime, pool: &KvPool, opts: AttendOptions) -> Result<Attention> {
+        let cfg = &pool.cfg;
+        if opts.group == 0 || opts.group > MAX_GROUP {
+            return Err(Error::config("group", opts.group, format!("query heads per KV head must be in 1..={MAX_GROUP}")));
+        }
+        if opts.n_seqs == 0 || opts.n_seqs > cfg.max_seqs {
+            return Err(Error::config("n_seqs", opts.n_seqs, format!("must be in 1..={} (the pool's max_seqs)", cfg.max_seqs)));
+        }
+        if opts.chunk_pages == 0 || opts.chunk_pages > MAX_CHUNK_PAGES {
+            return Err(Error::config("chunk_pages", opts.chunk_pages, format!("must be in 1..={MAX_CHUNK_PAGES}")));
+        }
+        let variant = match opts.variant {
+            Some(v @ SplitVariant::Subgroup { .. }) => {
+                if subgroup_layout(rt, cfg.head_dim, cfg.dtype).is_none() {
+                    return Err(Error::config("variant", v.name(), "this device or shape cannot run the subgroup kernel; use tiled"));
+                }
+                v
+            }
+            Some(SplitVariant::Tiled) => SplitVariant::Tiled,
+            None => subgroup_layout(rt, cfg.head_dim, cfg.dtype).unwrap_or(SplitVariant::Tiled),
+        };
+        let q_heads = cfg.kv_heads * opts.group;
+        let d = cfg.head_dim;
+        let n_chunks = cfg.max_pages_per_seq().div_ceil(opts.chunk_pages);
+        let n_buffers = pool.n_buffers() as u32;
+        let max_tokens = cfg.max_pages_per_seq() * cfg.page_size;
+        let split = match variant {
+            SplitVariant::Tiled => rt.pipeline(Kernel::AttendSplitTiled, &[]).await?,
+            SplitVariant::Subgroup { lanes, vpl } => {
+                rt.pipeline(
+                    Kernel::AttendSplitSubgroup,
+                    &[
+                        ("GROUP", f64::from(opts.group)),
+                        ("LANES", f64::from(lanes)),
+                        ("VPL", f64::from(vpl)),
+                        ("F16", if cfg.dtype == KvDtype::F16 { 1.0 } else { 0.0 }),
+                    ],
+                )
+                .await?
+            }
+        };
+        let reduce = rt.pipeline(Kernel::AttendReduce, &[]).await?;
+        let mass = if opts.mass { Some(rt.pipeline(Kernel::AttendMass, &[]).await?) } else { None };
+
+        let seqs = u64::from(opts.n_seqs);
+        let qh = u64::from(q_heads);
+        let partial_floats = seqs * qh * u64::from(n_buffers) * u64::from(n_chunks) * u64::from(d + 4);
+        let score_floats = if opts.mass { seqs * qh * u64::from(max_tokens) } else { 1 };
+        for (what, bytes) in [("attention partials", partial_floats * 4), ("attention scores", score_floats * 4)] {
+            if bytes > rt.max_binding_bytes() {
+                return Err(Error::Limit { what: what.into(), needed: bytes, limit_name: "max_storage_buffer_binding_size", limit: rt.max_binding_bytes() });
+            }
+        }
+        let params = rt.uniform("attend params", &AttendParams::default());
+        let queries = rt.storage("attend queries", seqs * qh * u64::from(d) * 4);
+        let partials = rt.storage("attend partials", partial_floats * 4);
+        let scores = rt.storage("attend scores", score_floats * 4);
+        let out = rt.storage("attend out", seqs * qh * u64::from(d) * 4);
+        let stats = rt.storage("attend stats", seqs * qh * 8);
+        let dims = rt.uniform("attend dims", &[d, 0u32, 0, 0]);
+        let split_label = match variant {
+            SplitVariant::Tiled => Kernel::AttendSplitTiled.label(),
+            SplitVariant::Subgroup { .. } => Kernel::AttendSplitSubgroup.label(),
+        };
+        let split_bgs = pool
+            .kv_buffers
+            .iter()
+            .zip(&pool.window_bufs)
+            .map(|(kv, w)| {
+                rt.bind(split_label, &split, &[&pool.geometry, &params, w, &pool.page_list, &pool.page_counts, &pool.page_meta, kv, &queries, &partials, &scores])
+            })
+            .collect();
+        let reduce_bg = rt.bind(Kernel::AttendReduce.label(), &reduce, &[&params, &dims, &partials, &out, &stats]);
+        let mass_bg = mass.as_ref().map(|m| {
+            rt.bind(Kernel::AttendMass.label(), m, &[&pool.geometry, &params, &pool.page_list, &pool.page_counts, &pool.page_meta, &scores, &stats, &pool.slot_meta])
+        });
+        rt.check("attention setup")?;
+        Ok(Attention {
+            variant,
+            n_chunks,
+            max_tokens,
+            q_heads,
+            head_dim: d,
+            split,
+            reduce,
+            mass,
+            params,
+            queries,
+            partials,
+            scores,
+            out,
+            stats,
+            split_bgs,
+            reduce_bg,
+            mass_bg,
+            n_buffers,
+            kv_heads: cfg.kv_heads,
+            scale: 1.0 / (d as f32).sqrt(),
+            opts,
+        })
+    }
+
+    pub fn q_heads(&self) -> u32 {
+        self.q_heads
+    }
+
+    /// Scale applied to q.k (1/sqrt(head_dim)).
+    pub fn scale(&self) -> f32 {
+        self.scale
+    }
+
+    /// Upload queries, [seq][q_head][head_dim] f32; NaN or infinity is refused.
+    pub fn set_queries(&self, rt: &Runtime, q: &[f32]) -> Result<()> {
+        let want = (self.opts.n_seqs * self.q_heads * self.head_dim) as usize;
+        if q.len() != want {
+            return Err(Error::Input(format!("queries: {} values, expected n_seqs x q_heads x head_dim = {want}", q.len())));
+        }
+        if let Some(i) = q.iter().position(|v| !v.is_finite()) {
+            return Err(Error::Input(format!("queries: value {i} is {} (not finite)", q[i])));
+        }
+        rt.queue.write_buffer(&self.queries, 0, bytemuck::cast_slice(q));
+        Ok(())
+    }
+
+    /// Set layer and step for the next encoded call (staged: one call per submission).
+    pub fn prepare(&self, rt: &Runtime, layer: u32, step: u32) {
+        let p = AttendParams {
+            n_seqs: self.opts.n_seqs,
+            layer,
+            group: self.opts.group,
+            q_heads: self.q_heads,
+            n_chunks: self.n_chunks,
+            chunk_pages: self.opts.chunk_pages,
+            n_buffers: self.n_buffers,
+            write_scores: u32::from(self.opts.mass),
+            max_tokens: self.max_tokens,
+            step,
+            scale: self.scale,
+            _pad0: 0,
+        };
+        rt.queue.write_buffer(&self.params, 0, bytemuck::bytes_of(&p));
+    }
+
+    /// Encode split (one dispatch per pool buffer), reduce and, if enabled, mass into one pass.
+    pub fn encode(&self, pass: &mut wgpu::ComputePass<'_>) {
+        pass.set_pipeline(&self.split);
+        for bg in &self.split_bgs {
+            pass.set_bind_group(0, bg, &[]);
+            pass.dispatch_workgroups(self.n_chunks, self.kv_heads, self.opts.n_seqs);
+        }
+        pass.set_pipeline(&self.reduce);
+        pass.set_bind_group(0, &self.reduce_bg, &[]);
+        pass.dispatch_workgroups(self.q_heads, self.opts.n_seqs, 1);
+        if let (Some(m), Some(bg)) = (&self.mass, &self.mass_bg) {
+            pass.set_pipeline(m);
+            pass.set_bind_group(0, bg, &[]);
+            pass.dispatch_workgroups(self.max_tokens.div_ceil(64), self.opts.n_seqs, 1);
+        }
+    }
+
+    /// Encode, submit and wait for one call on `layer`.
+    pub fn run(&self, rt: &Runtime, layer: u32, step: u32) -> Result<()> {
+        self.prepare(rt, layer, step);
+        let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("attend") });
+        {
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("attend"), timestamp_writes: None });
+            self.encode(&mut pass);
+        }
+        rt.queue.submit([enc.finish()]);
+        rt.check("attend_decode")
+    }
+
+    /// Output, [seq][q_head][head_dim].
+    pub async fn read_output(&self, rt: &Runtime) -> Result<Vec<f32>> {
+        rt.read(&self.out, 0, u64::from(self.opts.n_seqs * self.q_heads * self.head_dim)).await
+    }
+
+    /// Bytes of K and V one call reads for `tokens` cached tokens per sequence (all sequences).
+    pub fn kv_bytes_read(&self, token_kv_bytes: u64, tokens_total: u64) -> u64 {
+        token_kv_bytes * tokens_total
+    }
+}

@@ -1,0 +1,281 @@
+//! Kernel benchmarks: time with GPU timestamps (host clock where the device has none), report
+//! achieved bandwidth next to a copy roofline measured on the same device in the same run.
+
+use expertkv_shaders::Kernel;
+use serde::Serialize;
+
+use crate::attend::{AttendOptions, Attention};
+use crate::config::{KvDtype, PoolConfig, ShardMap};
+use crate::error::{Error, Result};
+use crate::gpu_data::CopyParams;
+use crate::pool::KvPool;
+use crate::reference::pool::{NewToken, encode_values};
+use crate::rng::Rng;
+use crate::runtime::Runtime;
+use crate::timer::{GpuTimer, median};
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Measurement {
+    pub median_ms: f64,
+    pub min_ms: f64,
+    pub samples: usize,
+    /// "gpu-timestamps" or "host-clock".
+    pub timing: &'static str,
+}
+
+/// Run `encode` (one compute pass's work) `reps` times after `warmup` runs, and time each run.
+pub async fn time_passes(rt: &Runtime, warmup: u32, reps: u32, encode: &dyn Fn(&mut wgpu::ComputePass<'_>)) -> Result<Measurement> {
+    let run = |timer: Option<&GpuTimer>, n: u32| {
+        let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("bench") });
+        for i in 0..n {
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: Some("bench"),
+                timestamp_writes: timer.and_then(|t| t.pass(i)),
+            });
+            encode(&mut pass);
+        }
+        if let Some(t) = timer {
+            t.resolve(&mut enc, n);
+        }
+        rt.queue.submit([enc.finish()]);
+    };
+    run(None, warmup);
+    rt.wait()?;
+    if let Some(timer) = GpuTimer::new(rt, reps) {
+        run(Some(&timer), reps);
+        let ms = timer.read_ms(rt, reps).await?;
+        let min = ms.iter().cloned().fold(f64::INFINITY, f64::min);
+        return Ok(Measurement { median_ms: median(&ms), min_ms: min, samples: ms.len(), timing: "gpu-timestamps" });
+    }
+    #[cfg(not(target_arch = "wasm32"))]
+    {
+        let mut ms = Vec::with_capacity(reps as usize);
+        for _ in 0..reps {
+            let t0 = std::time::Instant::now();
+            run(None, 1);
+            rt.wait()?;
+            ms.push(t0.elapsed().as_secs_f64() * 1e3);
+        }
+        let min = ms.iter().cloned().fold(f64::INFINITY, f64::min);
+        Ok(Measurement { median_ms: median(&ms), min_ms: min, samples: ms.len(), timing: "host-clock" })
+    }
+    #[cfg(target_arch = "wasm32")]
+    Err(Error::Gpu { during: "benchmark".into(), message: "no timestamp queries on this device".into() })
+}
+
+/// The copy roofline: `bytes` copied from one buffer to another (read + write = 2 x bytes).
+pub struct CopyKernel {
+    pipeline: wgpu::ComputePipeline,
+    bind: wgpu::BindGroup,
+    groups: u32,
+    pub bytes: u64,
+    _src: wgpu::Buffer,
+    pub dst: wgpu::Buffer,
+}
+
+impl CopyKernel {
+    pub async fn new(rt: &Runtime, bytes: u64, seed: u64) -> Result<CopyKernel> {
+        let bytes = bytes.min(rt.max_binding_bytes()) / 16 * 16;
+        if bytes == 0 {
+            return Err(Error::Input("copy size must be at least 16 bytes".into()));
+        }
+        let n_vec4 = bytes / 16;
+        if n_vec4 > u64::from(u32::MAX) {
+            return Err(Error::Input("copy size overflows u32 indexing".into()));
+        }
+        let pipeline = rt.pipeline(Kernel::BenchCopy, &[]).await?;
+        let src = rt.storage("bench/copy src", bytes);
+        // Random, not zeros: some devices compress or skip zero pages.
+        let mut rng = Rng::new(seed);
+        let chunk: Vec<u32> = (0..(1 << 18)).map(|_| rng.next_u32()).collect();
+        let mut off = 0u64;
+        while off < bytes {
+            let len = (bytes - off).min(chunk.len() as u64 * 4);
+            rt.queue.write_buffer(&src, off, bytemuck::cast_slice(&chunk[..(len / 4) as usize]));
+            off += len;
+        }
+        let dst = rt.storage("bench/copy dst", bytes);
+        let groups = (n_vec4.div_ceil(256)).min(65_535) as u32;
+        let params = rt.uniform("bench/copy params", &CopyParams { n_vec4: n_vec4 as u32, stride: groups * 256, ..Default::default() });
+        let bind = rt.bind(Kernel::BenchCopy.label(), &pipeline, &[&params, &src, &dst]);
+        Ok(CopyKernel { pipeline, bind, groups, bytes, _src: src, dst })
+    }
+
+    pub fn src(&self) -> &wgpu::Buffer {
+        &self._src
+    }
+
+    pub fn encode(&self, pass: &mut wgpu::ComputePass<'_>) {
+        pass.set_pipeline(&self.pipeline);
+        pass.set_bind_group(0, &self.bind, &[]);
+        pass.dispatch_workgroups(self.groups, 1, 1);
+    }
+
+    /// Bytes moved per run (read + write).
+    pub fn bytes_moved(&self) -> u64 {
+        2 * self.bytes
+    }
+}
+
+/// One benchmark line, as `expertkv bench --json` prints it.
+#[derive(Clone, Debug, Serialize)]
+pub struct BenchRecord {
+    pub kernel: String,
+    pub shape: String,
+    pub median_ms: f64,
+    pub min_ms: f64,
+    pub bytes: u64,
+    pub gbps: f64,
+    pub copy_gbps: f64,
+    pub ratio_to_copy: f64,
+    pub adapter: String,
+    pub backend: String,
+    pub variant: String,
+    pub shader_checks: String,
+    pub timing: String,
+    pub samples: usize,
+}
+
+pub fn gbps(bytes: u64, ms: f64) -> f64 {
+    bytes as f64 / (ms * 1e-3) / 1e9
+}
+
+/// Measure the copy roofline over `bytes`.
+pub async fn copy_roofline(rt: &Runtime, bytes: u64, warmup: u32, reps: u32) -> Result<(CopyKernel, Measurement)> {
+    let k = CopyKernel::new(rt, bytes, 0xC0FF_EE).await?;
+    let m = time_passes(rt, warmup, reps, &|p| k.encode(p)).await?;
+    Ok((k, m))
+}
+
+/// Shape of one attention benchmark.
+#[derive(Clone, Debug, Serialize)]
+pub struct AttendShape {
+    pub batch: u32,
+    pub q_heads: u32,
+    pub kv_heads: u32,
+    pub head_dim: u32,
+    pub tokens: u32,
+    pub dtype: KvDtype,
+    pub page_size: u32,
+}
+
+impl AttendShape {
+    pub fn label(&self) -> String {
+        format!(
+            "b{}_hq{}_hkv{}_d{}_t{}_{}_p{}",
+            self.batch, self.q_heads, self.kv_heads, self.head_dim, self.tokens, self.dtype.name(), self.page_size
+        )
+    }
+
+    /// K and V bytes one decode step reads.
+    pub fn kv_bytes(&self) -> u64 {
+        2 * u64::from(self.batch) * u64::from(self.tokens) * u64::from(self.kv_heads) * u64::from(self.head_dim) * u64::from(self.dtype.bytes())
+    }
+
+    /// A pool that holds exactly these sequences (8 shards, PiKV map, rings with headroom).
+    pub fn pool_config(&self) -> PoolConfig {
+        let n_shards = 8;
+        let pages_per_seq = self.tokens.div_ceil(self.page_size);
+        // Shards fill unevenly; leave room in every ring and in the pool.
+        let ring = (pages_per_seq.div_ceil(n_shards) * 5 / 4 + 4).max(4);
+        PoolConfig {
+            layers: 1,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            page_size: self.page_size,
+            dtype: self.dtype,
+            n_pages: self.batch * (pages_per_seq + 2 * n_shards),
+            max_seqs: self.batch,
+            n_shards,
+            ring_capacity: ring,
+            top_k: 1,
+            shard_map: ShardMap::Pikv { n_tok: n_shards, n_exp: n_shards },
+            max_buffer_bytes: None,
+        }
+    }
+}
+
+/// Fill sequences `0..batch` of layer 0 with `tokens` random tokens each, through the append
+/// path. Random K/V come from a block of distinct random tokens reused cyclically (cheap to make
+/// for gigabytes, never zeros). `progress(done, total)` is called after each batch.
+pub fn fill_random(rt: &Runtime, pool: &mut KvPool, batch: u32, tokens: u32, seed: u64, progress: &mut dyn FnMut(u64, u64)) -> Result<()> {
+    let cfg = pool.cfg.clone();
+    let per_token = (cfg.kv_heads * cfg.head_dim * 2) as usize;
+    let distinct = 4096usize;
+    let mut rng = Rng::new(seed);
+    let values: Vec<f32> = (0..distinct * per_token).map(|_| rng.normal() as f32).collect();
+    let mut words_block = Vec::new();
+    encode_values(&values, cfg.dtype, &mut words_block);
+    let wpt = words_block.len() / distinct;
+    let max_batch = pool.max_append_tokens(rt) as usize;
+    let total = u64::from(batch) * u64::from(tokens);
+    let mut done = 0u64;
+    let mut pending: Vec<(u32, u32)> = Vec::new();
+    let mut step = 0u32;
+    let flush = |pending: &mut Vec<(u32, u32)>, pool: &mut KvPool, step: u32| -> Result<()> {
+        let toks: Vec<NewToken> = pending
+            .iter()
+            .map(|&(seq, pos)| NewToken { layer: 0, seq, position: pos, experts: vec![(pos / 7 + seq) % 64], gates: vec![1.0] })
+            .collect();
+        let mut kv = Vec::with_capacity(toks.len() * wpt);
+        for &(seq, pos) in pending.iter() {
+            let i = ((pos as usize) * 31 + seq as usize * 17) % distinct;
+            kv.extend_from_slice(&words_block[i * wpt..(i + 1) * wpt]);
+        }
+        pool.append(rt, &toks, &kv, step)?;
+        pending.clear();
+        Ok(())
+    };
+    for seq in 0..batch {
+        for pos in 0..tokens {
+            pending.push((seq, pos));
+            if pending.len() == max_batch {
+                done += pending.len() as u64;
+                flush(&mut pending, pool, step)?;
+                step += 1;
+                if step % 16 == 0 {
+                    rt.wait()?;
+                    progress(done, total);
+                }
+            }
+        }
+    }
+    if !pending.is_empty() {
+        done += pending.len() as u64;
+        flush(&mut pending, pool, step)?;
+    }
+    rt.wait()?;
+    progress(done, total);
+    Ok(())
+}
+
+/// Build a pool for `shape`, fill it, and time decode attention (split + reduce, no mass pass).
+pub async fn bench_attend(
+    rt: &Runtime,
+    shape: &AttendShape,
+    variant: Option<crate::attend::SplitVariant>,
+    chunk_pages: u32,
+    warmup: u32,
+    reps: u32,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<(Measurement, String)> {
+    if shape.q_heads % shape.kv_heads != 0 {
+        return Err(Error::config("q_heads", shape.q_heads, format!("must be a multiple of kv_heads = {}", shape.kv_heads)));
+    }
+    let mut pool = KvPool::new(rt, shape.pool_config()).await?;
+    fill_random(rt, &mut pool, shape.batch, shape.tokens, 7, progress)?;
+    pool.check_errors(rt, 0).await?;
+    pool.gather(rt)?;
+    let attn = Attention::new(
+        rt,
+        &pool,
+        AttendOptions { group: shape.q_heads / shape.kv_heads, n_seqs: shape.batch, chunk_pages, mass: false, variant },
+    )
+    .await?;
+    let mut rng = Rng::new(11);
+    let q: Vec<f32> = (0..shape.batch * shape.q_heads * shape.head_dim).map(|_| rng.normal() as f32).collect();
+    attn.set_queries(rt, &q)?;
+    attn.prepare(rt, 0, 0);
+    let m = time_passes(rt, warmup, reps, &|p| attn.encode(p)).await?;
+    Ok((m, attn.variant.name()))
+}

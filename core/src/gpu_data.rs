@@ -1,0 +1,201 @@
+//! Host mirrors of every struct the WGSL kernels share with the host.
+//!
+//! Each is `#[repr(C)]`, `Pod`, with explicit padding and a compile-time size check, and names the
+//! WGSL struct it must match. Change both sides together.
+
+use bytemuck::{Pod, Zeroable};
+
+/// Pool geometry, bound as a uniform by every pool kernel.
+/// Must match `Geometry` in `shaders/wgsl/common/pool.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct Geometry {
+    pub page_size: u32,
+    pub kv_heads: u32,
+    pub head_dim: u32,
+    pub vec_words: u32,
+    pub page_words: u32,
+    pub n_pages: u32,
+    pub pages_per_buffer: u32,
+    pub ring_capacity: u32,
+    pub n_shards: u32,
+    pub max_seqs: u32,
+    pub layers: u32,
+    pub top_k: u32,
+    pub shard_map: u32,
+    pub n_tok: u32,
+    pub n_exp: u32,
+    pub token_block: u32,
+    pub meta_words: u32,
+    pub max_pages_per_seq: u32,
+    pub f16_kv: u32,
+    pub _pad0: u32,
+}
+const _: () = assert!(std::mem::size_of::<Geometry>() == 80);
+
+/// Must match `RingState` in `shaders/wgsl/common/pool.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct RingState {
+    pub head: u32,
+    pub count: u32,
+    pub fill: u32,
+    pub _pad: u32,
+}
+const _: () = assert!(std::mem::size_of::<RingState>() == 16);
+
+/// Must match `PageMeta` in `shaders/wgsl/common/pool.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct PageMeta {
+    pub owner: u32,
+    pub fill: u32,
+}
+const _: () = assert!(std::mem::size_of::<PageMeta>() == 8);
+
+/// Must match `PoolCtl` in `shaders/wgsl/common/pool.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct PoolCtl {
+    pub free_top: u32,
+    pub error_flags: u32,
+    pub abort: u32,
+    pub ring_overflows: u32,
+    pub tokens_appended: u32,
+    pub pages_released: u32,
+    pub _pad0: u32,
+    pub _pad1: u32,
+}
+const _: () = assert!(std::mem::size_of::<PoolCtl>() == 32);
+
+/// Must match `PoolWindow` in `shaders/wgsl/common/window.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct PoolWindow {
+    pub buffer_index: u32,
+    pub first_page: u32,
+    pub page_count: u32,
+    pub n_buffers: u32,
+}
+const _: () = assert!(std::mem::size_of::<PoolWindow>() == 16);
+
+/// Must match `AppendParams` in `shaders/wgsl/common/append.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct AppendParams {
+    pub n_tokens: u32,
+    pub token_words: u32,
+    pub step: u32,
+    pub _pad: u32,
+}
+const _: () = assert!(std::mem::size_of::<AppendParams>() == 16);
+
+/// Must match `TokenPlan` in `shaders/wgsl/common/append.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct TokenPlan {
+    pub key: u32,
+    pub rank: u32,
+    pub u: u32,
+    pub ring_index: u32,
+    pub slot: u32,
+    pub flags: u32,
+    pub page: u32,
+    pub _pad: u32,
+}
+const _: () = assert!(std::mem::size_of::<TokenPlan>() == 32);
+
+/// Must match `GatherParams` in `shaders/wgsl/shard/gather_pages.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct GatherParams {
+    pub first_layer: u32,
+    pub _pad0: u32,
+    pub _pad1: u32,
+    pub _pad2: u32,
+}
+const _: () = assert!(std::mem::size_of::<GatherParams>() == 16);
+
+/// Must match `ReleaseParams` in `shaders/wgsl/shard/release.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct ReleaseParams {
+    pub n_keys: u32,
+    pub _pad0: u32,
+    pub _pad1: u32,
+    pub _pad2: u32,
+}
+const _: () = assert!(std::mem::size_of::<ReleaseParams>() == 16);
+
+/// Must match `AttendParams` in `shaders/wgsl/attend/common.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Pod, Zeroable)]
+pub struct AttendParams {
+    pub n_seqs: u32,
+    pub layer: u32,
+    pub group: u32,
+    pub q_heads: u32,
+    pub n_chunks: u32,
+    pub chunk_pages: u32,
+    pub n_buffers: u32,
+    pub write_scores: u32,
+    pub max_tokens: u32,
+    pub step: u32,
+    pub scale: f32,
+    pub _pad0: u32,
+}
+const _: () = assert!(std::mem::size_of::<AttendParams>() == 48);
+
+/// Must match `CopyParams` in `shaders/wgsl/bench/copy.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct CopyParams {
+    pub n_vec4: u32,
+    pub stride: u32,
+    pub _pad0: u32,
+    pub _pad1: u32,
+}
+const _: () = assert!(std::mem::size_of::<CopyParams>() == 16);
+
+/// `TokenPlan::flags` bits; must match `PLAN_*` in `shaders/wgsl/common/append.wgsl`.
+pub mod plan_flags {
+    pub const OPENS: u32 = 1;
+    pub const NEEDS_FREE: u32 = 2;
+    pub const RECYCLES: u32 = 4;
+    pub const LAST_IN_KEY: u32 = 8;
+    pub const LAST_IN_PAGE: u32 = 16;
+    pub const INVALID: u32 = 32;
+}
+
+/// `PoolCtl::error_flags` bits; must match `ERR_*` in `shaders/wgsl/common/pool.wgsl`.
+pub mod pool_errors {
+    pub const POOL_EXHAUSTED: u32 = 1;
+    pub const BAD_TOKEN: u32 = 2;
+}
+
+/// `PageMeta::owner` of a free page; must match `NO_OWNER` in `shaders/wgsl/common/pool.wgsl`.
+pub const NO_OWNER: u32 = u32::MAX;
+
+/// Slot metadata word offsets; must match `META_*` in `shaders/wgsl/common/pool.wgsl`.
+pub mod meta {
+    pub const POSITION: usize = 0;
+    pub const LAST_ACCESS: usize = 1;
+    pub const ACCESS_COUNT: usize = 2;
+    pub const EXPERTS: usize = 3;
+    pub fn gates(top_k: usize) -> usize {
+        EXPERTS + top_k
+    }
+    pub fn attn(top_k: usize) -> usize {
+        EXPERTS + 2 * top_k
+    }
+    pub fn words(top_k: usize, kv_heads: usize) -> usize {
+        EXPERTS + 2 * top_k + kv_heads
+    }
+}
+
+/// Value of the `Geometry::shard_map` field; must match `SHARD_MAP_*` in `common/pool.wgsl`.
+pub mod shard_maps {
+    pub const PIKV: u32 = 0;
+    pub const EXPERT: u32 = 1;
+    pub const TOKEN_BLOCK: u32 = 2;
+}

@@ -1,0 +1,53 @@
+//! f64 reference of decode attention (q_len 1, GQA) over a pool's pages, with each cached
+//! token's attention mass summed over the query heads of its KV head.
+
+use super::pool::PoolModel;
+
+pub struct AttentionOutput {
+    /// [seq][q_head][head_dim]
+    pub out: Vec<f64>,
+    /// Per sequence, per cached token in page-list order: (page, slot, mass per KV head).
+    pub mass: Vec<Vec<(u32, u32, Vec<f64>)>>,
+}
+
+/// Decode attention for sequences `0..n_seqs` of `layer`. `queries` is [seq][q_head][head_dim]
+/// with q_heads = kv_heads * group; scores are scaled by `scale`.
+pub fn attend_decode(model: &PoolModel, layer: u32, n_seqs: u32, queries: &[f32], group: u32, scale: f64) -> AttentionOutput {
+    let cfg = &model.cfg;
+    let d = cfg.head_dim as usize;
+    let hkv = cfg.kv_heads;
+    let hq = (hkv * group) as usize;
+    let mut out = vec![0.0; n_seqs as usize * hq * d];
+    let mut mass = Vec::with_capacity(n_seqs as usize);
+    for seq in 0..n_seqs {
+        let tokens = model.tokens(layer, seq);
+        let mut seq_mass: Vec<(u32, u32, Vec<f64>)> =
+            tokens.iter().map(|&(p, s)| (p, s, vec![0.0; hkv as usize])).collect();
+        for h in 0..hkv {
+            let keys: Vec<Vec<f64>> = tokens.iter().map(|&(p, s)| model.vector(p, s, 0, h)).collect();
+            let values: Vec<Vec<f64>> = tokens.iter().map(|&(p, s)| model.vector(p, s, 1, h)).collect();
+            for g in 0..group {
+                let qh = (h * group + g) as usize;
+                let q0 = (seq as usize * hq + qh) * d;
+                let q: Vec<f64> = queries[q0..q0 + d].iter().map(|v| f64::from(*v)).collect();
+                let scores: Vec<f64> =
+                    keys.iter().map(|k| k.iter().zip(&q).map(|(a, b)| a * b).sum::<f64>() * scale).collect();
+                if scores.is_empty() {
+                    continue;
+                }
+                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let w: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+                let l: f64 = w.iter().sum();
+                for (t, wt) in w.iter().enumerate() {
+                    let p = wt / l;
+                    seq_mass[t].2[h as usize] += p;
+                    for (o, v) in out[q0..q0 + d].iter_mut().zip(&values[t]) {
+                        *o += p * v;
+                    }
+                }
+            }
+        }
+        mass.push(seq_mass);
+    }
+    AttentionOutput { out, mass }
+}

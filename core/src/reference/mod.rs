@@ -1,0 +1,8 @@
+//! Plain CPU references of every kernel (no wgpu here). The GPU must match them: decisions
+//! (placements, pages, victims) exactly, floats within a tolerance suited to their precision.
+
+pub mod attend;
+pub mod pool;
+
+pub use attend::{AttentionOutput, attend_decode};
+pub use pool::{NewToken, PoolModel};

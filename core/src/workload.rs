@@ -1,0 +1,306 @@
+//! The embedded synthetic workload: deterministic from a seed. Keys carry planted attention
+//! sinks and heavy hitters (tokens every query attends to strongly); expert routing follows a
+//! Zipf popularity with temporal locality (a token often keeps its predecessor's top expert).
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::reference::pool::NewToken;
+use crate::rng::Rng;
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WorkloadConfig {
+    pub seed: u64,
+    pub n_seqs: u32,
+    pub layers: u32,
+    pub kv_heads: u32,
+    /// Query heads per KV head.
+    pub group: u32,
+    pub head_dim: u32,
+    pub n_experts: u32,
+    pub top_k: u32,
+    /// Tokens per sequence before decoding starts.
+    pub prompt_len: u32,
+    /// Zipf exponent of expert popularity.
+    pub zipf_s: f64,
+    /// Probability that a token keeps its predecessor's top-1 expert.
+    pub locality: f64,
+    /// The first `sinks` positions of every sequence are attention sinks.
+    pub sinks: u32,
+    /// Fraction of other positions planted as heavy hitters.
+    pub heavy_fraction: f64,
+    /// Dot-product boost (in units of sqrt(head_dim)) of sinks and heavy hitters.
+    pub sink_boost: f64,
+    pub heavy_boost: f64,
+}
+
+impl Default for WorkloadConfig {
+    fn default() -> Self {
+        WorkloadConfig {
+            seed: 42,
+            n_seqs: 4,
+            layers: 2,
+            kv_heads: 4,
+            group: 4,
+            head_dim: 64,
+            n_experts: 16,
+            top_k: 2,
+            prompt_len: 1024,
+            zipf_s: 1.1,
+            locality: 0.6,
+            sinks: 4,
+            heavy_fraction: 0.02,
+            sink_boost: 3.0,
+            heavy_boost: 2.0,
+        }
+    }
+}
+
+impl WorkloadConfig {
+    pub fn validate(&self) -> Result<()> {
+        for (f, v) in [("n_seqs", self.n_seqs), ("layers", self.layers), ("kv_heads", self.kv_heads), ("group", self.group), ("head_dim", self.head_dim), ("n_experts", self.n_experts), ("top_k", self.top_k)] {
+            if v == 0 {
+                return Err(Error::config(f, v, "must be at least 1"));
+            }
+        }
+        if self.top_k > self.n_experts {
+            return Err(Error::config("top_k", self.top_k, format!("cannot exceed n_experts = {}", self.n_experts)));
+        }
+        if !(0.0..=1.0).contains(&self.locality) {
+            return Err(Error::config("locality", self.locality, "must be in [0, 1]"));
+        }
+        if !(0.0..=1.0).contains(&self.heavy_fraction) {
+            return Err(Error::config("heavy_fraction", self.heavy_fraction, "must be in [0, 1]"));
+        }
+        if !(self.zipf_s.is_finite() && self.zipf_s >= 0.0) {
+            return Err(Error::config("zipf_s", self.zipf_s, "must be a finite number >= 0"));
+        }
+        Ok(())
+    }
+
+    pub fn q_heads(&self) -> u32 {
+        self.kv_heads * self.group
+    }
+}
+
+/// One generated token: routing plus K and V ([kv_heads][head_dim] each, f32).
+#[derive(Clone, Debug)]
+pub struct GenToken {
+    pub token: NewToken,
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+}
+
+pub struct Workload {
+    pub cfg: WorkloadConfig,
+    rng: Rng,
+    /// Per (layer, seq, kv head): the unit direction queries lean towards.
+    directions: Vec<Vec<f32>>,
+    /// Per layer: experts ordered from most to least popular, and the Zipf CDF.
+    popularity: Vec<Vec<u32>>,
+    cdf: Vec<f64>,
+    /// Per (layer, seq): the previous token's top-1 expert.
+    last_expert: Vec<u32>,
+    /// Next position of every sequence.
+    positions: Vec<u32>,
+}
+
+impl Workload {
+    pub fn new(cfg: WorkloadConfig) -> Result<Workload> {
+        cfg.validate()?;
+        let mut rng = Rng::new(cfg.seed);
+        let d = cfg.head_dim as usize;
+        let n_dir = (cfg.layers * cfg.n_seqs * cfg.kv_heads) as usize;
+        let directions = (0..n_dir)
+            .map(|_| {
+                let v: Vec<f64> = (0..d).map(|_| rng.normal()).collect();
+                let n = v.iter().map(|x| x * x).sum::<f64>().sqrt().max(1e-12);
+                v.iter().map(|x| (x / n) as f32).collect()
+            })
+            .collect();
+        let popularity = (0..cfg.layers)
+            .map(|_| {
+                let mut p: Vec<u32> = (0..cfg.n_experts).collect();
+                for i in (1..p.len()).rev() {
+                    let j = rng.below(i as u32 + 1) as usize;
+                    p.swap(i, j);
+                }
+                p
+            })
+            .collect();
+        let weights: Vec<f64> = (0..cfg.n_experts).map(|r| 1.0 / f64::from(r + 1).powf(cfg.zipf_s)).collect();
+        let total: f64 = weights.iter().sum();
+        let mut acc = 0.0;
+        let cdf = weights.iter().map(|w| { acc += w / total; acc }).collect();
+        Ok(Workload {
+            last_expert: vec![u32::MAX; (cfg.layers * cfg.n_seqs) as usize],
+            positions: vec![0; cfg.n_seqs as usize],
+            cfg,
+            rng,
+            directions,
+            popularity,
+            cdf,
+        })
+    }
+
+    fn direction(&self, layer: u32, seq: u32, head: u32) -> &[f32] {
+        &self.directions[((layer * self.cfg.n_seqs + seq) * self.cfg.kv_heads + head) as usize]
+    }
+
+    /// Is `position` a planted heavy hitter (deterministic in seed and position)?
+    pub fn is_heavy(&self, position: u32) -> bool {
+        if position < self.cfg.sinks {
+            return false;
+        }
+        let mut r = Rng::new(self.cfg.seed ^ (u64::from(position) << 20) ^ 0x4856_4856);
+        r.uniform() < self.cfg.heavy_fraction
+    }
+
+    fn zipf_expert(&mut self, layer: u32) -> u32 {
+        let u = self.rng.uniform();
+        let rank = self.cdf.iter().position(|c| u < *c).unwrap_or(self.cdf.len() - 1);
+        self.popularity[layer as usize][rank]
+    }
+
+    fn route(&mut self, layer: u32, seq: u32) -> (Vec<u32>, Vec<f32>) {
+        let k = self.cfg.top_k as usize;
+        let li = (layer * self.cfg.n_seqs + seq) as usize;
+        let prev = self.last_expert[li];
+        let first = if prev != u32::MAX && self.rng.uniform() < self.cfg.locality { prev } else { self.zipf_expert(layer) };
+        let mut experts = vec![first];
+        let mut guard = 0;
+        while experts.len() < k {
+            let e = if guard < 64 { self.zipf_expert(layer) } else { self.rng.below(self.cfg.n_experts) };
+            guard += 1;
+            if !experts.contains(&e) {
+                experts.push(e);
+            }
+        }
+        self.last_expert[li] = first;
+        // Decreasing gates that sum to one.
+        let mut raw: Vec<f64> = (0..k).map(|i| (-(i as f64) * 0.7 + 0.3 * self.rng.normal()).exp()).collect();
+        raw.sort_by(|a, b| b.total_cmp(a));
+        let s: f64 = raw.iter().sum();
+        let gates = raw.iter().map(|g| (g / s) as f32).collect();
+        (experts, gates)
+    }
+
+    /// The next token of `seq` at `layer` (position = the sequence's current length).
+    fn token(&mut self, layer: u32, seq: u32, position: u32) -> GenToken {
+        let d = self.cfg.head_dim as usize;
+        let hkv = self.cfg.kv_heads;
+        let (experts, gates) = self.route(layer, seq);
+        let boost = if position < self.cfg.sinks {
+            self.cfg.sink_boost
+        } else if self.is_heavy(position) {
+            self.cfg.heavy_boost
+        } else {
+            0.0
+        };
+        let mut k = Vec::with_capacity(d * hkv as usize);
+        let mut v = Vec::with_capacity(d * hkv as usize);
+        for h in 0..hkv {
+            let dir: Vec<f32> = self.direction(layer, seq, h).to_vec();
+            for dir_i in dir.iter().take(d) {
+                let noise = self.rng.normal() as f32;
+                k.push(noise + (boost * (d as f64).sqrt()) as f32 * dir_i);
+                v.push(self.rng.normal() as f32);
+            }
+        }
+        GenToken { token: NewToken { layer, seq, position, experts, gates }, k, v }
+    }
+
+    /// The next token of every sequence at every layer (one decode step's new K/V), and the
+    /// sequences' positions advance by one.
+    pub fn next_tokens(&mut self) -> Vec<GenToken> {
+        let mut out = Vec::with_capacity((self.cfg.n_seqs * self.cfg.layers) as usize);
+        for seq in 0..self.cfg.n_seqs {
+            let pos = self.positions[seq as usize];
+            for layer in 0..self.cfg.layers {
+                out.push(self.token(layer, seq, pos));
+            }
+            self.positions[seq as usize] += 1;
+        }
+        out
+    }
+
+    /// The prompt (prefill) tokens, in batches of at most `batch` tokens.
+    pub fn prompt_batches(&mut self, batch: u32) -> Vec<Vec<GenToken>> {
+        let mut all = Vec::new();
+        for _ in 0..self.cfg.prompt_len {
+            all.extend(self.next_tokens());
+        }
+        all.chunks(batch.max(1) as usize).map(|c| c.to_vec()).collect()
+    }
+
+    /// Decode queries of one layer, [seq][q_head][head_dim]: each query head leans towards its
+    /// KV head's direction, so sinks and heavy hitters draw most of the attention.
+    pub fn queries(&mut self, layer: u32) -> Vec<f32> {
+        let d = self.cfg.head_dim as usize;
+        let mut q = Vec::with_capacity((self.cfg.n_seqs * self.cfg.q_heads()) as usize * d);
+        for seq in 0..self.cfg.n_seqs {
+            for h in 0..self.cfg.kv_heads {
+                let dir: Vec<f32> = self.direction(layer, seq, h).to_vec();
+                for _ in 0..self.cfg.group {
+                    for dir_i in dir.iter().take(d) {
+                        q.push(self.rng.normal() as f32 * 0.5 + 1.5 * dir_i * (d as f32).sqrt().sqrt());
+                    }
+                }
+            }
+        }
+        q
+    }
+
+    pub fn position(&self, seq: u32) -> u32 {
+        self.positions[seq as usize]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn deterministic_from_seed() {
+        let mut a = Workload::new(WorkloadConfig::default()).unwrap();
+        let mut b = Workload::new(WorkloadConfig::default()).unwrap();
+        let ta = a.next_tokens();
+        let tb = b.next_tokens();
+        assert_eq!(ta[0].k, tb[0].k);
+        assert_eq!(ta[3].token, tb[3].token);
+        assert_eq!(a.queries(1), b.queries(1));
+    }
+
+    #[test]
+    fn routing_is_skewed_and_local() {
+        let cfg = WorkloadConfig { n_seqs: 1, layers: 1, prompt_len: 0, ..Default::default() };
+        let e = cfg.n_experts as usize;
+        let mut w = Workload::new(cfg).unwrap();
+        let mut counts = vec![0u32; e];
+        let mut repeats = 0;
+        let mut prev = u32::MAX;
+        let n = 4000;
+        for _ in 0..n {
+            let t = w.next_tokens().remove(0);
+            let first = t.token.experts[0];
+            counts[first as usize] += 1;
+            if first == prev {
+                repeats += 1;
+            }
+            prev = first;
+            assert_eq!(t.token.experts.len(), 2);
+            assert!((t.token.gates.iter().sum::<f32>() - 1.0).abs() < 1e-5);
+        }
+        counts.sort_unstable();
+        // Zipf: the top expert takes far more than a uniform share.
+        assert!(counts[e - 1] > 3 * n / e as u32, "{counts:?}");
+        // Locality 0.6 plus chance repeats.
+        assert!(repeats > n / 2, "{repeats}");
+    }
+
+    #[test]
+    fn invalid_config_names_the_field() {
+        let cfg = WorkloadConfig { top_k: 20, ..Default::default() };
+        assert!(Workload::new(cfg).err().unwrap().to_string().contains("top_k"));
+    }
+}

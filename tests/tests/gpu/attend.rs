@@ -1,0 +1,179 @@
+//! attend_decode (split over page chunks and pool buffers, reduce, attention mass) against the
+//! f64 reference, for both split variants and both shader-check modes.
+
+use expertkv_core::attend::{AttendOptions, Attention, SplitVariant, subgroup_layout};
+use expertkv_core::config::{KvDtype, PoolConfig, ShardMap};
+use expertkv_core::gpu_data::meta;
+use expertkv_core::pool::KvPool;
+use expertkv_core::reference::{PoolModel, attend_decode};
+use expertkv_core::rng::Rng;
+use expertkv_core::runtime::Runtime;
+
+use crate::common::{POISON_F32, rt, rt_trusted, seeds};
+use crate::shard::{random_batch, random_kv};
+
+/// Tolerances: K/V are the same stored values on both sides, so only f32 arithmetic differs.
+const ATOL: f64 = 2e-5;
+const RTOL: f64 = 1e-4;
+
+struct Case {
+    cfg: PoolConfig,
+    group: u32,
+    n_seqs: u32,
+    chunk_pages: u32,
+}
+
+fn random_case(rng: &mut Rng) -> Case {
+    let dtype = if rng.below(2) == 0 { KvDtype::F16 } else { KvDtype::F32 };
+    let head_dim = [8u32, 16, 32, 64, 128][rng.below(5) as usize];
+    let n_shards = [1u32, 2, 4][rng.below(3) as usize];
+    let page_size = [1u32, 4, 8, 16, 32][rng.below(5) as usize];
+    let max_seqs = 1 + rng.below(4);
+    let ring = 4 + rng.below(8);
+    let mut cfg = PoolConfig {
+        layers: 1 + rng.below(2),
+        kv_heads: 1 + rng.below(3),
+        head_dim,
+        page_size,
+        dtype,
+        n_pages: 0,
+        max_seqs,
+        n_shards,
+        ring_capacity: ring,
+        top_k: 1,
+        shard_map: ShardMap::Pikv { n_tok: n_shards, n_exp: n_shards },
+        max_buffer_bytes: None,
+    };
+    cfg.n_pages = cfg.n_keys() * ring;
+    if rng.below(2) == 0 {
+        cfg.max_buffer_bytes = Some(cfg.page_bytes() * u64::from(1 + rng.below(6)));
+    }
+    Case { cfg, group: 1 + rng.below(8), n_seqs: 1 + rng.below(max_seqs), chunk_pages: 1 + rng.below(6) }
+}
+
+fn fill(rt: &Runtime, rng: &mut Rng, case: &Case) -> (KvPool, PoolModel) {
+    let cfg = &case.cfg;
+    let mut pool = pollster::block_on(KvPool::new(rt, cfg.clone())).expect("pool");
+    let mut model = PoolModel::new(cfg);
+    let mut positions = vec![0u32; cfg.max_seqs as usize];
+    // Fill to about half the rings' capacity, unevenly across sequences (one may stay empty).
+    let target = cfg.n_shards * (cfg.ring_capacity - 1) * cfg.page_size / 2;
+    let max_batch = ((cfg.ring_capacity - 1) * cfg.page_size).min(64) as usize;
+    let mut step = 0;
+    while positions.iter().sum::<u32>() < target * cfg.max_seqs / 2 {
+        let n = 1 + rng.below(max_batch as u32) as usize;
+        let tokens = random_batch(rng, cfg, &mut positions, n, false);
+        let kv = random_kv(rng, cfg, n);
+        pool.append(rt, &tokens, &kv, step).expect("append");
+        model.append(&tokens, &kv, step).expect("append");
+        step += 1;
+    }
+    pollster::block_on(pool.check_errors(rt, 0)).expect("no pool errors while filling");
+    pool.gather(rt).expect("gather");
+    (pool, model)
+}
+
+fn close(got: f64, want: f64) -> bool {
+    (got - want).abs() <= ATOL + RTOL * want.abs()
+}
+
+/// Runs one random case; false when the device cannot run `variant` at the drawn shape.
+fn check_case(rt: &Runtime, seed: u64, variant: SplitVariant) -> bool {
+    let mut rng = Rng::new(seed);
+    let case = random_case(&mut rng);
+    let cfg = &case.cfg;
+    if matches!(variant, SplitVariant::Subgroup { .. }) && subgroup_layout(rt, cfg.head_dim, cfg.dtype).is_none() {
+        return false;
+    }
+    let variant = match variant {
+        SplitVariant::Tiled => SplitVariant::Tiled,
+        SplitVariant::Subgroup { .. } => subgroup_layout(rt, cfg.head_dim, cfg.dtype).expect("layout checked above"),
+    };
+    let ctx = format!("seed {seed}, variant {}, checks {}, group {}, n_seqs {}, chunk_pages {}, {cfg:?}", variant.name(), rt.checks.name(), case.group, case.n_seqs, case.chunk_pages);
+    let (pool, mut model) = fill(rt, &mut rng, &case);
+    let attn = pollster::block_on(Attention::new(
+        rt,
+        &pool,
+        AttendOptions { group: case.group, n_seqs: case.n_seqs, chunk_pages: case.chunk_pages, mass: true, variant: Some(variant) },
+    ))
+    .unwrap_or_else(|e| panic!("{ctx}: {e}"));
+    for layer in 0..cfg.layers {
+        let q: Vec<f32> = (0..case.n_seqs * attn.q_heads() * cfg.head_dim).map(|_| rng.normal() as f32 * 2.0).collect();
+        attn.set_queries(rt, &q).expect("queries");
+        for b in [&attn.out, &attn.partials, &attn.scores, &attn.stats] {
+            rt.fill_u32(b, POISON_F32);
+        }
+        attn.run(rt, layer, 100 + layer).unwrap_or_else(|e| panic!("{ctx}: {e}"));
+        let got = pollster::block_on(attn.read_output(rt)).expect("output");
+        let want = attend_decode(&model, layer, case.n_seqs, &q, case.group, f64::from(attn.scale()));
+        assert_eq!(got.len(), want.out.len());
+        for (i, (g, w)) in got.iter().zip(&want.out).enumerate() {
+            assert!(close(f64::from(*g), *w), "{ctx}: layer {layer} output[{i}] = {g}, reference {w}");
+        }
+        // Attention mass accumulates into slot metadata, with the access recorded.
+        let slot_meta: Vec<u32> = pollster::block_on(rt.read_all(&pool.slot_meta)).expect("meta");
+        let mw = cfg.meta_words() as usize;
+        let attn_off = meta::attn(cfg.top_k as usize);
+        for (seq, tokens) in want.mass.iter().enumerate() {
+            for (page, slot, mass) in tokens {
+                let m = (*page as usize * cfg.page_size as usize + *slot as usize) * mw;
+                for (h, w) in mass.iter().enumerate() {
+                    let prev = f64::from(f32::from_bits(model.slot_meta[m + attn_off + h]));
+                    let g = f64::from(f32::from_bits(slot_meta[m + attn_off + h]));
+                    assert!(close(g, prev + w), "{ctx}: layer {layer} seq {seq} page {page} slot {slot} head {h}: mass {g}, reference {}", prev + w);
+                }
+                assert_eq!(slot_meta[m + meta::LAST_ACCESS], 100 + layer, "{ctx}: last access");
+                assert_eq!(slot_meta[m + meta::ACCESS_COUNT], model.slot_meta[m + meta::ACCESS_COUNT] + 1, "{ctx}: access count");
+            }
+        }
+        // Carry the GPU's metadata forward so the next layer's comparison starts from it.
+        model.slot_meta = slot_meta;
+    }
+    true
+}
+
+#[test]
+fn attend_tiled_gpu_match_cpu() {
+    for seed in seeds("attend_tiled", 16) {
+        assert!(check_case(rt(), seed, SplitVariant::Tiled));
+    }
+}
+
+#[test]
+fn attend_tiled_unchecked_gpu_match_cpu() {
+    for seed in seeds("attend_tiled_unchecked", 8) {
+        assert!(check_case(rt_trusted(), seed, SplitVariant::Tiled));
+    }
+}
+
+#[test]
+fn attend_subgroup_gpu_match_cpu() {
+    let rt = rt();
+    if rt.tier != expertkv_core::Tier::Subgroups {
+        eprintln!("skipped: adapter {} has no subgroups (tier {})", rt.info.name, rt.tier.name());
+        return;
+    }
+    let mut ran = 0;
+    for seed in seeds("attend_subgroup", 24) {
+        ran += u32::from(check_case(rt, seed, SplitVariant::Subgroup { lanes: 0, vpl: 0 }));
+    }
+    // Most random shapes have a subgroup layout; a run where none had proves nothing.
+    if std::env::var("EXPERTKV_TEST_SEED").is_err() {
+        assert!(ran >= 8, "only {ran} cases ran the subgroup kernel");
+    }
+}
+
+#[test]
+fn attend_subgroup_unchecked_gpu_match_cpu() {
+    let rt = rt_trusted();
+    if rt.tier != expertkv_core::Tier::Subgroups {
+        return;
+    }
+    let mut ran = 0;
+    for seed in seeds("attend_subgroup_unchecked", 12) {
+        ran += u32::from(check_case(rt, seed, SplitVariant::Subgroup { lanes: 0, vpl: 0 }));
+    }
+    if std::env::var("EXPERTKV_TEST_SEED").is_err() {
+        assert!(ran >= 4, "only {ran} cases ran the subgroup kernel");
+    }
+}
