@@ -39,11 +39,15 @@ pub struct AttendOptions {
     pub mass: bool,
     /// `None`: the best variant the device's tier allows.
     pub variant: Option<SplitVariant>,
+    /// Subgroup variant: tokens in flight per token group (1..=4).
+    pub tokens_in_flight: u32,
+    /// Subgroup variant: reduce-scatter scores over lanes when the group allows it.
+    pub transpose: bool,
 }
 
 impl Default for AttendOptions {
     fn default() -> Self {
-        AttendOptions { group: 4, n_seqs: 1, chunk_pages: 16, mass: true, variant: None }
+        AttendOptions { group: 4, n_seqs: 1, chunk_pages: 16, mass: true, variant: None, tokens_in_flight: 4, transpose: true }
     }
 }
 
@@ -105,6 +109,9 @@ impl Attention {
         if opts.n_seqs == 0 || opts.n_seqs > cfg.max_seqs {
             return Err(Error::config("n_seqs", opts.n_seqs, format!("must be in 1..={} (the pool's max_seqs)", cfg.max_seqs)));
         }
+        if !(1..=4).contains(&opts.tokens_in_flight) {
+            return Err(Error::config("tokens_in_flight", opts.tokens_in_flight, "must be in 1..=4"));
+        }
         if opts.chunk_pages == 0 || opts.chunk_pages > MAX_CHUNK_PAGES {
             return Err(Error::config("chunk_pages", opts.chunk_pages, format!("must be in 1..={MAX_CHUNK_PAGES}")));
         }
@@ -133,6 +140,9 @@ impl Attention {
                         ("LANES", f64::from(lanes)),
                         ("VPL", f64::from(vpl)),
                         ("F16", if cfg.dtype == KvDtype::F16 { 1.0 } else { 0.0 }),
+                        ("PAGE_SIZE", f64::from(cfg.page_size)),
+                        ("U", f64::from(opts.tokens_in_flight)),
+                        ("TRANSPOSE", if opts.transpose && opts.group.is_power_of_two() && opts.group <= lanes { 1.0 } else { 0.0 }),
                     ],
                 )
                 .await?
@@ -240,13 +250,34 @@ impl Attention {
         rt.queue.write_buffer(&self.params, 0, bytemuck::bytes_of(&p));
     }
 
-    /// Encode split (one dispatch per pool buffer), reduce and, if enabled, mass into one pass.
-    pub fn encode(&self, pass: &mut wgpu::ComputePass<'_>) {
+    /// The kernel and its knobs, as benchmarks report them.
+    pub fn describe(&self) -> String {
+        match self.variant {
+            SplitVariant::Tiled => format!("tiled chunk={}", self.opts.chunk_pages),
+            SplitVariant::Subgroup { lanes, vpl } => {
+                let transpose = self.opts.transpose && self.opts.group.is_power_of_two() && self.opts.group <= lanes;
+                format!(
+                    "subgroup lanes={lanes} vpl={vpl} u={} {} chunk={}",
+                    self.opts.tokens_in_flight,
+                    if transpose { "transpose" } else { "butterfly" },
+                    self.opts.chunk_pages
+                )
+            }
+        }
+    }
+
+    /// Encode the split pass alone (one dispatch per pool buffer).
+    pub fn encode_split(&self, pass: &mut wgpu::ComputePass<'_>) {
         pass.set_pipeline(&self.split);
         for bg in &self.split_bgs {
             pass.set_bind_group(0, bg, &[]);
             pass.dispatch_workgroups(self.n_chunks, self.kv_heads, self.opts.n_seqs);
         }
+    }
+
+    /// Encode split (one dispatch per pool buffer), reduce and, if enabled, mass into one pass.
+    pub fn encode(&self, pass: &mut wgpu::ComputePass<'_>) {
+        self.encode_split(pass);
         pass.set_pipeline(&self.reduce);
         pass.set_bind_group(0, &self.reduce_bg, &[]);
         pass.dispatch_workgroups(self.q_heads, self.opts.n_seqs, 1);

@@ -253,12 +253,11 @@ pub fn fill_random(rt: &Runtime, pool: &mut KvPool, batch: u32, tokens: u32, see
 pub async fn bench_attend(
     rt: &Runtime,
     shape: &AttendShape,
-    variant: Option<crate::attend::SplitVariant>,
-    chunk_pages: u32,
+    base: AttendOptions,
     warmup: u32,
     reps: u32,
     progress: &mut dyn FnMut(u64, u64),
-) -> Result<(Measurement, String)> {
+) -> Result<AttendBench> {
     if shape.q_heads % shape.kv_heads != 0 {
         return Err(Error::config("q_heads", shape.q_heads, format!("must be a multiple of kv_heads = {}", shape.kv_heads)));
     }
@@ -269,13 +268,21 @@ pub async fn bench_attend(
     let attn = Attention::new(
         rt,
         &pool,
-        AttendOptions { group: shape.q_heads / shape.kv_heads, n_seqs: shape.batch, chunk_pages, mass: false, variant },
+        AttendOptions { group: shape.q_heads / shape.kv_heads, n_seqs: shape.batch, mass: false, ..base },
     )
     .await?;
     let mut rng = Rng::new(11);
     let q: Vec<f32> = (0..shape.batch * shape.q_heads * shape.head_dim).map(|_| rng.normal() as f32).collect();
     attn.set_queries(rt, &q)?;
     attn.prepare(rt, 0, 0);
-    let m = time_passes(rt, warmup, reps, &|p| attn.encode(p)).await?;
-    Ok((m, attn.variant.name()))
+    let total = time_passes(rt, warmup, reps, &|p| attn.encode(p)).await?;
+    let split = time_passes(rt, warmup, reps, &|p| attn.encode_split(p)).await?;
+    Ok(AttendBench { total, split, variant: attn.describe() })
+}
+
+/// Decode attention timed whole (split + reduce) and split pass alone.
+pub struct AttendBench {
+    pub total: Measurement,
+    pub split: Measurement,
+    pub variant: String,
 }

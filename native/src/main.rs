@@ -1,1 +1,113 @@
-fn main(){}
+//! `expertkv`: inspect the GPU, run the decode pipeline on the built-in workload, benchmark kernels.
+
+use std::process::ExitCode;
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Parser, Subcommand};
+
+mod bench;
+mod demo;
+mod info;
+
+#[derive(Parser)]
+#[command(name = "expertkv", version, about = "Expert-aware KV cache management for MoE decoding, on wgpu")]
+struct Cli {
+    #[command(flatten)]
+    gpu: GpuArgs,
+    #[command(subcommand)]
+    cmd: Command,
+}
+
+/// Adapter selection, shared by every subcommand.
+#[derive(Args, Clone, Debug)]
+pub struct GpuArgs {
+    /// Backends to consider: vulkan, metal, dx12, gl (comma-separated). Env: EXPERTKV_BACKEND.
+    #[arg(long, global = true)]
+    backend: Option<String>,
+    /// Use the adapter whose name contains this text. Env: EXPERTKV_ADAPTER.
+    #[arg(long, global = true)]
+    adapter: Option<String>,
+    /// Keep wgpu's shader bounds checks on every kernel (default: off for kernels the tests
+    /// cover). Env: EXPERTKV_SHADER_CHECKS=checked.
+    #[arg(long, global = true)]
+    checked: bool,
+}
+
+impl GpuArgs {
+    pub fn options(&self) -> Result<expertkv_core::RuntimeOptions> {
+        let mut o = expertkv_core::RuntimeOptions::from_env()?;
+        if let Some(b) = &self.backend {
+            o.backends = expertkv_core::runtime::parse_backends(b)?;
+        }
+        if let Some(a) = &self.adapter {
+            o.adapter = Some(a.clone());
+        }
+        if self.checked {
+            o.checks = expertkv_core::ShaderChecks::Checked;
+        }
+        Ok(o)
+    }
+
+    pub fn runtime(&self) -> Result<expertkv_core::Runtime> {
+        let opts = self.options()?;
+        pollster::block_on(expertkv_core::Runtime::new(opts)).context("opening the GPU")
+    }
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Adapters, backend, limits, features and the capability tier.
+    Info(info::InfoArgs),
+    /// Run the decode pipeline on the built-in synthetic workload.
+    Demo(demo::DemoArgs),
+    /// Benchmark a kernel against the copy roofline measured in the same run.
+    Bench(bench::BenchArgs),
+}
+
+fn main() -> ExitCode {
+    if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
+        // Mesa complains on every start without it; a private folder silences it.
+        let dir = std::env::temp_dir().join(format!("expertkv-xdg-{}", std::process::id()));
+        if std::fs::create_dir_all(&dir).is_ok() {
+            #[cfg(unix)]
+            {
+                use std::os::unix::fs::PermissionsExt;
+                let _ = std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700));
+            }
+            // SAFETY: single-threaded at this point; nothing else reads the environment yet.
+            unsafe { std::env::set_var("XDG_RUNTIME_DIR", &dir) };
+        }
+    }
+    let cli = Cli::parse();
+    let r = match &cli.cmd {
+        Command::Info(a) => info::run(&cli.gpu, a),
+        Command::Demo(a) => demo::run(&cli.gpu, a),
+        Command::Bench(a) => bench::run(&cli.gpu, a),
+    };
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Human-readable bytes.
+pub fn fmt_bytes(b: u64) -> String {
+    const U: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i < U.len() - 1 {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 { format!("{b} B") } else { format!("{v:.1} {}", U[i]) }
+}
+
+pub fn check_positive(name: &str, v: u32) -> Result<()> {
+    if v == 0 {
+        bail!("--{name} must be at least 1");
+    }
+    Ok(())
+}

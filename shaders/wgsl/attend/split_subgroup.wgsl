@@ -22,13 +22,20 @@
 @group(0) @binding(8) var<storage, read_write> partials: array<f32>;
 @group(0) @binding(9) var<storage, read_write> scores: array<f32>;
 
-override GROUP: u32 = 4u;   // query heads per KV head
-override LANES: u32 = 16u;  // invocations per token (power of two, <= subgroup size)
-override VPL: u32 = 1u;     // vec4<u32> per lane per K (or V) row: LANES * VPL * 4 = vec_words
-override F16: bool = true;  // K/V as packed f16 pairs (else f32)
+override GROUP: u32 = 4u;      // query heads per KV head
+override LANES: u32 = 16u;     // invocations per token (power of two, <= subgroup size)
+override VPL: u32 = 1u;        // vec4<u32> per lane per K (or V) row: LANES * VPL * 4 = vec_words
+override F16: bool = true;     // K/V as packed f16 pairs (else f32)
+override PAGE_SIZE: u32 = 16u; // the pool's page size (a constant here, so slot arithmetic is cheap)
+override U: u32 = 4u;          // tokens in flight per token group, 1..=4
+// GROUP a power of two <= LANES: reduce-scatter the GROUP partial dot products over the lanes of
+// a token (GROUP - 1 + log2(LANES / GROUP) shuffles instead of GROUP * log2(LANES)), so each
+// lane finishes the score of one query head and runs its softmax alone; the probabilities are
+// then broadcast back for the value update. Otherwise every lane reduces and keeps every head.
+override TRANSPOSE: bool = true;
 
 const WG: u32 = 128u;
-const U: u32 = 2u;          // tokens in flight per token group
+const MAX_U: u32 = 4u;
 const MAX_G: u32 = 8u;
 const MAX_VPL: u32 = 4u;
 const MAX_NQ: u32 = 8u;     // vec4<f32> of values per lane per row: VPL * (2 if F16 else 1)
@@ -36,7 +43,7 @@ const MAX_CHUNK_PAGES: u32 = 64u;
 
 var<workgroup> chunk_page: array<u32, 64>;
 var<workgroup> chunk_fill: array<u32, 64>;
-var<workgroup> ml_sh: array<vec2<f32>, 256>;   // [token group][query head]
+var<workgroup> ml_sh: array<vec2<f32>, 256>;   // [token group][query head]: (max, sum)
 var<workgroup> acc_sh: array<vec4<f32>, 512>;  // [query head][d / 4]
 var<workgroup> count_sh: u32;
 
@@ -68,12 +75,32 @@ fn dim4_of(lane: u32, n: u32) -> u32 {
     return lane + n * LANES;
 }
 
-fn lane_sum(x: f32) -> f32 {
-    var v = x;
-    for (var m = LANES / 2u; m > 0u; m = m / 2u) {
-        v += subgroupShuffleXor(v, m);
+fn log2u(x: u32) -> u32 {
+    return 31u - countLeadingZeros(x);
+}
+
+// TRANSPOSE: the query head whose score lane `lane` ends up holding, and the lane offset (in its
+// token group) of a holder of head g.
+fn head_of_lane(lane: u32) -> u32 {
+    let k = log2u(GROUP);
+    var g = 0u;
+    for (var i = 0u; i < k; i++) {
+        if ((lane & (LANES >> (i + 1u))) != 0u) {
+            g |= 1u << (k - 1u - i);
+        }
     }
-    return v;
+    return g;
+}
+
+fn lane_of_head(g: u32) -> u32 {
+    let k = log2u(GROUP);
+    var l = 0u;
+    for (var i = 0u; i < k; i++) {
+        if (((g >> (k - 1u - i)) & 1u) != 0u) {
+            l |= LANES >> (i + 1u);
+        }
+    }
+    return l;
 }
 
 @compute @workgroup_size(128)
@@ -89,11 +116,12 @@ fn main(
     let seq = wg.z;
     let D = geo.head_dim;
     let D4 = D / 4u;
-    let P = geo.page_size;
     let lane = sg_lane % LANES;
-    let groups_per_sg = sg_size / LANES;
-    let tg = sg_id * groups_per_sg + sg_lane / LANES;
+    let group_base = sg_lane - lane;
+    let tg = sg_id * (sg_size / LANES) + sg_lane / LANES;
     let n_tg = WG / LANES;
+    let my_head = head_of_lane(lane);
+    let replicas = LANES / GROUP;
 
     if (t == 0u) {
         count_sh = page_counts[params.layer * geo.max_seqs + seq];
@@ -125,6 +153,7 @@ fn main(
         }
     }
     var acc: array<vec4<f32>, 64>;
+    // Running max and sum: TRANSPOSE keeps the lane's own head in slot 0, else one per head.
     var m: array<f32, 8>;
     var l: array<f32, 8>;
     for (var g = 0u; g < GROUP; g++) {
@@ -138,22 +167,22 @@ fn main(
     let vw4 = geo.vec_words / 4u;
     let page_w4 = geo.page_words / 4u;
     let v_off4 = block_words(geo) / 4u;
-    let slots = params.chunk_pages * P;
+    let slots = params.chunk_pages * PAGE_SIZE;
     let iters = (slots + n_tg * U - 1u) / (n_tg * U);
     for (var it = 0u; it < iters; it++) {
-        var kraw: array<array<vec4<u32>, 4>, 2>;
-        var vraw: array<array<vec4<u32>, 4>, 2>;
-        var valid: array<bool, 2>;
-        var slot_of: array<u32, 2>;
+        var kraw: array<array<vec4<u32>, 4>, 4>;
+        var vraw: array<array<vec4<u32>, 4>, 4>;
+        var valid: array<bool, 4>;
+        var slot_of: array<u32, 4>;
         for (var u = 0u; u < U; u++) {
             let j = tg + (it * U + u) * n_tg;
-            let c = min(j / P, MAX_CHUNK_PAGES - 1u);
-            let s = j % P;
+            let c = min(j / PAGE_SIZE, MAX_CHUNK_PAGES - 1u);
+            let s = j % PAGE_SIZE;
             let ok = j < slots && s < chunk_fill[c];
             valid[u] = ok;
             slot_of[u] = j;
             if (ok) {
-                let row = chunk_page[c] * page_w4 + (kvh * P + s) * vw4 + lane;
+                let row = chunk_page[c] * page_w4 + (kvh * PAGE_SIZE + s) * vw4 + lane;
                 for (var i = 0u; i < VPL; i++) {
                     kraw[u][i] = pool[row + i * LANES];
                     vraw[u][i] = pool[row + v_off4 + i * LANES];
@@ -165,41 +194,101 @@ fn main(
                 }
             }
         }
-        for (var g = 0u; g < GROUP; g++) {
-            var sc: array<f32, 2>;
-            var m_new = m[g];
-            for (var u = 0u; u < U; u++) {
-                var part = 0.0;
+        // Partial dot products of this lane's slice.
+        var part: array<array<f32, 8>, 4>;
+        for (var u = 0u; u < U; u++) {
+            for (var g = 0u; g < GROUP; g++) {
+                var x = 0.0;
                 for (var n = 0u; n < nq(); n++) {
-                    part += dot(q[g * MAX_NQ + n], unpack_value(kraw[u][word_of(n)], n));
+                    x += dot(q[g * MAX_NQ + n], unpack_value(kraw[u][word_of(n)], n));
                 }
-                let s = lane_sum(part);
-                sc[u] = select(NEG_BIG, s, valid[u]);
+                part[u][g] = x;
+            }
+        }
+        var p: array<array<f32, 8>, 4>;  // [u][g] probabilities, relative to the new max
+        var corr: array<f32, 8>;         // [g] rescale of the old accumulators
+        if (TRANSPOSE) {
+            var sc: array<f32, 4>;
+            var m_new = m[0];
+            for (var u = 0u; u < U; u++) {
+                var mask = LANES / 2u;
+                for (var half = GROUP / 2u; half > 0u; half = half / 2u) {
+                    let upper = (lane & mask) != 0u;
+                    for (var j = 0u; j < half; j++) {
+                        let keep = select(part[u][j], part[u][j + half], upper);
+                        let send = select(part[u][j + half], part[u][j], upper);
+                        part[u][j] = keep + subgroupShuffleXor(send, mask);
+                    }
+                    mask = mask / 2u;
+                }
+                var x = part[u][0];
+                for (; mask > 0u; mask = mask / 2u) {
+                    x += subgroupShuffleXor(x, mask);
+                }
+                sc[u] = select(NEG_BIG, x, valid[u]);
                 m_new = max(m_new, sc[u]);
-                if (valid[u] && params.write_scores != 0u && lane == 0u) {
-                    let j = slot_of[u];
-                    scores[(seq * params.q_heads + kvh * GROUP + g) * params.max_tokens + first * P + j] = s;
+                if (valid[u] && params.write_scores != 0u && (lane % replicas) == 0u) {
+                    scores[(seq * params.q_heads + kvh * GROUP + my_head) * params.max_tokens + first * PAGE_SIZE + slot_of[u]] = x;
                 }
             }
-            let corr = exp(m[g] - m_new);
-            var lsum = l[g] * corr;
-            for (var n = 0u; n < nq(); n++) {
-                acc[g * MAX_NQ + n] *= corr;
-            }
+            let c_own = exp(m[0] - m_new);
+            var lsum = l[0] * c_own;
+            var p_own: array<f32, 4>;
             for (var u = 0u; u < U; u++) {
-                let p = select(0.0, exp(sc[u] - m_new), valid[u]);
-                lsum += p;
-                for (var n = 0u; n < nq(); n++) {
-                    acc[g * MAX_NQ + n] += p * unpack_value(vraw[u][word_of(n)], n);
+                p_own[u] = select(0.0, exp(sc[u] - m_new), valid[u]);
+                lsum += p_own[u];
+            }
+            m[0] = m_new;
+            l[0] = lsum;
+            for (var g = 0u; g < GROUP; g++) {
+                let src = group_base + lane_of_head(g);
+                corr[g] = subgroupShuffle(c_own, src);
+                for (var u = 0u; u < U; u++) {
+                    p[u][g] = subgroupShuffle(p_own[u], src);
                 }
             }
-            m[g] = m_new;
-            l[g] = lsum;
+        } else {
+            for (var g = 0u; g < GROUP; g++) {
+                var sc: array<f32, 4>;
+                var m_new = m[g];
+                for (var u = 0u; u < U; u++) {
+                    var x = part[u][g];
+                    for (var mask = LANES / 2u; mask > 0u; mask = mask / 2u) {
+                        x += subgroupShuffleXor(x, mask);
+                    }
+                    sc[u] = select(NEG_BIG, x, valid[u]);
+                    m_new = max(m_new, sc[u]);
+                    if (valid[u] && params.write_scores != 0u && lane == 0u) {
+                        scores[(seq * params.q_heads + kvh * GROUP + g) * params.max_tokens + first * PAGE_SIZE + slot_of[u]] = x;
+                    }
+                }
+                corr[g] = exp(m[g] - m_new);
+                var lsum = l[g] * corr[g];
+                for (var u = 0u; u < U; u++) {
+                    p[u][g] = select(0.0, exp(sc[u] - m_new), valid[u]);
+                    lsum += p[u][g];
+                }
+                m[g] = m_new;
+                l[g] = lsum;
+            }
+        }
+        for (var g = 0u; g < GROUP; g++) {
+            for (var n = 0u; n < nq(); n++) {
+                var a = acc[g * MAX_NQ + n] * corr[g];
+                for (var u = 0u; u < U; u++) {
+                    a += p[u][g] * unpack_value(vraw[u][word_of(n)], n);
+                }
+                acc[g * MAX_NQ + n] = a;
+            }
         }
     }
 
     // Merge the token groups of this workgroup.
-    if (lane == 0u) {
+    if (TRANSPOSE) {
+        if ((lane % replicas) == 0u) {
+            ml_sh[tg * GROUP + my_head] = vec2<f32>(m[0], l[0]);
+        }
+    } else if (lane == 0u) {
         for (var g = 0u; g < GROUP; g++) {
             ml_sh[tg * GROUP + g] = vec2<f32>(m[g], l[g]);
         }
@@ -223,7 +312,7 @@ fn main(
     for (var r = 0u; r < n_tg; r++) {
         if (tg == r) {
             for (var g = 0u; g < GROUP; g++) {
-                let f = exp(m[g] - big_m[g]);
+                let f = exp(ml_sh[tg * GROUP + g].x - big_m[g]);
                 for (var n = 0u; n < nq(); n++) {
                     let a = g * D4 + dim4_of(lane, n);
                     var prev = vec4<f32>(0.0);

@@ -21,6 +21,8 @@ struct Case {
     group: u32,
     n_seqs: u32,
     chunk_pages: u32,
+    tokens_in_flight: u32,
+    transpose: bool,
 }
 
 fn random_case(rng: &mut Rng) -> Case {
@@ -48,7 +50,14 @@ fn random_case(rng: &mut Rng) -> Case {
     if rng.below(2) == 0 {
         cfg.max_buffer_bytes = Some(cfg.page_bytes() * u64::from(1 + rng.below(6)));
     }
-    Case { cfg, group: 1 + rng.below(8), n_seqs: 1 + rng.below(max_seqs), chunk_pages: 1 + rng.below(6) }
+    Case {
+        cfg,
+        group: 1 + rng.below(8),
+        n_seqs: 1 + rng.below(max_seqs),
+        chunk_pages: 1 + rng.below(6),
+        tokens_in_flight: 1 + rng.below(4),
+        transpose: rng.below(4) != 0,
+    }
 }
 
 fn fill(rt: &Runtime, rng: &mut Rng, case: &Case) -> (KvPool, PoolModel) {
@@ -89,12 +98,29 @@ fn check_case(rt: &Runtime, seed: u64, variant: SplitVariant) -> bool {
         SplitVariant::Tiled => SplitVariant::Tiled,
         SplitVariant::Subgroup { .. } => subgroup_layout(rt, cfg.head_dim, cfg.dtype).expect("layout checked above"),
     };
-    let ctx = format!("seed {seed}, variant {}, checks {}, group {}, n_seqs {}, chunk_pages {}, {cfg:?}", variant.name(), rt.checks.name(), case.group, case.n_seqs, case.chunk_pages);
+    let ctx = format!(
+        "seed {seed}, variant {}, checks {}, group {}, n_seqs {}, chunk_pages {}, tokens_in_flight {}, transpose {}, {cfg:?}",
+        variant.name(),
+        rt.checks.name(),
+        case.group,
+        case.n_seqs,
+        case.chunk_pages,
+        case.tokens_in_flight,
+        case.transpose
+    );
     let (pool, mut model) = fill(rt, &mut rng, &case);
     let attn = pollster::block_on(Attention::new(
         rt,
         &pool,
-        AttendOptions { group: case.group, n_seqs: case.n_seqs, chunk_pages: case.chunk_pages, mass: true, variant: Some(variant) },
+        AttendOptions {
+            group: case.group,
+            n_seqs: case.n_seqs,
+            chunk_pages: case.chunk_pages,
+            mass: true,
+            variant: Some(variant),
+            tokens_in_flight: case.tokens_in_flight,
+            transpose: case.transpose,
+        },
     ))
     .unwrap_or_else(|e| panic!("{ctx}: {e}"));
     for layer in 0..cfg.layers {

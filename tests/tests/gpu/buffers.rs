@@ -58,7 +58,7 @@ fn pool_crosses_the_real_binding_limit() {
     let kv = pollster::block_on(pool.read_kv(rt)).expect("kv");
     assert!(kv == model.kv, "seed {seed}: K/V across the buffer boundary differ from the reference");
 
-    let attn = pollster::block_on(Attention::new(rt, &pool, AttendOptions { group: 2, n_seqs: 1, chunk_pages: 16, mass: false, variant: Some(SplitVariant::Tiled) })).expect("attention");
+    let attn = pollster::block_on(Attention::new(rt, &pool, AttendOptions { group: 2, n_seqs: 1, chunk_pages: 16, mass: false, variant: Some(SplitVariant::Tiled), ..Default::default() })).expect("attention");
     let q: Vec<f32> = (0..attn.q_heads() * cfg.head_dim).map(|_| rng.normal() as f32).collect();
     attn.set_queries(rt, &q).expect("queries");
     rt.fill_u32(&attn.out, POISON_F32);
