@@ -53,10 +53,16 @@ impl Default for AttendOptions {
 
 pub const MAX_GROUP: u32 = 8;
 pub const MAX_CHUNK_PAGES: u32 = 64;
+pub const MAX_TOKENS_IN_FLIGHT: u32 = 8;
 
 /// The best subgroup layout for this shape and device, if any: 16 lanes when subgroups are that
 /// wide (NVIDIA, AMD, Apple), else 8; each lane loads at most 4 16-byte words per row.
 pub fn subgroup_layout(rt: &Runtime, head_dim: u32, dtype: KvDtype) -> Option<SplitVariant> {
+    subgroup_layout_with(rt, head_dim, dtype, &[16, 8])
+}
+
+/// The first of `lanes_choices` that this device and shape allow.
+pub fn subgroup_layout_with(rt: &Runtime, head_dim: u32, dtype: KvDtype, lanes_choices: &[u32]) -> Option<SplitVariant> {
     if rt.tier != Tier::Subgroups {
         return None;
     }
@@ -68,7 +74,7 @@ pub fn subgroup_layout(rt: &Runtime, head_dim: u32, dtype: KvDtype) -> Option<Sp
         return None;
     }
     let vec4s = head_dim / vals_per_vec4;
-    for lanes in [16u32, 8] {
+    for &lanes in lanes_choices {
         if rt.caps.subgroup_min_size >= lanes && vec4s % lanes == 0 && (1..=4).contains(&(vec4s / lanes)) {
             return Some(SplitVariant::Subgroup { lanes, vpl: vec4s / lanes });
         }
@@ -109,15 +115,15 @@ impl Attention {
         if opts.n_seqs == 0 || opts.n_seqs > cfg.max_seqs {
             return Err(Error::config("n_seqs", opts.n_seqs, format!("must be in 1..={} (the pool's max_seqs)", cfg.max_seqs)));
         }
-        if !(1..=4).contains(&opts.tokens_in_flight) {
-            return Err(Error::config("tokens_in_flight", opts.tokens_in_flight, "must be in 1..=4"));
+        if !(1..=MAX_TOKENS_IN_FLIGHT).contains(&opts.tokens_in_flight) {
+            return Err(Error::config("tokens_in_flight", opts.tokens_in_flight, format!("must be in 1..={MAX_TOKENS_IN_FLIGHT}")));
         }
         if opts.chunk_pages == 0 || opts.chunk_pages > MAX_CHUNK_PAGES {
             return Err(Error::config("chunk_pages", opts.chunk_pages, format!("must be in 1..={MAX_CHUNK_PAGES}")));
         }
         let variant = match opts.variant {
-            Some(v @ SplitVariant::Subgroup { .. }) => {
-                if subgroup_layout(rt, cfg.head_dim, cfg.dtype).is_none() {
+            Some(v @ SplitVariant::Subgroup { lanes, .. }) => {
+                if subgroup_layout_with(rt, cfg.head_dim, cfg.dtype, &[lanes]) != Some(v) {
                     return Err(Error::config("variant", v.name(), "this device or shape cannot run the subgroup kernel; use tiled"));
                 }
                 v
@@ -133,17 +139,19 @@ impl Attention {
         let split = match variant {
             SplitVariant::Tiled => rt.pipeline(Kernel::AttendSplitTiled, &[]).await?,
             SplitVariant::Subgroup { lanes, vpl } => {
-                rt.pipeline(
+                let transpose = opts.transpose && opts.group.is_power_of_two() && opts.group <= lanes;
+                rt.pipeline_with(
                     Kernel::AttendSplitSubgroup,
                     &[
-                        ("GROUP", f64::from(opts.group)),
-                        ("LANES", f64::from(lanes)),
-                        ("VPL", f64::from(vpl)),
-                        ("F16", if cfg.dtype == KvDtype::F16 { 1.0 } else { 0.0 }),
-                        ("PAGE_SIZE", f64::from(cfg.page_size)),
-                        ("U", f64::from(opts.tokens_in_flight)),
-                        ("TRANSPOSE", if opts.transpose && opts.group.is_power_of_two() && opts.group <= lanes { 1.0 } else { 0.0 }),
+                        ("GROUP", format!("{}u", opts.group)),
+                        ("LANES", format!("{lanes}u")),
+                        ("VPL", format!("{vpl}u")),
+                        ("F16", (cfg.dtype == KvDtype::F16).to_string()),
+                        ("PAGE_SIZE", format!("{}u", cfg.page_size)),
+                        ("U", format!("{}u", opts.tokens_in_flight)),
+                        ("TRANSPOSE", transpose.to_string()),
                     ],
+                    &[],
                 )
                 .await?
             }

@@ -302,8 +302,13 @@ impl Runtime {
     /// Build a kernel's pipeline inside an error scope; a failure names the kernel.
     /// `constants` set the kernel's `override` values.
     pub async fn pipeline(&self, kernel: Kernel, constants: &[(&str, f64)]) -> Result<wgpu::ComputePipeline> {
+        self.pipeline_with(kernel, &[], constants).await
+    }
+
+    /// [`Runtime::pipeline`] with `//!define` values (name, WGSL literal) for the kernel's text.
+    pub async fn pipeline_with(&self, kernel: Kernel, defines: &[(&str, String)], constants: &[(&str, f64)]) -> Result<wgpu::ComputePipeline> {
         self.check("pipeline creation")?;
-        let mut text = kernel.resolved().map_err(|e| Error::Pipeline { kernel: kernel.label(), message: e.to_string() })?;
+        let mut text = kernel.resolved_with(defines).map_err(|e| Error::Pipeline { kernel: kernel.label(), message: e.to_string() })?;
         if kernel.needs_subgroups() {
             if !self.caps.subgroups {
                 return Err(Error::Pipeline {

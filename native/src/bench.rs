@@ -56,7 +56,10 @@ pub struct BenchArgs {
     chunk_pages: u32,
     #[arg(long, value_enum, default_value = "auto")]
     variant: Variant,
-    /// Subgroup kernel: tokens in flight per token group (1..=4).
+    /// Subgroup kernel: invocations per token (16 or 8; default: the widest the device allows).
+    #[arg(long)]
+    lanes: Option<u32>,
+    /// Subgroup kernel: tokens in flight per token group (1..=8).
     #[arg(long, default_value_t = 4)]
     tokens_in_flight: u32,
     /// Subgroup kernel: reduce every head's score in every lane instead of reduce-scattering.
@@ -153,9 +156,13 @@ pub fn run(gpu: &GpuArgs, a: &BenchArgs) -> Result<()> {
         Variant::Auto => None,
         Variant::Tiled => Some(SplitVariant::Tiled),
         Variant::Subgroup => Some(
-            expertkv_core::attend::subgroup_layout(&rt, a.head_dim, dtype).context("this adapter or shape cannot run the subgroup kernel")?,
+            expertkv_core::attend::subgroup_layout_with(&rt, a.head_dim, dtype, &a.lanes.map_or(vec![16, 8], |l| vec![l]))
+                .context("this adapter or shape cannot run the subgroup kernel with these lanes")?,
         ),
     };
+    if a.lanes.is_some() && a.variant != Variant::Subgroup {
+        bail!("--lanes applies to --variant subgroup");
+    }
     for s in &shapes {
         let bar = if a.json { ProgressBar::hidden() } else { ProgressBar::new(u64::from(s.batch) * u64::from(s.tokens)) };
         bar.set_style(ProgressStyle::with_template("filling {bar:40} {pos}/{len} tokens").unwrap_or_else(|_| ProgressStyle::default_bar()));

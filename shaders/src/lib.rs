@@ -2,8 +2,11 @@
 //!
 //! Files live under `wgsl/`, grouped by pipeline stage; shared definitions are in `wgsl/common/`
 //! and are pulled in by `//!import <path>` lines, which [`resolve`] replaces by the file's text
-//! (each file once). Nothing else in the workspace names a shader path: code asks for a
-//! [`Kernel`] and gets its resolved source, entry point and label.
+//! (each file once). A line `//!define NAME default` becomes `const NAME = default;`, or the
+//! value the runtime passes: used only where WGSL needs a true constant (the size of a
+//! function-local array), everything else is a WGSL `override`. Nothing else in the workspace
+//! names a shader path: code asks for a [`Kernel`] and gets its resolved source, entry point and
+//! label.
 
 /// One embedded WGSL file: its path under `wgsl/` and its text.
 #[derive(Clone, Copy, Debug)]
@@ -107,13 +110,18 @@ impl Kernel {
         )
     }
 
-    /// The source with its imports resolved, exactly as the runtime compiles it.
+    /// The source with its imports resolved and every define at its default.
     pub fn resolved(self) -> Result<String, ResolveError> {
         resolve(self.source())
     }
+
+    /// The source with its imports resolved and `defines` (name, WGSL value) applied.
+    pub fn resolved_with(self, defines: &[(&str, String)]) -> Result<String, ResolveError> {
+        resolve_with(self.source(), defines)
+    }
 }
 
-/// An `//!import` that names no embedded file.
+/// An `//!import` that names no embedded file, or a define the file does not declare.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ResolveError {
     pub file: &'static str,
@@ -122,29 +130,63 @@ pub struct ResolveError {
 
 impl std::fmt::Display for ResolveError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}: `//!import {}` names no file under shaders/wgsl", self.file, self.import)
+        if let Some(name) = self.import.strip_prefix("define ") {
+            write!(f, "{}: no `//!define {name}` in the file", self.file)
+        } else {
+            write!(f, "{}: `//!import {}` names no file under shaders/wgsl", self.file, self.import)
+        }
     }
 }
 
 impl std::error::Error for ResolveError {}
 
 const IMPORT: &str = "//!import ";
+const DEFINE: &str = "//!define ";
 
 fn find(path: &str) -> Option<Source> {
     ALL_SOURCES.iter().copied().find(|s| s.path == path)
 }
 
-/// Replace every `//!import path` line by that file's (recursively resolved) text, once per file.
+/// Replace every `//!import path` line by that file's (recursively resolved) text, once per file,
+/// and every `//!define` by a constant with its default value.
 pub fn resolve(source: Source) -> Result<String, ResolveError> {
+    resolve_with(source, &[])
+}
+
+/// [`resolve`], with `defines` overriding the defaults of `//!define` lines.
+pub fn resolve_with(source: Source, defines: &[(&str, String)]) -> Result<String, ResolveError> {
     let mut out = String::with_capacity(source.text.len() * 2);
     let mut seen = vec![source.path];
-    resolve_into(source, &mut seen, &mut out)?;
+    let mut used = vec![false; defines.len()];
+    resolve_into(source, &mut seen, defines, &mut used, &mut out)?;
+    if let Some(i) = used.iter().position(|u| !u) {
+        return Err(ResolveError { file: source.path, import: format!("define {}", defines[i].0) });
+    }
     Ok(out)
 }
 
-fn resolve_into(source: Source, seen: &mut Vec<&'static str>, out: &mut String) -> Result<(), ResolveError> {
+fn resolve_into(
+    source: Source,
+    seen: &mut Vec<&'static str>,
+    defines: &[(&str, String)],
+    used: &mut [bool],
+    out: &mut String,
+) -> Result<(), ResolveError> {
     for line in source.text.lines() {
-        if let Some(rest) = line.trim_start().strip_prefix(IMPORT) {
+        if let Some(rest) = line.trim_start().strip_prefix(DEFINE) {
+            let mut parts = rest.split_whitespace();
+            let (Some(name), Some(default)) = (parts.next(), parts.next()) else {
+                return Err(ResolveError { file: source.path, import: format!("define {rest} (needs a name and a default)") });
+            };
+            let value = match defines.iter().position(|(n, _)| *n == name) {
+                Some(i) => {
+                    used[i] = true;
+                    defines[i].1.as_str()
+                }
+                None => default,
+            };
+            out.push_str(&format!("const {name} = {value};\n"));
+        } else if let Some(rest) = line.trim_start().strip_prefix(IMPORT) {
             let path = rest.trim();
             let import = find(path).ok_or_else(|| ResolveError { file: source.path, import: path.to_owned() })?;
             if !seen.contains(&import.path) {
@@ -152,7 +194,7 @@ fn resolve_into(source: Source, seen: &mut Vec<&'static str>, out: &mut String) 
                 out.push_str("// ---- begin ");
                 out.push_str(import.path);
                 out.push('\n');
-                resolve_into(import, seen, out)?;
+                resolve_into(import, seen, defines, used, out)?;
                 out.push_str("// ---- end ");
                 out.push_str(import.path);
                 out.push('\n');
@@ -182,6 +224,14 @@ mod tests {
         let bad = Source { path: "test/bad.wgsl", text: "//!import common/nope.wgsl\n" };
         let err = resolve(bad).unwrap_err();
         assert_eq!(err.import, "common/nope.wgsl");
+    }
+
+    #[test]
+    fn defines_take_defaults_or_given_values() {
+        let src = Source { path: "test/d.wgsl", text: "//!define GROUP 4u\nfn f() -> u32 { return GROUP; }\n" };
+        assert!(resolve(src).unwrap().contains("const GROUP = 4u;"));
+        assert!(resolve_with(src, &[("GROUP", "2u".into())]).unwrap().contains("const GROUP = 2u;"));
+        assert!(resolve_with(src, &[("NOPE", "1u".into())]).is_err());
     }
 
     #[test]

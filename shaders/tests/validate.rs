@@ -63,3 +63,30 @@ fn every_wgsl_file_on_disk_is_embedded() {
     }
     assert_eq!(on_disk.len(), ALL_SOURCES.len());
 }
+
+#[test]
+fn subgroup_attention_validates_for_every_shape_knob() {
+    // Its `//!define`s change array sizes and branches: validate a spread of them.
+    let mut failures = Vec::new();
+    for group in [1u32, 2, 3, 4, 8] {
+        for (lanes, vpl, f16) in [(16u32, 1u32, true), (8, 2, true), (16, 2, false), (8, 4, false)] {
+            for u in [1u32, 4, 8] {
+                for transpose in [true, false] {
+                    let defines = [
+                        ("GROUP", format!("{group}u")),
+                        ("LANES", format!("{lanes}u")),
+                        ("VPL", format!("{vpl}u")),
+                        ("F16", f16.to_string()),
+                        ("U", format!("{u}u")),
+                        ("TRANSPOSE", (transpose && group.is_power_of_two()).to_string()),
+                    ];
+                    let text = Kernel::AttendSplitSubgroup.resolved_with(&defines).expect("defines resolve");
+                    if let Err(e) = validate(&format!("attend/split_subgroup.wgsl {defines:?}"), &text) {
+                        failures.push(e);
+                    }
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}

@@ -22,23 +22,26 @@
 @group(0) @binding(8) var<storage, read_write> partials: array<f32>;
 @group(0) @binding(9) var<storage, read_write> scores: array<f32>;
 
-override GROUP: u32 = 4u;      // query heads per KV head
-override LANES: u32 = 16u;     // invocations per token (power of two, <= subgroup size)
-override VPL: u32 = 1u;        // vec4<u32> per lane per K (or V) row: LANES * VPL * 4 = vec_words
-override F16: bool = true;     // K/V as packed f16 pairs (else f32)
-override PAGE_SIZE: u32 = 16u; // the pool's page size (a constant here, so slot arithmetic is cheap)
-override U: u32 = 4u;          // tokens in flight per token group, 1..=4
-// GROUP a power of two <= LANES: reduce-scatter the GROUP partial dot products over the lanes of
-// a token (GROUP - 1 + log2(LANES / GROUP) shuffles instead of GROUP * log2(LANES)), so each
-// lane finishes the score of one query head and runs its softmax alone; the probabilities are
+// Knobs are true constants (`//!define`, set by the runtime per shape) so that every per-lane
+// array below has its exact size and every loop over it unrolls: registers, never local memory.
+//!define GROUP 4u
+//!define LANES 16u
+//!define VPL 1u
+//!define F16 true
+//!define PAGE_SIZE 16u
+//!define U 4u
+//!define TRANSPOSE true
+// GROUP: query heads per KV head. LANES: invocations per token (power of two, <= subgroup size).
+// VPL: vec4<u32> per lane per K (or V) row (LANES * VPL * 4 = vec_words). F16: K/V as packed f16
+// pairs (else f32). PAGE_SIZE: the pool's page size. U: tokens in flight per token group.
+// TRANSPOSE (GROUP a power of two <= LANES): reduce-scatter the GROUP partial dot products over
+// the lanes of a token (GROUP - 1 + log2(LANES / GROUP) shuffles instead of GROUP * log2(LANES)),
+// so each lane finishes the score of one query head and runs its softmax alone; probabilities are
 // then broadcast back for the value update. Otherwise every lane reduces and keeps every head.
-override TRANSPOSE: bool = true;
 
 const WG: u32 = 128u;
-const MAX_U: u32 = 4u;
-const MAX_G: u32 = 8u;
-const MAX_VPL: u32 = 4u;
-const MAX_NQ: u32 = 8u;     // vec4<f32> of values per lane per row: VPL * (2 if F16 else 1)
+const NQ: u32 = select(VPL, 2u * VPL, F16);  // vec4<f32> of values per lane per row
+const HEADS_KEPT: u32 = select(GROUP, 1u, TRANSPOSE);
 const MAX_CHUNK_PAGES: u32 = 64u;
 
 var<workgroup> chunk_page: array<u32, 64>;
@@ -46,10 +49,6 @@ var<workgroup> chunk_fill: array<u32, 64>;
 var<workgroup> ml_sh: array<vec2<f32>, 256>;   // [token group][query head]: (max, sum)
 var<workgroup> acc_sh: array<vec4<f32>, 512>;  // [query head][d / 4]
 var<workgroup> count_sh: u32;
-
-fn nq() -> u32 {
-    return select(VPL, 2u * VPL, F16);
-}
 
 // Value n (0..nq) of a lane's row, given the 16-byte word that holds it.
 fn unpack_value(w: vec4<u32>, n: u32) -> vec4<f32> {
@@ -128,6 +127,15 @@ fn main(
     }
     let n_pages = workgroupUniformLoad(&count_sh);
     let first = chunk * params.chunk_pages;
+    if (first >= n_pages) {
+        // Past the sequence's end (chunks are sized for the longest sequence): an empty partial.
+        if (t < GROUP) {
+            let o = partial_index(params, seq, kvh * GROUP + t, window.buffer_index, chunk) * partial_stride(D);
+            partials[o] = NEG_BIG;
+            partials[o + 1u] = 0.0;
+        }
+        return;
+    }
     let list = (params.layer * geo.max_seqs + seq) * geo.max_pages_per_seq;
     for (var c = t; c < params.chunk_pages; c += WG) {
         var page = 0u;
@@ -144,24 +152,24 @@ fn main(
     workgroupBarrier();
 
     // This lane's slice of the query heads of this KV head, pre-scaled.
-    var q: array<vec4<f32>, 64>;  // [g * MAX_NQ + n]
+    var q: array<vec4<f32>, GROUP * NQ>;  // [g * NQ + n]
     let q0 = (seq * params.q_heads + kvh * GROUP) * D;
     for (var g = 0u; g < GROUP; g++) {
-        for (var n = 0u; n < nq(); n++) {
+        for (var n = 0u; n < NQ; n++) {
             let d = q0 + g * D + 4u * dim4_of(lane, n);
-            q[g * MAX_NQ + n] = vec4<f32>(queries[d], queries[d + 1u], queries[d + 2u], queries[d + 3u]) * params.scale;
+            q[g * NQ + n] = vec4<f32>(queries[d], queries[d + 1u], queries[d + 2u], queries[d + 3u]) * params.scale;
         }
     }
-    var acc: array<vec4<f32>, 64>;
+    var acc: array<vec4<f32>, GROUP * NQ>;
     // Running max and sum: TRANSPOSE keeps the lane's own head in slot 0, else one per head.
-    var m: array<f32, 8>;
-    var l: array<f32, 8>;
-    for (var g = 0u; g < GROUP; g++) {
+    var m: array<f32, HEADS_KEPT>;
+    var l: array<f32, HEADS_KEPT>;
+    for (var g = 0u; g < HEADS_KEPT; g++) {
         m[g] = NEG_BIG;
         l[g] = 0.0;
-        for (var n = 0u; n < nq(); n++) {
-            acc[g * MAX_NQ + n] = vec4<f32>(0.0);
-        }
+    }
+    for (var i = 0u; i < GROUP * NQ; i++) {
+        acc[i] = vec4<f32>(0.0);
     }
 
     let vw4 = geo.vec_words / 4u;
@@ -169,11 +177,13 @@ fn main(
     let v_off4 = block_words(geo) / 4u;
     let slots = params.chunk_pages * PAGE_SIZE;
     let iters = (slots + n_tg * U - 1u) / (n_tg * U);
+    // (Software pipelining, loading iteration it + 1 while it computes, was tried on an H200:
+    // the driver then kept the carried arrays in local memory and the kernel ran 5x slower.)
     for (var it = 0u; it < iters; it++) {
-        var kraw: array<array<vec4<u32>, 4>, 4>;
-        var vraw: array<array<vec4<u32>, 4>, 4>;
-        var valid: array<bool, 4>;
-        var slot_of: array<u32, 4>;
+        var kraw: array<vec4<u32>, U * VPL>;  // [u * VPL + i]
+        var vraw: array<vec4<u32>, U * VPL>;
+        var valid: array<bool, U>;
+        var slot_of: array<u32, U>;
         for (var u = 0u; u < U; u++) {
             let j = tg + (it * U + u) * n_tg;
             let c = min(j / PAGE_SIZE, MAX_CHUNK_PAGES - 1u);
@@ -184,44 +194,44 @@ fn main(
             if (ok) {
                 let row = chunk_page[c] * page_w4 + (kvh * PAGE_SIZE + s) * vw4 + lane;
                 for (var i = 0u; i < VPL; i++) {
-                    kraw[u][i] = pool[row + i * LANES];
-                    vraw[u][i] = pool[row + v_off4 + i * LANES];
+                    kraw[u * VPL + i] = pool[row + i * LANES];
+                    vraw[u * VPL + i] = pool[row + v_off4 + i * LANES];
                 }
             } else {
                 for (var i = 0u; i < VPL; i++) {
-                    kraw[u][i] = vec4<u32>(0u);
-                    vraw[u][i] = vec4<u32>(0u);
+                    kraw[u * VPL + i] = vec4<u32>(0u);
+                    vraw[u * VPL + i] = vec4<u32>(0u);
                 }
             }
         }
         // Partial dot products of this lane's slice.
-        var part: array<array<f32, 8>, 4>;
+        var part: array<f32, U * GROUP>;  // [u * GROUP + g]
         for (var u = 0u; u < U; u++) {
             for (var g = 0u; g < GROUP; g++) {
                 var x = 0.0;
-                for (var n = 0u; n < nq(); n++) {
-                    x += dot(q[g * MAX_NQ + n], unpack_value(kraw[u][word_of(n)], n));
+                for (var n = 0u; n < NQ; n++) {
+                    x += dot(q[g * NQ + n], unpack_value(kraw[u * VPL + word_of(n)], n));
                 }
-                part[u][g] = x;
+                part[u * GROUP + g] = x;
             }
         }
-        var p: array<array<f32, 8>, 4>;  // [u][g] probabilities, relative to the new max
-        var corr: array<f32, 8>;         // [g] rescale of the old accumulators
+        var p: array<f32, U * GROUP>;  // [u * GROUP + g] probabilities, relative to the new max
+        var corr: array<f32, GROUP>;     // [g] rescale of the old accumulators
         if (TRANSPOSE) {
-            var sc: array<f32, 4>;
+            var sc: array<f32, U>;
             var m_new = m[0];
             for (var u = 0u; u < U; u++) {
                 var mask = LANES / 2u;
                 for (var half = GROUP / 2u; half > 0u; half = half / 2u) {
                     let upper = (lane & mask) != 0u;
                     for (var j = 0u; j < half; j++) {
-                        let keep = select(part[u][j], part[u][j + half], upper);
-                        let send = select(part[u][j + half], part[u][j], upper);
-                        part[u][j] = keep + subgroupShuffleXor(send, mask);
+                        let keep = select(part[u * GROUP + j], part[u * GROUP + j + half], upper);
+                        let send = select(part[u * GROUP + j + half], part[u * GROUP + j], upper);
+                        part[u * GROUP + j] = keep + subgroupShuffleXor(send, mask);
                     }
                     mask = mask / 2u;
                 }
-                var x = part[u][0];
+                var x = part[u * GROUP];
                 for (; mask > 0u; mask = mask / 2u) {
                     x += subgroupShuffleXor(x, mask);
                 }
@@ -233,7 +243,7 @@ fn main(
             }
             let c_own = exp(m[0] - m_new);
             var lsum = l[0] * c_own;
-            var p_own: array<f32, 4>;
+            var p_own: array<f32, U>;
             for (var u = 0u; u < U; u++) {
                 p_own[u] = select(0.0, exp(sc[u] - m_new), valid[u]);
                 lsum += p_own[u];
@@ -244,15 +254,15 @@ fn main(
                 let src = group_base + lane_of_head(g);
                 corr[g] = subgroupShuffle(c_own, src);
                 for (var u = 0u; u < U; u++) {
-                    p[u][g] = subgroupShuffle(p_own[u], src);
+                    p[u * GROUP + g] = subgroupShuffle(p_own[u], src);
                 }
             }
         } else {
             for (var g = 0u; g < GROUP; g++) {
-                var sc: array<f32, 4>;
+                var sc: array<f32, U>;
                 var m_new = m[g];
                 for (var u = 0u; u < U; u++) {
-                    var x = part[u][g];
+                    var x = part[u * GROUP + g];
                     for (var mask = LANES / 2u; mask > 0u; mask = mask / 2u) {
                         x += subgroupShuffleXor(x, mask);
                     }
@@ -265,20 +275,20 @@ fn main(
                 corr[g] = exp(m[g] - m_new);
                 var lsum = l[g] * corr[g];
                 for (var u = 0u; u < U; u++) {
-                    p[u][g] = select(0.0, exp(sc[u] - m_new), valid[u]);
-                    lsum += p[u][g];
+                    p[u * GROUP + g] = select(0.0, exp(sc[u] - m_new), valid[u]);
+                    lsum += p[u * GROUP + g];
                 }
                 m[g] = m_new;
                 l[g] = lsum;
             }
         }
         for (var g = 0u; g < GROUP; g++) {
-            for (var n = 0u; n < nq(); n++) {
-                var a = acc[g * MAX_NQ + n] * corr[g];
+            for (var n = 0u; n < NQ; n++) {
+                var a = acc[g * NQ + n] * corr[g];
                 for (var u = 0u; u < U; u++) {
-                    a += p[u][g] * unpack_value(vraw[u][word_of(n)], n);
+                    a += p[u * GROUP + g] * unpack_value(vraw[u * VPL + word_of(n)], n);
                 }
-                acc[g * MAX_NQ + n] = a;
+                acc[g * NQ + n] = a;
             }
         }
     }
@@ -294,8 +304,8 @@ fn main(
         }
     }
     workgroupBarrier();
-    var big_m: array<f32, 8>;
-    var big_l: array<f32, 8>;
+    var big_m: array<f32, GROUP>;
+    var big_l: array<f32, GROUP>;
     for (var g = 0u; g < GROUP; g++) {
         var mm = NEG_BIG;
         for (var r = 0u; r < n_tg; r++) {
@@ -313,13 +323,13 @@ fn main(
         if (tg == r) {
             for (var g = 0u; g < GROUP; g++) {
                 let f = exp(ml_sh[tg * GROUP + g].x - big_m[g]);
-                for (var n = 0u; n < nq(); n++) {
+                for (var n = 0u; n < NQ; n++) {
                     let a = g * D4 + dim4_of(lane, n);
                     var prev = vec4<f32>(0.0);
                     if (r > 0u) {
                         prev = acc_sh[a];
                     }
-                    acc_sh[a] = prev + acc[g * MAX_NQ + n] * f;
+                    acc_sh[a] = prev + acc[g * NQ + n] * f;
                 }
             }
         }

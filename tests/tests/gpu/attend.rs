@@ -55,7 +55,7 @@ fn random_case(rng: &mut Rng) -> Case {
         group: 1 + rng.below(8),
         n_seqs: 1 + rng.below(max_seqs),
         chunk_pages: 1 + rng.below(6),
-        tokens_in_flight: 1 + rng.below(4),
+        tokens_in_flight: 1 + rng.below(8),
         transpose: rng.below(4) != 0,
     }
 }
