@@ -58,7 +58,9 @@ impl DemoConfig {
             head_dim: w.head_dim,
             page_size: self.page_size,
             dtype: self.dtype,
-            n_pages: self.pool_pages.unwrap_or(w.n_seqs * w.layers * pages_per_seq_layer),
+            n_pages: self
+                .pool_pages
+                .unwrap_or(w.n_seqs * w.layers * pages_per_seq_layer),
             max_seqs: w.n_seqs,
             n_shards: self.n_shards,
             ring_capacity: ring,
@@ -132,7 +134,14 @@ impl Pipeline {
         let attn = Attention::new(
             rt,
             &pool,
-            AttendOptions { group: cfg.workload.group, n_seqs: cfg.workload.n_seqs, chunk_pages: cfg.chunk_pages, mass: true, variant: None, ..Default::default() },
+            AttendOptions {
+                group: cfg.workload.group,
+                n_seqs: cfg.workload.n_seqs,
+                chunk_pages: cfg.chunk_pages,
+                mass: true,
+                variant: None,
+                ..Default::default()
+            },
         )
         .await?;
         // Some drivers compile on first dispatch: run the kernels once over the empty pool (no
@@ -142,13 +151,26 @@ impl Pipeline {
         rt.wait()?;
         let timer = GpuTimer::new(rt, 2 + cfg.workload.layers);
         let model = cfg.verify.then(|| PoolModel::new(&pool_cfg));
-        Ok(Pipeline { cfg, pool, attn, workload, model, timer, step: 0, last_queries: Vec::new() })
+        Ok(Pipeline {
+            cfg,
+            pool,
+            attn,
+            workload,
+            model,
+            timer,
+            step: 0,
+            last_queries: Vec::new(),
+        })
     }
 
     fn append(&mut self, rt: &Runtime, tokens: &[GenToken], timed: bool) -> Result<()> {
         let words = kv_words(tokens, self.pool.cfg.dtype);
         let new: Vec<NewToken> = tokens.iter().map(|t| t.token.clone()).collect();
-        let ts = if timed { self.timer.as_ref().and_then(|t| t.pass(0)) } else { None };
+        let ts = if timed {
+            self.timer.as_ref().and_then(|t| t.pass(0))
+        } else {
+            None
+        };
         self.pool.append_timed(rt, &new, &words, self.step, ts)?;
         if let Some(m) = &mut self.model {
             m.append(&new, &words, self.step)?;
@@ -157,8 +179,14 @@ impl Pipeline {
     }
 
     /// Append the prompt of every sequence. `progress(done, total)` after each batch.
-    pub async fn prefill(&mut self, rt: &Runtime, progress: &mut dyn FnMut(u64, u64)) -> Result<()> {
-        let batches = self.workload.prompt_batches(self.pool.max_append_tokens(rt).min(4096));
+    pub async fn prefill(
+        &mut self,
+        rt: &Runtime,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<()> {
+        let batches = self
+            .workload
+            .prompt_batches(self.pool.max_append_tokens(rt).min(4096));
         let total: u64 = batches.iter().map(|b| b.len() as u64).sum();
         let mut done = 0;
         for b in &batches {
@@ -182,20 +210,27 @@ impl Pipeline {
             let q = self.workload.queries(layer);
             self.attn.set_queries(rt, &q)?;
             self.attn.prepare(rt, layer, self.step);
-            let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("decode step") });
+            let mut enc = rt
+                .device
+                .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                    label: Some("decode step"),
+                });
             if layer == 0 {
                 let ts = self.timer.as_ref().and_then(|t| t.pass(1));
                 self.pool.encode_gather(rt, &mut enc, 0, layers, ts);
             }
             {
                 let ts = self.timer.as_ref().and_then(|t| t.pass(2 + layer));
-                let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("attend"), timestamp_writes: ts });
+                let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                    label: Some("attend"),
+                    timestamp_writes: ts,
+                });
                 self.attn.encode(&mut pass);
             }
-            if layer + 1 == layers {
-                if let Some(t) = &self.timer {
-                    t.resolve(&mut enc, 2 + layers);
-                }
+            if layer + 1 == layers
+                && let Some(t) = &self.timer
+            {
+                t.resolve(&mut enc, 2 + layers);
             }
             rt.queue.submit([enc.finish()]);
             if layer + 1 == layers {
@@ -203,11 +238,18 @@ impl Pipeline {
             }
         }
         rt.wait()?;
-        let ctl = self.pool.check_errors(rt, (self.cfg.workload.n_seqs * layers).div_ceil(1)).await?;
+        let ctl = self
+            .pool
+            .check_errors(rt, (self.cfg.workload.n_seqs * layers).div_ceil(1))
+            .await?;
         let gpu = match &self.timer {
             Some(t) => {
                 let ms = t.read_ms(rt, 2 + layers).await?;
-                Some(StageTimes { append_ms: ms[0], gather_ms: ms[1], attend_ms: ms[2..].iter().sum() })
+                Some(StageTimes {
+                    append_ms: ms[0],
+                    gather_ms: ms[1],
+                    attend_ms: ms[2..].iter().sum(),
+                })
             }
             None => None,
         };
@@ -220,7 +262,13 @@ impl Pipeline {
         Ok(report)
     }
 
-    async fn report(&self, rt: &Runtime, ctl: PoolCtl, gpu: Option<StageTimes>, host_ms: f64) -> Result<StepReport> {
+    async fn report(
+        &self,
+        rt: &Runtime,
+        ctl: PoolCtl,
+        gpu: Option<StageTimes>,
+        host_ms: f64,
+    ) -> Result<StepReport> {
         let cfg = &self.pool.cfg;
         let rings: Vec<crate::gpu_data::RingState> = rt.read_all(&self.pool.rings).await?;
         let mut shard_pages = vec![0u32; cfg.n_shards as usize];
@@ -247,7 +295,9 @@ impl Pipeline {
     /// Compare the GPU pool with the CPU reference (exactly) and the last layer's attention with
     /// the f64 reference (within the storage precision's tolerance).
     pub async fn verify(&self, rt: &Runtime) -> Result<Option<VerifyReport>> {
-        let Some(model) = &self.model else { return Ok(None) };
+        let Some(model) = &self.model else {
+            return Ok(None);
+        };
         let snap = self.pool.snapshot(rt).await?;
         let kv = self.pool.read_kv(rt).await?;
         let placement_identical = snap.rings == model.rings
@@ -258,17 +308,38 @@ impl Pipeline {
             && kv == model.kv;
         let layer = self.pool.cfg.layers - 1;
         let out = self.attn.read_output(rt).await?;
-        let reference = attend_decode(model, layer, self.cfg.workload.n_seqs, &self.last_queries, self.cfg.workload.group, f64::from(self.attn.scale()));
-        let max_abs = out.iter().zip(&reference.out).map(|(a, b)| (f64::from(*a) - b).abs()).fold(0.0, f64::max);
+        let reference = attend_decode(
+            model,
+            layer,
+            self.cfg.workload.n_seqs,
+            &self.last_queries,
+            self.cfg.workload.group,
+            f64::from(self.attn.scale()),
+        );
+        let max_abs = out
+            .iter()
+            .zip(&reference.out)
+            .map(|(a, b)| (f64::from(*a) - b).abs())
+            .fold(0.0, f64::max);
         let tol = match self.pool.cfg.dtype {
             KvDtype::F32 => 1e-4,
             KvDtype::F16 => 2e-3,
         };
         let _ = decode_words;
-        let tokens_checked = (0..self.cfg.workload.n_seqs).map(|s| model.tokens(layer, s).len() as u64).sum();
+        let tokens_checked = (0..self.cfg.workload.n_seqs)
+            .map(|s| model.tokens(layer, s).len() as u64)
+            .sum();
         if !placement_identical {
-            return Err(Error::Gpu { during: "verification".into(), message: "GPU pool state differs from the CPU reference".into() });
+            return Err(Error::Gpu {
+                during: "verification".into(),
+                message: "GPU pool state differs from the CPU reference".into(),
+            });
         }
-        Ok(Some(VerifyReport { tokens_checked, placement_identical, attention_max_abs_err: max_abs, attention_tolerance: tol }))
+        Ok(Some(VerifyReport {
+            tokens_checked,
+            placement_identical,
+            attention_max_abs_err: max_abs,
+            attention_tolerance: tol,
+        }))
     }
 }

@@ -8,7 +8,9 @@ pub struct Rng {
 
 impl Rng {
     pub fn new(seed: u64) -> Self {
-        Rng { state: seed ^ 0x9e37_79b9_7f4a_7c15 }
+        Rng {
+            state: seed ^ 0x9e37_79b9_7f4a_7c15,
+        }
     }
 
     pub fn next_u64(&mut self) -> u64 {
@@ -30,7 +32,7 @@ impl Rng {
 
     /// Uniform integer in [0, n); n > 0.
     pub fn below(&mut self, n: u32) -> u32 {
-        ((self.next_u64() >> 32) * u64::from(n) >> 32) as u32
+        (((self.next_u64() >> 32) * u64::from(n)) >> 32) as u32
     }
 
     /// Standard normal (Box-Muller).

@@ -58,22 +58,46 @@ impl Default for WorkloadConfig {
 
 impl WorkloadConfig {
     pub fn validate(&self) -> Result<()> {
-        for (f, v) in [("n_seqs", self.n_seqs), ("layers", self.layers), ("kv_heads", self.kv_heads), ("group", self.group), ("head_dim", self.head_dim), ("n_experts", self.n_experts), ("top_k", self.top_k)] {
+        for (f, v) in [
+            ("n_seqs", self.n_seqs),
+            ("layers", self.layers),
+            ("kv_heads", self.kv_heads),
+            ("group", self.group),
+            ("head_dim", self.head_dim),
+            ("n_experts", self.n_experts),
+            ("top_k", self.top_k),
+        ] {
             if v == 0 {
                 return Err(Error::config(f, v, "must be at least 1"));
             }
         }
         if self.top_k > self.n_experts {
-            return Err(Error::config("top_k", self.top_k, format!("cannot exceed n_experts = {}", self.n_experts)));
+            return Err(Error::config(
+                "top_k",
+                self.top_k,
+                format!("cannot exceed n_experts = {}", self.n_experts),
+            ));
         }
         if !(0.0..=1.0).contains(&self.locality) {
-            return Err(Error::config("locality", self.locality, "must be in [0, 1]"));
+            return Err(Error::config(
+                "locality",
+                self.locality,
+                "must be in [0, 1]",
+            ));
         }
         if !(0.0..=1.0).contains(&self.heavy_fraction) {
-            return Err(Error::config("heavy_fraction", self.heavy_fraction, "must be in [0, 1]"));
+            return Err(Error::config(
+                "heavy_fraction",
+                self.heavy_fraction,
+                "must be in [0, 1]",
+            ));
         }
         if !(self.zipf_s.is_finite() && self.zipf_s >= 0.0) {
-            return Err(Error::config("zipf_s", self.zipf_s, "must be a finite number >= 0"));
+            return Err(Error::config(
+                "zipf_s",
+                self.zipf_s,
+                "must be a finite number >= 0",
+            ));
         }
         Ok(())
     }
@@ -128,10 +152,18 @@ impl Workload {
                 p
             })
             .collect();
-        let weights: Vec<f64> = (0..cfg.n_experts).map(|r| 1.0 / f64::from(r + 1).powf(cfg.zipf_s)).collect();
+        let weights: Vec<f64> = (0..cfg.n_experts)
+            .map(|r| 1.0 / f64::from(r + 1).powf(cfg.zipf_s))
+            .collect();
         let total: f64 = weights.iter().sum();
         let mut acc = 0.0;
-        let cdf = weights.iter().map(|w| { acc += w / total; acc }).collect();
+        let cdf = weights
+            .iter()
+            .map(|w| {
+                acc += w / total;
+                acc
+            })
+            .collect();
         Ok(Workload {
             last_expert: vec![u32::MAX; (cfg.layers * cfg.n_seqs) as usize],
             positions: vec![0; cfg.n_seqs as usize],
@@ -158,7 +190,11 @@ impl Workload {
 
     fn zipf_expert(&mut self, layer: u32) -> u32 {
         let u = self.rng.uniform();
-        let rank = self.cdf.iter().position(|c| u < *c).unwrap_or(self.cdf.len() - 1);
+        let rank = self
+            .cdf
+            .iter()
+            .position(|c| u < *c)
+            .unwrap_or(self.cdf.len() - 1);
         self.popularity[layer as usize][rank]
     }
 
@@ -166,11 +202,19 @@ impl Workload {
         let k = self.cfg.top_k as usize;
         let li = (layer * self.cfg.n_seqs + seq) as usize;
         let prev = self.last_expert[li];
-        let first = if prev != u32::MAX && self.rng.uniform() < self.cfg.locality { prev } else { self.zipf_expert(layer) };
+        let first = if prev != u32::MAX && self.rng.uniform() < self.cfg.locality {
+            prev
+        } else {
+            self.zipf_expert(layer)
+        };
         let mut experts = vec![first];
         let mut guard = 0;
         while experts.len() < k {
-            let e = if guard < 64 { self.zipf_expert(layer) } else { self.rng.below(self.cfg.n_experts) };
+            let e = if guard < 64 {
+                self.zipf_expert(layer)
+            } else {
+                self.rng.below(self.cfg.n_experts)
+            };
             guard += 1;
             if !experts.contains(&e) {
                 experts.push(e);
@@ -178,7 +222,9 @@ impl Workload {
         }
         self.last_expert[li] = first;
         // Decreasing gates that sum to one.
-        let mut raw: Vec<f64> = (0..k).map(|i| (-(i as f64) * 0.7 + 0.3 * self.rng.normal()).exp()).collect();
+        let mut raw: Vec<f64> = (0..k)
+            .map(|i| (-(i as f64) * 0.7 + 0.3 * self.rng.normal()).exp())
+            .collect();
         raw.sort_by(|a, b| b.total_cmp(a));
         let s: f64 = raw.iter().sum();
         let gates = raw.iter().map(|g| (g / s) as f32).collect();
@@ -207,7 +253,17 @@ impl Workload {
                 v.push(self.rng.normal() as f32);
             }
         }
-        GenToken { token: NewToken { layer, seq, position, experts, gates }, k, v }
+        GenToken {
+            token: NewToken {
+                layer,
+                seq,
+                position,
+                experts,
+                gates,
+            },
+            k,
+            v,
+        }
     }
 
     /// The next token of every sequence at every layer (one decode step's new K/V), and the
@@ -230,7 +286,9 @@ impl Workload {
         for _ in 0..self.cfg.prompt_len {
             all.extend(self.next_tokens());
         }
-        all.chunks(batch.max(1) as usize).map(|c| c.to_vec()).collect()
+        all.chunks(batch.max(1) as usize)
+            .map(|c| c.to_vec())
+            .collect()
     }
 
     /// Decode queries of one layer, [seq][q_head][head_dim]: each query head leans towards its
@@ -243,7 +301,9 @@ impl Workload {
                 let dir: Vec<f32> = self.direction(layer, seq, h).to_vec();
                 for _ in 0..self.cfg.group {
                     for dir_i in dir.iter().take(d) {
-                        q.push(self.rng.normal() as f32 * 0.5 + 1.5 * dir_i * (d as f32).sqrt().sqrt());
+                        q.push(
+                            self.rng.normal() as f32 * 0.5 + 1.5 * dir_i * (d as f32).sqrt().sqrt(),
+                        );
                     }
                 }
             }
@@ -273,7 +333,12 @@ mod tests {
 
     #[test]
     fn routing_is_skewed_and_local() {
-        let cfg = WorkloadConfig { n_seqs: 1, layers: 1, prompt_len: 0, ..Default::default() };
+        let cfg = WorkloadConfig {
+            n_seqs: 1,
+            layers: 1,
+            prompt_len: 0,
+            ..Default::default()
+        };
         let e = cfg.n_experts as usize;
         let mut w = Workload::new(cfg).unwrap();
         let mut counts = vec![0u32; e];
@@ -300,7 +365,16 @@ mod tests {
 
     #[test]
     fn invalid_config_names_the_field() {
-        let cfg = WorkloadConfig { top_k: 20, ..Default::default() };
-        assert!(Workload::new(cfg).err().unwrap().to_string().contains("top_k"));
+        let cfg = WorkloadConfig {
+            top_k: 20,
+            ..Default::default()
+        };
+        assert!(
+            Workload::new(cfg)
+                .err()
+                .unwrap()
+                .to_string()
+                .contains("top_k")
+        );
     }
 }

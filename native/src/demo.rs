@@ -57,7 +57,13 @@ pub struct DemoArgs {
 }
 
 pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
-    for (n, v) in [("steps", a.steps), ("seqs", a.seqs), ("layers", a.layers), ("prompt", a.prompt), ("page-size", a.page_size)] {
+    for (n, v) in [
+        ("steps", a.steps),
+        ("seqs", a.seqs),
+        ("layers", a.layers),
+        ("prompt", a.prompt),
+        ("page-size", a.page_size),
+    ] {
         check_positive(n, v)?;
     }
     let dtype = KvDtype::parse(&a.dtype)?;
@@ -87,11 +93,21 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
     let pool_cfg = cfg.pool_config();
     pool_cfg.validate()?;
     let rt = gpu.runtime()?;
-    let mut p = pollster::block_on(Pipeline::new(&rt, cfg.clone())).context("building the pipeline")?;
+    let mut p =
+        pollster::block_on(Pipeline::new(&rt, cfg.clone())).context("building the pipeline")?;
     if !a.json {
         println!(
             "expertkv demo: {} sequences x {} layers, prompt {} tokens, {} decode steps; {} pages of {} slots, {} shards ({} map), top-{} of {} experts",
-            a.seqs, a.layers, a.prompt, a.steps, dtype.name(), a.page_size, a.shards, shard_map.name(), a.top_k, a.experts
+            a.seqs,
+            a.layers,
+            a.prompt,
+            a.steps,
+            dtype.name(),
+            a.page_size,
+            a.shards,
+            shard_map.name(),
+            a.top_k,
+            a.experts
         );
         println!(
             "adapter: {} ({:?}, {:?}); tier {}; attention {}; shader checks {}",
@@ -112,14 +128,35 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
         );
     }
     let total = u64::from(a.seqs) * u64::from(a.layers) * u64::from(a.prompt);
-    let bar = if a.json { ProgressBar::hidden() } else { ProgressBar::new(total) };
-    bar.set_style(ProgressStyle::with_template("prefill {bar:40} {pos}/{len} tokens {elapsed}").unwrap_or_else(|_| ProgressStyle::default_bar()));
+    let bar = if a.json {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(total)
+    };
+    bar.set_style(
+        ProgressStyle::with_template("prefill {bar:40} {pos}/{len} tokens {elapsed}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
     let t0 = std::time::Instant::now();
     pollster::block_on(p.prefill(&rt, &mut |done, _| bar.set_position(done))).context("prefill")?;
     bar.finish_and_clear();
     if !a.json {
-        println!("prefill: {total} tokens appended in {:.2} s", t0.elapsed().as_secs_f64());
-        println!("{:>4} {:>6} {:>9} {:>9} {:>9} {:>10} {:>9}  {:<24} {:>11}  shard pages", "step", "ctx", "append", "gather", "attend", "gpu total", "host", "KV resident (fill)", "pages");
+        println!(
+            "prefill: {total} tokens appended in {:.2} s",
+            t0.elapsed().as_secs_f64()
+        );
+        println!(
+            "{:>4} {:>6} {:>9} {:>9} {:>9} {:>10} {:>9}  {:<24} {:>11}  shard pages",
+            "step",
+            "ctx",
+            "append",
+            "gather",
+            "attend",
+            "gpu total",
+            "host",
+            "KV resident (fill)",
+            "pages"
+        );
     }
     let mut gpu_totals = Vec::new();
     for _ in 0..a.steps {
@@ -132,7 +169,12 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
             Some(g) => {
                 let t = g.append_ms + g.gather_ms + g.attend_ms;
                 gpu_totals.push(t);
-                (format!("{:.3}ms", g.append_ms), format!("{:.3}ms", g.gather_ms), format!("{:.3}ms", g.attend_ms), format!("{t:.3}ms"))
+                (
+                    format!("{:.3}ms", g.append_ms),
+                    format!("{:.3}ms", g.gather_ms),
+                    format!("{:.3}ms", g.attend_ms),
+                    format!("{t:.3}ms"),
+                )
             }
             None => ("-".into(), "-".into(), "-".into(), "-".into()),
         };
@@ -153,10 +195,16 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
     }
     let v = pollster::block_on(p.verify(&rt)).context("verification")?;
     if a.json {
-        println!("{}", serde_json::to_string(&serde_json::json!({"verify": &v, "config": cfg}))?);
+        println!(
+            "{}",
+            serde_json::to_string(&serde_json::json!({"verify": &v, "config": cfg}))?
+        );
     } else {
         if !gpu_totals.is_empty() {
-            println!("median GPU time per step: {:.3} ms", expertkv_core::timer::median(&gpu_totals));
+            println!(
+                "median GPU time per step: {:.3} ms",
+                expertkv_core::timer::median(&gpu_totals)
+            );
         }
         match &v {
             Some(v) => println!(
@@ -166,10 +214,14 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
             None => println!("check: skipped (--no-verify)"),
         }
     }
-    if let Some(v) = v {
-        if v.attention_max_abs_err > v.attention_tolerance {
-            anyhow::bail!("attention differs from the f64 reference by {:.2e} (tolerance {:.0e})", v.attention_max_abs_err, v.attention_tolerance);
-        }
+    if let Some(v) = v
+        && v.attention_max_abs_err > v.attention_tolerance
+    {
+        anyhow::bail!(
+            "attention differs from the f64 reference by {:.2e} (tolerance {:.0e})",
+            v.attention_max_abs_err,
+            v.attention_tolerance
+        );
     }
     Ok(())
 }

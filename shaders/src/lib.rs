@@ -106,7 +106,10 @@ impl Kernel {
     pub fn may_run_unchecked(self) -> bool {
         matches!(
             self,
-            Kernel::AttendSplitTiled | Kernel::AttendSplitSubgroup | Kernel::AttendReduce | Kernel::BenchCopy
+            Kernel::AttendSplitTiled
+                | Kernel::AttendSplitSubgroup
+                | Kernel::AttendReduce
+                | Kernel::BenchCopy
         )
     }
 
@@ -133,7 +136,11 @@ impl std::fmt::Display for ResolveError {
         if let Some(name) = self.import.strip_prefix("define ") {
             write!(f, "{}: no `//!define {name}` in the file", self.file)
         } else {
-            write!(f, "{}: `//!import {}` names no file under shaders/wgsl", self.file, self.import)
+            write!(
+                f,
+                "{}: `//!import {}` names no file under shaders/wgsl",
+                self.file, self.import
+            )
         }
     }
 }
@@ -160,7 +167,10 @@ pub fn resolve_with(source: Source, defines: &[(&str, String)]) -> Result<String
     let mut used = vec![false; defines.len()];
     resolve_into(source, &mut seen, defines, &mut used, &mut out)?;
     if let Some(i) = used.iter().position(|u| !u) {
-        return Err(ResolveError { file: source.path, import: format!("define {}", defines[i].0) });
+        return Err(ResolveError {
+            file: source.path,
+            import: format!("define {}", defines[i].0),
+        });
     }
     Ok(out)
 }
@@ -176,7 +186,10 @@ fn resolve_into(
         if let Some(rest) = line.trim_start().strip_prefix(DEFINE) {
             let mut parts = rest.split_whitespace();
             let (Some(name), Some(default)) = (parts.next(), parts.next()) else {
-                return Err(ResolveError { file: source.path, import: format!("define {rest} (needs a name and a default)") });
+                return Err(ResolveError {
+                    file: source.path,
+                    import: format!("define {rest} (needs a name and a default)"),
+                });
             };
             let value = match defines.iter().position(|(n, _)| *n == name) {
                 Some(i) => {
@@ -188,7 +201,10 @@ fn resolve_into(
             out.push_str(&format!("const {name} = {value};\n"));
         } else if let Some(rest) = line.trim_start().strip_prefix(IMPORT) {
             let path = rest.trim();
-            let import = find(path).ok_or_else(|| ResolveError { file: source.path, import: path.to_owned() })?;
+            let import = find(path).ok_or_else(|| ResolveError {
+                file: source.path,
+                import: path.to_owned(),
+            })?;
             if !seen.contains(&import.path) {
                 seen.push(import.path);
                 out.push_str("// ---- begin ");
@@ -221,16 +237,26 @@ mod tests {
 
     #[test]
     fn unknown_import_is_an_error() {
-        let bad = Source { path: "test/bad.wgsl", text: "//!import common/nope.wgsl\n" };
+        let bad = Source {
+            path: "test/bad.wgsl",
+            text: "//!import common/nope.wgsl\n",
+        };
         let err = resolve(bad).unwrap_err();
         assert_eq!(err.import, "common/nope.wgsl");
     }
 
     #[test]
     fn defines_take_defaults_or_given_values() {
-        let src = Source { path: "test/d.wgsl", text: "//!define GROUP 4u\nfn f() -> u32 { return GROUP; }\n" };
+        let src = Source {
+            path: "test/d.wgsl",
+            text: "//!define GROUP 4u\nfn f() -> u32 { return GROUP; }\n",
+        };
         assert!(resolve(src).unwrap().contains("const GROUP = 4u;"));
-        assert!(resolve_with(src, &[("GROUP", "2u".into())]).unwrap().contains("const GROUP = 2u;"));
+        assert!(
+            resolve_with(src, &[("GROUP", "2u".into())])
+                .unwrap()
+                .contains("const GROUP = 2u;")
+        );
         assert!(resolve_with(src, &[("NOPE", "1u".into())]).is_err());
     }
 

@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 //! GPU-vs-CPU tests of every kernel, on whatever adapter the machine has (Mesa lavapipe in CI).
 //! Inputs are fresh random draws from printed seeds (`EXPERTKV_TEST_SEED` replays one);
 //! outputs are poisoned before each run; decisions must match the CPU reference exactly.

@@ -11,7 +11,13 @@ fn demo_pipeline_matches_reference() {
     let rt = rt();
     for seed in seeds("demo_pipeline", 2) {
         let cfg = DemoConfig {
-            workload: WorkloadConfig { seed, n_seqs: 3, layers: 2, prompt_len: 150, ..Default::default() },
+            workload: WorkloadConfig {
+                seed,
+                n_seqs: 3,
+                layers: 2,
+                prompt_len: 150,
+                ..Default::default()
+            },
             steps: 5,
             ..Default::default()
         };
@@ -23,10 +29,22 @@ fn demo_pipeline_matches_reference() {
         }
         let r = last.expect("steps ran");
         assert_eq!(r.context, 155);
-        assert!(r.pages_in_use > 0 && r.kv_bytes_resident >= r.kv_bytes_tokens, "seed {seed}: {r:?}");
-        assert_eq!(r.shard_pages.iter().sum::<u32>(), r.pages_in_use, "seed {seed}");
-        let v = pollster::block_on(p.verify(rt)).expect("verify").expect("verification enabled");
+        assert!(
+            r.pages_in_use > 0 && r.kv_bytes_resident >= r.kv_bytes_tokens,
+            "seed {seed}: {r:?}"
+        );
+        assert_eq!(
+            r.shard_pages.iter().sum::<u32>(),
+            r.pages_in_use,
+            "seed {seed}"
+        );
+        let v = pollster::block_on(p.verify(rt))
+            .expect("verify")
+            .expect("verification enabled");
         assert!(v.placement_identical);
-        assert!(v.attention_max_abs_err <= v.attention_tolerance, "seed {seed}: {v:?}");
+        assert!(
+            v.attention_max_abs_err <= v.attention_tolerance,
+            "seed {seed}: {v:?}"
+        );
     }
 }
