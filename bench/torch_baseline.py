@@ -23,6 +23,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--copy", action="store_true", help="also time a device-to-device copy of 1 GiB")
+    ap.add_argument("--route", action="store_true", help="time topk(softmax(logits), k) instead of attention")
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--json", action="store_true", help="JSON lines only")
     a = ap.parse_args()
 
@@ -42,6 +45,32 @@ def main() -> int:
     dev = torch.device("cuda")
     dt = torch.float16 if a.dtype == "f16" else torch.float32
     g = torch.Generator(device=dev).manual_seed(7)
+
+    if a.route:
+        logits = torch.randn(a.tokens, a.experts, device=dev, dtype=torch.float32, generator=g)
+
+        def route():
+            probs = torch.softmax(logits, dim=-1)
+            w, idx = torch.topk(probs, a.top_k, dim=-1)
+            return w / w.sum(dim=-1, keepdim=True), idx
+
+        for _ in range(a.warmup):
+            route()
+        torch.cuda.synchronize()
+        ms = []
+        for _ in range(a.reps):
+            s = torch.cuda.Event(enable_timing=True)
+            e = torch.cuda.Event(enable_timing=True)
+            s.record()
+            route()
+            e.record()
+            e.synchronize()
+            ms.append(s.elapsed_time(e))
+        med = statistics.median(ms)
+        print(json.dumps({"kernel": "torch_topk_softmax", "shape": f"t{a.tokens}_e{a.experts}_k{a.top_k}", "median_ms": med,
+                          "gbps": a.tokens * a.experts * 4 / (med * 1e-3) / 1e9, "device": torch.cuda.get_device_name(0),
+                          "torch": torch.__version__}))
+        return 0
     q = torch.randn(a.batch, a.q_heads, 1, a.head_dim, device=dev, dtype=dt, generator=g)
     k = torch.randn(a.batch, a.kv_heads, a.tokens, a.head_dim, device=dev, dtype=dt, generator=g)
     v = torch.randn(a.batch, a.kv_heads, a.tokens, a.head_dim, device=dev, dtype=dt, generator=g)

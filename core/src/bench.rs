@@ -374,3 +374,23 @@ pub struct AttendBench {
     pub split: Measurement,
     pub variant: String,
 }
+
+/// Time routing (bias + top-k, what a decode step's selection costs) of `tokens` tokens over
+/// `n_experts` with `top_k`, on random logits, for one router.
+pub async fn bench_route(
+    rt: &Runtime,
+    cfg: crate::router_config::RouterConfig,
+    tokens: u32,
+    n_experts: u32,
+    top_k: u32,
+    warmup: u32,
+    reps: u32,
+) -> Result<Measurement> {
+    use crate::route::{RouteShape, Router};
+    let router = Router::new(rt, cfg, RouteShape { n_experts, top_k, layers: 1, max_tokens: tokens }, 0.1).await?;
+    let mut rng = Rng::new(3);
+    let logits: Vec<f32> = (0..u64::from(tokens) * u64::from(n_experts)).map(|_| rng.normal() as f32).collect();
+    router.set_logits(rt, &logits)?;
+    router.prepare(rt, 0, tokens, 0)?;
+    time_passes(rt, warmup, reps, &|p| router.encode_select(p, 0, tokens)).await
+}

@@ -199,3 +199,71 @@ pub mod shard_maps {
     pub const EXPERT: u32 = 1;
     pub const TOKEN_BLOCK: u32 = 2;
 }
+
+/// Must match `RouteParams` in `shaders/wgsl/common/route.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Pod, Zeroable)]
+pub struct RouteParams {
+    pub n_tokens: u32,
+    pub n_experts: u32,
+    pub top_k: u32,
+    pub router: u32,
+    pub n_groups: u32,
+    pub topk_groups: u32,
+    pub token_offset: u32,
+    pub n_partials: u32,
+    pub alpha: f32,
+    pub lambda: f32,
+    pub beta: f32,
+    pub ema: f32,
+    pub lr: f32,
+    pub kappa: f32,
+    pub c_miss: f32,
+    pub c_lb: f32,
+    pub layer: u32,
+    pub _pad0: u32,
+    pub _pad1: u32,
+    pub _pad2: u32,
+}
+const _: () = assert!(std::mem::size_of::<RouteParams>() == 80);
+
+/// Must match `ExpertStats` in `shaders/wgsl/common/route.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Pod, Zeroable, serde::Serialize)]
+pub struct ExpertStats {
+    pub load: f32,
+    pub miss: f32,
+    pub bias: f32,
+    pub grad: f32,
+    pub count: u32,
+    pub appended: u32,
+    pub resident: u32,
+    pub _pad: u32,
+}
+const _: () = assert!(std::mem::size_of::<ExpertStats>() == 32);
+
+/// Must match `RouteSummary` in `shaders/wgsl/common/route.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Pod, Zeroable, serde::Serialize)]
+pub struct RouteSummary {
+    pub entropy: f32,
+    pub cost: f32,
+    pub kl: f32,
+    pub expected_cost: f32,
+    pub steps: u32,
+    pub _pad0: u32,
+    pub _pad1: u32,
+    pub _pad2: u32,
+}
+const _: () = assert!(std::mem::size_of::<RouteSummary>() == 32);
+
+/// `RouteParams::router`; must match `ROUTER_*` in `shaders/wgsl/common/route.wgsl`.
+pub mod routers {
+    pub const HASH: u32 = 0;
+    pub const TOPK: u32 = 1;
+    pub const LOAD_BALANCE: u32 = 2;
+    pub const CACHE_AWARE: u32 = 3;
+    pub const ENTROPY: u32 = 4;
+    pub const ADAPTIVE: u32 = 5;
+    pub const HIERARCHICAL: u32 = 6;
+}

@@ -10,6 +10,8 @@ pub mod pipeline;
 pub mod pool;
 pub mod reference;
 pub mod rng;
+pub mod route;
+pub mod router_config;
 pub mod runtime;
 pub mod timer;
 pub mod workload;

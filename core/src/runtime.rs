@@ -486,6 +486,15 @@ impl Runtime {
         })
     }
 
+    /// Bind group 0 of `pipeline` from (binding, buffer) pairs: for entry points of a file with
+    /// several, whose automatic layout holds only the bindings that entry point uses.
+    pub fn bind_at(&self, label: &str, pipeline: &wgpu::ComputePipeline, buffers: &[(u32, &wgpu::Buffer)]) -> wgpu::BindGroup {
+        let layout = pipeline.get_bind_group_layout(0);
+        let entries: Vec<wgpu::BindGroupEntry> =
+            buffers.iter().map(|(i, b)| wgpu::BindGroupEntry { binding: *i, resource: b.as_entire_binding() }).collect();
+        self.device.create_bind_group(&wgpu::BindGroupDescriptor { label: Some(label), layout: &layout, entries: &entries })
+    }
+
     /// Fill a buffer with a repeated 32-bit pattern (used to poison outputs before a run).
     pub fn fill_u32(&self, buffer: &wgpu::Buffer, value: u32) {
         let n = (buffer.size() / 4) as usize;

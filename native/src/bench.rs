@@ -5,6 +5,7 @@ use clap::{Args, ValueEnum};
 use expertkv_core::attend::{AttendOptions, SplitVariant};
 use expertkv_core::bench::{AttendShape, BenchRecord, bench_attend, copy_roofline, gbps};
 use expertkv_core::config::KvDtype;
+use expertkv_core::router_config::RouterConfig;
 use expertkv_core::runtime::Runtime;
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -16,6 +17,8 @@ enum Which {
     Copy,
     /// Decode attention over the paged pool.
     Attend,
+    /// The routers' expert selection (bias + top-k).
+    Route,
 }
 
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
@@ -72,6 +75,18 @@ pub struct BenchArgs {
     /// and report the ratio.
     #[arg(long)]
     torch: bool,
+    /// Routing: tokens per call.
+    #[arg(long, default_value_t = 65536)]
+    route_tokens: u32,
+    /// Routing: experts.
+    #[arg(long, default_value_t = 256)]
+    experts: u32,
+    /// Routing: experts per token.
+    #[arg(long, default_value_t = 8)]
+    top_k: u32,
+    /// Routing: routers to time (name or name:key=value,...; default all seven).
+    #[arg(long)]
+    router: Vec<String>,
     /// Path of the PyTorch baseline script.
     #[arg(long, default_value = "bench/torch_baseline.py")]
     torch_script: String,
@@ -111,6 +126,61 @@ struct TorchLine {
     gbps: f64,
     #[serde(default)]
     device: String,
+}
+
+fn run_route(rt: &Runtime, a: &BenchArgs, warmup: u32, reps: u32, copy_gbps: f64) -> Result<()> {
+    let routers = if a.router.is_empty() {
+        RouterConfig::all_defaults()
+    } else {
+        a.router.iter().map(|s| RouterConfig::parse(s)).collect::<Result<Vec<_>, _>>()?
+    };
+    let tokens = if a.quick { a.route_tokens.min(4096) } else { a.route_tokens };
+    let shape = format!("t{}_e{}_k{}", tokens, a.experts, a.top_k);
+    let bytes = u64::from(tokens) * u64::from(a.experts) * 4;
+    let torch = if a.torch { Some(run_torch_route(&a.torch_script, tokens, a.experts, a.top_k, reps)?) } else { None };
+    for r in routers {
+        let m = pollster::block_on(expertkv_core::bench::bench_route(rt, r.clone(), tokens, a.experts, a.top_k, warmup, reps))
+            .with_context(|| format!("routing benchmark {}", r.name()))?;
+        let rec = record(rt, "route", shape.clone(), &m, bytes, copy_gbps, r.name().into());
+        let tokens_per_s = f64::from(tokens) / (m.median_ms * 1e-3);
+        if a.json {
+            let mut v = serde_json::to_value(&rec)?;
+            v["router"] = serde_json::to_value(&r)?;
+            v["tokens_per_s"] = tokens_per_s.into();
+            if let Some(t) = &torch {
+                v["torch_ms"] = t.median_ms.into();
+                v["speedup_vs_torch"] = (t.median_ms / m.median_ms).into();
+            }
+            println!("{v}");
+        } else {
+            let vs = torch.as_ref().map(|t| format!("  {:.1}x pytorch topk(softmax) ({:.4} ms)", t.median_ms / m.median_ms, t.median_ms)).unwrap_or_default();
+            println!(
+                "route   {:<22} {:<14} median {:.4} ms  {:>8.1} Mtokens/s  {:>8.1} GB/s of logits  ratio to copy {:.2}{vs}",
+                shape,
+                r.name(),
+                m.median_ms,
+                tokens_per_s / 1e6,
+                rec.gbps,
+                rec.ratio_to_copy
+            );
+        }
+    }
+    Ok(())
+}
+
+fn run_torch_route(script: &str, tokens: u32, experts: u32, top_k: u32, reps: u32) -> Result<TorchLine> {
+    let out = Command::new("python3")
+        .arg(script)
+        .args(["--json", "--route", "--tokens", &tokens.to_string(), "--experts", &experts.to_string(), "--top-k", &top_k.to_string()])
+        .args(["--reps", &reps.to_string()])
+        .output()
+        .with_context(|| format!("running python3 {script}"))?;
+    if !out.status.success() {
+        bail!("{script} failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().rev().find(|l| l.trim_start().starts_with('{')).context("no JSON line from the PyTorch baseline")?;
+    Ok(serde_json::from_str(line)?)
 }
 
 fn run_torch(script: &str, s: &AttendShape, reps: u32) -> Result<TorchLine> {
@@ -191,8 +261,10 @@ pub fn run(gpu: &GpuArgs, a: &BenchArgs) -> Result<()> {
         );
     }
     drop(ck);
-    if a.which == Which::Copy {
-        return Ok(());
+    match a.which {
+        Which::Copy => return Ok(()),
+        Which::Route => return run_route(&rt, a, warmup, reps, copy_gbps),
+        Which::Attend => {}
     }
     let dtype = KvDtype::parse(&a.dtype)?;
     let defaults: Vec<(u32, u32)> = if a.quick {

@@ -41,6 +41,13 @@ sources! {
     ATTEND_REDUCE => "attend/reduce.wgsl",
     ATTEND_MASS => "attend/mass.wgsl",
     BENCH_COPY => "bench/copy.wgsl",
+    COMMON_ROUTE => "common/route.wgsl",
+    ROUTE_BIAS => "route/bias.wgsl",
+    ROUTE_TOPK => "route/topk.wgsl",
+    ROUTE_COUNT => "route/count.wgsl",
+    ROUTE_STATS => "route/stats.wgsl",
+    ROUTE_MISS => "route/miss.wgsl",
+    ROUTE_ADAPTIVE => "route/adaptive.wgsl",
 }
 
 /// Every dispatchable kernel.
@@ -56,6 +63,14 @@ pub enum Kernel {
     AttendReduce,
     AttendMass,
     BenchCopy,
+    RouteBias,
+    RouteTopk,
+    RouteCount,
+    RouteStats,
+    RouteMissCount,
+    RouteMissFinish,
+    RouteAdaptiveGrad,
+    RouteAdaptiveUpdate,
 }
 
 impl Kernel {
@@ -70,6 +85,14 @@ impl Kernel {
         Kernel::AttendReduce,
         Kernel::AttendMass,
         Kernel::BenchCopy,
+        Kernel::RouteBias,
+        Kernel::RouteTopk,
+        Kernel::RouteCount,
+        Kernel::RouteStats,
+        Kernel::RouteMissCount,
+        Kernel::RouteMissFinish,
+        Kernel::RouteAdaptiveGrad,
+        Kernel::RouteAdaptiveUpdate,
     ];
 
     pub fn source(self) -> Source {
@@ -84,16 +107,35 @@ impl Kernel {
             Kernel::AttendReduce => ATTEND_REDUCE,
             Kernel::AttendMass => ATTEND_MASS,
             Kernel::BenchCopy => BENCH_COPY,
+            Kernel::RouteBias => ROUTE_BIAS,
+            Kernel::RouteTopk => ROUTE_TOPK,
+            Kernel::RouteCount => ROUTE_COUNT,
+            Kernel::RouteStats => ROUTE_STATS,
+            Kernel::RouteMissCount | Kernel::RouteMissFinish => ROUTE_MISS,
+            Kernel::RouteAdaptiveGrad | Kernel::RouteAdaptiveUpdate => ROUTE_ADAPTIVE,
         }
     }
 
-    /// Label of every pipeline, bind group and buffer of this kernel: its path.
+    /// Label of every pipeline, bind group and buffer of this kernel: its path, and its entry
+    /// point where the file has several.
     pub fn label(self) -> &'static str {
-        self.source().path
+        match self {
+            Kernel::RouteMissCount => "route/miss.wgsl#count",
+            Kernel::RouteMissFinish => "route/miss.wgsl#finish",
+            Kernel::RouteAdaptiveGrad => "route/adaptive.wgsl#grad",
+            Kernel::RouteAdaptiveUpdate => "route/adaptive.wgsl#update",
+            _ => self.source().path,
+        }
     }
 
     pub fn entry_point(self) -> &'static str {
-        "main"
+        match self {
+            Kernel::RouteMissCount => "count",
+            Kernel::RouteMissFinish => "finish",
+            Kernel::RouteAdaptiveGrad => "grad",
+            Kernel::RouteAdaptiveUpdate => "update",
+            _ => "main",
+        }
     }
 
     /// Needs the SUBGROUP feature (only on the capability tier that has it).
@@ -110,6 +152,7 @@ impl Kernel {
                 | Kernel::AttendSplitSubgroup
                 | Kernel::AttendReduce
                 | Kernel::BenchCopy
+                | Kernel::RouteTopk
         )
     }
 

@@ -3,6 +3,7 @@
 
 pub mod attend;
 pub mod pool;
+pub mod route;
 
 pub use attend::{AttentionOutput, attend_decode};
 pub use pool::{NewToken, PoolModel};

@@ -10,4 +10,5 @@ mod buffers;
 mod copy;
 mod errors;
 mod pipeline;
+mod route;
 mod shard;
