@@ -47,15 +47,7 @@ pub struct AttendOptions {
 
 impl Default for AttendOptions {
     fn default() -> Self {
-        AttendOptions {
-            group: 4,
-            n_seqs: 1,
-            chunk_pages: 32,
-            mass: true,
-            variant: None,
-            tokens_in_flight: 4,
-            transpose: true,
-        }
+        AttendOptions { group: 4, n_seqs: 1, chunk_pages: 32, mass: true, variant: None, tokens_in_flight: 4, transpose: true }
     }
 }
 
@@ -70,12 +62,7 @@ pub fn subgroup_layout(rt: &Runtime, head_dim: u32, dtype: KvDtype) -> Option<Sp
 }
 
 /// The first of `lanes_choices` that this device and shape allow.
-pub fn subgroup_layout_with(
-    rt: &Runtime,
-    head_dim: u32,
-    dtype: KvDtype,
-    lanes_choices: &[u32],
-) -> Option<SplitVariant> {
+pub fn subgroup_layout_with(rt: &Runtime, head_dim: u32, dtype: KvDtype, lanes_choices: &[u32]) -> Option<SplitVariant> {
     if rt.tier != Tier::Subgroups {
         return None;
     }
@@ -88,14 +75,8 @@ pub fn subgroup_layout_with(
     }
     let vec4s = head_dim / vals_per_vec4;
     for &lanes in lanes_choices {
-        if rt.caps.subgroup_min_size >= lanes
-            && vec4s.is_multiple_of(lanes)
-            && (1..=4).contains(&(vec4s / lanes))
-        {
-            return Some(SplitVariant::Subgroup {
-                lanes,
-                vpl: vec4s / lanes,
-            });
+        if rt.caps.subgroup_min_size >= lanes && vec4s.is_multiple_of(lanes) && (1..=4).contains(&(vec4s / lanes)) {
+            return Some(SplitVariant::Subgroup { lanes, vpl: vec4s / lanes });
         }
     }
     None
@@ -129,41 +110,21 @@ impl Attention {
     pub async fn new(rt: &Runtime, pool: &KvPool, opts: AttendOptions) -> Result<Attention> {
         let cfg = &pool.cfg;
         if opts.group == 0 || opts.group > MAX_GROUP {
-            return Err(Error::config(
-                "group",
-                opts.group,
-                format!("query heads per KV head must be in 1..={MAX_GROUP}"),
-            ));
+            return Err(Error::config("group", opts.group, format!("query heads per KV head must be in 1..={MAX_GROUP}")));
         }
         if opts.n_seqs == 0 || opts.n_seqs > cfg.max_seqs {
-            return Err(Error::config(
-                "n_seqs",
-                opts.n_seqs,
-                format!("must be in 1..={} (the pool's max_seqs)", cfg.max_seqs),
-            ));
+            return Err(Error::config("n_seqs", opts.n_seqs, format!("must be in 1..={} (the pool's max_seqs)", cfg.max_seqs)));
         }
         if !(1..=MAX_TOKENS_IN_FLIGHT).contains(&opts.tokens_in_flight) {
-            return Err(Error::config(
-                "tokens_in_flight",
-                opts.tokens_in_flight,
-                format!("must be in 1..={MAX_TOKENS_IN_FLIGHT}"),
-            ));
+            return Err(Error::config("tokens_in_flight", opts.tokens_in_flight, format!("must be in 1..={MAX_TOKENS_IN_FLIGHT}")));
         }
         if opts.chunk_pages == 0 || opts.chunk_pages > MAX_CHUNK_PAGES {
-            return Err(Error::config(
-                "chunk_pages",
-                opts.chunk_pages,
-                format!("must be in 1..={MAX_CHUNK_PAGES}"),
-            ));
+            return Err(Error::config("chunk_pages", opts.chunk_pages, format!("must be in 1..={MAX_CHUNK_PAGES}")));
         }
         let variant = match opts.variant {
             Some(v @ SplitVariant::Subgroup { lanes, .. }) => {
                 if subgroup_layout_with(rt, cfg.head_dim, cfg.dtype, &[lanes]) != Some(v) {
-                    return Err(Error::config(
-                        "variant",
-                        v.name(),
-                        "this device or shape cannot run the subgroup kernel; use tiled",
-                    ));
+                    return Err(Error::config("variant", v.name(), "this device or shape cannot run the subgroup kernel; use tiled"));
                 }
                 v
             }
@@ -178,8 +139,7 @@ impl Attention {
         let split = match variant {
             SplitVariant::Tiled => rt.pipeline(Kernel::AttendSplitTiled, &[]).await?,
             SplitVariant::Subgroup { lanes, vpl } => {
-                let transpose =
-                    opts.transpose && opts.group.is_power_of_two() && opts.group <= lanes;
+                let transpose = opts.transpose && opts.group.is_power_of_two() && opts.group <= lanes;
                 rt.pipeline_with(
                     Kernel::AttendSplitSubgroup,
                     &[
@@ -197,25 +157,13 @@ impl Attention {
             }
         };
         let reduce = rt.pipeline(Kernel::AttendReduce, &[]).await?;
-        let mass = if opts.mass {
-            Some(rt.pipeline(Kernel::AttendMass, &[]).await?)
-        } else {
-            None
-        };
+        let mass = if opts.mass { Some(rt.pipeline(Kernel::AttendMass, &[]).await?) } else { None };
 
         let seqs = u64::from(opts.n_seqs);
         let qh = u64::from(q_heads);
-        let partial_floats =
-            seqs * qh * u64::from(n_buffers) * u64::from(n_chunks) * u64::from(d + 4);
-        let score_floats = if opts.mass {
-            seqs * qh * u64::from(max_tokens)
-        } else {
-            1
-        };
-        for (what, bytes) in [
-            ("attention partials", partial_floats * 4),
-            ("attention scores", score_floats * 4),
-        ] {
+        let partial_floats = seqs * qh * u64::from(n_buffers) * u64::from(n_chunks) * u64::from(d + 4);
+        let score_floats = if opts.mass { seqs * qh * u64::from(max_tokens) } else { 1 };
+        for (what, bytes) in [("attention partials", partial_floats * 4), ("attention scores", score_floats * 4)] {
             if bytes > rt.max_binding_bytes() {
                 return Err(Error::Limit {
                     what: what.into(),
@@ -244,40 +192,16 @@ impl Attention {
                 rt.bind(
                     split_label,
                     &split,
-                    &[
-                        &pool.geometry,
-                        &params,
-                        w,
-                        &pool.page_list,
-                        &pool.page_counts,
-                        &pool.page_meta,
-                        kv,
-                        &queries,
-                        &partials,
-                        &scores,
-                    ],
+                    &[&pool.geometry, &params, w, &pool.page_list, &pool.page_counts, &pool.page_meta, kv, &queries, &partials, &scores],
                 )
             })
             .collect();
-        let reduce_bg = rt.bind(
-            Kernel::AttendReduce.label(),
-            &reduce,
-            &[&params, &dims, &partials, &out, &stats],
-        );
+        let reduce_bg = rt.bind(Kernel::AttendReduce.label(), &reduce, &[&params, &dims, &partials, &out, &stats]);
         let mass_bg = mass.as_ref().map(|m| {
             rt.bind(
                 Kernel::AttendMass.label(),
                 m,
-                &[
-                    &pool.geometry,
-                    &params,
-                    &pool.page_list,
-                    &pool.page_counts,
-                    &pool.page_meta,
-                    &scores,
-                    &stats,
-                    &pool.slot_meta,
-                ],
+                &[&pool.geometry, &params, &pool.page_list, &pool.page_counts, &pool.page_meta, &scores, &stats, &pool.slot_meta],
             )
         });
         rt.check("attention setup")?;
@@ -319,19 +243,12 @@ impl Attention {
     pub fn set_queries(&self, rt: &Runtime, q: &[f32]) -> Result<()> {
         let want = (self.opts.n_seqs * self.q_heads * self.head_dim) as usize;
         if q.len() != want {
-            return Err(Error::Input(format!(
-                "queries: {} values, expected n_seqs x q_heads x head_dim = {want}",
-                q.len()
-            )));
+            return Err(Error::Input(format!("queries: {} values, expected n_seqs x q_heads x head_dim = {want}", q.len())));
         }
         if let Some(i) = q.iter().position(|v| !v.is_finite()) {
-            return Err(Error::Input(format!(
-                "queries: value {i} is {} (not finite)",
-                q[i]
-            )));
+            return Err(Error::Input(format!("queries: value {i} is {} (not finite)", q[i])));
         }
-        rt.queue
-            .write_buffer(&self.queries, 0, bytemuck::cast_slice(q));
+        rt.queue.write_buffer(&self.queries, 0, bytemuck::cast_slice(q));
         Ok(())
     }
 
@@ -351,8 +268,7 @@ impl Attention {
             scale: self.scale,
             _pad0: 0,
         };
-        rt.queue
-            .write_buffer(&self.params, 0, bytemuck::bytes_of(&p));
+        rt.queue.write_buffer(&self.params, 0, bytemuck::bytes_of(&p));
     }
 
     /// The kernel and its knobs, as benchmarks report them.
@@ -360,9 +276,7 @@ impl Attention {
         match self.variant {
             SplitVariant::Tiled => format!("tiled chunk={}", self.opts.chunk_pages),
             SplitVariant::Subgroup { lanes, vpl } => {
-                let transpose = self.opts.transpose
-                    && self.opts.group.is_power_of_two()
-                    && self.opts.group <= lanes;
+                let transpose = self.opts.transpose && self.opts.group.is_power_of_two() && self.opts.group <= lanes;
                 format!(
                     "subgroup lanes={lanes} vpl={vpl} u={} {} chunk={}",
                     self.opts.tokens_in_flight,
@@ -398,16 +312,9 @@ impl Attention {
     /// Encode, submit and wait for one call on `layer`.
     pub fn run(&self, rt: &Runtime, layer: u32, step: u32) -> Result<()> {
         self.prepare(rt, layer, step);
-        let mut enc = rt
-            .device
-            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                label: Some("attend"),
-            });
+        let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("attend") });
         {
-            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                label: Some("attend"),
-                timestamp_writes: None,
-            });
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("attend"), timestamp_writes: None });
             self.encode(&mut pass);
         }
         rt.queue.submit([enc.finish()]);
@@ -416,12 +323,7 @@ impl Attention {
 
     /// Output, [seq][q_head][head_dim].
     pub async fn read_output(&self, rt: &Runtime) -> Result<Vec<f32>> {
-        rt.read(
-            &self.out,
-            0,
-            u64::from(self.opts.n_seqs * self.q_heads * self.head_dim),
-        )
-        .await
+        rt.read(&self.out, 0, u64::from(self.opts.n_seqs * self.q_heads * self.head_dim)).await
     }
 
     /// Bytes of K and V one call reads for `tokens` cached tokens per sequence (all sequences).

@@ -24,23 +24,12 @@ pub struct Measurement {
 }
 
 /// Run `encode` (one compute pass's work) `reps` times after `warmup` runs, and time each run.
-pub async fn time_passes(
-    rt: &Runtime,
-    warmup: u32,
-    reps: u32,
-    encode: &dyn Fn(&mut wgpu::ComputePass<'_>),
-) -> Result<Measurement> {
+pub async fn time_passes(rt: &Runtime, warmup: u32, reps: u32, encode: &dyn Fn(&mut wgpu::ComputePass<'_>)) -> Result<Measurement> {
     let run = |timer: Option<&GpuTimer>, n: u32| {
-        let mut enc = rt
-            .device
-            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                label: Some("bench"),
-            });
+        let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("bench") });
         for i in 0..n {
-            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                label: Some("bench"),
-                timestamp_writes: timer.and_then(|t| t.pass(i)),
-            });
+            let mut pass = enc
+                .begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("bench"), timestamp_writes: timer.and_then(|t| t.pass(i)) });
             encode(&mut pass);
         }
         if let Some(t) = timer {
@@ -54,12 +43,7 @@ pub async fn time_passes(
         run(Some(&timer), reps);
         let ms = timer.read_ms(rt, reps).await?;
         let min = ms.iter().cloned().fold(f64::INFINITY, f64::min);
-        return Ok(Measurement {
-            median_ms: median(&ms),
-            min_ms: min,
-            samples: ms.len(),
-            timing: "gpu-timestamps",
-        });
+        return Ok(Measurement { median_ms: median(&ms), min_ms: min, samples: ms.len(), timing: "gpu-timestamps" });
     }
     #[cfg(not(target_arch = "wasm32"))]
     {
@@ -71,18 +55,10 @@ pub async fn time_passes(
             ms.push(t0.elapsed().as_secs_f64() * 1e3);
         }
         let min = ms.iter().cloned().fold(f64::INFINITY, f64::min);
-        Ok(Measurement {
-            median_ms: median(&ms),
-            min_ms: min,
-            samples: ms.len(),
-            timing: "host-clock",
-        })
+        Ok(Measurement { median_ms: median(&ms), min_ms: min, samples: ms.len(), timing: "host-clock" })
     }
     #[cfg(target_arch = "wasm32")]
-    Err(Error::Gpu {
-        during: "benchmark".into(),
-        message: "no timestamp queries on this device".into(),
-    })
+    Err(Error::Gpu { during: "benchmark".into(), message: "no timestamp queries on this device".into() })
 }
 
 /// The copy roofline: `bytes` copied from one buffer to another (read + write = 2 x bytes).
@@ -113,32 +89,14 @@ impl CopyKernel {
         let mut off = 0u64;
         while off < bytes {
             let len = (bytes - off).min(chunk.len() as u64 * 4);
-            rt.queue.write_buffer(
-                &src,
-                off,
-                bytemuck::cast_slice(&chunk[..(len / 4) as usize]),
-            );
+            rt.queue.write_buffer(&src, off, bytemuck::cast_slice(&chunk[..(len / 4) as usize]));
             off += len;
         }
         let dst = rt.storage("bench/copy dst", bytes);
         let groups = (n_vec4.div_ceil(256)).min(65_535) as u32;
-        let params = rt.uniform(
-            "bench/copy params",
-            &CopyParams {
-                n_vec4: n_vec4 as u32,
-                stride: groups * 256,
-                ..Default::default()
-            },
-        );
+        let params = rt.uniform("bench/copy params", &CopyParams { n_vec4: n_vec4 as u32, stride: groups * 256, ..Default::default() });
         let bind = rt.bind(Kernel::BenchCopy.label(), &pipeline, &[&params, &src, &dst]);
-        Ok(CopyKernel {
-            pipeline,
-            bind,
-            groups,
-            bytes,
-            _src: src,
-            dst,
-        })
+        Ok(CopyKernel { pipeline, bind, groups, bytes, _src: src, dst })
     }
 
     pub fn src(&self) -> &wgpu::Buffer {
@@ -181,12 +139,7 @@ pub fn gbps(bytes: u64, ms: f64) -> f64 {
 }
 
 /// Measure the copy roofline over `bytes`.
-pub async fn copy_roofline(
-    rt: &Runtime,
-    bytes: u64,
-    warmup: u32,
-    reps: u32,
-) -> Result<(CopyKernel, Measurement)> {
+pub async fn copy_roofline(rt: &Runtime, bytes: u64, warmup: u32, reps: u32) -> Result<(CopyKernel, Measurement)> {
     let k = CopyKernel::new(rt, bytes, 0x00C0_FFEE).await?;
     let m = time_passes(rt, warmup, reps, &|p| k.encode(p)).await?;
     Ok((k, m))
@@ -244,10 +197,7 @@ impl AttendShape {
             n_shards,
             ring_capacity: ring,
             top_k: 1,
-            shard_map: ShardMap::Pikv {
-                n_tok: n_shards,
-                n_exp: n_shards,
-            },
+            shard_map: ShardMap::Pikv { n_tok: n_shards, n_exp: n_shards },
             max_buffer_bytes: None,
         }
     }
@@ -256,21 +206,12 @@ impl AttendShape {
 /// Fill sequences `0..batch` of layer 0 with `tokens` random tokens each, through the append
 /// path. Random K/V come from a block of distinct random tokens reused cyclically (cheap to make
 /// for gigabytes, never zeros). `progress(done, total)` is called after each batch.
-pub fn fill_random(
-    rt: &Runtime,
-    pool: &mut KvPool,
-    batch: u32,
-    tokens: u32,
-    seed: u64,
-    progress: &mut dyn FnMut(u64, u64),
-) -> Result<()> {
+pub fn fill_random(rt: &Runtime, pool: &mut KvPool, batch: u32, tokens: u32, seed: u64, progress: &mut dyn FnMut(u64, u64)) -> Result<()> {
     let cfg = pool.cfg.clone();
     let per_token = (cfg.kv_heads * cfg.head_dim * 2) as usize;
     let distinct = 4096usize;
     let mut rng = Rng::new(seed);
-    let values: Vec<f32> = (0..distinct * per_token)
-        .map(|_| rng.normal() as f32)
-        .collect();
+    let values: Vec<f32> = (0..distinct * per_token).map(|_| rng.normal() as f32).collect();
     let mut words_block = Vec::new();
     encode_values(&values, cfg.dtype, &mut words_block);
     let wpt = words_block.len() / distinct;
@@ -282,13 +223,7 @@ pub fn fill_random(
     let flush = |pending: &mut Vec<(u32, u32)>, pool: &mut KvPool, step: u32| -> Result<()> {
         let toks: Vec<NewToken> = pending
             .iter()
-            .map(|&(seq, pos)| NewToken {
-                layer: 0,
-                seq,
-                position: pos,
-                experts: vec![(pos / 7 + seq) % 64],
-                gates: vec![1.0],
-            })
+            .map(|&(seq, pos)| NewToken { layer: 0, seq, position: pos, experts: vec![(pos / 7 + seq) % 64], gates: vec![1.0] })
             .collect();
         let mut kv = Vec::with_capacity(toks.len() * wpt);
         for &(seq, pos) in pending.iter() {
@@ -332,40 +267,21 @@ pub async fn bench_attend(
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<AttendBench> {
     if !shape.q_heads.is_multiple_of(shape.kv_heads) {
-        return Err(Error::config(
-            "q_heads",
-            shape.q_heads,
-            format!("must be a multiple of kv_heads = {}", shape.kv_heads),
-        ));
+        return Err(Error::config("q_heads", shape.q_heads, format!("must be a multiple of kv_heads = {}", shape.kv_heads)));
     }
     let mut pool = KvPool::new(rt, shape.pool_config()).await?;
     fill_random(rt, &mut pool, shape.batch, shape.tokens, 7, progress)?;
     pool.check_errors(rt, 0).await?;
     pool.gather(rt)?;
-    let attn = Attention::new(
-        rt,
-        &pool,
-        AttendOptions {
-            group: shape.q_heads / shape.kv_heads,
-            n_seqs: shape.batch,
-            mass: false,
-            ..base
-        },
-    )
-    .await?;
+    let attn = Attention::new(rt, &pool, AttendOptions { group: shape.q_heads / shape.kv_heads, n_seqs: shape.batch, mass: false, ..base })
+        .await?;
     let mut rng = Rng::new(11);
-    let q: Vec<f32> = (0..shape.batch * shape.q_heads * shape.head_dim)
-        .map(|_| rng.normal() as f32)
-        .collect();
+    let q: Vec<f32> = (0..shape.batch * shape.q_heads * shape.head_dim).map(|_| rng.normal() as f32).collect();
     attn.set_queries(rt, &q)?;
     attn.prepare(rt, 0, 0);
     let total = time_passes(rt, warmup, reps, &|p| attn.encode(p)).await?;
     let split = time_passes(rt, warmup, reps, &|p| attn.encode_split(p)).await?;
-    Ok(AttendBench {
-        total,
-        split,
-        variant: attn.describe(),
-    })
+    Ok(AttendBench { total, split, variant: attn.describe() })
 }
 
 /// Decode attention timed whole (split + reduce) and split pass alone.
@@ -390,7 +306,7 @@ pub async fn bench_route(
     let router = Router::new(rt, cfg, RouteShape { n_experts, top_k, layers: 1, max_tokens: tokens }, 0.1).await?;
     let mut rng = Rng::new(3);
     let logits: Vec<f32> = (0..u64::from(tokens) * u64::from(n_experts)).map(|_| rng.normal() as f32).collect();
-    router.set_logits(rt, &logits)?;
+    router.set_logits(rt, 0, &logits)?;
     router.prepare(rt, 0, tokens, 0)?;
     time_passes(rt, warmup, reps, &|p| router.encode_select(p, 0, tokens)).await
 }

@@ -62,17 +62,10 @@ impl ShardMap {
     /// The default map of a given name for `n_shards` shards.
     pub fn parse(name: &str, n_shards: u32) -> Result<Self> {
         match name {
-            "pikv" => Ok(ShardMap::Pikv {
-                n_tok: n_shards,
-                n_exp: n_shards,
-            }),
+            "pikv" => Ok(ShardMap::Pikv { n_tok: n_shards, n_exp: n_shards }),
             "expert" => Ok(ShardMap::ByExpert),
             "token-block" => Ok(ShardMap::ByTokenBlock { block: 64 }),
-            other => Err(Error::config(
-                "shard_map",
-                other,
-                "allowed values: pikv, expert, token-block",
-            )),
+            other => Err(Error::config("shard_map", other, "allowed values: pikv, expert, token-block")),
         }
     }
 
@@ -167,11 +160,7 @@ impl PoolConfig {
     /// Check every field on its own and in combination; the error names the field.
     pub fn validate(&self) -> Result<()> {
         let pos = |field: &'static str, v: u32| {
-            if v == 0 {
-                Err(Error::config(field, v, "must be at least 1"))
-            } else {
-                Ok(())
-            }
+            if v == 0 { Err(Error::config(field, v, "must be at least 1")) } else { Ok(()) }
         };
         pos("layers", self.layers)?;
         pos("kv_heads", self.kv_heads)?;
@@ -182,46 +171,24 @@ impl PoolConfig {
             KvDtype::F16 => 8,
             KvDtype::F32 => 4,
         };
-        if self.head_dim == 0
-            || self.head_dim > MAX_HEAD_DIM
-            || !self.head_dim.is_multiple_of(align)
-        {
+        if self.head_dim == 0 || self.head_dim > MAX_HEAD_DIM || !self.head_dim.is_multiple_of(align) {
             return Err(Error::config(
                 "head_dim",
                 self.head_dim,
-                format!(
-                    "must be a multiple of {align} for {} storage, at most {MAX_HEAD_DIM}",
-                    self.dtype.name()
-                ),
+                format!("must be a multiple of {align} for {} storage, at most {MAX_HEAD_DIM}", self.dtype.name()),
             ));
         }
         if self.page_size == 0 || self.page_size > MAX_PAGE_SIZE {
-            return Err(Error::config(
-                "page_size",
-                self.page_size,
-                format!("must be in 1..={MAX_PAGE_SIZE}"),
-            ));
+            return Err(Error::config("page_size", self.page_size, format!("must be in 1..={MAX_PAGE_SIZE}")));
         }
         if !self.n_shards.is_power_of_two() || self.n_shards > MAX_SHARDS {
-            return Err(Error::config(
-                "n_shards",
-                self.n_shards,
-                format!("must be a power of two, at most {MAX_SHARDS}"),
-            ));
+            return Err(Error::config("n_shards", self.n_shards, format!("must be a power of two, at most {MAX_SHARDS}")));
         }
         if self.ring_capacity < 2 {
-            return Err(Error::config(
-                "ring_capacity",
-                self.ring_capacity,
-                "must be at least 2 pages",
-            ));
+            return Err(Error::config("ring_capacity", self.ring_capacity, "must be at least 2 pages"));
         }
         if self.top_k > MAX_TOP_K {
-            return Err(Error::config(
-                "top_k",
-                self.top_k,
-                format!("must be at most {MAX_TOP_K}"),
-            ));
+            return Err(Error::config("top_k", self.top_k, format!("must be at most {MAX_TOP_K}")));
         }
         match self.shard_map {
             ShardMap::Pikv { n_tok, n_exp } => {
@@ -230,10 +197,7 @@ impl PoolConfig {
                         return Err(Error::config(
                             field,
                             v,
-                            format!(
-                                "must be a power of two at most n_shards = {} so that the XOR stays a shard",
-                                self.n_shards
-                            ),
+                            format!("must be a power of two at most n_shards = {} so that the XOR stays a shard", self.n_shards),
                         ));
                     }
                 }
@@ -244,38 +208,23 @@ impl PoolConfig {
         // Every index the kernels compute must fit in u32.
         let keys = u64::from(self.layers) * u64::from(self.max_seqs) * u64::from(self.n_shards);
         if keys * u64::from(self.ring_capacity) > u64::from(u32::MAX) {
-            return Err(Error::config(
-                "ring_capacity",
-                self.ring_capacity,
-                "layers x max_seqs x n_shards x ring_capacity overflows u32",
-            ));
+            return Err(Error::config("ring_capacity", self.ring_capacity, "layers x max_seqs x n_shards x ring_capacity overflows u32"));
         }
-        let slots =
-            u64::from(self.n_pages) * u64::from(self.page_size) * u64::from(self.meta_words());
+        let slots = u64::from(self.n_pages) * u64::from(self.page_size) * u64::from(self.meta_words());
         if slots > u64::from(u32::MAX) {
-            return Err(Error::config(
-                "n_pages",
-                self.n_pages,
-                "slot metadata index overflows u32; use fewer pages",
-            ));
+            return Err(Error::config("n_pages", self.n_pages, "slot metadata index overflows u32; use fewer pages"));
         }
         if let Some(b) = self.max_buffer_bytes
             && b < self.page_bytes()
         {
-            return Err(Error::config(
-                "max_buffer_bytes",
-                b,
-                format!("smaller than one page ({} bytes)", self.page_bytes()),
-            ));
+            return Err(Error::config("max_buffer_bytes", b, format!("smaller than one page ({} bytes)", self.page_bytes())));
         }
         Ok(())
     }
 
     /// Pages each pool buffer holds under a per-buffer byte cap (also kept under 4 GiB of words).
     pub fn pages_per_buffer(&self, cap_bytes: u64) -> u32 {
-        let cap = self
-            .max_buffer_bytes
-            .map_or(cap_bytes, |b| b.min(cap_bytes));
+        let cap = self.max_buffer_bytes.map_or(cap_bytes, |b| b.min(cap_bytes));
         let by_bytes = cap / self.page_bytes();
         let by_index = u64::from(u32::MAX) / (u64::from(self.page_words()) + 1);
         by_bytes.min(by_index).min(u64::from(self.n_pages)) as u32
@@ -327,20 +276,14 @@ mod tests {
 
     #[test]
     fn bad_fields_are_named() {
-        let mut c = PoolConfig {
-            head_dim: 100,
-            ..Default::default()
-        };
+        let mut c = PoolConfig { head_dim: 100, ..Default::default() };
         let e = c.validate().unwrap_err().to_string();
         assert!(e.contains("head_dim"), "{e}");
         c.head_dim = 128;
         c.n_shards = 6;
         assert!(c.validate().unwrap_err().to_string().contains("n_shards"));
         c.n_shards = 8;
-        c.shard_map = ShardMap::Pikv {
-            n_tok: 16,
-            n_exp: 8,
-        };
+        c.shard_map = ShardMap::Pikv { n_tok: 16, n_exp: 8 };
         assert!(c.validate().unwrap_err().to_string().contains("n_tok"));
     }
 

@@ -10,21 +10,12 @@ pub enum Error {
     RequestDevice { adapter: String, message: String },
 
     #[error("invalid configuration: `{field}` = {value}: {reason}")]
-    Config {
-        field: &'static str,
-        value: String,
-        reason: String,
-    },
+    Config { field: &'static str, value: String, reason: String },
 
     #[error("kernel `{kernel}` failed to build: {message}")]
-    Pipeline {
-        kernel: &'static str,
-        message: String,
-    },
+    Pipeline { kernel: &'static str, message: String },
 
-    #[error(
-        "the GPU device was lost ({reason}): {message}. Cached state on it is gone; create a new Runtime and pool"
-    )]
+    #[error("the GPU device was lost ({reason}): {message}. Cached state on it is gone; create a new Runtime and pool")]
     DeviceLost { reason: String, message: String },
 
     #[error("GPU error during {during}: {message}")]
@@ -43,26 +34,13 @@ pub enum Error {
     Input(String),
 
     #[error("{what} needs {needed} bytes, over this adapter's limit {limit_name} = {limit} bytes")]
-    Limit {
-        what: String,
-        needed: u64,
-        limit_name: &'static str,
-        limit: u64,
-    },
+    Limit { what: String, needed: u64, limit_name: &'static str, limit: u64 },
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
-    pub(crate) fn config(
-        field: &'static str,
-        value: impl std::fmt::Display,
-        reason: impl Into<String>,
-    ) -> Self {
-        Error::Config {
-            field,
-            value: value.to_string(),
-            reason: reason.into(),
-        }
+    pub(crate) fn config(field: &'static str, value: impl std::fmt::Display, reason: impl Into<String>) -> Self {
+        Error::Config { field, value: value.to_string(), reason: reason.into() }
     }
 }

@@ -90,6 +90,17 @@ pub struct AppendParams {
 }
 const _: () = assert!(std::mem::size_of::<AppendParams>() == 16);
 
+/// Must match `ApplyParams` in `shaders/wgsl/shard/apply_routing.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct ApplyParams {
+    pub n_tokens: u32,
+    pub token_words: u32,
+    pub per_layer: u32,
+    pub row_stride: u32,
+}
+const _: () = assert!(std::mem::size_of::<ApplyParams>() == 16);
+
 /// Must match `TokenPlan` in `shaders/wgsl/common/append.wgsl`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
@@ -221,7 +232,7 @@ pub struct RouteParams {
     pub c_miss: f32,
     pub c_lb: f32,
     pub layer: u32,
-    pub _pad0: u32,
+    pub token_base: u32,
     pub _pad1: u32,
     pub _pad2: u32,
 }

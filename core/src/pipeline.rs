@@ -1,6 +1,8 @@
-//! The decode pipeline as it stands: every step appends each sequence's new token at every
-//! layer into its shard, rebuilds the page lists and runs decode attention per layer, all on the
-//! GPU; the host reads back only the pool's counters and ring sizes for the report.
+//! The decode pipeline as it stands. Every step, on the GPU: route each sequence's new token at
+//! every layer with the configured router (its statistics live on the GPU), append the tokens
+//! into their shards with the routed experts (no host round trip), rebuild the page lists, run
+//! decode attention per layer, and recount each expert's miss rate from the pool for the next
+//! step's routing. The host reads back only counters and small statistics for the report.
 
 use serde::{Deserialize, Serialize};
 
@@ -11,11 +13,16 @@ use crate::gpu_data::PoolCtl;
 use crate::pool::KvPool;
 use crate::reference::pool::{NewToken, PoolModel, encode_values};
 use crate::reference::{attend_decode, pool::decode_words};
+use crate::route::{RouteShape, Router};
+use crate::router_config::RouterConfig;
 use crate::runtime::Runtime;
 use crate::timer::GpuTimer;
 use crate::workload::{GenToken, Workload, WorkloadConfig};
 
+/// Everything a demo run is made of; also the TOML config file (`expertkv demo --config FILE`),
+/// where every field is optional.
 #[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct DemoConfig {
     pub workload: WorkloadConfig,
     pub steps: u32,
@@ -28,6 +35,9 @@ pub struct DemoConfig {
     pub chunk_pages: u32,
     /// Keep a CPU reference of the pool in lockstep and check placement and attention.
     pub verify: bool,
+    pub router: RouterConfig,
+    /// Weight of the newest step in the routers' moving-average load.
+    pub route_ema: f32,
 }
 
 impl Default for DemoConfig {
@@ -42,6 +52,8 @@ impl Default for DemoConfig {
             pool_pages: None,
             chunk_pages: 8,
             verify: true,
+            router: RouterConfig::Topk,
+            route_ema: 0.1,
         }
     }
 }
@@ -58,9 +70,7 @@ impl DemoConfig {
             head_dim: w.head_dim,
             page_size: self.page_size,
             dtype: self.dtype,
-            n_pages: self
-                .pool_pages
-                .unwrap_or(w.n_seqs * w.layers * pages_per_seq_layer),
+            n_pages: self.pool_pages.unwrap_or(w.n_seqs * w.layers * pages_per_seq_layer),
             max_seqs: w.n_seqs,
             n_shards: self.n_shards,
             ring_capacity: ring,
@@ -74,9 +84,12 @@ impl DemoConfig {
 /// GPU time of each stage of one step (milliseconds).
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct StageTimes {
+    pub route_ms: f64,
     pub append_ms: f64,
     pub gather_ms: f64,
     pub attend_ms: f64,
+    /// Recounting each expert's tokens in the pool (miss rates for the next step's routing).
+    pub miss_ms: f64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -95,6 +108,12 @@ pub struct StepReport {
     /// Pages held by each shard index, summed over layers and sequences.
     pub shard_pages: Vec<u32>,
     pub ring_overflows: u32,
+    /// Routing entropy (nats) of the step, averaged over layers.
+    pub routing_entropy: f32,
+    /// Miss rate averaged over (layer, expert), weighted by tokens appended.
+    pub miss_rate: f32,
+    /// Moving-average load of each expert, averaged over layers.
+    pub expert_load: Vec<f32>,
 }
 
 /// What the CPU reference check found.
@@ -110,10 +129,13 @@ pub struct Pipeline {
     pub cfg: DemoConfig,
     pub pool: KvPool,
     pub attn: Attention,
+    pub router: Router,
     pub workload: Workload,
     model: Option<PoolModel>,
     timer: Option<GpuTimer>,
     step: u32,
+    /// Tokens routed so far (the hash router numbers tokens by this).
+    routed_tokens: u32,
     last_queries: Vec<f32>,
 }
 
@@ -126,17 +148,35 @@ fn kv_words(tokens: &[GenToken], dtype: KvDtype) -> Vec<u32> {
     words
 }
 
+/// Positions of every sequence per prefill batch: whole positions of every layer and sequence,
+/// within what one append may carry.
+fn prefill_positions(max_append: u32, n_seqs: u32, layers: u32) -> u32 {
+    (max_append / (n_seqs * layers)).clamp(1, 256)
+}
+
 impl Pipeline {
     pub async fn new(rt: &Runtime, cfg: DemoConfig) -> Result<Pipeline> {
         let pool_cfg = cfg.pool_config();
         let workload = Workload::new(cfg.workload.clone())?;
+        let w = &cfg.workload;
         let pool = KvPool::new(rt, pool_cfg.clone()).await?;
+        if pool.max_append_tokens(rt) < w.n_seqs * w.layers {
+            return Err(Error::config(
+                "seqs",
+                w.n_seqs,
+                format!("one decode step appends seqs x layers = {} tokens, more than an append may carry here", w.n_seqs * w.layers),
+            ));
+        }
+        let positions = prefill_positions(pool.max_append_tokens(rt), w.n_seqs, w.layers);
+        let shape = RouteShape { n_experts: w.n_experts, top_k: w.top_k, layers: w.layers, max_tokens: positions * w.n_seqs };
+        let mut router = Router::new(rt, cfg.router.clone(), shape, cfg.route_ema).await?;
+        router.bind_pool(rt, &pool)?;
         let attn = Attention::new(
             rt,
             &pool,
             AttendOptions {
-                group: cfg.workload.group,
-                n_seqs: cfg.workload.n_seqs,
+                group: w.group,
+                n_seqs: w.n_seqs,
                 chunk_pages: cfg.chunk_pages,
                 mass: true,
                 variant: None,
@@ -149,106 +189,141 @@ impl Pipeline {
         pool.gather(rt)?;
         attn.run(rt, 0, 0)?;
         rt.wait()?;
-        let timer = GpuTimer::new(rt, 2 + cfg.workload.layers);
+        let timer = GpuTimer::new(rt, 4 + w.layers);
         let model = cfg.verify.then(|| PoolModel::new(&pool_cfg));
-        Ok(Pipeline {
-            cfg,
-            pool,
-            attn,
-            workload,
-            model,
-            timer,
-            step: 0,
-            last_queries: Vec::new(),
-        })
+        Ok(Pipeline { cfg, pool, attn, router, workload, model, timer, step: 0, routed_tokens: 0, last_queries: Vec::new() })
     }
 
-    fn append(&mut self, rt: &Runtime, tokens: &[GenToken], timed: bool) -> Result<()> {
+    /// Route `tokens` (ordered [layer][token of the layer], `per_layer` per layer) on the GPU and
+    /// append them with the routed experts. With verification on, the routed experts are read
+    /// back (outside the data path) so the CPU reference appends the same tokens.
+    async fn route_and_append(&mut self, rt: &Runtime, tokens: &[GenToken], per_layer: u32, timed: bool) -> Result<()> {
+        let layers = self.pool.cfg.layers;
+        let e = self.cfg.workload.n_experts as usize;
+        for layer in 0..layers {
+            let rows = &tokens[(layer * per_layer) as usize..((layer + 1) * per_layer) as usize];
+            let logits: Vec<f32> = rows.iter().flat_map(|t| t.logits.iter().copied()).collect();
+            debug_assert_eq!(logits.len(), rows.len() * e);
+            self.router.set_logits(rt, layer, &logits)?;
+            self.router.prepare(rt, layer, per_layer, self.routed_tokens + layer * per_layer)?;
+        }
+        let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("route") });
+        {
+            let ts = if timed { self.timer.as_ref().and_then(|t| t.pass(0)) } else { None };
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("route"), timestamp_writes: ts });
+            for layer in 0..layers {
+                self.router.encode(&mut pass, layer, per_layer);
+            }
+        }
+        rt.queue.submit([enc.finish()]);
+        self.routed_tokens = self.routed_tokens.wrapping_add(layers * per_layer);
+
         let words = kv_words(tokens, self.pool.cfg.dtype);
-        let new: Vec<NewToken> = tokens.iter().map(|t| t.token.clone()).collect();
-        let ts = if timed {
-            self.timer.as_ref().and_then(|t| t.pass(0))
-        } else {
-            None
+        let mut new: Vec<NewToken> = tokens.iter().map(|t| t.token.clone()).collect();
+        let routed = crate::pool::Routed {
+            experts: &self.router.experts,
+            gates: &self.router.gates,
+            per_layer,
+            row_stride: self.router.shape.max_tokens,
         };
-        self.pool.append_timed(rt, &new, &words, self.step, ts)?;
-        if let Some(m) = &mut self.model {
-            m.append(&new, &words, self.step)?;
+        let ts = if timed { self.timer.as_ref().and_then(|t| t.pass(1)) } else { None };
+        self.pool.append_timed(rt, &new, &words, self.step, Some(routed), ts)?;
+        if self.model.is_some() {
+            let k = self.cfg.workload.top_k as usize;
+            for layer in 0..layers {
+                let ex = self.router.read_experts(rt, layer, per_layer).await?;
+                let ga = self.router.read_gates(rt, layer, per_layer).await?;
+                for i in 0..per_layer as usize {
+                    let t = &mut new[layer as usize * per_layer as usize + i];
+                    t.experts = ex[i * k..(i + 1) * k].to_vec();
+                    t.gates = ga[i * k..(i + 1) * k].to_vec();
+                }
+            }
+            if let Some(m) = &mut self.model {
+                m.append(&new, &words, self.step)?;
+            }
         }
         Ok(())
     }
 
-    /// Append the prompt of every sequence. `progress(done, total)` after each batch.
-    pub async fn prefill(
-        &mut self,
-        rt: &Runtime,
-        progress: &mut dyn FnMut(u64, u64),
-    ) -> Result<()> {
-        let batches = self
-            .workload
-            .prompt_batches(self.pool.max_append_tokens(rt).min(4096));
-        let total: u64 = batches.iter().map(|b| b.len() as u64).sum();
+    /// Append the prompt of every sequence, routed on the GPU. `progress(done, total)` after
+    /// each batch.
+    pub async fn prefill(&mut self, rt: &Runtime, progress: &mut dyn FnMut(u64, u64)) -> Result<()> {
+        let w = self.cfg.workload.clone();
+        let per_batch = self.router.shape.max_tokens / w.n_seqs;
+        let total = u64::from(w.prompt_len) * u64::from(w.n_seqs * w.layers);
         let mut done = 0;
-        for b in &batches {
-            self.append(rt, b, false)?;
-            done += b.len() as u64;
+        let mut left = w.prompt_len;
+        while left > 0 {
+            let positions = per_batch.min(left);
+            let tokens = self.workload.next_positions(positions);
+            self.route_and_append(rt, &tokens, positions * w.n_seqs, false).await?;
+            left -= positions;
+            done += tokens.len() as u64;
             progress(done, total);
         }
+        self.update_miss(rt, false)?;
         rt.wait()?;
         self.pool.check_errors(rt, 0).await?;
         Ok(())
     }
 
-    /// One decode step: append, gather, attend every layer.
+    /// Recount each expert's cached tokens and miss rate; `timed` also resolves the step's timer.
+    fn update_miss(&self, rt: &Runtime, timed: bool) -> Result<()> {
+        let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("route/miss") });
+        let timer = if timed { self.timer.as_ref() } else { None };
+        {
+            let ts = timer.and_then(|t| t.pass(3 + self.pool.cfg.layers));
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("route/miss"), timestamp_writes: ts });
+            self.router.encode_miss(&mut pass)?;
+        }
+        if let Some(t) = timer {
+            t.resolve(&mut enc, 4 + self.pool.cfg.layers);
+        }
+        rt.queue.submit([enc.finish()]);
+        Ok(())
+    }
+
+    /// One decode step: route, append, gather, attend every layer, recount miss rates.
     pub async fn step(&mut self, rt: &Runtime) -> Result<StepReport> {
         #[cfg(not(target_arch = "wasm32"))]
         let t0 = std::time::Instant::now();
         let tokens = self.workload.next_tokens();
-        self.append(rt, &tokens, true)?;
+        let n_seqs = self.cfg.workload.n_seqs;
+        self.route_and_append(rt, &tokens, n_seqs, true).await?;
         let layers = self.pool.cfg.layers;
         for layer in 0..layers {
             let q = self.workload.queries(layer);
             self.attn.set_queries(rt, &q)?;
             self.attn.prepare(rt, layer, self.step);
-            let mut enc = rt
-                .device
-                .create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                    label: Some("decode step"),
-                });
+            let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("decode step") });
             if layer == 0 {
-                let ts = self.timer.as_ref().and_then(|t| t.pass(1));
+                let ts = self.timer.as_ref().and_then(|t| t.pass(2));
                 self.pool.encode_gather(rt, &mut enc, 0, layers, ts);
             }
             {
-                let ts = self.timer.as_ref().and_then(|t| t.pass(2 + layer));
-                let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                    label: Some("attend"),
-                    timestamp_writes: ts,
-                });
+                let ts = self.timer.as_ref().and_then(|t| t.pass(3 + layer));
+                let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("attend"), timestamp_writes: ts });
                 self.attn.encode(&mut pass);
-            }
-            if layer + 1 == layers
-                && let Some(t) = &self.timer
-            {
-                t.resolve(&mut enc, 2 + layers);
             }
             rt.queue.submit([enc.finish()]);
             if layer + 1 == layers {
                 self.last_queries = q;
             }
         }
+        self.update_miss(rt, true)?;
         rt.wait()?;
-        let ctl = self
-            .pool
-            .check_errors(rt, (self.cfg.workload.n_seqs * layers).div_ceil(1))
-            .await?;
+        let ctl = self.pool.check_errors(rt, n_seqs * layers).await?;
         let gpu = match &self.timer {
             Some(t) => {
-                let ms = t.read_ms(rt, 2 + layers).await?;
+                let ms = t.read_ms(rt, 4 + layers).await?;
+                let l = layers as usize;
                 Some(StageTimes {
-                    append_ms: ms[0],
-                    gather_ms: ms[1],
-                    attend_ms: ms[2..].iter().sum(),
+                    route_ms: ms[0],
+                    append_ms: ms[1],
+                    gather_ms: ms[2],
+                    attend_ms: ms[3..3 + l].iter().sum(),
+                    miss_ms: ms[3 + l],
                 })
             }
             None => None,
@@ -262,13 +337,7 @@ impl Pipeline {
         Ok(report)
     }
 
-    async fn report(
-        &self,
-        rt: &Runtime,
-        ctl: PoolCtl,
-        gpu: Option<StageTimes>,
-        host_ms: f64,
-    ) -> Result<StepReport> {
+    async fn report(&self, rt: &Runtime, ctl: PoolCtl, gpu: Option<StageTimes>, host_ms: f64) -> Result<StepReport> {
         let cfg = &self.pool.cfg;
         let rings: Vec<crate::gpu_data::RingState> = rt.read_all(&self.pool.rings).await?;
         let mut shard_pages = vec![0u32; cfg.n_shards as usize];
@@ -278,7 +347,19 @@ impl Pipeline {
         let pages_in_use = cfg.n_pages - ctl.free_top;
         let context = self.workload.position(0);
         let tokens = u64::from(context) * u64::from(cfg.max_seqs) * u64::from(cfg.layers);
+        let stats = self.router.read_stats(rt).await?;
+        let summary = self.router.read_summary(rt).await?;
+        let e = self.cfg.workload.n_experts as usize;
+        let mut expert_load = vec![0f32; e];
+        for (i, s) in stats.iter().enumerate() {
+            expert_load[i % e] += s.load / cfg.layers as f32;
+        }
+        let appended: u64 = stats.iter().map(|s| u64::from(s.appended)).sum();
+        let missing: f64 = stats.iter().map(|s| f64::from(s.miss) * f64::from(s.appended)).sum();
         Ok(StepReport {
+            routing_entropy: summary.iter().map(|s| s.entropy).sum::<f32>() / summary.len().max(1) as f32,
+            miss_rate: if appended > 0 { (missing / appended as f64) as f32 } else { 0.0 },
+            expert_load,
             step: self.step,
             context,
             gpu,
@@ -316,30 +397,16 @@ impl Pipeline {
             self.cfg.workload.group,
             f64::from(self.attn.scale()),
         );
-        let max_abs = out
-            .iter()
-            .zip(&reference.out)
-            .map(|(a, b)| (f64::from(*a) - b).abs())
-            .fold(0.0, f64::max);
+        let max_abs = out.iter().zip(&reference.out).map(|(a, b)| (f64::from(*a) - b).abs()).fold(0.0, f64::max);
         let tol = match self.pool.cfg.dtype {
             KvDtype::F32 => 1e-4,
             KvDtype::F16 => 2e-3,
         };
         let _ = decode_words;
-        let tokens_checked = (0..self.cfg.workload.n_seqs)
-            .map(|s| model.tokens(layer, s).len() as u64)
-            .sum();
+        let tokens_checked = (0..self.cfg.workload.n_seqs).map(|s| model.tokens(layer, s).len() as u64).sum();
         if !placement_identical {
-            return Err(Error::Gpu {
-                during: "verification".into(),
-                message: "GPU pool state differs from the CPU reference".into(),
-            });
+            return Err(Error::Gpu { during: "verification".into(), message: "GPU pool state differs from the CPU reference".into() });
         }
-        Ok(Some(VerifyReport {
-            tokens_checked,
-            placement_identical,
-            attention_max_abs_err: max_abs,
-            attention_tolerance: tol,
-        }))
+        Ok(Some(VerifyReport { tokens_checked, placement_identical, attention_max_abs_err: max_abs, attention_tolerance: tol }))
     }
 }

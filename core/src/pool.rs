@@ -10,8 +10,8 @@ use expertkv_shaders::Kernel;
 use crate::config::PoolConfig;
 use crate::error::{Error, Result};
 use crate::gpu_data::{
-    AppendParams, GatherParams, Geometry, NO_OWNER, PageMeta, PoolCtl, PoolWindow, ReleaseParams,
-    RingState, TokenPlan, pool_errors,
+    AppendParams, ApplyParams, GatherParams, Geometry, NO_OWNER, PageMeta, PoolCtl, PoolWindow, ReleaseParams, RingState, TokenPlan,
+    pool_errors,
 };
 use crate::reference::pool::{NewToken, initial_free_stack, token_words};
 use crate::runtime::Runtime;
@@ -56,6 +56,7 @@ pub struct KvPool {
     /// Per (layer, seq): `max_pages_per_seq` page ids, built by `shard/gather_pages`.
     pub page_list: wgpu::Buffer,
     pub page_counts: wgpu::Buffer,
+    apply_pipe: wgpu::ComputePipeline,
     plan_pipe: wgpu::ComputePipeline,
     alloc_pipe: wgpu::ComputePipeline,
     write_pipe: wgpu::ComputePipeline,
@@ -67,6 +68,18 @@ pub struct KvPool {
     release_counts: wgpu::Buffer,
     release_bg: wgpu::BindGroup,
     scratch: Option<AppendScratch>,
+}
+
+/// Router output an append takes its tokens' experts and gates from (row i for token i), instead
+/// of the host's `NewToken::experts` / `gates`.
+#[derive(Clone, Copy)]
+pub struct Routed<'a> {
+    pub experts: &'a wgpu::Buffer,
+    pub gates: &'a wgpu::Buffer,
+    /// Tokens of each layer in the batch (the batch is ordered [layer][token]).
+    pub per_layer: u32,
+    /// Router rows between the first tokens of consecutive layers (its `max_tokens`).
+    pub row_stride: u32,
 }
 
 /// Most tokens one append may carry: workgroup dispatch limit of the write pass (y).
@@ -88,26 +101,15 @@ impl KvPool {
         let geo = cfg.geometry(ppb);
         let check = |what: &str, bytes: u64| -> Result<()> {
             if bytes > max_binding {
-                Err(Error::Limit {
-                    what: what.into(),
-                    needed: bytes,
-                    limit_name: "max_storage_buffer_binding_size",
-                    limit: max_binding,
-                })
+                Err(Error::Limit { what: what.into(), needed: bytes, limit_name: "max_storage_buffer_binding_size", limit: max_binding })
             } else {
                 Ok(())
             }
         };
         let slots = u64::from(cfg.n_pages) * u64::from(cfg.page_size);
         check("slot metadata", slots * u64::from(cfg.meta_words()) * 4)?;
-        check(
-            "ring page table",
-            u64::from(cfg.n_keys()) * u64::from(cfg.ring_capacity) * 4,
-        )?;
-        check(
-            "page lists",
-            u64::from(cfg.layers * cfg.max_seqs) * u64::from(cfg.max_pages_per_seq()) * 4,
-        )?;
+        check("ring page table", u64::from(cfg.n_keys()) * u64::from(cfg.ring_capacity) * 4)?;
+        check("page lists", u64::from(cfg.layers * cfg.max_seqs) * u64::from(cfg.max_pages_per_seq()) * 4)?;
 
         let oom = rt.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
         let n_buffers = cfg.n_pages.div_ceil(ppb);
@@ -119,68 +121,28 @@ impl KvPool {
             let count = ppb.min(cfg.n_pages - first);
             let label = format!("expertkv pool kv[{b}]");
             kv_buffers.push(rt.storage(&label, u64::from(count) * cfg.page_bytes()));
-            let w = PoolWindow {
-                buffer_index: b,
-                first_page: first,
-                page_count: count,
-                n_buffers,
-            };
+            let w = PoolWindow { buffer_index: b, first_page: first, page_count: count, n_buffers };
             window_bufs.push(rt.uniform(&format!("expertkv pool window[{b}]"), &w));
             windows.push(w);
         }
         let geometry = rt.uniform("expertkv pool geometry", &geo);
         let rings = rt.storage_init(
             "expertkv pool rings",
-            &vec![
-                RingState {
-                    head: 0,
-                    count: 0,
-                    fill: cfg.page_size,
-                    _pad: 0
-                };
-                cfg.n_keys() as usize
-            ],
+            &vec![RingState { head: 0, count: 0, fill: cfg.page_size, _pad: 0 }; cfg.n_keys() as usize],
         );
-        let ring_pages = rt.storage_init(
-            "expertkv pool ring_pages",
-            &vec![NO_OWNER; (cfg.n_keys() * cfg.ring_capacity) as usize],
-        );
-        let page_meta = rt.storage_init(
-            "expertkv pool page_meta",
-            &vec![
-                PageMeta {
-                    owner: NO_OWNER,
-                    fill: 0
-                };
-                cfg.n_pages as usize
-            ],
-        );
-        let free_stack =
-            rt.storage_init("expertkv pool free_stack", &initial_free_stack(cfg.n_pages));
-        let ctl = rt.storage_init(
-            "expertkv pool ctl",
-            &[PoolCtl {
-                free_top: cfg.n_pages,
-                ..Default::default()
-            }],
-        );
-        let slot_meta = rt.storage(
-            "expertkv pool slot_meta",
-            slots * u64::from(cfg.meta_words()) * 4,
-        );
+        let ring_pages = rt.storage_init("expertkv pool ring_pages", &vec![NO_OWNER; (cfg.n_keys() * cfg.ring_capacity) as usize]);
+        let page_meta = rt.storage_init("expertkv pool page_meta", &vec![PageMeta { owner: NO_OWNER, fill: 0 }; cfg.n_pages as usize]);
+        let free_stack = rt.storage_init("expertkv pool free_stack", &initial_free_stack(cfg.n_pages));
+        let ctl = rt.storage_init("expertkv pool ctl", &[PoolCtl { free_top: cfg.n_pages, ..Default::default() }]);
+        let slot_meta = rt.storage("expertkv pool slot_meta", slots * u64::from(cfg.meta_words()) * 4);
         let list_len = u64::from(cfg.layers * cfg.max_seqs) * u64::from(cfg.max_pages_per_seq());
         let page_list = rt.storage("expertkv pool page_list", list_len * 4);
-        let page_counts = rt.storage_init(
-            "expertkv pool page_counts",
-            &vec![0u32; (cfg.layers * cfg.max_seqs) as usize],
-        );
+        let page_counts = rt.storage_init("expertkv pool page_counts", &vec![0u32; (cfg.layers * cfg.max_seqs) as usize]);
         if let Some(e) = oom.pop().await {
-            return Err(Error::Gpu {
-                during: "KV pool allocation".into(),
-                message: e.to_string(),
-            });
+            return Err(Error::Gpu { during: "KV pool allocation".into(), message: e.to_string() });
         }
 
+        let apply_pipe = rt.pipeline(Kernel::ShardApplyRouting, &[]).await?;
         let plan_pipe = rt.pipeline(Kernel::ShardAppendPlan, &[]).await?;
         let alloc_pipe = rt.pipeline(Kernel::ShardAppendAlloc, &[]).await?;
         let write_pipe = rt.pipeline(Kernel::ShardAppendWrite, &[]).await?;
@@ -191,36 +153,14 @@ impl KvPool {
         let gather_bg = rt.bind(
             Kernel::ShardGatherPages.label(),
             &gather_pipe,
-            &[
-                &geometry,
-                &gather_params,
-                &rings,
-                &ring_pages,
-                &page_list,
-                &page_counts,
-            ],
+            &[&geometry, &gather_params, &rings, &ring_pages, &page_list, &page_counts],
         );
-        let release_params = rt.uniform(
-            "shard/release params",
-            &ReleaseParams {
-                n_keys: cfg.n_keys(),
-                ..Default::default()
-            },
-        );
+        let release_params = rt.uniform("shard/release params", &ReleaseParams { n_keys: cfg.n_keys(), ..Default::default() });
         let release_counts = rt.storage("shard/release counts", u64::from(cfg.n_keys()) * 4);
         let release_bg = rt.bind(
             Kernel::ShardRelease.label(),
             &release_pipe,
-            &[
-                &geometry,
-                &release_params,
-                &release_counts,
-                &rings,
-                &ring_pages,
-                &free_stack,
-                &ctl,
-                &page_meta,
-            ],
+            &[&geometry, &release_params, &release_counts, &rings, &ring_pages, &free_stack, &ctl, &page_meta],
         );
         rt.check("KV pool creation")?;
         Ok(KvPool {
@@ -238,6 +178,7 @@ impl KvPool {
             slot_meta,
             page_list,
             page_counts,
+            apply_pipe,
             plan_pipe,
             alloc_pipe,
             write_pipe,
@@ -271,27 +212,14 @@ impl KvPool {
 
     /// Bytes allocated for everything else: rings, page tables, metadata, free stack.
     pub fn meta_bytes_allocated(&self) -> u64 {
-        [
-            &self.rings,
-            &self.ring_pages,
-            &self.page_meta,
-            &self.free_stack,
-            &self.ctl,
-            &self.slot_meta,
-            &self.page_list,
-            &self.page_counts,
-        ]
-        .iter()
-        .map(|b| b.size())
-        .sum()
+        [&self.rings, &self.ring_pages, &self.page_meta, &self.free_stack, &self.ctl, &self.slot_meta, &self.page_list, &self.page_counts]
+            .iter()
+            .map(|b| b.size())
+            .sum()
     }
 
     fn ensure_scratch(&mut self, rt: &Runtime, n_tokens: u32) {
-        if self
-            .scratch
-            .as_ref()
-            .is_some_and(|s| s.capacity >= n_tokens)
-        {
+        if self.scratch.as_ref().is_some_and(|s| s.capacity >= n_tokens) {
             return;
         }
         let tw = u64::from(token_words(self.cfg.top_k));
@@ -300,29 +228,14 @@ impl KvPool {
         let capacity = n_tokens.next_power_of_two().max(64).min(fits).max(n_tokens);
         let new_tokens = rt.storage("shard/append new_tokens", u64::from(capacity) * tw * 4);
         let new_kv = rt.storage("shard/append new_kv", u64::from(capacity) * kvw * 4);
-        let plan = rt.storage(
-            "shard/append plan",
-            u64::from(capacity) * std::mem::size_of::<TokenPlan>() as u64,
-        );
+        let plan = rt.storage("shard/append plan", u64::from(capacity) * std::mem::size_of::<TokenPlan>() as u64);
         let params = rt.uniform("shard/append params", &AppendParams::default());
-        let plan_bg = rt.bind(
-            Kernel::ShardAppendPlan.label(),
-            &self.plan_pipe,
-            &[&self.geometry, &params, &new_tokens, &self.rings, &plan],
-        );
+        let plan_bg =
+            rt.bind(Kernel::ShardAppendPlan.label(), &self.plan_pipe, &[&self.geometry, &params, &new_tokens, &self.rings, &plan]);
         let alloc_bg = rt.bind(
             Kernel::ShardAppendAlloc.label(),
             &self.alloc_pipe,
-            &[
-                &self.geometry,
-                &params,
-                &plan,
-                &self.rings,
-                &self.ring_pages,
-                &self.free_stack,
-                &self.ctl,
-                &self.page_meta,
-            ],
+            &[&self.geometry, &params, &plan, &self.rings, &self.ring_pages, &self.free_stack, &self.ctl, &self.page_meta],
         );
         let write_bgs = self
             .kv_buffers
@@ -348,30 +261,15 @@ impl KvPool {
                 )
             })
             .collect();
-        self.scratch = Some(AppendScratch {
-            capacity,
-            new_tokens,
-            new_kv,
-            plan,
-            params,
-            plan_bg,
-            alloc_bg,
-            write_bgs,
-        });
+        self.scratch = Some(AppendScratch { capacity, new_tokens, new_kv, plan, params, plan_bg, alloc_bg, write_bgs });
     }
 
     /// Append a batch of tokens; `kv` holds per token K then V of every KV head in storage
     /// words (see [`crate::reference::pool::encode_values`]). Submits its own command buffer.
     /// A refused batch (exhausted pool, bad token) changes nothing and shows in
     /// [`PoolCtl::error_flags`]; [`KvPool::check_errors`] turns that into an [`Error`].
-    pub fn append(
-        &mut self,
-        rt: &Runtime,
-        tokens: &[NewToken],
-        kv: &[u32],
-        step: u32,
-    ) -> Result<()> {
-        self.append_timed(rt, tokens, kv, step, None)
+    pub fn append(&mut self, rt: &Runtime, tokens: &[NewToken], kv: &[u32], step: u32) -> Result<()> {
+        self.append_timed(rt, tokens, kv, step, None, None)
     }
 
     /// [`KvPool::append`], with optional timestamp writes around its compute pass.
@@ -381,6 +279,7 @@ impl KvPool {
         tokens: &[NewToken],
         kv: &[u32],
         step: u32,
+        routed: Option<Routed<'_>>,
         timestamps: Option<wgpu::ComputePassTimestampWrites<'_>>,
     ) -> Result<()> {
         let n = tokens.len() as u32;
@@ -403,52 +302,50 @@ impl KvPool {
                     t.gates.len()
                 )));
             }
-            if let Some(g) = t.gates.iter().find(|g| !g.is_finite()) {
-                return Err(Error::Input(format!(
-                    "token {i}: gate weight {g} is not finite"
-                )));
+            if routed.is_none()
+                && let Some(g) = t.gates.iter().find(|g| !g.is_finite())
+            {
+                return Err(Error::Input(format!("token {i}: gate weight {g} is not finite")));
             }
         }
         let kvw = (2 * self.cfg.kv_heads * self.cfg.vec_words()) as usize;
         if kv.len() != tokens.len() * kvw {
-            return Err(Error::Input(format!(
-                "K/V data holds {} words, {} tokens need {}",
-                kv.len(),
-                n,
-                tokens.len() * kvw
-            )));
+            return Err(Error::Input(format!("K/V data holds {} words, {} tokens need {}", kv.len(), n, tokens.len() * kvw)));
         }
         self.ensure_scratch(rt, n);
-        let Some(s) = self.scratch.as_ref() else {
-            unreachable!("scratch ensured above")
-        };
+        let Some(s) = self.scratch.as_ref() else { unreachable!("scratch ensured above") };
         let mut words = Vec::with_capacity(tokens.len() * token_words(self.cfg.top_k) as usize);
         for t in tokens {
             t.encode_into(k, &mut words);
         }
-        rt.queue
-            .write_buffer(&s.new_tokens, 0, bytemuck::cast_slice(&words));
-        rt.queue
-            .write_buffer(&s.new_kv, 0, bytemuck::cast_slice(kv));
-        let params = AppendParams {
-            n_tokens: n,
-            token_words: token_words(self.cfg.top_k),
-            step,
-            _pad: 0,
-        };
-        rt.queue
-            .write_buffer(&s.params, 0, bytemuck::bytes_of(&params));
+        rt.queue.write_buffer(&s.new_tokens, 0, bytemuck::cast_slice(&words));
+        rt.queue.write_buffer(&s.new_kv, 0, bytemuck::cast_slice(kv));
+        let params = AppendParams { n_tokens: n, token_words: token_words(self.cfg.top_k), step, _pad: 0 };
+        rt.queue.write_buffer(&s.params, 0, bytemuck::bytes_of(&params));
 
-        let mut enc = rt
-            .device
-            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                label: Some("shard/append"),
-            });
+        if let Some(r) = &routed
+            && (r.per_layer == 0 || !n.is_multiple_of(r.per_layer) || r.per_layer > r.row_stride)
         {
-            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                label: Some("shard/append"),
-                timestamp_writes: timestamps,
-            });
+            return Err(Error::Input(format!(
+                "routed append: {n} tokens are not whole layers of {} tokens within router rows of {}",
+                r.per_layer, r.row_stride
+            )));
+        }
+        let apply_bg = routed.map(|r| {
+            let ap =
+                ApplyParams { n_tokens: n, token_words: token_words(self.cfg.top_k), per_layer: r.per_layer, row_stride: r.row_stride };
+            let u = rt.uniform("shard/apply_routing params", &ap);
+            rt.bind(Kernel::ShardApplyRouting.label(), &self.apply_pipe, &[&self.geometry, &u, r.experts, r.gates, &s.new_tokens])
+        });
+        let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("shard/append") });
+        {
+            let mut pass =
+                enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("shard/append"), timestamp_writes: timestamps });
+            if let Some(bg) = &apply_bg {
+                pass.set_pipeline(&self.apply_pipe);
+                pass.set_bind_group(0, bg, &[]);
+                pass.dispatch_workgroups(n.div_ceil(64), 1, 1);
+            }
             pass.set_pipeline(&self.plan_pipe);
             pass.set_bind_group(0, &s.plan_bg, &[]);
             pass.dispatch_workgroups(n.div_ceil(64), 1, 1);
@@ -474,14 +371,7 @@ impl KvPool {
         n_layers: u32,
         timestamps: Option<wgpu::ComputePassTimestampWrites<'_>>,
     ) {
-        rt.queue.write_buffer(
-            &self.gather_params,
-            0,
-            bytemuck::bytes_of(&GatherParams {
-                first_layer,
-                ..Default::default()
-            }),
-        );
+        rt.queue.write_buffer(&self.gather_params, 0, bytemuck::bytes_of(&GatherParams { first_layer, ..Default::default() }));
         let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
             label: Some(Kernel::ShardGatherPages.label()),
             timestamp_writes: timestamps,
@@ -493,11 +383,7 @@ impl KvPool {
 
     /// Gather the page lists of every layer, in its own submission.
     pub fn gather(&self, rt: &Runtime) -> Result<()> {
-        let mut enc = rt
-            .device
-            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                label: Some("shard/gather"),
-            });
+        let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("shard/gather") });
         self.encode_gather(rt, &mut enc, 0, self.cfg.layers, None);
         rt.queue.submit([enc.finish()]);
         rt.check("shard/gather_pages")
@@ -507,24 +393,13 @@ impl KvPool {
     /// Keys are `(layer * max_seqs + seq) * n_shards + shard`.
     pub fn release(&self, rt: &Runtime, counts: &[u32]) -> Result<()> {
         if counts.len() != self.cfg.n_keys() as usize {
-            return Err(Error::Input(format!(
-                "release counts: {} entries, the pool has {} shard rings",
-                counts.len(),
-                self.cfg.n_keys()
-            )));
+            return Err(Error::Input(format!("release counts: {} entries, the pool has {} shard rings", counts.len(), self.cfg.n_keys())));
         }
-        rt.queue
-            .write_buffer(&self.release_counts, 0, bytemuck::cast_slice(counts));
-        let mut enc = rt
-            .device
-            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                label: Some("shard/release"),
-            });
+        rt.queue.write_buffer(&self.release_counts, 0, bytemuck::cast_slice(counts));
+        let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("shard/release") });
         {
-            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                label: Some(Kernel::ShardRelease.label()),
-                timestamp_writes: None,
-            });
+            let mut pass =
+                enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some(Kernel::ShardRelease.label()), timestamp_writes: None });
             pass.set_pipeline(&self.release_pipe);
             pass.set_bind_group(0, &self.release_bg, &[]);
             pass.dispatch_workgroups(1, 1, 1);
@@ -536,16 +411,12 @@ impl KvPool {
     /// Release every page of one sequence (all layers and shards).
     pub fn release_sequence(&self, rt: &Runtime, seq: u32) -> Result<()> {
         if seq >= self.cfg.max_seqs {
-            return Err(Error::Input(format!(
-                "sequence {seq} out of range (max_seqs = {})",
-                self.cfg.max_seqs
-            )));
+            return Err(Error::Input(format!("sequence {seq} out of range (max_seqs = {})", self.cfg.max_seqs)));
         }
         let mut counts = vec![0u32; self.cfg.n_keys() as usize];
         for layer in 0..self.cfg.layers {
             for s in 0..self.cfg.n_shards {
-                counts[((layer * self.cfg.max_seqs + seq) * self.cfg.n_shards + s) as usize] =
-                    u32::MAX;
+                counts[((layer * self.cfg.max_seqs + seq) * self.cfg.n_shards + s) as usize] = u32::MAX;
             }
         }
         self.release(rt, &counts)
@@ -562,14 +433,9 @@ impl KvPool {
             let mut cleared = ctl;
             cleared.error_flags = 0;
             cleared.abort = 0;
-            rt.queue
-                .write_buffer(&self.ctl, 0, bytemuck::bytes_of(&cleared));
+            rt.queue.write_buffer(&self.ctl, 0, bytemuck::bytes_of(&cleared));
             if ctl.error_flags & pool_errors::POOL_EXHAUSTED != 0 {
-                return Err(Error::PoolExhausted {
-                    needed: needed_hint,
-                    free: ctl.free_top,
-                    total: self.cfg.n_pages,
-                });
+                return Err(Error::PoolExhausted { needed: needed_hint, free: ctl.free_top, total: self.cfg.n_pages });
             }
             return Err(Error::Input(format!(
                 "a token named a layer or sequence outside the pool (layers = {}, max_seqs = {}); the batch was refused",
@@ -609,9 +475,6 @@ impl KvPool {
 
     /// Page lists (per layer and sequence) and their lengths, as built by the last gather.
     pub async fn read_page_lists(&self, rt: &Runtime) -> Result<(Vec<u32>, Vec<u32>)> {
-        Ok((
-            rt.read_all(&self.page_list).await?,
-            rt.read_all(&self.page_counts).await?,
-        ))
+        Ok((rt.read_all(&self.page_list).await?, rt.read_all(&self.page_counts).await?))
     }
 }

@@ -8,9 +8,7 @@ pub struct Rng {
 
 impl Rng {
     pub fn new(seed: u64) -> Self {
-        Rng {
-            state: seed ^ 0x9e37_79b9_7f4a_7c15,
-        }
+        Rng { state: seed ^ 0x9e37_79b9_7f4a_7c15 }
     }
 
     pub fn next_u64(&mut self) -> u64 {

@@ -75,9 +75,16 @@ impl Router {
         if shape.max_tokens == 0 || shape.layers == 0 {
             return Err(Error::config("max_tokens", shape.max_tokens, "tokens and layers must be at least 1"));
         }
-        let (e, k, t, l) = (u64::from(shape.n_experts), u64::from(shape.top_k), u64::from(shape.max_tokens), u64::from(shape.layers));
+        let (e, k, l) = (u64::from(shape.n_experts), u64::from(shape.top_k), u64::from(shape.layers));
+        // Logits, experts and gates hold every layer's tokens: layer l's start at l * max_tokens.
+        let t = u64::from(shape.max_tokens) * l;
         if t * e * 4 > rt.max_binding_bytes() {
-            return Err(Error::Limit { what: "router logits".into(), needed: t * e * 4, limit_name: "max_storage_buffer_binding_size", limit: rt.max_binding_bytes() });
+            return Err(Error::Limit {
+                what: "router logits".into(),
+                needed: t * e * 4,
+                limit_name: "max_storage_buffer_binding_size",
+                limit: rt.max_binding_bytes(),
+            });
         }
         let adaptive = matches!(cfg, RouterConfig::Adaptive { .. });
         let bias_pipe = rt.pipeline(Kernel::RouteBias, &[]).await?;
@@ -89,7 +96,8 @@ impl Router {
         let miss_count_pipe = rt.pipeline(Kernel::RouteMissCount, &[]).await?;
         let miss_finish_pipe = rt.pipeline(Kernel::RouteMissFinish, &[]).await?;
 
-        let params: Vec<wgpu::Buffer> = (0..shape.layers).map(|l| rt.uniform(&format!("route params[{l}]"), &RouteParams::default())).collect();
+        let params: Vec<wgpu::Buffer> =
+            (0..shape.layers).map(|l| rt.uniform(&format!("route params[{l}]"), &RouteParams::default())).collect();
         let logits = rt.storage("route logits", t * e * 4);
         let bias = rt.storage("route bias", e * 4);
         let experts = rt.storage("route experts", t * k * 4);
@@ -108,9 +116,9 @@ impl Router {
                 topk: rt.bind(Kernel::RouteTopk.label(), &topk_pipe, &[p, &logits, &bias, &experts, &gates]),
                 count: rt.bind(Kernel::RouteCount.label(), &count_pipe, &[p, &experts, &counts]),
                 stats: rt.bind(Kernel::RouteStats.label(), &stats_pipe, &[p, &counts, &stats, &summary]),
-                grad: grad_pipe
-                    .as_ref()
-                    .map(|g| rt.bind_at(Kernel::RouteAdaptiveGrad.label(), g, &[(0, p), (1, &logits), (2, &bias), (3, &stats), (4, &partials)])),
+                grad: grad_pipe.as_ref().map(|g| {
+                    rt.bind_at(Kernel::RouteAdaptiveGrad.label(), g, &[(0, p), (1, &logits), (2, &bias), (3, &stats), (4, &partials)])
+                }),
                 update: update_pipe
                     .as_ref()
                     .map(|u| rt.bind_at(Kernel::RouteAdaptiveUpdate.label(), u, &[(0, p), (3, &stats), (4, &partials), (5, &summary)])),
@@ -154,26 +162,30 @@ impl Router {
             n_partials: n_tokens.div_ceil(GRAD_BLOCK),
             ema: self.ema,
             layer,
+            token_base: layer * self.shape.max_tokens,
             ..Default::default()
         };
         self.cfg.fill(&mut p);
         p
     }
 
-    /// Upload router logits, [token][expert]; non-finite values are refused.
-    pub fn set_logits(&self, rt: &Runtime, logits: &[f32]) -> Result<()> {
+    /// Upload router logits of `first_layer` and the layers after it, [layer][token][expert]
+    /// with `max_tokens` tokens per layer (the last layer given may hold fewer); non-finite
+    /// values are refused.
+    pub fn set_logits(&self, rt: &Runtime, first_layer: u32, logits: &[f32]) -> Result<()> {
         let e = self.shape.n_experts as usize;
-        if logits.len() % e != 0 || logits.len() / e > self.shape.max_tokens as usize {
+        let room = (self.shape.layers.saturating_sub(first_layer) * self.shape.max_tokens) as usize;
+        if !logits.len().is_multiple_of(e) || logits.len() / e > room {
             return Err(Error::Input(format!(
-                "router logits: {} values is not a whole number of tokens of {e} experts, at most {} tokens",
+                "router logits: {} values is not a whole number of tokens of {e} experts, or more than the {room} tokens from layer {first_layer} on",
                 logits.len(),
-                self.shape.max_tokens
             )));
         }
         if let Some(i) = logits.iter().position(|v| !v.is_finite()) {
             return Err(Error::Input(format!("router logits: value {i} (token {}, expert {}) is {}", i / e, i % e, logits[i])));
         }
-        rt.queue.write_buffer(&self.logits, 0, bytemuck::cast_slice(logits));
+        let offset = u64::from(first_layer * self.shape.max_tokens) * e as u64 * 4;
+        rt.queue.write_buffer(&self.logits, offset, bytemuck::cast_slice(logits));
         Ok(())
     }
 
@@ -241,7 +253,10 @@ impl Router {
             return Err(Error::config(
                 "top_k",
                 pool.cfg.top_k,
-                format!("the pool keeps top_k = {} over {} layers, the router routes top_k = {} over {}", pool.cfg.top_k, pool.cfg.layers, self.shape.top_k, self.shape.layers),
+                format!(
+                    "the pool keeps top_k = {} over {} layers, the router routes top_k = {} over {}",
+                    pool.cfg.top_k, pool.cfg.layers, self.shape.top_k, self.shape.layers
+                ),
             ));
         }
         let p = &self.params[0];
@@ -250,7 +265,11 @@ impl Router {
             &self.miss_count_pipe,
             &[(0, &pool.geometry), (1, p), (2, &pool.page_meta), (3, &pool.slot_meta), (4, &self.resident)],
         );
-        let b = rt.bind_at(Kernel::RouteMissFinish.label(), &self.miss_finish_pipe, &[(0, &pool.geometry), (1, p), (4, &self.resident), (5, &self.stats)]);
+        let b = rt.bind_at(
+            Kernel::RouteMissFinish.label(),
+            &self.miss_finish_pipe,
+            &[(0, &pool.geometry), (1, p), (4, &self.resident), (5, &self.stats)],
+        );
         self.miss_binds = Some((a, b, pool.cfg.n_pages * pool.cfg.page_size));
         Ok(())
     }
@@ -285,12 +304,15 @@ impl Router {
         rt.check("route/miss")
     }
 
-    pub async fn read_experts(&self, rt: &Runtime, n_tokens: u32) -> Result<Vec<u32>> {
-        rt.read(&self.experts, 0, u64::from(n_tokens * self.shape.top_k)).await
+    /// Chosen experts of the first `n_tokens` tokens of `layer`, [token][k].
+    pub async fn read_experts(&self, rt: &Runtime, layer: u32, n_tokens: u32) -> Result<Vec<u32>> {
+        let k = u64::from(self.shape.top_k);
+        rt.read(&self.experts, u64::from(layer * self.shape.max_tokens) * k, u64::from(n_tokens) * k).await
     }
 
-    pub async fn read_gates(&self, rt: &Runtime, n_tokens: u32) -> Result<Vec<f32>> {
-        rt.read(&self.gates, 0, u64::from(n_tokens * self.shape.top_k)).await
+    pub async fn read_gates(&self, rt: &Runtime, layer: u32, n_tokens: u32) -> Result<Vec<f32>> {
+        let k = u64::from(self.shape.top_k);
+        rt.read(&self.gates, u64::from(layer * self.shape.max_tokens) * k, u64::from(n_tokens) * k).await
     }
 
     pub async fn read_bias(&self, rt: &Runtime) -> Result<Vec<f32>> {
@@ -309,7 +331,11 @@ impl Router {
     /// Overwrite the statistics (tests and what-if runs).
     pub fn write_stats(&self, rt: &Runtime, stats: &[ExpertStats]) -> Result<()> {
         if stats.len() != (self.shape.layers * self.shape.n_experts) as usize {
-            return Err(Error::Input(format!("stats: {} entries, expected layers x experts = {}", stats.len(), self.shape.layers * self.shape.n_experts)));
+            return Err(Error::Input(format!(
+                "stats: {} entries, expected layers x experts = {}",
+                stats.len(),
+                self.shape.layers * self.shape.n_experts
+            )));
         }
         rt.queue.write_buffer(&self.stats, 0, bytemuck::cast_slice(stats));
         Ok(())

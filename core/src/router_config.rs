@@ -105,7 +105,7 @@ impl RouterConfig {
                 }
             }
             RouterConfig::Hierarchical { groups, topk_groups } => {
-                if groups == 0 || n_experts % groups != 0 {
+                if groups == 0 || !n_experts.is_multiple_of(groups) {
                     return Err(Error::config("router.groups", groups, format!("must divide n_experts = {n_experts}")));
                 }
                 if topk_groups == 0 || topk_groups > groups.min(8) {

@@ -44,11 +44,7 @@ impl Default for RuntimeOptions {
         RuntimeOptions {
             backends: wgpu::Backends::all(),
             adapter: None,
-            checks: if cfg!(target_arch = "wasm32") {
-                ShaderChecks::Checked
-            } else {
-                ShaderChecks::TrustedTested
-            },
+            checks: if cfg!(target_arch = "wasm32") { ShaderChecks::Checked } else { ShaderChecks::TrustedTested },
         }
     }
 }
@@ -89,11 +85,7 @@ pub fn parse_backends(s: &str) -> Result<wgpu::Backends> {
             "webgpu" | "browser" => wgpu::Backends::BROWSER_WEBGPU,
             "all" => wgpu::Backends::all(),
             other => {
-                return Err(Error::config(
-                    "backend",
-                    other,
-                    "allowed values: vulkan, metal, dx12, gl, webgpu, all",
-                ));
+                return Err(Error::config("backend", other, "allowed values: vulkan, metal, dx12, gl, webgpu, all"));
             }
         };
     }
@@ -107,11 +99,7 @@ pub fn parse_checks(s: &str) -> Result<ShaderChecks> {
     match s {
         "checked" => Ok(ShaderChecks::Checked),
         "unchecked" | "trusted" => Ok(ShaderChecks::TrustedTested),
-        other => Err(Error::config(
-            "shader_checks",
-            other,
-            "allowed values: checked, unchecked",
-        )),
+        other => Err(Error::config("shader_checks", other, "allowed values: checked, unchecked")),
     }
 }
 
@@ -187,10 +175,7 @@ pub async fn list_adapters(backends: wgpu::Backends) -> Vec<wgpu::Adapter> {
 }
 
 fn new_instance(backends: wgpu::Backends) -> wgpu::Instance {
-    wgpu::Instance::new(wgpu::InstanceDescriptor {
-        backends,
-        ..wgpu::InstanceDescriptor::new_without_display_handle()
-    })
+    wgpu::Instance::new(wgpu::InstanceDescriptor { backends, ..wgpu::InstanceDescriptor::new_without_display_handle() })
 }
 
 async fn enumerate(instance: &wgpu::Instance, backends: wgpu::Backends) -> Vec<wgpu::Adapter> {
@@ -201,10 +186,7 @@ async fn enumerate(instance: &wgpu::Instance, backends: wgpu::Backends) -> Vec<w
     #[cfg(target_arch = "wasm32")]
     {
         let _ = backends;
-        match instance
-            .request_adapter(&wgpu::RequestAdapterOptions::default())
-            .await
-        {
+        match instance.request_adapter(&wgpu::RequestAdapterOptions::default()).await {
             Ok(a) => vec![a],
             Err(_) => Vec::new(),
         }
@@ -244,11 +226,7 @@ impl Runtime {
         Self::open(instance, adapter, opts.checks).await
     }
 
-    async fn open(
-        instance: wgpu::Instance,
-        adapter: wgpu::Adapter,
-        checks: ShaderChecks,
-    ) -> Result<Runtime> {
+    async fn open(instance: wgpu::Instance, adapter: wgpu::Adapter, checks: ShaderChecks) -> Result<Runtime> {
         let info = adapter.get_info();
         let af = adapter.features();
         let wanted = wgpu::Features::SHADER_F16
@@ -265,10 +243,7 @@ impl Runtime {
                 ..Default::default()
             })
             .await
-            .map_err(|e| Error::RequestDevice {
-                adapter: info.name.clone(),
-                message: e.to_string(),
-            })?;
+            .map_err(|e| Error::RequestDevice { adapter: info.name.clone(), message: e.to_string() })?;
 
         let health = Arc::new(Mutex::new(Health::default()));
         {
@@ -300,49 +275,21 @@ impl Runtime {
             max_workgroup_storage_bytes: limits.max_compute_workgroup_storage_size,
             max_invocations_per_workgroup: limits.max_compute_invocations_per_workgroup,
         };
-        let tier = if subgroups {
-            Tier::Subgroups
-        } else {
-            Tier::Baseline
-        };
-        let checks = if cfg!(target_arch = "wasm32") {
-            ShaderChecks::Checked
-        } else {
-            checks
-        };
-        Ok(Runtime {
-            instance,
-            adapter,
-            device,
-            queue,
-            info,
-            limits,
-            caps,
-            tier,
-            checks,
-            health,
-        })
+        let tier = if subgroups { Tier::Subgroups } else { Tier::Baseline };
+        let checks = if cfg!(target_arch = "wasm32") { ShaderChecks::Checked } else { checks };
+        Ok(Runtime { instance, adapter, device, queue, info, limits, caps, tier, checks, health })
     }
 
     /// Err if the device was lost or an error escaped every error scope since the last check.
     pub fn check(&self, during: &str) -> Result<()> {
-        let mut h = self.health.lock().map_err(|_| Error::Gpu {
-            during: during.into(),
-            message: "health state poisoned".into(),
-        })?;
+        let mut h = self.health.lock().map_err(|_| Error::Gpu { during: during.into(), message: "health state poisoned".into() })?;
         if let Some((reason, message)) = &h.lost {
-            return Err(Error::DeviceLost {
-                reason: reason.clone(),
-                message: message.clone(),
-            });
+            return Err(Error::DeviceLost { reason: reason.clone(), message: message.clone() });
         }
         if !h.uncaptured.is_empty() {
             let message = h.uncaptured.join("; ");
             h.uncaptured.clear();
-            return Err(Error::Gpu {
-                during: during.into(),
-                message,
-            });
+            return Err(Error::Gpu { during: during.into(), message });
         }
         Ok(())
     }
@@ -354,18 +301,12 @@ impl Runtime {
 
     /// Largest single storage binding (and buffer) this device allows.
     pub fn max_binding_bytes(&self) -> u64 {
-        self.caps
-            .max_storage_binding_bytes
-            .min(self.caps.max_buffer_bytes)
+        self.caps.max_storage_binding_bytes.min(self.caps.max_buffer_bytes)
     }
 
     /// Build a kernel's pipeline inside an error scope; a failure names the kernel.
     /// `constants` set the kernel's `override` values.
-    pub async fn pipeline(
-        &self,
-        kernel: Kernel,
-        constants: &[(&str, f64)],
-    ) -> Result<wgpu::ComputePipeline> {
+    pub async fn pipeline(&self, kernel: Kernel, constants: &[(&str, f64)]) -> Result<wgpu::ComputePipeline> {
         self.pipeline_with(kernel, &[], constants).await
     }
 
@@ -377,16 +318,12 @@ impl Runtime {
         constants: &[(&str, f64)],
     ) -> Result<wgpu::ComputePipeline> {
         self.check("pipeline creation")?;
-        let mut text = kernel.resolved_with(defines).map_err(|e| Error::Pipeline {
-            kernel: kernel.label(),
-            message: e.to_string(),
-        })?;
+        let mut text = kernel.resolved_with(defines).map_err(|e| Error::Pipeline { kernel: kernel.label(), message: e.to_string() })?;
         if kernel.needs_subgroups() {
             if !self.caps.subgroups {
                 return Err(Error::Pipeline {
                     kernel: kernel.label(),
-                    message: "needs subgroups, which this device lacks; use the baseline variant"
-                        .into(),
+                    message: "needs subgroups, which this device lacks; use the baseline variant".into(),
                 });
             }
             if cfg!(target_arch = "wasm32") {
@@ -394,38 +331,24 @@ impl Runtime {
             }
         }
         let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
-        let desc = wgpu::ShaderModuleDescriptor {
-            label: Some(kernel.label()),
-            source: wgpu::ShaderSource::Wgsl(text.into()),
-        };
+        let desc = wgpu::ShaderModuleDescriptor { label: Some(kernel.label()), source: wgpu::ShaderSource::Wgsl(text.into()) };
         let module = if self.checks == ShaderChecks::TrustedTested && kernel.may_run_unchecked() {
             // SAFETY: `may_run_unchecked` lists only kernels whose every index the GPU-vs-CPU
             // tests exercise (tests/tests/gpu) over random shapes, in both check modes.
-            unsafe {
-                self.device
-                    .create_shader_module_trusted(desc, wgpu::ShaderRuntimeChecks::unchecked())
-            }
+            unsafe { self.device.create_shader_module_trusted(desc, wgpu::ShaderRuntimeChecks::unchecked()) }
         } else {
             self.device.create_shader_module(desc)
         };
-        let pipeline = self
-            .device
-            .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                label: Some(kernel.label()),
-                layout: None,
-                module: &module,
-                entry_point: Some(kernel.entry_point()),
-                compilation_options: wgpu::PipelineCompilationOptions {
-                    constants,
-                    zero_initialize_workgroup_memory: false,
-                },
-                cache: None,
-            });
+        let pipeline = self.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+            label: Some(kernel.label()),
+            layout: None,
+            module: &module,
+            entry_point: Some(kernel.entry_point()),
+            compilation_options: wgpu::PipelineCompilationOptions { constants, zero_initialize_workgroup_memory: false },
+            cache: None,
+        });
         if let Some(e) = scope.pop().await {
-            return Err(Error::Pipeline {
-                kernel: kernel.label(),
-                message: e.to_string(),
-            });
+            return Err(Error::Pipeline { kernel: kernel.label(), message: e.to_string() });
         }
         Ok(pipeline)
     }
@@ -435,9 +358,7 @@ impl Runtime {
         self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some(label),
             size: size.max(4).next_multiple_of(4),
-            usage: wgpu::BufferUsages::STORAGE
-                | wgpu::BufferUsages::COPY_DST
-                | wgpu::BufferUsages::COPY_SRC,
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::COPY_SRC,
             mapped_at_creation: false,
         })
     }
@@ -464,26 +385,11 @@ impl Runtime {
     }
 
     /// Bind group 0 of `pipeline` from buffers in binding order.
-    pub fn bind(
-        &self,
-        label: &str,
-        pipeline: &wgpu::ComputePipeline,
-        buffers: &[&wgpu::Buffer],
-    ) -> wgpu::BindGroup {
+    pub fn bind(&self, label: &str, pipeline: &wgpu::ComputePipeline, buffers: &[&wgpu::Buffer]) -> wgpu::BindGroup {
         let layout = pipeline.get_bind_group_layout(0);
-        let entries: Vec<wgpu::BindGroupEntry> = buffers
-            .iter()
-            .enumerate()
-            .map(|(i, b)| wgpu::BindGroupEntry {
-                binding: i as u32,
-                resource: b.as_entire_binding(),
-            })
-            .collect();
-        self.device.create_bind_group(&wgpu::BindGroupDescriptor {
-            label: Some(label),
-            layout: &layout,
-            entries: &entries,
-        })
+        let entries: Vec<wgpu::BindGroupEntry> =
+            buffers.iter().enumerate().map(|(i, b)| wgpu::BindGroupEntry { binding: i as u32, resource: b.as_entire_binding() }).collect();
+        self.device.create_bind_group(&wgpu::BindGroupDescriptor { label: Some(label), layout: &layout, entries: &entries })
     }
 
     /// Bind group 0 of `pipeline` from (binding, buffer) pairs: for entry points of a file with
@@ -503,11 +409,7 @@ impl Runtime {
         let mut off = 0;
         while off < n {
             let len = (n - off).min(CHUNK);
-            self.queue.write_buffer(
-                buffer,
-                (off * 4) as u64,
-                bytemuck::cast_slice(&chunk[..len]),
-            );
+            self.queue.write_buffer(buffer, (off * 4) as u64, bytemuck::cast_slice(&chunk[..len]));
             off += len;
         }
     }
@@ -515,22 +417,12 @@ impl Runtime {
     /// Wait for all submitted work (native); a no-op on the web, where the browser drives it.
     pub fn wait(&self) -> Result<()> {
         #[cfg(not(target_arch = "wasm32"))]
-        self.device
-            .poll(wgpu::PollType::wait_indefinitely())
-            .map_err(|e| Error::Gpu {
-                during: "wait".into(),
-                message: e.to_string(),
-            })?;
+        self.device.poll(wgpu::PollType::wait_indefinitely()).map_err(|e| Error::Gpu { during: "wait".into(), message: e.to_string() })?;
         self.check("wait")
     }
 
     /// Copy `count` elements of `T` from `buffer` (starting at element `first`) back to the host.
-    pub async fn read<T: bytemuck::Pod>(
-        &self,
-        buffer: &wgpu::Buffer,
-        first: u64,
-        count: u64,
-    ) -> Result<Vec<T>> {
+    pub async fn read<T: bytemuck::Pod>(&self, buffer: &wgpu::Buffer, first: u64, count: u64) -> Result<Vec<T>> {
         let size = std::mem::size_of::<T>() as u64;
         let bytes = count * size;
         if bytes == 0 {
@@ -543,11 +435,7 @@ impl Runtime {
             usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
         });
-        let mut enc = self
-            .device
-            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                label: Some("readback"),
-            });
+        let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("readback") });
         enc.copy_buffer_to_buffer(buffer, first * size, &staging, 0, bytes.next_multiple_of(4));
         self.queue.submit([enc.finish()]);
         let slot = Arc::new(Mutex::new(MapSlot::default()));
@@ -563,19 +451,8 @@ impl Runtime {
             });
         }
         self.wait()?;
-        MapFuture { slot }
-            .await
-            .map_err(|message| Error::Readback {
-                label: label.clone(),
-                message,
-            })?;
-        let view = staging
-            .slice(..)
-            .get_mapped_range()
-            .map_err(|e| Error::Readback {
-                label: label.clone(),
-                message: e.to_string(),
-            })?;
+        MapFuture { slot }.await.map_err(|message| Error::Readback { label: label.clone(), message })?;
+        let view = staging.slice(..).get_mapped_range().map_err(|e| Error::Readback { label: label.clone(), message: e.to_string() })?;
         let out = bytemuck::pod_collect_to_vec::<u8, T>(&view[..bytes as usize]);
         drop(view);
         staging.unmap();
@@ -584,8 +461,7 @@ impl Runtime {
 
     /// The whole buffer as `T`s.
     pub async fn read_all<T: bytemuck::Pod>(&self, buffer: &wgpu::Buffer) -> Result<Vec<T>> {
-        self.read(buffer, 0, buffer.size() / std::mem::size_of::<T>() as u64)
-            .await
+        self.read(buffer, 0, buffer.size() / std::mem::size_of::<T>() as u64).await
     }
 }
 

@@ -18,23 +18,15 @@ impl GpuTimer {
             return None;
         }
         let count = 2 * capacity;
-        let query_set = rt.device.create_query_set(&wgpu::QuerySetDescriptor {
-            label: Some("expertkv timer"),
-            ty: wgpu::QueryType::Timestamp,
-            count,
-        });
+        let query_set =
+            rt.device.create_query_set(&wgpu::QuerySetDescriptor { label: Some("expertkv timer"), ty: wgpu::QueryType::Timestamp, count });
         let resolve = rt.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("expertkv timer resolve"),
             size: u64::from(count) * 8,
             usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
             mapped_at_creation: false,
         });
-        Some(GpuTimer {
-            query_set,
-            resolve,
-            capacity,
-            period_ns: f64::from(rt.caps.timestamp_period_ns),
-        })
+        Some(GpuTimer { query_set, resolve, capacity, period_ns: f64::from(rt.caps.timestamp_period_ns) })
     }
 
     pub fn capacity(&self) -> u32 {
@@ -62,10 +54,7 @@ impl GpuTimer {
     pub async fn read_ms(&self, rt: &Runtime, n: u32) -> Result<Vec<f64>> {
         let n = n.min(self.capacity);
         let ticks: Vec<u64> = rt.read(&self.resolve, 0, u64::from(2 * n)).await?;
-        Ok(ticks
-            .chunks(2)
-            .map(|p| p[1].saturating_sub(p[0]) as f64 * self.period_ns * 1e-6)
-            .collect())
+        Ok(ticks.chunks(2).map(|p| p[1].saturating_sub(p[0]) as f64 * self.period_ns * 1e-6).collect())
     }
 }
 
@@ -77,9 +66,5 @@ pub fn median(v: &[f64]) -> f64 {
     let mut s = v.to_vec();
     s.sort_by(|a, b| a.total_cmp(b));
     let n = s.len();
-    if n % 2 == 1 {
-        s[n / 2]
-    } else {
-        0.5 * (s[n / 2 - 1] + s[n / 2])
-    }
+    if n % 2 == 1 { s[n / 2] } else { 0.5 * (s[n / 2 - 1] + s[n / 2]) }
 }

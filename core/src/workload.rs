@@ -1,6 +1,8 @@
 //! The embedded synthetic workload: deterministic from a seed. Keys carry planted attention
-//! sinks and heavy hitters (tokens every query attends to strongly); expert routing follows a
-//! Zipf popularity with temporal locality (a token often keeps its predecessor's top expert).
+//! sinks and heavy hitters (tokens every query attends to strongly). Each token also gets router
+//! logits over the experts: a Zipf-shaped popularity per layer, noise, and temporal locality (the
+//! expert its predecessor preferred gets a bonus), so that a TopK router sees skewed, sticky
+//! routing. `NewToken::experts` is the TopK choice of those logits (the model's own gate).
 
 use serde::{Deserialize, Serialize};
 
@@ -9,6 +11,7 @@ use crate::reference::pool::NewToken;
 use crate::rng::Rng;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct WorkloadConfig {
     pub seed: u64,
     pub n_seqs: u32,
@@ -23,8 +26,12 @@ pub struct WorkloadConfig {
     pub prompt_len: u32,
     /// Zipf exponent of expert popularity.
     pub zipf_s: f64,
-    /// Probability that a token keeps its predecessor's top-1 expert.
+    /// Probability that a token's logits favour its predecessor's top-1 expert.
     pub locality: f64,
+    /// Logit bonus of that favoured expert.
+    pub locality_bonus: f64,
+    /// Standard deviation of the logit noise.
+    pub logit_noise: f64,
     /// The first `sinks` positions of every sequence are attention sinks.
     pub sinks: u32,
     /// Fraction of other positions planted as heavy hitters.
@@ -48,6 +55,8 @@ impl Default for WorkloadConfig {
             prompt_len: 1024,
             zipf_s: 1.1,
             locality: 0.6,
+            locality_bonus: 2.5,
+            logit_noise: 1.0,
             sinks: 4,
             heavy_fraction: 0.02,
             sink_boost: 3.0,
@@ -72,32 +81,16 @@ impl WorkloadConfig {
             }
         }
         if self.top_k > self.n_experts {
-            return Err(Error::config(
-                "top_k",
-                self.top_k,
-                format!("cannot exceed n_experts = {}", self.n_experts),
-            ));
+            return Err(Error::config("top_k", self.top_k, format!("cannot exceed n_experts = {}", self.n_experts)));
         }
         if !(0.0..=1.0).contains(&self.locality) {
-            return Err(Error::config(
-                "locality",
-                self.locality,
-                "must be in [0, 1]",
-            ));
+            return Err(Error::config("locality", self.locality, "must be in [0, 1]"));
         }
         if !(0.0..=1.0).contains(&self.heavy_fraction) {
-            return Err(Error::config(
-                "heavy_fraction",
-                self.heavy_fraction,
-                "must be in [0, 1]",
-            ));
+            return Err(Error::config("heavy_fraction", self.heavy_fraction, "must be in [0, 1]"));
         }
         if !(self.zipf_s.is_finite() && self.zipf_s >= 0.0) {
-            return Err(Error::config(
-                "zipf_s",
-                self.zipf_s,
-                "must be a finite number >= 0",
-            ));
+            return Err(Error::config("zipf_s", self.zipf_s, "must be a finite number >= 0"));
         }
         Ok(())
     }
@@ -107,10 +100,12 @@ impl WorkloadConfig {
     }
 }
 
-/// One generated token: routing plus K and V ([kv_heads][head_dim] each, f32).
+/// One generated token: TopK routing, its router logits ([n_experts]), K and V
+/// ([kv_heads][head_dim] each, f32).
 #[derive(Clone, Debug)]
 pub struct GenToken {
     pub token: NewToken,
+    pub logits: Vec<f32>,
     pub k: Vec<f32>,
     pub v: Vec<f32>,
 }
@@ -120,9 +115,8 @@ pub struct Workload {
     rng: Rng,
     /// Per (layer, seq, kv head): the unit direction queries lean towards.
     directions: Vec<Vec<f32>>,
-    /// Per layer: experts ordered from most to least popular, and the Zipf CDF.
-    popularity: Vec<Vec<u32>>,
-    cdf: Vec<f64>,
+    /// Per layer: each expert's base logit, -zipf_s ln(popularity rank + 1).
+    base_logits: Vec<Vec<f64>>,
     /// Per (layer, seq): the previous token's top-1 expert.
     last_expert: Vec<u32>,
     /// Next position of every sequence.
@@ -142,26 +136,18 @@ impl Workload {
                 v.iter().map(|x| (x / n) as f32).collect()
             })
             .collect();
-        let popularity = (0..cfg.layers)
+        let base_logits = (0..cfg.layers)
             .map(|_| {
                 let mut p: Vec<u32> = (0..cfg.n_experts).collect();
                 for i in (1..p.len()).rev() {
                     let j = rng.below(i as u32 + 1) as usize;
                     p.swap(i, j);
                 }
-                p
-            })
-            .collect();
-        let weights: Vec<f64> = (0..cfg.n_experts)
-            .map(|r| 1.0 / f64::from(r + 1).powf(cfg.zipf_s))
-            .collect();
-        let total: f64 = weights.iter().sum();
-        let mut acc = 0.0;
-        let cdf = weights
-            .iter()
-            .map(|w| {
-                acc += w / total;
-                acc
+                let mut base = vec![0.0; cfg.n_experts as usize];
+                for (rank, e) in p.iter().enumerate() {
+                    base[*e as usize] = -cfg.zipf_s * (rank as f64 + 1.0).ln();
+                }
+                base
             })
             .collect();
         Ok(Workload {
@@ -170,8 +156,7 @@ impl Workload {
             cfg,
             rng,
             directions,
-            popularity,
-            cdf,
+            base_logits,
         })
     }
 
@@ -188,54 +173,27 @@ impl Workload {
         r.uniform() < self.cfg.heavy_fraction
     }
 
-    fn zipf_expert(&mut self, layer: u32) -> u32 {
-        let u = self.rng.uniform();
-        let rank = self
-            .cdf
-            .iter()
-            .position(|c| u < *c)
-            .unwrap_or(self.cdf.len() - 1);
-        self.popularity[layer as usize][rank]
-    }
-
-    fn route(&mut self, layer: u32, seq: u32) -> (Vec<u32>, Vec<f32>) {
-        let k = self.cfg.top_k as usize;
+    /// Router logits of the next token of `seq` at `layer`, and its TopK experts and gates.
+    fn route(&mut self, layer: u32, seq: u32) -> (Vec<f32>, Vec<u32>, Vec<f32>) {
         let li = (layer * self.cfg.n_seqs + seq) as usize;
         let prev = self.last_expert[li];
-        let first = if prev != u32::MAX && self.rng.uniform() < self.cfg.locality {
-            prev
-        } else {
-            self.zipf_expert(layer)
-        };
-        let mut experts = vec![first];
-        let mut guard = 0;
-        while experts.len() < k {
-            let e = if guard < 64 {
-                self.zipf_expert(layer)
-            } else {
-                self.rng.below(self.cfg.n_experts)
-            };
-            guard += 1;
-            if !experts.contains(&e) {
-                experts.push(e);
-            }
-        }
-        self.last_expert[li] = first;
-        // Decreasing gates that sum to one.
-        let mut raw: Vec<f64> = (0..k)
-            .map(|i| (-(i as f64) * 0.7 + 0.3 * self.rng.normal()).exp())
+        let favour = prev != u32::MAX && self.rng.uniform() < self.cfg.locality;
+        let logits: Vec<f32> = (0..self.cfg.n_experts)
+            .map(|e| {
+                let bonus = if favour && e == prev { self.cfg.locality_bonus } else { 0.0 };
+                (self.base_logits[layer as usize][e as usize] + self.cfg.logit_noise * self.rng.normal() + bonus) as f32
+            })
             .collect();
-        raw.sort_by(|a, b| b.total_cmp(a));
-        let s: f64 = raw.iter().sum();
-        let gates = raw.iter().map(|g| (g / s) as f32).collect();
-        (experts, gates)
+        let (experts, gates) = topk_of(&logits, self.cfg.top_k as usize);
+        self.last_expert[li] = experts[0];
+        (logits, experts, gates)
     }
 
     /// The next token of `seq` at `layer` (position = the sequence's current length).
     fn token(&mut self, layer: u32, seq: u32, position: u32) -> GenToken {
         let d = self.cfg.head_dim as usize;
         let hkv = self.cfg.kv_heads;
-        let (experts, gates) = self.route(layer, seq);
+        let (logits, experts, gates) = self.route(layer, seq);
         let boost = if position < self.cfg.sinks {
             self.cfg.sink_boost
         } else if self.is_heavy(position) {
@@ -253,42 +211,37 @@ impl Workload {
                 v.push(self.rng.normal() as f32);
             }
         }
-        GenToken {
-            token: NewToken {
-                layer,
-                seq,
-                position,
-                experts,
-                gates,
-            },
-            k,
-            v,
-        }
+        GenToken { token: NewToken { layer, seq, position, experts, gates }, logits, k, v }
     }
 
-    /// The next token of every sequence at every layer (one decode step's new K/V), and the
-    /// sequences' positions advance by one.
+    /// The next token of every sequence at every layer (one position), ordered [layer][seq];
+    /// every sequence's position advances by one.
     pub fn next_tokens(&mut self) -> Vec<GenToken> {
         let mut out = Vec::with_capacity((self.cfg.n_seqs * self.cfg.layers) as usize);
-        for seq in 0..self.cfg.n_seqs {
-            let pos = self.positions[seq as usize];
-            for layer in 0..self.cfg.layers {
+        for layer in 0..self.cfg.layers {
+            for seq in 0..self.cfg.n_seqs {
+                let pos = self.positions[seq as usize];
                 out.push(self.token(layer, seq, pos));
             }
-            self.positions[seq as usize] += 1;
+        }
+        for p in &mut self.positions {
+            *p += 1;
         }
         out
     }
 
-    /// The prompt (prefill) tokens, in batches of at most `batch` tokens.
-    pub fn prompt_batches(&mut self, batch: u32) -> Vec<Vec<GenToken>> {
-        let mut all = Vec::new();
-        for _ in 0..self.cfg.prompt_len {
-            all.extend(self.next_tokens());
+    /// `positions` positions of every sequence at every layer, ordered [layer][position][seq]
+    /// (the order the router's rows and the append batch share).
+    pub fn next_positions(&mut self, positions: u32) -> Vec<GenToken> {
+        let steps: Vec<Vec<GenToken>> = (0..positions).map(|_| self.next_tokens()).collect();
+        let n = self.cfg.n_seqs as usize;
+        let mut out = Vec::with_capacity(steps.len() * n * self.cfg.layers as usize);
+        for layer in 0..self.cfg.layers as usize {
+            for step in &steps {
+                out.extend_from_slice(&step[layer * n..(layer + 1) * n]);
+            }
         }
-        all.chunks(batch.max(1) as usize)
-            .map(|c| c.to_vec())
-            .collect()
+        out
     }
 
     /// Decode queries of one layer, [seq][q_head][head_dim]: each query head leans towards its
@@ -301,9 +254,7 @@ impl Workload {
                 let dir: Vec<f32> = self.direction(layer, seq, h).to_vec();
                 for _ in 0..self.cfg.group {
                     for dir_i in dir.iter().take(d) {
-                        q.push(
-                            self.rng.normal() as f32 * 0.5 + 1.5 * dir_i * (d as f32).sqrt().sqrt(),
-                        );
+                        q.push(self.rng.normal() as f32 * 0.5 + 1.5 * dir_i * (d as f32).sqrt().sqrt());
                     }
                 }
             }
@@ -314,6 +265,17 @@ impl Workload {
     pub fn position(&self, seq: u32) -> u32 {
         self.positions[seq as usize]
     }
+}
+
+/// The k largest logits (ties to the lowest index) and their softmax renormalised over them.
+pub fn topk_of(logits: &[f32], k: usize) -> (Vec<u32>, Vec<f32>) {
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|a, b| logits[*b].partial_cmp(&logits[*a]).unwrap_or(std::cmp::Ordering::Equal));
+    order.truncate(k);
+    let m = logits[order[0]];
+    let w: Vec<f64> = order.iter().map(|e| f64::from(logits[*e] - m).exp()).collect();
+    let s: f64 = w.iter().sum();
+    (order.iter().map(|e| *e as u32).collect(), w.iter().map(|x| (x / s) as f32).collect())
 }
 
 #[cfg(test)]
@@ -333,14 +295,12 @@ mod tests {
 
     #[test]
     fn routing_is_skewed_and_local() {
-        let cfg = WorkloadConfig {
-            n_seqs: 1,
-            layers: 1,
-            prompt_len: 0,
-            ..Default::default()
-        };
+        let cfg = WorkloadConfig { n_seqs: 1, layers: 1, prompt_len: 0, ..Default::default() };
         let e = cfg.n_experts as usize;
         let mut w = Workload::new(cfg).unwrap();
+        let t0 = w.next_tokens().remove(0);
+        assert_eq!(t0.logits.len(), e);
+        assert_eq!(t0.token.experts, topk_of(&t0.logits, 2).0);
         let mut counts = vec![0u32; e];
         let mut repeats = 0;
         let mut prev = u32::MAX;
@@ -365,16 +325,7 @@ mod tests {
 
     #[test]
     fn invalid_config_names_the_field() {
-        let cfg = WorkloadConfig {
-            top_k: 20,
-            ..Default::default()
-        };
-        assert!(
-            Workload::new(cfg)
-                .err()
-                .unwrap()
-                .to_string()
-                .contains("top_k")
-        );
+        let cfg = WorkloadConfig { top_k: 20, ..Default::default() };
+        assert!(Workload::new(cfg).err().unwrap().to_string().contains("top_k"));
     }
 }

@@ -153,7 +153,10 @@ fn run_route(rt: &Runtime, a: &BenchArgs, warmup: u32, reps: u32, copy_gbps: f64
             }
             println!("{v}");
         } else {
-            let vs = torch.as_ref().map(|t| format!("  {:.1}x pytorch topk(softmax) ({:.4} ms)", t.median_ms / m.median_ms, t.median_ms)).unwrap_or_default();
+            let vs = torch
+                .as_ref()
+                .map(|t| format!("  {:.1}x pytorch topk(softmax) ({:.4} ms)", t.median_ms / m.median_ms, t.median_ms))
+                .unwrap_or_default();
             println!(
                 "route   {:<22} {:<14} median {:.4} ms  {:>8.1} Mtokens/s  {:>8.1} GB/s of logits  ratio to copy {:.2}{vs}",
                 shape,
@@ -186,73 +189,30 @@ fn run_torch_route(script: &str, tokens: u32, experts: u32, top_k: u32, reps: u3
 fn run_torch(script: &str, s: &AttendShape, reps: u32) -> Result<TorchLine> {
     let out = Command::new("python3")
         .arg(script)
-        .args([
-            "--json",
-            "--batch",
-            &s.batch.to_string(),
-            "--tokens",
-            &s.tokens.to_string(),
-        ])
-        .args([
-            "--q-heads",
-            &s.q_heads.to_string(),
-            "--kv-heads",
-            &s.kv_heads.to_string(),
-            "--head-dim",
-            &s.head_dim.to_string(),
-        ])
+        .args(["--json", "--batch", &s.batch.to_string(), "--tokens", &s.tokens.to_string()])
+        .args(["--q-heads", &s.q_heads.to_string(), "--kv-heads", &s.kv_heads.to_string(), "--head-dim", &s.head_dim.to_string()])
         .args(["--dtype", s.dtype.name(), "--reps", &reps.to_string()])
         .output()
         .with_context(|| format!("running python3 {script}"))?;
     if !out.status.success() {
-        bail!(
-            "{script} failed: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
+        bail!("{script} failed: {}", String::from_utf8_lossy(&out.stderr).trim());
     }
     let text = String::from_utf8_lossy(&out.stdout);
-    let line = text
-        .lines()
-        .rev()
-        .find(|l| l.trim_start().starts_with('{'))
-        .context("no JSON line from the PyTorch baseline")?;
+    let line = text.lines().rev().find(|l| l.trim_start().starts_with('{')).context("no JSON line from the PyTorch baseline")?;
     Ok(serde_json::from_str(line)?)
 }
 
 pub fn run(gpu: &GpuArgs, a: &BenchArgs) -> Result<()> {
     let rt = gpu.runtime()?;
-    let (warmup, reps) = if a.quick {
-        (2, a.reps.unwrap_or(5))
-    } else {
-        (10, a.reps.unwrap_or(50))
-    };
-    let copy_bytes = if a.quick {
-        32 << 20
-    } else {
-        (1u64 << 30).min(rt.max_binding_bytes())
-    };
-    let (ck, cm) = pollster::block_on(copy_roofline(&rt, copy_bytes, warmup, reps))
-        .context("copy roofline")?;
+    let (warmup, reps) = if a.quick { (2, a.reps.unwrap_or(5)) } else { (10, a.reps.unwrap_or(50)) };
+    let copy_bytes = if a.quick { 32 << 20 } else { (1u64 << 30).min(rt.max_binding_bytes()) };
+    let (ck, cm) = pollster::block_on(copy_roofline(&rt, copy_bytes, warmup, reps)).context("copy roofline")?;
     let copy_gbps = gbps(ck.bytes_moved(), cm.median_ms);
-    let copy_rec = record(
-        &rt,
-        "copy",
-        format!("{}", ck.bytes),
-        &cm,
-        ck.bytes_moved(),
-        copy_gbps,
-        "vec4".into(),
-    );
+    let copy_rec = record(&rt, "copy", format!("{}", ck.bytes), &cm, ck.bytes_moved(), copy_gbps, "vec4".into());
     if a.json {
         println!("{}", serde_json::to_string(&copy_rec)?);
     } else {
-        println!(
-            "adapter: {} ({:?}); shader checks {}; timing {}",
-            rt.info.name,
-            rt.info.backend,
-            rt.checks.name(),
-            cm.timing
-        );
+        println!("adapter: {} ({:?}); shader checks {}; timing {}", rt.info.name, rt.info.backend, rt.checks.name(), cm.timing);
         println!(
             "copy    {:>10} moved  median {:.4} ms  {:>8.1} GB/s (read+write)  = roofline",
             fmt_bytes(ck.bytes_moved()),
@@ -267,17 +227,10 @@ pub fn run(gpu: &GpuArgs, a: &BenchArgs) -> Result<()> {
         Which::Attend => {}
     }
     let dtype = KvDtype::parse(&a.dtype)?;
-    let defaults: Vec<(u32, u32)> = if a.quick {
-        vec![(2, 4096), (1, 16384)]
-    } else {
-        vec![(8, 32768), (1, 131072)]
-    };
+    let defaults: Vec<(u32, u32)> = if a.quick { vec![(2, 4096), (1, 16384)] } else { vec![(8, 32768), (1, 131072)] };
     let shapes: Vec<AttendShape> = match (a.batch, a.tokens) {
         (None, None) => defaults,
-        (b, t) => vec![(
-            b.unwrap_or(1),
-            t.unwrap_or(if a.quick { 4096 } else { 32768 }),
-        )],
+        (b, t) => vec![(b.unwrap_or(1), t.unwrap_or(if a.quick { 4096 } else { 32768 }))],
     }
     .into_iter()
     .map(|(batch, tokens)| AttendShape {
@@ -294,28 +247,16 @@ pub fn run(gpu: &GpuArgs, a: &BenchArgs) -> Result<()> {
         Variant::Auto => None,
         Variant::Tiled => Some(SplitVariant::Tiled),
         Variant::Subgroup => Some(
-            expertkv_core::attend::subgroup_layout_with(
-                &rt,
-                a.head_dim,
-                dtype,
-                &a.lanes.map_or(vec![16, 8], |l| vec![l]),
-            )
-            .context("this adapter or shape cannot run the subgroup kernel with these lanes")?,
+            expertkv_core::attend::subgroup_layout_with(&rt, a.head_dim, dtype, &a.lanes.map_or(vec![16, 8], |l| vec![l]))
+                .context("this adapter or shape cannot run the subgroup kernel with these lanes")?,
         ),
     };
     if a.lanes.is_some() && a.variant != Variant::Subgroup {
         bail!("--lanes applies to --variant subgroup");
     }
     for s in &shapes {
-        let bar = if a.json {
-            ProgressBar::hidden()
-        } else {
-            ProgressBar::new(u64::from(s.batch) * u64::from(s.tokens))
-        };
-        bar.set_style(
-            ProgressStyle::with_template("filling {bar:40} {pos}/{len} tokens")
-                .unwrap_or_else(|_| ProgressStyle::default_bar()),
-        );
+        let bar = if a.json { ProgressBar::hidden() } else { ProgressBar::new(u64::from(s.batch) * u64::from(s.tokens)) };
+        bar.set_style(ProgressStyle::with_template("filling {bar:40} {pos}/{len} tokens").unwrap_or_else(|_| ProgressStyle::default_bar()));
         let opts = AttendOptions {
             chunk_pages: a.chunk_pages,
             variant,
@@ -323,25 +264,11 @@ pub fn run(gpu: &GpuArgs, a: &BenchArgs) -> Result<()> {
             transpose: !a.no_transpose,
             ..Default::default()
         };
-        let ab = pollster::block_on(bench_attend(&rt, s, opts, warmup, reps, &mut |d, _| {
-            bar.set_position(d)
-        }))
-        .with_context(|| format!("attention benchmark {}", s.label()))?;
+        let ab = pollster::block_on(bench_attend(&rt, s, opts, warmup, reps, &mut |d, _| bar.set_position(d)))
+            .with_context(|| format!("attention benchmark {}", s.label()))?;
         bar.finish_and_clear();
-        let rec = record(
-            &rt,
-            "attend_decode",
-            s.label(),
-            &ab.total,
-            s.kv_bytes(),
-            copy_gbps,
-            ab.variant,
-        );
-        let torch = if a.torch {
-            Some(run_torch(&a.torch_script, s, reps)?)
-        } else {
-            None
-        };
+        let rec = record(&rt, "attend_decode", s.label(), &ab.total, s.kv_bytes(), copy_gbps, ab.variant);
+        let torch = if a.torch { Some(run_torch(&a.torch_script, s, reps)?) } else { None };
         if a.json {
             let mut v = serde_json::to_value(&rec)?;
             v["split_ms"] = ab.split.median_ms.into();
@@ -355,12 +282,7 @@ pub fn run(gpu: &GpuArgs, a: &BenchArgs) -> Result<()> {
         } else {
             println!(
                 "attend  {:<34} {}  median {:.4} ms (split {:.4})  {:>8.1} GB/s of K/V  ratio to copy {:.2}",
-                rec.shape,
-                rec.variant,
-                rec.median_ms,
-                ab.split.median_ms,
-                rec.gbps,
-                rec.ratio_to_copy
+                rec.shape, rec.variant, rec.median_ms, ab.split.median_ms, rec.gbps, rec.ratio_to_copy
             );
             if let Some(t) = torch {
                 println!(

@@ -1,53 +1,69 @@
+use std::path::PathBuf;
+
 use anyhow::{Context, Result};
 use clap::Args;
 use expertkv_core::config::{KvDtype, ShardMap};
 use expertkv_core::pipeline::{DemoConfig, Pipeline};
-use expertkv_core::workload::WorkloadConfig;
+use expertkv_core::router_config::RouterConfig;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::{GpuArgs, check_positive, fmt_bytes};
 
+/// Every flag overrides the config file, which overrides the defaults.
 #[derive(Args)]
 pub struct DemoArgs {
-    /// Decode steps to run after the prompt.
-    #[arg(long, default_value_t = 16)]
-    steps: u32,
-    /// Sequences decoded together.
-    #[arg(long, default_value_t = 4)]
-    seqs: u32,
-    #[arg(long, default_value_t = 2)]
-    layers: u32,
-    /// Prompt tokens per sequence.
-    #[arg(long, default_value_t = 1024)]
-    prompt: u32,
-    #[arg(long, default_value_t = 4)]
-    kv_heads: u32,
-    /// Query heads per KV head.
-    #[arg(long, default_value_t = 4)]
-    group: u32,
-    #[arg(long, default_value_t = 64)]
-    head_dim: u32,
-    #[arg(long, default_value_t = 16)]
-    experts: u32,
-    #[arg(long, default_value_t = 2)]
-    top_k: u32,
-    /// K/V storage: f16 or f32.
-    #[arg(long, default_value = "f16")]
-    dtype: String,
-    /// Slots per page.
-    #[arg(long, default_value_t = 16)]
-    page_size: u32,
-    /// Shards per (layer, sequence), a power of two.
-    #[arg(long, default_value_t = 4)]
-    shards: u32,
-    /// Shard map: pikv, expert, token-block.
-    #[arg(long, default_value = "pikv")]
-    shard_map: String,
+    /// TOML file with any fields of the run (see README); flags override it.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Decode steps to run after the prompt [default: 16].
+    #[arg(long)]
+    steps: Option<u32>,
+    /// Sequences decoded together [default: 4].
+    #[arg(long)]
+    seqs: Option<u32>,
+    /// [default: 2]
+    #[arg(long)]
+    layers: Option<u32>,
+    /// Prompt tokens per sequence [default: 1024].
+    #[arg(long)]
+    prompt: Option<u32>,
+    /// [default: 4]
+    #[arg(long)]
+    kv_heads: Option<u32>,
+    /// Query heads per KV head [default: 4].
+    #[arg(long)]
+    group: Option<u32>,
+    /// [default: 64]
+    #[arg(long)]
+    head_dim: Option<u32>,
+    /// [default: 16]
+    #[arg(long)]
+    experts: Option<u32>,
+    /// [default: 2]
+    #[arg(long)]
+    top_k: Option<u32>,
+    /// Router: name or name:key=value,... One of hash, topk, load-balance, cache-aware (pikv),
+    /// entropy (eplb), adaptive, hierarchical [default: topk].
+    #[arg(long)]
+    router: Option<String>,
+    /// K/V storage: f16 or f32 [default: f16].
+    #[arg(long)]
+    dtype: Option<String>,
+    /// Slots per page [default: 16].
+    #[arg(long)]
+    page_size: Option<u32>,
+    /// Shards per (layer, sequence), a power of two [default: 4].
+    #[arg(long)]
+    shards: Option<u32>,
+    /// Shard map: pikv, expert, token-block [default: pikv].
+    #[arg(long)]
+    shard_map: Option<String>,
     /// Pages in the pool (default: enough for prompt and steps).
     #[arg(long)]
     pages: Option<u32>,
-    #[arg(long, default_value_t = 42)]
-    seed: u64,
+    /// [default: 42]
+    #[arg(long)]
+    seed: Option<u64>,
     /// Skip the CPU reference kept in lockstep (faster on large runs).
     #[arg(long)]
     no_verify: bool,
@@ -56,58 +72,83 @@ pub struct DemoArgs {
     json: bool,
 }
 
-pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
-    for (n, v) in [
-        ("steps", a.steps),
-        ("seqs", a.seqs),
-        ("layers", a.layers),
-        ("prompt", a.prompt),
-        ("page-size", a.page_size),
-    ] {
+fn build_config(a: &DemoArgs) -> Result<DemoConfig> {
+    let mut cfg = match &a.config {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+            toml::from_str::<DemoConfig>(&text).with_context(|| format!("{} is not a valid demo config", path.display()))?
+        }
+        None => DemoConfig::default(),
+    };
+    let w = &mut cfg.workload;
+    macro_rules! set {
+        ($dst:expr, $src:expr) => {
+            if let Some(v) = $src {
+                $dst = v;
+            }
+        };
+    }
+    set!(cfg.steps, a.steps);
+    set!(w.n_seqs, a.seqs);
+    set!(w.layers, a.layers);
+    set!(w.prompt_len, a.prompt);
+    set!(w.kv_heads, a.kv_heads);
+    set!(w.group, a.group);
+    set!(w.head_dim, a.head_dim);
+    set!(w.n_experts, a.experts);
+    set!(w.top_k, a.top_k);
+    set!(w.seed, a.seed);
+    set!(cfg.page_size, a.page_size);
+    set!(cfg.n_shards, a.shards);
+    if let Some(r) = &a.router {
+        cfg.router = RouterConfig::parse(r)?;
+    }
+    if let Some(d) = &a.dtype {
+        cfg.dtype = KvDtype::parse(d)?;
+    }
+    if let Some(m) = &a.shard_map {
+        cfg.shard_map = ShardMap::parse(m, cfg.n_shards)?;
+    } else if a.shards.is_some() {
+        // Keep the configured map, at the new shard count.
+        cfg.shard_map = ShardMap::parse(cfg.shard_map.name(), cfg.n_shards)?;
+    }
+    if a.pages.is_some() {
+        cfg.pool_pages = a.pages;
+    }
+    if a.no_verify {
+        cfg.verify = false;
+    }
+    for (n, v) in
+        [("steps", cfg.steps), ("seqs", cfg.workload.n_seqs), ("layers", cfg.workload.layers), ("prompt", cfg.workload.prompt_len)]
+    {
         check_positive(n, v)?;
     }
-    let dtype = KvDtype::parse(&a.dtype)?;
-    let shard_map = ShardMap::parse(&a.shard_map, a.shards)?;
-    let cfg = DemoConfig {
-        workload: WorkloadConfig {
-            seed: a.seed,
-            n_seqs: a.seqs,
-            layers: a.layers,
-            kv_heads: a.kv_heads,
-            group: a.group,
-            head_dim: a.head_dim,
-            n_experts: a.experts,
-            top_k: a.top_k,
-            prompt_len: a.prompt,
-            ..Default::default()
-        },
-        steps: a.steps,
-        page_size: a.page_size,
-        dtype,
-        n_shards: a.shards,
-        shard_map,
-        pool_pages: a.pages,
-        chunk_pages: 8,
-        verify: !a.no_verify,
-    };
+    cfg.workload.validate()?;
+    cfg.router.validate(cfg.workload.n_experts, cfg.workload.top_k)?;
+    cfg.pool_config().validate()?;
+    Ok(cfg)
+}
+
+pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
+    let cfg = build_config(a)?;
     let pool_cfg = cfg.pool_config();
-    pool_cfg.validate()?;
+    let w = cfg.workload.clone();
     let rt = gpu.runtime()?;
-    let mut p =
-        pollster::block_on(Pipeline::new(&rt, cfg.clone())).context("building the pipeline")?;
+    let mut p = pollster::block_on(Pipeline::new(&rt, cfg.clone())).context("building the pipeline")?;
     if !a.json {
         println!(
-            "expertkv demo: {} sequences x {} layers, prompt {} tokens, {} decode steps; {} pages of {} slots, {} shards ({} map), top-{} of {} experts",
-            a.seqs,
-            a.layers,
-            a.prompt,
-            a.steps,
-            dtype.name(),
-            a.page_size,
-            a.shards,
-            shard_map.name(),
-            a.top_k,
-            a.experts
+            "expertkv demo: {} sequences x {} layers, prompt {} tokens, {} decode steps; {} pages of {} slots, {} shards ({} map); router {} over {} experts, top-{}",
+            w.n_seqs,
+            w.layers,
+            w.prompt_len,
+            cfg.steps,
+            cfg.dtype.name(),
+            cfg.page_size,
+            cfg.n_shards,
+            cfg.shard_map.name(),
+            cfg.router.name(),
+            w.n_experts,
+            w.top_k
         );
         println!(
             "adapter: {} ({:?}, {:?}); tier {}; attention {}; shader checks {}",
@@ -115,7 +156,7 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
             rt.info.backend,
             rt.info.device_type,
             rt.tier.name(),
-            p.attn.variant.name(),
+            p.attn.describe(),
             rt.checks.name()
         );
         println!(
@@ -127,84 +168,62 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
             fmt_bytes(p.pool.meta_bytes_allocated())
         );
     }
-    let total = u64::from(a.seqs) * u64::from(a.layers) * u64::from(a.prompt);
-    let bar = if a.json {
-        ProgressBar::hidden()
-    } else {
-        ProgressBar::new(total)
-    };
+    let total = u64::from(w.n_seqs) * u64::from(w.layers) * u64::from(w.prompt_len);
+    let bar = if a.json { ProgressBar::hidden() } else { ProgressBar::new(total) };
     bar.set_style(
-        ProgressStyle::with_template("prefill {bar:40} {pos}/{len} tokens {elapsed}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        ProgressStyle::with_template("prefill {bar:40} {pos}/{len} tokens {elapsed}").unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     let t0 = std::time::Instant::now();
     pollster::block_on(p.prefill(&rt, &mut |done, _| bar.set_position(done))).context("prefill")?;
     bar.finish_and_clear();
     if !a.json {
+        println!("prefill: {total} tokens routed and appended in {:.2} s", t0.elapsed().as_secs_f64());
         println!(
-            "prefill: {total} tokens appended in {:.2} s",
-            t0.elapsed().as_secs_f64()
-        );
-        println!(
-            "{:>4} {:>6} {:>9} {:>9} {:>9} {:>10} {:>9}  {:<24} {:>11}  shard pages",
-            "step",
-            "ctx",
-            "append",
-            "gather",
-            "attend",
-            "gpu total",
-            "host",
-            "KV resident (fill)",
-            "pages"
+            "{:>4} {:>6} {:>8} {:>8} {:>8} {:>9} {:>8} {:>9} {:>8}  {:<22} {:>10} {:>7} {:>6}  shard pages",
+            "step", "ctx", "route", "append", "gather", "attend", "miss", "gpu", "host", "KV resident (fill)", "pages", "H(rt)", "miss"
         );
     }
     let mut gpu_totals = Vec::new();
-    for _ in 0..a.steps {
+    for _ in 0..cfg.steps {
         let r = pollster::block_on(p.step(&rt)).context("decode step")?;
         if a.json {
             println!("{}", serde_json::to_string(&r)?);
             continue;
         }
-        let (ap, ga, at, tot) = match &r.gpu {
+        let ms = |v: f64| format!("{v:.3}ms");
+        let cols = match &r.gpu {
             Some(g) => {
-                let t = g.append_ms + g.gather_ms + g.attend_ms;
+                let t = g.route_ms + g.append_ms + g.gather_ms + g.attend_ms + g.miss_ms;
                 gpu_totals.push(t);
-                (
-                    format!("{:.3}ms", g.append_ms),
-                    format!("{:.3}ms", g.gather_ms),
-                    format!("{:.3}ms", g.attend_ms),
-                    format!("{t:.3}ms"),
-                )
+                [ms(g.route_ms), ms(g.append_ms), ms(g.gather_ms), ms(g.attend_ms), ms(g.miss_ms), ms(t)]
             }
-            None => ("-".into(), "-".into(), "-".into(), "-".into()),
+            None => std::array::from_fn(|_| "-".to_string()),
         };
         let fill = 100.0 * r.kv_bytes_tokens as f64 / r.kv_bytes_resident.max(1) as f64;
         println!(
-            "{:>4} {:>6} {:>9} {:>9} {:>9} {:>10} {:>7.2}ms  {:<24} {:>11}  {:?}",
+            "{:>4} {:>6} {:>8} {:>8} {:>8} {:>9} {:>8} {:>9} {:>6.2}ms  {:<22} {:>10} {:>7.3} {:>5.1}%  {:?}",
             r.step,
             r.context,
-            ap,
-            ga,
-            at,
-            tot,
+            cols[0],
+            cols[1],
+            cols[2],
+            cols[3],
+            cols[4],
+            cols[5],
             r.host_ms,
             format!("{} ({fill:.1}%)", fmt_bytes(r.kv_bytes_resident)),
             format!("{}/{}", r.pages_in_use, r.pages_total),
+            r.routing_entropy,
+            100.0 * r.miss_rate,
             r.shard_pages
         );
     }
     let v = pollster::block_on(p.verify(&rt)).context("verification")?;
     if a.json {
-        println!(
-            "{}",
-            serde_json::to_string(&serde_json::json!({"verify": &v, "config": cfg}))?
-        );
+        println!("{}", serde_json::to_string(&serde_json::json!({"verify": &v, "config": cfg}))?);
     } else {
         if !gpu_totals.is_empty() {
-            println!(
-                "median GPU time per step: {:.3} ms",
-                expertkv_core::timer::median(&gpu_totals)
-            );
+            println!("median GPU time per step: {:.3} ms", expertkv_core::timer::median(&gpu_totals));
         }
         match &v {
             Some(v) => println!(

@@ -23,12 +23,7 @@ pub fn run(gpu: &GpuArgs, a: &InfoArgs) -> Result<()> {
         })
         .collect();
     let rt = gpu.runtime()?;
-    let features: Vec<String> = rt
-        .device
-        .features()
-        .iter_names()
-        .map(|(n, _)| n.to_owned())
-        .collect();
+    let features: Vec<String> = rt.device.features().iter_names().map(|(n, _)| n.to_owned()).collect();
     if a.json {
         let out = json!({
             "adapters": listed,
@@ -55,29 +50,14 @@ pub fn run(gpu: &GpuArgs, a: &InfoArgs) -> Result<()> {
     println!("adapters:");
     for (i, ad) in adapters.iter().enumerate() {
         let inf = ad.get_info();
-        println!(
-            "  [{i}] {} ({:?}, {:?}) driver {} {}",
-            inf.name, inf.backend, inf.device_type, inf.driver, inf.driver_info
-        );
+        println!("  [{i}] {} ({:?}, {:?}) driver {} {}", inf.name, inf.backend, inf.device_type, inf.driver, inf.driver_info);
     }
     let c = &rt.caps;
-    println!(
-        "chosen: {} ({:?}, {:?})",
-        rt.info.name, rt.info.backend, rt.info.device_type
-    );
-    println!(
-        "tier: {}   shader checks: {}",
-        rt.tier.name(),
-        rt.checks.name()
-    );
+    println!("chosen: {} ({:?}, {:?})", rt.info.name, rt.info.backend, rt.info.device_type);
+    println!("tier: {}   shader checks: {}", rt.tier.name(), rt.checks.name());
     println!(
         "capabilities: f16 {}  subgroups {} (size {}..{})  timestamps {} ({} ns/tick)",
-        c.f16,
-        c.subgroups,
-        c.subgroup_min_size,
-        c.subgroup_max_size,
-        c.timestamps,
-        c.timestamp_period_ns
+        c.f16, c.subgroups, c.subgroup_min_size, c.subgroup_max_size, c.timestamps, c.timestamp_period_ns
     );
     println!(
         "limits: storage binding {}  buffer {}  storage buffers/stage {}  workgroup storage {}  invocations/workgroup {}",

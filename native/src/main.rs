@@ -10,11 +10,7 @@ mod demo;
 mod info;
 
 #[derive(Parser)]
-#[command(
-    name = "expertkv",
-    version,
-    about = "Expert-aware KV cache management for MoE decoding, on wgpu"
-)]
+#[command(name = "expertkv", version, about = "Expert-aware KV cache management for MoE decoding, on wgpu")]
 struct Cli {
     #[command(flatten)]
     gpu: GpuArgs,
@@ -106,11 +102,7 @@ pub fn fmt_bytes(b: u64) -> String {
         v /= 1024.0;
         i += 1;
     }
-    if i == 0 {
-        format!("{b} B")
-    } else {
-        format!("{v:.1} {}", U[i])
-    }
+    if i == 0 { format!("{b} B") } else { format!("{v:.1} {}", U[i]) }
 }
 
 pub fn check_positive(name: &str, v: u32) -> Result<()> {

@@ -30,6 +30,7 @@ sources! {
     COMMON_POOL => "common/pool.wgsl",
     COMMON_APPEND => "common/append.wgsl",
     COMMON_WINDOW => "common/window.wgsl",
+    SHARD_APPLY_ROUTING => "shard/apply_routing.wgsl",
     SHARD_APPEND_PLAN => "shard/append_plan.wgsl",
     SHARD_APPEND_ALLOC => "shard/append_alloc.wgsl",
     SHARD_APPEND_WRITE => "shard/append_write.wgsl",
@@ -53,6 +54,7 @@ sources! {
 /// Every dispatchable kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Kernel {
+    ShardApplyRouting,
     ShardAppendPlan,
     ShardAppendAlloc,
     ShardAppendWrite,
@@ -75,6 +77,7 @@ pub enum Kernel {
 
 impl Kernel {
     pub const ALL: &'static [Kernel] = &[
+        Kernel::ShardApplyRouting,
         Kernel::ShardAppendPlan,
         Kernel::ShardAppendAlloc,
         Kernel::ShardAppendWrite,
@@ -97,6 +100,7 @@ impl Kernel {
 
     pub fn source(self) -> Source {
         match self {
+            Kernel::ShardApplyRouting => SHARD_APPLY_ROUTING,
             Kernel::ShardAppendPlan => SHARD_APPEND_PLAN,
             Kernel::ShardAppendAlloc => SHARD_APPEND_ALLOC,
             Kernel::ShardAppendWrite => SHARD_APPEND_WRITE,
@@ -148,11 +152,7 @@ impl Kernel {
     pub fn may_run_unchecked(self) -> bool {
         matches!(
             self,
-            Kernel::AttendSplitTiled
-                | Kernel::AttendSplitSubgroup
-                | Kernel::AttendReduce
-                | Kernel::BenchCopy
-                | Kernel::RouteTopk
+            Kernel::AttendSplitTiled | Kernel::AttendSplitSubgroup | Kernel::AttendReduce | Kernel::BenchCopy | Kernel::RouteTopk
         )
     }
 
@@ -179,11 +179,7 @@ impl std::fmt::Display for ResolveError {
         if let Some(name) = self.import.strip_prefix("define ") {
             write!(f, "{}: no `//!define {name}` in the file", self.file)
         } else {
-            write!(
-                f,
-                "{}: `//!import {}` names no file under shaders/wgsl",
-                self.file, self.import
-            )
+            write!(f, "{}: `//!import {}` names no file under shaders/wgsl", self.file, self.import)
         }
     }
 }
@@ -210,10 +206,7 @@ pub fn resolve_with(source: Source, defines: &[(&str, String)]) -> Result<String
     let mut used = vec![false; defines.len()];
     resolve_into(source, &mut seen, defines, &mut used, &mut out)?;
     if let Some(i) = used.iter().position(|u| !u) {
-        return Err(ResolveError {
-            file: source.path,
-            import: format!("define {}", defines[i].0),
-        });
+        return Err(ResolveError { file: source.path, import: format!("define {}", defines[i].0) });
     }
     Ok(out)
 }
@@ -229,10 +222,7 @@ fn resolve_into(
         if let Some(rest) = line.trim_start().strip_prefix(DEFINE) {
             let mut parts = rest.split_whitespace();
             let (Some(name), Some(default)) = (parts.next(), parts.next()) else {
-                return Err(ResolveError {
-                    file: source.path,
-                    import: format!("define {rest} (needs a name and a default)"),
-                });
+                return Err(ResolveError { file: source.path, import: format!("define {rest} (needs a name and a default)") });
             };
             let value = match defines.iter().position(|(n, _)| *n == name) {
                 Some(i) => {
@@ -244,10 +234,7 @@ fn resolve_into(
             out.push_str(&format!("const {name} = {value};\n"));
         } else if let Some(rest) = line.trim_start().strip_prefix(IMPORT) {
             let path = rest.trim();
-            let import = find(path).ok_or_else(|| ResolveError {
-                file: source.path,
-                import: path.to_owned(),
-            })?;
+            let import = find(path).ok_or_else(|| ResolveError { file: source.path, import: path.to_owned() })?;
             if !seen.contains(&import.path) {
                 seen.push(import.path);
                 out.push_str("// ---- begin ");
@@ -280,26 +267,16 @@ mod tests {
 
     #[test]
     fn unknown_import_is_an_error() {
-        let bad = Source {
-            path: "test/bad.wgsl",
-            text: "//!import common/nope.wgsl\n",
-        };
+        let bad = Source { path: "test/bad.wgsl", text: "//!import common/nope.wgsl\n" };
         let err = resolve(bad).unwrap_err();
         assert_eq!(err.import, "common/nope.wgsl");
     }
 
     #[test]
     fn defines_take_defaults_or_given_values() {
-        let src = Source {
-            path: "test/d.wgsl",
-            text: "//!define GROUP 4u\nfn f() -> u32 { return GROUP; }\n",
-        };
+        let src = Source { path: "test/d.wgsl", text: "//!define GROUP 4u\nfn f() -> u32 { return GROUP; }\n" };
         assert!(resolve(src).unwrap().contains("const GROUP = 4u;"));
-        assert!(
-            resolve_with(src, &[("GROUP", "2u".into())])
-                .unwrap()
-                .contains("const GROUP = 2u;")
-        );
+        assert!(resolve_with(src, &[("GROUP", "2u".into())]).unwrap().contains("const GROUP = 2u;"));
         assert!(resolve_with(src, &[("NOPE", "1u".into())]).is_err());
     }
 

@@ -8,8 +8,7 @@ use std::path::Path;
 use expertkv_shaders::{ALL_SOURCES, Kernel, resolve};
 
 fn validate(path: &str, text: &str) -> Result<(), String> {
-    let module = naga::front::wgsl::parse_str(text)
-        .map_err(|e| format!("{path}: parse error:\n{}", e.emit_to_string(text)))?;
+    let module = naga::front::wgsl::parse_str(text).map_err(|e| format!("{path}: parse error:\n{}", e.emit_to_string(text)))?;
     let caps = naga::valid::Capabilities::all();
     naga::valid::Validator::new(naga::valid::ValidationFlags::all(), caps)
         .subgroup_stages(naga::valid::ShaderStages::COMPUTE)
@@ -55,20 +54,13 @@ fn every_wgsl_file_on_disk_is_embedded() {
             if path.is_dir() {
                 stack.push(path);
             } else if path.extension().is_some_and(|e| e == "wgsl") {
-                let rel = path
-                    .strip_prefix(&root)
-                    .expect("under root")
-                    .to_string_lossy()
-                    .replace('\\', "/");
+                let rel = path.strip_prefix(&root).expect("under root").to_string_lossy().replace('\\', "/");
                 on_disk.push(rel);
             }
         }
     }
     for path in &on_disk {
-        assert!(
-            ALL_SOURCES.iter().any(|s| s.path == path),
-            "{path} is not embedded in expertkv-shaders"
-        );
+        assert!(ALL_SOURCES.iter().any(|s| s.path == path), "{path} is not embedded in expertkv-shaders");
     }
     assert_eq!(on_disk.len(), ALL_SOURCES.len());
 }
@@ -78,12 +70,7 @@ fn subgroup_attention_validates_for_every_shape_knob() {
     // Its `//!define`s change array sizes and branches: validate a spread of them.
     let mut failures = Vec::new();
     for group in [1u32, 2, 3, 4, 8] {
-        for (lanes, vpl, f16) in [
-            (16u32, 1u32, true),
-            (8, 2, true),
-            (16, 2, false),
-            (8, 4, false),
-        ] {
+        for (lanes, vpl, f16) in [(16u32, 1u32, true), (8, 2, true), (16, 2, false), (8, 4, false)] {
             for u in [1u32, 4, 8] {
                 for transpose in [true, false] {
                     let defines = [
@@ -92,17 +79,10 @@ fn subgroup_attention_validates_for_every_shape_knob() {
                         ("VPL", format!("{vpl}u")),
                         ("F16", f16.to_string()),
                         ("U", format!("{u}u")),
-                        (
-                            "TRANSPOSE",
-                            (transpose && group.is_power_of_two()).to_string(),
-                        ),
+                        ("TRANSPOSE", (transpose && group.is_power_of_two()).to_string()),
                     ];
-                    let text = Kernel::AttendSplitSubgroup
-                        .resolved_with(&defines)
-                        .expect("defines resolve");
-                    if let Err(e) =
-                        validate(&format!("attend/split_subgroup.wgsl {defines:?}"), &text)
-                    {
+                    let text = Kernel::AttendSplitSubgroup.resolved_with(&defines).expect("defines resolve");
+                    if let Err(e) = validate(&format!("attend/split_subgroup.wgsl {defines:?}"), &text) {
                         failures.push(e);
                     }
                 }

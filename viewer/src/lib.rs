@@ -12,15 +12,10 @@ pub fn shard_occupancy(ui: &mut egui::Ui, report: &StepReport) {
     for (s, pages) in report.shard_pages.iter().enumerate() {
         ui.horizontal(|ui| {
             ui.label(format!("shard {s:>3}"));
-            ui.add(
-                egui::ProgressBar::new(*pages as f32 / max as f32).text(format!("{pages} pages")),
-            );
+            ui.add(egui::ProgressBar::new(*pages as f32 / max as f32).text(format!("{pages} pages")));
         });
     }
-    ui.label(format!(
-        "{} of {} pages in use; {} ring overflows",
-        report.pages_in_use, report.pages_total, report.ring_overflows
-    ));
+    ui.label(format!("{} of {} pages in use; {} ring overflows", report.pages_in_use, report.pages_total, report.ring_overflows));
 }
 
 /// GPU time of each stage of the step.
@@ -29,11 +24,7 @@ pub fn stage_times(ui: &mut egui::Ui, report: &StepReport) {
     match &report.gpu {
         Some(g) => {
             egui::Grid::new("stage_times").show(ui, |ui| {
-                for (name, ms) in [
-                    ("append", g.append_ms),
-                    ("gather", g.gather_ms),
-                    ("attend", g.attend_ms),
-                ] {
+                for (name, ms) in [("append", g.append_ms), ("gather", g.gather_ms), ("attend", g.attend_ms)] {
                     ui.label(name);
                     ui.label(format!("{ms:.3} ms"));
                     ui.end_row();

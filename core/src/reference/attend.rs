@@ -12,14 +12,7 @@ pub struct AttentionOutput {
 
 /// Decode attention for sequences `0..n_seqs` of `layer`. `queries` is [seq][q_head][head_dim]
 /// with q_heads = kv_heads * group; scores are scaled by `scale`.
-pub fn attend_decode(
-    model: &PoolModel,
-    layer: u32,
-    n_seqs: u32,
-    queries: &[f32],
-    group: u32,
-    scale: f64,
-) -> AttentionOutput {
+pub fn attend_decode(model: &PoolModel, layer: u32, n_seqs: u32, queries: &[f32], group: u32, scale: f64) -> AttentionOutput {
     let cfg = &model.cfg;
     let d = cfg.head_dim as usize;
     let hkv = cfg.kv_heads;
@@ -28,27 +21,15 @@ pub fn attend_decode(
     let mut mass = Vec::with_capacity(n_seqs as usize);
     for seq in 0..n_seqs {
         let tokens = model.tokens(layer, seq);
-        let mut seq_mass: Vec<(u32, u32, Vec<f64>)> = tokens
-            .iter()
-            .map(|&(p, s)| (p, s, vec![0.0; hkv as usize]))
-            .collect();
+        let mut seq_mass: Vec<(u32, u32, Vec<f64>)> = tokens.iter().map(|&(p, s)| (p, s, vec![0.0; hkv as usize])).collect();
         for h in 0..hkv {
-            let keys: Vec<Vec<f64>> = tokens
-                .iter()
-                .map(|&(p, s)| model.vector(p, s, 0, h))
-                .collect();
-            let values: Vec<Vec<f64>> = tokens
-                .iter()
-                .map(|&(p, s)| model.vector(p, s, 1, h))
-                .collect();
+            let keys: Vec<Vec<f64>> = tokens.iter().map(|&(p, s)| model.vector(p, s, 0, h)).collect();
+            let values: Vec<Vec<f64>> = tokens.iter().map(|&(p, s)| model.vector(p, s, 1, h)).collect();
             for g in 0..group {
                 let qh = (h * group + g) as usize;
                 let q0 = (seq as usize * hq + qh) * d;
                 let q: Vec<f64> = queries[q0..q0 + d].iter().map(|v| f64::from(*v)).collect();
-                let scores: Vec<f64> = keys
-                    .iter()
-                    .map(|k| k.iter().zip(&q).map(|(a, b)| a * b).sum::<f64>() * scale)
-                    .collect();
+                let scores: Vec<f64> = keys.iter().map(|k| k.iter().zip(&q).map(|(a, b)| a * b).sum::<f64>() * scale).collect();
                 if scores.is_empty() {
                     continue;
                 }

@@ -3,9 +3,7 @@
 
 use crate::config::PoolConfig;
 use crate::error::{Error, Result};
-use crate::gpu_data::{
-    NO_OWNER, PageMeta, PoolCtl, RingState, TokenPlan, meta, plan_flags, pool_errors,
-};
+use crate::gpu_data::{NO_OWNER, PageMeta, PoolCtl, RingState, TokenPlan, meta, plan_flags, pool_errors};
 
 /// One token to append: where it belongs and its routing.
 #[derive(Clone, Debug, PartialEq)]
@@ -56,28 +54,11 @@ impl PoolModel {
         let n = cfg.n_pages as usize;
         PoolModel {
             cfg: cfg.clone(),
-            rings: vec![
-                RingState {
-                    head: 0,
-                    count: 0,
-                    fill: cfg.page_size,
-                    _pad: 0
-                };
-                cfg.n_keys() as usize
-            ],
+            rings: vec![RingState { head: 0, count: 0, fill: cfg.page_size, _pad: 0 }; cfg.n_keys() as usize],
             ring_pages: vec![NO_OWNER; (cfg.n_keys() * cfg.ring_capacity) as usize],
-            page_meta: vec![
-                PageMeta {
-                    owner: NO_OWNER,
-                    fill: 0
-                };
-                n
-            ],
+            page_meta: vec![PageMeta { owner: NO_OWNER, fill: 0 }; n],
             free_stack: initial_free_stack(cfg.n_pages),
-            ctl: PoolCtl {
-                free_top: cfg.n_pages,
-                ..Default::default()
-            },
+            ctl: PoolCtl { free_top: cfg.n_pages, ..Default::default() },
             slot_meta: vec![0; n * cfg.page_size as usize * cfg.meta_words() as usize],
             kv: vec![0; n * cfg.page_words() as usize],
         }
@@ -92,10 +73,7 @@ impl PoolModel {
             return None;
         }
         let e = t.experts.first().copied().unwrap_or(0);
-        let shard = self
-            .cfg
-            .shard_map
-            .shard_from_token_expert(self.cfg.n_shards, t.position, e);
+        let shard = self.cfg.shard_map.shard_from_token_expert(self.cfg.n_shards, t.position, e);
         Some(self.shard_key(t.layer, t.seq, shard))
     }
 
@@ -108,24 +86,13 @@ impl PoolModel {
             .enumerate()
             .map(|(i, key)| {
                 let Some(key) = *key else {
-                    return TokenPlan {
-                        key: u32::MAX,
-                        flags: plan_flags::INVALID,
-                        page: NO_OWNER,
-                        ..Default::default()
-                    };
+                    return TokenPlan { key: u32::MAX, flags: plan_flags::INVALID, page: NO_OWNER, ..Default::default() };
                 };
                 let rank = keys[..i].iter().filter(|k| **k == Some(key)).count() as u32;
                 let total = keys.iter().filter(|k| **k == Some(key)).count() as u32;
                 let ring = self.rings[key as usize];
                 let u = ring.fill + rank;
-                let mut out = TokenPlan {
-                    key,
-                    rank,
-                    u,
-                    page: NO_OWNER,
-                    ..Default::default()
-                };
+                let mut out = TokenPlan { key, rank, u, page: NO_OWNER, ..Default::default() };
                 let mut flags = 0;
                 if u < p {
                     out.ring_index = (ring.head + ring.count + r - 1) % r;
@@ -136,11 +103,7 @@ impl PoolModel {
                     out.ring_index = (ring.head + ring.count + q) % r;
                     if out.slot == 0 {
                         flags |= plan_flags::OPENS;
-                        flags |= if ring.count + q < r {
-                            plan_flags::NEEDS_FREE
-                        } else {
-                            plan_flags::RECYCLES
-                        };
+                        flags |= if ring.count + q < r { plan_flags::NEEDS_FREE } else { plan_flags::RECYCLES };
                     }
                 }
                 if rank + 1 == total {
@@ -162,12 +125,7 @@ impl PoolModel {
         let cfg = self.cfg.clone();
         let tw = (2 * cfg.kv_heads * cfg.vec_words()) as usize;
         if kv.len() != tokens.len() * tw {
-            return Err(Error::Input(format!(
-                "K/V data holds {} words, {} tokens need {}",
-                kv.len(),
-                tokens.len(),
-                tokens.len() * tw
-            )));
+            return Err(Error::Input(format!("K/V data holds {} words, {} tokens need {}", kv.len(), tokens.len(), tokens.len() * tw)));
         }
         let mut plan = self.plan(tokens);
         if plan.iter().any(|p| p.flags & plan_flags::INVALID != 0) {
@@ -175,10 +133,7 @@ impl PoolModel {
             self.ctl.abort = 1;
             return Ok(plan);
         }
-        let wanted = plan
-            .iter()
-            .filter(|p| p.flags & plan_flags::NEEDS_FREE != 0)
-            .count() as u32;
+        let wanted = plan.iter().filter(|p| p.flags & plan_flags::NEEDS_FREE != 0).count() as u32;
         if wanted > self.ctl.free_top {
             self.ctl.error_flags |= pool_errors::POOL_EXHAUSTED;
             self.ctl.abort = 1;
@@ -195,10 +150,7 @@ impl PoolModel {
                 let page = self.free_stack[(self.ctl.free_top - 1 - taken) as usize];
                 taken += 1;
                 self.ring_pages[entry] = page;
-                self.page_meta[page as usize] = PageMeta {
-                    owner: pl.key,
-                    fill: 0,
-                };
+                self.page_meta[page as usize] = PageMeta { owner: pl.key, fill: 0 };
             } else if pl.flags & plan_flags::RECYCLES != 0 {
                 let page = self.ring_pages[entry];
                 self.page_meta[page as usize].fill = 0;
@@ -238,10 +190,7 @@ impl PoolModel {
                 let kvi = w / (hkv * vw);
                 let head = (w / vw) % hkv;
                 let j = w % vw;
-                let dst = page as usize * pw
-                    + kvi * block
-                    + (head * p as usize + pl.slot as usize) * vw
-                    + j;
+                let dst = page as usize * pw + kvi * block + (head * p as usize + pl.slot as usize) * vw + j;
                 self.kv[dst] = kv[i * tw + w];
             }
             let m = (page as usize * p as usize + pl.slot as usize) * mw;
@@ -274,10 +223,7 @@ impl PoolModel {
                 let page = self.ring_pages[key * r as usize + ((ring.head + k) % r) as usize];
                 self.free_stack[top as usize] = page;
                 top += 1;
-                self.page_meta[page as usize] = PageMeta {
-                    owner: NO_OWNER,
-                    fill: 0,
-                };
+                self.page_meta[page as usize] = PageMeta { owner: NO_OWNER, fill: 0 };
             }
             released += n;
             if n > 0 {
@@ -313,10 +259,7 @@ impl PoolModel {
 
     /// Tokens cached for one (layer, sequence), in page-list order: (page, slot).
     pub fn tokens(&self, layer: u32, seq: u32) -> Vec<(u32, u32)> {
-        self.page_list(layer, seq)
-            .into_iter()
-            .flat_map(|page| (0..self.page_meta[page as usize].fill).map(move |s| (page, s)))
-            .collect()
+        self.page_list(layer, seq).into_iter().flat_map(|page| (0..self.page_meta[page as usize].fill).map(move |s| (page, s))).collect()
     }
 
     /// K (kv = 0) or V (kv = 1) of one cached token and head, as f64.
@@ -324,9 +267,7 @@ impl PoolModel {
         let cfg = &self.cfg;
         let vw = cfg.vec_words() as usize;
         let block = (cfg.kv_heads * cfg.page_size) as usize * vw;
-        let base = page as usize * cfg.page_words() as usize
-            + kv * block
-            + (head * cfg.page_size + slot) as usize * vw;
+        let base = page as usize * cfg.page_words() as usize + kv * block + (head * cfg.page_size + slot) as usize * vw;
         decode_words(&self.kv[base..base + vw], cfg.dtype)
     }
 }
@@ -339,10 +280,7 @@ pub fn initial_free_stack(n_pages: u32) -> Vec<u32> {
 /// Decode storage words of one vector into f64 values.
 pub fn decode_words(words: &[u32], dtype: crate::config::KvDtype) -> Vec<f64> {
     match dtype {
-        crate::config::KvDtype::F32 => words
-            .iter()
-            .map(|w| f64::from(f32::from_bits(*w)))
-            .collect(),
+        crate::config::KvDtype::F32 => words.iter().map(|w| f64::from(f32::from_bits(*w))).collect(),
         crate::config::KvDtype::F16 => words
             .iter()
             .flat_map(|w| {

@@ -41,8 +41,9 @@ pub fn topk(p: &RouteParams, logits: &[f32], bias: &[f32]) -> (Vec<u32>, Vec<f64
     let (t_n, e_n, k) = (p.n_tokens as usize, p.n_experts as usize, p.top_k as usize);
     let mut experts = Vec::with_capacity(t_n * k);
     let mut gates = Vec::with_capacity(t_n * k);
+    let base = p.token_base as usize;
     for t in 0..t_n {
-        let row = &logits[t * e_n..(t + 1) * e_n];
+        let row = &logits[(base + t) * e_n..(base + t + 1) * e_n];
         let score = |e: usize| row[e] + bias[e];
         let chosen: Vec<usize> = if p.router == routers::HASH {
             let h = hash_u32(p.token_offset.wrapping_add(t as u32)) as usize % e_n;
@@ -106,8 +107,9 @@ pub fn adaptive_gradient(p: &RouteParams, stats: &[ExpertStats], logits: &[f32],
     let cost: Vec<f64> = stats[..e_n].iter().map(|s| expert_cost(p, s)).collect();
     let mut g = vec![0.0; e_n];
     let (mut kl_sum, mut ec_sum) = (0.0, 0.0);
+    let base = p.token_base as usize;
     for t in 0..t_n {
-        let l: Vec<f64> = logits[t * e_n..(t + 1) * e_n].iter().map(|v| f64::from(*v)).collect();
+        let l: Vec<f64> = logits[(base + t) * e_n..(base + t + 1) * e_n].iter().map(|v| f64::from(*v)).collect();
         let b: Vec<f64> = bias[..e_n].iter().map(|v| f64::from(*v)).collect();
         let lse = |v: &dyn Fn(usize) -> f64| {
             let m = (0..e_n).map(v).fold(f64::NEG_INFINITY, f64::max);

@@ -21,7 +21,7 @@ struct RouteParams {
     c_miss: f32,         // adaptive: cost of routing to an expert with missing KV
     c_lb: f32,           // adaptive: cost of overload
     layer: u32,          // statistics are kept per (layer, expert)
-    _pad0: u32,
+    token_base: u32,     // row of token 0 in the logits / experts / gates buffers (layer * max_tokens)
     _pad1: u32,
     _pad2: u32,
 }

@@ -37,7 +37,7 @@ fn grad(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     var ec = 0.0;
     var kl = 0.0;
     if (t < params.n_tokens) {
-        let row = t * E;
+        let row = (params.token_base + t) * E;
         var mp = -3.4e38;
         var mq = -3.4e38;
         for (var e = 0u; e < E; e++) {
@@ -70,7 +70,7 @@ fn grad(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     for (var e = li; e < E; e += BLOCK) {
         var g = 0.0;
         for (var j = 0u; j < n; j++) {
-            let q = exp(logits[(t0 + j) * E + e] + bias_sh[e] - lse_q[j]);
+            let q = exp(logits[(params.token_base + t0 + j) * E + e] + bias_sh[e] - lse_q[j]);
             g += q * (cost_sh[e] - ec_sh[j]) + params.kappa * q * (bias_sh[e] - lse_q[j] + lse_p[j] - kl_sh[j]);
         }
         partials[out + e] = g;

@@ -14,7 +14,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
         return;
     }
     for (var i = 0u; i < params.top_k; i++) {
-        let e = experts[t * params.top_k + i];
+        let e = experts[(params.token_base + t) * params.top_k + i];
         if (e < params.n_experts) {
             atomicAdd(&counts[e], 1u);
         }

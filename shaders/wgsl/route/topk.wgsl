@@ -37,7 +37,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(local_invocation
         return;
     }
     let K = params.top_k;
-    let row = t * E;
+    let row = (params.token_base + t) * E;
     var best_s: array<f32, 8>;
     var best_e: array<u32, 8>;
     for (var i = 0u; i < MAX_K; i++) {
@@ -120,8 +120,9 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(local_invocation
         w[i] = exp(logits[row + best_e[i]] - mx);
         sum += w[i];
     }
+    let out = (params.token_base + t) * K;
     for (var i = 0u; i < K; i++) {
-        experts[t * K + i] = best_e[i];
-        gates[t * K + i] = w[i] / sum;
+        experts[out + i] = best_e[i];
+        gates[out + i] = w[i] / sum;
     }
 }

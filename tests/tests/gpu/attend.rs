@@ -26,11 +26,7 @@ struct Case {
 }
 
 fn random_case(rng: &mut Rng) -> Case {
-    let dtype = if rng.below(2) == 0 {
-        KvDtype::F16
-    } else {
-        KvDtype::F32
-    };
+    let dtype = if rng.below(2) == 0 { KvDtype::F16 } else { KvDtype::F32 };
     let head_dim = [8u32, 16, 32, 64, 128][rng.below(5) as usize];
     let n_shards = [1u32, 2, 4][rng.below(3) as usize];
     let page_size = [1u32, 4, 8, 16, 32][rng.below(5) as usize];
@@ -47,10 +43,7 @@ fn random_case(rng: &mut Rng) -> Case {
         n_shards,
         ring_capacity: ring,
         top_k: 1,
-        shard_map: ShardMap::Pikv {
-            n_tok: n_shards,
-            n_exp: n_shards,
-        },
+        shard_map: ShardMap::Pikv { n_tok: n_shards, n_exp: n_shards },
         max_buffer_bytes: None,
     };
     cfg.n_pages = cfg.n_keys() * ring;
@@ -98,16 +91,12 @@ fn check_case(rt: &Runtime, seed: u64, variant: SplitVariant) -> bool {
     let mut rng = Rng::new(seed);
     let case = random_case(&mut rng);
     let cfg = &case.cfg;
-    if matches!(variant, SplitVariant::Subgroup { .. })
-        && subgroup_layout(rt, cfg.head_dim, cfg.dtype).is_none()
-    {
+    if matches!(variant, SplitVariant::Subgroup { .. }) && subgroup_layout(rt, cfg.head_dim, cfg.dtype).is_none() {
         return false;
     }
     let variant = match variant {
         SplitVariant::Tiled => SplitVariant::Tiled,
-        SplitVariant::Subgroup { .. } => {
-            subgroup_layout(rt, cfg.head_dim, cfg.dtype).expect("layout checked above")
-        }
+        SplitVariant::Subgroup { .. } => subgroup_layout(rt, cfg.head_dim, cfg.dtype).expect("layout checked above"),
     };
     let ctx = format!(
         "seed {seed}, variant {}, checks {}, group {}, n_seqs {}, chunk_pages {}, tokens_in_flight {}, transpose {}, {cfg:?}",
@@ -135,30 +124,17 @@ fn check_case(rt: &Runtime, seed: u64, variant: SplitVariant) -> bool {
     ))
     .unwrap_or_else(|e| panic!("{ctx}: {e}"));
     for layer in 0..cfg.layers {
-        let q: Vec<f32> = (0..case.n_seqs * attn.q_heads() * cfg.head_dim)
-            .map(|_| rng.normal() as f32 * 2.0)
-            .collect();
+        let q: Vec<f32> = (0..case.n_seqs * attn.q_heads() * cfg.head_dim).map(|_| rng.normal() as f32 * 2.0).collect();
         attn.set_queries(rt, &q).expect("queries");
         for b in [&attn.out, &attn.partials, &attn.scores, &attn.stats] {
             rt.fill_u32(b, POISON_F32);
         }
-        attn.run(rt, layer, 100 + layer)
-            .unwrap_or_else(|e| panic!("{ctx}: {e}"));
+        attn.run(rt, layer, 100 + layer).unwrap_or_else(|e| panic!("{ctx}: {e}"));
         let got = pollster::block_on(attn.read_output(rt)).expect("output");
-        let want = attend_decode(
-            &model,
-            layer,
-            case.n_seqs,
-            &q,
-            case.group,
-            f64::from(attn.scale()),
-        );
+        let want = attend_decode(&model, layer, case.n_seqs, &q, case.group, f64::from(attn.scale()));
         assert_eq!(got.len(), want.out.len());
         for (i, (g, w)) in got.iter().zip(&want.out).enumerate() {
-            assert!(
-                close(f64::from(*g), *w),
-                "{ctx}: layer {layer} output[{i}] = {g}, reference {w}"
-            );
+            assert!(close(f64::from(*g), *w), "{ctx}: layer {layer} output[{i}] = {g}, reference {w}");
         }
         // Attention mass accumulates into slot metadata, with the access recorded.
         let slot_meta: Vec<u32> = pollster::block_on(rt.read_all(&pool.slot_meta)).expect("meta");
@@ -176,16 +152,8 @@ fn check_case(rt: &Runtime, seed: u64, variant: SplitVariant) -> bool {
                         prev + w
                     );
                 }
-                assert_eq!(
-                    slot_meta[m + meta::LAST_ACCESS],
-                    100 + layer,
-                    "{ctx}: last access"
-                );
-                assert_eq!(
-                    slot_meta[m + meta::ACCESS_COUNT],
-                    model.slot_meta[m + meta::ACCESS_COUNT] + 1,
-                    "{ctx}: access count"
-                );
+                assert_eq!(slot_meta[m + meta::LAST_ACCESS], 100 + layer, "{ctx}: last access");
+                assert_eq!(slot_meta[m + meta::ACCESS_COUNT], model.slot_meta[m + meta::ACCESS_COUNT] + 1, "{ctx}: access count");
             }
         }
         // Carry the GPU's metadata forward so the next layer's comparison starts from it.
@@ -212,20 +180,12 @@ fn attend_tiled_unchecked_gpu_match_cpu() {
 fn attend_subgroup_gpu_match_cpu() {
     let rt = rt();
     if rt.tier != expertkv_core::Tier::Subgroups {
-        eprintln!(
-            "skipped: adapter {} has no subgroups (tier {})",
-            rt.info.name,
-            rt.tier.name()
-        );
+        eprintln!("skipped: adapter {} has no subgroups (tier {})", rt.info.name, rt.tier.name());
         return;
     }
     let mut ran = 0;
     for seed in seeds("attend_subgroup", 24) {
-        ran += u32::from(check_case(
-            rt,
-            seed,
-            SplitVariant::Subgroup { lanes: 0, vpl: 0 },
-        ));
+        ran += u32::from(check_case(rt, seed, SplitVariant::Subgroup { lanes: 0, vpl: 0 }));
     }
     // Most random shapes have a subgroup layout; a run where none had proves nothing.
     if std::env::var("EXPERTKV_TEST_SEED").is_err() {
@@ -241,11 +201,7 @@ fn attend_subgroup_unchecked_gpu_match_cpu() {
     }
     let mut ran = 0;
     for seed in seeds("attend_subgroup_unchecked", 12) {
-        ran += u32::from(check_case(
-            rt,
-            seed,
-            SplitVariant::Subgroup { lanes: 0, vpl: 0 },
-        ));
+        ran += u32::from(check_case(rt, seed, SplitVariant::Subgroup { lanes: 0, vpl: 0 }));
     }
     if std::env::var("EXPERTKV_TEST_SEED").is_err() {
         assert!(ran >= 4, "only {ran} cases ran the subgroup kernel");

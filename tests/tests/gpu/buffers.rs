@@ -31,9 +31,7 @@ fn pool_crosses_the_real_binding_limit() {
     };
     let per_buffer = (limit / cfg.page_bytes()) as u32;
     if per_buffer > 512 {
-        eprintln!(
-            "skipped: this adapter's binding limit ({limit} bytes) would need a pool over 512 MiB to cross"
-        );
+        eprintln!("skipped: this adapter's binding limit ({limit} bytes) would need a pool over 512 MiB to cross");
         return;
     }
     cfg.n_pages = per_buffer + 3;
@@ -41,12 +39,7 @@ fn pool_crosses_the_real_binding_limit() {
     let seed = seeds("pool_crosses_the_real_binding_limit", 1)[0];
     let mut rng = Rng::new(seed);
     let mut pool = pollster::block_on(KvPool::new(rt, cfg.clone())).expect("pool");
-    assert_eq!(
-        pool.n_buffers(),
-        2,
-        "seed {seed}: pool of {} bytes over limit {limit}",
-        cfg.n_pages as u64 * cfg.page_bytes()
-    );
+    assert_eq!(pool.n_buffers(), 2, "seed {seed}: pool of {} bytes over limit {limit}", cfg.n_pages as u64 * cfg.page_bytes());
     assert!(pool.kv_buffers.iter().all(|b| b.size() <= limit));
     let mut model = PoolModel::new(&cfg);
     // Every page, all slots: tokens land on both sides of the boundary.
@@ -55,15 +48,8 @@ fn pool_crosses_the_real_binding_limit() {
     let mut pos = 0;
     while pos < total {
         let n = batch.min(total - pos);
-        let toks: Vec<NewToken> = (pos..pos + n)
-            .map(|p| NewToken {
-                layer: 0,
-                seq: 0,
-                position: p,
-                experts: vec![0],
-                gates: vec![1.0],
-            })
-            .collect();
+        let toks: Vec<NewToken> =
+            (pos..pos + n).map(|p| NewToken { layer: 0, seq: 0, position: p, experts: vec![0], gates: vec![1.0] }).collect();
         let kv = random_kv(&mut rng, &cfg, n as usize);
         pool.append(rt, &toks, &kv, 0).expect("append");
         model.append(&toks, &kv, 0).expect("append");
@@ -71,36 +57,21 @@ fn pool_crosses_the_real_binding_limit() {
     }
     pool.gather(rt).expect("gather");
     let kv = pollster::block_on(pool.read_kv(rt)).expect("kv");
-    assert!(
-        kv == model.kv,
-        "seed {seed}: K/V across the buffer boundary differ from the reference"
-    );
+    assert!(kv == model.kv, "seed {seed}: K/V across the buffer boundary differ from the reference");
 
     let attn = pollster::block_on(Attention::new(
         rt,
         &pool,
-        AttendOptions {
-            group: 2,
-            n_seqs: 1,
-            chunk_pages: 16,
-            mass: false,
-            variant: Some(SplitVariant::Tiled),
-            ..Default::default()
-        },
+        AttendOptions { group: 2, n_seqs: 1, chunk_pages: 16, mass: false, variant: Some(SplitVariant::Tiled), ..Default::default() },
     ))
     .expect("attention");
-    let q: Vec<f32> = (0..attn.q_heads() * cfg.head_dim)
-        .map(|_| rng.normal() as f32)
-        .collect();
+    let q: Vec<f32> = (0..attn.q_heads() * cfg.head_dim).map(|_| rng.normal() as f32).collect();
     attn.set_queries(rt, &q).expect("queries");
     rt.fill_u32(&attn.out, POISON_F32);
     attn.run(rt, 0, 0).expect("attend");
     let got = pollster::block_on(attn.read_output(rt)).expect("out");
     let want = attend_decode(&model, 0, 1, &q, 2, f64::from(attn.scale()));
     for (i, (g, w)) in got.iter().zip(&want.out).enumerate() {
-        assert!(
-            (f64::from(*g) - w).abs() <= 2e-5 + 1e-4 * w.abs(),
-            "seed {seed}: out[{i}] = {g}, reference {w}"
-        );
+        assert!((f64::from(*g) - w).abs() <= 2e-5 + 1e-4 * w.abs(), "seed {seed}: out[{i}] = {g}, reference {w}");
     }
 }

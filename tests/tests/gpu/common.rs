@@ -5,9 +5,8 @@ use expertkv_core::runtime::{Runtime, RuntimeOptions, ShaderChecks};
 fn open(checks: ShaderChecks) -> Runtime {
     let mut opts = RuntimeOptions::from_env().expect("EXPERTKV_* environment variables");
     opts.checks = checks;
-    pollster::block_on(Runtime::new(opts)).unwrap_or_else(|e| {
-        panic!("these tests need a GPU adapter (scripts/test.sh installs Mesa lavapipe when none exists): {e}")
-    })
+    pollster::block_on(Runtime::new(opts))
+        .unwrap_or_else(|e| panic!("these tests need a GPU adapter (scripts/test.sh installs Mesa lavapipe when none exists): {e}"))
 }
 
 /// The shared runtime with wgpu's bounds checks everywhere.
@@ -26,18 +25,11 @@ pub fn rt_trusted() -> &'static Runtime {
 /// from the test's name, so each test draws its own inputs.
 pub fn seeds(test: &str, n: u64) -> Vec<u64> {
     if let Ok(s) = std::env::var("EXPERTKV_TEST_SEED") {
-        let seed = s
-            .trim()
-            .parse()
-            .expect("EXPERTKV_TEST_SEED must be an integer");
+        let seed = s.trim().parse().expect("EXPERTKV_TEST_SEED must be an integer");
         return vec![seed];
     }
-    let base = test.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
-    });
-    (0..n)
-        .map(|i| base.wrapping_add(i.wrapping_mul(0x9e37_79b9_7f4a_7c15)))
-        .collect()
+    let base = test.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+    (0..n).map(|i| base.wrapping_add(i.wrapping_mul(0x9e37_79b9_7f4a_7c15))).collect()
 }
 
 /// Poison patterns: a quiet NaN as f32, and a value no index or count takes.

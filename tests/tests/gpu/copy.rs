@@ -19,10 +19,7 @@ fn copy_moves_every_word() {
         rt.queue.submit([enc.finish()]);
         let dst: Vec<u32> = pollster::block_on(rt.read_all(&k.dst)).expect("read");
         let src: Vec<u32> = pollster::block_on(rt.read_all(k.src())).expect("read");
-        assert!(
-            !src.iter().all(|w| *w == 0),
-            "seed {seed}: source must not be zeros"
-        );
+        assert!(!src.iter().all(|w| *w == 0), "seed {seed}: source must not be zeros");
         assert!(dst == src, "seed {seed}: copy of {bytes} bytes differs");
     }
 }

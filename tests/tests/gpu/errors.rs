@@ -28,13 +28,7 @@ fn small() -> PoolConfig {
 }
 
 fn tok(seq: u32, position: u32) -> NewToken {
-    NewToken {
-        layer: 0,
-        seq,
-        position,
-        experts: vec![0],
-        gates: vec![1.0],
-    }
+    NewToken { layer: 0, seq, position, experts: vec![0], gates: vec![1.0] }
 }
 
 #[test]
@@ -51,10 +45,8 @@ fn exhausted_pool_refuses_the_batch_and_keeps_everything() {
     // 3 pages of 4 slots: 8 tokens used 2 pages; 8 more need 2 but 1 is free.
     let second: Vec<NewToken> = (0..8).map(|p| tok(1, p)).collect();
     let kv2 = random_kv(&mut rng, &cfg, 8);
-    pool.append(rt, &second, &kv2, 1)
-        .expect("submission itself succeeds");
-    let err =
-        pollster::block_on(pool.check_errors(rt, 2)).expect_err("exhaustion must be reported");
+    pool.append(rt, &second, &kv2, 1).expect("submission itself succeeds");
+    let err = pollster::block_on(pool.check_errors(rt, 2)).expect_err("exhaustion must be reported");
     assert!(matches!(err, Error::PoolExhausted { .. }), "{err}");
     assert!(err.to_string().contains("nothing was written"), "{err}");
     // The first sequence's tokens are intact; nothing of the refused batch landed.
@@ -73,34 +65,17 @@ fn bad_tokens_are_refused_with_a_clear_error() {
     let err = pollster::block_on(pool.check_errors(rt, 1)).expect_err("bad token");
     assert!(err.to_string().contains("max_seqs"), "{err}");
     // Wrong K/V length, wrong top-k, NaN gates: refused on the host before any GPU work.
-    let e = pool
-        .append(rt, &[tok(0, 0)], &kv[..1], 0)
-        .expect_err("short kv");
+    let e = pool.append(rt, &[tok(0, 0)], &kv[..1], 0).expect_err("short kv");
     assert!(e.to_string().contains("K/V data"), "{e}");
     let mut t = tok(0, 0);
     t.experts.push(3);
-    assert!(
-        pool.append(rt, &[t], &kv, 0)
-            .expect_err("top-k")
-            .to_string()
-            .contains("top_k")
-    );
+    assert!(pool.append(rt, &[t], &kv, 0).expect_err("top-k").to_string().contains("top_k"));
     let mut t = tok(0, 0);
     t.gates[0] = f32::NAN;
-    assert!(
-        pool.append(rt, &[t], &kv, 0)
-            .expect_err("nan")
-            .to_string()
-            .contains("not finite")
-    );
+    assert!(pool.append(rt, &[t], &kv, 0).expect_err("nan").to_string().contains("not finite"));
     let too_many: Vec<NewToken> = (0..100).map(|p| tok(0, p)).collect();
     let kv100 = random_kv(&mut rng, &cfg, 100);
-    assert!(
-        pool.append(rt, &too_many, &kv100, 0)
-            .expect_err("batch")
-            .to_string()
-            .contains("split the batch")
-    );
+    assert!(pool.append(rt, &too_many, &kv100, 0).expect_err("batch").to_string().contains("split the batch"));
 }
 
 #[test]
@@ -108,39 +83,17 @@ fn impossible_configs_name_the_field() {
     let rt = rt();
     let mut cfg = small();
     cfg.head_dim = 12;
-    let e = pollster::block_on(KvPool::new(rt, cfg))
-        .err()
-        .expect("head_dim");
+    let e = pollster::block_on(KvPool::new(rt, cfg)).err().expect("head_dim");
     assert!(e.to_string().contains("head_dim"), "{e}");
     let mut cfg = small();
     cfg.max_buffer_bytes = Some(64);
-    let e = pollster::block_on(KvPool::new(rt, cfg))
-        .err()
-        .expect("buffer");
+    let e = pollster::block_on(KvPool::new(rt, cfg)).err().expect("buffer");
     assert!(e.to_string().contains("max_buffer_bytes"), "{e}");
     let pool = pollster::block_on(KvPool::new(rt, small())).expect("pool");
-    let e = pollster::block_on(Attention::new(
-        rt,
-        &pool,
-        AttendOptions {
-            group: 9,
-            ..Default::default()
-        },
-    ))
-    .err()
-    .expect("group");
+    let e = pollster::block_on(Attention::new(rt, &pool, AttendOptions { group: 9, ..Default::default() })).err().expect("group");
     assert!(e.to_string().contains("group"), "{e}");
-    let e = pollster::block_on(Attention::new(
-        rt,
-        &pool,
-        AttendOptions {
-            n_seqs: 5,
-            group: 2,
-            ..Default::default()
-        },
-    ))
-    .err()
-    .expect("n_seqs");
+    let e =
+        pollster::block_on(Attention::new(rt, &pool, AttendOptions { n_seqs: 5, group: 2, ..Default::default() })).err().expect("n_seqs");
     assert!(e.to_string().contains("n_seqs"), "{e}");
 }
 
@@ -148,16 +101,7 @@ fn impossible_configs_name_the_field() {
 fn non_finite_queries_are_refused() {
     let rt = rt();
     let pool = pollster::block_on(KvPool::new(rt, small())).expect("pool");
-    let attn = pollster::block_on(Attention::new(
-        rt,
-        &pool,
-        AttendOptions {
-            group: 2,
-            n_seqs: 1,
-            ..Default::default()
-        },
-    ))
-    .expect("attn");
+    let attn = pollster::block_on(Attention::new(rt, &pool, AttendOptions { group: 2, n_seqs: 1, ..Default::default() })).expect("attn");
     let mut q = vec![0.5f32; (attn.q_heads() * 16) as usize];
     q[3] = f32::INFINITY;
     let e = attn.set_queries(rt, &q).expect_err("inf");
@@ -174,8 +118,6 @@ fn lost_device_is_an_error_not_a_panic() {
     assert!(rt.is_lost(), "destroy must trip the device-lost callback");
     let mut rng = Rng::new(9);
     let kv = random_kv(&mut rng, &small(), 1);
-    let e = pool
-        .append(&rt, &[tok(0, 0)], &kv, 0)
-        .expect_err("lost device");
+    let e = pool.append(&rt, &[tok(0, 0)], &kv, 0).expect_err("lost device");
     assert!(matches!(e, Error::DeviceLost { .. }), "{e}");
 }

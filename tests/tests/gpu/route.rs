@@ -25,7 +25,7 @@ fn random_router(rng: &mut Rng, e: u32, k: u32) -> RouterConfig {
             4 => RouterConfig::Entropy { beta: rng.range(-2.0, 2.0) as f32 },
             5 => RouterConfig::Adaptive { lr: rng.range(0.1, 4.0) as f32, kappa: rng.range(0.0, 2.0) as f32, c_miss: 1.0, c_lb: 0.5 },
             _ => {
-                let divisors: Vec<u32> = (1..=e).filter(|g| e % g == 0 && *g <= 256).collect();
+                let divisors: Vec<u32> = (1..=e).filter(|g| e.is_multiple_of(*g) && *g <= 256).collect();
                 let groups = divisors[rng.below(divisors.len() as u32) as usize];
                 let topk_groups = 1 + rng.below(groups.min(8));
                 RouterConfig::Hierarchical { groups, topk_groups }
@@ -79,8 +79,9 @@ fn check_route_case(rt: &Runtime, seed: u64) {
     let stats = random_stats(&mut rng, (layers * e) as usize);
     router.write_stats(rt, &stats).expect("stats");
     let quantised = rng.below(2) == 0;
-    let logits = random_logits(&mut rng, t, e, quantised);
-    router.set_logits(rt, &logits).expect("logits");
+    // Every layer's rows: the kernels read layer `layer`'s at layer * max_tokens.
+    let logits = random_logits(&mut rng, layers * t, e, quantised);
+    router.set_logits(rt, 0, &logits).expect("logits");
     rt.fill_u32(&router.experts, POISON_U32);
     rt.fill_u32(&router.gates, POISON_F32);
     let offset = rng.next_u32();
@@ -93,8 +94,8 @@ fn check_route_case(rt: &Runtime, seed: u64) {
     for (i, (g, w)) in gpu_bias.iter().zip(&want_bias).enumerate() {
         assert!(close(f64::from(*g), *w, 1e-5), "{ctx}: bias[{i}] = {g}, reference {w}");
     }
-    let got_e = pollster::block_on(router.read_experts(rt, t)).expect("experts");
-    let got_g = pollster::block_on(router.read_gates(rt, t)).expect("gates");
+    let got_e = pollster::block_on(router.read_experts(rt, layer, t)).expect("experts");
+    let got_g = pollster::block_on(router.read_gates(rt, layer, t)).expect("gates");
     let (want_e, want_g) = reference::topk(&p, &logits, &gpu_bias);
     for tok in 0..t as usize {
         let r = tok * k as usize..(tok + 1) * k as usize;
@@ -152,24 +153,26 @@ fn every_router_has_a_gpu_case() {
     for (i, cfg) in RouterConfig::all_defaults().into_iter().enumerate() {
         let mut rng = Rng::new(1000 + i as u64);
         let (e, k, t) = (64, 8, 300);
-        let router = pollster::block_on(Router::new(rt, cfg.clone(), RouteShape { n_experts: e, top_k: k, layers: 1, max_tokens: t }, 0.1)).expect("router");
+        let router = pollster::block_on(Router::new(rt, cfg.clone(), RouteShape { n_experts: e, top_k: k, layers: 1, max_tokens: t }, 0.1))
+            .expect("router");
         router.write_stats(rt, &random_stats(&mut rng, e as usize)).expect("stats");
         let logits = random_logits(&mut rng, t, e, true);
-        router.set_logits(rt, &logits).expect("logits");
+        router.set_logits(rt, 0, &logits).expect("logits");
         router.run(rt, 0, t, 0).expect("run");
         let bias = pollster::block_on(router.read_bias(rt)).expect("bias");
         let (want, _) = reference::topk(&router.params(0, t, 0), &logits, &bias);
-        assert_eq!(pollster::block_on(router.read_experts(rt, t)).expect("experts"), want, "{cfg:?}");
+        assert_eq!(pollster::block_on(router.read_experts(rt, 0, t)).expect("experts"), want, "{cfg:?}");
     }
 }
 
 /// Share of routing slots that went to `set` under `router` after `steps` steps.
 fn share_to(rt: &Runtime, cfg: RouterConfig, stats: &[ExpertStats], logits: &[f32], e: u32, k: u32, t: u32, set: &[u32]) -> f64 {
-    let router = pollster::block_on(Router::new(rt, cfg, RouteShape { n_experts: e, top_k: k, layers: 1, max_tokens: t }, 0.1)).expect("router");
+    let router =
+        pollster::block_on(Router::new(rt, cfg, RouteShape { n_experts: e, top_k: k, layers: 1, max_tokens: t }, 0.1)).expect("router");
     router.write_stats(rt, stats).expect("stats");
-    router.set_logits(rt, logits).expect("logits");
+    router.set_logits(rt, 0, logits).expect("logits");
     router.run(rt, 0, t, 0).expect("run");
-    let ex = pollster::block_on(router.read_experts(rt, t)).expect("experts");
+    let ex = pollster::block_on(router.read_experts(rt, 0, t)).expect("experts");
     ex.iter().filter(|x| set.contains(x)).count() as f64 / ex.len() as f64
 }
 
@@ -182,9 +185,8 @@ fn cache_aware_moves_tokens_off_high_miss_experts_as_lambda_grows() {
     // Experts 0..8 are popular and have lost most of their KV (miss 0.9); the rest miss nothing.
     let hot: Vec<u32> = (0..8).collect();
     let logits: Vec<f32> = (0..t * e).map(|i| rng.normal() as f32 + if (i % e) < 8 { 1.5 } else { 0.0 }).collect();
-    let stats: Vec<ExpertStats> = (0..e)
-        .map(|x| ExpertStats { load: 1.0 / e as f32, miss: if x < 8 { 0.9 } else { 0.0 }, ..Default::default() })
-        .collect();
+    let stats: Vec<ExpertStats> =
+        (0..e).map(|x| ExpertStats { load: 1.0 / e as f32, miss: if x < 8 { 0.9 } else { 0.0 }, ..Default::default() }).collect();
     let mut last = f64::INFINITY;
     let mut shares = Vec::new();
     for lambda in [0.0f32, 0.5, 1.0, 2.0, 4.0, 8.0] {
@@ -203,11 +205,12 @@ fn load_balance_flattens_a_skewed_load() {
     let (e, k, t) = (16u32, 2u32, 1024u32);
     let run = |cfg: RouterConfig| -> f32 {
         let mut rng = Rng::new(seed);
-        let router = pollster::block_on(Router::new(rt, cfg, RouteShape { n_experts: e, top_k: k, layers: 1, max_tokens: t }, 0.3)).expect("router");
+        let router =
+            pollster::block_on(Router::new(rt, cfg, RouteShape { n_experts: e, top_k: k, layers: 1, max_tokens: t }, 0.3)).expect("router");
         for step in 0..20 {
             // Zipf-skewed logits: expert x gets -0.8 ln(x + 1).
             let logits: Vec<f32> = (0..t * e).map(|i| rng.normal() as f32 - 0.8 * ((i % e) as f32 + 1.0).ln()).collect();
-            router.set_logits(rt, &logits).expect("logits");
+            router.set_logits(rt, 0, &logits).expect("logits");
             router.run(rt, 0, t, step * t).expect("run");
         }
         let s = pollster::block_on(router.read_stats(rt)).expect("stats");
@@ -232,15 +235,17 @@ fn hierarchical_never_picks_outside_the_chosen_groups() {
         if cfg.validate(e, k).is_err() {
             continue;
         }
-        let router = pollster::block_on(Router::new(rt, cfg, RouteShape { n_experts: e, top_k: k, layers: 1, max_tokens: t }, 0.1)).expect("router");
+        let router =
+            pollster::block_on(Router::new(rt, cfg, RouteShape { n_experts: e, top_k: k, layers: 1, max_tokens: t }, 0.1)).expect("router");
         let logits = random_logits(&mut rng, t, e, false);
-        router.set_logits(rt, &logits).expect("logits");
+        router.set_logits(rt, 0, &logits).expect("logits");
         router.run(rt, 0, t, 0).expect("run");
-        let ex = pollster::block_on(router.read_experts(rt, t)).expect("experts");
+        let ex = pollster::block_on(router.read_experts(rt, 0, t)).expect("experts");
         let per = (e / groups) as usize;
         for tok in 0..t as usize {
             let row = &logits[tok * e as usize..(tok + 1) * e as usize];
-            let mut gs: Vec<(f32, usize)> = (0..groups as usize).map(|g| (row[g * per..(g + 1) * per].iter().cloned().fold(f32::MIN, f32::max), g)).collect();
+            let mut gs: Vec<(f32, usize)> =
+                (0..groups as usize).map(|g| (row[g * per..(g + 1) * per].iter().cloned().fold(f32::MIN, f32::max), g)).collect();
             gs.sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap_or(std::cmp::Ordering::Equal));
             let kept: Vec<usize> = gs[..topk_groups as usize].iter().map(|x| x.1).collect();
             for x in &ex[tok * k as usize..(tok + 1) * k as usize] {
@@ -257,11 +262,12 @@ fn entropy_router_moves_routing_entropy_both_ways() {
     let (e, k, t) = (16u32, 2u32, 1024u32);
     let run = |cfg: RouterConfig| -> f32 {
         let mut rng = Rng::new(seed);
-        let router = pollster::block_on(Router::new(rt, cfg, RouteShape { n_experts: e, top_k: k, layers: 1, max_tokens: t }, 0.3)).expect("router");
+        let router =
+            pollster::block_on(Router::new(rt, cfg, RouteShape { n_experts: e, top_k: k, layers: 1, max_tokens: t }, 0.3)).expect("router");
         let mut h = 0.0;
         for step in 0..15 {
             let logits: Vec<f32> = (0..t * e).map(|i| rng.normal() as f32 - 0.3 * ((i % e) as f32 + 1.0).ln()).collect();
-            router.set_logits(rt, &logits).expect("logits");
+            router.set_logits(rt, 0, &logits).expect("logits");
             router.run(rt, 0, t, step * t).expect("run");
             h = pollster::block_on(router.read_summary(rt)).expect("summary")[0].entropy;
         }
@@ -287,12 +293,13 @@ fn adaptive_router_lowers_its_cost_within_a_kl_of_topk() {
     let stats: Vec<ExpertStats> =
         (0..e).map(|x| ExpertStats { load: 1.0 / e as f32, miss: if x < 6 { 0.8 } else { 0.05 }, ..Default::default() }).collect();
     let cfg = RouterConfig::Adaptive { lr: 2.0, kappa: 1.0, c_miss: 1.0, c_lb: 0.05 };
-    let router = pollster::block_on(Router::new(rt, cfg, RouteShape { n_experts: e, top_k: k, layers: 1, max_tokens: t }, 0.2)).expect("router");
+    let router =
+        pollster::block_on(Router::new(rt, cfg, RouteShape { n_experts: e, top_k: k, layers: 1, max_tokens: t }, 0.2)).expect("router");
     router.write_stats(rt, &stats).expect("stats");
     let mut costs: Vec<RouteSummary> = Vec::new();
     for step in 0..40 {
         let logits: Vec<f32> = (0..t * e).map(|i| rng.normal() as f32 + if (i % e) < 6 { 1.0 } else { 0.0 }).collect();
-        router.set_logits(rt, &logits).expect("logits");
+        router.set_logits(rt, 0, &logits).expect("logits");
         router.run(rt, 0, t, step * t).expect("run");
         let s = pollster::block_on(router.read_summary(rt)).expect("summary")[0];
         assert!(s.kl <= ADAPTIVE_KL_MAX, "seed {seed}: step {step}: KL to the model's gate {} over {ADAPTIVE_KL_MAX}", s.kl);
@@ -328,8 +335,13 @@ fn miss_rates_come_from_the_pool() {
     };
     let mut pool = pollster::block_on(KvPool::new(rt, cfg.clone())).expect("pool");
     let mut model = PoolModel::new(&cfg);
-    let mut router =
-        pollster::block_on(Router::new(rt, RouterConfig::CacheAware { lambda: 1.0 }, RouteShape { n_experts: e, top_k: k, layers: 2, max_tokens: 64 }, 0.1)).expect("router");
+    let mut router = pollster::block_on(Router::new(
+        rt,
+        RouterConfig::CacheAware { lambda: 1.0 },
+        RouteShape { n_experts: e, top_k: k, layers: 2, max_tokens: 64 },
+        0.1,
+    ))
+    .expect("router");
     router.bind_pool(rt, &pool).expect("bind");
     // Route 3 batches per layer on the GPU, append the routed tokens (experts as routed), then
     // release some pages and overflow rings so that some tokens are gone.
@@ -338,10 +350,10 @@ fn miss_rates_come_from_the_pool() {
         let layer = step % 2;
         let t = 12u32;
         let logits = random_logits(&mut rng, t, e, false);
-        router.set_logits(rt, &logits).expect("logits");
+        router.set_logits(rt, layer, &logits).expect("logits");
         router.run(rt, layer, t, step * t).expect("route");
-        let ex = pollster::block_on(router.read_experts(rt, t)).expect("experts");
-        let gates = pollster::block_on(router.read_gates(rt, t)).expect("gates");
+        let ex = pollster::block_on(router.read_experts(rt, layer, t)).expect("experts");
+        let gates = pollster::block_on(router.read_gates(rt, layer, t)).expect("gates");
         for x in &ex {
             appended[(layer * e + x) as usize] += 1;
         }

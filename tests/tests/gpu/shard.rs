@@ -23,9 +23,7 @@ pub fn random_config(rng: &mut Rng) -> PoolConfig {
             n_exp: n_shards >> rng.below(2).min(n_shards.trailing_zeros()),
         },
         1 => ShardMap::ByExpert,
-        _ => ShardMap::ByTokenBlock {
-            block: 1 + rng.below(5),
-        },
+        _ => ShardMap::ByTokenBlock { block: 1 + rng.below(5) },
     };
     let mut cfg = PoolConfig {
         layers: 1 + rng.below(3),
@@ -51,21 +49,13 @@ pub fn random_config(rng: &mut Rng) -> PoolConfig {
 }
 
 pub fn random_kv(rng: &mut Rng, cfg: &PoolConfig, n: usize) -> Vec<u32> {
-    let vals: Vec<f32> = (0..n * (2 * cfg.kv_heads * cfg.head_dim) as usize)
-        .map(|_| rng.normal() as f32)
-        .collect();
+    let vals: Vec<f32> = (0..n * (2 * cfg.kv_heads * cfg.head_dim) as usize).map(|_| rng.normal() as f32).collect();
     let mut words = Vec::new();
     encode_values(&vals, cfg.dtype, &mut words);
     words
 }
 
-pub fn random_batch(
-    rng: &mut Rng,
-    cfg: &PoolConfig,
-    positions: &mut [u32],
-    n: usize,
-    allow_invalid: bool,
-) -> Vec<NewToken> {
+pub fn random_batch(rng: &mut Rng, cfg: &PoolConfig, positions: &mut [u32], n: usize, allow_invalid: bool) -> Vec<NewToken> {
     (0..n)
         .map(|_| {
             let seq = rng.below(cfg.max_seqs);
@@ -80,13 +70,7 @@ pub fn random_batch(
                 }
             }
             let gates = (0..cfg.top_k).map(|_| rng.uniform() as f32).collect();
-            let mut t = NewToken {
-                layer,
-                seq,
-                position,
-                experts,
-                gates,
-            };
+            let mut t = NewToken { layer, seq, position, experts, gates };
             if allow_invalid && rng.below(8) == 0 {
                 t.seq = cfg.max_seqs + rng.below(3);
             }
@@ -114,22 +98,11 @@ pub fn assert_same_state(rt: &Runtime, pool: &KvPool, model: &PoolModel, ctx: &s
             let m = (page * cfg.page_size as usize + s) * mw;
             // Attention mass is a float written by other kernels: compared in the attend tests.
             let words = meta::attn(cfg.top_k as usize);
-            assert_eq!(
-                snap.slot_meta[m..m + words],
-                model.slot_meta[m..m + words],
-                "{ctx}: slot meta of page {page} slot {s}"
-            );
+            assert_eq!(snap.slot_meta[m..m + words], model.slot_meta[m..m + words], "{ctx}: slot meta of page {page} slot {s}");
             for kvi in 0..2 {
                 for h in 0..cfg.kv_heads as usize {
-                    let o = page * cfg.page_words() as usize
-                        + kvi * block
-                        + (h * cfg.page_size as usize + s) * vw;
-                    assert_eq!(
-                        kv[o..o + vw],
-                        model.kv[o..o + vw],
-                        "{ctx}: kv of page {page} slot {s} head {h} ({})",
-                        ["K", "V"][kvi]
-                    );
+                    let o = page * cfg.page_words() as usize + kvi * block + (h * cfg.page_size as usize + s) * vw;
+                    assert_eq!(kv[o..o + vw], model.kv[o..o + vw], "{ctx}: kv of page {page} slot {s} head {h} ({})", ["K", "V"][kvi]);
                 }
             }
         }
@@ -161,8 +134,7 @@ fn append_release_gather_gpu_match_cpu() {
         let mut rng = Rng::new(seed);
         let cfg = random_config(&mut rng);
         let ctx0 = format!("seed {seed} ({cfg:?})");
-        let mut pool = pollster::block_on(KvPool::new(rt, cfg.clone()))
-            .unwrap_or_else(|e| panic!("{ctx0}: {e}"));
+        let mut pool = pollster::block_on(KvPool::new(rt, cfg.clone())).unwrap_or_else(|e| panic!("{ctx0}: {e}"));
         if pool.n_buffers() > 1 {
             cov.multi_buffer += 1;
         }
@@ -182,8 +154,7 @@ fn append_release_gather_gpu_match_cpu() {
                     })
                     .collect();
                 let before = model.ctl.free_top;
-                pool.release(rt, &counts)
-                    .unwrap_or_else(|e| panic!("{ctx}: {e}"));
+                pool.release(rt, &counts).unwrap_or_else(|e| panic!("{ctx}: {e}"));
                 model.release(&counts);
                 cov.released += model.ctl.free_top - before;
                 freed_pages.extend(&model.free_stack[before as usize..model.ctl.free_top as usize]);
@@ -191,23 +162,13 @@ fn append_release_gather_gpu_match_cpu() {
                 let n = 1 + rng.below(max_batch.min(48) as u32) as usize;
                 let tokens = random_batch(&mut rng, &cfg, &mut positions, n, op == 4);
                 let kv = random_kv(&mut rng, &cfg, n);
-                pool.append(rt, &tokens, &kv, op)
-                    .unwrap_or_else(|e| panic!("{ctx}: {e}"));
-                let want = model
-                    .append(&tokens, &kv, op)
-                    .unwrap_or_else(|e| panic!("{ctx}: {e}"));
+                pool.append(rt, &tokens, &kv, op).unwrap_or_else(|e| panic!("{ctx}: {e}"));
+                let want = model.append(&tokens, &kv, op).unwrap_or_else(|e| panic!("{ctx}: {e}"));
                 let got = pollster::block_on(pool.read_last_plan(rt, n as u32)).expect("plan");
                 assert_eq!(got, want, "{ctx}: placement plan");
-                cov.recycles += want
-                    .iter()
-                    .filter(|p| p.flags & plan_flags::RECYCLES != 0)
-                    .count() as u32;
-                cov.reused_after_free += want
-                    .iter()
-                    .filter(|p| {
-                        p.flags & plan_flags::NEEDS_FREE != 0 && freed_pages.contains(&p.page)
-                    })
-                    .count() as u32;
+                cov.recycles += want.iter().filter(|p| p.flags & plan_flags::RECYCLES != 0).count() as u32;
+                cov.reused_after_free +=
+                    want.iter().filter(|p| p.flags & plan_flags::NEEDS_FREE != 0 && freed_pages.contains(&p.page)).count() as u32;
                 if model.ctl.error_flags != 0 {
                     if want.iter().any(|p| p.flags & plan_flags::INVALID != 0) {
                         cov.invalid += 1;
@@ -215,8 +176,7 @@ fn append_release_gather_gpu_match_cpu() {
                         cov.exhausted += 1;
                     }
                     assert_same_state(rt, &pool, &model, &ctx);
-                    let err = pollster::block_on(pool.check_errors(rt, 0))
-                        .expect_err("refused batch must surface as an error");
+                    let err = pollster::block_on(pool.check_errors(rt, 0)).expect_err("refused batch must surface as an error");
                     assert!(!err.to_string().is_empty());
                     model.ctl.error_flags = 0;
                     model.ctl.abort = 0;
@@ -234,16 +194,8 @@ fn append_release_gather_gpu_match_cpu() {
                 let want = model.page_list(layer, seq);
                 let i = (layer * cfg.max_seqs + seq) as usize;
                 let base = i * cfg.max_pages_per_seq() as usize;
-                assert_eq!(
-                    counts[i] as usize,
-                    want.len(),
-                    "{ctx0}: page count of layer {layer} seq {seq}"
-                );
-                assert_eq!(
-                    lists[base..base + want.len()],
-                    want[..],
-                    "{ctx0}: page list of layer {layer} seq {seq}"
-                );
+                assert_eq!(counts[i] as usize, want.len(), "{ctx0}: page count of layer {layer} seq {seq}");
+                assert_eq!(lists[base..base + want.len()], want[..], "{ctx0}: page list of layer {layer} seq {seq}");
             }
         }
     }
