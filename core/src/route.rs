@@ -88,7 +88,21 @@ impl Router {
         }
         let adaptive = matches!(cfg, RouterConfig::Adaptive { .. });
         let bias_pipe = rt.pipeline(Kernel::RouteBias, &[]).await?;
-        let topk_pipe = rt.pipeline(Kernel::RouteTopk, &[]).await?;
+        let topk_groups = match cfg {
+            RouterConfig::Hierarchical { topk_groups, .. } => topk_groups,
+            _ => 1,
+        };
+        let topk_pipe = rt
+            .pipeline_with(
+                Kernel::RouteTopk,
+                &[
+                    ("K", format!("{}u", shape.top_k)),
+                    ("TOPK_GROUPS", format!("{topk_groups}u")),
+                    ("E_VEC4", shape.n_experts.is_multiple_of(4).to_string()),
+                ],
+                &[],
+            )
+            .await?;
         let count_pipe = rt.pipeline(Kernel::RouteCount, &[]).await?;
         let stats_pipe = rt.pipeline(Kernel::RouteStats, &[]).await?;
         let grad_pipe = if adaptive { Some(rt.pipeline(Kernel::RouteAdaptiveGrad, &[]).await?) } else { None };
@@ -113,7 +127,7 @@ impl Router {
             .iter()
             .map(|p| LayerBinds {
                 bias: rt.bind(Kernel::RouteBias.label(), &bias_pipe, &[p, &stats, &bias]),
-                topk: rt.bind(Kernel::RouteTopk.label(), &topk_pipe, &[p, &logits, &bias, &experts, &gates]),
+                topk: rt.bind(Kernel::RouteTopk.label(), &topk_pipe, &[p, &logits, &bias, &experts, &gates, &logits]),
                 count: rt.bind(Kernel::RouteCount.label(), &count_pipe, &[p, &experts, &counts]),
                 stats: rt.bind(Kernel::RouteStats.label(), &stats_pipe, &[p, &counts, &stats, &summary]),
                 grad: grad_pipe.as_ref().map(|g| {

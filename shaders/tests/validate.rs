@@ -91,3 +91,20 @@ fn subgroup_attention_validates_for_every_shape_knob() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
 }
+
+#[test]
+fn route_topk_validates_for_every_define() {
+    let mut failures = Vec::new();
+    for k in 1u32..=8 {
+        for groups in [1u32, 3, 8] {
+            for vec4 in [true, false] {
+                let defines = [("K", format!("{k}u")), ("TOPK_GROUPS", format!("{groups}u")), ("E_VEC4", vec4.to_string())];
+                let text = Kernel::RouteTopk.resolved_with(&defines).expect("defines resolve");
+                if let Err(e) = validate(&format!("route/topk.wgsl {defines:?}"), &text) {
+                    failures.push(e);
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}

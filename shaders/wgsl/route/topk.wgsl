@@ -5,15 +5,23 @@
 
 //!import common/route.wgsl
 
+// K (experts per token), TOPK_GROUPS (hierarchical) and E_VEC4 (n_experts % 4 == 0: 16-byte
+// loads) are true constants so the running top-k lives in registers (indexed only by constants).
+//!define K 8u
+//!define TOPK_GROUPS 1u
+//!define E_VEC4 true
+
 @group(0) @binding(0) var<uniform> params: RouteParams;
 @group(0) @binding(1) var<storage, read> logits: array<f32>;
 @group(0) @binding(2) var<storage, read> bias: array<f32>;
 @group(0) @binding(3) var<storage, read_write> experts: array<u32>;
 @group(0) @binding(4) var<storage, read_write> gates: array<f32>;
+@group(0) @binding(5) var<storage, read> logits4: array<vec4<f32>>;  // the same buffer, 16 bytes at a time
 
 var<workgroup> bias_sh: array<f32, 256>;
 
 const NEG_INF: f32 = -3.4e38;
+const NONE: u32 = 0xffffffffu;
 
 fn hash_u32(x: u32) -> u32 {
     var h = x;
@@ -23,6 +31,40 @@ fn hash_u32(x: u32) -> u32 {
     h *= 0x846ca68bu;
     h ^= h >> 16u;
     return h;
+}
+
+// The running best K (score descending, ties to the lower expert index).
+struct Best {
+    s: array<f32, K>,
+    e: array<u32, K>,
+}
+
+fn best_new() -> Best {
+    var b: Best;
+    for (var i = 0u; i < K; i++) {
+        b.s[i] = NEG_INF;
+        b.e[i] = NONE;
+    }
+    return b;
+}
+
+// Experts arrive in increasing index, so a score equal to the K-th best never enters; inside,
+// the displaced entry keeps moving down while it beats (or ties with a higher index) the next.
+fn best_insert(b: ptr<function, Best>, s: f32, e: u32) {
+    if (s > (*b).s[K - 1u]) {
+        var cs = s;
+        var ce = e;
+        for (var i = 0u; i < K; i++) {
+            let bs = (*b).s[i];
+            let be = (*b).e[i];
+            if (cs > bs || (cs == bs && ce < be)) {
+                (*b).s[i] = cs;
+                (*b).e[i] = ce;
+                cs = bs;
+                ce = be;
+            }
+        }
+    }
 }
 
 @compute @workgroup_size(64)
@@ -36,33 +78,28 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(local_invocation
     if (t >= params.n_tokens) {
         return;
     }
-    let K = params.top_k;
     let row = (params.token_base + t) * E;
-    var best_s: array<f32, 8>;
-    var best_e: array<u32, 8>;
-    for (var i = 0u; i < MAX_K; i++) {
-        best_s[i] = NEG_INF;
-        best_e[i] = 0xffffffffu;
-    }
+    var best = best_new();
 
     if (params.router == ROUTER_HASH) {
         let h = hash_u32(params.token_offset + t) % E;
         for (var i = 0u; i < K; i++) {
-            best_e[i] = (h + i) % E;
+            best.e[i] = (h + i) % E;
         }
     } else {
-        // Hierarchical: mark the kept groups (as a bit set over at most 256 groups).
+        // Hierarchical: keep the TOPK_GROUPS groups with the best maximum score.
         var group_keep: array<u32, 8>;
+        var per = E;
         for (var i = 0u; i < 8u; i++) {
             group_keep[i] = 0xffffffffu;
         }
         if (params.router == ROUTER_HIERARCHICAL) {
-            let per = E / params.n_groups;
-            var gs: array<f32, 8>;
-            var gi: array<u32, 8>;
-            for (var i = 0u; i < MAX_K; i++) {
+            per = E / params.n_groups;
+            var gs: array<f32, TOPK_GROUPS>;
+            var gi: array<u32, TOPK_GROUPS>;
+            for (var i = 0u; i < TOPK_GROUPS; i++) {
                 gs[i] = NEG_INF;
-                gi[i] = 0xffffffffu;
+                gi[i] = NONE;
             }
             for (var g = 0u; g < params.n_groups; g++) {
                 var m = NEG_INF;
@@ -70,59 +107,65 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(local_invocation
                     let e = g * per + j;
                     m = max(m, logits[row + e] + bias_sh[e]);
                 }
-                // Insert (m, g) into the kept groups, strictly better only (ties: lower index).
-                if (m > gs[params.topk_groups - 1u] || gi[params.topk_groups - 1u] == 0xffffffffu) {
-                    var pos = params.topk_groups - 1u;
-                    while (pos > 0u && (m > gs[pos - 1u] || gi[pos - 1u] == 0xffffffffu)) {
-                        gs[pos] = gs[pos - 1u];
-                        gi[pos] = gi[pos - 1u];
-                        pos -= 1u;
+                if (m > gs[TOPK_GROUPS - 1u] || gi[TOPK_GROUPS - 1u] == NONE) {
+                    var cs = m;
+                    var cg = g;
+                    for (var i = 0u; i < TOPK_GROUPS; i++) {
+                        let bs = gs[i];
+                        let bg = gi[i];
+                        if (bg == NONE || cs > bs || (cs == bs && cg < bg)) {
+                            gs[i] = cs;
+                            gi[i] = cg;
+                            cs = bs;
+                            cg = bg;
+                        }
                     }
-                    gs[pos] = m;
-                    gi[pos] = g;
                 }
             }
             for (var i = 0u; i < 8u; i++) {
                 group_keep[i] = 0u;
             }
-            for (var i = 0u; i < params.topk_groups; i++) {
+            for (var i = 0u; i < TOPK_GROUPS; i++) {
                 group_keep[gi[i] / 32u] |= 1u << (gi[i] % 32u);
             }
-        }
-        let per = select(E, E / params.n_groups, params.router == ROUTER_HIERARCHICAL);
-        for (var e = 0u; e < E; e++) {
-            let g = e / per;
-            if ((group_keep[g / 32u] & (1u << (g % 32u))) == 0u) {
-                continue;
-            }
-            let s = logits[row + e] + bias_sh[e];
-            if (best_e[K - 1u] == 0xffffffffu || s > best_s[K - 1u]) {
-                var pos = K - 1u;
-                while (pos > 0u && (best_e[pos - 1u] == 0xffffffffu || s > best_s[pos - 1u])) {
-                    best_s[pos] = best_s[pos - 1u];
-                    best_e[pos] = best_e[pos - 1u];
-                    pos -= 1u;
+            for (var e = 0u; e < E; e++) {
+                let g = e / per;
+                if ((group_keep[g / 32u] & (1u << (g % 32u))) != 0u) {
+                    best_insert(&best, logits[row + e] + bias_sh[e], e);
                 }
-                best_s[pos] = s;
-                best_e[pos] = e;
+            }
+        } else if (E_VEC4) {
+            let row4 = row / 4u;
+            for (var q = 0u; q < E / 4u; q++) {
+                let v = logits4[row4 + q];
+                let e = 4u * q;
+                best_insert(&best, v.x + bias_sh[e], e);
+                best_insert(&best, v.y + bias_sh[e + 1u], e + 1u);
+                best_insert(&best, v.z + bias_sh[e + 2u], e + 2u);
+                best_insert(&best, v.w + bias_sh[e + 3u], e + 3u);
+            }
+        } else {
+            for (var e = 0u; e < E; e++) {
+                best_insert(&best, logits[row + e] + bias_sh[e], e);
             }
         }
     }
 
     // Gates: softmax of the model's logits over the chosen experts.
     var mx = NEG_INF;
+    var w: array<f32, K>;
     for (var i = 0u; i < K; i++) {
-        mx = max(mx, logits[row + best_e[i]]);
+        w[i] = logits[row + best.e[i]];
+        mx = max(mx, w[i]);
     }
-    var w: array<f32, 8>;
     var sum = 0.0;
     for (var i = 0u; i < K; i++) {
-        w[i] = exp(logits[row + best_e[i]] - mx);
+        w[i] = exp(w[i] - mx);
         sum += w[i];
     }
     let out = (params.token_base + t) * K;
     for (var i = 0u; i < K; i++) {
-        experts[out + i] = best_e[i];
+        experts[out + i] = best.e[i];
         gates[out + i] = w[i] / sum;
     }
 }

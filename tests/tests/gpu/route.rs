@@ -166,6 +166,7 @@ fn every_router_has_a_gpu_case() {
 }
 
 /// Share of routing slots that went to `set` under `router` after `steps` steps.
+#[allow(clippy::too_many_arguments)]
 fn share_to(rt: &Runtime, cfg: RouterConfig, stats: &[ExpertStats], logits: &[f32], e: u32, k: u32, t: u32, set: &[u32]) -> f64 {
     let router =
         pollster::block_on(Router::new(rt, cfg, RouteShape { n_experts: e, top_k: k, layers: 1, max_tokens: t }, 0.1)).expect("router");
