@@ -136,11 +136,13 @@ fn run_route(rt: &Runtime, a: &BenchArgs, warmup: u32, reps: u32, copy_gbps: f64
     };
     let tokens = if a.quick { a.route_tokens.min(4096) } else { a.route_tokens };
     let shape = format!("t{}_e{}_k{}", tokens, a.experts, a.top_k);
-    let bytes = u64::from(tokens) * u64::from(a.experts) * 4;
+    let logit_bytes = u64::from(tokens) * u64::from(a.experts) * 4;
     let torch = if a.torch { Some(run_torch_route(&a.torch_script, tokens, a.experts, a.top_k, reps)?) } else { None };
     for r in routers {
         let m = pollster::block_on(expertkv_core::bench::bench_route(rt, r.clone(), tokens, a.experts, a.top_k, warmup, reps))
             .with_context(|| format!("routing benchmark {}", r.name()))?;
+        // The hash router reads only the chosen experts' logits (for the gates).
+        let bytes = if matches!(r, RouterConfig::Hash) { u64::from(tokens) * u64::from(a.top_k) * 4 } else { logit_bytes };
         let rec = record(rt, "route", shape.clone(), &m, bytes, copy_gbps, r.name().into());
         let tokens_per_s = f64::from(tokens) / (m.median_ms * 1e-3);
         if a.json {
