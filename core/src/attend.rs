@@ -305,7 +305,7 @@ impl Attention {
         if let (Some(m), Some(bg)) = (&self.mass, &self.mass_bg) {
             pass.set_pipeline(m);
             pass.set_bind_group(0, bg, &[]);
-            pass.dispatch_workgroups(self.max_tokens.div_ceil(64), self.opts.n_seqs, 1);
+            pass.dispatch_workgroups(self.max_tokens.div_ceil(64), self.opts.n_seqs * self.kv_heads, 1);
         }
     }
 

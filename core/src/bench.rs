@@ -180,7 +180,8 @@ impl AttendShape {
             * u64::from(self.dtype.bytes())
     }
 
-    /// A pool that holds exactly these sequences (8 shards, PiKV map, rings with headroom).
+    /// A pool that holds these sequences (8 shards per KV head, PiKV map, rings and pool with
+    /// headroom for uneven shards).
     pub fn pool_config(&self) -> PoolConfig {
         let n_shards = 8;
         let pages_per_seq = self.tokens.div_ceil(self.page_size);
@@ -192,7 +193,7 @@ impl AttendShape {
             head_dim: self.head_dim,
             page_size: self.page_size,
             dtype: self.dtype,
-            n_pages: self.batch * (pages_per_seq + 2 * n_shards),
+            n_pages: self.batch * self.kv_heads * (pages_per_seq + 2 * n_shards),
             max_seqs: self.batch,
             n_shards,
             ring_capacity: ring,

@@ -135,9 +135,9 @@ impl PoolConfig {
         }
     }
 
-    /// Bytes of one page: K and V of all KV heads for `page_size` slots.
+    /// Bytes of one page: K and V of one KV head for `page_size` slots (pages are head-major).
     pub fn page_bytes(&self) -> u64 {
-        2 * u64::from(self.kv_heads) * u64::from(self.page_size) * u64::from(self.vec_words()) * 4
+        2 * u64::from(self.page_size) * u64::from(self.vec_words()) * 4
     }
 
     /// Bytes of K and V of one token of one layer.
@@ -146,11 +146,17 @@ impl PoolConfig {
     }
 
     pub fn meta_words(&self) -> u32 {
-        meta::words(self.top_k as usize, self.kv_heads as usize) as u32
+        meta::words(self.top_k as usize) as u32
     }
 
+    /// Shard rings: one per (layer, sequence, KV head, shard).
     pub fn n_keys(&self) -> u32 {
-        self.layers * self.max_seqs * self.n_shards
+        self.n_lists() * self.n_shards
+    }
+
+    /// Page lists: one per (layer, sequence, KV head).
+    pub fn n_lists(&self) -> u32 {
+        self.layers * self.max_seqs * self.kv_heads
     }
 
     pub fn max_pages_per_seq(&self) -> u32 {
@@ -206,9 +212,9 @@ impl PoolConfig {
             ShardMap::ByTokenBlock { block } => pos("shard_map.block", block)?,
         }
         // Every index the kernels compute must fit in u32.
-        let keys = u64::from(self.layers) * u64::from(self.max_seqs) * u64::from(self.n_shards);
+        let keys = u64::from(self.layers) * u64::from(self.max_seqs) * u64::from(self.kv_heads) * u64::from(self.n_shards);
         if keys * u64::from(self.ring_capacity) > u64::from(u32::MAX) {
-            return Err(Error::config("ring_capacity", self.ring_capacity, "layers x max_seqs x n_shards x ring_capacity overflows u32"));
+            return Err(Error::config("ring_capacity", self.ring_capacity, "layers x max_seqs x kv_heads x n_shards x ring_capacity overflows u32"));
         }
         let slots = u64::from(self.n_pages) * u64::from(self.page_size) * u64::from(self.meta_words());
         if slots > u64::from(u32::MAX) {
@@ -231,7 +237,7 @@ impl PoolConfig {
     }
 
     pub fn page_words(&self) -> u32 {
-        2 * self.kv_heads * self.page_size * self.vec_words()
+        2 * self.page_size * self.vec_words()
     }
 
     pub fn geometry(&self, pages_per_buffer: u32) -> Geometry {
@@ -300,8 +306,8 @@ mod tests {
     #[test]
     fn page_bytes_match_layout() {
         let c = PoolConfig::default();
-        // 2 (K, V) x 8 heads x 16 slots x 128 dims x 2 bytes
-        assert_eq!(c.page_bytes(), 2 * 8 * 16 * 128 * 2);
+        // 2 (K, V) x 16 slots x 128 dims x 2 bytes: one head
+        assert_eq!(c.page_bytes(), 2 * 16 * 128 * 2);
         assert_eq!(u64::from(c.page_words()) * 4, c.page_bytes());
     }
 }

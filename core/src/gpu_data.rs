@@ -199,8 +199,9 @@ pub mod meta {
     pub fn attn(top_k: usize) -> usize {
         EXPERTS + 2 * top_k
     }
-    pub fn words(top_k: usize, kv_heads: usize) -> usize {
-        EXPERTS + 2 * top_k + kv_heads
+    /// Words per slot: position, last access, access count, experts, gates, attention mass.
+    pub fn words(top_k: usize) -> usize {
+        EXPERTS + 2 * top_k + 1
     }
 }
 

@@ -70,7 +70,7 @@ impl DemoConfig {
             head_dim: w.head_dim,
             page_size: self.page_size,
             dtype: self.dtype,
-            n_pages: self.pool_pages.unwrap_or(w.n_seqs * w.layers * pages_per_seq_layer),
+            n_pages: self.pool_pages.unwrap_or(w.n_seqs * w.layers * w.kv_heads * pages_per_seq_layer),
             max_seqs: w.n_seqs,
             n_shards: self.n_shards,
             ring_capacity: ring,
@@ -403,7 +403,7 @@ impl Pipeline {
             KvDtype::F16 => 2e-3,
         };
         let _ = decode_words;
-        let tokens_checked = (0..self.cfg.workload.n_seqs).map(|s| model.tokens(layer, s).len() as u64).sum();
+        let tokens_checked = (0..self.cfg.workload.n_seqs).map(|s| model.tokens(layer, s, 0).len() as u64).sum();
         if !placement_identical {
             return Err(Error::Gpu { during: "verification".into(), message: "GPU pool state differs from the CPU reference".into() });
         }

@@ -53,7 +53,7 @@ pub struct KvPool {
     pub free_stack: wgpu::Buffer,
     pub ctl: wgpu::Buffer,
     pub slot_meta: wgpu::Buffer,
-    /// Per (layer, seq): `max_pages_per_seq` page ids, built by `shard/gather_pages`.
+    /// Per (layer, seq, KV head): `max_pages_per_seq` page ids, built by `shard/gather_pages`.
     pub page_list: wgpu::Buffer,
     pub page_counts: wgpu::Buffer,
     apply_pipe: wgpu::ComputePipeline,
@@ -109,7 +109,7 @@ impl KvPool {
         let slots = u64::from(cfg.n_pages) * u64::from(cfg.page_size);
         check("slot metadata", slots * u64::from(cfg.meta_words()) * 4)?;
         check("ring page table", u64::from(cfg.n_keys()) * u64::from(cfg.ring_capacity) * 4)?;
-        check("page lists", u64::from(cfg.layers * cfg.max_seqs) * u64::from(cfg.max_pages_per_seq()) * 4)?;
+        check("page lists", u64::from(cfg.n_lists()) * u64::from(cfg.max_pages_per_seq()) * 4)?;
 
         let oom = rt.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
         let n_buffers = cfg.n_pages.div_ceil(ppb);
@@ -135,9 +135,9 @@ impl KvPool {
         let free_stack = rt.storage_init("expertkv pool free_stack", &initial_free_stack(cfg.n_pages));
         let ctl = rt.storage_init("expertkv pool ctl", &[PoolCtl { free_top: cfg.n_pages, ..Default::default() }]);
         let slot_meta = rt.storage("expertkv pool slot_meta", slots * u64::from(cfg.meta_words()) * 4);
-        let list_len = u64::from(cfg.layers * cfg.max_seqs) * u64::from(cfg.max_pages_per_seq());
+        let list_len = u64::from(cfg.n_lists()) * u64::from(cfg.max_pages_per_seq());
         let page_list = rt.storage("expertkv pool page_list", list_len * 4);
-        let page_counts = rt.storage_init("expertkv pool page_counts", &vec![0u32; (cfg.layers * cfg.max_seqs) as usize]);
+        let page_counts = rt.storage_init("expertkv pool page_counts", &vec![0u32; cfg.n_lists() as usize]);
         if let Some(e) = oom.pop().await {
             return Err(Error::Gpu { during: "KV pool allocation".into(), message: e.to_string() });
         }
@@ -228,7 +228,8 @@ impl KvPool {
         let capacity = n_tokens.next_power_of_two().max(64).min(fits).max(n_tokens);
         let new_tokens = rt.storage("shard/append new_tokens", u64::from(capacity) * tw * 4);
         let new_kv = rt.storage("shard/append new_kv", u64::from(capacity) * kvw * 4);
-        let plan = rt.storage("shard/append plan", u64::from(capacity) * std::mem::size_of::<TokenPlan>() as u64);
+        // One plan per (token, KV head).
+        let plan = rt.storage("shard/append plan", u64::from(capacity) * u64::from(self.cfg.kv_heads) * std::mem::size_of::<TokenPlan>() as u64);
         let params = rt.uniform("shard/append params", &AppendParams::default());
         let plan_bg =
             rt.bind(Kernel::ShardAppendPlan.label(), &self.plan_pipe, &[&self.geometry, &params, &new_tokens, &self.rings, &plan]);
@@ -378,7 +379,7 @@ impl KvPool {
         });
         pass.set_pipeline(&self.gather_pipe);
         pass.set_bind_group(0, &self.gather_bg, &[]);
-        pass.dispatch_workgroups(self.cfg.max_seqs, n_layers, 1);
+        pass.dispatch_workgroups(self.cfg.max_seqs * self.cfg.kv_heads, n_layers, 1);
     }
 
     /// Gather the page lists of every layer, in its own submission.
@@ -415,8 +416,10 @@ impl KvPool {
         }
         let mut counts = vec![0u32; self.cfg.n_keys() as usize];
         for layer in 0..self.cfg.layers {
-            for s in 0..self.cfg.n_shards {
-                counts[((layer * self.cfg.max_seqs + seq) * self.cfg.n_shards + s) as usize] = u32::MAX;
+            for h in 0..self.cfg.kv_heads {
+                for s in 0..self.cfg.n_shards {
+                    counts[(((layer * self.cfg.max_seqs + seq) * self.cfg.kv_heads + h) * self.cfg.n_shards + s) as usize] = u32::MAX;
+                }
             }
         }
         self.release(rt, &counts)
@@ -445,10 +448,11 @@ impl KvPool {
         Ok(ctl)
     }
 
-    /// The plan of the last append (placement of each token), for tests and traces.
+    /// The plan of the last append (placement of each (token, KV head), token-major), for tests
+    /// and traces.
     pub async fn read_last_plan(&self, rt: &Runtime, n: u32) -> Result<Vec<TokenPlan>> {
         match &self.scratch {
-            Some(s) => rt.read(&s.plan, 0, u64::from(n)).await,
+            Some(s) => rt.read(&s.plan, 0, u64::from(n) * u64::from(self.cfg.kv_heads)).await,
             None => Ok(Vec::new()),
         }
     }
@@ -473,7 +477,7 @@ impl KvPool {
         Ok(out)
     }
 
-    /// Page lists (per layer and sequence) and their lengths, as built by the last gather.
+    /// Page lists (per layer, sequence and KV head) and their lengths, as built by the last gather.
     pub async fn read_page_lists(&self, rt: &Runtime) -> Result<(Vec<u32>, Vec<u32>)> {
         Ok((rt.read_all(&self.page_list).await?, rt.read_all(&self.page_counts).await?))
     }

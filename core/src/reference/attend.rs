@@ -6,8 +6,9 @@ use super::pool::PoolModel;
 pub struct AttentionOutput {
     /// [seq][q_head][head_dim]
     pub out: Vec<f64>,
-    /// Per sequence, per cached token in page-list order: (page, slot, mass per KV head).
-    pub mass: Vec<Vec<(u32, u32, Vec<f64>)>>,
+    /// Every attended cached vector: (seq, KV head, page, slot, attention mass summed over the
+    /// query heads of that KV head).
+    pub mass: Vec<(u32, u32, u32, u32, f64)>,
 }
 
 /// Decode attention for sequences `0..n_seqs` of `layer`. `queries` is [seq][q_head][head_dim]
@@ -18,13 +19,13 @@ pub fn attend_decode(model: &PoolModel, layer: u32, n_seqs: u32, queries: &[f32]
     let hkv = cfg.kv_heads;
     let hq = (hkv * group) as usize;
     let mut out = vec![0.0; n_seqs as usize * hq * d];
-    let mut mass = Vec::with_capacity(n_seqs as usize);
+    let mut mass = Vec::new();
     for seq in 0..n_seqs {
-        let tokens = model.tokens(layer, seq);
-        let mut seq_mass: Vec<(u32, u32, Vec<f64>)> = tokens.iter().map(|&(p, s)| (p, s, vec![0.0; hkv as usize])).collect();
         for h in 0..hkv {
-            let keys: Vec<Vec<f64>> = tokens.iter().map(|&(p, s)| model.vector(p, s, 0, h)).collect();
-            let values: Vec<Vec<f64>> = tokens.iter().map(|&(p, s)| model.vector(p, s, 1, h)).collect();
+            let tokens = model.tokens(layer, seq, h);
+            let mut head_mass = vec![0.0; tokens.len()];
+            let keys: Vec<Vec<f64>> = tokens.iter().map(|&(p, s)| model.vector(p, s, 0)).collect();
+            let values: Vec<Vec<f64>> = tokens.iter().map(|&(p, s)| model.vector(p, s, 1)).collect();
             for g in 0..group {
                 let qh = (h * group + g) as usize;
                 let q0 = (seq as usize * hq + qh) * d;
@@ -38,14 +39,14 @@ pub fn attend_decode(model: &PoolModel, layer: u32, n_seqs: u32, queries: &[f32]
                 let l: f64 = w.iter().sum();
                 for (t, wt) in w.iter().enumerate() {
                     let p = wt / l;
-                    seq_mass[t].2[h as usize] += p;
+                    head_mass[t] += p;
                     for (o, v) in out[q0..q0 + d].iter_mut().zip(&values[t]) {
                         *o += p * v;
                     }
                 }
             }
+            mass.extend(tokens.iter().zip(head_mass).map(|(&(p, s), m)| (seq, h, p, s, m)));
         }
-        mass.push(seq_mass);
     }
     AttentionOutput { out, mass }
 }

@@ -64,44 +64,56 @@ impl PoolModel {
         }
     }
 
-    pub fn shard_key(&self, layer: u32, seq: u32, shard: u32) -> u32 {
-        (layer * self.cfg.max_seqs + seq) * self.cfg.n_shards + shard
+    /// Ring key of (layer, seq, KV head, shard).
+    pub fn shard_key(&self, layer: u32, seq: u32, head: u32, shard: u32) -> u32 {
+        self.list_index(layer, seq, head) * self.cfg.n_shards + shard
     }
 
+    /// Page-list index of (layer, seq, KV head).
+    pub fn list_index(&self, layer: u32, seq: u32, head: u32) -> u32 {
+        (layer * self.cfg.max_seqs + seq) * self.cfg.kv_heads + head
+    }
+
+    /// (layer, seq, shard) of a token, numbered (layer * max_seqs + seq) * n_shards + shard.
     fn token_key(&self, t: &NewToken) -> Option<u32> {
         if t.layer >= self.cfg.layers || t.seq >= self.cfg.max_seqs {
             return None;
         }
         let e = t.experts.first().copied().unwrap_or(0);
         let shard = self.cfg.shard_map.shard_from_token_expert(self.cfg.n_shards, t.position, e);
-        Some(self.shard_key(t.layer, t.seq, shard))
+        Some((t.layer * self.cfg.max_seqs + t.seq) * self.cfg.n_shards + shard)
     }
 
-    /// Placement of a batch (pass 1). Mirrors `shard/append_plan.wgsl`.
+    /// Placement of a batch (pass 1): one plan per (token, KV head), token-major. Mirrors
+    /// `shard/append_plan.wgsl`.
     pub fn plan(&self, tokens: &[NewToken]) -> Vec<TokenPlan> {
         let keys: Vec<Option<u32>> = tokens.iter().map(|t| self.token_key(t)).collect();
-        let p = self.cfg.page_size;
-        let r = self.cfg.ring_capacity;
-        keys.iter()
-            .enumerate()
-            .map(|(i, key)| {
-                let Some(key) = *key else {
-                    return TokenPlan { key: u32::MAX, flags: plan_flags::INVALID, page: NO_OWNER, ..Default::default() };
-                };
-                let rank = keys[..i].iter().filter(|k| **k == Some(key)).count() as u32;
-                let total = keys.iter().filter(|k| **k == Some(key)).count() as u32;
+        let (p, r, hkv, ns) = (self.cfg.page_size, self.cfg.ring_capacity, self.cfg.kv_heads, self.cfg.n_shards);
+        let mut out = Vec::with_capacity(tokens.len() * hkv as usize);
+        for (i, tk) in keys.iter().enumerate() {
+            let Some(tk) = *tk else {
+                for _ in 0..hkv {
+                    out.push(TokenPlan { key: u32::MAX, flags: plan_flags::INVALID, page: NO_OWNER, ..Default::default() });
+                }
+                continue;
+            };
+            let rank = keys[..i].iter().filter(|k| **k == Some(tk)).count() as u32;
+            let total = keys.iter().filter(|k| **k == Some(tk)).count() as u32;
+            let (ls, shard) = (tk / ns, tk % ns);
+            for h in 0..hkv {
+                let key = (ls * hkv + h) * ns + shard;
                 let ring = self.rings[key as usize];
                 let u = ring.fill + rank;
-                let mut out = TokenPlan { key, rank, u, page: NO_OWNER, ..Default::default() };
+                let mut plan = TokenPlan { key, rank, u, page: NO_OWNER, ..Default::default() };
                 let mut flags = 0;
                 if u < p {
-                    out.ring_index = (ring.head + ring.count + r - 1) % r;
-                    out.slot = u;
+                    plan.ring_index = (ring.head + ring.count + r - 1) % r;
+                    plan.slot = u;
                 } else {
                     let q = (u - p) / p;
-                    out.slot = (u - p) % p;
-                    out.ring_index = (ring.head + ring.count + q) % r;
-                    if out.slot == 0 {
+                    plan.slot = (u - p) % p;
+                    plan.ring_index = (ring.head + ring.count + q) % r;
+                    if plan.slot == 0 {
                         flags |= plan_flags::OPENS;
                         flags |= if ring.count + q < r { plan_flags::NEEDS_FREE } else { plan_flags::RECYCLES };
                     }
@@ -109,18 +121,19 @@ impl PoolModel {
                 if rank + 1 == total {
                     flags |= plan_flags::LAST_IN_KEY;
                 }
-                if rank + 1 == total || out.slot + 1 == p {
+                if rank + 1 == total || plan.slot + 1 == p {
                     flags |= plan_flags::LAST_IN_PAGE;
                 }
-                out.flags = flags;
-                out
-            })
-            .collect()
+                plan.flags = flags;
+                out.push(plan);
+            }
+        }
+        out
     }
 
     /// Append a batch: `kv` holds, per token, K then V for every KV head, as storage words
-    /// (`2 * kv_heads * vec_words` per token). Mirrors the three append passes. On refusal
-    /// (bad token or exhausted pool) nothing changes but the error flags, as on the GPU.
+    /// (`2 * kv_heads * vec_words` per token). Mirrors the append passes. On refusal (bad token
+    /// or exhausted pool) nothing changes but the error flags, as on the GPU.
     pub fn append(&mut self, tokens: &[NewToken], kv: &[u32], step: u32) -> Result<Vec<TokenPlan>> {
         let cfg = self.cfg.clone();
         let tw = (2 * cfg.kv_heads * cfg.vec_words()) as usize;
@@ -141,7 +154,7 @@ impl PoolModel {
         }
         self.ctl.abort = 0;
 
-        // Pass 2: pages and rings.
+        // Pass 2: pages and rings, items in batch order.
         let (p, r) = (cfg.page_size, cfg.ring_capacity);
         let mut taken = 0u32;
         for pl in &plan {
@@ -176,35 +189,34 @@ impl PoolModel {
         self.ctl.free_top -= taken;
         self.ctl.tokens_appended += tokens.len() as u32;
 
-        // Pass 3: data and metadata.
+        // Pass 3: data and metadata, per (token, head).
         let vw = cfg.vec_words() as usize;
         let hkv = cfg.kv_heads as usize;
         let pw = cfg.page_words() as usize;
-        let block = hkv * p as usize * vw;
+        let block = p as usize * vw;
         let mw = cfg.meta_words() as usize;
         let k = cfg.top_k as usize;
-        for (i, (tok, pl)) in tokens.iter().zip(plan.iter_mut()).enumerate() {
-            let page = self.ring_pages[(pl.key * r + pl.ring_index) as usize];
-            pl.page = page;
-            for w in 0..tw {
-                let kvi = w / (hkv * vw);
-                let head = (w / vw) % hkv;
-                let j = w % vw;
-                let dst = page as usize * pw + kvi * block + (head * p as usize + pl.slot as usize) * vw + j;
-                self.kv[dst] = kv[i * tw + w];
-            }
-            let m = (page as usize * p as usize + pl.slot as usize) * mw;
+        for (i, tok) in tokens.iter().enumerate() {
             let mut rec = Vec::with_capacity(3 + 2 * k);
             tok.encode_into(k, &mut rec);
-            self.slot_meta[m + meta::POSITION] = tok.position;
-            self.slot_meta[m + meta::LAST_ACCESS] = step;
-            self.slot_meta[m + meta::ACCESS_COUNT] = 0;
-            self.slot_meta[m + meta::EXPERTS..m + meta::EXPERTS + 2 * k].copy_from_slice(&rec[3..]);
             for h in 0..hkv {
-                self.slot_meta[m + meta::attn(k) + h] = 0f32.to_bits();
-            }
-            if pl.flags & plan_flags::LAST_IN_PAGE != 0 {
-                self.page_meta[page as usize].fill = pl.slot + 1;
+                let pl = &mut plan[i * hkv + h];
+                let page = self.ring_pages[(pl.key * r + pl.ring_index) as usize];
+                pl.page = page;
+                for kvi in 0..2 {
+                    let src = i * tw + (kvi * hkv + h) * vw;
+                    let dst = page as usize * pw + kvi * block + pl.slot as usize * vw;
+                    self.kv[dst..dst + vw].copy_from_slice(&kv[src..src + vw]);
+                }
+                let m = (page as usize * p as usize + pl.slot as usize) * mw;
+                self.slot_meta[m + meta::POSITION] = tok.position;
+                self.slot_meta[m + meta::LAST_ACCESS] = step;
+                self.slot_meta[m + meta::ACCESS_COUNT] = 0;
+                self.slot_meta[m + meta::EXPERTS..m + meta::EXPERTS + 2 * k].copy_from_slice(&rec[3..]);
+                self.slot_meta[m + meta::attn(k)] = 0f32.to_bits();
+                if pl.flags & plan_flags::LAST_IN_PAGE != 0 {
+                    self.page_meta[page as usize].fill = pl.slot + 1;
+                }
             }
         }
         Ok(plan)
@@ -238,12 +250,12 @@ impl PoolModel {
         self.ctl.pages_released += released;
     }
 
-    /// Page list of one (layer, sequence): shards in order, each ring oldest first.
-    pub fn page_list(&self, layer: u32, seq: u32) -> Vec<u32> {
+    /// Page list of one (layer, sequence, KV head): shards in order, each ring oldest first.
+    pub fn page_list(&self, layer: u32, seq: u32, head: u32) -> Vec<u32> {
         let r = self.cfg.ring_capacity;
         let mut out = Vec::new();
         for s in 0..self.cfg.n_shards {
-            let key = self.shard_key(layer, seq, s);
+            let key = self.shard_key(layer, seq, head, s);
             let ring = self.rings[key as usize];
             for k in 0..ring.count {
                 out.push(self.ring_pages[(key * r + (ring.head + k) % r) as usize]);
@@ -257,17 +269,19 @@ impl PoolModel {
         self.cfg.n_pages - self.ctl.free_top
     }
 
-    /// Tokens cached for one (layer, sequence), in page-list order: (page, slot).
-    pub fn tokens(&self, layer: u32, seq: u32) -> Vec<(u32, u32)> {
-        self.page_list(layer, seq).into_iter().flat_map(|page| (0..self.page_meta[page as usize].fill).map(move |s| (page, s))).collect()
+    /// Tokens cached for one (layer, sequence, KV head), in page-list order: (page, slot).
+    pub fn tokens(&self, layer: u32, seq: u32, head: u32) -> Vec<(u32, u32)> {
+        self.page_list(layer, seq, head)
+            .into_iter()
+            .flat_map(|page| (0..self.page_meta[page as usize].fill).map(move |s| (page, s)))
+            .collect()
     }
 
-    /// K (kv = 0) or V (kv = 1) of one cached token and head, as f64.
-    pub fn vector(&self, page: u32, slot: u32, kv: usize, head: u32) -> Vec<f64> {
+    /// K (kv = 0) or V (kv = 1) of one cached slot of a (head-major) page, as f64.
+    pub fn vector(&self, page: u32, slot: u32, kv: usize) -> Vec<f64> {
         let cfg = &self.cfg;
         let vw = cfg.vec_words() as usize;
-        let block = (cfg.kv_heads * cfg.page_size) as usize * vw;
-        let base = page as usize * cfg.page_words() as usize + kv * block + (head * cfg.page_size + slot) as usize * vw;
+        let base = page as usize * cfg.page_words() as usize + kv * cfg.page_size as usize * vw + slot as usize * vw;
         decode_words(&self.kv[base..base + vw], cfg.dtype)
     }
 }

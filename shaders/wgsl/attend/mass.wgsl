@@ -1,6 +1,7 @@
 // attend_decode, attention-mass pass: for every cached token attended this step, add the
 // attention it received, summed over the query heads of each KV head, to its slot metadata
-// (H2O's accumulated attention), and record the access. x: logical slot, y: sequence.
+// (H2O's accumulated attention), and record the access. x: logical slot of the head's page list,
+// y: sequence x KV head.
 
 //!import common/pool.wgsl
 //!import attend/common.wgsl
@@ -17,34 +18,34 @@
 @compute @workgroup_size(64)
 fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     let j = gid.x;
-    let seq = gid.y;
+    let seq = gid.y / geo.kv_heads;
+    let h = gid.y % geo.kv_heads;
     if (seq >= params.n_seqs) {
         return;
     }
     let P = geo.page_size;
     let pi = j / P;
     let s = j % P;
-    let n_pages = page_counts[params.layer * geo.max_seqs + seq];
+    let li = list_index(geo, params.layer, seq, h);
+    let n_pages = page_counts[li];
     if (pi >= n_pages) {
         return;
     }
-    let page = page_list[(params.layer * geo.max_seqs + seq) * geo.max_pages_per_seq + pi];
+    let page = page_list[li * geo.max_pages_per_seq + pi];
     if (s >= page_meta[page].fill) {
         return;
     }
     let m = (page * P + s) * geo.meta_words;
-    let attn = meta_attn(geo);
-    for (var h = 0u; h < geo.kv_heads; h++) {
-        var mass = 0.0;
-        for (var g = 0u; g < params.group; g++) {
-            let qh = h * params.group + g;
-            let st = stats[seq * params.q_heads + qh];
-            if (st.y > 0.0) {
-                mass += exp(scores[(seq * params.q_heads + qh) * params.max_tokens + j] - st.x) / st.y;
-            }
+    var mass = 0.0;
+    for (var g = 0u; g < params.group; g++) {
+        let qh = h * params.group + g;
+        let st = stats[seq * params.q_heads + qh];
+        if (st.y > 0.0) {
+            mass += exp(scores[(seq * params.q_heads + qh) * params.max_tokens + j] - st.x) / st.y;
         }
-        slot_meta[m + attn + h] = bitcast<u32>(bitcast<f32>(slot_meta[m + attn + h]) + mass);
     }
+    let attn = meta_attn(geo);
+    slot_meta[m + attn] = bitcast<u32>(bitcast<f32>(slot_meta[m + attn]) + mass);
     slot_meta[m + META_LAST_ACCESS] = params.step;
     slot_meta[m + META_ACCESS_COUNT] = slot_meta[m + META_ACCESS_COUNT] + 1u;
 }

@@ -123,7 +123,7 @@ fn main(
     let replicas = LANES / GROUP;
 
     if (t == 0u) {
-        count_sh = page_counts[params.layer * geo.max_seqs + seq];
+        count_sh = page_counts[list_index(geo, params.layer, seq, kvh)];
     }
     let n_pages = workgroupUniformLoad(&count_sh);
     let first = chunk * params.chunk_pages;
@@ -136,7 +136,7 @@ fn main(
         }
         return;
     }
-    let list = (params.layer * geo.max_seqs + seq) * geo.max_pages_per_seq;
+    let list = list_index(geo, params.layer, seq, kvh) * geo.max_pages_per_seq;
     for (var c = t; c < params.chunk_pages; c += WG) {
         var page = 0u;
         var fill = 0u;
@@ -192,7 +192,7 @@ fn main(
             valid[u] = ok;
             slot_of[u] = j;
             if (ok) {
-                let row = chunk_page[c] * page_w4 + (kvh * PAGE_SIZE + s) * vw4 + lane;
+                let row = chunk_page[c] * page_w4 + s * vw4 + lane;
                 for (var i = 0u; i < VPL; i++) {
                     kraw[u * VPL + i] = pool[row + i * LANES];
                     vraw[u * VPL + i] = pool[row + v_off4 + i * LANES];

@@ -58,12 +58,12 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
         l_sh[t] = 0.0;
     }
     if (t == 0u) {
-        count_sh = page_counts[params.layer * geo.max_seqs + seq];
+        count_sh = page_counts[list_index(geo, params.layer, seq, kvh)];
     }
     let n_pages = workgroupUniformLoad(&count_sh);
     let first = chunk * params.chunk_pages;
     let last = min(first + params.chunk_pages, n_pages);
-    let list = (params.layer * geo.max_seqs + seq) * geo.max_pages_per_seq;
+    let list = list_index(geo, params.layer, seq, kvh) * geo.max_pages_per_seq;
     // Pair offsets, in units of "pairs", of one K or V block in a page (f16: 1 word per pair).
     let pair_scale = select(2u, 1u, geo.f16_kv != 0u);
     let n_pairs = G * half_d;
@@ -89,8 +89,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
         }
         let page = page_sh;
         let local_page = page - window.first_page;
-        // Pair index of the page's K block for this head; V block follows after block_words.
-        let k_base = (local_page * geo.page_words + kvh * P * geo.vec_words) / pair_scale;
+        // Pair index of the page's K block; the V block follows after block_words.
+        let k_base = (local_page * geo.page_words) / pair_scale;
         let v_base = k_base + block_words(geo) / pair_scale;
 
         // A: scores, one (token, query head) per invocation.

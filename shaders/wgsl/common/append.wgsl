@@ -1,4 +1,5 @@
-// Shared by the three passes of shard_append.
+// Shared by the passes of shard_append. A batch of n tokens places n * kv_heads items: item
+// i = token (i / kv_heads), KV head (i % kv_heads); each goes to its head's shard ring.
 
 // must match `AppendParams` in core/src/gpu_data.rs
 struct AppendParams {
@@ -8,10 +9,10 @@ struct AppendParams {
     _pad: u32,
 }
 
-// must match `TokenPlan` in core/src/gpu_data.rs
+// must match `TokenPlan` in core/src/gpu_data.rs; one per item (token, KV head)
 struct TokenPlan {
-    key: u32,         // shard ring of the token
-    rank: u32,        // tokens of the same ring earlier in the batch
+    key: u32,         // shard ring of the item
+    rank: u32,        // tokens of the same (layer, seq, shard) earlier in the batch
     u: u32,           // fill of the ring's newest page before the batch + rank
     ring_index: u32,  // array index in the ring of the page that receives the token
     slot: u32,        // slot inside that page

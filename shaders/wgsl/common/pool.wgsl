@@ -1,5 +1,7 @@
 // Shared definitions of the paged, sharded KV pool.
 // Every struct here is mirrored on the host in core/src/gpu_data.rs; keep both in step.
+// Pages are head-major: a page holds K (then V) of P slots of one KV head of one layer, so each
+// KV head has its own shard rings and page lists, and per-head policies free real pages.
 
 // must match `Geometry` in core/src/gpu_data.rs
 struct Geometry {
@@ -7,11 +9,11 @@ struct Geometry {
     kv_heads: u32,           // Hkv
     head_dim: u32,           // d
     vec_words: u32,          // u32 words per token-head vector: d/2 (f16) or d (f32)
-    page_words: u32,         // 2 * Hkv * P * vec_words: K block then V block
+    page_words: u32,         // 2 * P * vec_words: K block then V block
     n_pages: u32,            // pages in the whole pool
     pages_per_buffer: u32,   // pages in each pool buffer (the last may hold fewer)
     ring_capacity: u32,      // R: page entries per shard ring
-    n_shards: u32,           // shards per (layer, sequence)
+    n_shards: u32,           // shards per (layer, sequence, KV head)
     max_seqs: u32,
     layers: u32,
     top_k: u32,              // experts (and gates) kept per slot
@@ -20,7 +22,7 @@ struct Geometry {
     n_exp: u32,              // PiKV map: expert modulus (power of two <= n_shards)
     token_block: u32,        // block map: tokens per block
     meta_words: u32,         // u32 words of metadata per slot
-    max_pages_per_seq: u32,  // page list capacity per (layer, sequence) = n_shards * R
+    max_pages_per_seq: u32,  // page list capacity per (layer, sequence, KV head) = n_shards * R
     f16_kv: u32,             // 1: K/V stored as packed f16 pairs, 0: f32
     _pad0: u32,
 }
@@ -35,7 +37,7 @@ struct RingState {
 
 // must match `PageMeta` in core/src/gpu_data.rs
 struct PageMeta {
-    owner: u32,  // shard key (layer, seq, shard) or NO_OWNER when free
+    owner: u32,  // shard key (layer, seq, head, shard) or NO_OWNER when free
     fill: u32,   // valid slots
 }
 
@@ -59,8 +61,8 @@ const NO_OWNER: u32 = 0xffffffffu;
 const ERR_POOL_EXHAUSTED: u32 = 1u;
 const ERR_BAD_TOKEN: u32 = 2u;
 
-// Slot metadata: `meta_words` u32 per slot, laid out as
-// [position, last_access, access_count, experts[top_k], gates[top_k] (f32 bits), attn[kv_heads] (f32 bits)].
+// Slot metadata: `meta_words` u32 per slot (of one head's page), laid out as
+// [position, last_access, access_count, experts[top_k], gates[top_k] (f32 bits), attn (f32 bits)].
 const META_POSITION: u32 = 0u;
 const META_LAST_ACCESS: u32 = 1u;
 const META_ACCESS_COUNT: u32 = 2u;
@@ -78,12 +80,17 @@ fn shard_from_token_expert(geo: Geometry, position: u32, expert: u32) -> u32 {
     }
 }
 
-// Key of one shard ring: (layer, seq, shard).
-fn shard_key(geo: Geometry, layer: u32, seq: u32, shard: u32) -> u32 {
-    return (layer * geo.max_seqs + seq) * geo.n_shards + shard;
+// Index of one (layer, seq, KV head): its page list and page count.
+fn list_index(geo: Geometry, layer: u32, seq: u32, head: u32) -> u32 {
+    return (layer * geo.max_seqs + seq) * geo.kv_heads + head;
 }
 
-// Words of one K or V block inside a page: Hkv * P * vec_words.
+// Key of one shard ring: (layer, seq, KV head, shard).
+fn shard_key(geo: Geometry, layer: u32, seq: u32, head: u32, shard: u32) -> u32 {
+    return list_index(geo, layer, seq, head) * geo.n_shards + shard;
+}
+
+// Words of one K or V block inside a page: P * vec_words.
 fn block_words(geo: Geometry) -> u32 {
-    return geo.kv_heads * geo.page_size * geo.vec_words;
+    return geo.page_size * geo.vec_words;
 }

@@ -1,7 +1,7 @@
-// route: recount, from the KV pool itself, how many tokens routed to each (layer, expert) are
-// still cached (every slot holding a token counts for each of its top-k experts), then set each
-// expert's miss rate = 1 - resident / appended. Pass "count": one invocation per pool slot;
-// pass "finish": one invocation per (layer, expert).
+// route: recount, from the KV pool itself, how many K/V vectors (token x KV head) of tokens routed
+// to each (layer, expert) are still cached (every slot holding one counts for each of its top-k
+// experts), then set each expert's miss rate = 1 - resident / (appended x kv_heads). Pass
+// "count": one invocation per pool slot; pass "finish": one invocation per (layer, expert).
 
 //!import common/pool.wgsl
 //!import common/route.wgsl
@@ -24,7 +24,7 @@ fn count(@builtin(global_invocation_id) gid: vec3<u32>) {
     if (pm.owner == NO_OWNER || slot % geo.page_size >= pm.fill) {
         return;
     }
-    let layer = pm.owner / (geo.max_seqs * geo.n_shards);
+    let layer = pm.owner / (geo.max_seqs * geo.kv_heads * geo.n_shards);
     let m = slot * geo.meta_words;
     for (var i = 0u; i < geo.top_k; i++) {
         let e = slot_meta[m + META_EXPERTS + i];
@@ -43,8 +43,9 @@ fn finish(@builtin(global_invocation_id) gid: vec3<u32>) {
     let r = atomicExchange(&resident[i], 0u);
     var s = stats[i];
     s.resident = r;
-    if (s.appended > 0u) {
-        s.miss = 1.0 - f32(min(r, s.appended)) / f32(s.appended);
+    let vectors = s.appended * geo.kv_heads;
+    if (vectors > 0u) {
+        s.miss = 1.0 - f32(min(r, vectors)) / f32(vectors);
     } else {
         s.miss = 0.0;
     }

@@ -1,4 +1,4 @@
-// shard_append, pass 2 of 3: take pages for the tokens that open one, in batch order, from the
+// shard_append, pass 2 of 3: take pages for the items that open one, in batch order, from the
 // GPU-resident free stack (no host round trip), and advance each ring. One workgroup.
 // If the free stack cannot cover the batch, nothing changes: the batch is refused with
 // ERR_POOL_EXHAUSTED and `abort` set, so no cached token is lost or half-written.
@@ -19,8 +19,12 @@ const WG: u32 = 256u;
 var<workgroup> scan: array<u32, 256>;
 var<workgroup> verdict: u32;
 
+fn n_items() -> u32 {
+    return params.n_tokens * geo.kv_heads;
+}
+
 fn needs_free(i: u32) -> u32 {
-    if (i < params.n_tokens && (plan[i].flags & PLAN_NEEDS_FREE) != 0u) {
+    if (i < n_items() && (plan[i].flags & PLAN_NEEDS_FREE) != 0u) {
         return 1u;
     }
     return 0u;
@@ -46,7 +50,7 @@ fn workgroup_scan(t: u32, v: u32) -> u32 {
 
 @compute @workgroup_size(256)
 fn main(@builtin(local_invocation_index) t: u32) {
-    let n = params.n_tokens;
+    let n = n_items();
     let rounds = (n + WG - 1u) / WG;
 
     // Count pages wanted from the free stack; refuse the whole batch if they are not there.
@@ -131,6 +135,6 @@ fn main(@builtin(local_invocation_index) t: u32) {
     if (t == WG - 1u) {
         ctl.free_top = free_top - base;
         ctl.ring_overflows += overflows;
-        ctl.tokens_appended += n;
+        ctl.tokens_appended += params.n_tokens;
     }
 }

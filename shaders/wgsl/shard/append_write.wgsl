@@ -1,5 +1,5 @@
-// shard_append, pass 3 of 3: copy each new token's K and V into its page and write its slot
-// metadata. Dispatched once per pool buffer; x runs over the token's K/V words, y over tokens.
+// shard_append, pass 3 of 3: copy each new token's K and V into its heads' pages and write their
+// slot metadata. Dispatched once per pool buffer; x runs over the token's K/V words, y over tokens.
 
 //!import common/pool.wgsl
 //!import common/append.wgsl
@@ -22,25 +22,26 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     let i = gid.y;
     let w = gid.x;
     let vw = geo.vec_words;
-    let token_kv_words = 2u * geo.kv_heads * vw;
+    let H = geo.kv_heads;
+    let token_kv_words = 2u * H * vw;
     if (i >= params.n_tokens || w >= token_kv_words || ctl.abort != 0u) {
         return;
     }
-    let p = plan[i];
+    // Word w of the token is (kv, head, j); its place in the head's page is [kv][slot][j].
+    let kv = w / (H * vw);
+    let head = (w / vw) % H;
+    let j = w % vw;
+    let item = i * H + head;
+    let p = plan[item];
     let page = ring_pages[p.key * geo.ring_capacity + p.ring_index];
     if (!in_window(window, page)) {
         return;
     }
-    // Word w of the token is (kv, head, j); its place in the page is [kv][head][slot][j].
-    let kv = w / (geo.kv_heads * vw);
-    let head = (w / vw) % geo.kv_heads;
-    let j = w % vw;
     let local_page = page - window.first_page;
-    let dst = local_page * geo.page_words + kv * block_words(geo)
-        + (head * geo.page_size + p.slot) * vw + j;
+    let dst = local_page * geo.page_words + kv * block_words(geo) + p.slot * vw + j;
     pool[dst] = new_kv[i * token_kv_words + w];
 
-    if (w == 0u) {
+    if (kv == 0u && j == 0u) {
         let base = i * params.token_words;
         let m = (page * geo.page_size + p.slot) * geo.meta_words;
         slot_meta[m + META_POSITION] = new_tokens[base + TOKEN_POSITION];
@@ -49,13 +50,10 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
         for (var e = 0u; e < 2u * geo.top_k; e++) {
             slot_meta[m + META_EXPERTS + e] = new_tokens[base + TOKEN_EXPERTS + e];
         }
-        let attn = meta_attn(geo);
-        for (var h = 0u; h < geo.kv_heads; h++) {
-            slot_meta[m + attn + h] = 0u;  // f32 0.0
-        }
+        slot_meta[m + meta_attn(geo)] = 0u;  // f32 0.0
         if ((p.flags & PLAN_LAST_IN_PAGE) != 0u) {
             page_meta[page].fill = p.slot + 1u;
         }
-        plan[i].page = page;
+        plan[item].page = page;
     }
 }

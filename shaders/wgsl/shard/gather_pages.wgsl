@@ -1,5 +1,6 @@
-// Build each (layer, sequence)'s page list from its shard rings: shards in order, each ring from
-// oldest to newest page. Attention reads these lists. One workgroup per (sequence, layer).
+// Build each (layer, sequence, KV head)'s page list from its shard rings: shards in order, each
+// ring from oldest to newest page. Attention reads these lists. One workgroup per
+// (sequence x KV head, layer).
 
 //!import common/pool.wgsl
 
@@ -24,19 +25,21 @@ var<workgroup> offsets: array<u32, 256>;
 
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t: u32) {
-    let seq = wg.x;
+    let seq = wg.x / geo.kv_heads;
+    let head = wg.x % geo.kv_heads;
     let layer = params.first_layer + wg.y;
-    let first_key = shard_key(geo, layer, seq, 0u);
+    let li = list_index(geo, layer, seq, head);
+    let first_key = li * geo.n_shards;
     if (t == 0u) {
         var acc = 0u;
         for (var s = 0u; s < geo.n_shards; s++) {
             offsets[s] = acc;
             acc += rings[first_key + s].count;
         }
-        page_counts[layer * geo.max_seqs + seq] = acc;
+        page_counts[li] = acc;
     }
     workgroupBarrier();
-    let list = (layer * geo.max_seqs + seq) * geo.max_pages_per_seq;
+    let list = li * geo.max_pages_per_seq;
     let R = geo.ring_capacity;
     for (var s = t; s < geo.n_shards; s += WG) {
         let ring = rings[first_key + s];

@@ -46,7 +46,7 @@ fn random_case(rng: &mut Rng) -> Case {
         shard_map: ShardMap::Pikv { n_tok: n_shards, n_exp: n_shards },
         max_buffer_bytes: None,
     };
-    cfg.n_pages = cfg.n_keys() * ring;
+    cfg.n_pages = cfg.n_keys() * ring;  // every ring can fill
     if rng.below(2) == 0 {
         cfg.max_buffer_bytes = Some(cfg.page_bytes() * u64::from(1 + rng.below(6)));
     }
@@ -140,21 +140,13 @@ fn check_case(rt: &Runtime, seed: u64, variant: SplitVariant) -> bool {
         let slot_meta: Vec<u32> = pollster::block_on(rt.read_all(&pool.slot_meta)).expect("meta");
         let mw = cfg.meta_words() as usize;
         let attn_off = meta::attn(cfg.top_k as usize);
-        for (seq, tokens) in want.mass.iter().enumerate() {
-            for (page, slot, mass) in tokens {
-                let m = (*page as usize * cfg.page_size as usize + *slot as usize) * mw;
-                for (h, w) in mass.iter().enumerate() {
-                    let prev = f64::from(f32::from_bits(model.slot_meta[m + attn_off + h]));
-                    let g = f64::from(f32::from_bits(slot_meta[m + attn_off + h]));
-                    assert!(
-                        close(g, prev + w),
-                        "{ctx}: layer {layer} seq {seq} page {page} slot {slot} head {h}: mass {g}, reference {}",
-                        prev + w
-                    );
-                }
-                assert_eq!(slot_meta[m + meta::LAST_ACCESS], 100 + layer, "{ctx}: last access");
-                assert_eq!(slot_meta[m + meta::ACCESS_COUNT], model.slot_meta[m + meta::ACCESS_COUNT] + 1, "{ctx}: access count");
-            }
+        for &(seq, head, page, slot, w) in &want.mass {
+            let m = (page as usize * cfg.page_size as usize + slot as usize) * mw;
+            let prev = f64::from(f32::from_bits(model.slot_meta[m + attn_off]));
+            let g = f64::from(f32::from_bits(slot_meta[m + attn_off]));
+            assert!(close(g, prev + w), "{ctx}: layer {layer} seq {seq} head {head} page {page} slot {slot}: mass {g}, reference {}", prev + w);
+            assert_eq!(slot_meta[m + meta::LAST_ACCESS], 100 + layer, "{ctx}: last access");
+            assert_eq!(slot_meta[m + meta::ACCESS_COUNT], model.slot_meta[m + meta::ACCESS_COUNT] + 1, "{ctx}: access count");
         }
         // Carry the GPU's metadata forward so the next layer's comparison starts from it.
         model.slot_meta = slot_meta;

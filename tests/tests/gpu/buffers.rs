@@ -14,7 +14,8 @@ use crate::shard::random_kv;
 fn pool_crosses_the_real_binding_limit() {
     let rt = rt();
     let limit = rt.max_binding_bytes();
-    // 1 MiB pages (f32, 8 heads x 256 dims x 64 slots x K,V): a few pages past the limit.
+    // 128 KiB pages (f32, one head x 256 dims x 64 slots x K,V), 8 KV heads: a few pages past
+    // the limit.
     let mut cfg = PoolConfig {
         layers: 1,
         kv_heads: 8,
@@ -30,12 +31,13 @@ fn pool_crosses_the_real_binding_limit() {
         max_buffer_bytes: None,
     };
     let per_buffer = (limit / cfg.page_bytes()) as u32;
-    if per_buffer > 512 {
+    if per_buffer > 4096 {
         eprintln!("skipped: this adapter's binding limit ({limit} bytes) would need a pool over 512 MiB to cross");
         return;
     }
-    cfg.n_pages = per_buffer + 3;
-    cfg.ring_capacity = cfg.n_pages + 1;
+    // Whole pages for every head: each token takes one slot in each of the 8 heads' rings.
+    cfg.n_pages = (per_buffer / cfg.kv_heads + 1) * cfg.kv_heads;
+    cfg.ring_capacity = cfg.n_pages / cfg.kv_heads + 1;
     let seed = seeds("pool_crosses_the_real_binding_limit", 1)[0];
     let mut rng = Rng::new(seed);
     let mut pool = pollster::block_on(KvPool::new(rt, cfg.clone())).expect("pool");
@@ -43,7 +45,7 @@ fn pool_crosses_the_real_binding_limit() {
     assert!(pool.kv_buffers.iter().all(|b| b.size() <= limit));
     let mut model = PoolModel::new(&cfg);
     // Every page, all slots: tokens land on both sides of the boundary.
-    let total = cfg.n_pages * cfg.page_size;
+    let total = cfg.n_pages * cfg.page_size / cfg.kv_heads;
     let batch = 2048;
     let mut pos = 0;
     while pos < total {

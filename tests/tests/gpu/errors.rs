@@ -17,7 +17,7 @@ fn small() -> PoolConfig {
         head_dim: 16,
         page_size: 4,
         dtype: KvDtype::F16,
-        n_pages: 3,
+        n_pages: 6,
         max_seqs: 2,
         n_shards: 1,
         ring_capacity: 8,
@@ -42,7 +42,7 @@ fn exhausted_pool_refuses_the_batch_and_keeps_everything() {
     let kv = random_kv(&mut rng, &cfg, 8);
     pool.append(rt, &first, &kv, 0).expect("append");
     model.append(&first, &kv, 0).expect("append");
-    // 3 pages of 4 slots: 8 tokens used 2 pages; 8 more need 2 but 1 is free.
+    // 6 pages of 4 slots, 2 KV heads: 8 tokens used 2 pages per head; 8 more need 4 but 2 are free.
     let second: Vec<NewToken> = (0..8).map(|p| tok(1, p)).collect();
     let kv2 = random_kv(&mut rng, &cfg, 8);
     pool.append(rt, &second, &kv2, 1).expect("submission itself succeeds");

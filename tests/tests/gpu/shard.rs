@@ -39,7 +39,7 @@ pub fn random_config(rng: &mut Rng) -> PoolConfig {
         shard_map,
         max_buffer_bytes: None,
     };
-    cfg.n_pages = 4 + rng.below(cfg.n_keys() * cfg.ring_capacity / 2 + 8);
+    cfg.n_pages = 4 + rng.below(cfg.n_keys() * cfg.ring_capacity / 2 + 8 * cfg.kv_heads);
     if rng.below(2) == 0 {
         // Force several pool buffers.
         cfg.max_buffer_bytes = Some(cfg.page_bytes() * u64::from(1 + rng.below(4)));
@@ -92,7 +92,7 @@ pub fn assert_same_state(rt: &Runtime, pool: &KvPool, model: &PoolModel, ctx: &s
     let cfg = &model.cfg;
     let mw = cfg.meta_words() as usize;
     let vw = cfg.vec_words() as usize;
-    let block = (cfg.kv_heads * cfg.page_size) as usize * vw;
+    let block = cfg.page_size as usize * vw;
     for (page, pm) in model.page_meta.iter().enumerate() {
         for s in 0..pm.fill as usize {
             let m = (page * cfg.page_size as usize + s) * mw;
@@ -100,10 +100,8 @@ pub fn assert_same_state(rt: &Runtime, pool: &KvPool, model: &PoolModel, ctx: &s
             let words = meta::attn(cfg.top_k as usize);
             assert_eq!(snap.slot_meta[m..m + words], model.slot_meta[m..m + words], "{ctx}: slot meta of page {page} slot {s}");
             for kvi in 0..2 {
-                for h in 0..cfg.kv_heads as usize {
-                    let o = page * cfg.page_words() as usize + kvi * block + (h * cfg.page_size as usize + s) * vw;
-                    assert_eq!(kv[o..o + vw], model.kv[o..o + vw], "{ctx}: kv of page {page} slot {s} head {h} ({})", ["K", "V"][kvi]);
-                }
+                let o = page * cfg.page_words() as usize + kvi * block + s * vw;
+                assert_eq!(kv[o..o + vw], model.kv[o..o + vw], "{ctx}: kv of page {page} slot {s} ({})", ["K", "V"][kvi]);
             }
         }
     }
@@ -191,11 +189,13 @@ fn append_release_gather_gpu_match_cpu() {
         let (lists, counts) = pollster::block_on(pool.read_page_lists(rt)).expect("page lists");
         for layer in 0..cfg.layers {
             for seq in 0..cfg.max_seqs {
-                let want = model.page_list(layer, seq);
-                let i = (layer * cfg.max_seqs + seq) as usize;
-                let base = i * cfg.max_pages_per_seq() as usize;
-                assert_eq!(counts[i] as usize, want.len(), "{ctx0}: page count of layer {layer} seq {seq}");
-                assert_eq!(lists[base..base + want.len()], want[..], "{ctx0}: page list of layer {layer} seq {seq}");
+                for head in 0..cfg.kv_heads {
+                    let want = model.page_list(layer, seq, head);
+                    let i = model.list_index(layer, seq, head) as usize;
+                    let base = i * cfg.max_pages_per_seq() as usize;
+                    assert_eq!(counts[i] as usize, want.len(), "{ctx0}: page count of layer {layer} seq {seq} head {head}");
+                    assert_eq!(lists[base..base + want.len()], want[..], "{ctx0}: page list of layer {layer} seq {seq} head {head}");
+                }
             }
         }
     }
@@ -242,7 +242,7 @@ fn ring_wraps_and_reuses_freed_pages_in_order() {
         pool.append(rt, &t, &kv, step).expect("append");
         model.append(&t, &kv, step).expect("append");
     }
-    assert_eq!(model.page_list(0, 0), vec![0, 1]);
+    assert_eq!(model.page_list(0, 0, 0), vec![0, 1]);
     // Release the oldest page: page 0 goes back on top of the stack and is reused next.
     let counts = vec![1];
     pool.release(rt, &counts).expect("release");
@@ -251,13 +251,13 @@ fn ring_wraps_and_reuses_freed_pages_in_order() {
     let kv = random_kv(&mut rng, &cfg, 2);
     pool.append(rt, &t, &kv, 2).expect("append");
     model.append(&t, &kv, 2).expect("append");
-    assert_eq!(model.page_list(0, 0), vec![1, 0]);
+    assert_eq!(model.page_list(0, 0, 0), vec![1, 0]);
     // Two more pages: the third is new (page 2), the fourth wraps and recycles the oldest (1).
     let t = random_batch(&mut rng, &cfg, &mut positions, 4, false);
     let kv = random_kv(&mut rng, &cfg, 4);
     pool.append(rt, &t, &kv, 3).expect("append");
     model.append(&t, &kv, 3).expect("append");
-    assert_eq!(model.page_list(0, 0), vec![0, 2, 1]);
+    assert_eq!(model.page_list(0, 0, 0), vec![0, 2, 1]);
     assert_eq!(model.ctl.ring_overflows, 1);
     assert_same_state(rt, &pool, &model, "hand-checked ring");
 }
