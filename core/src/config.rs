@@ -214,7 +214,11 @@ impl PoolConfig {
         // Every index the kernels compute must fit in u32.
         let keys = u64::from(self.layers) * u64::from(self.max_seqs) * u64::from(self.kv_heads) * u64::from(self.n_shards);
         if keys * u64::from(self.ring_capacity) > u64::from(u32::MAX) {
-            return Err(Error::config("ring_capacity", self.ring_capacity, "layers x max_seqs x kv_heads x n_shards x ring_capacity overflows u32"));
+            return Err(Error::config(
+                "ring_capacity",
+                self.ring_capacity,
+                "layers x max_seqs x kv_heads x n_shards x ring_capacity overflows u32",
+            ));
         }
         let slots = u64::from(self.n_pages) * u64::from(self.page_size) * u64::from(self.meta_words());
         if slots > u64::from(u32::MAX) {

@@ -63,7 +63,7 @@ pub struct PoolCtl {
     pub ring_overflows: u32,
     pub tokens_appended: u32,
     pub pages_released: u32,
-    pub _pad0: u32,
+    pub pages_evicted: u32,
     pub _pad1: u32,
 }
 const _: () = assert!(std::mem::size_of::<PoolCtl>() == 32);
@@ -278,4 +278,74 @@ pub mod routers {
     pub const ENTROPY: u32 = 4;
     pub const ADAPTIVE: u32 = 5;
     pub const HIERARCHICAL: u32 = 6;
+}
+
+/// Must match `EvictParams` in `shaders/wgsl/common/evict.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Pod, Zeroable)]
+pub struct EvictParams {
+    pub policy: u32,
+    pub n_lists: u32,
+    pub step: u32,
+    pub sinks: u32,
+    pub window: u32,
+    pub adaptive: u32,
+    pub base_budget: u32,
+    pub first_layer: u32,
+    pub w_recency: f32,
+    pub w_freq: f32,
+    pub w_attn: f32,
+    pub duo_tau: f32,
+    pub ada_floor: f32,
+    pub threshold: f32,
+    pub hit_target: f32,
+    pub tau_step: f32,
+}
+const _: () = assert!(std::mem::size_of::<EvictParams>() == 64);
+
+/// Must match `ListState` in `shaders/wgsl/common/evict.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Pod, Zeroable, serde::Serialize)]
+pub struct ListState {
+    pub budget: u32,
+    pub tokens: u32,
+    pub evicted: u32,
+    pub evicted_total: u32,
+    pub tau: f32,
+    pub hit_rate: f32,
+    pub mass: f32,
+    pub kind: u32,
+}
+const _: () = assert!(std::mem::size_of::<ListState>() == 32);
+
+/// `EvictParams::policy`; must match `POLICY_*` in `shaders/wgsl/common/evict.wgsl`.
+pub mod policies {
+    pub const H2O: u32 = 0;
+    pub const STREAMING: u32 = 1;
+    pub const LRU: u32 = 2;
+    pub const LRU_PLUS: u32 = 3;
+    pub const ADAKV: u32 = 4;
+    pub const DUO: u32 = 5;
+}
+
+/// `ListState::budget` of a list that keeps everything; must match `KEEP_ALL`.
+pub const KEEP_ALL: u32 = u32::MAX;
+/// Utility key no policy evicts; must match `PROTECTED` in `common/evict.wgsl`.
+pub const PROTECTED: u32 = u32::MAX;
+
+/// `ListState::kind` under DuoAttention.
+pub mod duo_kinds {
+    pub const RETRIEVAL: u32 = 1;
+    pub const STREAMING: u32 = 2;
+}
+
+/// f32 to u32 with unsigned order = float order (twin of `orderable` in `common/evict.wgsl`).
+pub fn orderable(x: f32) -> u32 {
+    let b = x.to_bits();
+    if b & 0x8000_0000 != 0 { !b } else { b | 0x8000_0000 }
+}
+
+/// Inverse of [`orderable`].
+pub fn from_orderable(k: u32) -> f32 {
+    if k & 0x8000_0000 != 0 { f32::from_bits(k & 0x7fff_ffff) } else { f32::from_bits(!k) }
 }

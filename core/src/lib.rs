@@ -5,6 +5,7 @@ pub mod attend;
 pub mod bench;
 pub mod config;
 pub mod error;
+pub mod evict;
 pub mod gpu_data;
 pub mod pipeline;
 pub mod pool;
@@ -13,6 +14,7 @@ pub mod rng;
 pub mod route;
 pub mod router_config;
 pub mod runtime;
+pub mod scheduler_config;
 pub mod timer;
 pub mod workload;
 

@@ -229,7 +229,8 @@ impl KvPool {
         let new_tokens = rt.storage("shard/append new_tokens", u64::from(capacity) * tw * 4);
         let new_kv = rt.storage("shard/append new_kv", u64::from(capacity) * kvw * 4);
         // One plan per (token, KV head).
-        let plan = rt.storage("shard/append plan", u64::from(capacity) * u64::from(self.cfg.kv_heads) * std::mem::size_of::<TokenPlan>() as u64);
+        let plan =
+            rt.storage("shard/append plan", u64::from(capacity) * u64::from(self.cfg.kv_heads) * std::mem::size_of::<TokenPlan>() as u64);
         let params = rt.uniform("shard/append params", &AppendParams::default());
         let plan_bg =
             rt.bind(Kernel::ShardAppendPlan.label(), &self.plan_pipe, &[&self.geometry, &params, &new_tokens, &self.rings, &plan]);

@@ -49,6 +49,13 @@ sources! {
     ROUTE_STATS => "route/stats.wgsl",
     ROUTE_MISS => "route/miss.wgsl",
     ROUTE_ADAPTIVE => "route/adaptive.wgsl",
+    COMMON_EVICT => "common/evict.wgsl",
+    EVICT_SCORE => "evict/score.wgsl",
+    EVICT_BUDGET => "evict/budget.wgsl",
+    EVICT_SELECT => "evict/select.wgsl",
+    EVICT_COMPACT => "evict/compact.wgsl",
+    EVICT_MOVE => "evict/move.wgsl",
+    EVICT_FREE => "evict/free.wgsl",
 }
 
 /// Every dispatchable kernel.
@@ -73,6 +80,13 @@ pub enum Kernel {
     RouteMissFinish,
     RouteAdaptiveGrad,
     RouteAdaptiveUpdate,
+    EvictScore,
+    EvictBudget,
+    EvictSelect,
+    EvictCompact,
+    EvictMoveSame,
+    EvictMoveCross,
+    EvictFree,
 }
 
 impl Kernel {
@@ -96,6 +110,13 @@ impl Kernel {
         Kernel::RouteMissFinish,
         Kernel::RouteAdaptiveGrad,
         Kernel::RouteAdaptiveUpdate,
+        Kernel::EvictScore,
+        Kernel::EvictBudget,
+        Kernel::EvictSelect,
+        Kernel::EvictCompact,
+        Kernel::EvictMoveSame,
+        Kernel::EvictMoveCross,
+        Kernel::EvictFree,
     ];
 
     pub fn source(self) -> Source {
@@ -117,6 +138,12 @@ impl Kernel {
             Kernel::RouteStats => ROUTE_STATS,
             Kernel::RouteMissCount | Kernel::RouteMissFinish => ROUTE_MISS,
             Kernel::RouteAdaptiveGrad | Kernel::RouteAdaptiveUpdate => ROUTE_ADAPTIVE,
+            Kernel::EvictScore => EVICT_SCORE,
+            Kernel::EvictBudget => EVICT_BUDGET,
+            Kernel::EvictSelect => EVICT_SELECT,
+            Kernel::EvictCompact => EVICT_COMPACT,
+            Kernel::EvictMoveSame | Kernel::EvictMoveCross => EVICT_MOVE,
+            Kernel::EvictFree => EVICT_FREE,
         }
     }
 
@@ -128,6 +155,8 @@ impl Kernel {
             Kernel::RouteMissFinish => "route/miss.wgsl#finish",
             Kernel::RouteAdaptiveGrad => "route/adaptive.wgsl#grad",
             Kernel::RouteAdaptiveUpdate => "route/adaptive.wgsl#update",
+            Kernel::EvictMoveSame => "evict/move.wgsl#same",
+            Kernel::EvictMoveCross => "evict/move.wgsl#cross",
             _ => self.source().path,
         }
     }
@@ -138,6 +167,8 @@ impl Kernel {
             Kernel::RouteMissFinish => "finish",
             Kernel::RouteAdaptiveGrad => "grad",
             Kernel::RouteAdaptiveUpdate => "update",
+            Kernel::EvictMoveSame => "same",
+            Kernel::EvictMoveCross => "cross",
             _ => "main",
         }
     }

@@ -49,7 +49,7 @@ struct PoolCtl {
     ring_overflows: u32, // pages recycled because their ring was full (their tokens dropped)
     tokens_appended: u32,
     pages_released: u32,
-    _pad0: u32,
+    pages_evicted: u32,  // pages freed by eviction (compaction)
     _pad1: u32,
 }
 

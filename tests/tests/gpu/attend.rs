@@ -46,7 +46,7 @@ fn random_case(rng: &mut Rng) -> Case {
         shard_map: ShardMap::Pikv { n_tok: n_shards, n_exp: n_shards },
         max_buffer_bytes: None,
     };
-    cfg.n_pages = cfg.n_keys() * ring;  // every ring can fill
+    cfg.n_pages = cfg.n_keys() * ring; // every ring can fill
     if rng.below(2) == 0 {
         cfg.max_buffer_bytes = Some(cfg.page_bytes() * u64::from(1 + rng.below(6)));
     }
@@ -144,7 +144,11 @@ fn check_case(rt: &Runtime, seed: u64, variant: SplitVariant) -> bool {
             let m = (page as usize * cfg.page_size as usize + slot as usize) * mw;
             let prev = f64::from(f32::from_bits(model.slot_meta[m + attn_off]));
             let g = f64::from(f32::from_bits(slot_meta[m + attn_off]));
-            assert!(close(g, prev + w), "{ctx}: layer {layer} seq {seq} head {head} page {page} slot {slot}: mass {g}, reference {}", prev + w);
+            assert!(
+                close(g, prev + w),
+                "{ctx}: layer {layer} seq {seq} head {head} page {page} slot {slot}: mass {g}, reference {}",
+                prev + w
+            );
             assert_eq!(slot_meta[m + meta::LAST_ACCESS], 100 + layer, "{ctx}: last access");
             assert_eq!(slot_meta[m + meta::ACCESS_COUNT], model.slot_meta[m + meta::ACCESS_COUNT] + 1, "{ctx}: access count");
         }

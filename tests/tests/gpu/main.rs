@@ -9,6 +9,7 @@ mod attend;
 mod buffers;
 mod copy;
 mod errors;
+mod evict;
 mod pipeline;
 mod route;
 mod shard;

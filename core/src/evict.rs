@@ -1,0 +1,245 @@
+//! Scheduling on the GPU: each policy's utility per cached token, per-list budgets (AdaKV and
+//! DuoAttention move them between heads), exact victim selection, and compaction that frees the
+//! emptied pages into the free stack, all in one compute pass with no host round trip.
+
+use expertkv_shaders::Kernel;
+
+use crate::error::{Error, Result};
+use crate::gpu_data::{EvictParams, ListState};
+use crate::pool::KvPool;
+use crate::route::grid;
+use crate::runtime::Runtime;
+use crate::scheduler_config::{SchedulerConfig, Threshold};
+
+pub struct Scheduler {
+    pub cfg: SchedulerConfig,
+    /// Tokens each (layer, sequence, KV head) list keeps (AdaKV: on average over the heads).
+    pub budget: u32,
+    pub threshold: Threshold,
+    params: wgpu::Buffer,
+    pub utility: wgpu::Buffer,
+    pub lists: wgpu::Buffer,
+    seq_lens: wgpu::Buffer,
+    _buffers: Vec<wgpu::Buffer>,
+    score: (wgpu::ComputePipeline, wgpu::BindGroup),
+    budget_pass: (wgpu::ComputePipeline, wgpu::BindGroup),
+    select: (wgpu::ComputePipeline, wgpu::BindGroup),
+    compact: (wgpu::ComputePipeline, wgpu::BindGroup),
+    moves: Vec<(wgpu::ComputePipeline, wgpu::BindGroup)>,
+    free: (wgpu::ComputePipeline, wgpu::BindGroup),
+    n_lists: u32,
+    n_keys: u32,
+    slots: u32,
+    max_moves: u32,
+    layers: u32,
+    max_seqs: u32,
+}
+
+impl Scheduler {
+    pub async fn new(rt: &Runtime, pool: &KvPool, cfg: SchedulerConfig, budget: u32, threshold: Threshold) -> Result<Scheduler> {
+        cfg.validate(budget)?;
+        if budget < pool.cfg.page_size {
+            return Err(Error::config("budget", budget, format!("must be at least one page ({} tokens)", pool.cfg.page_size)));
+        }
+        if pool.cfg.kv_heads > 64 {
+            return Err(Error::config("kv_heads", pool.cfg.kv_heads, "the schedulers handle at most 64 KV heads"));
+        }
+        match threshold {
+            Threshold::Fixed { tau } if !(tau.is_finite() && tau >= 0.0) => {
+                return Err(Error::config("threshold", tau, "must be finite and >= 0"));
+            }
+            Threshold::Adaptive { target, step } if !((0.0..=1.0).contains(&target) && step.is_finite() && step >= 0.0) => {
+                return Err(Error::config("threshold.target", target, "target in [0, 1], step finite and >= 0"));
+            }
+            _ => {}
+        }
+        let c = &pool.cfg;
+        let n_lists = c.n_lists();
+        let n_keys = c.n_keys();
+        let slots = c.n_pages * c.page_size;
+        let max_moves = n_keys * c.ring_capacity * c.page_size;
+        let params = rt.uniform("evict params", &EvictParams::default());
+        let utility = rt.storage("evict utility", u64::from(slots) * 4);
+        let victim = rt.storage("evict victim", u64::from(slots) * 4);
+        let tau0 = match threshold {
+            Threshold::Fixed { tau } => tau,
+            Threshold::Adaptive { .. } => 0.0,
+        };
+        let lists =
+            rt.storage_init("evict lists", &vec![ListState { budget, tau: tau0, hit_rate: 1.0, ..Default::default() }; n_lists as usize]);
+        let seq_lens = rt.storage("evict seq_lens", u64::from(c.max_seqs) * 4);
+        let move_src = rt.storage("evict move_src", u64::from(max_moves) * 4);
+        let move_dst = rt.storage("evict move_dst", u64::from(max_moves) * 4);
+        let counts = rt.storage("evict counts", u64::from(n_keys) * 8);
+        let freed = rt.storage("evict freed", u64::from(n_keys) * u64::from(c.ring_capacity) * 4);
+        for (what, b) in [("evict move lists", &move_src), ("evict utility", &utility)] {
+            if b.size() > rt.max_binding_bytes() {
+                return Err(Error::Limit {
+                    what: what.into(),
+                    needed: b.size(),
+                    limit_name: "max_storage_buffer_binding_size",
+                    limit: rt.max_binding_bytes(),
+                });
+            }
+        }
+
+        let score_p = rt.pipeline(Kernel::EvictScore, &[]).await?;
+        let score_bg = rt.bind(
+            Kernel::EvictScore.label(),
+            &score_p,
+            &[&pool.geometry, &params, &pool.page_meta, &pool.slot_meta, &seq_lens, &utility],
+        );
+        let budget_p = rt.pipeline(Kernel::EvictBudget, &[]).await?;
+        let budget_bg = rt.bind(
+            Kernel::EvictBudget.label(),
+            &budget_p,
+            &[&pool.geometry, &params, &pool.page_list, &pool.page_counts, &pool.page_meta, &pool.slot_meta, &seq_lens, &lists],
+        );
+        let select_p = rt.pipeline(Kernel::EvictSelect, &[]).await?;
+        let select_bg = rt.bind(
+            Kernel::EvictSelect.label(),
+            &select_p,
+            &[&pool.geometry, &params, &pool.page_list, &pool.page_counts, &pool.page_meta, &pool.slot_meta, &utility, &lists, &victim],
+        );
+        let compact_p = rt.pipeline(Kernel::EvictCompact, &[]).await?;
+        let compact_bg = rt.bind(
+            Kernel::EvictCompact.label(),
+            &compact_p,
+            &[&pool.geometry, &pool.rings, &pool.ring_pages, &pool.page_meta, &victim, &move_src, &move_dst, &counts, &freed],
+        );
+        let same_p = rt.pipeline(Kernel::EvictMoveSame, &[]).await?;
+        let cross_p = if pool.n_buffers() > 1 { Some(rt.pipeline(Kernel::EvictMoveCross, &[]).await?) } else { None };
+        let mut moves = Vec::new();
+        for bs in 0..pool.n_buffers() {
+            for bd in 0..pool.n_buffers() {
+                let common = [
+                    (0, &pool.geometry),
+                    (1, &pool.window_bufs[bs]),
+                    (2, &pool.window_bufs[bd]),
+                    (3, &move_src),
+                    (4, &move_dst),
+                    (5, &counts),
+                    (6, &pool.slot_meta),
+                    (7, &pool.kv_buffers[bd]),
+                ];
+                if bs == bd {
+                    let bg = rt.bind_at(Kernel::EvictMoveSame.label(), &same_p, &common);
+                    moves.push((same_p.clone(), bg));
+                } else if let Some(cp) = &cross_p {
+                    let mut e = common.to_vec();
+                    e.push((8, &pool.kv_buffers[bs]));
+                    let bg = rt.bind_at(Kernel::EvictMoveCross.label(), cp, &e);
+                    moves.push((cp.clone(), bg));
+                }
+            }
+        }
+        let free_p = rt.pipeline(Kernel::EvictFree, &[]).await?;
+        let free_bg =
+            rt.bind(Kernel::EvictFree.label(), &free_p, &[&pool.geometry, &counts, &freed, &pool.free_stack, &pool.ctl, &pool.page_meta]);
+        rt.check("scheduler setup")?;
+        Ok(Scheduler {
+            cfg,
+            budget,
+            threshold,
+            params,
+            utility,
+            lists,
+            seq_lens,
+            _buffers: vec![victim, move_src, move_dst, counts, freed],
+            score: (score_p, score_bg),
+            budget_pass: (budget_p, budget_bg),
+            select: (select_p, select_bg),
+            compact: (compact_p, compact_bg),
+            moves,
+            free: (free_p, free_bg),
+            n_lists,
+            n_keys,
+            slots,
+            max_moves,
+            layers: c.layers,
+            max_seqs: c.max_seqs,
+        })
+    }
+
+    /// The parameter block of one eviction.
+    pub fn params(&self, step: u32) -> EvictParams {
+        let mut p = EvictParams { n_lists: self.n_lists, step, base_budget: self.budget, ..Default::default() };
+        self.cfg.fill(&mut p);
+        match self.threshold {
+            Threshold::Fixed { tau } => p.threshold = tau,
+            Threshold::Adaptive { target, step } => {
+                p.adaptive = 1;
+                p.hit_target = target;
+                p.tau_step = step;
+            }
+        }
+        p
+    }
+
+    /// Stage the step and the sequences' current lengths (next position) for the next submission.
+    pub fn prepare(&self, rt: &Runtime, step: u32, seq_lens: &[u32]) -> Result<()> {
+        if seq_lens.len() != self.max_seqs as usize {
+            return Err(Error::Input(format!("seq_lens: {} entries, the pool has {} sequences", seq_lens.len(), self.max_seqs)));
+        }
+        rt.queue.write_buffer(&self.params, 0, bytemuck::bytes_of(&self.params(step)));
+        rt.queue.write_buffer(&self.seq_lens, 0, bytemuck::cast_slice(seq_lens));
+        Ok(())
+    }
+
+    /// Score, budget, select, compact, move, free: the pool's page lists must be current
+    /// (gathered after the last append). Rebuild them before attention reads the pool again.
+    pub fn encode(&self, pass: &mut wgpu::ComputePass<'_>) {
+        let (x, y) = grid(self.slots);
+        pass.set_pipeline(&self.score.0);
+        pass.set_bind_group(0, &self.score.1, &[]);
+        pass.dispatch_workgroups(x, y, 1);
+        pass.set_pipeline(&self.budget_pass.0);
+        pass.set_bind_group(0, &self.budget_pass.1, &[]);
+        pass.dispatch_workgroups(self.max_seqs, self.layers, 1);
+        pass.set_pipeline(&self.select.0);
+        pass.set_bind_group(0, &self.select.1, &[]);
+        pass.dispatch_workgroups(self.n_lists.min(65_535), self.n_lists.div_ceil(65_535), 1);
+        pass.set_pipeline(&self.compact.0);
+        pass.set_bind_group(0, &self.compact.1, &[]);
+        pass.dispatch_workgroups(self.n_keys.min(65_535), self.n_keys.div_ceil(65_535), 1);
+        let (mx, my) = grid(self.max_moves);
+        for (p, bg) in &self.moves {
+            pass.set_pipeline(p);
+            pass.set_bind_group(0, bg, &[]);
+            pass.dispatch_workgroups(mx, my, 1);
+        }
+        pass.set_pipeline(&self.free.0);
+        pass.set_bind_group(0, &self.free.1, &[]);
+        pass.dispatch_workgroups(1, 1, 1);
+    }
+
+    /// Evict in its own submission (the pool's page lists must be current).
+    pub fn run(&self, rt: &Runtime, step: u32, seq_lens: &[u32]) -> Result<()> {
+        self.prepare(rt, step, seq_lens)?;
+        let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("evict") });
+        {
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("evict"), timestamp_writes: None });
+            self.encode(&mut pass);
+        }
+        rt.queue.submit([enc.finish()]);
+        rt.check("evict")
+    }
+
+    pub async fn read_lists(&self, rt: &Runtime) -> Result<Vec<ListState>> {
+        rt.read_all(&self.lists).await
+    }
+
+    /// Utility keys of every pool slot (only cached slots are meaningful).
+    pub async fn read_utility(&self, rt: &Runtime) -> Result<Vec<u32>> {
+        rt.read_all(&self.utility).await
+    }
+
+    /// Overwrite the per-list state (tests and what-if runs).
+    pub fn write_lists(&self, rt: &Runtime, lists: &[ListState]) -> Result<()> {
+        if lists.len() != self.n_lists as usize {
+            return Err(Error::Input(format!("lists: {} entries, the pool has {} page lists", lists.len(), self.n_lists)));
+        }
+        rt.queue.write_buffer(&self.lists, 0, bytemuck::cast_slice(lists));
+        Ok(())
+    }
+}

@@ -1,0 +1,181 @@
+//! The schedulers (eviction and placement policies), chosen by name with their parameters.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::gpu_data::{EvictParams, policies};
+
+/// An eviction policy: a utility per cached token (or page) plus the shared budget enforcement.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "name", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum SchedulerConfig {
+    /// H2O: keep the heavy hitters (accumulated attention mass), plus sinks and a recent window.
+    H2o { sinks: u32, window: u32 },
+    /// StreamingLLM: keep the attention sinks and the most recent tokens.
+    StreamingLlm { sinks: u32 },
+    /// LRU: evict the least recently attended tokens.
+    Lru,
+    /// LRU+: recency, frequency and importance (attention mass), weighted.
+    LruPlus { w_recency: f32, w_freq: f32, w_attn: f32, sinks: u32, window: u32 },
+    /// AdaKV: the (layer, sequence) budget split over heads by how spread out their attention is.
+    AdaKv { floor: f32, sinks: u32, window: u32 },
+    /// DuoAttention: retrieval heads keep everything, streaming heads keep sinks + window; heads
+    /// are classified online from the share of attention on sinks and window.
+    Duo { tau: f32, sinks: u32, window: u32 },
+}
+
+pub const SCHEDULER_NAMES: &str = "h2o, streaming-llm, lru, lru-plus, adakv, duo";
+
+/// How the per-list utility threshold (extra eviction of low-mass tokens under the budget) is set.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum Threshold {
+    /// Evict tokens whose mass is under `tau` x the list's mean mass (0: budget only).
+    Fixed { tau: f32 },
+    /// `tau` moves by `step` x (hit rate - target) every eviction: up while the kept attention
+    /// share is above target (evict more), down when below.
+    Adaptive { target: f32, step: f32 },
+}
+
+impl Default for Threshold {
+    fn default() -> Self {
+        Threshold::Fixed { tau: 0.0 }
+    }
+}
+
+impl SchedulerConfig {
+    pub fn name(&self) -> &'static str {
+        match self {
+            SchedulerConfig::H2o { .. } => "h2o",
+            SchedulerConfig::StreamingLlm { .. } => "streaming-llm",
+            SchedulerConfig::Lru => "lru",
+            SchedulerConfig::LruPlus { .. } => "lru-plus",
+            SchedulerConfig::AdaKv { .. } => "adakv",
+            SchedulerConfig::Duo { .. } => "duo",
+        }
+    }
+
+    pub fn default_for(name: &str) -> Result<SchedulerConfig> {
+        Ok(match name {
+            "h2o" => SchedulerConfig::H2o { sinks: 4, window: 32 },
+            "streaming-llm" | "streaming" | "sl" => SchedulerConfig::StreamingLlm { sinks: 4 },
+            "lru" => SchedulerConfig::Lru,
+            "lru-plus" | "lru+" => SchedulerConfig::LruPlus { w_recency: 1.0, w_freq: 0.1, w_attn: 1.0, sinks: 4, window: 32 },
+            "adakv" => SchedulerConfig::AdaKv { floor: 0.2, sinks: 4, window: 32 },
+            "duo" | "duo-attention" => SchedulerConfig::Duo { tau: 0.5, sinks: 4, window: 64 },
+            other => return Err(Error::config("scheduler", other, format!("allowed values: {SCHEDULER_NAMES}"))),
+        })
+    }
+
+    /// `name` or `name:key=value,...`.
+    pub fn parse(spec: &str) -> Result<SchedulerConfig> {
+        let (name, rest) = spec.split_once(':').unwrap_or((spec, ""));
+        let mut cfg = SchedulerConfig::default_for(name.trim())?;
+        for kv in rest.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let (k, v) = kv.split_once('=').ok_or_else(|| Error::config("scheduler", spec, format!("`{kv}` is not key=value")))?;
+            let (k, v) = (k.trim(), v.trim());
+            let f = || v.parse::<f32>().map_err(|_| Error::config("scheduler", spec, format!("`{k}` needs a number, got `{v}`")));
+            let u = || v.parse::<u32>().map_err(|_| Error::config("scheduler", spec, format!("`{k}` needs a whole number, got `{v}`")));
+            let name = cfg.name();
+            match (&mut cfg, k) {
+                (
+                    SchedulerConfig::H2o { sinks, .. }
+                    | SchedulerConfig::StreamingLlm { sinks }
+                    | SchedulerConfig::LruPlus { sinks, .. }
+                    | SchedulerConfig::AdaKv { sinks, .. }
+                    | SchedulerConfig::Duo { sinks, .. },
+                    "sinks",
+                ) => *sinks = u()?,
+                (
+                    SchedulerConfig::H2o { window, .. }
+                    | SchedulerConfig::LruPlus { window, .. }
+                    | SchedulerConfig::AdaKv { window, .. }
+                    | SchedulerConfig::Duo { window, .. },
+                    "window",
+                ) => *window = u()?,
+                (SchedulerConfig::LruPlus { w_recency, .. }, "w_recency") => *w_recency = f()?,
+                (SchedulerConfig::LruPlus { w_freq, .. }, "w_freq") => *w_freq = f()?,
+                (SchedulerConfig::LruPlus { w_attn, .. }, "w_attn") => *w_attn = f()?,
+                (SchedulerConfig::AdaKv { floor, .. }, "floor") => *floor = f()?,
+                (SchedulerConfig::Duo { tau, .. }, "tau") => *tau = f()?,
+                _ => return Err(Error::config("scheduler", spec, format!("scheduler `{name}` has no parameter `{k}`"))),
+            }
+        }
+        Ok(cfg)
+    }
+
+    pub fn validate(&self, budget: u32) -> Result<()> {
+        let fin = |field: &'static str, v: f32| if v.is_finite() { Ok(()) } else { Err(Error::config(field, v, "must be finite")) };
+        match *self {
+            SchedulerConfig::LruPlus { w_recency, w_freq, w_attn, .. } => {
+                fin("scheduler.w_recency", w_recency)?;
+                fin("scheduler.w_freq", w_freq)?;
+                fin("scheduler.w_attn", w_attn)?;
+            }
+            SchedulerConfig::AdaKv { floor, .. } => {
+                if !(0.0..=1.0).contains(&floor) {
+                    return Err(Error::config("scheduler.floor", floor, "must be in [0, 1]"));
+                }
+            }
+            SchedulerConfig::Duo { tau, .. } => {
+                if !(0.0..=1.0).contains(&tau) {
+                    return Err(Error::config("scheduler.tau", tau, "must be in [0, 1]"));
+                }
+            }
+            _ => {}
+        }
+        if let SchedulerConfig::StreamingLlm { sinks } = *self
+            && sinks >= budget
+        {
+            return Err(Error::config("budget", budget, format!("StreamingLLM needs a budget above its {sinks} sinks")));
+        }
+        Ok(())
+    }
+
+    /// The policy's fields of the kernels' parameter block.
+    pub fn fill(&self, p: &mut EvictParams) {
+        let (policy, sinks, window) = match *self {
+            SchedulerConfig::H2o { sinks, window } => (policies::H2O, sinks, window),
+            SchedulerConfig::StreamingLlm { sinks } => (policies::STREAMING, sinks, 0),
+            SchedulerConfig::Lru => (policies::LRU, 0, 0),
+            SchedulerConfig::LruPlus { w_recency, w_freq, w_attn, sinks, window } => {
+                p.w_recency = w_recency;
+                p.w_freq = w_freq;
+                p.w_attn = w_attn;
+                (policies::LRU_PLUS, sinks, window)
+            }
+            SchedulerConfig::AdaKv { floor, sinks, window } => {
+                p.ada_floor = floor;
+                (policies::ADAKV, sinks, window)
+            }
+            SchedulerConfig::Duo { tau, sinks, window } => {
+                p.duo_tau = tau;
+                (policies::DUO, sinks, window)
+            }
+        };
+        p.policy = policy;
+        p.sinks = sinks;
+        p.window = window;
+    }
+
+    pub fn all_defaults() -> Vec<SchedulerConfig> {
+        ["h2o", "streaming-llm", "lru", "lru-plus", "adakv", "duo"].iter().filter_map(|n| SchedulerConfig::default_for(n).ok()).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_and_validate() {
+        assert_eq!(SchedulerConfig::parse("h2o:window=8").unwrap(), SchedulerConfig::H2o { sinks: 4, window: 8 });
+        assert!(SchedulerConfig::parse("lru:window=8").unwrap_err().to_string().contains("no parameter"));
+        assert!(SchedulerConfig::parse("belady").unwrap_err().to_string().contains("allowed values"));
+        assert!(SchedulerConfig::StreamingLlm { sinks: 8 }.validate(4).unwrap_err().to_string().contains("budget"));
+        for s in SchedulerConfig::all_defaults() {
+            let j = serde_json::to_string(&s).unwrap();
+            assert_eq!(serde_json::from_str::<SchedulerConfig>(&j).unwrap(), s);
+        }
+    }
+}

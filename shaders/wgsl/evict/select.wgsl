@@ -1,0 +1,217 @@
+// evict, pass 3: the victims of each page list, exactly. One workgroup per list. With n tokens
+// and budget b, the n - b lowest keys (utility key, then list order: older first) are victims,
+// found by an 8-pass radix select over the 64-bit keys; a utility threshold (fixed, or adapted
+// to the hit rate) may evict more among mass-scored tokens; protected slots are never victims.
+// Records the list's hit rate (share of its attention mass kept) and adapts its threshold.
+
+//!import common/pool.wgsl
+//!import common/evict.wgsl
+
+@group(0) @binding(0) var<uniform> geo: Geometry;
+@group(0) @binding(1) var<uniform> params: EvictParams;
+@group(0) @binding(2) var<storage, read> page_list: array<u32>;
+@group(0) @binding(3) var<storage, read> page_counts: array<u32>;
+@group(0) @binding(4) var<storage, read> page_meta: array<PageMeta>;
+@group(0) @binding(5) var<storage, read> slot_meta: array<u32>;
+@group(0) @binding(6) var<storage, read> utility: array<u32>;
+@group(0) @binding(7) var<storage, read_write> lists: array<ListState>;
+@group(0) @binding(8) var<storage, read_write> victim: array<u32>;
+
+const WG: u32 = 256u;
+var<workgroup> hist: array<atomic<u32>, 256>;
+var<workgroup> red_u: array<u32, 256>;
+var<workgroup> red_f: array<f32, 256>;
+var<workgroup> known_hi: u32;
+var<workgroup> known_lo: u32;
+var<workgroup> rank_sh: u32;
+var<workgroup> count_sh: u32;
+var<workgroup> flag_sh: u32;
+
+// The same value in every invocation, as the uniformity analysis can see it.
+fn uniform_u32(t: u32, v: u32) -> u32 {
+    if (t == 0u) {
+        flag_sh = v;
+    }
+    return workgroupUniformLoad(&flag_sh);
+}
+
+fn sum_u(t: u32, v: u32) -> u32 {
+    red_u[t] = v;
+    workgroupBarrier();
+    for (var off = WG / 2u; off > 0u; off = off / 2u) {
+        if (t < off) {
+            red_u[t] += red_u[t + off];
+        }
+        workgroupBarrier();
+    }
+    let r = red_u[0];
+    workgroupBarrier();
+    return r;
+}
+
+fn sum_f(t: u32, v: f32) -> f32 {
+    red_f[t] = v;
+    workgroupBarrier();
+    for (var off = WG / 2u; off > 0u; off = off / 2u) {
+        if (t < off) {
+            red_f[t] += red_f[t + off];
+        }
+        workgroupBarrier();
+    }
+    let r = red_f[0];
+    workgroupBarrier();
+    return r;
+}
+
+// Does key (hi, lo) agree with the digits found before pass `p` (8 bits per pass, hi first)?
+fn matches(hi: u32, lo: u32, p: u32, kh: u32, kl: u32) -> bool {
+    if (p == 0u) {
+        return true;
+    }
+    if (p < 4u) {
+        return (hi >> (32u - 8u * p)) == (kh >> (32u - 8u * p));
+    }
+    if (hi != kh) {
+        return false;
+    }
+    if (p == 4u) {
+        return true;
+    }
+    return (lo >> (64u - 8u * p)) == (kl >> (64u - 8u * p));
+}
+
+fn digit(hi: u32, lo: u32, p: u32) -> u32 {
+    if (p < 4u) {
+        return (hi >> (24u - 8u * p)) & 255u;
+    }
+    return (lo >> (56u - 8u * p)) & 255u;
+}
+
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t: u32) {
+    let li = wg.x + wg.y * 65535u;
+    if (li >= params.n_lists) {
+        return;
+    }
+    let P = geo.page_size;
+    let base = li * geo.max_pages_per_seq;
+    if (t == 0u) {
+        count_sh = page_counts[li];
+    }
+    let n_slots = workgroupUniformLoad(&count_sh) * P;
+    var st = lists[li];
+    let mass_based = params.policy == POLICY_H2O || params.policy == POLICY_ADAKV || params.policy == POLICY_LRU_PLUS;
+
+    // Tokens, protected tokens, mass.
+    var n = 0u;
+    var prot = 0u;
+    var mass = 0.0;
+    for (var j = t; j < n_slots; j += WG) {
+        let page = page_list[base + j / P];
+        if (j % P < page_meta[page].fill) {
+            let slot = page * P + j % P;
+            n += 1u;
+            if (utility[slot] == PROTECTED) {
+                prot += 1u;
+            }
+            mass += bitcast<f32>(slot_meta[slot * geo.meta_words + meta_attn(geo)]);
+        }
+    }
+    let tokens = uniform_u32(t, sum_u(t, n));
+    let protected_n = sum_u(t, prot);
+    let total_mass = sum_f(t, mass);
+
+    // Victims wanted: over budget, or (mass-based) under the utility threshold.
+    var want = 0u;
+    if (st.budget != KEEP_ALL && tokens > st.budget) {
+        want = tokens - st.budget;
+    }
+    let tau = select(params.threshold, st.tau, params.adaptive != 0u);
+    if (uniform_u32(t, u32(mass_based && tau > 0.0 && tokens > 0u)) != 0u) {
+        let limit = tau * total_mass / f32(tokens);
+        var below = 0u;
+        for (var j = t; j < n_slots; j += WG) {
+            let page = page_list[base + j / P];
+            if (j % P < page_meta[page].fill) {
+                let slot = page * P + j % P;
+                if (utility[slot] != PROTECTED && bitcast<f32>(slot_meta[slot * geo.meta_words + meta_attn(geo)]) < limit) {
+                    below += 1u;
+                }
+            }
+        }
+        want = max(want, sum_u(t, below));
+    }
+    want = uniform_u32(t, min(want, tokens - protected_n));
+
+    var evicted_mass = 0.0;
+    if (want > 0u) {
+        // Radix select of the want-th smallest key.
+        if (t == 0u) {
+            known_hi = 0u;
+            known_lo = 0u;
+            rank_sh = want;
+        }
+        workgroupBarrier();
+        for (var p = 0u; p < 8u; p++) {
+            atomicStore(&hist[t], 0u);
+            workgroupBarrier();
+            let kh = known_hi;
+            let kl = known_lo;
+            for (var j = t; j < n_slots; j += WG) {
+                let page = page_list[base + j / P];
+                if (j % P < page_meta[page].fill) {
+                    let hi = utility[page * P + j % P];
+                    if (matches(hi, j, p, kh, kl)) {
+                        atomicAdd(&hist[digit(hi, j, p)], 1u);
+                    }
+                }
+            }
+            workgroupBarrier();
+            if (t == 0u) {
+                var r = rank_sh;
+                var d = 0u;
+                loop {
+                    let c = atomicLoad(&hist[d]);
+                    if (r <= c || d == 255u) {
+                        break;
+                    }
+                    r -= c;
+                    d += 1u;
+                }
+                rank_sh = r;
+                if (p < 4u) {
+                    known_hi |= d << (24u - 8u * p);
+                } else {
+                    known_lo |= d << (56u - 8u * p);
+                }
+            }
+            workgroupBarrier();
+        }
+        let kh = known_hi;
+        let kl = known_lo;
+        var em = 0.0;
+        for (var j = t; j < n_slots; j += WG) {
+            let page = page_list[base + j / P];
+            if (j % P < page_meta[page].fill) {
+                let slot = page * P + j % P;
+                let hi = utility[slot];
+                if (hi < kh || (hi == kh && j <= kl)) {
+                    victim[slot] = 1u;
+                    em += bitcast<f32>(slot_meta[slot * geo.meta_words + meta_attn(geo)]);
+                }
+            }
+        }
+        evicted_mass = sum_f(t, em);
+    }
+    if (t == 0u) {
+        st.tokens = tokens;
+        st.evicted = want;
+        st.evicted_total += want;
+        st.mass = total_mass;
+        st.hit_rate = select(1.0, 1.0 - evicted_mass / total_mass, total_mass > 0.0);
+        if (params.adaptive != 0u) {
+            st.tau = clamp(st.tau + params.tau_step * (st.hit_rate - params.hit_target), 0.0, 1.0);
+        }
+        lists[li] = st;
+    }
+}

@@ -1,0 +1,418 @@
+//! Schedulers: utilities, budgets and victim sets against the CPU reference (victims exactly,
+//! pools identical after compaction), and tests that show each policy doing its job.
+
+use expertkv_core::config::{KvDtype, PoolConfig, ShardMap};
+use expertkv_core::evict::Scheduler;
+use expertkv_core::gpu_data::{KEEP_ALL, ListState, duo_kinds, from_orderable, meta, policies};
+use expertkv_core::pool::KvPool;
+use expertkv_core::reference::{NewToken, PoolModel};
+use expertkv_core::rng::Rng;
+use expertkv_core::runtime::Runtime;
+use expertkv_core::scheduler_config::{SchedulerConfig, Threshold};
+
+use crate::common::{POISON_U32, rt, seeds};
+use crate::shard::{assert_same_state, random_kv};
+
+fn random_scheduler(rng: &mut Rng) -> SchedulerConfig {
+    let sinks = rng.below(4);
+    let window = rng.below(12);
+    match rng.below(6) {
+        0 => SchedulerConfig::H2o { sinks, window },
+        1 => SchedulerConfig::StreamingLlm { sinks },
+        2 => SchedulerConfig::Lru,
+        3 => SchedulerConfig::LruPlus {
+            w_recency: rng.range(0.0, 2.0) as f32,
+            w_freq: rng.range(0.0, 1.0) as f32,
+            w_attn: rng.range(0.0, 2.0) as f32,
+            sinks,
+            window,
+        },
+        4 => SchedulerConfig::AdaKv { floor: rng.range(0.0, 1.0) as f32, sinks, window },
+        _ => SchedulerConfig::Duo { tau: rng.range(0.2, 0.9) as f32, sinks, window: window + 4 },
+    }
+}
+
+fn config(rng: &mut Rng) -> PoolConfig {
+    let n_shards = [1u32, 2, 4][rng.below(3) as usize];
+    let mut cfg = PoolConfig {
+        layers: 1 + rng.below(2),
+        kv_heads: 1 + rng.below(3),
+        head_dim: 8,
+        page_size: [2u32, 4, 8][rng.below(3) as usize],
+        dtype: if rng.below(2) == 0 { KvDtype::F16 } else { KvDtype::F32 },
+        n_pages: 0,
+        max_seqs: 1 + rng.below(3),
+        n_shards,
+        ring_capacity: 12,
+        top_k: 1,
+        shard_map: ShardMap::Pikv { n_tok: n_shards, n_exp: n_shards },
+        max_buffer_bytes: None,
+    };
+    cfg.n_pages = cfg.n_keys() * cfg.ring_capacity;
+    if rng.below(2) == 0 {
+        cfg.max_buffer_bytes = Some(cfg.page_bytes() * u64::from(3 + rng.below(8)));
+    }
+    cfg
+}
+
+/// Append `n` tokens to every (layer, sequence), positions continuing from `lens`.
+fn append_round(rt: &Runtime, rng: &mut Rng, pool: &mut KvPool, model: &mut PoolModel, lens: &mut [u32], n: u32, step: u32) {
+    let cfg = model.cfg.clone();
+    let mut toks = Vec::new();
+    for _ in 0..n {
+        for layer in 0..cfg.layers {
+            for seq in 0..cfg.max_seqs {
+                toks.push(NewToken { layer, seq, position: lens[seq as usize], experts: vec![rng.below(8)], gates: vec![1.0] });
+            }
+        }
+        for l in lens.iter_mut() {
+            *l += 1;
+        }
+    }
+    for chunk in toks.chunks(pool.max_append_tokens(rt) as usize) {
+        let kv = random_kv(rng, &cfg, chunk.len());
+        pool.append(rt, chunk, &kv, step).expect("append");
+        model.append(chunk, &kv, step).expect("append");
+    }
+    pollster::block_on(pool.check_errors(rt, 0)).expect("append errors");
+}
+
+/// Random attention masses, access counts and last-access steps on every cached slot, on both
+/// sides (the GPU's slot metadata is overwritten with the model's).
+fn randomise_meta(rt: &Runtime, rng: &mut Rng, pool: &KvPool, model: &mut PoolModel, step: u32) {
+    let mw = model.cfg.meta_words() as usize;
+    let k = model.cfg.top_k as usize;
+    for slot in 0..model.slot_meta.len() / mw {
+        let m = slot * mw;
+        // Quantised masses: many exact ties, so the tie-break is exercised.
+        model.slot_meta[m + meta::attn(k)] = ((rng.below(20) as f32) / 8.0).to_bits();
+        model.slot_meta[m + meta::ACCESS_COUNT] = rng.below(10);
+        model.slot_meta[m + meta::LAST_ACCESS] = rng.below(step + 1);
+    }
+    rt.queue.write_buffer(&pool.slot_meta, 0, bytemuck::cast_slice(&model.slot_meta));
+}
+
+#[test]
+fn evict_gpu_match_cpu() {
+    let rt = rt();
+    let (mut evicted, mut pages_freed, mut multi, mut policies_seen) = (0u64, 0u64, 0, Vec::new());
+    for seed in seeds("evict", 24) {
+        let mut rng = Rng::new(seed);
+        let cfg = config(&mut rng);
+        let sched = random_scheduler(&mut rng);
+        let budget = cfg.page_size * (1 + rng.below(5)) + rng.below(cfg.page_size);
+        if sched.validate(budget).is_err() {
+            continue;
+        }
+        let ctx = format!("seed {seed}: {sched:?}, budget {budget}, {cfg:?}");
+        let mut pool = pollster::block_on(KvPool::new(rt, cfg.clone())).expect("pool");
+        multi += usize::from(pool.n_buffers() > 1);
+        if !policies_seen.contains(&sched.name()) {
+            policies_seen.push(sched.name());
+        }
+        let mut model = PoolModel::new(&cfg);
+        let s = pollster::block_on(Scheduler::new(rt, &pool, sched.clone(), budget, Threshold::default()))
+            .unwrap_or_else(|e| panic!("{ctx}: {e}"));
+        let mut lens = vec![0u32; cfg.max_seqs as usize];
+        let mut lists = vec![ListState { budget, hit_rate: 1.0, ..Default::default() }; cfg.n_lists() as usize];
+        for round in 0..3u32 {
+            let n = 1 + rng.below(3 * budget / cfg.n_shards.max(1) + 4);
+            append_round(rt, &mut rng, &mut pool, &mut model, &mut lens, n, round);
+            randomise_meta(rt, &mut rng, &pool, &mut model, round + 3);
+            pool.gather(rt).expect("gather");
+            rt.fill_u32(&s.utility, POISON_U32);
+            s.run(rt, round + 3, &lens).unwrap_or_else(|e| panic!("{ctx}: round {round}: {e}"));
+            let ctx = format!("{ctx}, round {round}");
+            // Utilities: exact, except LRU+ whose float formula is compared within 1e-5.
+            let p = s.params(round + 3);
+            let want_keys = model.evict_scores(&p, &lens);
+            let got_keys = pollster::block_on(s.read_utility(rt)).expect("utility");
+            let mut keys = vec![0u32; want_keys.len()];
+            for (slot, w) in want_keys.iter().enumerate() {
+                let Some(w) = *w else { continue };
+                let g = got_keys[slot];
+                if p.policy == policies::LRU_PLUS && w != u32::MAX && g != u32::MAX {
+                    let (gf, wf) = (from_orderable(g), from_orderable(w));
+                    assert!((gf - wf).abs() <= 1e-5 * (1.0 + wf.abs()), "{ctx}: utility of slot {slot}: {gf} vs {wf}");
+                } else {
+                    assert_eq!(g, w, "{ctx}: utility key of slot {slot}");
+                }
+                keys[slot] = g;
+            }
+            // Budgets: exact, except AdaKV's shares (within one token, same total).
+            let got_lists = pollster::block_on(s.read_lists(rt)).expect("lists");
+            let want_budgets = model.evict_budgets(&p, &lens, &lists);
+            for (li, (g, w)) in got_lists.iter().zip(&want_budgets).enumerate() {
+                if p.policy == policies::ADAKV {
+                    assert!(g.budget.abs_diff(w.budget) <= 1, "{ctx}: AdaKV budget of list {li}: {} vs {}", g.budget, w.budget);
+                } else {
+                    assert_eq!(g.budget, w.budget, "{ctx}: budget of list {li}");
+                    assert_eq!(g.kind, w.kind, "{ctx}: head kind of list {li}");
+                }
+                lists[li].budget = g.budget;
+                lists[li].kind = g.kind;
+            }
+            if p.policy == policies::ADAKV {
+                let total: u64 = got_lists.iter().map(|l| u64::from(l.budget)).sum();
+                assert_eq!(total, u64::from(budget) * got_lists.len() as u64, "{ctx}: AdaKV keeps the total budget");
+            }
+            // Victims, compaction and freeing: identical pools.
+            model.evict(&keys, &mut lists);
+            assert_same_state(rt, &pool, &model, &ctx);
+            for (li, (g, w)) in got_lists.iter().zip(&lists).enumerate() {
+                assert_eq!((g.tokens, g.evicted, g.evicted_total), (w.tokens, w.evicted, w.evicted_total), "{ctx}: list {li} counts");
+                assert!((g.hit_rate - w.hit_rate).abs() < 1e-4, "{ctx}: list {li} hit rate {} vs {}", g.hit_rate, w.hit_rate);
+                if w.budget != KEEP_ALL {
+                    assert!(w.tokens - w.evicted <= w.budget.max(w.tokens - w.evicted), "{ctx}");
+                }
+            }
+            evicted += got_lists.iter().map(|l| u64::from(l.evicted)).sum::<u64>();
+            lists = got_lists;
+        }
+        pages_freed += u64::from(model.ctl.pages_evicted);
+    }
+    if std::env::var("EXPERTKV_TEST_SEED").is_err() {
+        assert!(
+            evicted > 100 && pages_freed > 10 && multi > 0 && policies_seen.len() >= 5,
+            "coverage: {evicted} evicted, {pages_freed} pages freed, {multi} multi-buffer pools, {policies_seen:?}"
+        );
+    }
+}
+
+/// A small pool with one sequence, `heads` KV heads, filled with `n` tokens.
+fn filled(rt: &Runtime, heads: u32, n: u32, shards: u32) -> (KvPool, PoolModel, Vec<u32>) {
+    let cfg = PoolConfig {
+        layers: 1,
+        kv_heads: heads,
+        head_dim: 8,
+        page_size: 4,
+        dtype: KvDtype::F32,
+        n_pages: 512,
+        max_seqs: 1,
+        n_shards: shards,
+        ring_capacity: 64,
+        top_k: 1,
+        shard_map: ShardMap::Pikv { n_tok: shards, n_exp: shards },
+        max_buffer_bytes: None,
+    };
+    let mut pool = pollster::block_on(KvPool::new(rt, cfg.clone())).expect("pool");
+    let mut model = PoolModel::new(&cfg);
+    let mut rng = Rng::new(77);
+    let mut lens = vec![0u32];
+    append_round(rt, &mut rng, &mut pool, &mut model, &mut lens, n, 0);
+    pool.gather(rt).expect("gather");
+    (pool, model, lens)
+}
+
+fn positions(model: &PoolModel, head: u32) -> Vec<u32> {
+    let mut p: Vec<u32> = model
+        .tokens(0, 0, head)
+        .iter()
+        .map(|&(pg, s)| model.slot_meta[((pg * model.cfg.page_size + s) * model.cfg.meta_words()) as usize + meta::POSITION])
+        .collect();
+    p.sort_unstable();
+    p
+}
+
+fn sync(rt: &Runtime, pool: &KvPool, model: &mut PoolModel) {
+    let snap = pollster::block_on(pool.snapshot(rt)).expect("snapshot");
+    model.rings = snap.rings;
+    model.ring_pages = snap.ring_pages;
+    model.page_meta = snap.page_meta;
+    model.slot_meta = snap.slot_meta;
+}
+
+#[test]
+fn streaming_llm_keeps_exactly_sinks_and_window() {
+    let rt = rt();
+    let (pool, mut model, lens) = filled(rt, 2, 100, 4);
+    let s =
+        pollster::block_on(Scheduler::new(rt, &pool, SchedulerConfig::StreamingLlm { sinks: 4 }, 24, Threshold::default())).expect("sched");
+    s.run(rt, 1, &lens).expect("evict");
+    sync(rt, &pool, &mut model);
+    let want: Vec<u32> = (0..4).chain(80..100).collect();
+    for h in 0..2 {
+        assert_eq!(positions(&model, h), want, "head {h}");
+    }
+}
+
+#[test]
+fn h2o_keeps_the_heavy_hitters() {
+    let rt = rt();
+    let (pool, mut model, lens) = filled(rt, 1, 200, 2);
+    // Planted heavy hitters: every 10th position carries 50x the attention mass.
+    let heavy: Vec<u32> = (7..200).step_by(10).collect();
+    let mw = model.cfg.meta_words() as usize;
+    for slot in 0..model.slot_meta.len() / mw {
+        let pos = model.slot_meta[slot * mw + meta::POSITION];
+        let mass: f32 = if heavy.contains(&pos) { 5.0 } else { 0.1 };
+        model.slot_meta[slot * mw + meta::attn(1)] = mass.to_bits();
+    }
+    rt.queue.write_buffer(&pool.slot_meta, 0, bytemuck::cast_slice(&model.slot_meta));
+    let s = pollster::block_on(Scheduler::new(rt, &pool, SchedulerConfig::H2o { sinks: 2, window: 8 }, 40, Threshold::default()))
+        .expect("sched");
+    s.run(rt, 1, &lens).expect("evict");
+    sync(rt, &pool, &mut model);
+    let kept = positions(&model, 0);
+    assert_eq!(kept.len(), 40);
+    for h in &heavy {
+        assert!(kept.contains(h), "heavy hitter {h} evicted; kept {kept:?}");
+    }
+    for p in (0..2).chain(192..200) {
+        assert!(kept.contains(&p), "protected position {p} evicted");
+    }
+}
+
+#[test]
+fn adakv_gives_spread_out_heads_more_budget() {
+    let rt = rt();
+    let (pool, mut model, lens) = filled(rt, 3, 120, 1);
+    let mw = model.cfg.meta_words() as usize;
+    // Head 0: all attention on one token; head 1: spread evenly; head 2: in between.
+    for (page, pm) in model.page_meta.clone().iter().enumerate() {
+        if pm.owner == u32::MAX {
+            continue;
+        }
+        let head = (pm.owner / model.cfg.n_shards) % 3;
+        for s in 0..pm.fill as usize {
+            let slot = page * 4 + s;
+            let pos = model.slot_meta[slot * mw + meta::POSITION];
+            let mass: f32 = match head {
+                0 => {
+                    if pos == 50 {
+                        10.0
+                    } else {
+                        1e-4
+                    }
+                }
+                1 => 1.0,
+                _ => {
+                    if pos % 3 == 0 {
+                        1.0
+                    } else {
+                        0.01
+                    }
+                }
+            };
+            model.slot_meta[slot * mw + meta::attn(1)] = mass.to_bits();
+        }
+    }
+    rt.queue.write_buffer(&pool.slot_meta, 0, bytemuck::cast_slice(&model.slot_meta));
+    let floor = 0.2;
+    let s = pollster::block_on(Scheduler::new(rt, &pool, SchedulerConfig::AdaKv { floor, sinks: 0, window: 0 }, 40, Threshold::default()))
+        .expect("sched");
+    s.run(rt, 1, &lens).expect("evict");
+    let lists = pollster::block_on(s.read_lists(rt)).expect("lists");
+    let b: Vec<u32> = lists.iter().map(|l| l.budget).collect();
+    assert_eq!(b.iter().sum::<u32>(), 120, "{b:?}");
+    assert!(b[1] > b[2] && b[2] > b[0], "spread-out heads must get more: {b:?}");
+    assert!(b.iter().all(|x| *x >= (floor * 40.0) as u32), "floor: {b:?}");
+    sync(rt, &pool, &mut model);
+    for h in 0..3 {
+        assert_eq!(positions(&model, h).len() as u32, b[h as usize], "head {h} keeps its budget");
+    }
+}
+
+#[test]
+fn duo_classifies_heads_and_streams_only_streaming_heads() {
+    let rt = rt();
+    let (pool, mut model, lens) = filled(rt, 2, 100, 1);
+    let mw = model.cfg.meta_words() as usize;
+    // Head 0 attends to sinks and the recent window (streaming); head 1 to the middle (retrieval).
+    for (page, pm) in model.page_meta.clone().iter().enumerate() {
+        if pm.owner == u32::MAX {
+            continue;
+        }
+        let head = pm.owner % 2;
+        for s in 0..pm.fill as usize {
+            let slot = page * 4 + s;
+            let pos = model.slot_meta[slot * mw + meta::POSITION];
+            let edge = pos < 4 || pos >= 84;
+            let mass: f32 = if (head == 0) == edge { 1.0 } else { 0.01 };
+            model.slot_meta[slot * mw + meta::attn(1)] = mass.to_bits();
+        }
+    }
+    rt.queue.write_buffer(&pool.slot_meta, 0, bytemuck::cast_slice(&model.slot_meta));
+    let s =
+        pollster::block_on(Scheduler::new(rt, &pool, SchedulerConfig::Duo { tau: 0.5, sinks: 4, window: 16 }, 20, Threshold::default()))
+            .expect("sched");
+    s.run(rt, 1, &lens).expect("evict");
+    let lists = pollster::block_on(s.read_lists(rt)).expect("lists");
+    assert_eq!(lists[0].kind, duo_kinds::STREAMING);
+    assert_eq!(lists[1].kind, duo_kinds::RETRIEVAL);
+    sync(rt, &pool, &mut model);
+    assert_eq!(positions(&model, 0), (0..4).chain(84..100).collect::<Vec<u32>>());
+    assert_eq!(positions(&model, 1).len(), 100, "a retrieval head keeps everything");
+}
+
+#[test]
+fn eviction_brings_allocated_bytes_under_budget() {
+    let rt = rt();
+    for (i, sched) in SchedulerConfig::all_defaults().into_iter().filter(|s| !matches!(s, SchedulerConfig::Duo { .. })).enumerate() {
+        let shards = 2;
+        let (pool, _model, lens) = filled(rt, 2, 160, shards);
+        let before = pool.cfg.n_pages - pollster::block_on(pool.read_ctl(rt)).expect("ctl").free_top;
+        let budget = 40;
+        let s = pollster::block_on(Scheduler::new(rt, &pool, sched.clone(), budget, Threshold::default())).expect("sched");
+        s.run(rt, 1 + i as u32, &lens).expect("evict");
+        let ctl = pollster::block_on(pool.read_ctl(rt)).expect("ctl");
+        let in_use = pool.cfg.n_pages - ctl.free_top;
+        let lists = pollster::block_on(s.read_lists(rt)).expect("lists");
+        // Tokens exactly at budget; pages at most ceil(budget / P) per list plus one partly
+        // filled page per further shard ring.
+        let max_pages = lists.len() as u32 * (budget.div_ceil(pool.cfg.page_size) + shards - 1);
+        let bytes = u64::from(in_use) * pool.cfg.page_bytes();
+        assert!(lists.iter().all(|l| l.tokens - l.evicted == budget), "{sched:?}: {lists:?}");
+        assert!(in_use <= max_pages, "{sched:?}: {in_use} pages ({bytes} bytes) over {max_pages}");
+        assert!(ctl.pages_evicted == before - in_use && in_use < before, "{sched:?}: freed pages go back to the free stack");
+    }
+}
+
+#[test]
+fn thresholds_fixed_and_adaptive() {
+    let rt = rt();
+    // Fixed: tau = 0.5 evicts the tokens under half the mean mass even under budget.
+    let (pool, mut model, lens) = filled(rt, 1, 64, 1);
+    let mw = model.cfg.meta_words() as usize;
+    for slot in 0..model.slot_meta.len() / mw {
+        let pos = model.slot_meta[slot * mw + meta::POSITION];
+        model.slot_meta[slot * mw + meta::attn(1)] = (if pos % 4 == 0 { 1.0f32 } else { 0.05 }).to_bits();
+    }
+    rt.queue.write_buffer(&pool.slot_meta, 0, bytemuck::cast_slice(&model.slot_meta));
+    let s =
+        pollster::block_on(Scheduler::new(rt, &pool, SchedulerConfig::H2o { sinks: 0, window: 0 }, 1000, Threshold::Fixed { tau: 0.5 }))
+            .expect("sched");
+    s.run(rt, 1, &lens).expect("evict");
+    let l = pollster::block_on(s.read_lists(rt)).expect("lists")[0];
+    assert_eq!((l.tokens, l.evicted), (64, 48), "{l:?}");
+    // Adaptive: tau rises while the kept attention share is above target, and the extra
+    // evictions then lower the hit rate towards it.
+    let (pool, model, mut lens) = filled(rt, 1, 64, 1);
+    let _ = model;
+    let s = pollster::block_on(Scheduler::new(
+        rt,
+        &pool,
+        SchedulerConfig::H2o { sinks: 0, window: 0 },
+        1000,
+        Threshold::Adaptive { target: 0.8, step: 0.5 },
+    ))
+    .expect("sched");
+    let mut taus = Vec::new();
+    for step in 1..6 {
+        let mut meta_words: Vec<u32> = pollster::block_on(rt.read_all(&pool.slot_meta)).expect("meta");
+        for slot in 0..meta_words.len() / mw {
+            meta_words[slot * mw + meta::attn(1)] = (1.0f32 + (slot % 7) as f32).to_bits();
+        }
+        rt.queue.write_buffer(&pool.slot_meta, 0, bytemuck::cast_slice(&meta_words));
+        pool.gather(rt).expect("gather");
+        s.run(rt, step, &lens).expect("evict");
+        lens[0] += 0;
+        taus.push(pollster::block_on(s.read_lists(rt)).expect("lists")[0]);
+    }
+    assert!(taus[0].tau > 0.0 && taus[0].evicted == 0, "first eviction kept everything (hit 1.0 > 0.8): tau rises: {taus:?}");
+    assert!(taus.iter().any(|l| l.evicted > 0), "a raised tau evicts under budget: {taus:?}");
+    assert!(
+        taus.windows(2).any(|w| w[1].tau < w[0].tau) || taus.last().map(|l| l.hit_rate >= 0.8).unwrap_or(false),
+        "tau reacts to the hit rate: {taus:?}"
+    );
+}
