@@ -327,7 +327,7 @@ fn duo_classifies_heads_and_streams_only_streaming_heads() {
         for s in 0..pm.fill as usize {
             let slot = page * 4 + s;
             let pos = model.slot_meta[slot * mw + meta::POSITION];
-            let edge = pos < 4 || pos >= 84;
+            let edge = !(4..84).contains(&pos);
             let mass: f32 = if (head == 0) == edge { 1.0 } else { 0.01 };
             model.slot_meta[slot * mw + meta::attn(1)] = mass.to_bits();
         }
