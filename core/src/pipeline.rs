@@ -1,21 +1,26 @@
 //! The decode pipeline as it stands. Every step, on the GPU: route each sequence's new token at
 //! every layer with the configured router (its statistics live on the GPU), append the tokens
 //! into their shards with the routed experts (no host round trip), rebuild the page lists, run
-//! decode attention per layer, and recount each expert's miss rate from the pool for the next
-//! step's routing. The host reads back only counters and small statistics for the report.
+//! decode attention per layer, evict down to the budget with the configured scheduler, and
+//! recount each expert's miss rate from the pool for the next step's routing. The host reads
+//! back only counters and small statistics for the report. With a scheduler, a second pool
+//! keeps the full cache and runs the same attention, so the report carries the attention error
+//! of the budgeted cache against the full one.
 
 use serde::{Deserialize, Serialize};
 
 use crate::attend::{AttendOptions, Attention};
 use crate::config::{KvDtype, PoolConfig, ShardMap};
 use crate::error::{Error, Result};
-use crate::gpu_data::PoolCtl;
+use crate::evict::Scheduler;
+use crate::gpu_data::{ListState, PoolCtl};
 use crate::pool::KvPool;
 use crate::reference::pool::{NewToken, PoolModel, encode_values};
 use crate::reference::{attend_decode, pool::decode_words};
 use crate::route::{RouteShape, Router};
 use crate::router_config::RouterConfig;
 use crate::runtime::Runtime;
+use crate::scheduler_config::{SchedulerConfig, Threshold};
 use crate::timer::GpuTimer;
 use crate::workload::{GenToken, Workload, WorkloadConfig};
 
@@ -38,6 +43,14 @@ pub struct DemoConfig {
     pub router: RouterConfig,
     /// Weight of the newest step in the routers' moving-average load.
     pub route_ema: f32,
+    /// Eviction policy; `None` keeps the full cache.
+    pub scheduler: Option<SchedulerConfig>,
+    /// Tokens each (layer, sequence, KV head) keeps: a number, or a share of the final context
+    /// such as "25%".
+    pub budget: String,
+    pub threshold: Threshold,
+    /// With a scheduler: keep a full-cache pool beside it to measure the attention error.
+    pub reference_attention: bool,
 }
 
 impl Default for DemoConfig {
@@ -54,12 +67,63 @@ impl Default for DemoConfig {
             verify: true,
             router: RouterConfig::Topk,
             route_ema: 0.1,
+            scheduler: None,
+            budget: "25%".into(),
+            threshold: Threshold::default(),
+            reference_attention: true,
         }
     }
 }
 
 impl DemoConfig {
+    /// Tokens per page list the scheduler keeps (None without a scheduler).
+    pub fn budget_tokens(&self) -> Result<Option<u32>> {
+        if self.scheduler.is_none() {
+            return Ok(None);
+        }
+        let full = self.workload.prompt_len + self.steps;
+        let b = self.budget.trim();
+        let tokens = if let Some(pct) = b.strip_suffix('%') {
+            let f: f64 = pct.trim().parse().map_err(|_| Error::config("budget", b, "a number of tokens or a percentage like 25%"))?;
+            if !(f > 0.0 && f <= 100.0) {
+                return Err(Error::config("budget", b, "a percentage must be in (0, 100]"));
+            }
+            (f64::from(full) * f / 100.0).ceil() as u32
+        } else {
+            b.parse::<u32>().map_err(|_| Error::config("budget", b, "a number of tokens or a percentage like 25%"))?
+        };
+        if tokens < self.page_size {
+            return Err(Error::config("budget", b, format!("{tokens} tokens is below one page ({} tokens)", self.page_size)));
+        }
+        Ok(Some(tokens))
+    }
+
+    /// Prompt positions routed and appended per prefill batch when a scheduler evicts between
+    /// batches (so that a batch never overruns the budget by much).
+    pub fn evicting_chunk(&self, budget: u32) -> u32 {
+        (budget / 2).clamp(1, 256)
+    }
+
+    /// The pool: the full cache, or, with a scheduler, the budget plus one prefill chunk and a
+    /// partly filled page per shard ring.
     pub fn pool_config(&self) -> PoolConfig {
+        match self.budget_tokens() {
+            Ok(Some(b)) => {
+                let w = &self.workload;
+                let per_list = b + self.evicting_chunk(b);
+                let pages = per_list.div_ceil(self.page_size) + self.n_shards + 1;
+                let mut c = self.full_pool_config();
+                c.n_pages = self.pool_pages.unwrap_or(w.n_seqs * w.layers * w.kv_heads * pages);
+                // A ring may hold every page of its list (maps need not spread tokens evenly).
+                c.ring_capacity = pages + 1;
+                c
+            }
+            _ => self.full_pool_config(),
+        }
+    }
+
+    /// A pool that holds the whole context (prompt and steps) with headroom.
+    pub fn full_pool_config(&self) -> PoolConfig {
         let w = &self.workload;
         let tokens = w.prompt_len + self.steps;
         let pages_per_seq_layer = tokens.div_ceil(self.page_size) + self.n_shards;
@@ -70,7 +134,8 @@ impl DemoConfig {
             head_dim: w.head_dim,
             page_size: self.page_size,
             dtype: self.dtype,
-            n_pages: self.pool_pages.unwrap_or(w.n_seqs * w.layers * w.kv_heads * pages_per_seq_layer),
+            n_pages: if self.scheduler.is_none() { self.pool_pages } else { None }
+                .unwrap_or(w.n_seqs * w.layers * w.kv_heads * pages_per_seq_layer),
             max_seqs: w.n_seqs,
             n_shards: self.n_shards,
             ring_capacity: ring,
@@ -88,6 +153,8 @@ pub struct StageTimes {
     pub append_ms: f64,
     pub gather_ms: f64,
     pub attend_ms: f64,
+    /// Scheduling: utilities, budgets, victims, compaction, freeing.
+    pub evict_ms: f64,
     /// Recounting each expert's tokens in the pool (miss rates for the next step's routing).
     pub miss_ms: f64,
 }
@@ -114,6 +181,16 @@ pub struct StepReport {
     pub miss_rate: f32,
     /// Moving-average load of each expert, averaged over layers.
     pub expert_load: Vec<f32>,
+    /// Tokens evicted this step (all lists).
+    pub evicted: u64,
+    /// Pages returned to the free stack by eviction so far.
+    pub pages_evicted: u32,
+    /// Share of the attention mass the kept tokens held at this step's eviction (mean over lists).
+    pub kept_attention: f32,
+    /// Relative L2 error of the attention output against the full cache (mean over layers).
+    pub attention_error: Option<f64>,
+    /// Bytes the full cache would occupy now (pages of the reference pool).
+    pub full_kv_bytes: Option<u64>,
 }
 
 /// What the CPU reference check found.
@@ -125,18 +202,28 @@ pub struct VerifyReport {
     pub attention_tolerance: f64,
 }
 
+/// The full-cache pool and its attention, kept beside a budgeted pool to measure its error.
+struct Reference {
+    pool: KvPool,
+    attn: Attention,
+}
+
 pub struct Pipeline {
     pub cfg: DemoConfig,
     pub pool: KvPool,
     pub attn: Attention,
     pub router: Router,
+    pub scheduler: Option<Scheduler>,
     pub workload: Workload,
+    reference: Option<Reference>,
     model: Option<PoolModel>,
     timer: Option<GpuTimer>,
     step: u32,
     /// Tokens routed so far (the hash router numbers tokens by this).
     routed_tokens: u32,
     last_queries: Vec<f32>,
+    /// Prompt positions per prefill batch.
+    prefill_chunk: u32,
 }
 
 fn kv_words(tokens: &[GenToken], dtype: KvDtype) -> Vec<u32> {
@@ -154,8 +241,23 @@ fn prefill_positions(max_append: u32, n_seqs: u32, layers: u32) -> u32 {
     (max_append / (n_seqs * layers)).clamp(1, 256)
 }
 
+/// Timer pairs of a step: route, append, gather, attend x layers, evict, miss.
+fn timer_pairs(layers: u32) -> u32 {
+    5 + layers
+}
+
+fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
+    let num: f64 = a.iter().zip(b).map(|(x, y)| (f64::from(*x) - f64::from(*y)).powi(2)).sum();
+    let den: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
+    if den > 0.0 { (num / den).sqrt() } else { num.sqrt() }
+}
+
 impl Pipeline {
     pub async fn new(rt: &Runtime, cfg: DemoConfig) -> Result<Pipeline> {
+        let budget = cfg.budget_tokens()?;
+        if let (Some(s), Some(b)) = (&cfg.scheduler, budget) {
+            s.validate(b)?;
+        }
         let pool_cfg = cfg.pool_config();
         let workload = Workload::new(cfg.workload.clone())?;
         let w = &cfg.workload;
@@ -167,36 +269,69 @@ impl Pipeline {
                 format!("one decode step appends seqs x layers = {} tokens, more than an append may carry here", w.n_seqs * w.layers),
             ));
         }
-        let positions = prefill_positions(pool.max_append_tokens(rt), w.n_seqs, w.layers);
+        let reference_pool =
+            if cfg.scheduler.is_some() && cfg.reference_attention { Some(KvPool::new(rt, cfg.full_pool_config()).await?) } else { None };
+        let max_append =
+            reference_pool.as_ref().map_or(pool.max_append_tokens(rt), |r| r.max_append_tokens(rt).min(pool.max_append_tokens(rt)));
+        let mut positions = prefill_positions(max_append, w.n_seqs, w.layers);
+        if let Some(b) = budget {
+            positions = positions.min(cfg.evicting_chunk(b));
+        }
         let shape = RouteShape { n_experts: w.n_experts, top_k: w.top_k, layers: w.layers, max_tokens: positions * w.n_seqs };
         let mut router = Router::new(rt, cfg.router.clone(), shape, cfg.route_ema).await?;
         router.bind_pool(rt, &pool)?;
-        let attn = Attention::new(
-            rt,
-            &pool,
-            AttendOptions {
-                group: w.group,
-                n_seqs: w.n_seqs,
-                chunk_pages: cfg.chunk_pages,
-                mass: true,
-                variant: None,
-                ..Default::default()
-            },
-        )
-        .await?;
+        let attend_opts = AttendOptions {
+            group: w.group,
+            n_seqs: w.n_seqs,
+            chunk_pages: cfg.chunk_pages,
+            mass: true,
+            variant: None,
+            ..Default::default()
+        };
+        let attn = Attention::new(rt, &pool, attend_opts.clone()).await?;
+        let scheduler = match (&cfg.scheduler, budget) {
+            (Some(s), Some(b)) => Some(Scheduler::new(rt, &pool, s.clone(), b, cfg.threshold).await?),
+            _ => None,
+        };
+        let reference = match reference_pool {
+            Some(rpool) => {
+                let rattn = Attention::new(rt, &rpool, AttendOptions { mass: false, ..attend_opts }).await?;
+                Some(Reference { pool: rpool, attn: rattn })
+            }
+            None => None,
+        };
         // Some drivers compile on first dispatch: run the kernels once over the empty pool (no
         // page is touched) so that the first step's time is the step's.
         pool.gather(rt)?;
         attn.run(rt, 0, 0)?;
         rt.wait()?;
-        let timer = GpuTimer::new(rt, 4 + w.layers);
+        let timer = GpuTimer::new(rt, timer_pairs(w.layers));
         let model = cfg.verify.then(|| PoolModel::new(&pool_cfg));
-        Ok(Pipeline { cfg, pool, attn, router, workload, model, timer, step: 0, routed_tokens: 0, last_queries: Vec::new() })
+        Ok(Pipeline {
+            cfg,
+            pool,
+            attn,
+            router,
+            scheduler,
+            workload,
+            reference,
+            model,
+            timer,
+            step: 0,
+            routed_tokens: 0,
+            last_queries: Vec::new(),
+            prefill_chunk: positions,
+        })
+    }
+
+    fn ts(&self, timed: bool, i: u32) -> Option<wgpu::ComputePassTimestampWrites<'_>> {
+        if timed { self.timer.as_ref().and_then(|t| t.pass(i)) } else { None }
     }
 
     /// Route `tokens` (ordered [layer][token of the layer], `per_layer` per layer) on the GPU and
-    /// append them with the routed experts. With verification on, the routed experts are read
-    /// back (outside the data path) so the CPU reference appends the same tokens.
+    /// append them with the routed experts (to the reference pool too). With verification on,
+    /// the routed experts are read back (outside the data path) so the CPU reference appends the
+    /// same tokens.
     async fn route_and_append(&mut self, rt: &Runtime, tokens: &[GenToken], per_layer: u32, timed: bool) -> Result<()> {
         let layers = self.pool.cfg.layers;
         let e = self.cfg.workload.n_experts as usize;
@@ -209,8 +344,8 @@ impl Pipeline {
         }
         let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("route") });
         {
-            let ts = if timed { self.timer.as_ref().and_then(|t| t.pass(0)) } else { None };
-            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("route"), timestamp_writes: ts });
+            let mut pass =
+                enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("route"), timestamp_writes: self.ts(timed, 0) });
             for layer in 0..layers {
                 self.router.encode(&mut pass, layer, per_layer);
             }
@@ -228,6 +363,9 @@ impl Pipeline {
         };
         let ts = if timed { self.timer.as_ref().and_then(|t| t.pass(1)) } else { None };
         self.pool.append_timed(rt, &new, &words, self.step, Some(routed), ts)?;
+        if let Some(r) = &mut self.reference {
+            r.pool.append_timed(rt, &new, &words, self.step, Some(routed), None)?;
+        }
         if self.model.is_some() {
             let k = self.cfg.workload.top_k as usize;
             for layer in 0..layers {
@@ -246,18 +384,94 @@ impl Pipeline {
         Ok(())
     }
 
-    /// Append the prompt of every sequence, routed on the GPU. `progress(done, total)` after
-    /// each batch.
+    /// Gather and attend every layer with this step's queries (the reference pool too); returns
+    /// the attention error against the full cache when there is one.
+    async fn attend_all(&mut self, rt: &Runtime, timed: bool) -> Result<Option<f64>> {
+        let layers = self.pool.cfg.layers;
+        let mut errors = Vec::new();
+        for layer in 0..layers {
+            let q = self.workload.queries(layer);
+            self.attn.set_queries(rt, &q)?;
+            self.attn.prepare(rt, layer, self.step);
+            let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("decode step") });
+            if layer == 0 {
+                self.pool.encode_gather(rt, &mut enc, 0, layers, self.ts(timed, 2));
+            }
+            {
+                let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                    label: Some("attend"),
+                    timestamp_writes: self.ts(timed, 3 + layer),
+                });
+                self.attn.encode(&mut pass);
+            }
+            rt.queue.submit([enc.finish()]);
+            if let Some(r) = &self.reference {
+                r.attn.set_queries(rt, &q)?;
+                r.attn.prepare(rt, layer, self.step);
+                let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("reference attend") });
+                if layer == 0 {
+                    r.pool.encode_gather(rt, &mut enc, 0, layers, None);
+                }
+                {
+                    let mut pass =
+                        enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("reference attend"), timestamp_writes: None });
+                    r.attn.encode(&mut pass);
+                }
+                rt.queue.submit([enc.finish()]);
+                let got = self.attn.read_output(rt).await?;
+                let want = r.attn.read_output(rt).await?;
+                errors.push(rel_l2(&got, &want));
+            }
+            if layer + 1 == layers {
+                self.last_queries = q;
+            }
+        }
+        Ok((!errors.is_empty()).then(|| errors.iter().sum::<f64>() / errors.len() as f64))
+    }
+
+    /// Evict down to the budget (after attention recorded this step's masses). The CPU reference,
+    /// when kept, takes the GPU's metadata, utilities and budgets and must reach the same pool.
+    async fn evict(&mut self, rt: &Runtime, timed: bool) -> Result<Option<Vec<ListState>>> {
+        let Some(s) = &self.scheduler else {
+            return Ok(None);
+        };
+        let lens: Vec<u32> = (0..self.cfg.workload.n_seqs).map(|q| self.workload.position(q)).collect();
+        s.prepare(rt, self.step, &lens)?;
+        if let Some(m) = &mut self.model {
+            rt.wait()?;
+            m.slot_meta = rt.read_all(&self.pool.slot_meta).await?;
+        }
+        let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("evict") });
+        {
+            let ts = if timed { self.timer.as_ref().and_then(|t| t.pass(3 + self.pool.cfg.layers)) } else { None };
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("evict"), timestamp_writes: ts });
+            s.encode(&mut pass);
+        }
+        rt.queue.submit([enc.finish()]);
+        let lists = s.read_lists(rt).await?;
+        if let Some(m) = &mut self.model {
+            let keys = s.read_utility(rt).await?;
+            let mut budgets = lists.clone();
+            m.evict(&keys, &mut budgets);
+        }
+        Ok(Some(lists))
+    }
+
+    /// Append the prompt of every sequence, routed on the GPU (with a scheduler: attend and
+    /// evict after each batch). `progress(done, total)` after each batch.
     pub async fn prefill(&mut self, rt: &Runtime, progress: &mut dyn FnMut(u64, u64)) -> Result<()> {
         let w = self.cfg.workload.clone();
-        let per_batch = self.router.shape.max_tokens / w.n_seqs;
         let total = u64::from(w.prompt_len) * u64::from(w.n_seqs * w.layers);
         let mut done = 0;
         let mut left = w.prompt_len;
         while left > 0 {
-            let positions = per_batch.min(left);
+            let positions = self.prefill_chunk.min(left);
             let tokens = self.workload.next_positions(positions);
             self.route_and_append(rt, &tokens, positions * w.n_seqs, false).await?;
+            if self.scheduler.is_some() {
+                self.attend_all(rt, false).await?;
+                self.evict(rt, false).await?;
+            }
             left -= positions;
             done += tokens.len() as u64;
             progress(done, total);
@@ -265,65 +479,66 @@ impl Pipeline {
         self.update_miss(rt, false)?;
         rt.wait()?;
         self.pool.check_errors(rt, 0).await?;
+        if let Some(r) = &self.reference {
+            r.pool.check_errors(rt, 0).await?;
+        }
         Ok(())
     }
 
     /// Recount each expert's cached tokens and miss rate; `timed` also resolves the step's timer.
     fn update_miss(&self, rt: &Runtime, timed: bool) -> Result<()> {
+        let layers = self.pool.cfg.layers;
         let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("route/miss") });
         let timer = if timed { self.timer.as_ref() } else { None };
         {
-            let ts = timer.and_then(|t| t.pass(3 + self.pool.cfg.layers));
+            let ts = timer.and_then(|t| t.pass(4 + layers));
             let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("route/miss"), timestamp_writes: ts });
             self.router.encode_miss(&mut pass)?;
         }
         if let Some(t) = timer {
-            t.resolve(&mut enc, 4 + self.pool.cfg.layers);
+            // Every pair is written each step (an empty evict pass when there is no scheduler).
+            t.resolve(&mut enc, timer_pairs(layers));
         }
         rt.queue.submit([enc.finish()]);
         Ok(())
     }
 
-    /// One decode step: route, append, gather, attend every layer, recount miss rates.
+    /// One decode step: route, append, gather, attend every layer, evict, recount miss rates.
     pub async fn step(&mut self, rt: &Runtime) -> Result<StepReport> {
         #[cfg(not(target_arch = "wasm32"))]
         let t0 = std::time::Instant::now();
         let tokens = self.workload.next_tokens();
         let n_seqs = self.cfg.workload.n_seqs;
-        self.route_and_append(rt, &tokens, n_seqs, true).await?;
         let layers = self.pool.cfg.layers;
-        for layer in 0..layers {
-            let q = self.workload.queries(layer);
-            self.attn.set_queries(rt, &q)?;
-            self.attn.prepare(rt, layer, self.step);
-            let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("decode step") });
-            if layer == 0 {
-                let ts = self.timer.as_ref().and_then(|t| t.pass(2));
-                self.pool.encode_gather(rt, &mut enc, 0, layers, ts);
+        self.route_and_append(rt, &tokens, n_seqs, true).await?;
+        let attention_error = self.attend_all(rt, true).await?;
+        let lists = match self.evict(rt, true).await? {
+            Some(l) => Some(l),
+            None => {
+                // Keep the timer's evict pair written.
+                let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("no evict") });
+                drop(enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                    label: Some("no evict"),
+                    timestamp_writes: self.ts(true, 3 + layers),
+                }));
+                rt.queue.submit([enc.finish()]);
+                None
             }
-            {
-                let ts = self.timer.as_ref().and_then(|t| t.pass(3 + layer));
-                let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("attend"), timestamp_writes: ts });
-                self.attn.encode(&mut pass);
-            }
-            rt.queue.submit([enc.finish()]);
-            if layer + 1 == layers {
-                self.last_queries = q;
-            }
-        }
+        };
         self.update_miss(rt, true)?;
         rt.wait()?;
         let ctl = self.pool.check_errors(rt, n_seqs * layers).await?;
         let gpu = match &self.timer {
             Some(t) => {
-                let ms = t.read_ms(rt, 4 + layers).await?;
+                let ms = t.read_ms(rt, timer_pairs(layers)).await?;
                 let l = layers as usize;
                 Some(StageTimes {
                     route_ms: ms[0],
                     append_ms: ms[1],
                     gather_ms: ms[2],
                     attend_ms: ms[3..3 + l].iter().sum(),
-                    miss_ms: ms[3 + l],
+                    evict_ms: ms[3 + l],
+                    miss_ms: ms[4 + l],
                 })
             }
             None => None,
@@ -332,11 +547,21 @@ impl Pipeline {
         let host_ms = t0.elapsed().as_secs_f64() * 1e3;
         #[cfg(target_arch = "wasm32")]
         let host_ms = f64::NAN;
-        let report = self.report(rt, ctl, gpu, host_ms).await?;
+        let mut report = self.report(rt, ctl, gpu, host_ms).await?;
+        report.attention_error = attention_error;
+        if let Some(lists) = lists {
+            report.evicted = lists.iter().map(|l| u64::from(l.evicted)).sum();
+            report.kept_attention = lists.iter().map(|l| l.hit_rate).sum::<f32>() / lists.len().max(1) as f32;
+            let cached: u64 = lists.iter().map(|l| u64::from(l.tokens - l.evicted)).sum();
+            report.kv_bytes_tokens = cached * self.pool.cfg.token_kv_bytes() / u64::from(self.pool.cfg.kv_heads);
+        }
+        if let Some(r) = &self.reference {
+            let c = r.pool.read_ctl(rt).await?;
+            report.full_kv_bytes = Some(u64::from(r.pool.cfg.n_pages - c.free_top) * r.pool.cfg.page_bytes());
+        }
         self.step += 1;
         Ok(report)
     }
-
     async fn report(&self, rt: &Runtime, ctl: PoolCtl, gpu: Option<StageTimes>, host_ms: f64) -> Result<StepReport> {
         let cfg = &self.pool.cfg;
         let rings: Vec<crate::gpu_data::RingState> = rt.read_all(&self.pool.rings).await?;
@@ -370,6 +595,11 @@ impl Pipeline {
             pages_total: cfg.n_pages,
             shard_pages,
             ring_overflows: ctl.ring_overflows,
+            evicted: 0,
+            pages_evicted: ctl.pages_evicted,
+            kept_attention: 1.0,
+            attention_error: None,
+            full_kv_bytes: None,
         })
     }
 

@@ -112,14 +112,12 @@ impl SchedulerConfig {
                 fin("scheduler.w_freq", w_freq)?;
                 fin("scheduler.w_attn", w_attn)?;
             }
-            SchedulerConfig::AdaKv { floor, .. }
-                if !(0.0..=1.0).contains(&floor) => {
-                    return Err(Error::config("scheduler.floor", floor, "must be in [0, 1]"));
-                }
-            SchedulerConfig::Duo { tau, .. }
-                if !(0.0..=1.0).contains(&tau) => {
-                    return Err(Error::config("scheduler.tau", tau, "must be in [0, 1]"));
-                }
+            SchedulerConfig::AdaKv { floor, .. } if !(0.0..=1.0).contains(&floor) => {
+                return Err(Error::config("scheduler.floor", floor, "must be in [0, 1]"));
+            }
+            SchedulerConfig::Duo { tau, .. } if !(0.0..=1.0).contains(&tau) => {
+                return Err(Error::config("scheduler.tau", tau, "must be in [0, 1]"));
+            }
             _ => {}
         }
         if let SchedulerConfig::StreamingLlm { sinks } = *self

@@ -5,6 +5,7 @@ use clap::Args;
 use expertkv_core::config::{KvDtype, ShardMap};
 use expertkv_core::pipeline::{DemoConfig, Pipeline};
 use expertkv_core::router_config::RouterConfig;
+use expertkv_core::scheduler_config::{SchedulerConfig, Threshold};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::{GpuArgs, check_positive, fmt_bytes};
@@ -46,6 +47,21 @@ pub struct DemoArgs {
     /// entropy (eplb), adaptive, hierarchical [default: topk].
     #[arg(long)]
     router: Option<String>,
+    /// Scheduler (eviction policy): name or name:key=value,... One of h2o, streaming-llm, lru,
+    /// lru-plus, adakv, duo [default: none, the full cache].
+    #[arg(long)]
+    scheduler: Option<String>,
+    /// Tokens each (layer, sequence, KV head) keeps under the scheduler: a number or a share of
+    /// the final context such as 25% [default: 25%].
+    #[arg(long)]
+    budget: Option<String>,
+    /// Utility threshold: fixed:TAU (evict tokens under TAU x mean mass even under budget) or
+    /// adaptive:TARGET[,STEP] (TAU follows the kept-attention share) [default: fixed:0].
+    #[arg(long)]
+    threshold: Option<String>,
+    /// With a scheduler, skip the full-cache pool kept to measure the attention error.
+    #[arg(long)]
+    no_reference: bool,
     /// K/V storage: f16 or f32 [default: f16].
     #[arg(long)]
     dtype: Option<String>,
@@ -70,6 +86,22 @@ pub struct DemoArgs {
     /// One JSON object per step (and a final summary) instead of a table.
     #[arg(long)]
     json: bool,
+}
+
+fn parse_threshold(s: &str) -> Result<Threshold> {
+    let (kind, rest) = s.split_once(':').unwrap_or((s, ""));
+    let nums: Vec<f32> = rest
+        .split(',')
+        .filter(|x| !x.trim().is_empty())
+        .map(|x| x.trim().parse::<f32>())
+        .collect::<Result<_, _>>()
+        .context("--threshold numbers")?;
+    Ok(match (kind, nums.as_slice()) {
+        ("fixed", [tau]) => Threshold::Fixed { tau: *tau },
+        ("adaptive", [target]) => Threshold::Adaptive { target: *target, step: 0.2 },
+        ("adaptive", [target, step]) => Threshold::Adaptive { target: *target, step: *step },
+        _ => anyhow::bail!("--threshold: expected fixed:TAU or adaptive:TARGET[,STEP], got `{s}`"),
+    })
 }
 
 fn build_config(a: &DemoArgs) -> Result<DemoConfig> {
@@ -103,6 +135,18 @@ fn build_config(a: &DemoArgs) -> Result<DemoConfig> {
     if let Some(r) = &a.router {
         cfg.router = RouterConfig::parse(r)?;
     }
+    if let Some(s) = &a.scheduler {
+        cfg.scheduler = if s == "none" { None } else { Some(SchedulerConfig::parse(s)?) };
+    }
+    if let Some(b) = &a.budget {
+        cfg.budget = b.clone();
+    }
+    if let Some(t) = &a.threshold {
+        cfg.threshold = parse_threshold(t)?;
+    }
+    if a.no_reference {
+        cfg.reference_attention = false;
+    }
     if let Some(d) = &a.dtype {
         cfg.dtype = KvDtype::parse(d)?;
     }
@@ -125,6 +169,7 @@ fn build_config(a: &DemoArgs) -> Result<DemoConfig> {
     }
     cfg.workload.validate()?;
     cfg.router.validate(cfg.workload.n_experts, cfg.workload.top_k)?;
+    cfg.budget_tokens()?;
     cfg.pool_config().validate()?;
     Ok(cfg)
 }
@@ -176,12 +221,26 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
     let t0 = std::time::Instant::now();
     pollster::block_on(p.prefill(&rt, &mut |done, _| bar.set_position(done))).context("prefill")?;
     bar.finish_and_clear();
+    let evicting = cfg.scheduler.is_some();
     if !a.json {
         println!("prefill: {total} tokens routed and appended in {:.2} s", t0.elapsed().as_secs_f64());
-        println!(
-            "{:>4} {:>6} {:>8} {:>8} {:>8} {:>9} {:>8} {:>9} {:>8}  {:<22} {:>10} {:>7} {:>6}  shard pages",
-            "step", "ctx", "route", "append", "gather", "attend", "miss", "gpu", "host", "KV resident (fill)", "pages", "H(rt)", "miss"
+        if let (Some(sch), Ok(Some(b))) = (&cfg.scheduler, cfg.budget_tokens()) {
+            println!(
+                "scheduler {} keeps {b} tokens per (layer, sequence, KV head) ({} of a {}-token context); threshold {:?}",
+                sch.name(),
+                cfg.budget,
+                w.prompt_len + cfg.steps,
+                cfg.threshold
+            );
+        }
+        print!(
+            "{:>4} {:>6} {:>8} {:>8} {:>9} {:>8} {:>9} {:>8}  {:<22} {:>10}",
+            "step", "ctx", "route", "append", "attend", "evict", "gpu", "host", "KV resident (fill)", "pages"
         );
+        if evicting {
+            print!(" {:>7} {:>7} {:>9} {:>10}", "evicted", "kept", "attn err", "full KV");
+        }
+        println!(" {:>6} {:>6}  shard pages", "H(rt)", "miss");
     }
     let mut gpu_totals = Vec::new();
     for _ in 0..cfg.steps {
@@ -193,15 +252,15 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
         let ms = |v: f64| format!("{v:.3}ms");
         let cols = match &r.gpu {
             Some(g) => {
-                let t = g.route_ms + g.append_ms + g.gather_ms + g.attend_ms + g.miss_ms;
+                let t = g.route_ms + g.append_ms + g.gather_ms + g.attend_ms + g.evict_ms + g.miss_ms;
                 gpu_totals.push(t);
-                [ms(g.route_ms), ms(g.append_ms), ms(g.gather_ms), ms(g.attend_ms), ms(g.miss_ms), ms(t)]
+                [ms(g.route_ms), ms(g.append_ms), ms(g.gather_ms + g.attend_ms), ms(g.evict_ms), ms(t)]
             }
             None => std::array::from_fn(|_| "-".to_string()),
         };
         let fill = 100.0 * r.kv_bytes_tokens as f64 / r.kv_bytes_resident.max(1) as f64;
-        println!(
-            "{:>4} {:>6} {:>8} {:>8} {:>8} {:>9} {:>8} {:>9} {:>6.2}ms  {:<22} {:>10} {:>7.3} {:>5.1}%  {:?}",
+        print!(
+            "{:>4} {:>6} {:>8} {:>8} {:>9} {:>8} {:>9} {:>6.2}ms  {:<22} {:>10}",
             r.step,
             r.context,
             cols[0],
@@ -209,14 +268,20 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
             cols[2],
             cols[3],
             cols[4],
-            cols[5],
             r.host_ms,
             format!("{} ({fill:.1}%)", fmt_bytes(r.kv_bytes_resident)),
             format!("{}/{}", r.pages_in_use, r.pages_total),
-            r.routing_entropy,
-            100.0 * r.miss_rate,
-            r.shard_pages
         );
+        if evicting {
+            print!(
+                " {:>7} {:>6.1}% {:>9} {:>10}",
+                r.evicted,
+                100.0 * r.kept_attention,
+                r.attention_error.map(|e| format!("{e:.2e}")).unwrap_or_else(|| "-".into()),
+                r.full_kv_bytes.map(fmt_bytes).unwrap_or_else(|| "-".into())
+            );
+        }
+        println!(" {:>6.3} {:>5.1}%  {:?}", r.routing_entropy, 100.0 * r.miss_rate, r.shard_pages);
     }
     let v = pollster::block_on(p.verify(&rt)).context("verification")?;
     if a.json {

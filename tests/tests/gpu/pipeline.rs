@@ -38,3 +38,35 @@ fn demo_pipeline_matches_reference() {
         assert!(r.routing_entropy > 0.0, "seed {seed}");
     }
 }
+
+#[test]
+fn demo_pipeline_with_eviction_matches_reference_and_stays_under_budget() {
+    use expertkv_core::scheduler_config::SchedulerConfig;
+    let rt = rt();
+    for (seed, sched) in seeds("demo_pipeline_evict", 3).into_iter().zip(["h2o", "streaming-llm", "adakv"]) {
+        let cfg = DemoConfig {
+            workload: WorkloadConfig { seed, n_seqs: 2, layers: 2, prompt_len: 120, ..Default::default() },
+            steps: 4,
+            scheduler: Some(SchedulerConfig::default_for(sched).expect("scheduler")),
+            budget: "48".into(),
+            router: RouterConfig::default_for("cache-aware").expect("router"),
+            ..Default::default()
+        };
+        let mut p = pollster::block_on(Pipeline::new(rt, cfg.clone())).expect("pipeline");
+        pollster::block_on(p.prefill(rt, &mut |_, _| {})).expect("prefill");
+        for _ in 0..4 {
+            let r = pollster::block_on(p.step(rt)).expect("step");
+            // Measured: the pages in use stay within the budget's page bound.
+            let lists = (cfg.workload.n_seqs * cfg.workload.layers * cfg.workload.kv_heads) as u64;
+            let max_pages = lists * (48u64.div_ceil(u64::from(cfg.page_size)) + u64::from(cfg.n_shards) - 1);
+            assert!(u64::from(r.pages_in_use) <= max_pages, "seed {seed} {sched}: {} pages over {max_pages}", r.pages_in_use);
+            assert!(r.evicted > 0, "seed {seed} {sched}: the budget must evict every step");
+            let err = r.attention_error.expect("reference attention");
+            assert!(err > 0.0 && err < 0.5, "seed {seed} {sched}: attention error {err}");
+            assert!(r.full_kv_bytes.expect("full cache") > r.kv_bytes_resident, "seed {seed} {sched}");
+            assert!(r.miss_rate > 0.3, "seed {seed} {sched}: evicted tokens are misses for the router ({})", r.miss_rate);
+        }
+        let v = pollster::block_on(p.verify(rt)).expect("verify").expect("verification enabled");
+        assert!(v.placement_identical && v.attention_max_abs_err <= v.attention_tolerance, "seed {seed} {sched}: {v:?}");
+    }
+}
