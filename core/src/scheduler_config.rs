@@ -19,8 +19,9 @@ pub enum SchedulerConfig {
     LruPlus { w_recency: f32, w_freq: f32, w_attn: f32, sinks: u32, window: u32 },
     /// AdaKV: the (layer, sequence) budget split over heads by how spread out their attention is.
     AdaKv { floor: f32, sinks: u32, window: u32 },
-    /// DuoAttention: retrieval heads keep everything, streaming heads keep sinks + window; heads
-    /// are classified online from the share of attention on sinks and window.
+    /// DuoAttention: retrieval heads keep everything, streaming heads keep the budget (sinks +
+    /// most recent tokens); heads are classified online from the share of their attention on
+    /// sinks and the last `window` positions.
     Duo { tau: f32, sinks: u32, window: u32 },
 }
 

@@ -8,6 +8,7 @@ use clap::{Args, Parser, Subcommand};
 mod bench;
 mod demo;
 mod info;
+mod sweep;
 
 #[derive(Parser)]
 #[command(name = "expertkv", version, about = "Expert-aware KV cache management for MoE decoding, on wgpu")]
@@ -62,6 +63,8 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Benchmark a kernel against the copy roofline measured in the same run.
     Bench(bench::BenchArgs),
+    /// Run the pipeline over routers x schedulers x budgets and print a table.
+    Sweep(sweep::SweepArgs),
 }
 
 fn main() -> ExitCode {
@@ -83,6 +86,7 @@ fn main() -> ExitCode {
         Command::Info(a) => info::run(&cli.gpu, a),
         Command::Demo(a) => demo::run(&cli.gpu, a),
         Command::Bench(a) => bench::run(&cli.gpu, a),
+        Command::Sweep(a) => sweep::run(&cli.gpu, a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

@@ -91,7 +91,7 @@ impl PoolModel {
                         policies::DUO => {
                             if total > 0.0 && edge >= f64::from(p.duo_tau) * total {
                                 out[li].kind = duo_kinds::STREAMING;
-                                out[li].budget = p.sinks + p.window;
+                                out[li].budget = p.base_budget;
                             } else {
                                 out[li].kind = duo_kinds::RETRIEVAL;
                                 out[li].budget = KEEP_ALL;

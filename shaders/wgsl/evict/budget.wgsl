@@ -6,7 +6,8 @@
 //            entropy of head h's attention mass over its tokens (spread-out heads get more);
 //            integer shares by largest remainder, ties to the lower head
 //   Duo:     a head whose attention mass lies at least duo_tau on sinks + recent window is a
-//            streaming head and keeps sinks + window; otherwise a retrieval head keeps everything
+//            streaming head and keeps the base budget (sinks + most recent tokens); otherwise a
+//            retrieval head keeps everything
 
 //!import common/pool.wgsl
 //!import common/evict.wgsl
@@ -91,7 +92,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
                 case 5u: {
                     if (tot > 0.0 && edg >= params.duo_tau * tot) {
                         st.kind = 2u;
-                        st.budget = params.sinks + params.window;
+                        st.budget = params.base_budget;
                     } else {
                         st.kind = 1u;
                         st.budget = KEEP_ALL;

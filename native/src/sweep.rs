@@ -1,0 +1,141 @@
+use anyhow::{Context, Result};
+use clap::Args;
+use expertkv_core::pipeline::{DemoConfig, Pipeline};
+use expertkv_core::router_config::RouterConfig;
+use expertkv_core::scheduler_config::SchedulerConfig;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+
+use crate::{GpuArgs, fmt_bytes};
+
+/// Run the pipeline over a grid of routers x schedulers x budgets on the built-in workload and
+/// print one table row per combination.
+#[derive(Args)]
+pub struct SweepArgs {
+    /// Schedulers (comma-separated names or name:key=value specs; `none` = full cache).
+    #[arg(long, value_delimiter = ',', default_value = "h2o,streaming-llm,lru,lru-plus,adakv,duo")]
+    schedulers: Vec<String>,
+    /// Budgets: tokens per (layer, sequence, KV head) or shares of the context.
+    #[arg(long, value_delimiter = ',', default_value = "50%,25%,10%")]
+    budgets: Vec<String>,
+    /// Routers (names or specs).
+    #[arg(long, value_delimiter = ',', default_value = "topk")]
+    routers: Vec<String>,
+    #[arg(long, default_value_t = 8)]
+    steps: u32,
+    #[arg(long, default_value_t = 512)]
+    prompt: u32,
+    #[arg(long, default_value_t = 4)]
+    seqs: u32,
+    #[arg(long, default_value_t = 2)]
+    layers: u32,
+    #[arg(long, default_value_t = 64)]
+    head_dim: u32,
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// One JSON object per combination instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Serialize)]
+struct Row {
+    router: String,
+    scheduler: String,
+    budget: String,
+    attention_error: Option<f64>,
+    gpu_ms: f64,
+    kv_bytes: u64,
+    full_kv_bytes: Option<u64>,
+    kept_attention: f32,
+    miss_rate: f32,
+}
+
+pub fn run(gpu: &GpuArgs, a: &SweepArgs) -> Result<()> {
+    let rt = gpu.runtime()?;
+    let routers: Vec<RouterConfig> = a.routers.iter().map(|r| RouterConfig::parse(r)).collect::<Result<_, _>>()?;
+    let schedulers: Vec<Option<SchedulerConfig>> = a
+        .schedulers
+        .iter()
+        .map(|s| if s == "none" { Ok(None) } else { SchedulerConfig::parse(s).map(Some) })
+        .collect::<Result<_, _>>()?;
+    let mut grid = Vec::new();
+    for r in &routers {
+        for s in &schedulers {
+            match s {
+                None => grid.push((r.clone(), None, "100%".to_string())),
+                Some(s) => {
+                    for b in &a.budgets {
+                        grid.push((r.clone(), Some(s.clone()), b.clone()));
+                    }
+                }
+            }
+        }
+    }
+    let bar = if a.json { ProgressBar::hidden() } else { ProgressBar::new(grid.len() as u64) };
+    bar.set_style(ProgressStyle::with_template("sweep {bar:40} {pos}/{len} {msg}").unwrap_or_else(|_| ProgressStyle::default_bar()));
+    let mut rows = Vec::new();
+    for (router, sched, budget) in grid {
+        bar.set_message(format!("{} / {} / {budget}", router.name(), sched.as_ref().map_or("none", |s| s.name())));
+        let mut cfg = DemoConfig { steps: a.steps, verify: false, router: router.clone(), scheduler: sched.clone(), budget: budget.clone(), ..Default::default() };
+        cfg.workload.seed = a.seed;
+        cfg.workload.prompt_len = a.prompt;
+        cfg.workload.n_seqs = a.seqs;
+        cfg.workload.layers = a.layers;
+        cfg.workload.head_dim = a.head_dim;
+        let label = format!("{} / {} / {budget}", router.name(), sched.as_ref().map_or("none", |s| s.name()));
+        let mut p = pollster::block_on(Pipeline::new(&rt, cfg)).with_context(|| format!("building {label}"))?;
+        pollster::block_on(p.prefill(&rt, &mut |_, _| {})).with_context(|| format!("prefill of {label}"))?;
+        let mut errs = Vec::new();
+        let mut times = Vec::new();
+        let mut last = None;
+        for _ in 0..a.steps {
+            let r = pollster::block_on(p.step(&rt)).with_context(|| format!("step of {label}"))?;
+            if let Some(e) = r.attention_error {
+                errs.push(e);
+            }
+            if let Some(g) = &r.gpu {
+                times.push(g.route_ms + g.append_ms + g.gather_ms + g.attend_ms + g.evict_ms + g.miss_ms);
+            }
+            last = Some(r);
+        }
+        let Some(last) = last else { continue };
+        let row = Row {
+            router: router.name().into(),
+            scheduler: sched.as_ref().map_or("none".into(), |s| s.name().to_string()),
+            budget,
+            attention_error: (!errs.is_empty()).then(|| errs.iter().sum::<f64>() / errs.len() as f64),
+            gpu_ms: expertkv_core::timer::median(&times),
+            kv_bytes: last.kv_bytes_resident,
+            full_kv_bytes: last.full_kv_bytes,
+            kept_attention: last.kept_attention,
+            miss_rate: last.miss_rate,
+        };
+        if a.json {
+            println!("{}", serde_json::to_string(&row)?);
+        }
+        rows.push(row);
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    if !a.json {
+        println!("adapter: {} ({:?}); {} steps after a {}-token prompt, {} sequences x {} layers", rt.info.name, rt.info.backend, a.steps, a.prompt, a.seqs, a.layers);
+        println!("| router | scheduler | budget | attention error (rel. L2) | GPU ms / step | KV resident | full KV | kept attention | routing miss |");
+        println!("|---|---|---|---|---|---|---|---|---|");
+        for r in &rows {
+            println!(
+                "| {} | {} | {} | {} | {:.3} | {} | {} | {:.1}% | {:.1}% |",
+                r.router,
+                r.scheduler,
+                r.budget,
+                r.attention_error.map(|e| format!("{e:.2e}")).unwrap_or_else(|| "0 (full)".into()),
+                r.gpu_ms,
+                fmt_bytes(r.kv_bytes),
+                r.full_kv_bytes.map(fmt_bytes).unwrap_or_else(|| fmt_bytes(r.kv_bytes)),
+                100.0 * r.kept_attention,
+                100.0 * r.miss_rate
+            );
+        }
+    }
+    Ok(())
+}
