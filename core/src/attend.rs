@@ -108,6 +108,18 @@ pub struct Attention {
 
 impl Attention {
     pub async fn new(rt: &Runtime, pool: &KvPool, opts: AttendOptions) -> Result<Attention> {
+        Self::with_lists(rt, pool, opts, None).await
+    }
+
+    /// Attention over other page lists than the pool's own (QUEST's selected pages): a buffer of
+    /// lists in the pool's layout and their lengths.
+    pub async fn with_lists(
+        rt: &Runtime,
+        pool: &KvPool,
+        opts: AttendOptions,
+        lists: Option<(&wgpu::Buffer, &wgpu::Buffer)>,
+    ) -> Result<Attention> {
+        let (page_list, page_counts) = lists.unwrap_or((&pool.page_list, &pool.page_counts));
         let cfg = &pool.cfg;
         if opts.group == 0 || opts.group > MAX_GROUP {
             return Err(Error::config("group", opts.group, format!("query heads per KV head must be in 1..={MAX_GROUP}")));
@@ -192,7 +204,7 @@ impl Attention {
                 rt.bind(
                     split_label,
                     &split,
-                    &[&pool.geometry, &params, w, &pool.page_list, &pool.page_counts, &pool.page_meta, kv, &queries, &partials, &scores],
+                    &[&pool.geometry, &params, w, page_list, page_counts, &pool.page_meta, kv, &queries, &partials, &scores],
                 )
             })
             .collect();
@@ -201,7 +213,7 @@ impl Attention {
             rt.bind(
                 Kernel::AttendMass.label(),
                 m,
-                &[&pool.geometry, &params, &pool.page_list, &pool.page_counts, &pool.page_meta, &scores, &stats, &pool.slot_meta],
+                &[&pool.geometry, &params, page_list, page_counts, &pool.page_meta, &scores, &stats, &pool.slot_meta],
             )
         });
         rt.check("attention setup")?;

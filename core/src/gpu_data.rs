@@ -349,3 +349,18 @@ pub fn orderable(x: f32) -> u32 {
 pub fn from_orderable(k: u32) -> f32 {
     if k & 0x8000_0000 != 0 { f32::from_bits(k & 0x7fff_ffff) } else { f32::from_bits(!k) }
 }
+
+/// Must match `QuestParams` in `shaders/wgsl/quest/select.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Pod, Zeroable)]
+pub struct QuestParams {
+    pub layer: u32,
+    pub keep_pages: u32,
+    pub group: u32,
+    pub q_heads: u32,
+    pub n_seqs: u32,
+    pub scale: f32,
+    pub _pad0: u32,
+    pub _pad1: u32,
+}
+const _: () = assert!(std::mem::size_of::<QuestParams>() == 32);

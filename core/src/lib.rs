@@ -9,6 +9,7 @@ pub mod evict;
 pub mod gpu_data;
 pub mod pipeline;
 pub mod pool;
+pub mod quest;
 pub mod reference;
 pub mod rng;
 pub mod route;

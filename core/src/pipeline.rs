@@ -15,6 +15,8 @@ use crate::error::{Error, Result};
 use crate::evict::Scheduler;
 use crate::gpu_data::{ListState, PoolCtl};
 use crate::pool::KvPool;
+use crate::quest::Quest;
+use crate::reference::attend::attend_decode_over;
 use crate::reference::pool::{NewToken, PoolModel, encode_values};
 use crate::reference::{attend_decode, pool::decode_words};
 use crate::route::{RouteShape, Router};
@@ -107,8 +109,9 @@ impl DemoConfig {
     /// The pool: the full cache, or, with a scheduler, the budget plus one prefill chunk and a
     /// partly filled page per shard ring.
     pub fn pool_config(&self) -> PoolConfig {
+        let evicting = self.scheduler.as_ref().is_some_and(SchedulerConfig::evicts);
         match self.budget_tokens() {
-            Ok(Some(b)) => {
+            Ok(Some(b)) if evicting => {
                 let w = &self.workload;
                 let per_list = b + self.evicting_chunk(b);
                 let pages = per_list.div_ceil(self.page_size) + self.n_shards + 1;
@@ -191,6 +194,8 @@ pub struct StepReport {
     pub attention_error: Option<f64>,
     /// Bytes the full cache would occupy now (pages of the reference pool).
     pub full_kv_bytes: Option<u64>,
+    /// K/V bytes the step's attention read (QUEST reads only its selected pages).
+    pub kv_bytes_attended: u64,
 }
 
 /// What the CPU reference check found.
@@ -214,6 +219,7 @@ pub struct Pipeline {
     pub attn: Attention,
     pub router: Router,
     pub scheduler: Option<Scheduler>,
+    pub quest: Option<Quest>,
     pub workload: Workload,
     reference: Option<Reference>,
     model: Option<PoolModel>,
@@ -274,7 +280,7 @@ impl Pipeline {
         let max_append =
             reference_pool.as_ref().map_or(pool.max_append_tokens(rt), |r| r.max_append_tokens(rt).min(pool.max_append_tokens(rt)));
         let mut positions = prefill_positions(max_append, w.n_seqs, w.layers);
-        if let Some(b) = budget {
+        if let (Some(b), true) = (budget, cfg.scheduler.as_ref().is_some_and(SchedulerConfig::evicts)) {
             positions = positions.min(cfg.evicting_chunk(b));
         }
         let shape = RouteShape { n_experts: w.n_experts, top_k: w.top_k, layers: w.layers, max_tokens: positions * w.n_seqs };
@@ -288,10 +294,19 @@ impl Pipeline {
             variant: None,
             ..Default::default()
         };
-        let attn = Attention::new(rt, &pool, attend_opts.clone()).await?;
-        let scheduler = match (&cfg.scheduler, budget) {
-            (Some(s), Some(b)) => Some(Scheduler::new(rt, &pool, s.clone(), b, cfg.threshold).await?),
-            _ => None,
+        let (attn, scheduler, quest) = match (&cfg.scheduler, budget) {
+            (Some(SchedulerConfig::Quest), Some(b)) => {
+                let mut q = Quest::new(rt, &pool, b).await?;
+                let attn = Attention::with_lists(rt, &pool, attend_opts.clone(), Some((&q.sel_list, &q.sel_counts))).await?;
+                q.bind(rt, &pool, &attn);
+                (attn, None, Some(q))
+            }
+            (Some(s), Some(b)) => (
+                Attention::new(rt, &pool, attend_opts.clone()).await?,
+                Some(Scheduler::new(rt, &pool, s.clone(), b, cfg.threshold).await?),
+                None,
+            ),
+            _ => (Attention::new(rt, &pool, attend_opts.clone()).await?, None, None),
         };
         let reference = match reference_pool {
             Some(rpool) => {
@@ -313,6 +328,7 @@ impl Pipeline {
             attn,
             router,
             scheduler,
+            quest,
             workload,
             reference,
             model,
@@ -397,11 +413,20 @@ impl Pipeline {
             if layer == 0 {
                 self.pool.encode_gather(rt, &mut enc, 0, layers, self.ts(timed, 2));
             }
+            if let Some(q) = &self.quest {
+                q.prepare(rt, layer, &self.attn);
+            }
             {
                 let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
                     label: Some("attend"),
                     timestamp_writes: self.ts(timed, 3 + layer),
                 });
+                if let Some(q) = &self.quest {
+                    if layer == 0 {
+                        q.encode_summarize(&mut pass);
+                    }
+                    q.encode_select(&mut pass, layer)?;
+                }
                 self.attn.encode(&mut pass);
             }
             rt.queue.submit([enc.finish()]);
@@ -555,6 +580,10 @@ impl Pipeline {
             let cached: u64 = lists.iter().map(|l| u64::from(l.tokens - l.evicted)).sum();
             report.kv_bytes_tokens = cached * self.pool.cfg.token_kv_bytes() / u64::from(self.pool.cfg.kv_heads);
         }
+        if let Some(q) = &self.quest {
+            let sel: Vec<u32> = rt.read_all(&q.sel_counts).await?;
+            report.kv_bytes_attended = sel.iter().map(|c| u64::from(*c)).sum::<u64>() * self.pool.cfg.page_bytes();
+        }
         if let Some(r) = &self.reference {
             let c = r.pool.read_ctl(rt).await?;
             report.full_kv_bytes = Some(u64::from(r.pool.cfg.n_pages - c.free_top) * r.pool.cfg.page_bytes());
@@ -600,6 +629,7 @@ impl Pipeline {
             kept_attention: 1.0,
             attention_error: None,
             full_kv_bytes: None,
+            kv_bytes_attended: u64::from(pages_in_use) * cfg.page_bytes(),
         })
     }
 
@@ -619,14 +649,35 @@ impl Pipeline {
             && kv == model.kv;
         let layer = self.pool.cfg.layers - 1;
         let out = self.attn.read_output(rt).await?;
-        let reference = attend_decode(
-            model,
-            layer,
-            self.cfg.workload.n_seqs,
-            &self.last_queries,
-            self.cfg.workload.group,
-            f64::from(self.attn.scale()),
-        );
+        let reference = match &self.quest {
+            // QUEST attended only its selected pages: the reference reads the same pages.
+            Some(q) => {
+                let sel: Vec<u32> = rt.read_all(&q.sel_list).await?;
+                let counts: Vec<u32> = rt.read_all(&q.sel_counts).await?;
+                let maxp = self.pool.cfg.max_pages_per_seq() as usize;
+                let pick = |seq: u32, head: u32| {
+                    let li = model.list_index(layer, seq, head) as usize;
+                    sel[li * maxp..li * maxp + counts[li] as usize].to_vec()
+                };
+                attend_decode_over(
+                    model,
+                    layer,
+                    self.cfg.workload.n_seqs,
+                    &self.last_queries,
+                    self.cfg.workload.group,
+                    f64::from(self.attn.scale()),
+                    &pick,
+                )
+            }
+            None => attend_decode(
+                model,
+                layer,
+                self.cfg.workload.n_seqs,
+                &self.last_queries,
+                self.cfg.workload.group,
+                f64::from(self.attn.scale()),
+            ),
+        };
         let max_abs = out.iter().zip(&reference.out).map(|(a, b)| (f64::from(*a) - b).abs()).fold(0.0, f64::max);
         let tol = match self.pool.cfg.dtype {
             KvDtype::F32 => 1e-4,

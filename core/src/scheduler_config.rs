@@ -23,9 +23,12 @@ pub enum SchedulerConfig {
     /// most recent tokens); heads are classified online from the share of their attention on
     /// sinks and the last `window` positions.
     Duo { tau: f32, sinks: u32, window: u32 },
+    /// QUEST: per-page key bounds; per query, attention reads only the pages with the highest
+    /// bound on q.k (the budget's worth). Pages are selected, not evicted.
+    Quest,
 }
 
-pub const SCHEDULER_NAMES: &str = "h2o, streaming-llm, lru, lru-plus, adakv, duo";
+pub const SCHEDULER_NAMES: &str = "h2o, streaming-llm, lru, lru-plus, adakv, duo, quest";
 
 /// How the per-list utility threshold (extra eviction of low-mass tokens under the budget) is set.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -53,7 +56,13 @@ impl SchedulerConfig {
             SchedulerConfig::LruPlus { .. } => "lru-plus",
             SchedulerConfig::AdaKv { .. } => "adakv",
             SchedulerConfig::Duo { .. } => "duo",
+            SchedulerConfig::Quest => "quest",
         }
+    }
+
+    /// Whether the policy evicts (the others select or place pages).
+    pub fn evicts(&self) -> bool {
+        !matches!(self, SchedulerConfig::Quest)
     }
 
     pub fn default_for(name: &str) -> Result<SchedulerConfig> {
@@ -64,6 +73,7 @@ impl SchedulerConfig {
             "lru-plus" | "lru+" => SchedulerConfig::LruPlus { w_recency: 1.0, w_freq: 0.1, w_attn: 1.0, sinks: 4, window: 32 },
             "adakv" => SchedulerConfig::AdaKv { floor: 0.2, sinks: 4, window: 32 },
             "duo" | "duo-attention" => SchedulerConfig::Duo { tau: 0.5, sinks: 4, window: 64 },
+            "quest" => SchedulerConfig::Quest,
             other => return Err(Error::config("scheduler", other, format!("allowed values: {SCHEDULER_NAMES}"))),
         })
     }
@@ -149,6 +159,8 @@ impl SchedulerConfig {
                 p.duo_tau = tau;
                 (policies::DUO, sinks, window)
             }
+            // Not an eviction policy: evict/* never runs with it.
+            SchedulerConfig::Quest => (u32::MAX, 0, 0),
         };
         p.policy = policy;
         p.sinks = sinks;
@@ -156,7 +168,10 @@ impl SchedulerConfig {
     }
 
     pub fn all_defaults() -> Vec<SchedulerConfig> {
-        ["h2o", "streaming-llm", "lru", "lru-plus", "adakv", "duo"].iter().filter_map(|n| SchedulerConfig::default_for(n).ok()).collect()
+        ["h2o", "streaming-llm", "lru", "lru-plus", "adakv", "duo", "quest"]
+            .iter()
+            .filter_map(|n| SchedulerConfig::default_for(n).ok())
+            .collect()
     }
 }
 

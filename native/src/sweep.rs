@@ -54,11 +54,8 @@ struct Row {
 pub fn run(gpu: &GpuArgs, a: &SweepArgs) -> Result<()> {
     let rt = gpu.runtime()?;
     let routers: Vec<RouterConfig> = a.routers.iter().map(|r| RouterConfig::parse(r)).collect::<Result<_, _>>()?;
-    let schedulers: Vec<Option<SchedulerConfig>> = a
-        .schedulers
-        .iter()
-        .map(|s| if s == "none" { Ok(None) } else { SchedulerConfig::parse(s).map(Some) })
-        .collect::<Result<_, _>>()?;
+    let schedulers: Vec<Option<SchedulerConfig>> =
+        a.schedulers.iter().map(|s| if s == "none" { Ok(None) } else { SchedulerConfig::parse(s).map(Some) }).collect::<Result<_, _>>()?;
     let mut grid = Vec::new();
     for r in &routers {
         for s in &schedulers {
@@ -77,7 +74,14 @@ pub fn run(gpu: &GpuArgs, a: &SweepArgs) -> Result<()> {
     let mut rows = Vec::new();
     for (router, sched, budget) in grid {
         bar.set_message(format!("{} / {} / {budget}", router.name(), sched.as_ref().map_or("none", |s| s.name())));
-        let mut cfg = DemoConfig { steps: a.steps, verify: false, router: router.clone(), scheduler: sched.clone(), budget: budget.clone(), ..Default::default() };
+        let mut cfg = DemoConfig {
+            steps: a.steps,
+            verify: false,
+            router: router.clone(),
+            scheduler: sched.clone(),
+            budget: budget.clone(),
+            ..Default::default()
+        };
         cfg.workload.seed = a.seed;
         cfg.workload.prompt_len = a.prompt;
         cfg.workload.n_seqs = a.seqs;
@@ -119,8 +123,13 @@ pub fn run(gpu: &GpuArgs, a: &SweepArgs) -> Result<()> {
     }
     bar.finish_and_clear();
     if !a.json {
-        println!("adapter: {} ({:?}); {} steps after a {}-token prompt, {} sequences x {} layers", rt.info.name, rt.info.backend, a.steps, a.prompt, a.seqs, a.layers);
-        println!("| router | scheduler | budget | attention error (rel. L2) | GPU ms / step | KV resident | full KV | kept attention | routing miss |");
+        println!(
+            "adapter: {} ({:?}); {} steps after a {}-token prompt, {} sequences x {} layers",
+            rt.info.name, rt.info.backend, a.steps, a.prompt, a.seqs, a.layers
+        );
+        println!(
+            "| router | scheduler | budget | attention error (rel. L2) | GPU ms / step | KV resident | full KV | kept attention | routing miss |"
+        );
         println!("|---|---|---|---|---|---|---|---|---|");
         for r in &rows {
             println!(

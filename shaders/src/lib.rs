@@ -56,6 +56,8 @@ sources! {
     EVICT_COMPACT => "evict/compact.wgsl",
     EVICT_MOVE => "evict/move.wgsl",
     EVICT_FREE => "evict/free.wgsl",
+    QUEST_SUMMARIZE => "quest/summarize.wgsl",
+    QUEST_SELECT => "quest/select.wgsl",
 }
 
 /// Every dispatchable kernel.
@@ -87,6 +89,8 @@ pub enum Kernel {
     EvictMoveSame,
     EvictMoveCross,
     EvictFree,
+    QuestSummarize,
+    QuestSelect,
 }
 
 impl Kernel {
@@ -117,6 +121,8 @@ impl Kernel {
         Kernel::EvictMoveSame,
         Kernel::EvictMoveCross,
         Kernel::EvictFree,
+        Kernel::QuestSummarize,
+        Kernel::QuestSelect,
     ];
 
     pub fn source(self) -> Source {
@@ -144,6 +150,8 @@ impl Kernel {
             Kernel::EvictCompact => EVICT_COMPACT,
             Kernel::EvictMoveSame | Kernel::EvictMoveCross => EVICT_MOVE,
             Kernel::EvictFree => EVICT_FREE,
+            Kernel::QuestSummarize => QUEST_SUMMARIZE,
+            Kernel::QuestSelect => QUEST_SELECT,
         }
     }
 

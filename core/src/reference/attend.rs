@@ -14,6 +14,21 @@ pub struct AttentionOutput {
 /// Decode attention for sequences `0..n_seqs` of `layer`. `queries` is [seq][q_head][head_dim]
 /// with q_heads = kv_heads * group; scores are scaled by `scale`.
 pub fn attend_decode(model: &PoolModel, layer: u32, n_seqs: u32, queries: &[f32], group: u32, scale: f64) -> AttentionOutput {
+    attend_decode_over(model, layer, n_seqs, queries, group, scale, &|seq, head| model.page_list(layer, seq, head))
+}
+
+/// [`attend_decode`] over the pages `pages(seq, head)` gives (QUEST's selection), instead of
+/// each list's every page.
+pub fn attend_decode_over(
+    model: &PoolModel,
+    layer: u32,
+    n_seqs: u32,
+    queries: &[f32],
+    group: u32,
+    scale: f64,
+    pages: &dyn Fn(u32, u32) -> Vec<u32>,
+) -> AttentionOutput {
+    let _ = layer;
     let cfg = &model.cfg;
     let d = cfg.head_dim as usize;
     let hkv = cfg.kv_heads;
@@ -22,7 +37,8 @@ pub fn attend_decode(model: &PoolModel, layer: u32, n_seqs: u32, queries: &[f32]
     let mut mass = Vec::new();
     for seq in 0..n_seqs {
         for h in 0..hkv {
-            let tokens = model.tokens(layer, seq, h);
+            let tokens: Vec<(u32, u32)> =
+                pages(seq, h).into_iter().flat_map(|page| (0..model.page_meta[page as usize].fill).map(move |s| (page, s))).collect();
             let mut head_mass = vec![0.0; tokens.len()];
             let keys: Vec<Vec<f64>> = tokens.iter().map(|&(p, s)| model.vector(p, s, 0)).collect();
             let values: Vec<Vec<f64>> = tokens.iter().map(|&(p, s)| model.vector(p, s, 1)).collect();

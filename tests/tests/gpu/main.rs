@@ -11,5 +11,6 @@ mod copy;
 mod errors;
 mod evict;
 mod pipeline;
+mod quest;
 mod route;
 mod shard;
