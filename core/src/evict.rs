@@ -38,8 +38,12 @@ pub struct Scheduler {
 impl Scheduler {
     pub async fn new(rt: &Runtime, pool: &KvPool, cfg: SchedulerConfig, budget: u32, threshold: Threshold) -> Result<Scheduler> {
         cfg.validate(budget)?;
-        if !cfg.evicts() {
-            return Err(Error::config("scheduler", cfg.name(), "selects pages rather than evicting them; it is not an eviction scheduler"));
+        if !cfg.uses_evict_kernels() {
+            return Err(Error::config(
+                "scheduler",
+                cfg.name(),
+                "selects or places pages rather than evicting them; it is not an eviction scheduler",
+            ));
         }
         if budget < pool.cfg.page_size {
             return Err(Error::config("budget", budget, format!("must be at least one page ({} tokens)", pool.cfg.page_size)));

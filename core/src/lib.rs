@@ -6,6 +6,7 @@ pub mod bench;
 pub mod config;
 pub mod error;
 pub mod evict;
+pub mod flexgen;
 pub mod gpu_data;
 pub mod pipeline;
 pub mod pool;

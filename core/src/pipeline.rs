@@ -13,6 +13,7 @@ use crate::attend::{AttendOptions, Attention};
 use crate::config::{KvDtype, PoolConfig, ShardMap};
 use crate::error::{Error, Result};
 use crate::evict::Scheduler;
+use crate::flexgen::FlexGen;
 use crate::gpu_data::{ListState, PoolCtl};
 use crate::pool::KvPool;
 use crate::quest::Quest;
@@ -196,6 +197,9 @@ pub struct StepReport {
     pub full_kv_bytes: Option<u64>,
     /// K/V bytes the step's attention read (QUEST reads only its selected pages).
     pub kv_bytes_attended: u64,
+    /// FlexGen: K/V bytes held in host memory, and moved between the tiers so far.
+    pub host_kv_bytes: u64,
+    pub tier_bytes_moved: u64,
 }
 
 /// What the CPU reference check found.
@@ -220,6 +224,8 @@ pub struct Pipeline {
     pub router: Router,
     pub scheduler: Option<Scheduler>,
     pub quest: Option<Quest>,
+    /// FlexGen placement, with the QUEST page bounds it scores host pages by.
+    pub flexgen: Option<(FlexGen, Quest)>,
     pub workload: Workload,
     reference: Option<Reference>,
     model: Option<PoolModel>,
@@ -294,7 +300,12 @@ impl Pipeline {
             variant: None,
             ..Default::default()
         };
+        let mut flexgen = None;
         let (attn, scheduler, quest) = match (&cfg.scheduler, budget) {
+            (Some(SchedulerConfig::FlexGen), Some(b)) => {
+                flexgen = Some((FlexGen::new(&pool, b)?, Quest::new(rt, &pool, b).await?));
+                (Attention::new(rt, &pool, attend_opts.clone()).await?, None, None)
+            }
             (Some(SchedulerConfig::Quest), Some(b)) => {
                 let mut q = Quest::new(rt, &pool, b).await?;
                 let attn = Attention::with_lists(rt, &pool, attend_opts.clone(), Some((&q.sel_list, &q.sel_counts))).await?;
@@ -329,6 +340,7 @@ impl Pipeline {
             router,
             scheduler,
             quest,
+            flexgen,
             workload,
             reference,
             model,
@@ -404,9 +416,19 @@ impl Pipeline {
     /// the attention error against the full cache when there is one.
     async fn attend_all(&mut self, rt: &Runtime, timed: bool) -> Result<Option<f64>> {
         let layers = self.pool.cfg.layers;
+        let queries: Vec<Vec<f32>> = (0..layers).map(|l| self.workload.queries(l)).collect();
+        if self.flexgen.is_some() {
+            // Fetch the host pages these queries select before attention reads the pool.
+            let bounds = self.refresh_bounds(rt).await?;
+            let group = self.cfg.workload.group;
+            if let Some((fg, _)) = &mut self.flexgen {
+                for (layer, q) in queries.iter().enumerate() {
+                    fg.fetch(rt, &self.pool, layer as u32, q, group, &bounds).await?;
+                }
+            }
+        }
         let mut errors = Vec::new();
-        for layer in 0..layers {
-            let q = self.workload.queries(layer);
+        for (layer, q) in (0..layers).zip(queries) {
             self.attn.set_queries(rt, &q)?;
             self.attn.prepare(rt, layer, self.step);
             let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("decode step") });
@@ -454,9 +476,34 @@ impl Pipeline {
         Ok((!errors.is_empty()).then(|| errors.iter().sum::<f64>() / errors.len() as f64))
     }
 
+    /// Summarise changed pages (QUEST bounds) and read every page's bounds back.
+    async fn refresh_bounds(&self, rt: &Runtime) -> Result<Vec<f32>> {
+        let Some((_, q)) = &self.flexgen else {
+            return Ok(Vec::new());
+        };
+        let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("quest/summarize") });
+        {
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("quest/summarize"), timestamp_writes: None });
+            q.encode_summarize(&mut pass);
+        }
+        rt.queue.submit([enc.finish()]);
+        rt.read_all(&q.bounds).await
+    }
+
     /// Evict down to the budget (after attention recorded this step's masses). The CPU reference,
     /// when kept, takes the GPU's metadata, utilities and budgets and must reach the same pool.
+    /// FlexGen instead moves its coldest pages to host memory.
     async fn evict(&mut self, rt: &Runtime, timed: bool) -> Result<Option<Vec<ListState>>> {
+        if self.flexgen.is_some() {
+            if self.model.is_some() {
+                return Err(Error::config("verify", true, "FlexGen moves pages through the host; run it with --no-verify"));
+            }
+            let bounds = self.refresh_bounds(rt).await?;
+            if let Some((fg, _)) = &mut self.flexgen {
+                fg.offload(rt, &self.pool, &bounds).await?;
+            }
+            return Ok(None);
+        }
         let Some(s) = &self.scheduler else {
             return Ok(None);
         };
@@ -493,7 +540,7 @@ impl Pipeline {
             let positions = self.prefill_chunk.min(left);
             let tokens = self.workload.next_positions(positions);
             self.route_and_append(rt, &tokens, positions * w.n_seqs, false).await?;
-            if self.scheduler.is_some() {
+            if self.scheduler.is_some() || self.flexgen.is_some() {
                 self.attend_all(rt, false).await?;
                 self.evict(rt, false).await?;
             }
@@ -577,8 +624,10 @@ impl Pipeline {
         if let Some(lists) = lists {
             report.evicted = lists.iter().map(|l| u64::from(l.evicted)).sum();
             report.kept_attention = lists.iter().map(|l| l.hit_rate).sum::<f32>() / lists.len().max(1) as f32;
-            let cached: u64 = lists.iter().map(|l| u64::from(l.tokens - l.evicted)).sum();
-            report.kv_bytes_tokens = cached * self.pool.cfg.token_kv_bytes() / u64::from(self.pool.cfg.kv_heads);
+        }
+        if let Some((fg, _)) = &self.flexgen {
+            report.host_kv_bytes = fg.stats.host_bytes;
+            report.tier_bytes_moved = fg.stats.bytes_to_host + fg.stats.bytes_to_gpu;
         }
         if let Some(q) = &self.quest {
             let sel: Vec<u32> = rt.read_all(&q.sel_counts).await?;
@@ -600,7 +649,8 @@ impl Pipeline {
         }
         let pages_in_use = cfg.n_pages - ctl.free_top;
         let context = self.workload.position(0);
-        let tokens = u64::from(context) * u64::from(cfg.max_seqs) * u64::from(cfg.layers);
+        // K/V vectors (token x KV head) held in the GPU pool.
+        let vectors: u64 = rings.iter().filter(|r| r.count > 0).map(|r| u64::from((r.count - 1) * cfg.page_size + r.fill)).sum();
         let stats = self.router.read_stats(rt).await?;
         let summary = self.router.read_summary(rt).await?;
         let e = self.cfg.workload.n_experts as usize;
@@ -619,7 +669,7 @@ impl Pipeline {
             gpu,
             host_ms,
             kv_bytes_resident: u64::from(pages_in_use) * cfg.page_bytes(),
-            kv_bytes_tokens: tokens * cfg.token_kv_bytes(),
+            kv_bytes_tokens: vectors * cfg.token_kv_bytes() / u64::from(cfg.kv_heads),
             pages_in_use,
             pages_total: cfg.n_pages,
             shard_pages,
@@ -630,6 +680,8 @@ impl Pipeline {
             attention_error: None,
             full_kv_bytes: None,
             kv_bytes_attended: u64::from(pages_in_use) * cfg.page_bytes(),
+            host_kv_bytes: 0,
+            tier_bytes_moved: 0,
         })
     }
 

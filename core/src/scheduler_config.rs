@@ -26,9 +26,12 @@ pub enum SchedulerConfig {
     /// QUEST: per-page key bounds; per query, attention reads only the pages with the highest
     /// bound on q.k (the budget's worth). Pages are selected, not evicted.
     Quest,
+    /// FlexGen-style placement: the budget's worth of the hottest pages on the GPU, the rest in
+    /// host memory, fetched back when a query's bound selects them.
+    FlexGen,
 }
 
-pub const SCHEDULER_NAMES: &str = "h2o, streaming-llm, lru, lru-plus, adakv, duo, quest";
+pub const SCHEDULER_NAMES: &str = "h2o, streaming-llm, lru, lru-plus, adakv, duo, quest, flexgen";
 
 /// How the per-list utility threshold (extra eviction of low-mass tokens under the budget) is set.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -57,12 +60,19 @@ impl SchedulerConfig {
             SchedulerConfig::AdaKv { .. } => "adakv",
             SchedulerConfig::Duo { .. } => "duo",
             SchedulerConfig::Quest => "quest",
+            SchedulerConfig::FlexGen => "flexgen",
         }
     }
 
-    /// Whether the policy evicts (the others select or place pages).
+    /// Whether the policy bounds the GPU pool (evicting, or placing pages in host memory); QUEST
+    /// keeps every page and selects among them.
     pub fn evicts(&self) -> bool {
         !matches!(self, SchedulerConfig::Quest)
+    }
+
+    /// Whether the policy runs on the shared GPU eviction kernels (`evict/*`).
+    pub fn uses_evict_kernels(&self) -> bool {
+        !matches!(self, SchedulerConfig::Quest | SchedulerConfig::FlexGen)
     }
 
     pub fn default_for(name: &str) -> Result<SchedulerConfig> {
@@ -74,6 +84,7 @@ impl SchedulerConfig {
             "adakv" => SchedulerConfig::AdaKv { floor: 0.2, sinks: 4, window: 32 },
             "duo" | "duo-attention" => SchedulerConfig::Duo { tau: 0.5, sinks: 4, window: 64 },
             "quest" => SchedulerConfig::Quest,
+            "flexgen" => SchedulerConfig::FlexGen,
             other => return Err(Error::config("scheduler", other, format!("allowed values: {SCHEDULER_NAMES}"))),
         })
     }
@@ -159,8 +170,8 @@ impl SchedulerConfig {
                 p.duo_tau = tau;
                 (policies::DUO, sinks, window)
             }
-            // Not an eviction policy: evict/* never runs with it.
-            SchedulerConfig::Quest => (u32::MAX, 0, 0),
+            // Not evict/* policies: those kernels never run with them.
+            SchedulerConfig::Quest | SchedulerConfig::FlexGen => (u32::MAX, 0, 0),
         };
         p.policy = policy;
         p.sinks = sinks;
@@ -168,7 +179,7 @@ impl SchedulerConfig {
     }
 
     pub fn all_defaults() -> Vec<SchedulerConfig> {
-        ["h2o", "streaming-llm", "lru", "lru-plus", "adakv", "duo", "quest"]
+        ["h2o", "streaming-llm", "lru", "lru-plus", "adakv", "duo", "quest", "flexgen"]
             .iter()
             .filter_map(|n| SchedulerConfig::default_for(n).ok())
             .collect()

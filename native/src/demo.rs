@@ -283,6 +283,25 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
         }
         println!(" {:>6.3} {:>5.1}%  {:?}", r.routing_entropy, 100.0 * r.miss_rate, r.shard_pages);
     }
+    if let Some((fg, _)) = &p.flexgen
+        && !a.json
+    {
+        let s = &fg.stats;
+        println!(
+            "flexgen: {} in host memory ({} pages); {} pages offloaded, {} fetched back; {} moved to the host, {} to the GPU",
+            fmt_bytes(s.host_bytes),
+            s.host_pages,
+            s.offloaded_pages,
+            s.fetched_pages,
+            fmt_bytes(s.bytes_to_host),
+            fmt_bytes(s.bytes_to_gpu)
+        );
+    }
+    if let Some(q) = &p.quest
+        && !a.json
+    {
+        println!("quest: attention reads at most {} pages per (layer, sequence, KV head) list", q.keep_pages);
+    }
     let v = pollster::block_on(p.verify(&rt)).context("verification")?;
     if a.json {
         println!("{}", serde_json::to_string(&serde_json::json!({"verify": &v, "config": cfg}))?);

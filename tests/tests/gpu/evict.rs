@@ -348,8 +348,10 @@ fn duo_classifies_heads_and_streams_only_streaming_heads() {
 #[test]
 fn eviction_brings_allocated_bytes_under_budget() {
     let rt = rt();
-    for (i, sched) in
-        SchedulerConfig::all_defaults().into_iter().filter(|s| s.evicts() && !matches!(s, SchedulerConfig::Duo { .. })).enumerate()
+    for (i, sched) in SchedulerConfig::all_defaults()
+        .into_iter()
+        .filter(|s| s.uses_evict_kernels() && !matches!(s, SchedulerConfig::Duo { .. }))
+        .enumerate()
     {
         let shards = 2;
         let (pool, _model, lens) = filled(rt, 2, 160, shards);

@@ -70,3 +70,38 @@ fn demo_pipeline_with_eviction_matches_reference_and_stays_under_budget() {
         assert!(v.placement_identical && v.attention_max_abs_err <= v.attention_tolerance, "seed {seed} {sched}: {v:?}");
     }
 }
+
+#[test]
+fn flexgen_keeps_the_gpu_tier_in_budget_and_fetches_selected_pages() {
+    use expertkv_core::scheduler_config::SchedulerConfig;
+    let rt = rt();
+    let seed = seeds("flexgen_pipeline", 1)[0];
+    let cfg = DemoConfig {
+        workload: WorkloadConfig { seed, n_seqs: 2, layers: 1, prompt_len: 200, ..Default::default() },
+        steps: 6,
+        scheduler: Some(SchedulerConfig::FlexGen),
+        budget: "64".into(),
+        verify: false,
+        ..Default::default()
+    };
+    let mut p = pollster::block_on(Pipeline::new(rt, cfg.clone())).expect("pipeline");
+    pollster::block_on(p.prefill(rt, &mut |_, _| {})).expect("prefill");
+    let mut last = None;
+    for _ in 0..6 {
+        last = Some(pollster::block_on(p.step(rt)).expect("step"));
+    }
+    let r = last.expect("steps");
+    let (fg, _) = p.flexgen.as_ref().expect("flexgen");
+    let lists = cfg.workload.n_seqs * cfg.workload.kv_heads;
+    // GPU tier: the budget's pages plus the newest page of each shard ring, per list.
+    let max_pages = lists * (64u32.div_ceil(cfg.page_size) + cfg.n_shards);
+    assert!(r.pages_in_use <= max_pages, "seed {seed}: {} GPU pages over {max_pages}", r.pages_in_use);
+    // Every token is somewhere: GPU pages or host memory.
+    let gpu_vectors = r.kv_bytes_tokens / (cfg.pool_config().token_kv_bytes() / u64::from(cfg.workload.kv_heads));
+    let host_vectors: u64 = (0..lists).map(|l| u64::from(fg.host_tokens(l))).sum();
+    assert_eq!(gpu_vectors + host_vectors, u64::from(lists) * 206, "seed {seed}: tokens lost between the tiers");
+    assert!(fg.stats.fetched_pages > 0 && fg.stats.offloaded_pages > 0, "seed {seed}: {:?}", fg.stats);
+    assert!(r.host_kv_bytes > 0 && r.tier_bytes_moved > 0);
+    let err = r.attention_error.expect("reference");
+    assert!(err > 0.0 && err < 0.5, "seed {seed}: attention error {err}");
+}
