@@ -218,13 +218,10 @@ impl FlexGen {
                     Some(x) => x,
                     None => t.insert(Self::tables(rt, pool).await?),
                 };
-                loop {
-                    // Best host page, weakest resident non-tail page.
-                    let Some((hi_i, best_ub)) =
-                        host.iter().enumerate().map(|(i, p)| (i, ub(&p.lo, &p.hi))).max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(&a.0)))
-                    else {
-                        break;
-                    };
+                // Best host page against the weakest resident non-tail page, until none beats it.
+                while let Some((hi_i, best_ub)) =
+                    host.iter().enumerate().map(|(i, p)| (i, ub(&p.lo, &p.hi))).max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(&a.0)))
+                {
                     let mut weakest: Option<(f64, u32, usize)> = None;
                     for s in 0..ns {
                         let key = li * ns + s;
