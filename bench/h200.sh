@@ -7,10 +7,8 @@ export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 B=.bin/expertkv
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-$B info --json > "$OUT/info.json" 2>&1
-$B bench route --json --torch | tee "$OUT/route.jsonl"
-$B bench attend --json --torch | tee "$OUT/attend.jsonl"
-$B demo --seqs 8 --layers 4 --prompt 4096 --steps 8 --head-dim 128 --kv-heads 8 --experts 64 --top-k 4 --router cache-aware --no-verify | tee "$OUT/demo.txt"
+$B bench route --json --torch > "$OUT/route.jsonl"
+$B bench attend --json --torch > "$OUT/attend.jsonl"
 python3 - "$OUT" <<'PY'
 import json, sys, os
 d = sys.argv[1]
@@ -22,3 +20,5 @@ for name in ["route.jsonl", "attend.jsonl"]:
         extra = r.get('speedup_vs_torch', r.get('ratio_to_torch', ''))
         print(f"{r['kernel']:<14} {r['shape']:<36} {r['variant']:<46} {r['median_ms']:.4f} ms {r['gbps']:8.1f} GB/s ratio {r['ratio_to_copy']:.3f} torch {r.get('torch_ms','')} {extra}")
 PY
+$B sweep --schedulers h2o,streaming-llm,lru,lru-plus,adakv,duo,quest,flexgen --budgets 50%,25%,10% \
+  --prompt 2048 --steps 8 --seqs 8 --layers 2 --head-dim 128 2>&1 | tee "$OUT/sweep.md"
