@@ -130,18 +130,19 @@ pub fn run(gpu: &GpuArgs, a: &SweepArgs) -> Result<()> {
             rt.info.name, rt.info.backend, a.steps, a.prompt, a.seqs, a.layers
         );
         println!(
-            "| router | scheduler | budget | attention error (rel. L2) | GPU ms / step | KV resident | full KV | kept attention | routing miss |"
+            "| router | scheduler | budget | attention error (rel. L2) | GPU ms / step | KV resident | KV read / step | full KV | kept attention | routing miss |"
         );
-        println!("|---|---|---|---|---|---|---|---|---|");
+        println!("|---|---|---|---|---|---|---|---|---|---|");
         for r in &rows {
             println!(
-                "| {} | {} | {} | {} | {:.3} | {} | {} | {:.1}% | {:.1}% |",
+                "| {} | {} | {} | {} | {:.3} | {} | {} | {} | {:.1}% | {:.1}% |",
                 r.router,
                 r.scheduler,
                 r.budget,
                 r.attention_error.map(|e| format!("{e:.2e}")).unwrap_or_else(|| "0 (full)".into()),
                 r.gpu_ms,
                 fmt_bytes(r.kv_bytes),
+                fmt_bytes(r.kv_read_bytes),
                 r.full_kv_bytes.map(fmt_bytes).unwrap_or_else(|| fmt_bytes(r.kv_bytes)),
                 100.0 * r.kept_attention,
                 100.0 * r.miss_rate
