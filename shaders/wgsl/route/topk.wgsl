@@ -88,24 +88,28 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(local_invocation
         }
     } else {
         // Hierarchical: keep the TOPK_GROUPS groups with the best maximum score.
-        var group_keep: array<u32, 8>;
-        var per = E;
-        for (var i = 0u; i < 8u; i++) {
-            group_keep[i] = 0xffffffffu;
-        }
         if (params.router == ROUTER_HIERARCHICAL) {
-            per = E / params.n_groups;
+            let per = E / params.n_groups;
             var gs: array<f32, TOPK_GROUPS>;
             var gi: array<u32, TOPK_GROUPS>;
             for (var i = 0u; i < TOPK_GROUPS; i++) {
                 gs[i] = NEG_INF;
                 gi[i] = NONE;
             }
+            let vec_groups = E_VEC4 && (per % 4u) == 0u;
             for (var g = 0u; g < params.n_groups; g++) {
                 var m = NEG_INF;
-                for (var j = 0u; j < per; j++) {
-                    let e = g * per + j;
-                    m = max(m, logits[row + e] + bias_sh[e]);
+                if (vec_groups) {
+                    for (var j = 0u; j < per; j += 4u) {
+                        let e = g * per + j;
+                        let v = logits4[(row + e) / 4u];
+                        m = max(m, max(max(v.x + bias_sh[e], v.y + bias_sh[e + 1u]), max(v.z + bias_sh[e + 2u], v.w + bias_sh[e + 3u])));
+                    }
+                } else {
+                    for (var j = 0u; j < per; j++) {
+                        let e = g * per + j;
+                        m = max(m, logits[row + e] + bias_sh[e]);
+                    }
                 }
                 if (m > gs[TOPK_GROUPS - 1u] || gi[TOPK_GROUPS - 1u] == NONE) {
                     var cs = m;
@@ -122,16 +126,33 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(local_invocation
                     }
                 }
             }
-            for (var i = 0u; i < 8u; i++) {
-                group_keep[i] = 0u;
-            }
+            // Only the kept groups' experts, groups in increasing index (ties stay with the
+            // lower expert).
+            var last = 0xffffffffu;
             for (var i = 0u; i < TOPK_GROUPS; i++) {
-                group_keep[gi[i] / 32u] |= 1u << (gi[i] % 32u);
-            }
-            for (var e = 0u; e < E; e++) {
-                let g = e / per;
-                if ((group_keep[g / 32u] & (1u << (g % 32u))) != 0u) {
-                    best_insert(&best, logits[row + e] + bias_sh[e], e);
+                // The next kept group in increasing index.
+                var g = 0xffffffffu;
+                for (var k = 0u; k < TOPK_GROUPS; k++) {
+                    let cand = gi[k];
+                    if ((last == 0xffffffffu || cand > last) && (g == 0xffffffffu || cand < g)) {
+                        g = cand;
+                    }
+                }
+                last = g;
+                if (vec_groups) {
+                    for (var j = 0u; j < per; j += 4u) {
+                        let e = g * per + j;
+                        let v = logits4[(row + e) / 4u];
+                        best_insert(&best, v.x + bias_sh[e], e);
+                        best_insert(&best, v.y + bias_sh[e + 1u], e + 1u);
+                        best_insert(&best, v.z + bias_sh[e + 2u], e + 2u);
+                        best_insert(&best, v.w + bias_sh[e + 3u], e + 3u);
+                    }
+                } else {
+                    for (var j = 0u; j < per; j++) {
+                        let e = g * per + j;
+                        best_insert(&best, logits[row + e] + bias_sh[e], e);
+                    }
                 }
             }
         } else if (E_VEC4) {
