@@ -44,11 +44,11 @@ pub struct DemoArgs {
     #[arg(long)]
     top_k: Option<u32>,
     /// Router: name or name:key=value,... One of hash, topk, load-balance, cache-aware (pikv),
-    /// entropy (eplb), adaptive, hierarchical [default: topk].
+    /// entropy (eplb), adaptive, hierarchical [default: cache-aware].
     #[arg(long)]
     router: Option<String>,
-    /// Scheduler (eviction policy): name or name:key=value,... One of h2o, streaming-llm, lru,
-    /// lru-plus, adakv, duo [default: none, the full cache].
+    /// Scheduler: name or name:key=value,... One of h2o, streaming-llm, lru, lru-plus, adakv,
+    /// duo, quest, flexgen, or none for the full cache [default: h2o].
     #[arg(long)]
     scheduler: Option<String>,
     /// Tokens each (layer, sequence, KV head) keeps under the scheduler: a number or a share of

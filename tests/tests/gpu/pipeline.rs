@@ -16,6 +16,7 @@ fn demo_pipeline_matches_reference() {
             workload: WorkloadConfig { seed, n_seqs: 3, layers: 2, prompt_len: 150, ..Default::default() },
             steps: 5,
             router,
+            scheduler: None,
             ..Default::default()
         };
         let mut p = pollster::block_on(Pipeline::new(rt, cfg)).expect("pipeline");
