@@ -99,6 +99,7 @@ pub struct Attention {
     pub out: wgpu::Buffer,
     pub stats: wgpu::Buffer,
     split_bgs: Vec<wgpu::BindGroup>,
+    codec_split: Option<(wgpu::ComputePipeline, wgpu::BindGroup)>,
     reduce_bg: wgpu::BindGroup,
     mass_bg: Option<wgpu::BindGroup>,
     n_buffers: u32,
@@ -146,7 +147,9 @@ impl Attention {
         let q_heads = cfg.kv_heads * opts.group;
         let d = cfg.head_dim;
         let n_chunks = cfg.max_pages_per_seq().div_ceil(opts.chunk_pages);
-        let n_buffers = pool.n_buffers() as u32;
+        // Compressed pages get one more partial slot, after the raw pool buffers'.
+        let has_codec = cfg.codec != crate::config::Codec::None;
+        let n_buffers = pool.n_buffers() as u32 + u32::from(has_codec);
         let max_tokens = cfg.max_pages_per_seq() * cfg.page_size;
         let split = match variant {
             SplitVariant::Tiled => rt.pipeline(Kernel::AttendSplitTiled, &[]).await?,
@@ -208,6 +211,17 @@ impl Attention {
                 )
             })
             .collect();
+        let codec_split = if has_codec {
+            let p = rt.pipeline(Kernel::AttendSplitCodec, &[]).await?;
+            let bg = rt.bind(
+                Kernel::AttendSplitCodec.label(),
+                &p,
+                &[&pool.geometry, &params, page_list, page_counts, &pool.page_meta, &pool.codec_kv, &queries, &partials, &scores],
+            );
+            Some((p, bg))
+        } else {
+            None
+        };
         let reduce_bg = rt.bind(Kernel::AttendReduce.label(), &reduce, &[&params, &dims, &partials, &out, &stats]);
         let mass_bg = mass.as_ref().map(|m| {
             rt.bind(
@@ -233,6 +247,7 @@ impl Attention {
             out,
             stats,
             split_bgs,
+            codec_split,
             reduce_bg,
             mass_bg,
             n_buffers,
@@ -303,6 +318,11 @@ impl Attention {
     pub fn encode_split(&self, pass: &mut wgpu::ComputePass<'_>) {
         pass.set_pipeline(&self.split);
         for bg in &self.split_bgs {
+            pass.set_bind_group(0, bg, &[]);
+            pass.dispatch_workgroups(self.n_chunks, self.kv_heads, self.opts.n_seqs);
+        }
+        if let Some((p, bg)) = &self.codec_split {
+            pass.set_pipeline(p);
             pass.set_bind_group(0, bg, &[]);
             pass.dispatch_workgroups(self.n_chunks, self.kv_heads, self.opts.n_seqs);
         }

@@ -5,7 +5,7 @@ use expertkv_shaders::Kernel;
 use serde::Serialize;
 
 use crate::attend::{AttendOptions, Attention};
-use crate::config::{KvDtype, PoolConfig, ShardMap};
+use crate::config::{Codec, KvDtype, PoolConfig, ShardMap};
 use crate::error::{Error, Result};
 use crate::gpu_data::CopyParams;
 use crate::pool::KvPool;
@@ -200,6 +200,8 @@ impl AttendShape {
             top_k: 1,
             shard_map: ShardMap::Pikv { n_tok: n_shards, n_exp: n_shards },
             max_buffer_bytes: None,
+            codec: Codec::None,
+            codec_pages: 0,
         }
     }
 }

@@ -100,6 +100,102 @@ pub struct PoolConfig {
     pub shard_map: ShardMap,
     /// Cap on one pool buffer's size; `None` uses the adapter's storage-binding limit.
     pub max_buffer_bytes: Option<u64>,
+    /// How full pages (not a ring's newest) are stored; `Codec::None` keeps them raw.
+    #[serde(default)]
+    pub codec: Codec,
+    /// Compressed pages (a second pool; ids follow the raw pages').
+    #[serde(default)]
+    pub codec_pages: u32,
+}
+
+/// Page codecs: a page that fills (and is no longer a ring's newest) is encoded on the GPU into a
+/// compressed page of the codec's size and the raw page freed; attention decodes in-kernel.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "name", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum Codec {
+    #[default]
+    None,
+    /// KIVI 8-bit: keys per channel (over the page's slots), values per token in groups of
+    /// `group` dimensions; min and scale as f16.
+    Int8 { group: u32 },
+    /// KIVI 4-bit, same layout with 4-bit codes.
+    Int4 { group: u32 },
+    /// FastV as the PiKV article describes it: keys keep their first `keep` dimensions.
+    FastvDims { keep: u32 },
+}
+
+pub const CODEC_NAMES: &str = "none, int8, int4, fastv-dims";
+
+/// `Geometry::codec`; must match `CODEC_*` in `shaders/wgsl/common/codec.wgsl`.
+pub mod codec_ids {
+    pub const NONE: u32 = 0;
+    pub const INT8: u32 = 1;
+    pub const INT4: u32 = 2;
+    pub const FASTV_DIMS: u32 = 3;
+}
+
+impl Codec {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Codec::None => "none",
+            Codec::Int8 { .. } => "int8",
+            Codec::Int4 { .. } => "int4",
+            Codec::FastvDims { .. } => "fastv-dims",
+        }
+    }
+
+    pub fn id(&self) -> u32 {
+        match self {
+            Codec::None => codec_ids::NONE,
+            Codec::Int8 { .. } => codec_ids::INT8,
+            Codec::Int4 { .. } => codec_ids::INT4,
+            Codec::FastvDims { .. } => codec_ids::FASTV_DIMS,
+        }
+    }
+
+    /// `name` or `name:key=value,...` (int8/int4: group; fastv-dims: keep).
+    pub fn parse(spec: &str) -> Result<Codec> {
+        let (name, rest) = spec.split_once(':').unwrap_or((spec, ""));
+        let mut c = match name.trim() {
+            "none" => Codec::None,
+            "int8" => Codec::Int8 { group: 32 },
+            "int4" => Codec::Int4 { group: 32 },
+            "fastv-dims" | "fastv" => Codec::FastvDims { keep: 64 },
+            other => return Err(Error::config("codec", other, format!("allowed values: {CODEC_NAMES}"))),
+        };
+        for kv in rest.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let (k, v) = kv.split_once('=').ok_or_else(|| Error::config("codec", spec, format!("`{kv}` is not key=value")))?;
+            let n: u32 = v.trim().parse().map_err(|_| Error::config("codec", spec, format!("`{}` needs a whole number", k.trim())))?;
+            match (&mut c, k.trim()) {
+                (Codec::Int8 { group } | Codec::Int4 { group }, "group") => *group = n,
+                (Codec::FastvDims { keep }, "keep") => *keep = n,
+                _ => return Err(Error::config("codec", spec, format!("codec `{}` has no parameter `{}`", c.name(), k.trim()))),
+            }
+        }
+        Ok(c)
+    }
+
+    /// Bits per stored code (quantisers).
+    fn bits(&self) -> u32 {
+        match self {
+            Codec::Int8 { .. } => 8,
+            Codec::Int4 { .. } => 4,
+            _ => 16,
+        }
+    }
+
+    /// u32 words of one compressed page of `page_size` slots of `head_dim` dimensions.
+    pub fn page_words(&self, page_size: u32, head_dim: u32) -> u32 {
+        match *self {
+            Codec::None => 0,
+            Codec::Int8 { group } | Codec::Int4 { group } => {
+                let b = self.bits();
+                // K: per-channel (min, scale) f16 pairs; codes. V: per (slot, group) pairs; codes.
+                head_dim + 2 * page_size * head_dim * b / 32 + page_size * (head_dim / group.max(1))
+            }
+            Codec::FastvDims { keep } => page_size * keep / 2 + page_size * head_dim / 2,
+        }
+    }
 }
 
 impl Default for PoolConfig {
@@ -117,6 +213,8 @@ impl Default for PoolConfig {
             top_k: 2,
             shard_map: ShardMap::Pikv { n_tok: 8, n_exp: 8 },
             max_buffer_bytes: None,
+            codec: Codec::None,
+            codec_pages: 0,
         }
     }
 }
@@ -165,6 +263,7 @@ impl PoolConfig {
 
     /// Check every field on its own and in combination; the error names the field.
     pub fn validate(&self) -> Result<()> {
+        self.validate_codec()?;
         let pos = |field: &'static str, v: u32| {
             if v == 0 { Err(Error::config(field, v, "must be at least 1")) } else { Ok(()) }
         };
@@ -220,7 +319,7 @@ impl PoolConfig {
                 "layers x max_seqs x kv_heads x n_shards x ring_capacity overflows u32",
             ));
         }
-        let slots = u64::from(self.n_pages) * u64::from(self.page_size) * u64::from(self.meta_words());
+        let slots = u64::from(self.n_ids()) * u64::from(self.page_size) * u64::from(self.meta_words());
         if slots > u64::from(u32::MAX) {
             return Err(Error::config("n_pages", self.n_pages, "slot metadata index overflows u32; use fewer pages"));
         }
@@ -230,6 +329,42 @@ impl PoolConfig {
             return Err(Error::config("max_buffer_bytes", b, format!("smaller than one page ({} bytes)", self.page_bytes())));
         }
         Ok(())
+    }
+
+    fn validate_codec(&self) -> Result<()> {
+        match self.codec {
+            Codec::None => return Ok(()),
+            Codec::Int8 { group } | Codec::Int4 { group } => {
+                if group == 0 || !self.head_dim.is_multiple_of(group) {
+                    return Err(Error::config("codec.group", group, format!("must divide head_dim = {}", self.head_dim)));
+                }
+                if !self.head_dim.is_multiple_of(8) {
+                    return Err(Error::config("head_dim", self.head_dim, "the quantisers need a multiple of 8"));
+                }
+            }
+            Codec::FastvDims { keep } => {
+                if keep == 0 || keep > self.head_dim || !keep.is_multiple_of(2) {
+                    return Err(Error::config("codec.keep", keep, format!("must be even, in 2..={}", self.head_dim)));
+                }
+            }
+        }
+        if self.dtype != KvDtype::F16 {
+            return Err(Error::config("codec", self.codec.name(), "codecs encode f16 pages; use dtype f16"));
+        }
+        if self.codec_pages == 0 {
+            return Err(Error::config("codec_pages", 0, "a codec needs compressed pages"));
+        }
+        Ok(())
+    }
+
+    /// Page ids in use: raw pages, then compressed pages.
+    pub fn n_ids(&self) -> u32 {
+        self.n_pages + if self.codec == Codec::None { 0 } else { self.codec_pages }
+    }
+
+    /// Bytes of one compressed page (0 without a codec).
+    pub fn codec_page_bytes(&self) -> u64 {
+        u64::from(self.codec.page_words(self.page_size, self.head_dim)) * 4
     }
 
     /// Pages each pool buffer holds under a per-buffer byte cap (also kept under 4 GiB of words).
@@ -270,7 +405,17 @@ impl PoolConfig {
             meta_words: self.meta_words(),
             max_pages_per_seq: self.max_pages_per_seq(),
             f16_kv: u32::from(self.dtype == KvDtype::F16),
-            _pad0: 0,
+            codec: self.codec.id(),
+            codec_pages: if self.codec == Codec::None { 0 } else { self.codec_pages },
+            codec_page_words: self.codec.page_words(self.page_size, self.head_dim),
+            codec_param: match self.codec {
+                Codec::FastvDims { keep } => keep,
+                _ => 0,
+            },
+            v_group: match self.codec {
+                Codec::Int8 { group } | Codec::Int4 { group } => group,
+                _ => 0,
+            },
         }
     }
 }

@@ -63,7 +63,7 @@ impl Scheduler {
         let c = &pool.cfg;
         let n_lists = c.n_lists();
         let n_keys = c.n_keys();
-        let slots = c.n_pages * c.page_size;
+        let slots = c.n_ids() * c.page_size;
         let max_moves = n_keys * c.ring_capacity * c.page_size;
         let params = rt.uniform("evict params", &EvictParams::default());
         let utility = rt.storage("evict utility", u64::from(slots) * 4);

@@ -29,9 +29,13 @@ pub struct Geometry {
     pub meta_words: u32,
     pub max_pages_per_seq: u32,
     pub f16_kv: u32,
-    pub _pad0: u32,
+    pub codec: u32,
+    pub codec_pages: u32,
+    pub codec_page_words: u32,
+    pub codec_param: u32,
+    pub v_group: u32,
 }
-const _: () = assert!(std::mem::size_of::<Geometry>() == 80);
+const _: () = assert!(std::mem::size_of::<Geometry>() == 96);
 
 /// Must match `RingState` in `shaders/wgsl/common/pool.wgsl`.
 #[repr(C)]
@@ -64,7 +68,7 @@ pub struct PoolCtl {
     pub tokens_appended: u32,
     pub pages_released: u32,
     pub pages_evicted: u32,
-    pub _pad1: u32,
+    pub codec_free_top: u32,
 }
 const _: () = assert!(std::mem::size_of::<PoolCtl>() == 32);
 

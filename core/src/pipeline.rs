@@ -10,7 +10,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::attend::{AttendOptions, Attention};
-use crate::config::{KvDtype, PoolConfig, ShardMap};
+use crate::config::{Codec, KvDtype, PoolConfig, ShardMap};
 use crate::error::{Error, Result};
 use crate::evict::Scheduler;
 use crate::flexgen::FlexGen;
@@ -146,6 +146,8 @@ impl DemoConfig {
             top_k: w.top_k,
             shard_map: self.shard_map,
             max_buffer_bytes: None,
+            codec: Codec::None,
+            codec_pages: 0,
         }
     }
 }

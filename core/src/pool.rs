@@ -25,6 +25,15 @@ pub struct PoolSnapshot {
     pub free_stack: Vec<u32>,
     pub ctl: PoolCtl,
     pub slot_meta: Vec<u32>,
+    pub codec_free: Vec<u32>,
+}
+
+/// The passes that compress full pages (`codec/plan`, `codec/encode`).
+struct CodecPasses {
+    plan: (wgpu::ComputePipeline, wgpu::BindGroup),
+    encode: (wgpu::ComputePipeline, Vec<wgpu::BindGroup>),
+    dispatch: wgpu::Buffer,
+    _jobs: wgpu::Buffer,
 }
 
 /// Growable staging buffers of the append passes.
@@ -68,6 +77,10 @@ pub struct KvPool {
     release_counts: wgpu::Buffer,
     release_bg: wgpu::BindGroup,
     scratch: Option<AppendScratch>,
+    /// Compressed pages (ids `n_pages..n_ids`), their free stack, and the compression passes.
+    pub codec_kv: wgpu::Buffer,
+    pub codec_free: wgpu::Buffer,
+    codec: Option<CodecPasses>,
 }
 
 /// Router output an append takes its tokens' experts and gates from (row i for token i), instead
@@ -106,8 +119,10 @@ impl KvPool {
                 Ok(())
             }
         };
-        let slots = u64::from(cfg.n_pages) * u64::from(cfg.page_size);
+        let slots = u64::from(cfg.n_ids()) * u64::from(cfg.page_size);
         check("slot metadata", slots * u64::from(cfg.meta_words()) * 4)?;
+        let codec_pages = cfg.n_ids() - cfg.n_pages;
+        check("compressed pages", u64::from(codec_pages) * cfg.codec_page_bytes())?;
         check("ring page table", u64::from(cfg.n_keys()) * u64::from(cfg.ring_capacity) * 4)?;
         check("page lists", u64::from(cfg.n_lists()) * u64::from(cfg.max_pages_per_seq()) * 4)?;
 
@@ -131,9 +146,12 @@ impl KvPool {
             &vec![RingState { head: 0, count: 0, fill: cfg.page_size, _pad: 0 }; cfg.n_keys() as usize],
         );
         let ring_pages = rt.storage_init("expertkv pool ring_pages", &vec![NO_OWNER; (cfg.n_keys() * cfg.ring_capacity) as usize]);
-        let page_meta = rt.storage_init("expertkv pool page_meta", &vec![PageMeta { owner: NO_OWNER, fill: 0 }; cfg.n_pages as usize]);
+        let page_meta = rt.storage_init("expertkv pool page_meta", &vec![PageMeta { owner: NO_OWNER, fill: 0 }; cfg.n_ids() as usize]);
         let free_stack = rt.storage_init("expertkv pool free_stack", &initial_free_stack(cfg.n_pages));
-        let ctl = rt.storage_init("expertkv pool ctl", &[PoolCtl { free_top: cfg.n_pages, ..Default::default() }]);
+        let ctl = rt.storage_init("expertkv pool ctl", &[PoolCtl { free_top: cfg.n_pages, codec_free_top: codec_pages, ..Default::default() }]);
+        let codec_kv = rt.storage("expertkv pool codec_kv", u64::from(codec_pages) * cfg.codec_page_bytes());
+        let codec_free: Vec<u32> = (cfg.n_pages..cfg.n_ids()).rev().collect();
+        let codec_free = rt.storage_init("expertkv pool codec_free", &codec_free);
         let slot_meta = rt.storage("expertkv pool slot_meta", slots * u64::from(cfg.meta_words()) * 4);
         let list_len = u64::from(cfg.n_lists()) * u64::from(cfg.max_pages_per_seq());
         let page_list = rt.storage("expertkv pool page_list", list_len * 4);
@@ -162,6 +180,30 @@ impl KvPool {
             &release_pipe,
             &[&geometry, &release_params, &release_counts, &rings, &ring_pages, &free_stack, &ctl, &page_meta],
         );
+        let codec = if cfg.codec == crate::config::Codec::None {
+            None
+        } else {
+            let jobs = rt.storage("codec jobs", u64::from(codec_pages) * 8);
+            let dispatch = rt.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("codec dispatch"),
+                size: 16,
+                usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::INDIRECT | wgpu::BufferUsages::COPY_SRC,
+                mapped_at_creation: false,
+            });
+            let plan_p = rt.pipeline(Kernel::CodecPlan, &[]).await?;
+            let plan_bg = rt.bind(
+                Kernel::CodecPlan.label(),
+                &plan_p,
+                &[&geometry, &rings, &ring_pages, &page_meta, &free_stack, &codec_free, &ctl, &jobs, &dispatch],
+            );
+            let enc_p = rt.pipeline(Kernel::CodecEncode, &[]).await?;
+            let enc_bgs = kv_buffers
+                .iter()
+                .zip(&window_bufs)
+                .map(|(kv, w)| rt.bind(Kernel::CodecEncode.label(), &enc_p, &[&geometry, w, &jobs, kv, &codec_kv, &slot_meta]))
+                .collect();
+            Some(CodecPasses { plan: (plan_p, plan_bg), encode: (enc_p, enc_bgs), dispatch, _jobs: jobs })
+        };
         rt.check("KV pool creation")?;
         Ok(KvPool {
             cfg,
@@ -190,6 +232,9 @@ impl KvPool {
             release_counts,
             release_bg,
             scratch: None,
+            codec,
+            codec_kv,
+            codec_free,
         })
     }
 
@@ -364,6 +409,39 @@ impl KvPool {
         rt.check("shard/append")
     }
 
+    /// Compress every full raw page that is no longer its ring's newest, while compressed pages
+    /// last (no-op without a codec).
+    pub fn encode_compress(&self, pass: &mut wgpu::ComputePass<'_>) {
+        let Some(c) = &self.codec else { return };
+        pass.set_pipeline(&c.plan.0);
+        pass.set_bind_group(0, &c.plan.1, &[]);
+        pass.dispatch_workgroups(1, 1, 1);
+        pass.set_pipeline(&c.encode.0);
+        for bg in &c.encode.1 {
+            pass.set_bind_group(0, bg, &[]);
+            pass.dispatch_workgroups_indirect(&c.dispatch, 0);
+        }
+    }
+
+    /// [`KvPool::encode_compress`] in its own submission.
+    pub fn compress(&self, rt: &Runtime) -> Result<()> {
+        if self.codec.is_none() {
+            return Ok(());
+        }
+        let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("codec") });
+        {
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("codec"), timestamp_writes: None });
+            self.encode_compress(&mut pass);
+        }
+        rt.queue.submit([enc.finish()]);
+        rt.check("codec")
+    }
+
+    /// Bytes allocated for compressed pages.
+    pub fn codec_bytes_allocated(&self) -> u64 {
+        if self.codec.is_some() { self.codec_kv.size() } else { 0 }
+    }
+
     /// Rebuild the page lists of `layers` (all sequences) from the rings.
     pub fn encode_gather(
         &self,
@@ -466,6 +544,7 @@ impl KvPool {
             free_stack: rt.read_all(&self.free_stack).await?,
             ctl: self.read_ctl(rt).await?,
             slot_meta: rt.read_all(&self.slot_meta).await?,
+            codec_free: rt.read_all(&self.codec_free).await?,
         })
     }
 
@@ -476,6 +555,14 @@ impl KvPool {
             out.extend(rt.read_all::<u32>(b).await?);
         }
         Ok(out)
+    }
+
+    /// Compressed page words (ids from `n_pages` on), in id order.
+    pub async fn read_codec_kv(&self, rt: &Runtime) -> Result<Vec<u32>> {
+        if self.codec.is_none() {
+            return Ok(Vec::new());
+        }
+        rt.read_all(&self.codec_kv).await
     }
 
     /// Page lists (per layer, sequence and KV head) and their lengths, as built by the last gather.

@@ -284,7 +284,7 @@ impl Router {
             &self.miss_finish_pipe,
             &[(0, &pool.geometry), (1, p), (4, &self.resident), (5, &self.stats)],
         );
-        self.miss_binds = Some((a, b, pool.cfg.n_pages * pool.cfg.page_size));
+        self.miss_binds = Some((a, b, pool.cfg.n_ids() * pool.cfg.page_size));
         Ok(())
     }
 

@@ -58,6 +58,10 @@ sources! {
     EVICT_FREE => "evict/free.wgsl",
     QUEST_SUMMARIZE => "quest/summarize.wgsl",
     QUEST_SELECT => "quest/select.wgsl",
+    COMMON_CODEC => "common/codec.wgsl",
+    CODEC_PLAN => "codec/plan.wgsl",
+    CODEC_ENCODE => "codec/encode.wgsl",
+    ATTEND_SPLIT_CODEC => "attend/split_codec.wgsl",
 }
 
 /// Every dispatchable kernel.
@@ -91,6 +95,9 @@ pub enum Kernel {
     EvictFree,
     QuestSummarize,
     QuestSelect,
+    CodecPlan,
+    CodecEncode,
+    AttendSplitCodec,
 }
 
 impl Kernel {
@@ -123,6 +130,9 @@ impl Kernel {
         Kernel::EvictFree,
         Kernel::QuestSummarize,
         Kernel::QuestSelect,
+        Kernel::CodecPlan,
+        Kernel::CodecEncode,
+        Kernel::AttendSplitCodec,
     ];
 
     pub fn source(self) -> Source {
@@ -152,6 +162,9 @@ impl Kernel {
             Kernel::EvictFree => EVICT_FREE,
             Kernel::QuestSummarize => QUEST_SUMMARIZE,
             Kernel::QuestSelect => QUEST_SELECT,
+            Kernel::CodecPlan => CODEC_PLAN,
+            Kernel::CodecEncode => CODEC_ENCODE,
+            Kernel::AttendSplitCodec => ATTEND_SPLIT_CODEC,
         }
     }
 

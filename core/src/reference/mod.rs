@@ -2,6 +2,7 @@
 //! (placements, pages, victims) exactly, floats within a tolerance suited to their precision.
 
 pub mod attend;
+pub mod codec;
 pub mod evict;
 pub mod pool;
 pub mod route;

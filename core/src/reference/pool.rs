@@ -47,20 +47,28 @@ pub struct PoolModel {
     pub slot_meta: Vec<u32>,
     /// `page_words` u32 per page, pages in global order.
     pub kv: Vec<u32>,
+    /// Compressed pages (ids from `n_pages` on), `codec.page_words` u32 each.
+    pub codec_kv: Vec<u32>,
+    /// Free stack of compressed page ids.
+    pub codec_free: Vec<u32>,
 }
 
 impl PoolModel {
     pub fn new(cfg: &PoolConfig) -> Self {
         let n = cfg.n_pages as usize;
+        let ids = cfg.n_ids() as usize;
+        let codec_pages = (cfg.n_ids() - cfg.n_pages) as usize;
         PoolModel {
             cfg: cfg.clone(),
             rings: vec![RingState { head: 0, count: 0, fill: cfg.page_size, _pad: 0 }; cfg.n_keys() as usize],
             ring_pages: vec![NO_OWNER; (cfg.n_keys() * cfg.ring_capacity) as usize],
-            page_meta: vec![PageMeta { owner: NO_OWNER, fill: 0 }; n],
+            page_meta: vec![PageMeta { owner: NO_OWNER, fill: 0 }; ids],
             free_stack: initial_free_stack(cfg.n_pages),
-            ctl: PoolCtl { free_top: cfg.n_pages, ..Default::default() },
-            slot_meta: vec![0; n * cfg.page_size as usize * cfg.meta_words() as usize],
+            ctl: PoolCtl { free_top: cfg.n_pages, codec_free_top: codec_pages as u32, ..Default::default() },
+            slot_meta: vec![0; ids * cfg.page_size as usize * cfg.meta_words() as usize],
             kv: vec![0; n * cfg.page_words() as usize],
+            codec_kv: vec![0; codec_pages * cfg.codec_page_bytes() as usize / 4],
+            codec_free: (cfg.n_pages..cfg.n_ids()).rev().collect(),
         }
     }
 
@@ -277,9 +285,15 @@ impl PoolModel {
             .collect()
     }
 
-    /// K (kv = 0) or V (kv = 1) of one cached slot of a (head-major) page, as f64.
+    /// K (kv = 0) or V (kv = 1) of one cached slot of a (head-major) page, as f64; compressed
+    /// pages decode as the attention kernel decodes them.
     pub fn vector(&self, page: u32, slot: u32, kv: usize) -> Vec<f64> {
         let cfg = &self.cfg;
+        if page >= cfg.n_pages {
+            let cw = cfg.codec_page_bytes() as usize / 4;
+            let c0 = (page - cfg.n_pages) as usize * cw;
+            return super::codec::decode_vector(cfg, &self.codec_kv[c0..c0 + cw], kv, slot as usize);
+        }
         let vw = cfg.vec_words() as usize;
         let base = page as usize * cfg.page_words() as usize + kv * cfg.page_size as usize * vw + slot as usize * vw;
         decode_words(&self.kv[base..base + vw], cfg.dtype)

@@ -24,7 +24,11 @@ struct Geometry {
     meta_words: u32,         // u32 words of metadata per slot
     max_pages_per_seq: u32,  // page list capacity per (layer, sequence, KV head) = n_shards * R
     f16_kv: u32,             // 1: K/V stored as packed f16 pairs, 0: f32
-    _pad0: u32,
+    codec: u32,              // CODEC_*: how full pages are stored (common/codec.wgsl)
+    codec_pages: u32,        // compressed pages; their ids follow the raw pages' (n_pages + i)
+    codec_page_words: u32,   // u32 words of one compressed page
+    codec_param: u32,        // FastV: dimensions kept; low rank: rank
+    v_group: u32,            // KIVI: dimensions per value quantisation group
 }
 
 // must match `RingState` in core/src/gpu_data.rs
@@ -50,7 +54,7 @@ struct PoolCtl {
     tokens_appended: u32,
     pages_released: u32,
     pages_evicted: u32,  // pages freed by eviction (compaction)
-    _pad1: u32,
+    codec_free_top: u32, // entries on the compressed pages' free stack
 }
 
 const SHARD_MAP_PIKV: u32 = 0u;

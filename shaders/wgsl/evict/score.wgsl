@@ -21,7 +21,7 @@
 fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     let slot = gid.x + gid.y * 65535u * 64u;
     let page = slot / geo.page_size;
-    if (page >= geo.n_pages) {
+    if (page >= geo.n_pages + geo.codec_pages) {
         return;
     }
     let pm = page_meta[page];

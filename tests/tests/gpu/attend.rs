@@ -2,7 +2,7 @@
 //! f64 reference, for both split variants and both shader-check modes.
 
 use expertkv_core::attend::{AttendOptions, Attention, SplitVariant, subgroup_layout};
-use expertkv_core::config::{KvDtype, PoolConfig, ShardMap};
+use expertkv_core::config::{Codec, KvDtype, PoolConfig, ShardMap};
 use expertkv_core::gpu_data::meta;
 use expertkv_core::pool::KvPool;
 use expertkv_core::reference::{PoolModel, attend_decode};
@@ -45,6 +45,8 @@ fn random_case(rng: &mut Rng) -> Case {
         top_k: 1,
         shard_map: ShardMap::Pikv { n_tok: n_shards, n_exp: n_shards },
         max_buffer_bytes: None,
+        codec: Codec::None,
+        codec_pages: 0,
     };
     cfg.n_pages = cfg.n_keys() * ring; // every ring can fill
     if rng.below(2) == 0 {

@@ -2,7 +2,7 @@
 //! on both sides of the boundary are stored and attended exactly as the reference says.
 
 use expertkv_core::attend::{AttendOptions, Attention, SplitVariant};
-use expertkv_core::config::{KvDtype, PoolConfig, ShardMap};
+use expertkv_core::config::{Codec, KvDtype, PoolConfig, ShardMap};
 use expertkv_core::pool::KvPool;
 use expertkv_core::reference::{NewToken, PoolModel, attend_decode};
 use expertkv_core::rng::Rng;
@@ -29,6 +29,8 @@ fn pool_crosses_the_real_binding_limit() {
         top_k: 1,
         shard_map: ShardMap::ByExpert,
         max_buffer_bytes: None,
+        codec: Codec::None,
+        codec_pages: 0,
     };
     let per_buffer = (limit / cfg.page_bytes()) as u32;
     if per_buffer > 4096 {

@@ -2,7 +2,7 @@
 
 use expertkv_core::Error;
 use expertkv_core::attend::{AttendOptions, Attention};
-use expertkv_core::config::{KvDtype, PoolConfig, ShardMap};
+use expertkv_core::config::{Codec, KvDtype, PoolConfig, ShardMap};
 use expertkv_core::pool::KvPool;
 use expertkv_core::reference::{NewToken, PoolModel};
 use expertkv_core::rng::Rng;
@@ -24,6 +24,8 @@ fn small() -> PoolConfig {
         top_k: 1,
         shard_map: ShardMap::ByExpert,
         max_buffer_bytes: None,
+        codec: Codec::None,
+        codec_pages: 0,
     }
 }
 

@@ -1,7 +1,7 @@
 //! Schedulers: utilities, budgets and victim sets against the CPU reference (victims exactly,
 //! pools identical after compaction), and tests that show each policy doing its job.
 
-use expertkv_core::config::{KvDtype, PoolConfig, ShardMap};
+use expertkv_core::config::{Codec, KvDtype, PoolConfig, ShardMap};
 use expertkv_core::evict::Scheduler;
 use expertkv_core::gpu_data::{KEEP_ALL, ListState, duo_kinds, from_orderable, meta, policies};
 use expertkv_core::pool::KvPool;
@@ -47,6 +47,8 @@ fn config(rng: &mut Rng) -> PoolConfig {
         top_k: 1,
         shard_map: ShardMap::Pikv { n_tok: n_shards, n_exp: n_shards },
         max_buffer_bytes: None,
+        codec: Codec::None,
+        codec_pages: 0,
     };
     cfg.n_pages = cfg.n_keys() * cfg.ring_capacity;
     if rng.below(2) == 0 {
@@ -194,6 +196,8 @@ fn filled(rt: &Runtime, heads: u32, n: u32, shards: u32) -> (KvPool, PoolModel, 
         top_k: 1,
         shard_map: ShardMap::Pikv { n_tok: shards, n_exp: shards },
         max_buffer_bytes: None,
+        codec: Codec::None,
+        codec_pages: 0,
     };
     let mut pool = pollster::block_on(KvPool::new(rt, cfg.clone())).expect("pool");
     let mut model = PoolModel::new(&cfg);

@@ -5,6 +5,8 @@
 
 mod common;
 
+mod codec;
+
 mod attend;
 mod buffers;
 mod copy;

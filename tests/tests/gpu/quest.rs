@@ -2,7 +2,7 @@
 //! the selection exact given the GPU's keys), and the selected pages hold the top keys.
 
 use expertkv_core::attend::{AttendOptions, Attention};
-use expertkv_core::config::{KvDtype, PoolConfig, ShardMap};
+use expertkv_core::config::{Codec, KvDtype, PoolConfig, ShardMap};
 use expertkv_core::gpu_data::from_orderable;
 use expertkv_core::pool::KvPool;
 use expertkv_core::quest::Quest;
@@ -47,6 +47,8 @@ fn quest_bounds_and_selection_gpu_match_cpu() {
             top_k: 1,
             shard_map: ShardMap::Pikv { n_tok: shards, n_exp: shards },
             max_buffer_bytes: if rng.below(2) == 0 { None } else { Some(4096 * 8) },
+            codec: Codec::None,
+            codec_pages: 0,
         };
         let ctx = format!("seed {seed}: {cfg:?}");
         let mut pool = pollster::block_on(KvPool::new(rt, cfg.clone())).expect("pool");
@@ -149,6 +151,8 @@ fn quest_selected_pages_hold_the_top_keys() {
         top_k: 2,
         shard_map: ShardMap::Pikv { n_tok: 2, n_exp: 2 },
         max_buffer_bytes: None,
+        codec: Codec::None,
+        codec_pages: 0,
     };
     let mut pool = pollster::block_on(KvPool::new(rt, cfg.clone())).expect("pool");
     let mut model = PoolModel::new(&cfg);

@@ -2,7 +2,7 @@
 //! tolerance), statistics, the adaptive gradient, miss rates counted from the pool, and tests that
 //! show each router doing its job.
 
-use expertkv_core::config::{KvDtype, PoolConfig, ShardMap};
+use expertkv_core::config::{Codec, KvDtype, PoolConfig, ShardMap};
 use expertkv_core::gpu_data::{ExpertStats, RouteSummary};
 use expertkv_core::pool::KvPool;
 use expertkv_core::reference::route as reference;
@@ -333,6 +333,8 @@ fn miss_rates_come_from_the_pool() {
         top_k: k,
         shard_map: ShardMap::Pikv { n_tok: 2, n_exp: 2 },
         max_buffer_bytes: None,
+        codec: Codec::None,
+        codec_pages: 0,
     };
     let mut pool = pollster::block_on(KvPool::new(rt, cfg.clone())).expect("pool");
     let mut model = PoolModel::new(&cfg);

@@ -1,7 +1,7 @@
 //! shard_append (plan, alloc, write), shard/release and shard/gather_pages against
 //! `reference::PoolModel`: every placement, page, ring and free-stack entry must be identical.
 
-use expertkv_core::config::{KvDtype, PoolConfig, ShardMap};
+use expertkv_core::config::{Codec, KvDtype, PoolConfig, ShardMap};
 use expertkv_core::gpu_data::{meta, plan_flags};
 use expertkv_core::pool::KvPool;
 use expertkv_core::reference::pool::{NewToken, PoolModel, encode_values};
@@ -38,6 +38,8 @@ pub fn random_config(rng: &mut Rng) -> PoolConfig {
         top_k: 1 + rng.below(3),
         shard_map,
         max_buffer_bytes: None,
+        codec: Codec::None,
+        codec_pages: 0,
     };
     cfg.n_pages = 4 + rng.below(cfg.n_keys() * cfg.ring_capacity / 2 + 8 * cfg.kv_heads);
     if rng.below(2) == 0 {
@@ -93,7 +95,8 @@ pub fn assert_same_state(rt: &Runtime, pool: &KvPool, model: &PoolModel, ctx: &s
     let mw = cfg.meta_words() as usize;
     let vw = cfg.vec_words() as usize;
     let block = cfg.page_size as usize * vw;
-    for (page, pm) in model.page_meta.iter().enumerate() {
+    // Raw pages here; compressed pages (ids from n_pages on) in the codec tests.
+    for (page, pm) in model.page_meta.iter().enumerate().take(cfg.n_pages as usize) {
         for s in 0..pm.fill as usize {
             let m = (page * cfg.page_size as usize + s) * mw;
             // Attention mass is a float written by other kernels: compared in the attend tests.
@@ -230,6 +233,8 @@ fn ring_wraps_and_reuses_freed_pages_in_order() {
         top_k: 1,
         shard_map: ShardMap::ByExpert,
         max_buffer_bytes: None,
+        codec: Codec::None,
+        codec_pages: 0,
     };
     let mut pool = pollster::block_on(KvPool::new(rt, cfg.clone())).expect("pool");
     let mut model = PoolModel::new(&cfg);

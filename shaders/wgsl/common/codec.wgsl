@@ -1,0 +1,130 @@
+// Compressed page layouts and the exact arithmetic of the quantisers, shared by the encoder and
+// the decoding attention (mirrored in core/src/reference/codec.rs).
+//
+// KIVI int8 / int4 page (u32 words), P slots, d dimensions, b bits, G dimensions per V group:
+//   [0, d)                     K: per channel i, (min, scale) as f16 pair (low = min)
+//   [d, d + P d b / 32)        K codes, row per slot, codes packed from the low bits
+//   then P (d / G) words       V: per (slot, group), (min, scale) as f16 pair
+//   then P d b / 32 words      V codes
+// FastV dims page: K rows of `keep` dimensions (f16 pairs), then V rows of d dimensions.
+//
+// Exactness: min is rounded down to f16, scale up (directed rounding done with integer ops);
+// codes are found by comparing x with min + (c - 0.5) * scale and decoded as min + c * scale.
+// Every product there is exact in f32 (an f16 times a number of at most 9 significant bits), so
+// fused or not, GPU and CPU produce the same bits.
+
+//!import common/pool.wgsl
+
+const CODEC_NONE: u32 = 0u;
+const CODEC_INT8: u32 = 1u;
+const CODEC_INT4: u32 = 2u;
+const CODEC_FASTV_DIMS: u32 = 3u;
+
+fn codec_bits(geo: Geometry) -> u32 {
+    return select(8u, 4u, geo.codec == CODEC_INT4);
+}
+
+fn codec_levels(geo: Geometry) -> u32 {
+    return select(255u, 15u, geo.codec == CODEC_INT4);
+}
+
+// 1 / levels as the f32 both sides use (1/15 and 1/255 correctly rounded).
+fn codec_inv_levels(geo: Geometry) -> f32 {
+    return select(bitcast<f32>(0x3b808081u), bitcast<f32>(0x3d888889u), geo.codec == CODEC_INT4);
+}
+
+// u32 words of one row of codes.
+fn code_row_words(geo: Geometry) -> u32 {
+    return geo.head_dim * codec_bits(geo) / 32u;
+}
+
+fn k_codes_off(geo: Geometry) -> u32 {
+    return geo.head_dim;
+}
+
+fn v_params_off(geo: Geometry) -> u32 {
+    return geo.head_dim + geo.page_size * code_row_words(geo);
+}
+
+fn v_codes_off(geo: Geometry) -> u32 {
+    return v_params_off(geo) + geo.page_size * (geo.head_dim / geo.v_group);
+}
+
+// Code of dimension i in a row starting at word `row`.
+fn code_at(geo: Geometry, word: u32, i: u32) -> u32 {
+    let b = codec_bits(geo);
+    let per = 32u / b;
+    return (word >> ((i % per) * b)) & ((1u << b) - 1u);
+}
+
+// f32 magnitude bits -> (f16 magnitude bits truncated toward zero, inexact flag).
+fn f16_trunc_mag(a: u32) -> vec2<u32> {
+    let exp = (a >> 23u) & 0xffu;
+    let mant = a & 0x7fffffu;
+    if (exp == 0u) {
+        return vec2<u32>(0u, select(0u, 1u, mant != 0u));
+    }
+    let e = i32(exp) - 112;  // - 127 + 15
+    if (e >= 31) {
+        return vec2<u32>(0x7bffu, 1u);
+    }
+    if (e >= 1) {
+        return vec2<u32>((u32(e) << 10u) | (mant >> 13u), select(0u, 1u, (mant & 0x1fffu) != 0u));
+    }
+    let shift = u32(1 - e) + 13u;
+    if (shift >= 24u) {
+        return vec2<u32>(0u, 1u);
+    }
+    let full = mant | 0x800000u;
+    return vec2<u32>(full >> shift, select(0u, 1u, (full & ((1u << shift) - 1u)) != 0u));
+}
+
+// f16 bits of x rounded toward +inf (up) or -inf (down); finite x, clamped to the finite range.
+fn f16_bits_dir(x: f32, up: bool) -> u32 {
+    let b = bitcast<u32>(x);
+    let neg = (b >> 31u) != 0u;
+    let t = f16_trunc_mag(b & 0x7fffffffu);
+    var h = t.x;
+    if (t.y != 0u && up != neg && h < 0x7bffu) {
+        h += 1u;
+    }
+    if (neg && h != 0u) {
+        h |= 0x8000u;
+    }
+    return h;
+}
+
+fn f16_value(bits: u32) -> f32 {
+    return unpack2x16float(bits & 0xffffu).x;
+}
+
+// (min, scale) f16 bits of a group with values in [lo, hi].
+fn quant_params(geo: Geometry, lo: f32, hi: f32) -> u32 {
+    let mn = f16_bits_dir(lo, false);
+    let range = hi - f16_value(mn);
+    let sc = f16_bits_dir(range * codec_inv_levels(geo), true);
+    return mn | (sc << 16u);
+}
+
+fn quantize(geo: Geometry, x: f32, params: u32) -> u32 {
+    let mn = f16_value(params);
+    let sc = f16_value(params >> 16u);
+    if (sc == 0.0) {
+        return 0u;
+    }
+    var lo = 0u;
+    var hi = codec_levels(geo);
+    while (lo < hi) {
+        let mid = (lo + hi + 1u) / 2u;
+        if (x >= mn + (f32(mid) - 0.5) * sc) {
+            lo = mid;
+        } else {
+            hi = mid - 1u;
+        }
+    }
+    return lo;
+}
+
+fn dequantize(code: u32, params: u32) -> f32 {
+    return f16_value(params) + f32(code) * f16_value(params >> 16u);
+}
