@@ -160,7 +160,7 @@ impl Codec {
             "none" => Codec::None,
             "int8" => Codec::Int8 { group: 32 },
             "int4" => Codec::Int4 { group: 32 },
-            "fastv-dims" | "fastv" => Codec::FastvDims { keep: 64 },
+            "fastv-dims" | "fastv" => Codec::FastvDims { keep: 32 },
             other => return Err(Error::config("codec", other, format!("allowed values: {CODEC_NAMES}"))),
         };
         for kv in rest.split(',').map(str::trim).filter(|s| !s.is_empty()) {

@@ -52,8 +52,11 @@ pub struct DemoConfig {
     /// such as "25%".
     pub budget: String,
     pub threshold: Threshold,
-    /// With a scheduler: keep a full-cache pool beside it to measure the attention error.
+    /// With a scheduler or a codec: keep a full f16 cache beside it to measure the attention
+    /// error.
     pub reference_attention: bool,
+    /// How full pages are stored (compression); needs no evicting scheduler.
+    pub codec: Codec,
 }
 
 impl Default for DemoConfig {
@@ -74,6 +77,7 @@ impl Default for DemoConfig {
             budget: "25%".into(),
             threshold: Threshold::default(),
             reference_attention: true,
+            codec: Codec::None,
         }
     }
 }
@@ -120,6 +124,18 @@ impl DemoConfig {
                 c.n_pages = self.pool_pages.unwrap_or(w.n_seqs * w.layers * w.kv_heads * pages);
                 // A ring may hold every page of its list (maps need not spread tokens evenly).
                 c.ring_capacity = pages + 1;
+                c
+            }
+            _ if self.codec != Codec::None => {
+                // Raw pages for every ring's newest page and a prefill chunk; compressed pages
+                // for the rest of the context.
+                let w = &self.workload;
+                let lists = w.n_seqs * w.layers * w.kv_heads;
+                let mut c = self.full_pool_config();
+                let full = c.n_pages;
+                c.n_pages = lists * (2 * self.n_shards + 256u32.div_ceil(self.page_size) + 2);
+                c.codec = self.codec;
+                c.codec_pages = full;
                 c
             }
             _ => self.full_pool_config(),
@@ -269,6 +285,13 @@ fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
 impl Pipeline {
     pub async fn new(rt: &Runtime, cfg: DemoConfig) -> Result<Pipeline> {
         let budget = cfg.budget_tokens()?;
+        if cfg.codec != Codec::None && cfg.scheduler.is_some() {
+            return Err(Error::config(
+                "codec",
+                cfg.codec.name(),
+                "codecs run with the full cache for now (scheduler none): evicting a token from a compressed page would need it re-encoded",
+            ));
+        }
         if let (Some(s), Some(b)) = (&cfg.scheduler, budget) {
             s.validate(b)?;
         }
@@ -283,8 +306,11 @@ impl Pipeline {
                 format!("one decode step appends seqs x layers = {} tokens, more than an append may carry here", w.n_seqs * w.layers),
             ));
         }
-        let reference_pool =
-            if cfg.scheduler.is_some() && cfg.reference_attention { Some(KvPool::new(rt, cfg.full_pool_config()).await?) } else { None };
+        let reference_pool = if (cfg.scheduler.is_some() || cfg.codec != Codec::None) && cfg.reference_attention {
+            Some(KvPool::new(rt, cfg.full_pool_config()).await?)
+        } else {
+            None
+        };
         let max_append =
             reference_pool.as_ref().map_or(pool.max_append_tokens(rt), |r| r.max_append_tokens(rt).min(pool.max_append_tokens(rt)));
         let mut positions = prefill_positions(max_append, w.n_seqs, w.layers);
@@ -393,6 +419,8 @@ impl Pipeline {
         };
         let ts = if timed { self.timer.as_ref().and_then(|t| t.pass(1)) } else { None };
         self.pool.append_timed(rt, &new, &words, self.step, Some(routed), ts)?;
+        // Pages that left their ring's head are compressed right away (no-op without a codec).
+        self.pool.compress(rt)?;
         if let Some(r) = &mut self.reference {
             r.pool.append_timed(rt, &new, &words, self.step, Some(routed), None)?;
         }
@@ -409,6 +437,7 @@ impl Pipeline {
             }
             if let Some(m) = &mut self.model {
                 m.append(&new, &words, self.step)?;
+                m.compress();
             }
         }
         Ok(())
@@ -649,7 +678,10 @@ impl Pipeline {
         for (key, r) in rings.iter().enumerate() {
             shard_pages[key % cfg.n_shards as usize] += r.count;
         }
-        let pages_in_use = cfg.n_pages - ctl.free_top;
+        let raw_pages = cfg.n_pages - ctl.free_top;
+        let codec_pages = (cfg.n_ids() - cfg.n_pages) - ctl.codec_free_top;
+        let pages_in_use = raw_pages + codec_pages;
+        let resident = u64::from(raw_pages) * cfg.page_bytes() + u64::from(codec_pages) * cfg.codec_page_bytes();
         let context = self.workload.position(0);
         // K/V vectors (token x KV head) held in the GPU pool.
         let vectors: u64 = rings.iter().filter(|r| r.count > 0).map(|r| u64::from((r.count - 1) * cfg.page_size + r.fill)).sum();
@@ -670,10 +702,10 @@ impl Pipeline {
             context,
             gpu,
             host_ms,
-            kv_bytes_resident: u64::from(pages_in_use) * cfg.page_bytes(),
+            kv_bytes_resident: resident,
             kv_bytes_tokens: vectors * cfg.token_kv_bytes() / u64::from(cfg.kv_heads),
             pages_in_use,
-            pages_total: cfg.n_pages,
+            pages_total: cfg.n_ids(),
             shard_pages,
             ring_overflows: ctl.ring_overflows,
             evicted: 0,
@@ -681,10 +713,59 @@ impl Pipeline {
             kept_attention: 1.0,
             attention_error: None,
             full_kv_bytes: None,
-            kv_bytes_attended: u64::from(pages_in_use) * cfg.page_bytes(),
+            kv_bytes_attended: resident,
             host_kv_bytes: 0,
             tier_bytes_moved: 0,
         })
+    }
+
+    /// With a codec and the reference pool: the relative L2 error of the decoded keys and values of
+    /// every compressed page against the same tokens in the full f16 cache (pages pair up by
+    /// their place in the page lists, which both pools build alike). `None` without both.
+    pub async fn reconstruction_error(&self, rt: &Runtime) -> Result<Option<(f64, f64)>> {
+        let (Some(r), true) = (&self.reference, self.pool.cfg.codec != Codec::None) else {
+            return Ok(None);
+        };
+        let c = &self.pool.cfg;
+        let rc = &r.pool.cfg;
+        let (lists, counts) = self.pool.read_page_lists(rt).await?;
+        let (rlists, rcounts) = r.pool.read_page_lists(rt).await?;
+        let codec_kv = self.pool.read_codec_kv(rt).await?;
+        let rkv = r.pool.read_kv(rt).await?;
+        let meta: Vec<crate::gpu_data::PageMeta> = rt.read_all(&self.pool.page_meta).await?;
+        let cw = c.codec.page_words(c.page_size, c.head_dim) as usize;
+        let (rpw, vw) = (rc.page_words() as usize, rc.vec_words() as usize);
+        let maxp = c.max_pages_per_seq() as usize;
+        let (mut num, mut den) = ([0f64; 2], [0f64; 2]);
+        for li in 0..c.n_lists() as usize {
+            if counts[li] != rcounts[li] {
+                return Err(Error::Gpu {
+                    during: "reconstruction error".into(),
+                    message: format!("page list {li} differs from the reference's"),
+                });
+            }
+            for i in 0..counts[li] as usize {
+                let page = lists[li * maxp + i];
+                if page < c.n_pages {
+                    continue;
+                }
+                let rpage = rlists[li * maxp + i] as usize;
+                let c0 = (page - c.n_pages) as usize * cw;
+                for s in 0..meta[page as usize].fill as usize {
+                    for kv in 0..2 {
+                        let got = crate::reference::codec::decode_vector(c, &codec_kv[c0..c0 + cw], kv, s);
+                        let o = rpage * rpw + kv * rc.page_size as usize * vw + s * vw;
+                        let want = decode_words(&rkv[o..o + vw], rc.dtype);
+                        for (g, w) in got.iter().zip(&want) {
+                            num[kv] += (g - w).powi(2);
+                            den[kv] += w * w;
+                        }
+                    }
+                }
+            }
+        }
+        let rel = |k: usize| if den[k] > 0.0 { (num[k] / den[k]).sqrt() } else { 0.0 };
+        Ok(Some((rel(0), rel(1))))
     }
 
     /// Compare the GPU pool with the CPU reference (exactly) and the last layer's attention with
@@ -695,7 +776,10 @@ impl Pipeline {
         };
         let snap = self.pool.snapshot(rt).await?;
         let kv = self.pool.read_kv(rt).await?;
+        let codec_kv = self.pool.read_codec_kv(rt).await?;
         let placement_identical = snap.rings == model.rings
+            && snap.codec_free == model.codec_free
+            && (codec_kv.is_empty() || codec_kv == model.codec_kv)
             && snap.ring_pages == model.ring_pages
             && snap.page_meta == model.page_meta
             && snap.free_stack == model.free_stack
@@ -737,7 +821,6 @@ impl Pipeline {
             KvDtype::F32 => 1e-4,
             KvDtype::F16 => 2e-3,
         };
-        let _ = decode_words;
         let tokens_checked = (0..self.cfg.workload.n_seqs).map(|s| model.tokens(layer, s, 0).len() as u64).sum();
         if !placement_identical {
             return Err(Error::Gpu { during: "verification".into(), message: "GPU pool state differs from the CPU reference".into() });

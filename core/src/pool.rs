@@ -148,7 +148,8 @@ impl KvPool {
         let ring_pages = rt.storage_init("expertkv pool ring_pages", &vec![NO_OWNER; (cfg.n_keys() * cfg.ring_capacity) as usize]);
         let page_meta = rt.storage_init("expertkv pool page_meta", &vec![PageMeta { owner: NO_OWNER, fill: 0 }; cfg.n_ids() as usize]);
         let free_stack = rt.storage_init("expertkv pool free_stack", &initial_free_stack(cfg.n_pages));
-        let ctl = rt.storage_init("expertkv pool ctl", &[PoolCtl { free_top: cfg.n_pages, codec_free_top: codec_pages, ..Default::default() }]);
+        let ctl =
+            rt.storage_init("expertkv pool ctl", &[PoolCtl { free_top: cfg.n_pages, codec_free_top: codec_pages, ..Default::default() }]);
         let codec_kv = rt.storage("expertkv pool codec_kv", u64::from(codec_pages) * cfg.codec_page_bytes());
         let codec_free: Vec<u32> = (cfg.n_pages..cfg.n_ids()).rev().collect();
         let codec_free = rt.storage_init("expertkv pool codec_free", &codec_free);
@@ -544,7 +545,7 @@ impl KvPool {
             free_stack: rt.read_all(&self.free_stack).await?,
             ctl: self.read_ctl(rt).await?,
             slot_meta: rt.read_all(&self.slot_meta).await?,
-            codec_free: rt.read_all(&self.codec_free).await?,
+            codec_free: if self.codec.is_some() { rt.read_all(&self.codec_free).await? } else { Vec::new() },
         })
     }
 

@@ -2,7 +2,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use expertkv_core::config::{KvDtype, ShardMap};
+use expertkv_core::config::{Codec, KvDtype, ShardMap};
 use expertkv_core::pipeline::{DemoConfig, Pipeline};
 use expertkv_core::router_config::RouterConfig;
 use expertkv_core::scheduler_config::{SchedulerConfig, Threshold};
@@ -59,6 +59,10 @@ pub struct DemoArgs {
     /// adaptive:TARGET[,STEP] (TAU follows the kept-attention share) [default: fixed:0].
     #[arg(long)]
     threshold: Option<String>,
+    /// Page codec: none, int8[:group=G], int4[:group=G], fastv-dims[:keep=R]; needs --scheduler
+    /// none [default: none].
+    #[arg(long)]
+    codec: Option<String>,
     /// With a scheduler, skip the full-cache pool kept to measure the attention error.
     #[arg(long)]
     no_reference: bool,
@@ -147,6 +151,9 @@ fn build_config(a: &DemoArgs) -> Result<DemoConfig> {
     if a.no_reference {
         cfg.reference_attention = false;
     }
+    if let Some(c) = &a.codec {
+        cfg.codec = Codec::parse(c)?;
+    }
     if let Some(d) = &a.dtype {
         cfg.dtype = KvDtype::parse(d)?;
     }
@@ -212,6 +219,17 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
             p.pool.n_buffers(),
             fmt_bytes(p.pool.meta_bytes_allocated())
         );
+        if pool_cfg.codec != Codec::None {
+            println!(
+                "codec {}: {} compressed pages x {} = {} ({} per token and head against {} in f16)",
+                pool_cfg.codec.name(),
+                pool_cfg.codec_pages,
+                fmt_bytes(pool_cfg.codec_page_bytes()),
+                fmt_bytes(p.pool.codec_bytes_allocated()),
+                fmt_bytes(pool_cfg.codec_page_bytes() / u64::from(pool_cfg.page_size)),
+                fmt_bytes(pool_cfg.page_bytes() / u64::from(pool_cfg.page_size))
+            );
+        }
     }
     let total = u64::from(w.n_seqs) * u64::from(w.layers) * u64::from(w.prompt_len);
     let bar = if a.json { ProgressBar::hidden() } else { ProgressBar::new(total) };
@@ -221,7 +239,7 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
     let t0 = std::time::Instant::now();
     pollster::block_on(p.prefill(&rt, &mut |done, _| bar.set_position(done))).context("prefill")?;
     bar.finish_and_clear();
-    let evicting = cfg.scheduler.is_some();
+    let evicting = cfg.scheduler.is_some() || cfg.codec != Codec::None;
     if !a.json {
         println!("prefill: {total} tokens routed and appended in {:.2} s", t0.elapsed().as_secs_f64());
         if let (Some(sch), Ok(Some(b))) = (&cfg.scheduler, cfg.budget_tokens()) {
@@ -259,6 +277,8 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
             None => std::array::from_fn(|_| "-".to_string()),
         };
         let fill = 100.0 * r.kv_bytes_tokens as f64 / r.kv_bytes_resident.max(1) as f64;
+        // With a codec the tokens' f16 bytes exceed the resident bytes: show the ratio.
+        let fill_txt = if cfg.codec != Codec::None { format!("rho {:.2}", fill / 100.0) } else { format!("{fill:.1}%") };
         print!(
             "{:>4} {:>6} {:>8} {:>8} {:>9} {:>8} {:>9} {:>6.2}ms  {:<22} {:>10}",
             r.step,
@@ -269,7 +289,7 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
             cols[3],
             cols[4],
             r.host_ms,
-            format!("{} ({fill:.1}%)", fmt_bytes(r.kv_bytes_resident)),
+            format!("{} ({fill_txt})", fmt_bytes(r.kv_bytes_resident)),
             format!("{}/{}", r.pages_in_use, r.pages_total),
         );
         if evicting {
@@ -301,6 +321,11 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
         && !a.json
     {
         println!("quest: attention reads at most {} pages per (layer, sequence, KV head) list", q.keep_pages);
+    }
+    if let Some((ek, ev)) = pollster::block_on(p.reconstruction_error(&rt)).context("reconstruction error")?
+        && !a.json
+    {
+        println!("codec {}: reconstruction error (rel. L2 against f16) K {ek:.2e}, V {ev:.2e}", cfg.codec.name());
     }
     let v = pollster::block_on(p.verify(&rt)).context("verification")?;
     if a.json {

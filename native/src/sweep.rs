@@ -1,5 +1,6 @@
 use anyhow::{Context, Result};
 use clap::Args;
+use expertkv_core::config::Codec;
 use expertkv_core::pipeline::{DemoConfig, Pipeline};
 use expertkv_core::router_config::RouterConfig;
 use expertkv_core::scheduler_config::SchedulerConfig;
@@ -18,6 +19,9 @@ pub struct SweepArgs {
     /// Budgets: tokens per (layer, sequence, KV head) or shares of the context.
     #[arg(long, value_delimiter = ',', default_value = "50%,25%,10%")]
     budgets: Vec<String>,
+    /// Codecs (names or specs); each non-`none` codec runs with the full cache (no scheduler).
+    #[arg(long, value_delimiter = ',', default_value = "none")]
+    codecs: Vec<String>,
     /// Routers (names or specs).
     #[arg(long, value_delimiter = ',', default_value = "topk")]
     routers: Vec<String>,
@@ -42,6 +46,7 @@ pub struct SweepArgs {
 struct Row {
     router: String,
     scheduler: String,
+    codec: String,
     budget: String,
     attention_error: Option<f64>,
     gpu_ms: f64,
@@ -57,14 +62,21 @@ pub fn run(gpu: &GpuArgs, a: &SweepArgs) -> Result<()> {
     let routers: Vec<RouterConfig> = a.routers.iter().map(|r| RouterConfig::parse(r)).collect::<Result<_, _>>()?;
     let schedulers: Vec<Option<SchedulerConfig>> =
         a.schedulers.iter().map(|s| if s == "none" { Ok(None) } else { SchedulerConfig::parse(s).map(Some) }).collect::<Result<_, _>>()?;
+    let codecs: Vec<Codec> = a.codecs.iter().map(|c| Codec::parse(c)).collect::<Result<_, _>>()?;
     let mut grid = Vec::new();
     for r in &routers {
-        for s in &schedulers {
-            match s {
-                None => grid.push((r.clone(), None, "100%".to_string())),
-                Some(s) => {
-                    for b in &a.budgets {
-                        grid.push((r.clone(), Some(s.clone()), b.clone()));
+        for c in &codecs {
+            if *c != Codec::None {
+                grid.push((r.clone(), None, "100%".to_string(), *c));
+                continue;
+            }
+            for s in &schedulers {
+                match s {
+                    None => grid.push((r.clone(), None, "100%".to_string(), Codec::None)),
+                    Some(s) => {
+                        for b in &a.budgets {
+                            grid.push((r.clone(), Some(s.clone()), b.clone(), Codec::None));
+                        }
                     }
                 }
             }
@@ -73,8 +85,8 @@ pub fn run(gpu: &GpuArgs, a: &SweepArgs) -> Result<()> {
     let bar = if a.json { ProgressBar::hidden() } else { ProgressBar::new(grid.len() as u64) };
     bar.set_style(ProgressStyle::with_template("sweep {bar:40} {pos}/{len} {msg}").unwrap_or_else(|_| ProgressStyle::default_bar()));
     let mut rows = Vec::new();
-    for (router, sched, budget) in grid {
-        bar.set_message(format!("{} / {} / {budget}", router.name(), sched.as_ref().map_or("none", |s| s.name())));
+    for (router, sched, budget, codec) in grid {
+        bar.set_message(format!("{} / {} / {budget} / {}", router.name(), sched.as_ref().map_or("none", |s| s.name()), codec.name()));
         let mut cfg = DemoConfig {
             steps: a.steps,
             verify: false,
@@ -88,7 +100,8 @@ pub fn run(gpu: &GpuArgs, a: &SweepArgs) -> Result<()> {
         cfg.workload.n_seqs = a.seqs;
         cfg.workload.layers = a.layers;
         cfg.workload.head_dim = a.head_dim;
-        let label = format!("{} / {} / {budget}", router.name(), sched.as_ref().map_or("none", |s| s.name()));
+        cfg.codec = codec;
+        let label = format!("{} / {} / {budget} / {}", router.name(), sched.as_ref().map_or("none", |s| s.name()), codec.name());
         let mut p = pollster::block_on(Pipeline::new(&rt, cfg)).with_context(|| format!("building {label}"))?;
         pollster::block_on(p.prefill(&rt, &mut |_, _| {})).with_context(|| format!("prefill of {label}"))?;
         let mut errs = Vec::new();
@@ -108,6 +121,7 @@ pub fn run(gpu: &GpuArgs, a: &SweepArgs) -> Result<()> {
         let row = Row {
             router: router.name().into(),
             scheduler: sched.as_ref().map_or("none".into(), |s| s.name().to_string()),
+            codec: codec.name().into(),
             budget,
             attention_error: (!errs.is_empty()).then(|| errs.iter().sum::<f64>() / errs.len() as f64),
             gpu_ms: expertkv_core::timer::median(&times),
@@ -130,15 +144,16 @@ pub fn run(gpu: &GpuArgs, a: &SweepArgs) -> Result<()> {
             rt.info.name, rt.info.backend, a.steps, a.prompt, a.seqs, a.layers
         );
         println!(
-            "| router | scheduler | budget | attention error (rel. L2) | GPU ms / step | KV resident | KV read / step | full KV | kept attention | routing miss |"
+            "| router | scheduler | budget | codec | attention error (rel. L2) | GPU ms / step | KV resident | KV read / step | full KV | kept attention | routing miss |"
         );
-        println!("|---|---|---|---|---|---|---|---|---|---|");
+        println!("|---|---|---|---|---|---|---|---|---|---|---|");
         for r in &rows {
             println!(
-                "| {} | {} | {} | {} | {:.3} | {} | {} | {} | {:.1}% | {:.1}% |",
+                "| {} | {} | {} | {} | {} | {:.3} | {} | {} | {} | {:.1}% | {:.1}% |",
                 r.router,
                 r.scheduler,
                 r.budget,
+                r.codec,
                 r.attention_error.map(|e| format!("{e:.2e}")).unwrap_or_else(|| "0 (full)".into()),
                 r.gpu_ms,
                 fmt_bytes(r.kv_bytes),

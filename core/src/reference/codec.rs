@@ -191,7 +191,11 @@ pub fn decode_vector(cfg: &PoolConfig, page: &[u32], kv: usize, s: usize) -> Vec
             let row = d * b / 32;
             (0..d)
                 .map(|i| {
-                    let (word, prm) = if kv == 0 { (page[kc + s * row + i / per], page[i]) } else { (page[vc + s * row + i / per], page[vp + s * (d / group) + i / group]) };
+                    let (word, prm) = if kv == 0 {
+                        (page[kc + s * row + i / per], page[i])
+                    } else {
+                        (page[vc + s * row + i / per], page[vp + s * (d / group) + i / group])
+                    };
                     let code = (word >> ((i % per) * b)) & ((1 << b) - 1);
                     f64::from(dequantize(code, prm))
                 })

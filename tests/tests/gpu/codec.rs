@@ -66,7 +66,11 @@ fn assert_same_codec(rt: &Runtime, pool: &KvPool, model: &PoolModel, ctx: &str) 
         let c0 = (id - cfg.n_pages) as usize * cw;
         assert_eq!(got[c0..c0 + cw], model.codec_kv[c0..c0 + cw], "{ctx}: compressed page {id} ({:?})", cfg.codec);
         let m0 = id as usize * cfg.page_size as usize * mw;
-        assert_eq!(snap.slot_meta[m0..m0 + pm.fill as usize * mw], model.slot_meta[m0..m0 + pm.fill as usize * mw], "{ctx}: metadata of compressed page {id}");
+        assert_eq!(
+            snap.slot_meta[m0..m0 + pm.fill as usize * mw],
+            model.slot_meta[m0..m0 + pm.fill as usize * mw],
+            "{ctx}: metadata of compressed page {id}"
+        );
     }
 }
 
@@ -111,7 +115,14 @@ fn compression_gpu_match_cpu_and_attention_decodes_in_kernel() {
             let attn = pollster::block_on(Attention::new(
                 rt,
                 &pool,
-                AttendOptions { group, n_seqs: cfg.max_seqs, chunk_pages: 1 + rng.below(4), mass: true, variant: Some(variant), ..Default::default() },
+                AttendOptions {
+                    group,
+                    n_seqs: cfg.max_seqs,
+                    chunk_pages: 1 + rng.below(4),
+                    mass: true,
+                    variant: Some(variant),
+                    ..Default::default()
+                },
             ))
             .expect("attention");
             let q: Vec<f32> = (0..cfg.max_seqs * attn.q_heads() * cfg.head_dim).map(|_| rng.normal() as f32).collect();
@@ -122,7 +133,11 @@ fn compression_gpu_match_cpu_and_attention_decodes_in_kernel() {
                 let got = pollster::block_on(attn.read_output(rt)).expect("out");
                 let want = attend_decode(&model, layer, cfg.max_seqs, &q, group, f64::from(attn.scale()));
                 for (i, (g, w)) in got.iter().zip(&want.out).enumerate() {
-                    assert!((f64::from(*g) - w).abs() <= 2e-5 + 1e-4 * w.abs(), "{ctx0}: {} layer {layer} out[{i}] = {g}, reference {w}", variant.name());
+                    assert!(
+                        (f64::from(*g) - w).abs() <= 2e-5 + 1e-4 * w.abs(),
+                        "{ctx0}: {} layer {layer} out[{i}] = {g}, reference {w}",
+                        variant.name()
+                    );
                 }
             }
         }

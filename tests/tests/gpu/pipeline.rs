@@ -106,3 +106,38 @@ fn flexgen_keeps_the_gpu_tier_in_budget_and_fetches_selected_pages() {
     let err = r.attention_error.expect("reference");
     assert!(err > 0.0 && err < 0.5, "seed {seed}: attention error {err}");
 }
+
+#[test]
+fn demo_pipeline_with_a_codec_compresses_and_matches_reference() {
+    use expertkv_core::config::Codec;
+    let rt = rt();
+    for (seed, codec) in seeds("demo_pipeline_codec", 2).into_iter().zip([Codec::Int4 { group: 32 }, Codec::Int8 { group: 16 }]) {
+        let cfg = DemoConfig {
+            workload: WorkloadConfig { seed, n_seqs: 2, layers: 2, prompt_len: 160, ..Default::default() },
+            steps: 3,
+            scheduler: None,
+            codec,
+            ..Default::default()
+        };
+        let mut p = pollster::block_on(Pipeline::new(rt, cfg)).expect("pipeline");
+        pollster::block_on(p.prefill(rt, &mut |_, _| {})).expect("prefill");
+        let mut last = None;
+        for _ in 0..3 {
+            last = Some(pollster::block_on(p.step(rt)).expect("step"));
+        }
+        let r = last.expect("steps");
+        // Measured: the pool's resident bytes (raw + compressed pages) under the f16 bytes held.
+        assert!(
+            r.kv_bytes_resident < r.kv_bytes_tokens,
+            "seed {seed} {codec:?}: {} resident for {} of f16",
+            r.kv_bytes_resident,
+            r.kv_bytes_tokens
+        );
+        let err = r.attention_error.expect("reference");
+        assert!(err > 0.0 && err < 0.3, "seed {seed} {codec:?}: attention error {err}");
+        let (ek, ev) = pollster::block_on(p.reconstruction_error(rt)).expect("recon").expect("codec");
+        assert!(ek > 0.0 && ek < 0.2 && ev > 0.0 && ev < 0.2, "seed {seed} {codec:?}: reconstruction {ek} {ev}");
+        let v = pollster::block_on(p.verify(rt)).expect("verify").expect("verification enabled");
+        assert!(v.placement_identical && v.attention_max_abs_err <= v.attention_tolerance, "seed {seed} {codec:?}: {v:?}");
+    }
+}
