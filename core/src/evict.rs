@@ -15,6 +15,9 @@ pub struct Scheduler {
     pub cfg: SchedulerConfig,
     /// Tokens each (layer, sequence, KV head) list keeps (AdaKV: on average over the heads).
     pub budget: u32,
+    /// Every layer's base budget (`KEEP_ALL`: the layer keeps everything), see
+    /// [`SchedulerConfig::layer_budgets`].
+    pub layer_budgets: Vec<u32>,
     pub threshold: Threshold,
     params: wgpu::Buffer,
     pub utility: wgpu::Buffer,
@@ -36,8 +39,23 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
+    /// A scheduler whose layers share one budget (FastV: its early layers keep everything).
     pub async fn new(rt: &Runtime, pool: &KvPool, cfg: SchedulerConfig, budget: u32, threshold: Threshold) -> Result<Scheduler> {
+        Self::with_pyramid(rt, pool, cfg, budget, None, threshold).await
+    }
+
+    /// `pyramid`: PyramidKV's ratio of the first (pruned) layer's budget to the last's; `budget`
+    /// stays the mean over the pruned layers.
+    pub async fn with_pyramid(
+        rt: &Runtime,
+        pool: &KvPool,
+        cfg: SchedulerConfig,
+        budget: u32,
+        pyramid: Option<f32>,
+        threshold: Threshold,
+    ) -> Result<Scheduler> {
         cfg.validate(budget)?;
+        let layer_budgets = cfg.layer_budgets(budget, pool.cfg.layers, pyramid, pool.cfg.page_size)?;
         if !cfg.uses_evict_kernels() {
             return Err(Error::config(
                 "scheduler",
@@ -75,6 +93,7 @@ impl Scheduler {
         let lists =
             rt.storage_init("evict lists", &vec![ListState { budget, tau: tau0, hit_rate: 1.0, ..Default::default() }; n_lists as usize]);
         let seq_lens = rt.storage("evict seq_lens", u64::from(c.max_seqs) * 4);
+        let layer_budgets_buf = rt.storage_init("evict layer_budgets", &layer_budgets);
         let move_src = rt.storage("evict move_src", u64::from(max_moves) * 4);
         let move_dst = rt.storage("evict move_dst", u64::from(max_moves) * 4);
         let counts = rt.storage("evict counts", u64::from(n_keys) * 8);
@@ -100,7 +119,17 @@ impl Scheduler {
         let budget_bg = rt.bind(
             Kernel::EvictBudget.label(),
             &budget_p,
-            &[&pool.geometry, &params, &pool.page_list, &pool.page_counts, &pool.page_meta, &pool.slot_meta, &seq_lens, &lists],
+            &[
+                &pool.geometry,
+                &params,
+                &pool.page_list,
+                &pool.page_counts,
+                &pool.page_meta,
+                &pool.slot_meta,
+                &seq_lens,
+                &lists,
+                &layer_budgets_buf,
+            ],
         );
         let select_p = rt.pipeline(Kernel::EvictSelect, &[]).await?;
         let select_bg = rt.bind(
@@ -147,12 +176,13 @@ impl Scheduler {
         Ok(Scheduler {
             cfg,
             budget,
+            layer_budgets,
             threshold,
             params,
             utility,
             lists,
             seq_lens,
-            _buffers: vec![victim, move_src, move_dst, counts, freed],
+            _buffers: vec![victim, move_src, move_dst, counts, freed, layer_budgets_buf],
             score: (score_p, score_bg),
             budget_pass: (budget_p, budget_bg),
             select: (select_p, select_bg),

@@ -51,6 +51,9 @@ pub struct DemoConfig {
     /// Tokens each (layer, sequence, KV head) keeps: a number, or a share of the final context
     /// such as "25%".
     pub budget: String,
+    /// PyramidKV over the scheduler: the first layer's budget over the last's (budgets shrink
+    /// linearly with depth, averaging `budget`); `None`: every layer keeps `budget`.
+    pub pyramid: Option<f32>,
     pub threshold: Threshold,
     /// With a scheduler or a codec: keep a full f16 cache beside it to measure the attention
     /// error.
@@ -75,6 +78,7 @@ impl Default for DemoConfig {
             route_ema: 0.1,
             scheduler: Some(SchedulerConfig::H2o { sinks: 4, window: 32 }),
             budget: "25%".into(),
+            pyramid: None,
             threshold: Threshold::default(),
             reference_attention: true,
             codec: Codec::None,
@@ -105,6 +109,20 @@ impl DemoConfig {
         Ok(Some(tokens))
     }
 
+    /// Every layer's base budget for the evict/* schedulers (`KEEP_ALL`: the whole layer);
+    /// `None` without one.
+    pub fn layer_budgets(&self) -> Result<Option<Vec<u32>>> {
+        match (&self.scheduler, self.budget_tokens()?) {
+            (Some(s), Some(b)) if s.uses_evict_kernels() => {
+                Ok(Some(s.layer_budgets(b, self.workload.layers, self.pyramid, self.page_size)?))
+            }
+            (Some(s), _) if self.pyramid.is_some() => {
+                Err(Error::config("pyramid", s.name(), "PyramidKV shapes the budgets of the evicting schedulers only"))
+            }
+            _ => Ok(None),
+        }
+    }
+
     /// Prompt positions routed and appended per prefill batch when a scheduler evicts between
     /// batches (so that a batch never overruns the budget by much).
     pub fn evicting_chunk(&self, budget: u32) -> u32 {
@@ -118,12 +136,16 @@ impl DemoConfig {
         match self.budget_tokens() {
             Ok(Some(b)) if evicting => {
                 let w = &self.workload;
-                let per_list = b + self.evicting_chunk(b);
-                let pages = per_list.div_ceil(self.page_size) + self.n_shards + 1;
+                let full = w.prompt_len + self.steps;
+                let layer_budgets = self.layer_budgets().ok().flatten().unwrap_or_else(|| vec![b; w.layers as usize]);
+                let list_pages: Vec<u32> = layer_budgets
+                    .iter()
+                    .map(|&lb| (lb.min(full) + self.evicting_chunk(b)).div_ceil(self.page_size) + self.n_shards + 1)
+                    .collect();
                 let mut c = self.full_pool_config();
-                c.n_pages = self.pool_pages.unwrap_or(w.n_seqs * w.layers * w.kv_heads * pages);
+                c.n_pages = self.pool_pages.unwrap_or(w.n_seqs * w.kv_heads * list_pages.iter().sum::<u32>());
                 // A ring may hold every page of its list (maps need not spread tokens evenly).
-                c.ring_capacity = pages + 1;
+                c.ring_capacity = list_pages.iter().max().copied().unwrap_or(1) + 1;
                 c
             }
             _ if self.codec != Codec::None => {
@@ -295,6 +317,7 @@ impl Pipeline {
         if let (Some(s), Some(b)) = (&cfg.scheduler, budget) {
             s.validate(b)?;
         }
+        cfg.layer_budgets()?;
         let pool_cfg = cfg.pool_config();
         let workload = Workload::new(cfg.workload.clone())?;
         let w = &cfg.workload;
@@ -342,7 +365,7 @@ impl Pipeline {
             }
             (Some(s), Some(b)) => (
                 Attention::new(rt, &pool, attend_opts.clone()).await?,
-                Some(Scheduler::new(rt, &pool, s.clone(), b, cfg.threshold).await?),
+                Some(Scheduler::with_pyramid(rt, &pool, s.clone(), b, cfg.pyramid, cfg.threshold).await?),
                 None,
             ),
             _ => (Attention::new(rt, &pool, attend_opts.clone()).await?, None, None),

@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::gpu_data::{EvictParams, policies};
+use crate::gpu_data::{EvictParams, KEEP_ALL, policies};
 
 /// An eviction policy: a utility per cached token (or page) plus the shared budget enforcement.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -29,9 +29,16 @@ pub enum SchedulerConfig {
     /// FlexGen-style placement: the budget's worth of the hottest pages on the GPU, the rest in
     /// host memory, fetched back when a query's bound selects them.
     FlexGen,
+    /// FastV as its paper prunes: from layer `from_layer` on, drop the least-attended context
+    /// tokens (accumulated attention mass, no sinks or window protected) down to the budget;
+    /// earlier layers keep everything.
+    FastvTokens { from_layer: u32 },
 }
 
-pub const SCHEDULER_NAMES: &str = "h2o, streaming-llm, lru, lru-plus, adakv, duo, quest, flexgen";
+pub const SCHEDULER_NAMES: &str = "h2o, streaming-llm, lru, lru-plus, adakv, duo, quest, flexgen, fastv-tokens";
+
+/// Largest PyramidKV ratio (first layer's budget over the last's) accepted.
+pub const MAX_PYRAMID_RATIO: f32 = 64.0;
 
 /// How the per-list utility threshold (extra eviction of low-mass tokens under the budget) is set.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -61,6 +68,7 @@ impl SchedulerConfig {
             SchedulerConfig::Duo { .. } => "duo",
             SchedulerConfig::Quest => "quest",
             SchedulerConfig::FlexGen => "flexgen",
+            SchedulerConfig::FastvTokens { .. } => "fastv-tokens",
         }
     }
 
@@ -85,6 +93,7 @@ impl SchedulerConfig {
             "duo" | "duo-attention" => SchedulerConfig::Duo { tau: 0.5, sinks: 4, window: 64 },
             "quest" => SchedulerConfig::Quest,
             "flexgen" => SchedulerConfig::FlexGen,
+            "fastv-tokens" | "fastv" => SchedulerConfig::FastvTokens { from_layer: 2 },
             other => return Err(Error::config("scheduler", other, format!("allowed values: {SCHEDULER_NAMES}"))),
         })
     }
@@ -120,6 +129,7 @@ impl SchedulerConfig {
                 (SchedulerConfig::LruPlus { w_attn, .. }, "w_attn") => *w_attn = f()?,
                 (SchedulerConfig::AdaKv { floor, .. }, "floor") => *floor = f()?,
                 (SchedulerConfig::Duo { tau, .. }, "tau") => *tau = f()?,
+                (SchedulerConfig::FastvTokens { from_layer }, "from_layer") => *from_layer = u()?,
                 _ => return Err(Error::config("scheduler", spec, format!("scheduler `{name}` has no parameter `{k}`"))),
             }
         }
@@ -150,6 +160,64 @@ impl SchedulerConfig {
         Ok(())
     }
 
+    /// Every layer's base budget (`KEEP_ALL`: the layer keeps everything). Uniform by default;
+    /// FastV keeps its early layers whole; PyramidKV (`pyramid` = r, the first pruned layer's
+    /// budget over the last's) shrinks it linearly with depth, the budgets averaging `budget`
+    /// over the pruned layers (largest-remainder rounding, so they sum exactly).
+    pub fn layer_budgets(&self, budget: u32, layers: u32, pyramid: Option<f32>, page_size: u32) -> Result<Vec<u32>> {
+        let first = match *self {
+            SchedulerConfig::FastvTokens { from_layer } if from_layer >= layers => {
+                return Err(Error::config(
+                    "scheduler.from_layer",
+                    from_layer,
+                    format!("the model has {layers} layers; FastV prunes from a layer below that"),
+                ));
+            }
+            SchedulerConfig::FastvTokens { from_layer } => from_layer,
+            _ => 0,
+        };
+        let mut out = vec![KEEP_ALL; first as usize];
+        let n = layers - first;
+        let r = match pyramid {
+            None => 1.0,
+            Some(r) if r.is_finite() && (1.0..=MAX_PYRAMID_RATIO).contains(&r) => f64::from(r),
+            Some(r) => return Err(Error::config("pyramid", r, format!("the ratio must be in [1, {MAX_PYRAMID_RATIO}]"))),
+        };
+        // w_i linear from a (first) to b (last), a / b = r, mean 1.
+        let (a, b) = (2.0 * r / (1.0 + r), 2.0 / (1.0 + r));
+        let ideal: Vec<f64> = (0..n)
+            .map(|i| {
+                let t = if n > 1 { f64::from(i) / f64::from(n - 1) } else { 0.5 };
+                (a + (b - a) * t) * f64::from(budget)
+            })
+            .collect();
+        let mut alloc: Vec<u32> = ideal.iter().map(|x| x.floor() as u32).collect();
+        let total = u64::from(budget) * u64::from(n);
+        let mut left = total - alloc.iter().map(|&x| u64::from(x)).sum::<u64>();
+        let mut order: Vec<usize> = (0..n as usize).collect();
+        // Largest fractional part first; ties to the shallower layer.
+        order.sort_by(|&i, &j| (ideal[j] - ideal[j].floor()).total_cmp(&(ideal[i] - ideal[i].floor())).then(i.cmp(&j)));
+        for &i in order.iter().cycle() {
+            if left == 0 {
+                break;
+            }
+            alloc[i] += 1;
+            left -= 1;
+        }
+        if let Some((i, &b)) = alloc.iter().enumerate().find(|&(_, &b)| b < page_size) {
+            return Err(Error::config(
+                "pyramid",
+                r,
+                format!(
+                    "layer {} would keep {b} tokens, below one page ({page_size}); raise the budget or lower the ratio",
+                    first as usize + i
+                ),
+            ));
+        }
+        out.extend(alloc);
+        Ok(out)
+    }
+
     /// The policy's fields of the kernels' parameter block.
     pub fn fill(&self, p: &mut EvictParams) {
         let (policy, sinks, window) = match *self {
@@ -170,6 +238,8 @@ impl SchedulerConfig {
                 p.duo_tau = tau;
                 (policies::DUO, sinks, window)
             }
+            // H2O's utility with nothing protected; the early layers' budgets are KEEP_ALL.
+            SchedulerConfig::FastvTokens { .. } => (policies::H2O, 0, 0),
             // Not evict/* policies: those kernels never run with them.
             SchedulerConfig::Quest | SchedulerConfig::FlexGen => (u32::MAX, 0, 0),
         };
@@ -179,7 +249,7 @@ impl SchedulerConfig {
     }
 
     pub fn all_defaults() -> Vec<SchedulerConfig> {
-        ["h2o", "streaming-llm", "lru", "lru-plus", "adakv", "duo", "quest", "flexgen"]
+        ["h2o", "streaming-llm", "lru", "lru-plus", "adakv", "duo", "quest", "flexgen", "fastv-tokens"]
             .iter()
             .filter_map(|n| SchedulerConfig::default_for(n).ok())
             .collect()
@@ -196,9 +266,29 @@ mod tests {
         assert!(SchedulerConfig::parse("lru:window=8").unwrap_err().to_string().contains("no parameter"));
         assert!(SchedulerConfig::parse("belady").unwrap_err().to_string().contains("allowed values"));
         assert!(SchedulerConfig::StreamingLlm { sinks: 8 }.validate(4).unwrap_err().to_string().contains("budget"));
+        assert_eq!(SchedulerConfig::parse("fastv-tokens:from_layer=3").unwrap(), SchedulerConfig::FastvTokens { from_layer: 3 });
         for s in SchedulerConfig::all_defaults() {
             let j = serde_json::to_string(&s).unwrap();
             assert_eq!(serde_json::from_str::<SchedulerConfig>(&j).unwrap(), s);
         }
+    }
+
+    #[test]
+    fn layer_budgets() {
+        let h2o = SchedulerConfig::H2o { sinks: 4, window: 8 };
+        assert_eq!(h2o.layer_budgets(64, 4, None, 16).unwrap(), vec![64; 4]);
+        // PyramidKV: shrinking with depth, first / last close to the ratio, same total.
+        let b = h2o.layer_budgets(100, 7, Some(3.0), 16).unwrap();
+        assert!(b.windows(2).all(|w| w[0] > w[1]), "{b:?}");
+        assert_eq!(b.iter().sum::<u32>(), 700);
+        assert!((f64::from(b[0]) / f64::from(b[6]) - 3.0).abs() < 0.1, "{b:?}");
+        assert!(h2o.layer_budgets(32, 8, Some(8.0), 16).unwrap_err().to_string().contains("below one page"));
+        assert!(h2o.layer_budgets(32, 8, Some(0.5), 16).unwrap_err().to_string().contains("ratio"));
+        // FastV: early layers whole; a pyramid over the pruned layers only.
+        let f = SchedulerConfig::FastvTokens { from_layer: 2 };
+        let b = f.layer_budgets(50, 5, Some(2.0), 8).unwrap();
+        assert_eq!(&b[..2], &[KEEP_ALL, KEEP_ALL]);
+        assert_eq!(b[2..].iter().sum::<u32>(), 150);
+        assert!(f.layer_budgets(50, 2, None, 8).unwrap_err().to_string().contains("from_layer"));
     }
 }

@@ -48,13 +48,18 @@ pub struct DemoArgs {
     #[arg(long)]
     router: Option<String>,
     /// Scheduler: name or name:key=value,... One of h2o, streaming-llm, lru, lru-plus, adakv,
-    /// duo, quest, flexgen, or none for the full cache [default: h2o].
+    /// duo, quest, flexgen, fastv-tokens[:from_layer=L], or none for the full cache
+    /// [default: h2o].
     #[arg(long)]
     scheduler: Option<String>,
     /// Tokens each (layer, sequence, KV head) keeps under the scheduler: a number or a share of
     /// the final context such as 25% [default: 25%].
     #[arg(long)]
     budget: Option<String>,
+    /// PyramidKV over the scheduler: the first layer's budget over the last's (linear in depth,
+    /// averaging --budget) [default: off].
+    #[arg(long)]
+    pyramid: Option<f32>,
     /// Utility threshold: fixed:TAU (evict tokens under TAU x mean mass even under budget) or
     /// adaptive:TARGET[,STEP] (TAU follows the kept-attention share) [default: fixed:0].
     #[arg(long)]
@@ -144,6 +149,9 @@ fn build_config(a: &DemoArgs) -> Result<DemoConfig> {
     }
     if let Some(b) = &a.budget {
         cfg.budget = b.clone();
+    }
+    if a.pyramid.is_some() {
+        cfg.pyramid = a.pyramid;
     }
     if let Some(t) = &a.threshold {
         cfg.threshold = parse_threshold(t)?;
@@ -250,6 +258,12 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
                 w.prompt_len + cfg.steps,
                 cfg.threshold
             );
+            if let Ok(Some(lb)) = cfg.layer_budgets()
+                && lb.iter().any(|&x| x != b)
+            {
+                let shown: Vec<String> = lb.iter().map(|&x| if x == u32::MAX { "all".into() } else { x.to_string() }).collect();
+                println!("per-layer budgets: {}", shown.join(" "));
+            }
         }
         print!(
             "{:>4} {:>6} {:>8} {:>8} {:>9} {:>8} {:>9} {:>8}  {:<22} {:>10}",

@@ -22,6 +22,9 @@ pub struct SweepArgs {
     /// Codecs (names or specs); each non-`none` codec runs with the full cache (no scheduler).
     #[arg(long, value_delimiter = ',', default_value = "none")]
     codecs: Vec<String>,
+    /// PyramidKV ratio applied to every evicting scheduler (first layer's budget over the last's).
+    #[arg(long)]
+    pyramid: Option<f32>,
     /// Routers (names or specs).
     #[arg(long, value_delimiter = ',', default_value = "topk")]
     routers: Vec<String>,
@@ -93,6 +96,7 @@ pub fn run(gpu: &GpuArgs, a: &SweepArgs) -> Result<()> {
             router: router.clone(),
             scheduler: sched.clone(),
             budget: budget.clone(),
+            pyramid: a.pyramid.filter(|_| sched.as_ref().is_some_and(|s| s.uses_evict_kernels())),
             ..Default::default()
         };
         cfg.workload.seed = a.seed;

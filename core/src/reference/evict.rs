@@ -59,11 +59,18 @@ impl PoolModel {
 
     /// Budgets of every list (`evict/budget.wgsl`), in f64. AdaKV's integer shares may differ
     /// from the GPU's by one token per head where float rounding straddles a boundary.
-    pub fn evict_budgets(&self, p: &EvictParams, seq_lens: &[u32], lists: &[ListState]) -> Vec<ListState> {
+    pub fn evict_budgets(&self, p: &EvictParams, seq_lens: &[u32], lists: &[ListState], layer_budgets: &[u32]) -> Vec<ListState> {
         let mut out = lists.to_vec();
         let hkv = self.cfg.kv_heads;
         for layer in p.first_layer..self.cfg.layers {
+            let base_budget = layer_budgets[layer as usize];
             for seq in 0..self.cfg.max_seqs {
+                if base_budget == KEEP_ALL {
+                    for h in 0..hkv {
+                        out[self.list_index(layer, seq, h) as usize].budget = KEEP_ALL;
+                    }
+                    continue;
+                }
                 let len = seq_lens[seq as usize];
                 let mut weights = Vec::new();
                 for h in 0..hkv {
@@ -91,18 +98,18 @@ impl PoolModel {
                         policies::DUO => {
                             if total > 0.0 && edge >= f64::from(p.duo_tau) * total {
                                 out[li].kind = duo_kinds::STREAMING;
-                                out[li].budget = p.base_budget;
+                                out[li].budget = base_budget;
                             } else {
                                 out[li].kind = duo_kinds::RETRIEVAL;
                                 out[li].budget = KEEP_ALL;
                             }
                         }
-                        _ => out[li].budget = p.base_budget,
+                        _ => out[li].budget = base_budget,
                     }
                 }
                 if p.policy == policies::ADAKV {
-                    let floor_b = (f64::from(p.ada_floor) * f64::from(p.base_budget)) as u32;
-                    let rest = hkv * p.base_budget - hkv * floor_b;
+                    let floor_b = (f64::from(p.ada_floor) * f64::from(base_budget)) as u32;
+                    let rest = hkv * base_budget - hkv * floor_b;
                     let wsum: f64 = weights.iter().sum();
                     let mut share = Vec::new();
                     let mut frac = Vec::new();

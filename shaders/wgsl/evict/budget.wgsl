@@ -1,6 +1,8 @@
 // evict, pass 2: each page list's token budget. One workgroup per (layer, sequence) over its KV
 // heads.
-//   default: every head keeps `base_budget` tokens
+//   Every layer's base budget comes from `layer_budgets` (PyramidKV shrinks it with depth; FastV
+//   keeps everything before its layer): KEEP_ALL there keeps the whole layer.
+//   default: every head keeps the layer's base budget
 //   AdaKV:   the (layer, sequence) keeps kv_heads * base_budget tokens; every head gets
 //            floor(ada_floor * base_budget), the rest is split in proportion to exp(H_h), H_h the
 //            entropy of head h's attention mass over its tokens (spread-out heads get more);
@@ -20,6 +22,7 @@
 @group(0) @binding(5) var<storage, read> slot_meta: array<u32>;
 @group(0) @binding(6) var<storage, read> seq_lens: array<u32>;
 @group(0) @binding(7) var<storage, read_write> lists: array<ListState>;
+@group(0) @binding(8) var<storage, read> layer_budgets: array<u32>;
 
 const WG: u32 = 256u;
 const MAX_HEADS: u32 = 64u;
@@ -44,6 +47,13 @@ fn workgroup_sum(t: u32, v: f32) -> f32 {
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t: u32) {
     let seq = wg.x;
     let layer = params.first_layer + wg.y;
+    let base_budget = layer_budgets[layer];
+    if (base_budget == KEEP_ALL) {
+        if (t < geo.kv_heads) {
+            lists[list_index(geo, layer, seq, t)].budget = KEEP_ALL;
+        }
+        return;
+    }
     let P = geo.page_size;
     let len = seq_lens[seq];
     for (var h = 0u; h < geo.kv_heads; h++) {
@@ -92,14 +102,14 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
                 case 5u: {
                     if (tot > 0.0 && edg >= params.duo_tau * tot) {
                         st.kind = 2u;
-                        st.budget = params.base_budget;
+                        st.budget = base_budget;
                     } else {
                         st.kind = 1u;
                         st.budget = KEEP_ALL;
                     }
                 }
                 default: {
-                    st.budget = params.base_budget;
+                    st.budget = base_budget;
                 }
             }
             lists[li] = st;
@@ -108,8 +118,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     }
     if (params.policy == POLICY_ADAKV && t == 0u) {
         let H = geo.kv_heads;
-        let floor_b = u32(params.ada_floor * f32(params.base_budget));
-        let pool_total = H * params.base_budget;
+        let floor_b = u32(params.ada_floor * f32(base_budget));
+        let pool_total = H * base_budget;
         let rest = pool_total - H * floor_b;
         var wsum = 0.0;
         for (var h = 0u; h < H; h++) {

@@ -16,7 +16,7 @@ use crate::shard::{assert_same_state, random_kv};
 fn random_scheduler(rng: &mut Rng) -> SchedulerConfig {
     let sinks = rng.below(4);
     let window = rng.below(12);
-    match rng.below(6) {
+    match rng.below(7) {
         0 => SchedulerConfig::H2o { sinks, window },
         1 => SchedulerConfig::StreamingLlm { sinks },
         2 => SchedulerConfig::Lru,
@@ -28,14 +28,15 @@ fn random_scheduler(rng: &mut Rng) -> SchedulerConfig {
             window,
         },
         4 => SchedulerConfig::AdaKv { floor: rng.range(0.0, 1.0) as f32, sinks, window },
-        _ => SchedulerConfig::Duo { tau: rng.range(0.2, 0.9) as f32, sinks, window: window + 4 },
+        5 => SchedulerConfig::Duo { tau: rng.range(0.2, 0.9) as f32, sinks, window: window + 4 },
+        _ => SchedulerConfig::FastvTokens { from_layer: rng.below(2) },
     }
 }
 
 fn config(rng: &mut Rng) -> PoolConfig {
     let n_shards = [1u32, 2, 4][rng.below(3) as usize];
     let mut cfg = PoolConfig {
-        layers: 1 + rng.below(2),
+        layers: 1 + rng.below(3),
         kv_heads: 1 + rng.below(3),
         head_dim: 8,
         page_size: [2u32, 4, 8][rng.below(3) as usize],
@@ -97,23 +98,26 @@ fn randomise_meta(rt: &Runtime, rng: &mut Rng, pool: &KvPool, model: &mut PoolMo
 #[test]
 fn evict_gpu_match_cpu() {
     let rt = rt();
-    let (mut evicted, mut pages_freed, mut multi, mut policies_seen) = (0u64, 0u64, 0, Vec::new());
-    for seed in seeds("evict", 24) {
+    let (mut evicted, mut pages_freed, mut multi, mut policies_seen, mut layered) = (0u64, 0u64, 0, Vec::new(), 0);
+    for seed in seeds("evict", 28) {
         let mut rng = Rng::new(seed);
         let cfg = config(&mut rng);
         let sched = random_scheduler(&mut rng);
         let budget = cfg.page_size * (1 + rng.below(5)) + rng.below(cfg.page_size);
-        if sched.validate(budget).is_err() {
+        // PyramidKV over a third of the runs (where every layer keeps at least a page).
+        let pyramid = Some(rng.range(1.0, 4.0) as f32).filter(|_| rng.below(3) == 0);
+        let pyramid = pyramid.filter(|_| sched.layer_budgets(budget, cfg.layers, pyramid, cfg.page_size).is_ok());
+        if sched.validate(budget).is_err() || sched.layer_budgets(budget, cfg.layers, pyramid, cfg.page_size).is_err() {
             continue;
         }
-        let ctx = format!("seed {seed}: {sched:?}, budget {budget}, {cfg:?}");
+        let ctx = format!("seed {seed}: {sched:?}, budget {budget}, pyramid {pyramid:?}, {cfg:?}");
         let mut pool = pollster::block_on(KvPool::new(rt, cfg.clone())).expect("pool");
         multi += usize::from(pool.n_buffers() > 1);
         if !policies_seen.contains(&sched.name()) {
             policies_seen.push(sched.name());
         }
         let mut model = PoolModel::new(&cfg);
-        let s = pollster::block_on(Scheduler::new(rt, &pool, sched.clone(), budget, Threshold::default()))
+        let s = pollster::block_on(Scheduler::with_pyramid(rt, &pool, sched.clone(), budget, pyramid, Threshold::default()))
             .unwrap_or_else(|e| panic!("{ctx}: {e}"));
         let mut lens = vec![0u32; cfg.max_seqs as usize];
         let mut lists = vec![ListState { budget, hit_rate: 1.0, ..Default::default() }; cfg.n_lists() as usize];
@@ -143,7 +147,7 @@ fn evict_gpu_match_cpu() {
             }
             // Budgets: exact, except AdaKV's shares (within one token, same total).
             let got_lists = pollster::block_on(s.read_lists(rt)).expect("lists");
-            let want_budgets = model.evict_budgets(&p, &lens, &lists);
+            let want_budgets = model.evict_budgets(&p, &lens, &lists, &s.layer_budgets);
             for (li, (g, w)) in got_lists.iter().zip(&want_budgets).enumerate() {
                 if p.policy == policies::ADAKV {
                     assert!(g.budget.abs_diff(w.budget) <= 1, "{ctx}: AdaKV budget of list {li}: {} vs {}", g.budget, w.budget);
@@ -156,7 +160,12 @@ fn evict_gpu_match_cpu() {
             }
             if p.policy == policies::ADAKV {
                 let total: u64 = got_lists.iter().map(|l| u64::from(l.budget)).sum();
-                assert_eq!(total, u64::from(budget) * got_lists.len() as u64, "{ctx}: AdaKV keeps the total budget");
+                let per_layer = got_lists.len() as u64 / u64::from(cfg.layers);
+                let want: u64 = s.layer_budgets.iter().map(|&b| u64::from(b) * per_layer).sum();
+                assert_eq!(total, want, "{ctx}: AdaKV keeps the total budget");
+            }
+            if pyramid.is_some() || matches!(sched, SchedulerConfig::FastvTokens { .. }) {
+                layered += 1;
             }
             // Victims, compaction and freeing: identical pools.
             model.evict(&keys, &mut lists);
@@ -175,8 +184,8 @@ fn evict_gpu_match_cpu() {
     }
     if std::env::var("EXPERTKV_TEST_SEED").is_err() {
         assert!(
-            evicted > 100 && pages_freed > 10 && multi > 0 && policies_seen.len() >= 5,
-            "coverage: {evicted} evicted, {pages_freed} pages freed, {multi} multi-buffer pools, {policies_seen:?}"
+            evicted > 100 && pages_freed > 10 && multi > 0 && policies_seen.len() >= 5 && layered > 0,
+            "coverage: {evicted} evicted, {pages_freed} pages freed, {multi} multi-buffer pools, {policies_seen:?}, {layered} per-layer budget rounds"
         );
     }
 }

@@ -73,6 +73,55 @@ fn demo_pipeline_with_eviction_matches_reference_and_stays_under_budget() {
 }
 
 #[test]
+fn pyramid_budgets_shrink_with_depth_and_fastv_keeps_early_layers_whole() {
+    use expertkv_core::gpu_data::KEEP_ALL;
+    use expertkv_core::scheduler_config::SchedulerConfig;
+    let rt = rt();
+    let seed = seeds("pyramid_fastv", 1)[0];
+    let layers = 4u32;
+    for (sched, pyramid) in
+        [(SchedulerConfig::H2o { sinks: 4, window: 8 }, Some(3.0f32)), (SchedulerConfig::FastvTokens { from_layer: 2 }, None)]
+    {
+        let ctx = format!("seed {seed}: {sched:?}, pyramid {pyramid:?}");
+        let cfg = DemoConfig {
+            workload: WorkloadConfig { seed, n_seqs: 2, layers, prompt_len: 160, ..Default::default() },
+            steps: 3,
+            scheduler: Some(sched.clone()),
+            budget: "64".into(),
+            pyramid,
+            ..Default::default()
+        };
+        let mut p = pollster::block_on(Pipeline::new(rt, cfg.clone())).unwrap_or_else(|e| panic!("{ctx}: {e}"));
+        pollster::block_on(p.prefill(rt, &mut |_, _| {})).expect("prefill");
+        for _ in 0..3 {
+            pollster::block_on(p.step(rt)).expect("step");
+        }
+        let s = p.scheduler.as_ref().expect("scheduler");
+        let lists = pollster::block_on(s.read_lists(rt)).expect("lists");
+        let per_layer = lists.len() / layers as usize;
+        // Tokens kept per layer (summed over sequences and heads): lists are layer-major.
+        let kept: Vec<u32> = lists.chunks(per_layer).map(|c| c.iter().map(|l| l.tokens - l.evicted).sum()).collect();
+        let full = per_layer as u32 * (160 + 3);
+        for (layer, (&k, &b)) in kept.iter().zip(&s.layer_budgets).enumerate() {
+            if b == KEEP_ALL {
+                assert_eq!(k, full, "{ctx}: layer {layer} keeps everything");
+            } else {
+                assert!(k <= b * per_layer as u32 && k > 0, "{ctx}: layer {layer} keeps {k}, budget {b} per list");
+            }
+        }
+        match sched {
+            SchedulerConfig::FastvTokens { .. } => assert!(kept[0] == full && kept[3] < full / 2, "{ctx}: {kept:?}"),
+            _ => {
+                assert!(kept.windows(2).all(|w| w[0] > w[1]), "{ctx}: kept tokens must shrink with depth: {kept:?}");
+                assert_eq!(s.layer_budgets.iter().sum::<u32>(), 64 * layers, "{ctx}");
+            }
+        }
+        let v = pollster::block_on(p.verify(rt)).expect("verify").expect("verification enabled");
+        assert!(v.placement_identical && v.attention_max_abs_err <= v.attention_tolerance, "{ctx}: {v:?}");
+    }
+}
+
+#[test]
 fn flexgen_keeps_the_gpu_tier_in_budget_and_fetches_selected_pages() {
     use expertkv_core::scheduler_config::SchedulerConfig;
     let rt = rt();
