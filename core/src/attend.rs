@@ -211,7 +211,33 @@ impl Attention {
                 )
             })
             .collect();
-        let codec_split = if has_codec {
+        let codec_split = if let Some(rank) = cfg.codec.rank() {
+            if opts.group > 8 || opts.group * rank > 1024 {
+                return Err(Error::config(
+                    "codec.rank",
+                    rank,
+                    format!("the low-rank attention holds group x rank <= 1024 and group <= 8 (group {})", opts.group),
+                ));
+            }
+            let p = rt.pipeline(Kernel::AttendSplitLowrank, &[]).await?;
+            let bg = rt.bind(
+                Kernel::AttendSplitLowrank.label(),
+                &p,
+                &[
+                    &pool.geometry,
+                    &params,
+                    page_list,
+                    page_counts,
+                    &pool.page_meta,
+                    &pool.codec_kv,
+                    &queries,
+                    &partials,
+                    &scores,
+                    &pool.codec_basis,
+                ],
+            );
+            Some((p, bg))
+        } else if has_codec {
             let p = rt.pipeline(Kernel::AttendSplitCodec, &[]).await?;
             let bg = rt.bind(
                 Kernel::AttendSplitCodec.label(),

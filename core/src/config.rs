@@ -122,9 +122,18 @@ pub enum Codec {
     Int4 { group: u32 },
     /// FastV as the PiKV article describes it: keys keep their first `keep` dimensions.
     FastvDims { keep: u32 },
+    /// Truncated SVD: a rank-`rank` orthonormal basis U of each (layer, KV head)'s key and value
+    /// subspace, computed on the GPU from a calibration window (the d x d Gram matrix and
+    /// subspace iteration); pages keep the coefficients U^T x as f16. Attention scores against
+    /// U^T q and reconstructs values with U, in-kernel.
+    LowRank { rank: u32 },
+    /// LoRA-style: one down/up projection pair per layer (shared by its KV heads), fitted once
+    /// from the layer's pooled calibration window. With an orthonormal down projection the
+    /// least-squares up projection is its transpose, so the pair is (U^T, U).
+    Lora { rank: u32 },
 }
 
-pub const CODEC_NAMES: &str = "none, int8, int4, fastv-dims";
+pub const CODEC_NAMES: &str = "none, int8, int4, fastv-dims, low-rank, lora";
 
 /// `Geometry::codec`; must match `CODEC_*` in `shaders/wgsl/common/codec.wgsl`.
 pub mod codec_ids {
@@ -132,6 +141,8 @@ pub mod codec_ids {
     pub const INT8: u32 = 1;
     pub const INT4: u32 = 2;
     pub const FASTV_DIMS: u32 = 3;
+    pub const LOW_RANK: u32 = 4;
+    pub const LORA: u32 = 5;
 }
 
 impl Codec {
@@ -141,6 +152,8 @@ impl Codec {
             Codec::Int8 { .. } => "int8",
             Codec::Int4 { .. } => "int4",
             Codec::FastvDims { .. } => "fastv-dims",
+            Codec::LowRank { .. } => "low-rank",
+            Codec::Lora { .. } => "lora",
         }
     }
 
@@ -150,10 +163,25 @@ impl Codec {
             Codec::Int8 { .. } => codec_ids::INT8,
             Codec::Int4 { .. } => codec_ids::INT4,
             Codec::FastvDims { .. } => codec_ids::FASTV_DIMS,
+            Codec::LowRank { .. } => codec_ids::LOW_RANK,
+            Codec::Lora { .. } => codec_ids::LORA,
         }
     }
 
-    /// `name` or `name:key=value,...` (int8/int4: group; fastv-dims: keep).
+    /// Whether the codec needs a basis fitted on a calibration window before it can encode.
+    pub fn is_low_rank(&self) -> bool {
+        matches!(self, Codec::LowRank { .. } | Codec::Lora { .. })
+    }
+
+    /// The rank of a low-rank codec.
+    pub fn rank(&self) -> Option<u32> {
+        match *self {
+            Codec::LowRank { rank } | Codec::Lora { rank } => Some(rank),
+            _ => None,
+        }
+    }
+
+    /// `name` or `name:key=value,...` (int8/int4: group; fastv-dims: keep; low-rank/lora: rank).
     pub fn parse(spec: &str) -> Result<Codec> {
         let (name, rest) = spec.split_once(':').unwrap_or((spec, ""));
         let mut c = match name.trim() {
@@ -161,6 +189,8 @@ impl Codec {
             "int8" => Codec::Int8 { group: 32 },
             "int4" => Codec::Int4 { group: 32 },
             "fastv-dims" | "fastv" => Codec::FastvDims { keep: 32 },
+            "low-rank" | "svd" => Codec::LowRank { rank: 32 },
+            "lora" => Codec::Lora { rank: 32 },
             other => return Err(Error::config("codec", other, format!("allowed values: {CODEC_NAMES}"))),
         };
         for kv in rest.split(',').map(str::trim).filter(|s| !s.is_empty()) {
@@ -169,6 +199,7 @@ impl Codec {
             match (&mut c, k.trim()) {
                 (Codec::Int8 { group } | Codec::Int4 { group }, "group") => *group = n,
                 (Codec::FastvDims { keep }, "keep") => *keep = n,
+                (Codec::LowRank { rank } | Codec::Lora { rank }, "rank") => *rank = n,
                 _ => return Err(Error::config("codec", spec, format!("codec `{}` has no parameter `{}`", c.name(), k.trim()))),
             }
         }
@@ -194,6 +225,8 @@ impl Codec {
                 head_dim + 2 * page_size * head_dim * b / 32 + page_size * (head_dim / group.max(1))
             }
             Codec::FastvDims { keep } => page_size * keep / 2 + page_size * head_dim / 2,
+            // K then V coefficients, f16 pairs.
+            Codec::LowRank { rank } | Codec::Lora { rank } => page_size * rank,
         }
     }
 }
@@ -223,6 +256,8 @@ pub const MAX_HEAD_DIM: u32 = 256;
 pub const MAX_PAGE_SIZE: u32 = 64;
 pub const MAX_SHARDS: u32 = 256;
 pub const MAX_TOP_K: u32 = 8;
+/// Largest rank of the low-rank codecs (`codec/basis.wgsl`, `attend/split_lowrank.wgsl`).
+pub const MAX_RANK: u32 = 64;
 
 impl PoolConfig {
     /// u32 words of one token's K (or V) vector for one head.
@@ -347,6 +382,17 @@ impl PoolConfig {
                     return Err(Error::config("codec.keep", keep, format!("must be even, in 2..={}", self.head_dim)));
                 }
             }
+            Codec::LowRank { rank } | Codec::Lora { rank } => {
+                // rank = head_dim would store as many bytes as the raw page: no compression.
+                let max = self.head_dim.saturating_sub(2).min(MAX_RANK);
+                if rank == 0 || rank > max || !rank.is_multiple_of(2) {
+                    return Err(Error::config(
+                        "codec.rank",
+                        rank,
+                        format!("must be even, in 2..={max} (below head_dim {})", self.head_dim),
+                    ));
+                }
+            }
         }
         if self.dtype != KvDtype::F16 {
             return Err(Error::config("codec", self.codec.name(), "codecs encode f16 pages; use dtype f16"));
@@ -360,6 +406,12 @@ impl PoolConfig {
     /// Page ids in use: raw pages, then compressed pages.
     pub fn n_ids(&self) -> u32 {
         self.n_pages + if self.codec == Codec::None { 0 } else { self.codec_pages }
+    }
+
+    /// f32 words of the low-rank basis: per (layer, KV head), K then V, `rank` rows of
+    /// `head_dim` (row j = basis vector j); 0 for other codecs.
+    pub fn basis_words(&self) -> u64 {
+        self.codec.rank().map_or(0, |r| u64::from(self.layers) * u64::from(self.kv_heads) * 2 * u64::from(r) * u64::from(self.head_dim))
     }
 
     /// Bytes of one compressed page (0 without a codec).
@@ -410,6 +462,7 @@ impl PoolConfig {
             codec_page_words: self.codec.page_words(self.page_size, self.head_dim),
             codec_param: match self.codec {
                 Codec::FastvDims { keep } => keep,
+                Codec::LowRank { rank } | Codec::Lora { rank } => rank,
                 _ => 0,
             },
             v_group: match self.codec {

@@ -60,6 +60,11 @@ pub struct DemoConfig {
     pub reference_attention: bool,
     /// How full pages are stored (compression); needs no evicting scheduler.
     pub codec: Codec,
+    /// Low-rank codecs: prompt positions per sequence in the calibration window (the first
+    /// prefill batch) the basis is fitted on.
+    pub calibration: u32,
+    /// Low-rank codecs: subspace iterations of the fit.
+    pub basis_iters: u32,
 }
 
 impl Default for DemoConfig {
@@ -82,6 +87,8 @@ impl Default for DemoConfig {
             threshold: Threshold::default(),
             reference_attention: true,
             codec: Codec::None,
+            calibration: 256,
+            basis_iters: crate::pool::DEFAULT_BASIS_ITERS,
         }
     }
 }
@@ -340,6 +347,16 @@ impl Pipeline {
         if let (Some(b), true) = (budget, cfg.scheduler.as_ref().is_some_and(SchedulerConfig::evicts)) {
             positions = positions.min(cfg.evicting_chunk(b));
         }
+        if cfg.codec.is_low_rank() {
+            if cfg.calibration == 0 || cfg.basis_iters == 0 {
+                return Err(Error::config(
+                    "calibration",
+                    cfg.calibration,
+                    "the low-rank fit needs calibration >= 1 position and basis_iters >= 1",
+                ));
+            }
+            positions = positions.min(cfg.calibration);
+        }
         let shape = RouteShape { n_experts: w.n_experts, top_k: w.top_k, layers: w.layers, max_tokens: positions * w.n_seqs };
         let mut router = Router::new(rt, cfg.router.clone(), shape, cfg.route_ema).await?;
         router.bind_pool(rt, &pool)?;
@@ -442,6 +459,13 @@ impl Pipeline {
         };
         let ts = if timed { self.timer.as_ref().and_then(|t| t.pass(1)) } else { None };
         self.pool.append_timed(rt, &new, &words, self.step, Some(routed), ts)?;
+        // A low-rank codec fits its basis on the first batch (the calibration window).
+        if self.pool.cfg.codec.is_low_rank() && !self.pool.calibrated {
+            self.pool.calibrate(rt, self.cfg.basis_iters)?;
+            if let Some(m) = &mut self.model {
+                m.codec_basis = self.pool.read_basis(rt).await?;
+            }
+        }
         // Pages that left their ring's head are compressed right away (no-op without a codec).
         self.pool.compress(rt)?;
         if let Some(r) = &mut self.reference {
@@ -754,6 +778,7 @@ impl Pipeline {
         let (lists, counts) = self.pool.read_page_lists(rt).await?;
         let (rlists, rcounts) = r.pool.read_page_lists(rt).await?;
         let codec_kv = self.pool.read_codec_kv(rt).await?;
+        let basis = self.pool.read_basis(rt).await?;
         let rkv = r.pool.read_kv(rt).await?;
         let meta: Vec<crate::gpu_data::PageMeta> = rt.read_all(&self.pool.page_meta).await?;
         let cw = c.codec.page_words(c.page_size, c.head_dim) as usize;
@@ -776,7 +801,8 @@ impl Pipeline {
                 let c0 = (page - c.n_pages) as usize * cw;
                 for s in 0..meta[page as usize].fill as usize {
                     for kv in 0..2 {
-                        let got = crate::reference::codec::decode_vector(c, &codec_kv[c0..c0 + cw], kv, s);
+                        let basis = crate::reference::codec::basis_slice(c, &basis, meta[page as usize].owner);
+                        let got = crate::reference::codec::decode_vector(c, &codec_kv[c0..c0 + cw], basis, kv, s);
                         let o = rpage * rpw + kv * rc.page_size as usize * vw + s * vw;
                         let want = decode_words(&rkv[o..o + vw], rc.dtype);
                         for (g, w) in got.iter().zip(&want) {

@@ -36,6 +36,20 @@ struct CodecPasses {
     _jobs: wgpu::Buffer,
 }
 
+/// Fitting the low-rank codecs' basis (`codec/gram`, `codec/basis`).
+struct LowRankFit {
+    gram: wgpu::Buffer,
+    gram_pass: (wgpu::ComputePipeline, Vec<wgpu::BindGroup>),
+    /// `codec/basis.wgsl` init, iterate, finish.
+    basis_passes: [(wgpu::ComputePipeline, wgpu::BindGroup); 3],
+    _work: wgpu::Buffer,
+    /// Gram matrices fitted: layers x KV heads (low-rank) or layers (LoRA).
+    fits: u32,
+}
+
+/// Subspace iterations of the low-rank fit unless told otherwise.
+pub const DEFAULT_BASIS_ITERS: u32 = 24;
+
 /// Growable staging buffers of the append passes.
 struct AppendScratch {
     capacity: u32,
@@ -81,6 +95,12 @@ pub struct KvPool {
     pub codec_kv: wgpu::Buffer,
     pub codec_free: wgpu::Buffer,
     codec: Option<CodecPasses>,
+    /// Low-rank codecs: per (layer, KV head), K then V, `rank` basis rows of `head_dim` f32
+    /// (f16 values); a 4-byte placeholder otherwise.
+    pub codec_basis: wgpu::Buffer,
+    fit: Option<LowRankFit>,
+    /// Whether the low-rank basis has been fitted (pages cannot be encoded before).
+    pub calibrated: bool,
 }
 
 /// Router output an append takes its tokens' experts and gates from (row i for token i), instead
@@ -181,6 +201,40 @@ impl KvPool {
             &release_pipe,
             &[&geometry, &release_params, &release_counts, &rings, &ring_pages, &free_stack, &ctl, &page_meta],
         );
+        check("low-rank basis", cfg.basis_words() * 4)?;
+        let codec_basis = rt.storage("expertkv pool codec_basis", (cfg.basis_words() * 4).max(4));
+        let fit = if let Some(rank) = cfg.codec.rank() {
+            let fits = cfg.layers * if matches!(cfg.codec, crate::config::Codec::Lora { .. }) { 1 } else { cfg.kv_heads };
+            let d = u64::from(cfg.head_dim);
+            let gram_bytes = u64::from(fits) * 2 * d * d * 4;
+            check("low-rank Gram matrices", gram_bytes)?;
+            let gram = rt.storage("codec gram", gram_bytes);
+            let work = rt.storage("codec basis work", u64::from(fits) * 4 * d * u64::from(rank) * 4);
+            let gram_p = rt.pipeline(Kernel::CodecGram, &[]).await?;
+            let gram_bgs = kv_buffers
+                .iter()
+                .zip(&window_bufs)
+                .map(|(kv, w)| {
+                    rt.bind(Kernel::CodecGram.label(), &gram_p, &[&geometry, w, &page_list, &page_counts, &page_meta, kv, &gram])
+                })
+                .collect();
+            // Each entry point's automatic layout holds only the bindings it uses.
+            let mut basis_passes = Vec::new();
+            for (k, used) in [
+                (Kernel::CodecBasisInit, vec![(0, &geometry), (2, &work)]),
+                (Kernel::CodecBasisIterate, vec![(0, &geometry), (1, &gram), (2, &work)]),
+                (Kernel::CodecBasisFinish, vec![(0, &geometry), (2, &work), (3, &codec_basis)]),
+            ] {
+                let p = rt.pipeline(k, &[]).await?;
+                let bg = rt.bind_at(k.label(), &p, &used);
+                basis_passes.push((p, bg));
+            }
+            let basis_passes: [(wgpu::ComputePipeline, wgpu::BindGroup); 3] =
+                basis_passes.try_into().map_err(|_| Error::Input("basis passes".into()))?;
+            Some(LowRankFit { gram, gram_pass: (gram_p, gram_bgs), basis_passes, _work: work, fits })
+        } else {
+            None
+        };
         let codec = if cfg.codec == crate::config::Codec::None {
             None
         } else {
@@ -201,7 +255,13 @@ impl KvPool {
             let enc_bgs = kv_buffers
                 .iter()
                 .zip(&window_bufs)
-                .map(|(kv, w)| rt.bind(Kernel::CodecEncode.label(), &enc_p, &[&geometry, w, &jobs, kv, &codec_kv, &slot_meta]))
+                .map(|(kv, w)| {
+                    rt.bind(
+                        Kernel::CodecEncode.label(),
+                        &enc_p,
+                        &[&geometry, w, &jobs, kv, &codec_kv, &slot_meta, &page_meta, &codec_basis],
+                    )
+                })
                 .collect();
             Some(CodecPasses { plan: (plan_p, plan_bg), encode: (enc_p, enc_bgs), dispatch, _jobs: jobs })
         };
@@ -236,6 +296,9 @@ impl KvPool {
             codec,
             codec_kv,
             codec_free,
+            codec_basis,
+            fit,
+            calibrated: false,
         })
     }
 
@@ -414,6 +477,9 @@ impl KvPool {
     /// last (no-op without a codec).
     pub fn encode_compress(&self, pass: &mut wgpu::ComputePass<'_>) {
         let Some(c) = &self.codec else { return };
+        if !self.ready_to_compress() {
+            return;
+        }
         pass.set_pipeline(&c.plan.0);
         pass.set_bind_group(0, &c.plan.1, &[]);
         pass.dispatch_workgroups(1, 1, 1);
@@ -424,10 +490,69 @@ impl KvPool {
         }
     }
 
+    /// Whether full pages may be encoded now (a low-rank codec needs its basis first).
+    pub fn ready_to_compress(&self) -> bool {
+        self.codec.is_some() && (self.fit.is_none() || self.calibrated)
+    }
+
+    /// Fit the low-rank codecs' basis on the raw pages cached now (the calibration window):
+    /// gather the page lists, build every Gram matrix, run `iters` subspace iterations. Call once,
+    /// before the first compression; the basis then stays fixed (encoded pages depend on it).
+    pub fn calibrate(&mut self, rt: &Runtime, iters: u32) -> Result<()> {
+        let Some(fit) = &self.fit else {
+            return Err(Error::config("codec", self.cfg.codec.name(), "only the low-rank codecs (low-rank, lora) are calibrated"));
+        };
+        if self.calibrated {
+            return Err(Error::Input("the low-rank basis is already fitted: encoded pages depend on it".into()));
+        }
+        self.gather(rt)?;
+        let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("codec calibrate") });
+        enc.clear_buffer(&fit.gram, 0, None);
+        {
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("codec calibrate"), timestamp_writes: None });
+            let d = self.cfg.head_dim;
+            pass.set_pipeline(&fit.gram_pass.0);
+            for bg in &fit.gram_pass.1 {
+                pass.set_bind_group(0, bg, &[]);
+                pass.dispatch_workgroups((d * d).div_ceil(64), fit.fits, 2);
+            }
+            for (i, (p, bg)) in fit.basis_passes.iter().enumerate() {
+                pass.set_pipeline(p);
+                pass.set_bind_group(0, bg, &[]);
+                for _ in 0..if i == 1 { iters } else { 1 } {
+                    pass.dispatch_workgroups(fit.fits, 2, 1);
+                }
+            }
+        }
+        rt.queue.submit([enc.finish()]);
+        rt.check("codec calibrate")?;
+        self.calibrated = true;
+        Ok(())
+    }
+
+    /// The fitted basis (see [`KvPool::codec_basis`]); empty for the other codecs.
+    pub async fn read_basis(&self, rt: &Runtime) -> Result<Vec<f32>> {
+        if self.fit.is_none() {
+            return Ok(Vec::new());
+        }
+        rt.read_all(&self.codec_basis).await
+    }
+
+    /// The Gram matrices of the last calibration (tests).
+    pub async fn read_gram(&self, rt: &Runtime) -> Result<Vec<f32>> {
+        match &self.fit {
+            Some(f) => rt.read_all(&f.gram).await,
+            None => Ok(Vec::new()),
+        }
+    }
+
     /// [`KvPool::encode_compress`] in its own submission.
     pub fn compress(&self, rt: &Runtime) -> Result<()> {
         if self.codec.is_none() {
             return Ok(());
+        }
+        if !self.ready_to_compress() {
+            return Err(Error::Input("a low-rank codec encodes pages only once its basis is fitted (KvPool::calibrate)".into()));
         }
         let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("codec") });
         {
@@ -440,7 +565,7 @@ impl KvPool {
 
     /// Bytes allocated for compressed pages.
     pub fn codec_bytes_allocated(&self) -> u64 {
-        if self.codec.is_some() { self.codec_kv.size() } else { 0 }
+        if self.codec.is_some() { self.codec_kv.size() + if self.fit.is_some() { self.codec_basis.size() } else { 0 } } else { 0 }
     }
 
     /// Rebuild the page lists of `layers` (all sequences) from the rings.

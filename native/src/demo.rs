@@ -64,7 +64,8 @@ pub struct DemoArgs {
     /// adaptive:TARGET[,STEP] (TAU follows the kept-attention share) [default: fixed:0].
     #[arg(long)]
     threshold: Option<String>,
-    /// Page codec: none, int8[:group=G], int4[:group=G], fastv-dims[:keep=R]; needs --scheduler
+    /// Page codec: none, int8[:group=G], int4[:group=G], fastv-dims[:keep=R], low-rank[:rank=R],
+    /// lora[:rank=R]; needs --scheduler
     /// none [default: none].
     #[arg(long)]
     codec: Option<String>,

@@ -61,6 +61,9 @@ sources! {
     COMMON_CODEC => "common/codec.wgsl",
     CODEC_PLAN => "codec/plan.wgsl",
     CODEC_ENCODE => "codec/encode.wgsl",
+    CODEC_GRAM => "codec/gram.wgsl",
+    CODEC_BASIS => "codec/basis.wgsl",
+    ATTEND_SPLIT_LOWRANK => "attend/split_lowrank.wgsl",
     ATTEND_SPLIT_CODEC => "attend/split_codec.wgsl",
 }
 
@@ -98,6 +101,11 @@ pub enum Kernel {
     CodecPlan,
     CodecEncode,
     AttendSplitCodec,
+    CodecGram,
+    CodecBasisInit,
+    CodecBasisIterate,
+    CodecBasisFinish,
+    AttendSplitLowrank,
 }
 
 impl Kernel {
@@ -133,6 +141,11 @@ impl Kernel {
         Kernel::CodecPlan,
         Kernel::CodecEncode,
         Kernel::AttendSplitCodec,
+        Kernel::CodecGram,
+        Kernel::CodecBasisInit,
+        Kernel::CodecBasisIterate,
+        Kernel::CodecBasisFinish,
+        Kernel::AttendSplitLowrank,
     ];
 
     pub fn source(self) -> Source {
@@ -165,6 +178,9 @@ impl Kernel {
             Kernel::CodecPlan => CODEC_PLAN,
             Kernel::CodecEncode => CODEC_ENCODE,
             Kernel::AttendSplitCodec => ATTEND_SPLIT_CODEC,
+            Kernel::CodecGram => CODEC_GRAM,
+            Kernel::CodecBasisInit | Kernel::CodecBasisIterate | Kernel::CodecBasisFinish => CODEC_BASIS,
+            Kernel::AttendSplitLowrank => ATTEND_SPLIT_LOWRANK,
         }
     }
 
@@ -178,6 +194,9 @@ impl Kernel {
             Kernel::RouteAdaptiveUpdate => "route/adaptive.wgsl#update",
             Kernel::EvictMoveSame => "evict/move.wgsl#same",
             Kernel::EvictMoveCross => "evict/move.wgsl#cross",
+            Kernel::CodecBasisInit => "codec/basis.wgsl#init",
+            Kernel::CodecBasisIterate => "codec/basis.wgsl#iterate",
+            Kernel::CodecBasisFinish => "codec/basis.wgsl#finish",
             _ => self.source().path,
         }
     }
@@ -190,6 +209,9 @@ impl Kernel {
             Kernel::RouteAdaptiveUpdate => "update",
             Kernel::EvictMoveSame => "same",
             Kernel::EvictMoveCross => "cross",
+            Kernel::CodecBasisInit => "init",
+            Kernel::CodecBasisIterate => "iterate",
+            Kernel::CodecBasisFinish => "finish",
             _ => "main",
         }
     }

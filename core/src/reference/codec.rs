@@ -41,6 +41,43 @@ pub fn f16_bits_dir(x: f32, up: bool) -> u32 {
     h
 }
 
+/// f16 bits of x rounded to nearest, ties to even, with integer operations (`f16_bits_rne` of
+/// common/codec.wgsl); clamped to the finite range, f32 subnormals to zero.
+pub fn f16_bits_rne(x: f32) -> u32 {
+    let b = x.to_bits();
+    let sign = (b >> 16) & 0x8000;
+    let exp = (b >> 23) & 0xff;
+    let mant = b & 0x7f_ffff;
+    if exp == 0 {
+        return sign;
+    }
+    let e = exp as i32 - 112;
+    if e >= 31 {
+        return sign | 0x7bff;
+    }
+    let (shift, full, base) = if e >= 1 { (13, mant, (e as u32) << 10) } else { ((1 - e) as u32 + 13, mant | 0x80_0000, 0) };
+    if shift >= 25 {
+        return sign;
+    }
+    let mut h = base + (full >> shift);
+    let rem = full & ((1 << shift) - 1);
+    let half = 1 << (shift - 1);
+    if rem > half || (rem == half && h & 1 == 1) {
+        h += 1;
+    }
+    sign | h.min(0x7bff)
+}
+
+/// One low-rank coefficient as `codec/encode.wgsl` computes it: f32 sum in ascending order of
+/// exact products (basis and input are f16 values), rounded to nearest f16.
+fn low_rank_coef(row: &[f32], x: impl Iterator<Item = f32>) -> u32 {
+    let mut c = 0f32;
+    for (u, v) in row.iter().zip(x) {
+        c += u * v;
+    }
+    f16_bits_rne(c)
+}
+
 pub fn f16_value(bits: u32) -> f32 {
     half::f16::from_bits((bits & 0xffff) as u16).to_f32()
 }
@@ -97,8 +134,9 @@ fn offsets(cfg: &PoolConfig) -> (usize, usize, usize) {
     (d, d + p * row, d + p * row + p * (d / group))
 }
 
-/// Encode one raw page (K then V, f16 pairs) into the codec's words.
-pub fn encode_page(cfg: &PoolConfig, raw: &[u32]) -> Vec<u32> {
+/// Encode one raw page (K then V, f16 pairs) into the codec's words. `basis`: the page's
+/// (layer, KV head) low-rank basis, K then V, `rank` rows of `head_dim` (empty otherwise).
+pub fn encode_page(cfg: &PoolConfig, raw: &[u32], basis: &[f32]) -> Vec<u32> {
     let (p, d, vw) = (cfg.page_size as usize, cfg.head_dim as usize, cfg.vec_words() as usize);
     let val = |kv: usize, s: usize, i: usize| -> f32 {
         let w = raw[kv * p * vw + s * vw + i / 2];
@@ -115,6 +153,19 @@ pub fn encode_page(cfg: &PoolConfig, raw: &[u32]) -> Vec<u32> {
                 }
             }
             out[p * kw..p * kw + p * vw].copy_from_slice(&raw[p * vw..2 * p * vw]);
+        }
+        Codec::LowRank { rank } | Codec::Lora { rank } => {
+            let (r, half_r) = (rank as usize, rank as usize / 2);
+            for kv in 0..2 {
+                for s in 0..p {
+                    for jw in 0..half_r {
+                        let row = |j: usize| &basis[(kv * r + j) * d..(kv * r + j + 1) * d];
+                        let c0 = low_rank_coef(row(2 * jw), (0..d).map(|i| val(kv, s, i)));
+                        let c1 = low_rank_coef(row(2 * jw + 1), (0..d).map(|i| val(kv, s, i)));
+                        out[(kv * p + s) * half_r + jw] = c0 | (c1 << 16);
+                    }
+                }
+            }
         }
         Codec::Int8 { group } | Codec::Int4 { group } => {
             let group = group as usize;
@@ -163,10 +214,21 @@ pub fn encode_page(cfg: &PoolConfig, raw: &[u32]) -> Vec<u32> {
     out
 }
 
-/// Decode K (kv = 0) or V (kv = 1) of slot `s` of an encoded page, as the attention kernel does.
-pub fn decode_vector(cfg: &PoolConfig, page: &[u32], kv: usize, s: usize) -> Vec<f64> {
+/// Decode K (kv = 0) or V (kv = 1) of slot `s` of an encoded page, as the attention kernel does
+/// (low-rank: U^T c in f64, with the page's basis as in [`encode_page`]).
+pub fn decode_vector(cfg: &PoolConfig, page: &[u32], basis: &[f32], kv: usize, s: usize) -> Vec<f64> {
     let (p, d, vw) = (cfg.page_size as usize, cfg.head_dim as usize, cfg.vec_words() as usize);
     match cfg.codec {
+        Codec::LowRank { rank } | Codec::Lora { rank } => {
+            let (r, half_r) = (rank as usize, rank as usize / 2);
+            let coef: Vec<f64> = (0..r)
+                .map(|j| {
+                    let w = page[(kv * p + s) * half_r + j / 2];
+                    f64::from(f16_value(if j & 1 == 1 { w >> 16 } else { w & 0xffff }))
+                })
+                .collect();
+            (0..d).map(|i| (0..r).map(|j| f64::from(basis[(kv * r + j) * d + i]) * coef[j]).sum()).collect()
+        }
         Codec::FastvDims { keep } => {
             let kw = keep as usize / 2;
             (0..d)
@@ -210,7 +272,8 @@ impl PoolModel {
     /// `codec/encode`): rings in key order, oldest first, while compressed pages last.
     pub fn compress(&mut self) {
         let cfg = self.cfg.clone();
-        if cfg.codec == Codec::None {
+        // A low-rank codec encodes nothing before its basis is fitted (as on the GPU).
+        if cfg.codec == Codec::None || (cfg.codec.is_low_rank() && self.codec_basis.is_empty()) {
             return;
         }
         let r = cfg.ring_capacity as usize;
@@ -233,7 +296,7 @@ impl PoolModel {
                 self.page_meta[cid as usize] = PageMeta { owner: key as u32, fill: cfg.page_size };
                 self.page_meta[raw as usize] = PageMeta { owner: NO_OWNER, fill: 0 };
                 self.free_stack[(self.ctl.free_top + taken) as usize] = raw;
-                let enc = encode_page(&cfg, &self.kv[raw as usize * pw..(raw as usize + 1) * pw]);
+                let enc = encode_page(&cfg, &self.kv[raw as usize * pw..(raw as usize + 1) * pw], self.basis_of(key as u32));
                 let c0 = (cid - cfg.n_pages) as usize * cw;
                 self.codec_kv[c0..c0 + cw].copy_from_slice(&enc);
                 let (src, dst) = (raw as usize * ps * mw, cid as usize * ps * mw);
@@ -247,10 +310,153 @@ impl PoolModel {
     }
 }
 
+impl PoolModel {
+    /// The low-rank basis of the (layer, KV head) that owns ring `key` (K then V), or an empty
+    /// slice for the other codecs or before calibration.
+    pub fn basis_of(&self, key: u32) -> &[f32] {
+        basis_slice(&self.cfg, &self.codec_basis, key)
+    }
+
+    /// The Gram matrices `codec/gram.wgsl` builds from the raw pages cached now, in f64: per fit
+    /// (layer x KV head, or layer for LoRA), K then V, d x d row-major.
+    pub fn calibration_gram(&self) -> Vec<f64> {
+        let cfg = &self.cfg;
+        let d = cfg.head_dim as usize;
+        let lora = matches!(cfg.codec, Codec::Lora { .. });
+        let heads_fit = if lora { 1 } else { cfg.kv_heads };
+        let mut g = vec![0f64; (cfg.layers * heads_fit) as usize * 2 * d * d];
+        for layer in 0..cfg.layers {
+            for seq in 0..cfg.max_seqs {
+                for head in 0..cfg.kv_heads {
+                    let fit = (layer * heads_fit + if lora { 0 } else { head }) as usize;
+                    for (page, slot) in self.tokens(layer, seq, head) {
+                        if page >= cfg.n_pages {
+                            continue;
+                        }
+                        for kv in 0..2 {
+                            let x = self.vector(page, slot, kv);
+                            let o = (fit * 2 + kv) * d * d;
+                            for i in 0..d {
+                                for j in 0..d {
+                                    g[o + i * d + j] += x[i] * x[j];
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        g
+    }
+}
+
+/// The slice of a fitted basis (`KvPool::read_basis`) that belongs to ring `key`'s (layer, KV
+/// head), K then V; empty when `basis` is (other codecs, or not fitted yet).
+pub fn basis_slice<'a>(cfg: &PoolConfig, basis: &'a [f32], key: u32) -> &'a [f32] {
+    let Some(r) = cfg.codec.rank() else { return &[] };
+    if basis.is_empty() || key == NO_OWNER {
+        return &[];
+    }
+    let list = key / cfg.n_shards;
+    let (layer, head) = (list / (cfg.max_seqs * cfg.kv_heads), list % cfg.kv_heads);
+    let n = 2 * (r * cfg.head_dim) as usize;
+    let o = (layer * cfg.kv_heads + head) as usize * n;
+    basis.get(o..o + n).unwrap_or(&[])
+}
+
+/// Eigenvalues (descending) and eigenvectors (as rows, same order) of a symmetric n x n matrix,
+/// by cyclic Jacobi rotations in f64.
+pub fn symmetric_eigen(a: &[f64], n: usize) -> (Vec<f64>, Vec<Vec<f64>>) {
+    let mut m = a.to_vec();
+    let mut v = vec![0f64; n * n];
+    for i in 0..n {
+        v[i * n + i] = 1.0;
+    }
+    for _sweep in 0..100 {
+        let off: f64 = (0..n).flat_map(|i| (0..n).filter(move |&j| j != i).map(move |j| (i, j))).map(|(i, j)| m[i * n + j].powi(2)).sum();
+        let diag: f64 = (0..n).map(|i| m[i * n + i].powi(2)).sum();
+        if off <= 1e-26 * diag.max(1e-300) {
+            break;
+        }
+        for p in 0..n {
+            for q in p + 1..n {
+                let apq = m[p * n + q];
+                if apq.abs() < 1e-300 {
+                    continue;
+                }
+                let theta = (m[q * n + q] - m[p * n + p]) / (2.0 * apq);
+                let t = theta.signum() / (theta.abs() + (theta * theta + 1.0).sqrt());
+                let t = if theta == 0.0 { 1.0 } else { t };
+                let c = 1.0 / (t * t + 1.0).sqrt();
+                let s = t * c;
+                for k in 0..n {
+                    let (mkp, mkq) = (m[k * n + p], m[k * n + q]);
+                    m[k * n + p] = c * mkp - s * mkq;
+                    m[k * n + q] = s * mkp + c * mkq;
+                }
+                for k in 0..n {
+                    let (mpk, mqk) = (m[p * n + k], m[q * n + k]);
+                    m[p * n + k] = c * mpk - s * mqk;
+                    m[q * n + k] = s * mpk + c * mqk;
+                }
+                for k in 0..n {
+                    let (vkp, vkq) = (v[k * n + p], v[k * n + q]);
+                    v[k * n + p] = c * vkp - s * vkq;
+                    v[k * n + q] = s * vkp + c * vkq;
+                }
+            }
+        }
+    }
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&i, &j| m[j * n + j].total_cmp(&m[i * n + i]));
+    let vals = order.iter().map(|&i| m[i * n + i]).collect();
+    let vecs = order.iter().map(|&i| (0..n).map(|k| v[k * n + i]).collect()).collect();
+    (vals, vecs)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::rng::Rng;
+
+    #[test]
+    fn rne_rounding_matches_half() {
+        let mut rng = Rng::new(5);
+        for _ in 0..50000 {
+            let x = (rng.normal() * 10f64.powf(rng.range(-9.0, 4.7))).clamp(-65504.0, 65504.0) as f32;
+            assert_eq!(f16_bits_rne(x), u32::from(half::f16::from_f32(x).to_bits()), "{x}");
+        }
+        // Ties go to even.
+        for bits in [0x3c00u16, 0x3c01, 0x0001, 0x0400] {
+            let a = half::f16::from_bits(bits).to_f32();
+            let b = half::f16::from_bits(bits + 1).to_f32();
+            let mid = (a + b) / 2.0;
+            assert_eq!(f16_bits_rne(mid), u32::from(half::f16::from_f32(mid).to_bits()));
+        }
+    }
+
+    #[test]
+    fn jacobi_finds_the_spectrum() {
+        let mut rng = Rng::new(6);
+        let n = 12;
+        let x: Vec<f64> = (0..n * 30).map(|_| rng.normal()).collect();
+        let mut a = vec![0f64; n * n];
+        for t in 0..30 {
+            for i in 0..n {
+                for j in 0..n {
+                    a[i * n + j] += x[t * n + i] * x[t * n + j];
+                }
+            }
+        }
+        let (vals, vecs) = symmetric_eigen(&a, n);
+        assert!(vals.windows(2).all(|w| w[0] >= w[1]));
+        for (l, v) in vals.iter().zip(&vecs) {
+            let av: Vec<f64> = (0..n).map(|i| (0..n).map(|j| a[i * n + j] * v[j]).sum()).collect();
+            for i in 0..n {
+                assert!((av[i] - l * v[i]).abs() < 1e-9 * vals[0], "A v = l v");
+            }
+        }
+    }
 
     #[test]
     fn directed_f16_rounding_brackets_the_value() {

@@ -51,6 +51,8 @@ pub struct PoolModel {
     pub codec_kv: Vec<u32>,
     /// Free stack of compressed page ids.
     pub codec_free: Vec<u32>,
+    /// The low-rank codecs' basis as the GPU fitted it (`KvPool::read_basis`); empty until then.
+    pub codec_basis: Vec<f32>,
 }
 
 impl PoolModel {
@@ -69,6 +71,7 @@ impl PoolModel {
             kv: vec![0; n * cfg.page_words() as usize],
             codec_kv: vec![0; codec_pages * cfg.codec_page_bytes() as usize / 4],
             codec_free: (cfg.n_pages..cfg.n_ids()).rev().collect(),
+            codec_basis: Vec::new(),
         }
     }
 
@@ -292,7 +295,8 @@ impl PoolModel {
         if page >= cfg.n_pages {
             let cw = cfg.codec_page_bytes() as usize / 4;
             let c0 = (page - cfg.n_pages) as usize * cw;
-            return super::codec::decode_vector(cfg, &self.codec_kv[c0..c0 + cw], kv, slot as usize);
+            let basis = self.basis_of(self.page_meta[page as usize].owner);
+            return super::codec::decode_vector(cfg, &self.codec_kv[c0..c0 + cw], basis, kv, slot as usize);
         }
         let vw = cfg.vec_words() as usize;
         let base = page as usize * cfg.page_words() as usize + kv * cfg.page_size as usize * vw + slot as usize * vw;

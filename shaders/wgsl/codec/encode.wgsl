@@ -11,6 +11,8 @@
 @group(0) @binding(3) var<storage, read> pool: array<u32>;
 @group(0) @binding(4) var<storage, read_write> codec_kv: array<u32>;
 @group(0) @binding(5) var<storage, read_write> slot_meta: array<u32>;
+@group(0) @binding(6) var<storage, read> page_meta: array<PageMeta>;
+@group(0) @binding(7) var<storage, read> basis: array<f32>;
 
 const WG: u32 = 64u;
 var<workgroup> kparams: array<u32, 256>;
@@ -37,6 +39,26 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     let mw = geo.meta_words;
     for (var w = t; w < P * mw; w += WG) {
         slot_meta[job.y * P * mw + w] = slot_meta[job.x * P * mw + w];
+    }
+    if (codec_is_low_rank(geo)) {
+        // Coefficients against the page's (layer, head) basis, K block then V block.
+        let lh = key_layer_head(geo, page_meta[job.y].owner);
+        let half_r = geo.codec_param / 2u;
+        for (var w = t; w < 2u * P * half_r; w += WG) {
+            let kv = w / (P * half_r);
+            let s = (w / half_r) % P;
+            let j = 2u * (w % half_r);
+            let b0 = basis_off(geo, lh.x, lh.y, kv) + j * D;
+            var c0 = 0.0;
+            var c1 = 0.0;
+            for (var i = 0u; i < D; i++) {
+                let x = raw(base, kv, s, i);
+                c0 += basis[b0 + i] * x;
+                c1 += basis[b0 + D + i] * x;
+            }
+            codec_kv[out + w] = f16_bits_rne(c0) | (f16_bits_rne(c1) << 16u);
+        }
+        return;
     }
     if (geo.codec == CODEC_FASTV_DIMS) {
         let kw = geo.codec_param / 2u;

@@ -7,6 +7,11 @@
 //   then P (d / G) words       V: per (slot, group), (min, scale) as f16 pair
 //   then P d b / 32 words      V codes
 // FastV dims page: K rows of `keep` dimensions (f16 pairs), then V rows of d dimensions.
+// Low-rank / LoRA page, rank r: K coefficient rows (r f16, r / 2 words per slot), then V rows.
+//   The basis (f32 storage holding f16 values): per (layer, KV head), K then V, r rows of d.
+//   A coefficient is sum_i U[j][i] * x[i] in f32, i ascending: each product of two f16 is exact,
+//   so fused or not the sum is the same bits everywhere; it is stored rounded to nearest even
+//   with integer operations (`f16_bits_rne`), mirrored on the CPU.
 //
 // Exactness: min is rounded down to f16, scale up (directed rounding done with integer ops);
 // codes are found by comparing x with min + (c - 0.5) * scale and decoded as min + c * scale.
@@ -19,6 +24,23 @@ const CODEC_NONE: u32 = 0u;
 const CODEC_INT8: u32 = 1u;
 const CODEC_INT4: u32 = 2u;
 const CODEC_FASTV_DIMS: u32 = 3u;
+const CODEC_LOW_RANK: u32 = 4u;
+const CODEC_LORA: u32 = 5u;
+
+fn codec_is_low_rank(geo: Geometry) -> bool {
+    return geo.codec == CODEC_LOW_RANK || geo.codec == CODEC_LORA;
+}
+
+// Word offset of (layer, head, kv)'s rank x d basis block.
+fn basis_off(geo: Geometry, layer: u32, head: u32, kv: u32) -> u32 {
+    return ((layer * geo.kv_heads + head) * 2u + kv) * geo.codec_param * geo.head_dim;
+}
+
+// (layer, KV head) of a shard key.
+fn key_layer_head(geo: Geometry, key: u32) -> vec2<u32> {
+    let list = key / geo.n_shards;
+    return vec2<u32>(list / (geo.max_seqs * geo.kv_heads), list % geo.kv_heads);
+}
 
 fn codec_bits(geo: Geometry) -> u32 {
     return select(8u, 4u, geo.codec == CODEC_INT4);
@@ -92,6 +114,41 @@ fn f16_bits_dir(x: f32, up: bool) -> u32 {
         h |= 0x8000u;
     }
     return h;
+}
+
+// f16 bits of x rounded to nearest, ties to even; finite x, clamped to the finite range (f32
+// subnormals round to zero).
+fn f16_bits_rne(x: f32) -> u32 {
+    let b = bitcast<u32>(x);
+    let sign = (b >> 16u) & 0x8000u;
+    let exp = (b >> 23u) & 0xffu;
+    let mant = b & 0x7fffffu;
+    if (exp == 0u) {
+        return sign;
+    }
+    let e = i32(exp) - 112;
+    if (e >= 31) {
+        return sign | 0x7bffu;
+    }
+    var shift = 13u;
+    var full = mant;
+    var base = 0u;
+    if (e >= 1) {
+        base = u32(e) << 10u;
+    } else {
+        shift = u32(1 - e) + 13u;
+        full = mant | 0x800000u;
+        if (shift >= 25u) {
+            return sign;
+        }
+    }
+    var h = base + (full >> shift);
+    let rem = full & ((1u << shift) - 1u);
+    let half = 1u << (shift - 1u);
+    if (rem > half || (rem == half && (h & 1u) == 1u)) {
+        h += 1u;
+    }
+    return sign | min(h, 0x7bffu);
 }
 
 fn f16_value(bits: u32) -> f32 {

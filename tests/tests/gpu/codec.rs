@@ -150,7 +150,13 @@ fn compression_gpu_match_cpu_and_attention_decodes_in_kernel() {
 #[test]
 fn compressed_pages_allocate_fewer_bytes() {
     let rt = rt();
-    for codec in [Codec::Int8 { group: 32 }, Codec::Int4 { group: 32 }, Codec::FastvDims { keep: 64 }] {
+    for codec in [
+        Codec::Int8 { group: 32 },
+        Codec::Int4 { group: 32 },
+        Codec::FastvDims { keep: 64 },
+        Codec::LowRank { rank: 32 },
+        Codec::Lora { rank: 16 },
+    ] {
         let cfg = PoolConfig {
             layers: 1,
             kv_heads: 8,
@@ -169,16 +175,223 @@ fn compressed_pages_allocate_fewer_bytes() {
         };
         let pool = pollster::block_on(KvPool::new(rt, cfg.clone())).expect("pool");
         let per_page = cfg.codec_page_bytes();
-        // Measured from the allocation, against the layout's formula.
-        assert_eq!(pool.codec_bytes_allocated(), 256 * per_page);
+        // Measured from the allocation, against the layout's formula (plus the low-rank basis:
+        // per layer and KV head, K and V, rank x d f32).
+        let basis = codec.rank().map_or(0, |r| 8 * 2 * u64::from(r) * 128 * 4);
+        assert_eq!(pool.codec_bytes_allocated(), 256 * per_page + basis);
         let (p, d) = (16u64, 128u64);
         let formula = match codec {
             Codec::Int8 { group } => d * 4 + 2 * p * d + p * (d / u64::from(group)) * 4,
             Codec::Int4 { group } => d * 4 + p * d + p * (d / u64::from(group)) * 4,
             Codec::FastvDims { keep } => p * u64::from(keep) * 2 + p * d * 2,
+            Codec::LowRank { rank } | Codec::Lora { rank } => 2 * p * u64::from(rank) * 2,
             Codec::None => 0,
         };
         assert_eq!(per_page, formula, "{codec:?}");
         assert!(per_page < cfg.page_bytes(), "{codec:?}: {per_page} bytes per page, raw {}", cfg.page_bytes());
+    }
+}
+
+/// K/V with a planted rank-`rank` structure per (layer, head) (per layer for LoRA, whose fit is
+/// pooled over heads): x = sum_j w_j z_j b_j + small noise, w_j from 4 down to 1.5, so the
+/// spectrum has a clear gap after `rank` and the subspace is well defined.
+fn low_rank_kv(rng: &mut Rng, cfg: &PoolConfig, tokens: &[expertkv_core::reference::NewToken], dirs: &[Vec<f64>]) -> Vec<u32> {
+    let (d, r, h) = (cfg.head_dim as usize, cfg.codec.rank().unwrap_or(0) as usize, cfg.kv_heads as usize);
+    let lora = matches!(cfg.codec, Codec::Lora { .. });
+    let mut vals = Vec::new();
+    for t in tokens {
+        for kv in 0..2 {
+            for head in 0..h {
+                let fit = t.layer as usize * if lora { 1 } else { h } + if lora { 0 } else { head };
+                let b = &dirs[fit * 2 + kv];
+                let mut x: Vec<f64> = (0..d).map(|_| 0.05 * rng.normal()).collect();
+                for j in 0..r {
+                    let w = 4.0 - 2.5 * j as f64 / r.max(1) as f64;
+                    let z = w * rng.normal();
+                    for i in 0..d {
+                        x[i] += z * b[j * d + i];
+                    }
+                }
+                vals.extend(x.iter().map(|v| *v as f32));
+            }
+        }
+    }
+    let mut words = Vec::new();
+    expertkv_core::reference::pool::encode_values(&vals, cfg.dtype, &mut words);
+    words
+}
+
+/// rank x d rows, orthonormal (Gram-Schmidt of Gaussian rows).
+fn random_orthonormal(rng: &mut Rng, r: usize, d: usize) -> Vec<f64> {
+    let mut b: Vec<f64> = (0..r * d).map(|_| rng.normal()).collect();
+    for j in 0..r {
+        for k in 0..j {
+            let dot: f64 = (0..d).map(|i| b[j * d + i] * b[k * d + i]).sum();
+            for i in 0..d {
+                b[j * d + i] -= dot * b[k * d + i];
+            }
+        }
+        let n: f64 = (0..d).map(|i| b[j * d + i].powi(2)).sum::<f64>().sqrt();
+        for i in 0..d {
+            b[j * d + i] /= n;
+        }
+    }
+    b
+}
+
+#[test]
+fn low_rank_fit_matches_f64_svd_and_encodes_exactly() {
+    use expertkv_core::reference::codec::symmetric_eigen;
+    let rt = rt();
+    let mut compressed = 0;
+    for seed in seeds("low_rank", 6) {
+        let mut rng = Rng::new(seed);
+        let d = [16u32, 32, 64][rng.below(3) as usize];
+        let rank = 2 * (1 + rng.below(d.min(32) / 4));
+        let lora = rng.below(2) == 0;
+        let shards = 1 + rng.below(2);
+        let mut cfg = PoolConfig {
+            layers: 1 + rng.below(2),
+            kv_heads: 1 + rng.below(2),
+            head_dim: d,
+            page_size: [4u32, 8][rng.below(2) as usize],
+            dtype: KvDtype::F16,
+            n_pages: 0,
+            max_seqs: 1 + rng.below(2),
+            n_shards: shards,
+            ring_capacity: 40,
+            top_k: 1,
+            shard_map: ShardMap::Pikv { n_tok: shards, n_exp: shards },
+            max_buffer_bytes: None,
+            codec: if lora { Codec::Lora { rank } } else { Codec::LowRank { rank } },
+            codec_pages: 0,
+        };
+        cfg.n_pages = cfg.n_keys() * 12 + 8;
+        cfg.codec_pages = cfg.n_keys() * 30;
+        let ctx0 = format!("seed {seed}: {cfg:?}");
+        let fits = (cfg.layers * if lora { 1 } else { cfg.kv_heads }) as usize;
+        let dirs: Vec<Vec<f64>> = (0..fits * 2).map(|_| random_orthonormal(&mut rng, rank as usize, d as usize)).collect();
+        let mut pool = pollster::block_on(KvPool::new(rt, cfg.clone())).unwrap_or_else(|e| panic!("{ctx0}: {e}"));
+        rt.fill_u32(&pool.codec_kv, POISON_U32);
+        rt.fill_u32(&pool.codec_basis, POISON_U32);
+        let mut model = PoolModel::new(&cfg);
+        let mut positions = vec![0u32; cfg.max_seqs as usize];
+        // Calibration window: enough tokens per (layer, head) to span the planted subspace.
+        let n = (cfg.layers * cfg.max_seqs * 3 * d).min(pool.max_append_tokens(rt)) as usize;
+        let toks = random_batch(&mut rng, &cfg, &mut positions, n, false);
+        let kv = low_rank_kv(&mut rng, &cfg, &toks, &dirs);
+        pool.append(rt, &toks, &kv, 0).expect("append");
+        model.append(&toks, &kv, 0).expect("append");
+        assert!(pool.compress(rt).is_err(), "{ctx0}: a low-rank pool must refuse to encode before calibration");
+        pool.calibrate(rt, 40).unwrap_or_else(|e| panic!("{ctx0}: {e}"));
+        // Gram matrices: f32 sums against f64.
+        let gram = pollster::block_on(pool.read_gram(rt)).expect("gram");
+        let want = model.calibration_gram();
+        let scale = want.iter().fold(0f64, |m, x| m.max(x.abs()));
+        for (i, (g, w)) in gram.iter().zip(&want).enumerate() {
+            assert!((f64::from(*g) - w).abs() <= 1e-5 * scale, "{ctx0}: gram[{i}] = {g}, f64 {w}");
+        }
+        // Basis: orthonormal (to f16 precision) and spanning the f64 top-r eigenspace.
+        let basis = pollster::block_on(pool.read_basis(rt)).expect("basis");
+        let (du, r) = (d as usize, rank as usize);
+        for fit in 0..fits {
+            for kv in 0..2 {
+                let g = &want[(fit * 2 + kv) * du * du..(fit * 2 + kv + 1) * du * du];
+                let (vals, vecs) = symmetric_eigen(g, du);
+                assert!(vals[r - 1] > 4.0 * vals[r].max(0.0), "{ctx0}: the planted gap is missing: {vals:?}");
+                let (layer, head) = if lora { (fit as u32, 0) } else { (fit as u32 / cfg.kv_heads, fit as u32 % cfg.kv_heads) };
+                let heads: Vec<u32> = if lora { (0..cfg.kv_heads).collect() } else { vec![head] };
+                for h in heads {
+                    let o = (((layer * cfg.kv_heads + h) * 2 + kv as u32) * rank * d) as usize;
+                    let u = &basis[o..o + r * du];
+                    for a in 0..r {
+                        for b in 0..r {
+                            let dot: f64 = (0..du).map(|i| f64::from(u[a * du + i]) * f64::from(u[b * du + i])).sum();
+                            let want = if a == b { 1.0 } else { 0.0 };
+                            assert!((dot - want).abs() < 5e-3, "{ctx0}: fit {fit} kv {kv}: basis rows {a}, {b}: {dot}");
+                        }
+                    }
+                    // Projector distance ||U^T U - V^T V||_F against the f64 eigenvectors.
+                    let mut dist = 0f64;
+                    for i in 0..du {
+                        for j in 0..du {
+                            let pu: f64 = (0..r).map(|a| f64::from(u[a * du + i]) * f64::from(u[a * du + j])).sum();
+                            let pv: f64 = (0..r).map(|a| vecs[a][i] * vecs[a][j]).sum();
+                            dist += (pu - pv).powi(2);
+                        }
+                    }
+                    assert!(dist.sqrt() < 2e-2, "{ctx0}: fit {fit} kv {kv} head {h}: subspace distance {}", dist.sqrt());
+                }
+            }
+        }
+        // Encoding: bit-exact with the CPU given the same basis, in every later round.
+        model.codec_basis = basis;
+        for round in 0..3 {
+            let ctx = format!("{ctx0}, round {round}");
+            if round > 0 {
+                let n = 1 + rng.below(pool.max_append_tokens(rt).min(40)) as usize;
+                let toks = random_batch(&mut rng, &cfg, &mut positions, n, false);
+                let kv = low_rank_kv(&mut rng, &cfg, &toks, &dirs);
+                pool.append(rt, &toks, &kv, round).expect("append");
+                model.append(&toks, &kv, round).expect("append");
+                if model.ctl.error_flags != 0 {
+                    assert_same_state(rt, &pool, &model, &ctx);
+                    break;
+                }
+            }
+            pool.compress(rt).expect("compress");
+            let before = model.clone();
+            model.compress();
+            assert_same_codec(rt, &pool, &model, &ctx);
+            // Reconstruction of the pages compressed now (page lists keep their order): the
+            // error is the noise outside the planted subspace, (d - r) x 0.05^2 per vector.
+            let (mut err, mut n) = (0f64, 0usize);
+            for layer in 0..cfg.layers {
+                for seq in 0..cfg.max_seqs {
+                    for head in 0..cfg.kv_heads {
+                        for ((p0, s0), (p1, s1)) in before.tokens(layer, seq, head).into_iter().zip(model.tokens(layer, seq, head)) {
+                            if p0 >= cfg.n_pages || p1 < cfg.n_pages {
+                                continue;
+                            }
+                            for kv in 0..2 {
+                                let (x, y) = (before.vector(p0, s0, kv), model.vector(p1, s1, kv));
+                                err += x.iter().zip(&y).map(|(a, b)| (a - b).powi(2)).sum::<f64>();
+                                n += 1;
+                            }
+                        }
+                    }
+                }
+            }
+            let noise = f64::from(d - rank) * 0.05f64.powi(2);
+            assert!(
+                err <= 1.5 * noise * n as f64 + 1e-9,
+                "{ctx}: reconstruction error {} per vector, noise {noise}",
+                err / n.max(1) as f64
+            );
+        }
+        compressed += cfg.codec_pages - model.ctl.codec_free_top;
+        // Attention over raw and low-rank pages against the f64 reference over decoded values.
+        pool.gather(rt).expect("gather");
+        let group = 1 + rng.below(4);
+        let attn = pollster::block_on(Attention::new(
+            rt,
+            &pool,
+            AttendOptions { group, n_seqs: cfg.max_seqs, chunk_pages: 1 + rng.below(4), mass: true, ..Default::default() },
+        ))
+        .expect("attention");
+        let q: Vec<f32> = (0..cfg.max_seqs * attn.q_heads() * cfg.head_dim).map(|_| rng.normal() as f32).collect();
+        attn.set_queries(rt, &q).expect("queries");
+        for layer in 0..cfg.layers {
+            rt.fill_u32(&attn.out, POISON_F32);
+            attn.run(rt, layer, 9).expect("attend");
+            let got = pollster::block_on(attn.read_output(rt)).expect("out");
+            let want = attend_decode(&model, layer, cfg.max_seqs, &q, group, f64::from(attn.scale()));
+            for (i, (g, w)) in got.iter().zip(&want.out).enumerate() {
+                assert!((f64::from(*g) - w).abs() <= 5e-5 + 2e-4 * w.abs(), "{ctx0}: layer {layer} out[{i}] = {g}, reference {w}");
+            }
+        }
+    }
+    if std::env::var("EXPERTKV_TEST_SEED").is_err() {
+        assert!(compressed > 30, "only {compressed} pages were compressed: the cases prove little");
     }
 }

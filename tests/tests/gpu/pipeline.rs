@@ -160,7 +160,12 @@ fn flexgen_keeps_the_gpu_tier_in_budget_and_fetches_selected_pages() {
 fn demo_pipeline_with_a_codec_compresses_and_matches_reference() {
     use expertkv_core::config::Codec;
     let rt = rt();
-    for (seed, codec) in seeds("demo_pipeline_codec", 2).into_iter().zip([Codec::Int4 { group: 32 }, Codec::Int8 { group: 16 }]) {
+    let codecs = [Codec::Int4 { group: 32 }, Codec::Int8 { group: 16 }, Codec::LowRank { rank: 32 }, Codec::Lora { rank: 16 }];
+    for (seed, codec) in seeds("demo_pipeline_codec", 4).into_iter().zip(codecs) {
+        // The quantisers' error is small; the synthetic K/V are near-isotropic, so a rank-r basis
+        // of d = 64 dimensions keeps about r / d of their energy (the planted-structure test in
+        // codec.rs checks the fit itself).
+        let bound = if codec.is_low_rank() { 0.95 } else { 0.2 };
         let cfg = DemoConfig {
             workload: WorkloadConfig { seed, n_seqs: 2, layers: 2, prompt_len: 160, ..Default::default() },
             steps: 3,
@@ -183,9 +188,9 @@ fn demo_pipeline_with_a_codec_compresses_and_matches_reference() {
             r.kv_bytes_tokens
         );
         let err = r.attention_error.expect("reference");
-        assert!(err > 0.0 && err < 0.3, "seed {seed} {codec:?}: attention error {err}");
+        assert!(err > 0.0 && err < 1.5 * bound, "seed {seed} {codec:?}: attention error {err}");
         let (ek, ev) = pollster::block_on(p.reconstruction_error(rt)).expect("recon").expect("codec");
-        assert!(ek > 0.0 && ek < 0.2 && ev > 0.0 && ev < 0.2, "seed {seed} {codec:?}: reconstruction {ek} {ev}");
+        assert!(ek > 0.0 && ek < bound && ev > 0.0 && ev < bound, "seed {seed} {codec:?}: reconstruction {ek} {ev}");
         let v = pollster::block_on(p.verify(rt)).expect("verify").expect("verification enabled");
         assert!(v.placement_identical && v.attention_max_abs_err <= v.attention_tolerance, "seed {seed} {codec:?}: {v:?}");
     }

@@ -1,0 +1,177 @@
+// attend_decode, split pass over low-rank pages (codec low-rank or LoRA): scores in the reduced
+// space against q_r = U_K^T q, projected once per query head; the probability-weighted sum of
+// value coefficients is accumulated in the reduced space and reconstructed with U_V once at the
+// end (sum_s p_s U_V c_s = U_V sum_s p_s c_s). Nothing is decompressed to memory. Partials go to
+// the last "buffer" index, as in split_codec.wgsl.
+
+//!import common/pool.wgsl
+//!import attend/common.wgsl
+//!import common/codec.wgsl
+
+@group(0) @binding(0) var<uniform> geo: Geometry;
+@group(0) @binding(1) var<uniform> params: AttendParams;
+@group(0) @binding(2) var<storage, read> page_list: array<u32>;
+@group(0) @binding(3) var<storage, read> page_counts: array<u32>;
+@group(0) @binding(4) var<storage, read> page_meta: array<PageMeta>;
+@group(0) @binding(5) var<storage, read> codec_kv: array<u32>;
+@group(0) @binding(6) var<storage, read> queries: array<f32>;
+@group(0) @binding(7) var<storage, read_write> partials: array<f32>;
+@group(0) @binding(8) var<storage, read_write> scores: array<f32>;
+@group(0) @binding(9) var<storage, read> basis: array<f32>;
+
+const WG: u32 = 64u;
+const MAX_PAGE: u32 = 64u;
+const MAX_GR: u32 = 1024u;   // group * rank
+const MAX_SLOTS: u32 = 16u;  // ceil(MAX_GR / WG)
+
+var<workgroup> qr_sh: array<f32, 1024>;
+var<workgroup> acc_sh: array<f32, 1024>;
+var<workgroup> p_sh: array<f32, 512>;
+var<workgroup> m_sh: array<f32, 8>;
+var<workgroup> l_sh: array<f32, 8>;
+var<workgroup> f_sh: array<f32, 8>;
+var<workgroup> fill_sh: u32;
+var<workgroup> page_sh: u32;
+var<workgroup> count_sh: u32;
+
+// Coefficient j of slot s, K (kv = 0) or V (kv = 1).
+fn coef(page: u32, kv: u32, s: u32, j: u32) -> f32 {
+    let half_r = geo.codec_param / 2u;
+    let w = codec_kv[(page - geo.n_pages) * geo.codec_page_words + (kv * geo.page_size + s) * half_r + j / 2u];
+    let pair = unpack2x16float(w);
+    return select(pair.x, pair.y, (j & 1u) == 1u);
+}
+
+@compute @workgroup_size(64)
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t: u32) {
+    let chunk = wg.x;
+    let kvh = wg.y;
+    let seq = wg.z;
+    let G = params.group;
+    let D = geo.head_dim;
+    let P = geo.page_size;
+    let R = geo.codec_param;
+    let kb = basis_off(geo, params.layer, kvh, 0u);
+    let vb = basis_off(geo, params.layer, kvh, 1u);
+    let q0 = (seq * params.q_heads + kvh * G) * D;
+    // q_r[g][j] = scale * U_K[j] . q_g
+    for (var e = t; e < G * R; e += WG) {
+        let g = e / R;
+        let j = e % R;
+        var d = 0.0;
+        for (var i = 0u; i < D; i++) {
+            d += basis[kb + j * D + i] * queries[q0 + g * D + i];
+        }
+        qr_sh[e] = d * params.scale;
+    }
+    if (t < G) {
+        m_sh[t] = NEG_BIG;
+        l_sh[t] = 0.0;
+    }
+    if (t == 0u) {
+        count_sh = page_counts[list_index(geo, params.layer, seq, kvh)];
+    }
+    let n_pages = workgroupUniformLoad(&count_sh);
+    let first = chunk * params.chunk_pages;
+    let last = min(first + params.chunk_pages, n_pages);
+    let list = list_index(geo, params.layer, seq, kvh) * geo.max_pages_per_seq;
+    var acc: array<f32, 16>;
+    for (var k = 0u; k < MAX_SLOTS; k++) {
+        acc[k] = 0.0;
+    }
+
+    for (var pi = first; pi < last; pi++) {
+        if (t == 0u) {
+            let page = page_list[list + pi];
+            page_sh = page;
+            var fill = 0u;
+            if (page >= geo.n_pages) {
+                fill = page_meta[page].fill;
+            }
+            fill_sh = fill;
+        }
+        let fill = workgroupUniformLoad(&fill_sh);
+        if (fill == 0u) {
+            continue;
+        }
+        let page = page_sh;
+
+        for (var idx = t; idx < P * G; idx += WG) {
+            let s = idx / G;
+            let g = idx % G;
+            var score = NEG_BIG;
+            if (s < fill) {
+                var dot = 0.0;
+                for (var j = 0u; j < R; j++) {
+                    dot += coef(page, 0u, s, j) * qr_sh[g * R + j];
+                }
+                score = dot;
+                if (params.write_scores != 0u) {
+                    scores[(seq * params.q_heads + kvh * G + g) * params.max_tokens + pi * P + s] = score;
+                }
+            }
+            p_sh[g * MAX_PAGE + s] = score;
+        }
+        workgroupBarrier();
+
+        if (t < G) {
+            var mx = NEG_BIG;
+            for (var s = 0u; s < fill; s++) {
+                mx = max(mx, p_sh[t * MAX_PAGE + s]);
+            }
+            let m_new = max(m_sh[t], mx);
+            let f = exp(m_sh[t] - m_new);
+            var sum = 0.0;
+            for (var s = 0u; s < fill; s++) {
+                let p = exp(p_sh[t * MAX_PAGE + s] - m_new);
+                p_sh[t * MAX_PAGE + s] = p;
+                sum += p;
+            }
+            l_sh[t] = l_sh[t] * f + sum;
+            m_sh[t] = m_new;
+            f_sh[t] = f;
+        }
+        workgroupBarrier();
+
+        for (var k = 0u; k < MAX_SLOTS; k++) {
+            let e = t + k * WG;
+            if (e < G * R) {
+                let g = e / R;
+                let j = e % R;
+                var a = acc[k] * f_sh[g];
+                for (var s = 0u; s < fill; s++) {
+                    a += p_sh[g * MAX_PAGE + s] * coef(page, 1u, s, j);
+                }
+                acc[k] = a;
+            }
+        }
+        workgroupBarrier();
+    }
+
+    // Reconstruct: out[g][i] = sum_j U_V[j][i] acc[g][j].
+    for (var k = 0u; k < MAX_SLOTS; k++) {
+        let e = t + k * WG;
+        if (e < G * R) {
+            acc_sh[e] = acc[k];
+        }
+    }
+    workgroupBarrier();
+    let buffer = params.n_buffers - 1u;
+    let stride = partial_stride(D);
+    for (var e = t; e < G * D; e += WG) {
+        let g = e / D;
+        let i = e % D;
+        var o = 0.0;
+        for (var j = 0u; j < R; j++) {
+            o += basis[vb + j * D + i] * acc_sh[g * R + j];
+        }
+        partials[partial_index(params, seq, kvh * G + g, buffer, chunk) * stride + 4u + i] = o;
+    }
+    if (t < G) {
+        let o = partial_index(params, seq, kvh * G + t, buffer, chunk) * stride;
+        partials[o] = m_sh[t];
+        partials[o + 1u] = l_sh[t];
+        partials[o + 2u] = 0.0;
+        partials[o + 3u] = 0.0;
+    }
+}
