@@ -82,6 +82,22 @@ pub fn subgroup_layout_with(rt: &Runtime, head_dim: u32, dtype: KvDtype, lanes_c
     None
 }
 
+/// The fast quantised kernel (`attend/split_quant.wgsl`) for KIVI pages, when the raw pages run
+/// the subgroup kernel and the shape fits it: (lanes, bits, slots in flight).
+fn quant_fast_path(cfg: &crate::config::PoolConfig, variant: SplitVariant, opts: &AttendOptions) -> Option<(u32, u32, u32)> {
+    let SplitVariant::Subgroup { lanes, .. } = variant else { return None };
+    let (bits, group) = match cfg.codec {
+        crate::config::Codec::Int8 { group } => (8, group),
+        crate::config::Codec::Int4 { group } => (4, group),
+        _ => return None,
+    };
+    let dims_per_lane_word = 32 / bits * lanes;
+    // Slots in flight: the largest divisor of the page size within the option.
+    let u = (1..=opts.tokens_in_flight.min(cfg.page_size)).rev().find(|u| cfg.page_size.is_multiple_of(*u))?;
+    (cfg.head_dim.is_multiple_of(dims_per_lane_word) && group.is_multiple_of(4) && opts.group * cfg.head_dim <= 2048 && opts.group <= 16)
+        .then_some((lanes, bits, u))
+}
+
 pub struct Attention {
     pub opts: AttendOptions,
     pub variant: SplitVariant,
@@ -100,6 +116,8 @@ pub struct Attention {
     pub stats: wgpu::Buffer,
     split_bgs: Vec<wgpu::BindGroup>,
     codec_split: Option<(wgpu::ComputePipeline, wgpu::BindGroup)>,
+    /// Which kernel reads the compressed pages (for `describe`).
+    codec_kernel: Option<&'static str>,
     reduce_bg: wgpu::BindGroup,
     mass_bg: Option<wgpu::BindGroup>,
     n_buffers: u32,
@@ -237,6 +255,29 @@ impl Attention {
                 ],
             );
             Some((p, bg))
+        } else if let Some((lanes, bits, u)) = quant_fast_path(cfg, variant, &opts) {
+            let transpose = opts.transpose && opts.group.is_power_of_two() && opts.group <= lanes;
+            let p = rt
+                .pipeline_with(
+                    Kernel::AttendSplitQuant,
+                    &[
+                        ("GROUP", format!("{}u", opts.group)),
+                        ("LANES", format!("{lanes}u")),
+                        ("BITS", format!("{bits}u")),
+                        ("HEAD_DIM", format!("{}u", cfg.head_dim)),
+                        ("PAGE_SIZE", format!("{}u", cfg.page_size)),
+                        ("U", format!("{u}u")),
+                        ("TRANSPOSE", transpose.to_string()),
+                    ],
+                    &[],
+                )
+                .await?;
+            let bg = rt.bind(
+                Kernel::AttendSplitQuant.label(),
+                &p,
+                &[&pool.geometry, &params, page_list, page_counts, &pool.page_meta, &pool.codec_kv, &queries, &partials, &scores],
+            );
+            Some((p, bg))
         } else if has_codec {
             let p = rt.pipeline(Kernel::AttendSplitCodec, &[]).await?;
             let bg = rt.bind(
@@ -245,6 +286,15 @@ impl Attention {
                 &[&pool.geometry, &params, page_list, page_counts, &pool.page_meta, &pool.codec_kv, &queries, &partials, &scores],
             );
             Some((p, bg))
+        } else {
+            None
+        };
+        let codec_kernel = if cfg.codec.is_low_rank() {
+            Some("lowrank")
+        } else if quant_fast_path(cfg, variant, &opts).is_some() {
+            Some("quant-subgroup")
+        } else if has_codec {
+            Some("codec-portable")
         } else {
             None
         };
@@ -274,6 +324,7 @@ impl Attention {
             stats,
             split_bgs,
             codec_split,
+            codec_kernel,
             reduce_bg,
             mass_bg,
             n_buffers,
@@ -326,6 +377,14 @@ impl Attention {
 
     /// The kernel and its knobs, as benchmarks report them.
     pub fn describe(&self) -> String {
+        let raw = self.describe_raw();
+        match self.codec_kernel {
+            Some(k) => format!("{raw}, compressed pages: {k}"),
+            None => raw,
+        }
+    }
+
+    fn describe_raw(&self) -> String {
         match self.variant {
             SplitVariant::Tiled => format!("tiled chunk={}", self.opts.chunk_pages),
             SplitVariant::Subgroup { lanes, vpl } => {

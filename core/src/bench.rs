@@ -155,12 +155,22 @@ pub struct AttendShape {
     pub tokens: u32,
     pub dtype: KvDtype,
     pub page_size: u32,
+    /// How full pages are stored; `Codec::None`: raw pages.
+    pub codec: Codec,
 }
+
+/// Tokens per append while filling a pool with a codec (each batch is compressed before the
+/// next, so the raw pool needs room for one batch only).
+pub const CODEC_FILL_BATCH: u32 = 8192;
 
 impl AttendShape {
     pub fn label(&self) -> String {
+        let codec = match self.codec {
+            Codec::None => String::new(),
+            c => format!("_{}", c.name()),
+        };
         format!(
-            "b{}_hq{}_hkv{}_d{}_t{}_{}_p{}",
+            "b{}_hq{}_hkv{}_d{}_t{}_{}_p{}{codec}",
             self.batch,
             self.q_heads,
             self.kv_heads,
@@ -187,6 +197,28 @@ impl AttendShape {
         let pages_per_seq = self.tokens.div_ceil(self.page_size);
         // Shards fill unevenly; leave room in every ring and in the pool.
         let ring = (pages_per_seq.div_ceil(n_shards) * 5 / 4 + 4).max(4);
+        if self.codec != Codec::None {
+            // Raw pages: every ring's newest (and a spare), plus one fill batch; the rest of the
+            // context in compressed pages.
+            let keys = self.batch * self.kv_heads * n_shards;
+            let raw = 2 * keys + (CODEC_FILL_BATCH * self.kv_heads).div_ceil(self.page_size) + keys;
+            return PoolConfig {
+                layers: 1,
+                kv_heads: self.kv_heads,
+                head_dim: self.head_dim,
+                page_size: self.page_size,
+                dtype: self.dtype,
+                n_pages: raw,
+                max_seqs: self.batch,
+                n_shards,
+                ring_capacity: ring,
+                top_k: 1,
+                shard_map: ShardMap::Pikv { n_tok: n_shards, n_exp: n_shards },
+                max_buffer_bytes: None,
+                codec: self.codec,
+                codec_pages: self.batch * self.kv_heads * (pages_per_seq + n_shards),
+            };
+        }
         PoolConfig {
             layers: 1,
             kv_heads: self.kv_heads,
@@ -218,7 +250,10 @@ pub fn fill_random(rt: &Runtime, pool: &mut KvPool, batch: u32, tokens: u32, see
     let mut words_block = Vec::new();
     encode_values(&values, cfg.dtype, &mut words_block);
     let wpt = words_block.len() / distinct;
-    let max_batch = pool.max_append_tokens(rt) as usize;
+    let mut max_batch = pool.max_append_tokens(rt) as usize;
+    if cfg.codec != Codec::None {
+        max_batch = max_batch.min(CODEC_FILL_BATCH as usize);
+    }
     let total = u64::from(batch) * u64::from(tokens);
     let mut done = 0u64;
     let mut pending: Vec<(u32, u32)> = Vec::new();
@@ -235,6 +270,10 @@ pub fn fill_random(rt: &Runtime, pool: &mut KvPool, batch: u32, tokens: u32, see
         }
         pool.append(rt, &toks, &kv, step)?;
         pending.clear();
+        if pool.cfg.codec.is_low_rank() && !pool.calibrated {
+            pool.calibrate(rt, crate::pool::DEFAULT_BASIS_ITERS)?;
+        }
+        pool.compress(rt)?;
         Ok(())
     };
     for seq in 0..batch {
@@ -284,7 +323,17 @@ pub async fn bench_attend(
     attn.prepare(rt, 0, 0);
     let total = time_passes(rt, warmup, reps, &|p| attn.encode(p)).await?;
     let split = time_passes(rt, warmup, reps, &|p| attn.encode_split(p)).await?;
-    Ok(AttendBench { total, split, variant: attn.describe() })
+    // Bytes resident (and read by attention): raw pages in use plus compressed pages in use.
+    let ctl = pool.read_ctl(rt).await?;
+    let c = &pool.cfg;
+    let raw_pages = c.n_pages - ctl.free_top;
+    let codec_pages = if c.codec == Codec::None { 0 } else { c.codec_pages - ctl.codec_free_top };
+    let resident = u64::from(raw_pages) * c.page_bytes() + u64::from(codec_pages) * c.codec_page_bytes();
+    let mut variant = attn.describe();
+    if c.codec != Codec::None {
+        variant = format!("{variant} + {} pages ({codec_pages} compressed, {raw_pages} raw)", c.codec.name());
+    }
+    Ok(AttendBench { total, split, variant, resident_bytes: resident })
 }
 
 /// Decode attention timed whole (split + reduce) and split pass alone.
@@ -292,6 +341,8 @@ pub struct AttendBench {
     pub total: Measurement,
     pub split: Measurement,
     pub variant: String,
+    /// K/V bytes the pool holds for the context (what attention reads).
+    pub resident_bytes: u64,
 }
 
 /// Time routing (bias + top-k, what a decode step's selection costs) of `tokens` tokens over

@@ -4,7 +4,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
 use expertkv_core::attend::{AttendOptions, SplitVariant};
 use expertkv_core::bench::{AttendShape, BenchRecord, bench_attend, copy_roofline, gbps};
-use expertkv_core::config::KvDtype;
+use expertkv_core::config::{Codec, KvDtype};
 use expertkv_core::router_config::RouterConfig;
 use expertkv_core::runtime::Runtime;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -75,6 +75,10 @@ pub struct BenchArgs {
     /// and report the ratio.
     #[arg(long)]
     torch: bool,
+    /// Attention: page codecs to compare, comma-separated (none, int8, int4, fastv-dims,
+    /// low-rank[:rank=R], lora[:rank=R]); `none` is the baseline the others are compared with.
+    #[arg(long, value_delimiter = ',', default_value = "none")]
+    codecs: Vec<String>,
     /// Routing: tokens per call.
     #[arg(long, default_value_t = 65536)]
     route_tokens: u32,
@@ -243,8 +247,10 @@ pub fn run(gpu: &GpuArgs, a: &BenchArgs) -> Result<()> {
         tokens,
         dtype,
         page_size: a.page_size,
+        codec: Codec::None,
     })
     .collect();
+    let codecs: Vec<Codec> = a.codecs.iter().map(|c| Codec::parse(c)).collect::<expertkv_core::error::Result<_>>()?;
     let variant = match a.variant {
         Variant::Auto => None,
         Variant::Tiled => Some(SplitVariant::Tiled),
@@ -256,44 +262,77 @@ pub fn run(gpu: &GpuArgs, a: &BenchArgs) -> Result<()> {
     if a.lanes.is_some() && a.variant != Variant::Subgroup {
         bail!("--lanes applies to --variant subgroup");
     }
-    for s in &shapes {
-        let bar = if a.json { ProgressBar::hidden() } else { ProgressBar::new(u64::from(s.batch) * u64::from(s.tokens)) };
-        bar.set_style(ProgressStyle::with_template("filling {bar:40} {pos}/{len} tokens").unwrap_or_else(|_| ProgressStyle::default_bar()));
-        let opts = AttendOptions {
-            chunk_pages: a.chunk_pages,
-            variant,
-            tokens_in_flight: a.tokens_in_flight,
-            transpose: !a.no_transpose,
-            ..Default::default()
-        };
-        let ab = pollster::block_on(bench_attend(&rt, s, opts, warmup, reps, &mut |d, _| bar.set_position(d)))
-            .with_context(|| format!("attention benchmark {}", s.label()))?;
-        bar.finish_and_clear();
-        let rec = record(&rt, "attend_decode", s.label(), &ab.total, s.kv_bytes(), copy_gbps, ab.variant);
-        let torch = if a.torch { Some(run_torch(&a.torch_script, s, reps)?) } else { None };
-        if a.json {
-            let mut v = serde_json::to_value(&rec)?;
-            v["split_ms"] = ab.split.median_ms.into();
-            if let Some(t) = &torch {
-                v["torch_ms"] = t.median_ms.into();
-                v["torch_gbps"] = t.gbps.into();
-                v["torch_device"] = t.device.clone().into();
-                v["ratio_to_torch"] = (rec.gbps / t.gbps).into();
-            }
-            println!("{v}");
-        } else {
-            println!(
-                "attend  {:<34} {}  median {:.4} ms (split {:.4})  {:>8.1} GB/s of K/V  ratio to copy {:.2}",
-                rec.shape, rec.variant, rec.median_ms, ab.split.median_ms, rec.gbps, rec.ratio_to_copy
+    for s0 in &shapes {
+        let torch = if a.torch { Some(run_torch(&a.torch_script, s0, reps)?) } else { None };
+        let mut baseline_ms: Option<f64> = None;
+        for codec in &codecs {
+            let s = &AttendShape { codec: *codec, ..s0.clone() };
+            let bar = if a.json { ProgressBar::hidden() } else { ProgressBar::new(u64::from(s.batch) * u64::from(s.tokens)) };
+            bar.set_style(
+                ProgressStyle::with_template("filling {bar:40} {pos}/{len} tokens").unwrap_or_else(|_| ProgressStyle::default_bar()),
             );
-            if let Some(t) = torch {
+            let opts = AttendOptions {
+                chunk_pages: a.chunk_pages,
+                variant,
+                tokens_in_flight: a.tokens_in_flight,
+                transpose: !a.no_transpose,
+                ..Default::default()
+            };
+            let ab = pollster::block_on(bench_attend(&rt, s, opts, warmup, reps, &mut |d, _| bar.set_position(d)))
+                .with_context(|| format!("attention benchmark {}", s.label()))?;
+            bar.finish_and_clear();
+            // GB/s of the bytes the pool holds (and attention reads); rho = f16 bytes / those.
+            let rec = record(&rt, "attend_decode", s.label(), &ab.total, ab.resident_bytes, copy_gbps, ab.variant.clone());
+            let rho = s0.kv_bytes() as f64 / ab.resident_bytes as f64;
+            if *codec == Codec::None {
+                baseline_ms = Some(rec.median_ms);
+            }
+            // The step-time model: bandwidth-bound attention takes t(f16) / rho.
+            let predicted = baseline_ms.map(|b| b / rho);
+            if a.json {
+                let mut v = serde_json::to_value(&rec)?;
+                v["split_ms"] = ab.split.median_ms.into();
+                v["codec"] = codec.name().into();
+                v["rho"] = rho.into();
+                if let Some(p) = predicted {
+                    v["predicted_ms"] = p.into();
+                }
+                if let Some(b) = baseline_ms {
+                    v["speedup_vs_f16_pool"] = (b / rec.median_ms).into();
+                }
+                if let Some(t) = &torch {
+                    v["torch_ms"] = t.median_ms.into();
+                    v["torch_gbps"] = t.gbps.into();
+                    v["torch_device"] = t.device.clone().into();
+                    v["ratio_to_torch"] = (rec.gbps / t.gbps).into();
+                    v["speedup_vs_torch"] = (t.median_ms / rec.median_ms).into();
+                }
+                println!("{v}");
+            } else {
                 println!(
-                    "        pytorch sdpa ({}) median {:.4} ms  {:>8.1} GB/s  ratio expertkv/sdpa {:.2}",
-                    t.device,
-                    t.median_ms,
-                    t.gbps,
-                    rec.gbps / t.gbps
+                    "attend  {:<44} {}  median {:.4} ms (split {:.4})  {:>8.1} GB/s resident  ratio to copy {:.2}",
+                    rec.shape, rec.variant, rec.median_ms, ab.split.median_ms, rec.gbps, rec.ratio_to_copy
                 );
+                if *codec != Codec::None {
+                    print!("        rho {rho:.2} ({} resident)", fmt_bytes(ab.resident_bytes));
+                    if let (Some(b), Some(p)) = (baseline_ms, predicted) {
+                        print!(
+                            "  {:.2}x the f16 pool; model t(f16)/rho = {p:.4} ms, measured/model {:.2}",
+                            b / rec.median_ms,
+                            rec.median_ms / p
+                        );
+                    }
+                    println!();
+                }
+                if let Some(t) = &torch {
+                    println!(
+                        "        pytorch sdpa f16 ({}) median {:.4} ms  {:>8.1} GB/s  speedup over sdpa {:.2}x",
+                        t.device,
+                        t.median_ms,
+                        t.gbps,
+                        t.median_ms / rec.median_ms
+                    );
+                }
             }
         }
     }

@@ -64,6 +64,7 @@ sources! {
     CODEC_GRAM => "codec/gram.wgsl",
     CODEC_BASIS => "codec/basis.wgsl",
     ATTEND_SPLIT_LOWRANK => "attend/split_lowrank.wgsl",
+    ATTEND_SPLIT_QUANT => "attend/split_quant.wgsl",
     ATTEND_SPLIT_CODEC => "attend/split_codec.wgsl",
 }
 
@@ -106,6 +107,7 @@ pub enum Kernel {
     CodecBasisIterate,
     CodecBasisFinish,
     AttendSplitLowrank,
+    AttendSplitQuant,
 }
 
 impl Kernel {
@@ -146,6 +148,7 @@ impl Kernel {
         Kernel::CodecBasisIterate,
         Kernel::CodecBasisFinish,
         Kernel::AttendSplitLowrank,
+        Kernel::AttendSplitQuant,
     ];
 
     pub fn source(self) -> Source {
@@ -181,6 +184,7 @@ impl Kernel {
             Kernel::CodecGram => CODEC_GRAM,
             Kernel::CodecBasisInit | Kernel::CodecBasisIterate | Kernel::CodecBasisFinish => CODEC_BASIS,
             Kernel::AttendSplitLowrank => ATTEND_SPLIT_LOWRANK,
+            Kernel::AttendSplitQuant => ATTEND_SPLIT_QUANT,
         }
     }
 
@@ -218,7 +222,7 @@ impl Kernel {
 
     /// Needs the SUBGROUP feature (only on the capability tier that has it).
     pub fn needs_subgroups(self) -> bool {
-        matches!(self, Kernel::AttendSplitSubgroup)
+        matches!(self, Kernel::AttendSplitSubgroup | Kernel::AttendSplitQuant)
     }
 
     /// Kernels whose every index the GPU-vs-CPU tests (`tests/tests/gpu`) exercise over random
@@ -226,7 +230,12 @@ impl Kernel {
     pub fn may_run_unchecked(self) -> bool {
         matches!(
             self,
-            Kernel::AttendSplitTiled | Kernel::AttendSplitSubgroup | Kernel::AttendReduce | Kernel::BenchCopy | Kernel::RouteTopk
+            Kernel::AttendSplitTiled
+                | Kernel::AttendSplitSubgroup
+                | Kernel::AttendSplitQuant
+                | Kernel::AttendReduce
+                | Kernel::BenchCopy
+                | Kernel::RouteTopk
         )
     }
 

@@ -93,6 +93,32 @@ fn subgroup_attention_validates_for_every_shape_knob() {
 }
 
 #[test]
+fn quantised_attention_validates_for_every_shape_knob() {
+    let mut failures = Vec::new();
+    for group in [1u32, 3, 4, 8] {
+        for (lanes, bits, d) in [(16u32, 4u32, 128u32), (8, 4, 128), (16, 8, 128), (8, 8, 64), (16, 8, 256), (8, 4, 64)] {
+            for u in [1u32, 4, 8] {
+                for transpose in [true, false] {
+                    let defines = [
+                        ("GROUP", format!("{group}u")),
+                        ("LANES", format!("{lanes}u")),
+                        ("BITS", format!("{bits}u")),
+                        ("HEAD_DIM", format!("{d}u")),
+                        ("U", format!("{u}u")),
+                        ("TRANSPOSE", (transpose && group.is_power_of_two() && group <= lanes).to_string()),
+                    ];
+                    let text = Kernel::AttendSplitQuant.resolved_with(&defines).expect("defines resolve");
+                    if let Err(e) = validate(&format!("attend/split_quant.wgsl {defines:?}"), &text) {
+                        failures.push(e);
+                    }
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
+#[test]
 fn route_topk_validates_for_every_define() {
     let mut failures = Vec::new();
     for k in 1u32..=8 {

@@ -77,7 +77,7 @@ fn assert_same_codec(rt: &Runtime, pool: &KvPool, model: &PoolModel, ctx: &str) 
 #[test]
 fn compression_gpu_match_cpu_and_attention_decodes_in_kernel() {
     let rt = rt();
-    let mut compressed = 0;
+    let (mut compressed, mut fast_runs) = (0, 0);
     for seed in seeds("codec", 20) {
         let mut rng = Rng::new(seed);
         let cfg = config(&mut rng);
@@ -125,6 +125,7 @@ fn compression_gpu_match_cpu_and_attention_decodes_in_kernel() {
                 },
             ))
             .expect("attention");
+            fast_runs += usize::from(attn.describe().contains("quant-subgroup"));
             let q: Vec<f32> = (0..cfg.max_seqs * attn.q_heads() * cfg.head_dim).map(|_| rng.normal() as f32).collect();
             attn.set_queries(rt, &q).expect("queries");
             for layer in 0..cfg.layers {
@@ -136,7 +137,7 @@ fn compression_gpu_match_cpu_and_attention_decodes_in_kernel() {
                     assert!(
                         (f64::from(*g) - w).abs() <= 2e-5 + 1e-4 * w.abs(),
                         "{ctx0}: {} layer {layer} out[{i}] = {g}, reference {w}",
-                        variant.name()
+                        attn.describe()
                     );
                 }
             }
@@ -144,6 +145,9 @@ fn compression_gpu_match_cpu_and_attention_decodes_in_kernel() {
     }
     if std::env::var("EXPERTKV_TEST_SEED").is_err() {
         assert!(compressed > 50, "only {compressed} pages were compressed: the cases prove little");
+        if expertkv_core::attend::subgroup_layout(rt, 128, KvDtype::F16).is_some() {
+            assert!(fast_runs > 0, "no case ran the fast quantised kernel");
+        }
     }
 }
 

@@ -1,0 +1,381 @@
+// attend_decode, split pass over KIVI int8 / int4 pages, fast variant (subgroups; the layout of
+// split_subgroup.wgsl): LANES invocations share one token, each holding WPL words of its key and
+// value code rows (coalesced), and combine partial dot products with subgroup shuffles. Each
+// token group works page by page: it decodes the page's per-channel key parameters once into
+// q * scale and a bias q . min (so a key's score is bias + sum (q * scale) * code, no per-element
+// dequantisation), then runs U slots in flight. Values dequantise per token group (min + code *
+// scale) straight into the accumulators. Nothing is decompressed to memory. Partials go to the
+// last "buffer" index, as in split_codec.wgsl (which is the portable fallback).
+
+//!import common/pool.wgsl
+//!import attend/common.wgsl
+//!import common/codec.wgsl
+
+@group(0) @binding(0) var<uniform> geo: Geometry;
+@group(0) @binding(1) var<uniform> params: AttendParams;
+@group(0) @binding(2) var<storage, read> page_list: array<u32>;
+@group(0) @binding(3) var<storage, read> page_counts: array<u32>;
+@group(0) @binding(4) var<storage, read> page_meta: array<PageMeta>;
+@group(0) @binding(5) var<storage, read> codec_kv: array<u32>;
+@group(0) @binding(6) var<storage, read> queries: array<f32>;
+@group(0) @binding(7) var<storage, read_write> partials: array<f32>;
+@group(0) @binding(8) var<storage, read_write> scores: array<f32>;
+
+//!define GROUP 4u
+//!define LANES 16u
+//!define BITS 4u
+//!define HEAD_DIM 128u
+//!define PAGE_SIZE 16u
+//!define U 4u
+//!define TRANSPOSE true
+// GROUP: query heads per KV head. LANES: invocations per token. BITS: 8 or 4. HEAD_DIM: d
+// (a multiple of LANES * 32 / BITS). PAGE_SIZE: slots per page (a multiple of U). U: slots in
+// flight per token group. TRANSPOSE: as in split_subgroup.wgsl.
+
+const WG: u32 = 128u;
+const CPW: u32 = 32u / BITS;                  // codes per u32 word
+const WPL: u32 = HEAD_DIM / (CPW * LANES);    // code words per lane per row
+const VPW: u32 = CPW / 4u;                    // vec4 of dimensions per code word
+const NV: u32 = WPL * VPW;                    // vec4 of dimensions per lane per row
+const CODE_MASK: u32 = (1u << BITS) - 1u;
+const HEADS_KEPT: u32 = select(GROUP, 1u, TRANSPOSE);
+const MAX_CHUNK_PAGES: u32 = 64u;
+
+var<workgroup> chunk_page: array<u32, 64>;
+var<workgroup> chunk_fill: array<u32, 64>;
+var<workgroup> ml_sh: array<vec2<f32>, 256>;
+var<workgroup> acc_sh: array<vec4<f32>, 512>;
+var<workgroup> count_sh: u32;
+
+// First dimension of vec4 n (0..NV) of this lane's slice of a row.
+fn dim_of(lane: u32, n: u32) -> u32 {
+    return CPW * (lane + (n / VPW) * LANES) + 4u * (n % VPW);
+}
+
+// Codes of dimensions 4 sub .. 4 sub + 3 of a code word, as floats.
+fn codes4(w: u32, sub: u32) -> vec4<f32> {
+    let sh = sub * 4u * BITS;
+    return vec4<f32>(
+        f32((w >> sh) & CODE_MASK),
+        f32((w >> (sh + BITS)) & CODE_MASK),
+        f32((w >> (sh + 2u * BITS)) & CODE_MASK),
+        f32((w >> (sh + 3u * BITS)) & CODE_MASK),
+    );
+}
+
+fn log2u(x: u32) -> u32 {
+    return 31u - countLeadingZeros(x);
+}
+
+fn head_of_lane(lane: u32) -> u32 {
+    let k = log2u(GROUP);
+    var g = 0u;
+    for (var i = 0u; i < k; i++) {
+        if ((lane & (LANES >> (i + 1u))) != 0u) {
+            g |= 1u << (k - 1u - i);
+        }
+    }
+    return g;
+}
+
+fn lane_of_head(g: u32) -> u32 {
+    let k = log2u(GROUP);
+    var l = 0u;
+    for (var i = 0u; i < k; i++) {
+        if (((g >> (k - 1u - i)) & 1u) != 0u) {
+            l |= LANES >> (i + 1u);
+        }
+    }
+    return l;
+}
+
+@compute @workgroup_size(128)
+fn main(
+    @builtin(workgroup_id) wg: vec3<u32>,
+    @builtin(local_invocation_index) t: u32,
+    @builtin(subgroup_invocation_id) sg_lane: u32,
+    @builtin(subgroup_size) sg_size: u32,
+    @builtin(subgroup_id) sg_id: u32,
+) {
+    let chunk = wg.x;
+    let kvh = wg.y;
+    let seq = wg.z;
+    let D4 = HEAD_DIM / 4u;
+    let lane = sg_lane % LANES;
+    let group_base = sg_lane - lane;
+    let tg = sg_id * (sg_size / LANES) + sg_lane / LANES;
+    let n_tg = WG / LANES;
+    let my_head = head_of_lane(lane);
+    let replicas = LANES / GROUP;
+    let buffer = params.n_buffers - 1u;
+
+    if (t == 0u) {
+        count_sh = page_counts[list_index(geo, params.layer, seq, kvh)];
+    }
+    let n_pages = workgroupUniformLoad(&count_sh);
+    let first = chunk * params.chunk_pages;
+    if (first >= n_pages) {
+        if (t < GROUP) {
+            let o = partial_index(params, seq, kvh * GROUP + t, buffer, chunk) * partial_stride(HEAD_DIM);
+            partials[o] = NEG_BIG;
+            partials[o + 1u] = 0.0;
+        }
+        return;
+    }
+    let list = list_index(geo, params.layer, seq, kvh) * geo.max_pages_per_seq;
+    for (var c = t; c < params.chunk_pages; c += WG) {
+        var page = 0u;
+        var fill = 0u;
+        if (first + c < n_pages) {
+            page = page_list[list + first + c];
+            if (page >= geo.n_pages) {
+                fill = page_meta[page].fill;
+            }
+        }
+        chunk_page[c] = page;
+        chunk_fill[c] = fill;
+    }
+    workgroupBarrier();
+
+    var q: array<vec4<f32>, GROUP * NV>;  // [g * NV + n]
+    let q0 = (seq * params.q_heads + kvh * GROUP) * HEAD_DIM;
+    for (var g = 0u; g < GROUP; g++) {
+        for (var n = 0u; n < NV; n++) {
+            let d = q0 + g * HEAD_DIM + dim_of(lane, n);
+            q[g * NV + n] = vec4<f32>(queries[d], queries[d + 1u], queries[d + 2u], queries[d + 3u]) * params.scale;
+        }
+    }
+    var acc: array<vec4<f32>, GROUP * NV>;
+    var m: array<f32, HEADS_KEPT>;
+    var l: array<f32, HEADS_KEPT>;
+    for (var g = 0u; g < HEADS_KEPT; g++) {
+        m[g] = NEG_BIG;
+        l[g] = 0.0;
+    }
+    for (var i = 0u; i < GROUP * NV; i++) {
+        acc[i] = vec4<f32>(0.0);
+    }
+
+    let rw = code_row_words(geo);
+    let kc_off = k_codes_off(geo);
+    let vp_off = v_params_off(geo);
+    let vc_off = v_codes_off(geo);
+    let vgroups = HEAD_DIM / geo.v_group;
+    let rounds = (params.chunk_pages + n_tg - 1u) / n_tg;
+    for (var r = 0u; r < rounds; r++) {
+        let c = tg + r * n_tg;
+        let cc = min(c, MAX_CHUNK_PAGES - 1u);
+        var fill = 0u;
+        if (c < params.chunk_pages) {
+            fill = chunk_fill[cc];
+        }
+        let cbase = (chunk_page[cc] - geo.n_pages) * geo.codec_page_words;
+        // The page's key parameters for this lane's channels: score = bias + (q * scale) . code.
+        var qs: array<vec4<f32>, GROUP * NV>;
+        var bias: array<f32, GROUP>;
+        for (var g = 0u; g < GROUP; g++) {
+            bias[g] = 0.0;
+        }
+        if (fill > 0u) {
+            for (var n = 0u; n < NV; n++) {
+                let p0 = cbase + dim_of(lane, n);
+                let w = vec4<u32>(codec_kv[p0], codec_kv[p0 + 1u], codec_kv[p0 + 2u], codec_kv[p0 + 3u]);
+                let mins = vec4<f32>(f16_value(w.x), f16_value(w.y), f16_value(w.z), f16_value(w.w));
+                let scales = vec4<f32>(f16_value(w.x >> 16u), f16_value(w.y >> 16u), f16_value(w.z >> 16u), f16_value(w.w >> 16u));
+                for (var g = 0u; g < GROUP; g++) {
+                    qs[g * NV + n] = q[g * NV + n] * scales;
+                    bias[g] += dot(q[g * NV + n], mins);
+                }
+            }
+        } else {
+            for (var i = 0u; i < GROUP * NV; i++) {
+                qs[i] = vec4<f32>(0.0);
+            }
+        }
+        for (var sb = 0u; sb < PAGE_SIZE / U; sb++) {
+            var kw: array<u32, U * WPL>;
+            var vw: array<u32, U * WPL>;
+            var vprm: array<u32, U * NV>;
+            var valid: array<bool, U>;
+            var slot_of: array<u32, U>;
+            for (var u = 0u; u < U; u++) {
+                let s = sb * U + u;
+                let ok = s < fill;
+                valid[u] = ok;
+                slot_of[u] = c * PAGE_SIZE + s;
+                if (ok) {
+                    for (var i = 0u; i < WPL; i++) {
+                        kw[u * WPL + i] = codec_kv[cbase + kc_off + s * rw + lane + i * LANES];
+                        vw[u * WPL + i] = codec_kv[cbase + vc_off + s * rw + lane + i * LANES];
+                    }
+                    for (var n = 0u; n < NV; n++) {
+                        vprm[u * NV + n] = codec_kv[cbase + vp_off + s * vgroups + dim_of(lane, n) / geo.v_group];
+                    }
+                } else {
+                    for (var i = 0u; i < WPL; i++) {
+                        kw[u * WPL + i] = 0u;
+                        vw[u * WPL + i] = 0u;
+                    }
+                    for (var n = 0u; n < NV; n++) {
+                        vprm[u * NV + n] = 0u;
+                    }
+                }
+            }
+            var part: array<f32, U * GROUP>;
+            for (var u = 0u; u < U; u++) {
+                for (var g = 0u; g < GROUP; g++) {
+                    var x = 0.0;
+                    for (var n = 0u; n < NV; n++) {
+                        x += dot(qs[g * NV + n], codes4(kw[u * WPL + n / VPW], n % VPW));
+                    }
+                    // The bias is split over the lanes like the dot product.
+                    part[u * GROUP + g] = x + bias[g];
+                }
+            }
+            var p: array<f32, U * GROUP>;
+            var corr: array<f32, GROUP>;
+            if (TRANSPOSE) {
+                var sc: array<f32, U>;
+                var m_new = m[0];
+                for (var u = 0u; u < U; u++) {
+                    var mask = LANES / 2u;
+                    for (var half = GROUP / 2u; half > 0u; half = half / 2u) {
+                        let upper = (lane & mask) != 0u;
+                        for (var j = 0u; j < half; j++) {
+                            let keep = select(part[u * GROUP + j], part[u * GROUP + j + half], upper);
+                            let send = select(part[u * GROUP + j + half], part[u * GROUP + j], upper);
+                            part[u * GROUP + j] = keep + subgroupShuffleXor(send, mask);
+                        }
+                        mask = mask / 2u;
+                    }
+                    var x = part[u * GROUP];
+                    for (; mask > 0u; mask = mask / 2u) {
+                        x += subgroupShuffleXor(x, mask);
+                    }
+                    sc[u] = select(NEG_BIG, x, valid[u]);
+                    m_new = max(m_new, sc[u]);
+                    if (valid[u] && params.write_scores != 0u && (lane % replicas) == 0u) {
+                        scores[(seq * params.q_heads + kvh * GROUP + my_head) * params.max_tokens + first * PAGE_SIZE + slot_of[u]] = x;
+                    }
+                }
+                let c_own = exp(m[0] - m_new);
+                var lsum = l[0] * c_own;
+                var p_own: array<f32, U>;
+                for (var u = 0u; u < U; u++) {
+                    p_own[u] = select(0.0, exp(sc[u] - m_new), valid[u]);
+                    lsum += p_own[u];
+                }
+                m[0] = m_new;
+                l[0] = lsum;
+                for (var g = 0u; g < GROUP; g++) {
+                    let src = group_base + lane_of_head(g);
+                    corr[g] = subgroupShuffle(c_own, src);
+                    for (var u = 0u; u < U; u++) {
+                        p[u * GROUP + g] = subgroupShuffle(p_own[u], src);
+                    }
+                }
+            } else {
+                for (var g = 0u; g < GROUP; g++) {
+                    var sc: array<f32, U>;
+                    var m_new = m[g];
+                    for (var u = 0u; u < U; u++) {
+                        var x = part[u * GROUP + g];
+                        for (var mask = LANES / 2u; mask > 0u; mask = mask / 2u) {
+                            x += subgroupShuffleXor(x, mask);
+                        }
+                        sc[u] = select(NEG_BIG, x, valid[u]);
+                        m_new = max(m_new, sc[u]);
+                        if (valid[u] && params.write_scores != 0u && lane == 0u) {
+                            scores[(seq * params.q_heads + kvh * GROUP + g) * params.max_tokens + first * PAGE_SIZE + slot_of[u]] = x;
+                        }
+                    }
+                    corr[g] = exp(m[g] - m_new);
+                    var lsum = l[g] * corr[g];
+                    for (var u = 0u; u < U; u++) {
+                        p[u * GROUP + g] = select(0.0, exp(sc[u] - m_new), valid[u]);
+                        lsum += p[u * GROUP + g];
+                    }
+                    m[g] = m_new;
+                    l[g] = lsum;
+                }
+            }
+            // Values: min + code * scale per token group of dimensions, shared by the heads.
+            var vdec: array<vec4<f32>, U * NV>;
+            for (var u = 0u; u < U; u++) {
+                for (var n = 0u; n < NV; n++) {
+                    let prm = vprm[u * NV + n];
+                    vdec[u * NV + n] = f16_value(prm) + codes4(vw[u * WPL + n / VPW], n % VPW) * f16_value(prm >> 16u);
+                }
+            }
+            for (var g = 0u; g < GROUP; g++) {
+                for (var n = 0u; n < NV; n++) {
+                    var a = acc[g * NV + n] * corr[g];
+                    for (var u = 0u; u < U; u++) {
+                        a += p[u * GROUP + g] * vdec[u * NV + n];
+                    }
+                    acc[g * NV + n] = a;
+                }
+            }
+        }
+    }
+
+    // Merge the token groups of this workgroup.
+    if (TRANSPOSE) {
+        if ((lane % replicas) == 0u) {
+            ml_sh[tg * GROUP + my_head] = vec2<f32>(m[0], l[0]);
+        }
+    } else if (lane == 0u) {
+        for (var g = 0u; g < GROUP; g++) {
+            ml_sh[tg * GROUP + g] = vec2<f32>(m[g], l[g]);
+        }
+    }
+    workgroupBarrier();
+    var big_m: array<f32, GROUP>;
+    var big_l: array<f32, GROUP>;
+    for (var g = 0u; g < GROUP; g++) {
+        var mm = NEG_BIG;
+        for (var r = 0u; r < n_tg; r++) {
+            mm = max(mm, ml_sh[r * GROUP + g].x);
+        }
+        var ll = 0.0;
+        for (var r = 0u; r < n_tg; r++) {
+            let e = ml_sh[r * GROUP + g];
+            ll += e.y * exp(e.x - mm);
+        }
+        big_m[g] = mm;
+        big_l[g] = ll;
+    }
+    for (var r = 0u; r < n_tg; r++) {
+        if (tg == r) {
+            for (var g = 0u; g < GROUP; g++) {
+                let f = exp(ml_sh[tg * GROUP + g].x - big_m[g]);
+                for (var n = 0u; n < NV; n++) {
+                    let a = g * D4 + dim_of(lane, n) / 4u;
+                    var prev = vec4<f32>(0.0);
+                    if (r > 0u) {
+                        prev = acc_sh[a];
+                    }
+                    acc_sh[a] = prev + acc[g * NV + n] * f;
+                }
+            }
+        }
+        workgroupBarrier();
+    }
+    let stride = partial_stride(HEAD_DIM);
+    for (var e = t; e < GROUP * D4; e += WG) {
+        let g = e / D4;
+        let o = partial_index(params, seq, kvh * GROUP + g, buffer, chunk) * stride + 4u + 4u * (e % D4);
+        let a = acc_sh[e];
+        partials[o] = a.x;
+        partials[o + 1u] = a.y;
+        partials[o + 2u] = a.z;
+        partials[o + 3u] = a.w;
+    }
+    if (t < GROUP) {
+        let o = partial_index(params, seq, kvh * GROUP + t, buffer, chunk) * stride;
+        partials[o] = big_m[t];
+        partials[o + 1u] = big_l[t];
+        partials[o + 2u] = 0.0;
+        partials[o + 3u] = 0.0;
+    }
+}
