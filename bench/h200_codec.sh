@@ -7,7 +7,7 @@ for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
 export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 B=.bin/expertkv
-CODECS=${CODECS:-none,int8,int4,fastv-dims,low-rank:rank=32}
+CODECS=${CODECS:-none,int8,int4,int4:group=64,fastv-dims,low-rank:rank=32,lora:rank=16}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 for shape in "--batch 8 --tokens 32768" "--batch 1 --tokens 131072"; do
   $B bench attend --json --torch $shape --codecs "$CODECS" >> "$OUT/codec.jsonl" 2>> "$OUT/codec.err"

@@ -82,6 +82,8 @@ pub fn subgroup_layout_with(rt: &Runtime, head_dim: u32, dtype: KvDtype, lanes_c
     None
 }
 
+const QUANT_MAX_IN_FLIGHT: u32 = 2;
+
 /// The fast quantised kernel (`attend/split_quant.wgsl`) for KIVI pages, when the raw pages run
 /// the subgroup kernel and the shape fits it: (lanes, bits, slots in flight).
 fn quant_fast_path(cfg: &crate::config::PoolConfig, variant: SplitVariant, opts: &AttendOptions) -> Option<(u32, u32, u32)> {
@@ -92,8 +94,10 @@ fn quant_fast_path(cfg: &crate::config::PoolConfig, variant: SplitVariant, opts:
         _ => return None,
     };
     let dims_per_lane_word = 32 / bits * lanes;
-    // Slots in flight: the largest divisor of the page size within the option.
-    let u = (1..=opts.tokens_in_flight.min(cfg.page_size)).rev().find(|u| cfg.page_size.is_multiple_of(*u))?;
+    // Slots in flight: the largest divisor of the page size within the option, at most 2 (on an
+    // H200, b8 x 32K int4: 0.47 ms at 2, 0.50 at 8, 0.61 at 1, 0.69 at 4; more registers per
+    // slot than the f16 kernel).
+    let u = (1..=opts.tokens_in_flight.min(cfg.page_size).min(QUANT_MAX_IN_FLIGHT)).rev().find(|u| cfg.page_size.is_multiple_of(*u))?;
     (cfg.head_dim.is_multiple_of(dims_per_lane_word) && group.is_multiple_of(4) && opts.group * cfg.head_dim <= 2048 && opts.group <= 16)
         .then_some((lanes, bits, u))
 }
@@ -406,6 +410,15 @@ impl Attention {
             pass.set_bind_group(0, bg, &[]);
             pass.dispatch_workgroups(self.n_chunks, self.kv_heads, self.opts.n_seqs);
         }
+        if let Some((p, bg)) = &self.codec_split {
+            pass.set_pipeline(p);
+            pass.set_bind_group(0, bg, &[]);
+            pass.dispatch_workgroups(self.n_chunks, self.kv_heads, self.opts.n_seqs);
+        }
+    }
+
+    /// Encode the compressed pages' split pass alone (nothing without a codec).
+    pub fn encode_codec_split(&self, pass: &mut wgpu::ComputePass<'_>) {
         if let Some((p, bg)) = &self.codec_split {
             pass.set_pipeline(p);
             pass.set_bind_group(0, bg, &[]);

@@ -167,7 +167,7 @@ impl AttendShape {
     pub fn label(&self) -> String {
         let codec = match self.codec {
             Codec::None => String::new(),
-            c => format!("_{}", c.name()),
+            c => format!("_{}", c.spec().replace(':', "_").replace('=', "")),
         };
         format!(
             "b{}_hq{}_hkv{}_d{}_t{}_{}_p{}{codec}",
@@ -323,6 +323,11 @@ pub async fn bench_attend(
     attn.prepare(rt, 0, 0);
     let total = time_passes(rt, warmup, reps, &|p| attn.encode(p)).await?;
     let split = time_passes(rt, warmup, reps, &|p| attn.encode_split(p)).await?;
+    let codec_split = if pool.cfg.codec != Codec::None {
+        Some(time_passes(rt, warmup, reps, &|p| attn.encode_codec_split(p)).await?)
+    } else {
+        None
+    };
     // Bytes resident (and read by attention): raw pages in use plus compressed pages in use.
     let ctl = pool.read_ctl(rt).await?;
     let c = &pool.cfg;
@@ -333,13 +338,15 @@ pub async fn bench_attend(
     if c.codec != Codec::None {
         variant = format!("{variant} + {} pages ({codec_pages} compressed, {raw_pages} raw)", c.codec.name());
     }
-    Ok(AttendBench { total, split, variant, resident_bytes: resident })
+    Ok(AttendBench { total, split, codec_split, variant, resident_bytes: resident })
 }
 
 /// Decode attention timed whole (split + reduce) and split pass alone.
 pub struct AttendBench {
     pub total: Measurement,
     pub split: Measurement,
+    /// The compressed pages' split kernel alone.
+    pub codec_split: Option<Measurement>,
     pub variant: String,
     /// K/V bytes the pool holds for the context (what attention reads).
     pub resident_bytes: u64,

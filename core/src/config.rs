@@ -168,6 +168,16 @@ impl Codec {
         }
     }
 
+    /// The codec as `Codec::parse` reads it back: `int4:group=32`, `low-rank:rank=16`, `none`.
+    pub fn spec(&self) -> String {
+        match *self {
+            Codec::None => "none".into(),
+            Codec::Int8 { group } | Codec::Int4 { group } => format!("{}:group={group}", self.name()),
+            Codec::FastvDims { keep } => format!("fastv-dims:keep={keep}"),
+            Codec::LowRank { rank } | Codec::Lora { rank } => format!("{}:rank={rank}", self.name()),
+        }
+    }
+
     /// Whether the codec needs a basis fitted on a calibration window before it can encode.
     pub fn is_low_rank(&self) -> bool {
         matches!(self, Codec::LowRank { .. } | Codec::Lora { .. })

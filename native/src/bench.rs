@@ -293,6 +293,9 @@ pub fn run(gpu: &GpuArgs, a: &BenchArgs) -> Result<()> {
                 let mut v = serde_json::to_value(&rec)?;
                 v["split_ms"] = ab.split.median_ms.into();
                 v["codec"] = codec.name().into();
+                if let Some(c) = &ab.codec_split {
+                    v["codec_split_ms"] = c.median_ms.into();
+                }
                 v["rho"] = rho.into();
                 if let Some(p) = predicted {
                     v["predicted_ms"] = p.into();

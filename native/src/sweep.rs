@@ -58,6 +58,12 @@ struct Row {
     full_kv_bytes: Option<u64>,
     kept_attention: f32,
     miss_rate: f32,
+    /// Codecs: f16 bytes of the cached tokens over the bytes resident.
+    rho: Option<f64>,
+    /// Codecs: bytes per token and KV head of a compressed page (layout formula).
+    codec_bytes_per_token: Option<f64>,
+    /// Codecs: reconstruction error of the compressed keys and values (rel. L2).
+    reconstruction: Option<(f64, f64)>,
 }
 
 pub fn run(gpu: &GpuArgs, a: &SweepArgs) -> Result<()> {
@@ -122,10 +128,12 @@ pub fn run(gpu: &GpuArgs, a: &SweepArgs) -> Result<()> {
             last = Some(r);
         }
         let Some(last) = last else { continue };
+        let reconstruction = pollster::block_on(p.reconstruction_error(&rt)).with_context(|| format!("reconstruction of {label}"))?;
+        let pc = &p.pool.cfg;
         let row = Row {
             router: router.name().into(),
             scheduler: sched.as_ref().map_or("none".into(), |s| s.name().to_string()),
-            codec: codec.name().into(),
+            codec: codec.spec(),
             budget,
             attention_error: (!errs.is_empty()).then(|| errs.iter().sum::<f64>() / errs.len() as f64),
             gpu_ms: expertkv_core::timer::median(&times),
@@ -134,6 +142,9 @@ pub fn run(gpu: &GpuArgs, a: &SweepArgs) -> Result<()> {
             full_kv_bytes: last.full_kv_bytes,
             kept_attention: last.kept_attention,
             miss_rate: last.miss_rate,
+            rho: (codec != Codec::None).then(|| last.kv_bytes_tokens as f64 / last.kv_bytes_resident as f64),
+            codec_bytes_per_token: (codec != Codec::None).then(|| pc.codec_page_bytes() as f64 / f64::from(pc.page_size)),
+            reconstruction,
         };
         if a.json {
             println!("{}", serde_json::to_string(&row)?);
@@ -166,6 +177,24 @@ pub fn run(gpu: &GpuArgs, a: &SweepArgs) -> Result<()> {
                 100.0 * r.kept_attention,
                 100.0 * r.miss_rate
             );
+        }
+        if rows.iter().any(|r| r.rho.is_some()) {
+            println!();
+            println!(
+                "| codec | rho (f16 bytes / resident) | bytes per token and head (f16: {}) | reconstruction error K / V | attention error |",
+                2 * 2 * a.head_dim
+            );
+            println!("|---|---|---|---|---|");
+            for r in rows.iter().filter(|r| r.rho.is_some()) {
+                println!(
+                    "| {} | {:.2} | {:.0} | {} | {} |",
+                    r.codec,
+                    r.rho.unwrap_or(0.0),
+                    r.codec_bytes_per_token.unwrap_or(0.0),
+                    r.reconstruction.map(|(k, v)| format!("{k:.2e} / {v:.2e}")).unwrap_or_else(|| "-".into()),
+                    r.attention_error.map(|e| format!("{e:.2e}")).unwrap_or_else(|| "-".into())
+                );
+            }
         }
     }
     Ok(())

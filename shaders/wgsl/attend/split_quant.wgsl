@@ -46,6 +46,7 @@ var<workgroup> chunk_fill: array<u32, 64>;
 var<workgroup> ml_sh: array<vec2<f32>, 256>;
 var<workgroup> acc_sh: array<vec4<f32>, 512>;
 var<workgroup> count_sh: u32;
+var<workgroup> live_sh: u32;
 
 // First dimension of vec4 n (0..NV) of this lane's slice of a row.
 fn dim_of(lane: u32, n: u32) -> u32 {
@@ -136,6 +137,23 @@ fn main(
         chunk_fill[c] = fill;
     }
     workgroupBarrier();
+    // A chunk with none of this kernel's pages (they live in another buffer, or compressed)
+    // leaves an empty partial and costs nothing more.
+    if (t == 0u) {
+        var live = 0u;
+        for (var c = 0u; c < params.chunk_pages; c++) {
+            live |= chunk_fill[c];
+        }
+        live_sh = live;
+    }
+    if (workgroupUniformLoad(&live_sh) == 0u) {
+        if (t < GROUP) {
+            let o = partial_index(params, seq, kvh * GROUP + t, buffer, chunk) * partial_stride(HEAD_DIM);
+            partials[o] = NEG_BIG;
+            partials[o + 1u] = 0.0;
+        }
+        return;
+    }
 
     var q: array<vec4<f32>, GROUP * NV>;  // [g * NV + n]
     let q0 = (seq * params.q_heads + kvh * GROUP) * HEAD_DIM;
@@ -161,6 +179,10 @@ fn main(
     let vp_off = v_params_off(geo);
     let vc_off = v_codes_off(geo);
     let vgroups = HEAD_DIM / geo.v_group;
+    var vgi: array<u32, NV>;  // value parameter word of each of this lane's vec4 (per slot)
+    for (var n = 0u; n < NV; n++) {
+        vgi[n] = dim_of(lane, n) / geo.v_group;
+    }
     let rounds = (params.chunk_pages + n_tg - 1u) / n_tg;
     for (var r = 0u; r < rounds; r++) {
         let c = tg + r * n_tg;
@@ -209,7 +231,7 @@ fn main(
                         vw[u * WPL + i] = codec_kv[cbase + vc_off + s * rw + lane + i * LANES];
                     }
                     for (var n = 0u; n < NV; n++) {
-                        vprm[u * NV + n] = codec_kv[cbase + vp_off + s * vgroups + dim_of(lane, n) / geo.v_group];
+                        vprm[u * NV + n] = codec_kv[cbase + vp_off + s * vgroups + vgi[n]];
                     }
                 } else {
                     for (var i = 0u; i < WPL; i++) {

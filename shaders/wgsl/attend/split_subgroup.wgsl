@@ -49,6 +49,7 @@ var<workgroup> chunk_fill: array<u32, 64>;
 var<workgroup> ml_sh: array<vec2<f32>, 256>;   // [token group][query head]: (max, sum)
 var<workgroup> acc_sh: array<vec4<f32>, 512>;  // [query head][d / 4]
 var<workgroup> count_sh: u32;
+var<workgroup> live_sh: u32;
 
 // Value n (0..nq) of a lane's row, given the 16-byte word that holds it.
 fn unpack_value(w: vec4<u32>, n: u32) -> vec4<f32> {
@@ -150,6 +151,23 @@ fn main(
         chunk_fill[c] = fill;
     }
     workgroupBarrier();
+    // A chunk with none of this kernel's pages (they live in another buffer, or compressed)
+    // leaves an empty partial and costs nothing more.
+    if (t == 0u) {
+        var live = 0u;
+        for (var c = 0u; c < params.chunk_pages; c++) {
+            live |= chunk_fill[c];
+        }
+        live_sh = live;
+    }
+    if (workgroupUniformLoad(&live_sh) == 0u) {
+        if (t < GROUP) {
+            let o = partial_index(params, seq, kvh * GROUP + t, window.buffer_index, chunk) * partial_stride(D);
+            partials[o] = NEG_BIG;
+            partials[o + 1u] = 0.0;
+        }
+        return;
+    }
 
     // This lane's slice of the query heads of this KV head, pre-scaled.
     var q: array<vec4<f32>, GROUP * NQ>;  // [g * NQ + n]
