@@ -323,11 +323,8 @@ pub async fn bench_attend(
     attn.prepare(rt, 0, 0);
     let total = time_passes(rt, warmup, reps, &|p| attn.encode(p)).await?;
     let split = time_passes(rt, warmup, reps, &|p| attn.encode_split(p)).await?;
-    let codec_split = if pool.cfg.codec != Codec::None {
-        Some(time_passes(rt, warmup, reps, &|p| attn.encode_codec_split(p)).await?)
-    } else {
-        None
-    };
+    let codec_split =
+        if pool.cfg.codec != Codec::None { Some(time_passes(rt, warmup, reps, &|p| attn.encode_codec_split(p)).await?) } else { None };
     // Bytes resident (and read by attention): raw pages in use plus compressed pages in use.
     let ctl = pool.read_ctl(rt).await?;
     let c = &pool.cfg;

@@ -232,6 +232,10 @@ pub struct StepReport {
     pub miss_rate: f32,
     /// Moving-average load of each expert, averaged over layers.
     pub expert_load: Vec<f32>,
+    /// Per expert, summed over layers: routed (token, expert) pairs whose K/V is still cached
+    /// (hits for the next access) and those no longer cached (misses).
+    pub expert_hits: Vec<u64>,
+    pub expert_misses: Vec<u64>,
     /// Tokens evicted this step (all lists).
     pub evicted: u64,
     /// Pages returned to the free stack by eviction so far.
@@ -247,6 +251,60 @@ pub struct StepReport {
     /// FlexGen: K/V bytes held in host memory, and moved between the tiers so far.
     pub host_kv_bytes: u64,
     pub tier_bytes_moved: u64,
+}
+
+impl StepReport {
+    /// Column names of [`StepReport::csv_row`].
+    pub const CSV_HEADER: &'static str = "step,context,route_ms,append_ms,gather_ms,attend_ms,evict_ms,miss_ms,host_ms,\
+kv_bytes_resident,kv_bytes_tokens,kv_bytes_attended,full_kv_bytes,pages_in_use,pages_total,ring_overflows,evicted,pages_evicted,\
+kept_attention,attention_error,routing_entropy,miss_rate,host_kv_bytes,tier_bytes_moved,shard_pages,expert_load,expert_hits,expert_misses";
+
+    /// One CSV line (no newline): scalars as numbers, empty when absent; per-shard and
+    /// per-expert vectors as `;`-separated values in one field.
+    pub fn csv_row(&self) -> String {
+        fn join<T: std::fmt::Display>(v: &[T]) -> String {
+            v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(";")
+        }
+        let opt = |v: Option<String>| v.unwrap_or_default();
+        let g = self.gpu.as_ref();
+        let times: Vec<String> = [
+            g.map(|g| g.route_ms),
+            g.map(|g| g.append_ms),
+            g.map(|g| g.gather_ms),
+            g.map(|g| g.attend_ms),
+            g.map(|g| g.evict_ms),
+            g.map(|g| g.miss_ms),
+        ]
+        .iter()
+        .map(|t| opt(t.map(|x| format!("{x:.6}"))))
+        .collect();
+        format!(
+            "{},{},{},{:.3},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
+            self.step,
+            self.context,
+            times.join(","),
+            self.host_ms,
+            self.kv_bytes_resident,
+            self.kv_bytes_tokens,
+            self.kv_bytes_attended,
+            opt(self.full_kv_bytes.map(|b| b.to_string())),
+            self.pages_in_use,
+            self.pages_total,
+            self.ring_overflows,
+            self.evicted,
+            self.pages_evicted,
+            self.kept_attention,
+            opt(self.attention_error.map(|e| format!("{e:e}"))),
+            self.routing_entropy,
+            self.miss_rate,
+            self.host_kv_bytes,
+            self.tier_bytes_moved,
+            join(&self.shard_pages),
+            join(&self.expert_load),
+            join(&self.expert_hits),
+            join(&self.expert_misses),
+        )
+    }
 }
 
 /// What the CPU reference check found.
@@ -739,12 +797,20 @@ impl Pipeline {
         for (i, s) in stats.iter().enumerate() {
             expert_load[i % e] += s.load / cfg.layers as f32;
         }
+        let mut expert_hits = vec![0u64; e];
+        let mut expert_misses = vec![0u64; e];
+        for (i, s) in stats.iter().enumerate() {
+            expert_hits[i % e] += u64::from(s.resident.min(s.appended));
+            expert_misses[i % e] += u64::from(s.appended.saturating_sub(s.resident));
+        }
         let appended: u64 = stats.iter().map(|s| u64::from(s.appended)).sum();
         let missing: f64 = stats.iter().map(|s| f64::from(s.miss) * f64::from(s.appended)).sum();
         Ok(StepReport {
             routing_entropy: summary.iter().map(|s| s.entropy).sum::<f32>() / summary.len().max(1) as f32,
             miss_rate: if appended > 0 { (missing / appended as f64) as f32 } else { 0.0 },
             expert_load,
+            expert_hits,
+            expert_misses,
             step: self.step,
             context,
             gpu,

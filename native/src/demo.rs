@@ -96,6 +96,46 @@ pub struct DemoArgs {
     /// One JSON object per step (and a final summary) instead of a table.
     #[arg(long)]
     json: bool,
+    /// Also write every step's metrics to FILE: CSV when it ends in .csv, JSON lines otherwise.
+    #[arg(long, value_name = "FILE")]
+    metrics: Option<std::path::PathBuf>,
+}
+
+/// Where `--metrics` goes.
+enum MetricsSink {
+    Csv(std::io::BufWriter<std::fs::File>),
+    Json(std::io::BufWriter<std::fs::File>),
+}
+
+impl MetricsSink {
+    fn create(path: &std::path::Path) -> Result<MetricsSink> {
+        use std::io::Write;
+        let f = std::fs::File::create(path).with_context(|| format!("--metrics: cannot create {}", path.display()))?;
+        let mut w = std::io::BufWriter::new(f);
+        if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("csv")) {
+            writeln!(w, "{}", expertkv_core::pipeline::StepReport::CSV_HEADER)?;
+            Ok(MetricsSink::Csv(w))
+        } else {
+            Ok(MetricsSink::Json(w))
+        }
+    }
+
+    fn write(&mut self, r: &expertkv_core::pipeline::StepReport) -> Result<()> {
+        use std::io::Write;
+        match self {
+            MetricsSink::Csv(w) => writeln!(w, "{}", r.csv_row())?,
+            MetricsSink::Json(w) => writeln!(w, "{}", serde_json::to_string(r)?)?,
+        }
+        Ok(())
+    }
+
+    fn finish(self) -> Result<()> {
+        use std::io::Write;
+        match self {
+            MetricsSink::Csv(mut w) | MetricsSink::Json(mut w) => w.flush()?,
+        }
+        Ok(())
+    }
 }
 
 fn parse_threshold(s: &str) -> Result<Threshold> {
@@ -192,6 +232,8 @@ fn build_config(a: &DemoArgs) -> Result<DemoConfig> {
 
 pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
     let cfg = build_config(a)?;
+    // Fail before any GPU work when the metrics file cannot be written.
+    let mut sink = a.metrics.as_deref().map(MetricsSink::create).transpose()?;
     let pool_cfg = cfg.pool_config();
     let w = cfg.workload.clone();
     let rt = gpu.runtime()?;
@@ -278,6 +320,9 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
     let mut gpu_totals = Vec::new();
     for _ in 0..cfg.steps {
         let r = pollster::block_on(p.step(&rt)).context("decode step")?;
+        if let Some(s) = &mut sink {
+            s.write(&r)?;
+        }
         if a.json {
             println!("{}", serde_json::to_string(&r)?);
             continue;
@@ -331,6 +376,14 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
             fmt_bytes(s.bytes_to_host),
             fmt_bytes(s.bytes_to_gpu)
         );
+    }
+    if let Some(s) = sink {
+        s.finish()?;
+        if !a.json
+            && let Some(path) = &a.metrics
+        {
+            println!("metrics: {}", path.display());
+        }
     }
     if let Some(q) = &p.quest
         && !a.json

@@ -66,6 +66,14 @@ fn demo_pipeline_with_eviction_matches_reference_and_stays_under_budget() {
             assert!(err > 0.0 && err < 0.5, "seed {seed} {sched}: attention error {err}");
             assert!(r.full_kv_bytes.expect("full cache") > r.kv_bytes_resident, "seed {seed} {sched}");
             assert!(r.miss_rate > 0.3, "seed {seed} {sched}: evicted tokens are misses for the router ({})", r.miss_rate);
+            // Per-expert hits and misses account for every routed (token, expert) pair.
+            let w = &cfg.workload;
+            let pairs = u64::from(w.n_seqs * w.layers * w.top_k) * u64::from(r.context);
+            let (hits, misses): (u64, u64) = (r.expert_hits.iter().sum(), r.expert_misses.iter().sum());
+            assert_eq!(hits + misses, pairs, "seed {seed} {sched}: hits {hits} + misses {misses}");
+            assert!(misses > 0 && hits > 0, "seed {seed} {sched}");
+            // The metrics CSV row has a field per header column.
+            assert_eq!(r.csv_row().split(',').count(), expertkv_core::pipeline::StepReport::CSV_HEADER.split(',').count());
         }
         let v = pollster::block_on(p.verify(rt)).expect("verify").expect("verification enabled");
         assert!(v.placement_identical && v.attention_max_abs_err <= v.attention_tolerance, "seed {seed} {sched}: {v:?}");
