@@ -23,6 +23,8 @@ pub struct Scheduler {
     pub utility: wgpu::Buffer,
     pub lists: wgpu::Buffer,
     seq_lens: wgpu::Buffer,
+    /// Per shard ring, from the last eviction: (slots moved by compaction, pages freed).
+    counts: wgpu::Buffer,
     _buffers: Vec<wgpu::Buffer>,
     score: (wgpu::ComputePipeline, wgpu::BindGroup),
     budget_pass: (wgpu::ComputePipeline, wgpu::BindGroup),
@@ -182,7 +184,8 @@ impl Scheduler {
             utility,
             lists,
             seq_lens,
-            _buffers: vec![victim, move_src, move_dst, counts, freed, layer_budgets_buf],
+            counts,
+            _buffers: vec![victim, move_src, move_dst, freed, layer_budgets_buf],
             score: (score_p, score_bg),
             budget_pass: (budget_p, budget_bg),
             select: (select_p, select_bg),
@@ -260,6 +263,11 @@ impl Scheduler {
         }
         rt.queue.submit([enc.finish()]);
         rt.check("evict")
+    }
+
+    /// Per shard ring, from the last eviction: slots moved by compaction and pages freed.
+    pub async fn read_ring_counts(&self, rt: &Runtime) -> Result<Vec<[u32; 2]>> {
+        rt.read_all(&self.counts).await
     }
 
     pub async fn read_lists(&self, rt: &Runtime) -> Result<Vec<ListState>> {

@@ -18,6 +18,7 @@ pub mod router_config;
 pub mod runtime;
 pub mod scheduler_config;
 pub mod timer;
+pub mod trace;
 pub mod workload;
 
 pub use config::{KvDtype, PoolConfig, ShardMap};

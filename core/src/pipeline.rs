@@ -883,6 +883,60 @@ impl Pipeline {
         Ok(Some((rel(0), rel(1))))
     }
 
+    /// What the last step did at every layer, for a trace (`crate::trace`): call right after
+    /// [`Pipeline::step`].
+    pub async fn trace_records(&self, rt: &Runtime) -> Result<Vec<crate::trace::LayerRecord>> {
+        let c = &self.pool.cfg;
+        let w = &self.cfg.workload;
+        let lists_per_layer = (c.max_seqs * c.kv_heads) as usize;
+        let maxp = c.max_pages_per_seq() as usize;
+        let (lists, counts) = match &self.quest {
+            Some(q) => (rt.read_all::<u32>(&q.sel_list).await?, rt.read_all::<u32>(&q.sel_counts).await?),
+            None => self.pool.read_page_lists(rt).await?,
+        };
+        let rings: Vec<crate::gpu_data::RingState> = rt.read_all(&self.pool.rings).await?;
+        let keys_per_layer = lists_per_layer * c.n_shards as usize;
+        let (sched_lists, ring_counts) = match &self.scheduler {
+            Some(s) => (s.read_lists(rt).await?, s.read_ring_counts(rt).await?),
+            None => (Vec::new(), Vec::new()),
+        };
+        let slot_bytes = 2 * u64::from(c.vec_words()) * 4;
+        let mut out = Vec::new();
+        for layer in 0..c.layers {
+            let l = layer as usize;
+            let mut pages_read = 0u64;
+            let mut bytes_read = 0u64;
+            for li in l * lists_per_layer..(l + 1) * lists_per_layer {
+                let n = counts[li] as usize;
+                pages_read += n as u64;
+                for &page in &lists[li * maxp..li * maxp + n.min(maxp)] {
+                    bytes_read += if page < c.n_pages { c.page_bytes() } else { c.codec_page_bytes() };
+                }
+            }
+            let keys = l * keys_per_layer..(l + 1) * keys_per_layer;
+            let pages_in_use = rings[keys.clone()].iter().map(|r| u64::from(r.count)).sum();
+            let tokens_evicted = sched_lists
+                .get(l * lists_per_layer..(l + 1) * lists_per_layer)
+                .map_or(0, |ls| ls.iter().map(|s| u64::from(s.evicted)).sum());
+            let (slots_moved, pages_freed) = ring_counts
+                .get(keys)
+                .map_or((0, 0), |rc| rc.iter().fold((0u64, 0u64), |(m, f), x| (m + u64::from(x[0]), f + u64::from(x[1]))));
+            out.push(crate::trace::LayerRecord {
+                step: self.step.saturating_sub(1),
+                layer,
+                experts: self.router.read_experts(rt, layer, w.n_seqs).await?,
+                pages_read,
+                bytes_read,
+                pages_in_use,
+                tokens_evicted,
+                slots_moved,
+                pages_freed,
+                bytes_moved: slots_moved * slot_bytes,
+            });
+        }
+        Ok(out)
+    }
+
     /// Compare the GPU pool with the CPU reference (exactly) and the last layer's attention with
     /// the f64 reference (within the storage precision's tolerance).
     pub async fn verify(&self, rt: &Runtime) -> Result<Option<VerifyReport>> {

@@ -11,7 +11,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use crate::{GpuArgs, check_positive, fmt_bytes};
 
 /// Every flag overrides the config file, which overrides the defaults.
-#[derive(Args)]
+#[derive(Args, Clone)]
 pub struct DemoArgs {
     /// TOML file with any fields of the run (see README); flags override it.
     #[arg(long)]
@@ -99,6 +99,10 @@ pub struct DemoArgs {
     /// Also write every step's metrics to FILE: CSV when it ends in .csv, JSON lines otherwise.
     #[arg(long, value_name = "FILE")]
     metrics: Option<std::path::PathBuf>,
+    /// Also record a decode trace to FILE (the format is in core/src/trace.rs; `expertkv replay`
+    /// reads it back).
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<std::path::PathBuf>,
 }
 
 /// Where `--metrics` goes.
@@ -234,6 +238,13 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
     let cfg = build_config(a)?;
     // Fail before any GPU work when the metrics file cannot be written.
     let mut sink = a.metrics.as_deref().map(MetricsSink::create).transpose()?;
+    let mut trace = match &a.trace {
+        Some(path) => {
+            let f = std::fs::File::create(path).with_context(|| format!("--trace: cannot create {}", path.display()))?;
+            Some(expertkv_core::trace::TraceWriter::new(std::io::BufWriter::new(f), &expertkv_core::trace::TraceHeader::new(cfg.clone()))?)
+        }
+        None => None,
+    };
     let pool_cfg = cfg.pool_config();
     let w = cfg.workload.clone();
     let rt = gpu.runtime()?;
@@ -323,6 +334,11 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
         if let Some(s) = &mut sink {
             s.write(&r)?;
         }
+        if let Some(t) = &mut trace {
+            for rec in pollster::block_on(p.trace_records(&rt)).context("trace records")? {
+                t.write(&rec)?;
+            }
+        }
         if a.json {
             println!("{}", serde_json::to_string(&r)?);
             continue;
@@ -376,6 +392,14 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
             fmt_bytes(s.bytes_to_host),
             fmt_bytes(s.bytes_to_gpu)
         );
+    }
+    if let Some(t) = trace {
+        t.finish()?;
+        if !a.json
+            && let Some(path) = &a.trace
+        {
+            println!("trace: {} ({} steps x {} layers)", path.display(), cfg.steps, w.layers);
+        }
     }
     if let Some(s) = sink {
         s.finish()?;

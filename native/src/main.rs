@@ -8,6 +8,7 @@ use clap::{Args, Parser, Subcommand};
 mod bench;
 mod demo;
 mod info;
+mod replay;
 mod sweep;
 
 #[derive(Parser)]
@@ -65,6 +66,10 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Run the pipeline over routers x schedulers x budgets and print a table.
     Sweep(sweep::SweepArgs),
+    /// Run the demo and record its decode trace (`demo --trace FILE`).
+    Record(replay::RecordArgs),
+    /// Read a decode trace back: re-run it and check every step and layer, or summarise it.
+    Replay(replay::ReplayArgs),
 }
 
 fn main() -> ExitCode {
@@ -87,6 +92,8 @@ fn main() -> ExitCode {
         Command::Demo(a) => demo::run(&cli.gpu, a),
         Command::Bench(a) => bench::run(&cli.gpu, a),
         Command::Sweep(a) => sweep::run(&cli.gpu, a),
+        Command::Record(a) => replay::record(&cli.gpu, a),
+        Command::Replay(a) => replay::run(&cli.gpu, a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
