@@ -115,6 +115,85 @@ impl CopyKernel {
     }
 }
 
+/// The compute roofline: `invocations` x `iters` iterations of 8 vec4 FMA chains (64 flops).
+pub struct FmaKernel {
+    pipeline: wgpu::ComputePipeline,
+    bind: wgpu::BindGroup,
+    groups: (u32, u32),
+    pub invocations: u32,
+    pub iters: u32,
+    pub out: wgpu::Buffer,
+}
+
+/// Flops per invocation and iteration of `bench/fma.wgsl`.
+pub const FMA_FLOPS_PER_ITER: u64 = 64;
+
+impl FmaKernel {
+    pub async fn new(rt: &Runtime, invocations: u32, iters: u32) -> Result<FmaKernel> {
+        if invocations == 0 || iters == 0 {
+            return Err(Error::Input("the compute roofline needs at least one invocation and iteration".into()));
+        }
+        let wgs = invocations.div_ceil(256);
+        let groups = (wgs.min(65_535), wgs.div_ceil(65_535));
+        let invocations = groups.0 * groups.1 * 256;
+        let pipeline = rt.pipeline(Kernel::BenchFma, &[]).await?;
+        let out = rt.storage("bench/fma out", u64::from(invocations) * 16);
+        let params = rt.uniform("bench/fma params", &crate::gpu_data::FmaParams { iters, ..Default::default() });
+        let bind = rt.bind(Kernel::BenchFma.label(), &pipeline, &[&params, &out]);
+        Ok(FmaKernel { pipeline, bind, groups, invocations, iters, out })
+    }
+
+    pub fn encode(&self, pass: &mut wgpu::ComputePass<'_>) {
+        pass.set_pipeline(&self.pipeline);
+        pass.set_bind_group(0, &self.bind, &[]);
+        pass.dispatch_workgroups(self.groups.0, self.groups.1, 1);
+    }
+
+    pub fn flops(&self) -> u64 {
+        u64::from(self.invocations) * u64::from(self.iters) * FMA_FLOPS_PER_ITER
+    }
+}
+
+/// CPU reference of one invocation's output of `bench/fma.wgsl` (f64).
+pub fn fma_reference(i: u32, iters: u32) -> [f64; 4] {
+    let base = [f64::from(i % 1024) * f64::from(1e-3f32), 0.25, 0.5, 0.75];
+    let (m, k) = (f64::from(0.9999f32), f64::from(1e-4f32));
+    let mut out = [0f64; 4];
+    for chain in 0..8 {
+        for (lane, o) in out.iter_mut().enumerate() {
+            let mut x = base[lane] + f64::from(chain);
+            for _ in 0..iters {
+                x = x * m + k;
+            }
+            *o += x;
+        }
+    }
+    out
+}
+
+/// The adapter's measured rooflines.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Roofline {
+    /// Device copy, bytes read + written per second / 1e9.
+    pub bandwidth_gbps: f64,
+    /// f32 FMA throughput, flops per second / 1e9.
+    pub compute_gflops: f64,
+}
+
+/// Measure both rooflines (`quick`: small sizes for CPU adapters and CI).
+pub async fn measure_roofline(rt: &Runtime, quick: bool) -> Result<Roofline> {
+    let (warmup, reps) = if quick { (2, 5) } else { (5, 20) };
+    let bytes = if quick { 32 << 20 } else { (1u64 << 30).min(rt.max_binding_bytes()) };
+    let (ck, cm) = copy_roofline(rt, bytes, warmup, reps).await?;
+    let bandwidth_gbps = gbps(ck.bytes_moved(), cm.median_ms);
+    drop(ck);
+    let (inv, iters) = if quick { (1 << 14, 256) } else { (1 << 22, 1024) };
+    let fk = FmaKernel::new(rt, inv, iters).await?;
+    let fm = time_passes(rt, warmup, reps, &|p| fk.encode(p)).await?;
+    let compute_gflops = fk.flops() as f64 / (fm.median_ms * 1e-3) / 1e9;
+    Ok(Roofline { bandwidth_gbps, compute_gflops })
+}
+
 /// One benchmark line, as `expertkv bench --json` prints it.
 #[derive(Clone, Debug, Serialize)]
 pub struct BenchRecord {

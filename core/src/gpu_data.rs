@@ -172,6 +172,17 @@ pub struct CopyParams {
 }
 const _: () = assert!(std::mem::size_of::<CopyParams>() == 16);
 
+/// Must match `FmaParams` in `shaders/wgsl/bench/fma.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct FmaParams {
+    pub iters: u32,
+    pub _pad0: u32,
+    pub _pad1: u32,
+    pub _pad2: u32,
+}
+const _: () = assert!(std::mem::size_of::<FmaParams>() == 16);
+
 /// `TokenPlan::flags` bits; must match `PLAN_*` in `shaders/wgsl/common/append.wgsl`.
 pub mod plan_flags {
     pub const OPENS: u32 = 1;

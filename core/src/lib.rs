@@ -9,6 +9,7 @@ pub mod evict;
 pub mod flexgen;
 pub mod gpu_data;
 pub mod pipeline;
+pub mod plan;
 pub mod pool;
 pub mod quest;
 pub mod reference;

@@ -8,6 +8,7 @@ use clap::{Args, Parser, Subcommand};
 mod bench;
 mod demo;
 mod info;
+mod plan;
 mod replay;
 mod sweep;
 
@@ -66,6 +67,8 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Run the pipeline over routers x schedulers x budgets and print a table.
     Sweep(sweep::SweepArgs),
+    /// Measure the rooflines, predict each configuration's step time, pick one for a target.
+    Plan(plan::PlanArgs),
     /// Run the demo and record its decode trace (`demo --trace FILE`).
     Record(replay::RecordArgs),
     /// Read a decode trace back: re-run it and check every step and layer, or summarise it.
@@ -92,6 +95,7 @@ fn main() -> ExitCode {
         Command::Demo(a) => demo::run(&cli.gpu, a),
         Command::Bench(a) => bench::run(&cli.gpu, a),
         Command::Sweep(a) => sweep::run(&cli.gpu, a),
+        Command::Plan(a) => plan::run(&cli.gpu, a),
         Command::Record(a) => replay::record(&cli.gpu, a),
         Command::Replay(a) => replay::run(&cli.gpu, a),
     };

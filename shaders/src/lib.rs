@@ -42,6 +42,7 @@ sources! {
     ATTEND_REDUCE => "attend/reduce.wgsl",
     ATTEND_MASS => "attend/mass.wgsl",
     BENCH_COPY => "bench/copy.wgsl",
+    BENCH_FMA => "bench/fma.wgsl",
     COMMON_ROUTE => "common/route.wgsl",
     ROUTE_BIAS => "route/bias.wgsl",
     ROUTE_TOPK => "route/topk.wgsl",
@@ -108,6 +109,7 @@ pub enum Kernel {
     CodecBasisFinish,
     AttendSplitLowrank,
     AttendSplitQuant,
+    BenchFma,
 }
 
 impl Kernel {
@@ -149,6 +151,7 @@ impl Kernel {
         Kernel::CodecBasisFinish,
         Kernel::AttendSplitLowrank,
         Kernel::AttendSplitQuant,
+        Kernel::BenchFma,
     ];
 
     pub fn source(self) -> Source {
@@ -185,6 +188,7 @@ impl Kernel {
             Kernel::CodecBasisInit | Kernel::CodecBasisIterate | Kernel::CodecBasisFinish => CODEC_BASIS,
             Kernel::AttendSplitLowrank => ATTEND_SPLIT_LOWRANK,
             Kernel::AttendSplitQuant => ATTEND_SPLIT_QUANT,
+            Kernel::BenchFma => BENCH_FMA,
         }
     }
 
