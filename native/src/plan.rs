@@ -86,7 +86,8 @@ fn measure(rt: &expertkv_core::Runtime, cfg: &DemoConfig) -> Result<f64> {
 }
 
 pub fn run(gpu: &GpuArgs, a: &PlanArgs) -> Result<()> {
-    if a.target_ms.is_some_and(|t| !(t > 0.0)) || a.target_mib.is_some_and(|t| !(t > 0.0)) {
+    let positive = |t: f64| t.is_finite() && t > 0.0;
+    if a.target_ms.is_some_and(|t| !positive(t)) || a.target_mib.is_some_and(|t| !positive(t)) {
         bail!("--target-ms and --target-mib must be positive");
     }
     let sched = SchedulerConfig::parse(&a.scheduler)?;
