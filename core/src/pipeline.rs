@@ -422,7 +422,9 @@ impl Pipeline {
             group: w.group,
             n_seqs: w.n_seqs,
             chunk_pages: cfg.chunk_pages,
-            mass: true,
+            // The attention-mass pass feeds the evicting and placing schedulers (utilities,
+            // kept-attention share); the full cache, QUEST and the codecs do without it.
+            mass: cfg.scheduler.as_ref().is_some_and(|s| !matches!(s, SchedulerConfig::Quest)),
             variant: None,
             ..Default::default()
         };

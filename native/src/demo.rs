@@ -78,6 +78,9 @@ pub struct DemoArgs {
     /// Slots per page [default: 16].
     #[arg(long)]
     page_size: Option<u32>,
+    /// Pages per split chunk of the attention kernels [default: 8].
+    #[arg(long)]
+    chunk_pages: Option<u32>,
     /// Shards per (layer, sequence), a power of two [default: 4].
     #[arg(long)]
     shards: Option<u32>,
@@ -185,6 +188,7 @@ fn build_config(a: &DemoArgs) -> Result<DemoConfig> {
     set!(w.top_k, a.top_k);
     set!(w.seed, a.seed);
     set!(cfg.page_size, a.page_size);
+    set!(cfg.chunk_pages, a.chunk_pages);
     set!(cfg.n_shards, a.shards);
     if let Some(r) = &a.router {
         cfg.router = RouterConfig::parse(r)?;
