@@ -277,27 +277,36 @@ impl Router {
         let a = rt.bind_at(
             Kernel::RouteMissCount.label(),
             &self.miss_count_pipe,
-            &[(0, &pool.geometry), (1, p), (2, &pool.page_meta), (3, &pool.slot_meta), (4, &self.resident)],
+            &[
+                (0, &pool.geometry),
+                (1, p),
+                (2, &pool.page_meta),
+                (3, &pool.slot_meta),
+                (4, &self.resident),
+                (6, &pool.rings),
+                (7, &pool.ring_pages),
+            ],
         );
         let b = rt.bind_at(
             Kernel::RouteMissFinish.label(),
             &self.miss_finish_pipe,
             &[(0, &pool.geometry), (1, p), (4, &self.resident), (5, &self.stats)],
         );
-        self.miss_binds = Some((a, b, pool.cfg.n_ids() * pool.cfg.page_size));
+        self.miss_binds = Some((a, b, pool.cfg.n_keys()));
         Ok(())
     }
 
     /// Recount each (layer, expert)'s tokens still in the pool and set its miss rate. Reads the
     /// layer-0 parameter block for n_experts (prepare any layer first).
     pub fn encode_miss(&self, pass: &mut wgpu::ComputePass<'_>) -> Result<()> {
-        let Some((a, b, slots)) = &self.miss_binds else {
+        let Some((a, b, keys)) = &self.miss_binds else {
             return Err(Error::Input("the router has no pool bound: call bind_pool first".into()));
         };
         pass.set_pipeline(&self.miss_count_pipe);
         pass.set_bind_group(0, a, &[]);
-        let (x, y) = grid(*slots);
-        pass.dispatch_workgroups(x, y, 1);
+        // One workgroup per shard ring.
+        let keys = *keys;
+        pass.dispatch_workgroups(keys.min(65_535), keys.div_ceil(65_535), 1);
         pass.set_pipeline(&self.miss_finish_pipe);
         pass.set_bind_group(0, b, &[]);
         pass.dispatch_workgroups((self.shape.layers * self.shape.n_experts).div_ceil(64), 1, 1);

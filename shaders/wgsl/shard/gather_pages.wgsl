@@ -1,6 +1,7 @@
 // Build each (layer, sequence, KV head)'s page list from its shard rings: shards in order, each
 // ring from oldest to newest page. Attention reads these lists. One workgroup per
-// (sequence x KV head, layer).
+// (sequence x KV head, layer); its invocations share the list's entries (each finds its shard by
+// binary search over the shards' offsets), so a long ring costs no more than many short ones.
 
 //!import common/pool.wgsl
 
@@ -21,7 +22,7 @@ struct GatherParams {
 
 const WG: u32 = 64u;
 const MAX_SHARDS: u32 = 256u;
-var<workgroup> offsets: array<u32, 256>;
+var<workgroup> offsets: array<u32, 257>;  // [shard] first entry; [n_shards] the total
 
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t: u32) {
@@ -36,15 +37,27 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
             offsets[s] = acc;
             acc += rings[first_key + s].count;
         }
+        offsets[geo.n_shards] = acc;
         page_counts[li] = acc;
     }
     workgroupBarrier();
     let list = li * geo.max_pages_per_seq;
     let R = geo.ring_capacity;
-    for (var s = t; s < geo.n_shards; s += WG) {
-        let ring = rings[first_key + s];
-        for (var k = 0u; k < ring.count; k++) {
-            page_list[list + offsets[s] + k] = ring_pages[(first_key + s) * R + (ring.head + k) % R];
+    let total = offsets[geo.n_shards];
+    for (var i = t; i < total; i += WG) {
+        // The last shard whose first entry is <= i (empty shards share offsets: skip them).
+        var lo = 0u;
+        var hi = geo.n_shards - 1u;
+        while (lo < hi) {
+            let mid = (lo + hi + 1u) / 2u;
+            if (offsets[mid] <= i) {
+                lo = mid;
+            } else {
+                hi = mid - 1u;
+            }
         }
+        let key = first_key + lo;
+        let k = i - offsets[lo];
+        page_list[list + i] = ring_pages[key * R + (rings[key].head + k) % R];
     }
 }
