@@ -1,0 +1,67 @@
+//! The command line end to end on whatever adapter the machine has (lavapipe in CI), at small
+//! sizes: a sweep with a codec table, metrics files, a recorded trace replayed (and a damaged
+//! one refused), the planner.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn expertkv(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_expertkv")).args(args).output().expect("running expertkv")
+}
+
+fn ok(args: &[&str]) -> String {
+    let o = expertkv(args);
+    let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(o.status.success(), "expertkv {args:?} failed:\n{text}");
+    text
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("expertkv-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir.join(name)
+}
+
+const SMALL: &[&str] = &["--seqs", "2", "--layers", "2", "--prompt", "64", "--steps", "2"];
+
+#[test]
+fn sweep_prints_the_scheduler_and_codec_tables() {
+    let mut args = vec!["sweep", "--schedulers", "h2o,none", "--budgets", "50%", "--codecs", "none,int4"];
+    args.extend(SMALL);
+    let out = ok(&args);
+    assert!(out.contains("| topk | h2o | 50% | none |"), "{out}");
+    assert!(out.contains("| int4:group=32 |"), "codec table missing:\n{out}");
+}
+
+#[test]
+fn demo_writes_metrics_and_a_trace_that_replays() {
+    let (csv, trace) = (tmp("m.csv"), tmp("t.ekv"));
+    let mut args = vec!["record", "--out", trace.to_str().expect("path"), "--metrics", csv.to_str().expect("path"), "--no-verify"];
+    args.extend(SMALL);
+    ok(&args);
+    let metrics = std::fs::read_to_string(&csv).expect("metrics");
+    let lines: Vec<&str> = metrics.lines().collect();
+    assert_eq!(lines.len(), 3, "header and two steps:\n{metrics}");
+    assert!(lines.iter().all(|l| l.split(',').count() == lines[0].split(',').count()));
+    let out = ok(&["replay", trace.to_str().expect("path")]);
+    assert!(out.contains("all 2 steps x 2 layers match the trace"), "{out}");
+    let summary = ok(&["replay", "--summary", trace.to_str().expect("path")]);
+    assert!(summary.contains("pages read"), "{summary}");
+    // A damaged trace is refused with the line it broke on, not a panic.
+    let text = std::fs::read_to_string(&trace).expect("trace");
+    let damaged = tmp("damaged.ekv");
+    std::fs::write(&damaged, text.replacen("\"layer\":1", "\"layer\":7", 1)).expect("write");
+    let o = expertkv(&["replay", damaged.to_str().expect("path")]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("trace line 3") && !err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn plan_predicts_and_chooses() {
+    let mut args = vec!["plan", "--quick", "--target-mib", "1", "--budgets", "100%,25%", "--codecs", "none,int8"];
+    args.extend(["--seqs", "2", "--layers", "2", "--prompt", "512", "--steps", "2"]);
+    let out = ok(&args);
+    assert!(out.contains("measured: copy") && out.contains("PiKV buffer rule"), "{out}");
+    // 2 x 2 x 4 heads x 514 tokens x 256 B = 2 MiB in f16: only the 25% budget fits in 1 MiB.
+    assert!(out.contains("plan: codec none at budget 25%"), "{out}");
+}
