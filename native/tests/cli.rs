@@ -1,6 +1,5 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 //! The command line end to end on whatever adapter the machine has (lavapipe in CI), at small
-
-#![allow(clippy::expect_used, clippy::unwrap_used)] // test helpers outside #[test] functions
 //! sizes: a sweep with a codec table, metrics files, a recorded trace replayed (and a damaged
 //! one refused), the planner.
 
