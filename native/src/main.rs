@@ -9,6 +9,7 @@ mod bench;
 mod demo;
 mod info;
 mod plan;
+mod plot;
 mod replay;
 mod sweep;
 

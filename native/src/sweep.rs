@@ -43,6 +43,9 @@ pub struct SweepArgs {
     /// One JSON object per combination instead of a table.
     #[arg(long)]
     json: bool,
+    /// Also draw PNG plots of attention error against bytes and time into this folder.
+    #[arg(long, value_name = "DIR")]
+    plot: Option<std::path::PathBuf>,
 }
 
 #[derive(Serialize)]
@@ -177,6 +180,22 @@ pub fn run(gpu: &GpuArgs, a: &SweepArgs) -> Result<()> {
                 100.0 * r.kept_attention,
                 100.0 * r.miss_rate
             );
+        }
+        if let Some(dir) = &a.plot {
+            let points: Vec<crate::plot::Point> = rows
+                .iter()
+                .map(|r| crate::plot::Point {
+                    label: if r.codec == "none" { format!("{} {}", r.scheduler, r.budget) } else { r.codec.clone() },
+                    series: if r.codec == "none" { r.scheduler.clone() } else { r.codec.split(':').next().unwrap_or("codec").to_string() },
+                    kv_bytes: r.kv_bytes as f64,
+                    gpu_ms: r.gpu_ms,
+                    error: r.attention_error.unwrap_or(0.0),
+                })
+                .collect();
+            let title = format!("{} steps after a {}-token prompt, {} sequences x {} layers", a.steps, a.prompt, a.seqs, a.layers);
+            for path in crate::plot::write(dir, &title, &points)? {
+                println!("plot: {}", path.display());
+            }
         }
         if rows.iter().any(|r| r.rho.is_some()) {
             println!();

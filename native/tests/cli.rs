@@ -27,11 +27,17 @@ const SMALL: &[&str] = &["--seqs", "2", "--layers", "2", "--prompt", "64", "--st
 
 #[test]
 fn sweep_prints_the_scheduler_and_codec_tables() {
-    let mut args = vec!["sweep", "--schedulers", "h2o,none", "--budgets", "50%", "--codecs", "none,int4"];
+    let dir = tmp("plots");
+    let mut args =
+        vec!["sweep", "--schedulers", "h2o,none", "--budgets", "50%", "--codecs", "none,int4", "--plot", dir.to_str().expect("path")];
     args.extend(SMALL);
     let out = ok(&args);
     assert!(out.contains("| topk | h2o | 50% | none |"), "{out}");
     assert!(out.contains("| int4:group=32 |"), "codec table missing:\n{out}");
+    for name in ["quality_vs_bytes.png", "quality_vs_time.png"] {
+        let png = std::fs::read(dir.join(name)).expect("plot written");
+        assert!(png.len() > 10_000 && png.starts_with(b"\x89PNG\r\n\x1a\n"), "{name}: {} bytes", png.len());
+    }
 }
 
 #[test]
