@@ -127,6 +127,8 @@ pub struct Attention {
     n_buffers: u32,
     kv_heads: u32,
     scale: f32,
+    /// Every layer's parameters and queries for one submission ([`Attention::stage_layers`]).
+    stage: Option<(wgpu::Buffer, wgpu::Buffer, u32)>,
 }
 
 impl Attention {
@@ -334,6 +336,7 @@ impl Attention {
             n_buffers,
             kv_heads: cfg.kv_heads,
             scale: 1.0 / (d as f32).sqrt(),
+            stage: None,
             opts,
         })
     }
@@ -362,7 +365,57 @@ impl Attention {
 
     /// Set layer and step for the next encoded call (staged: one call per submission).
     pub fn prepare(&self, rt: &Runtime, layer: u32, step: u32) {
-        let p = AttendParams {
+        rt.queue.write_buffer(&self.params, 0, bytemuck::bytes_of(&self.params_for(layer, step)));
+    }
+
+    /// Stage every layer's queries (`queries[layer]`) for one submission: then
+    /// [`Attention::encode_layer_inputs`] copies layer i's parameters and queries in place
+    /// inside the command stream, before that layer's pass.
+    pub fn stage_layers(&mut self, rt: &Runtime, step: u32, queries: &[Vec<f32>]) -> Result<()> {
+        let qn = (self.opts.n_seqs * self.q_heads * self.head_dim) as usize;
+        let layers = queries.len() as u32;
+        for (l, q) in queries.iter().enumerate() {
+            if q.len() != qn {
+                return Err(Error::Input(format!("layer {l} queries: {} values, expected {qn}", q.len())));
+            }
+            if let Some(i) = q.iter().position(|v| !v.is_finite()) {
+                return Err(Error::Input(format!("layer {l} queries: value {i} is {} (not finite)", q[i])));
+            }
+        }
+        let pb = std::mem::size_of::<AttendParams>() as u64;
+        let qb = qn as u64 * 4;
+        if self.stage.as_ref().is_none_or(|s| s.2 < layers) {
+            self.stage = Some((
+                rt.storage("attend staged params", pb * u64::from(layers)),
+                rt.storage("attend staged queries", qb * u64::from(layers)),
+                layers,
+            ));
+        }
+        let Some((sp, sq, _)) = &self.stage else { unreachable!("stage allocated above") };
+        for (l, q) in queries.iter().enumerate() {
+            rt.queue.write_buffer(sp, pb * l as u64, bytemuck::bytes_of(&self.params_for(l as u32, step)));
+            rt.queue.write_buffer(sq, qb * l as u64, bytemuck::cast_slice(q));
+        }
+        Ok(())
+    }
+
+    /// Copy layer `layer`'s staged parameters and queries into place (before its pass).
+    pub fn encode_layer_inputs(&self, enc: &mut wgpu::CommandEncoder, layer: u32) -> Result<()> {
+        let Some((sp, sq, n)) = &self.stage else {
+            return Err(Error::Input("no staged layers: call stage_layers first".into()));
+        };
+        if layer >= *n {
+            return Err(Error::Input(format!("layer {layer} was not staged ({n} layers)")));
+        }
+        let pb = std::mem::size_of::<AttendParams>() as u64;
+        let qb = u64::from(self.opts.n_seqs * self.q_heads * self.head_dim) * 4;
+        enc.copy_buffer_to_buffer(sp, pb * u64::from(layer), &self.params, 0, pb);
+        enc.copy_buffer_to_buffer(sq, qb * u64::from(layer), &self.queries, 0, qb);
+        Ok(())
+    }
+
+    fn params_for(&self, layer: u32, step: u32) -> AttendParams {
+        AttendParams {
             n_seqs: self.opts.n_seqs,
             layer,
             group: self.opts.group,
@@ -375,8 +428,7 @@ impl Attention {
             step,
             scale: self.scale,
             _pad0: 0,
-        };
-        rt.queue.write_buffer(&self.params, 0, bytemuck::bytes_of(&p));
+        }
     }
 
     /// The kernel and its knobs, as benchmarks report them.

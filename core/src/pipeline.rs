@@ -713,6 +713,86 @@ impl Pipeline {
         Ok(())
     }
 
+    /// Whether a step runs as one submission with no host round trip: nothing on the side needs
+    /// the host mid-step (no CPU lockstep, no full-cache reference, no host tier, no QUEST
+    /// selection, a low-rank basis already fitted).
+    pub fn fused(&self) -> bool {
+        self.model.is_none()
+            && self.reference.is_none()
+            && self.flexgen.is_none()
+            && self.quest.is_none()
+            && (!self.pool.cfg.codec.is_low_rank() || self.pool.calibrated)
+    }
+
+    /// The whole decode step in one command buffer: route, append, compress, gather, attend
+    /// every layer (each layer's queries and parameters copied into place in the stream), evict,
+    /// recount miss rates, resolve the timestamps; one submission.
+    fn encode_fused_step(&mut self, rt: &Runtime, tokens: &[GenToken]) -> Result<()> {
+        let layers = self.pool.cfg.layers;
+        let w = self.cfg.workload.clone();
+        let per_layer = w.n_seqs;
+        let e = w.n_experts as usize;
+        for layer in 0..layers {
+            let rows = &tokens[(layer * per_layer) as usize..((layer + 1) * per_layer) as usize];
+            let logits: Vec<f32> = rows.iter().flat_map(|t| t.logits.iter().copied()).collect();
+            debug_assert_eq!(logits.len(), rows.len() * e);
+            self.router.set_logits(rt, layer, &logits)?;
+            self.router.prepare(rt, layer, per_layer, self.routed_tokens + layer * per_layer)?;
+        }
+        let queries: Vec<Vec<f32>> = (0..layers).map(|l| self.workload.queries(l)).collect();
+        self.attn.stage_layers(rt, self.step, &queries)?;
+        if let Some(s) = &self.scheduler {
+            let lens: Vec<u32> = (0..w.n_seqs).map(|q| self.workload.position(q)).collect();
+            s.prepare(rt, self.step, &lens)?;
+        }
+        let timer = self.timer.as_ref();
+        let ts = |i: u32| timer.and_then(|t| t.pass(i));
+        let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("decode step") });
+        {
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("route"), timestamp_writes: ts(0) });
+            for layer in 0..layers {
+                self.router.encode(&mut pass, layer, per_layer);
+            }
+        }
+        self.routed_tokens = self.routed_tokens.wrapping_add(layers * per_layer);
+        let words = kv_words(tokens, self.pool.cfg.dtype);
+        let new: Vec<NewToken> = tokens.iter().map(|t| t.token.clone()).collect();
+        let routed = crate::pool::Routed {
+            experts: &self.router.experts,
+            gates: &self.router.gates,
+            per_layer,
+            row_stride: self.router.shape.max_tokens,
+        };
+        self.pool.encode_append(rt, &mut enc, &new, &words, self.step, Some(routed), ts(1))?;
+        {
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("compress"), timestamp_writes: None });
+            self.pool.encode_compress(&mut pass);
+        }
+        self.pool.encode_gather(rt, &mut enc, 0, layers, ts(2));
+        for layer in 0..layers {
+            self.attn.encode_layer_inputs(&mut enc, layer)?;
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("attend"), timestamp_writes: ts(3 + layer) });
+            self.attn.encode(&mut pass);
+        }
+        {
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("evict"), timestamp_writes: ts(3 + layers) });
+            if let Some(s) = &self.scheduler {
+                s.encode(&mut pass);
+            }
+        }
+        {
+            let mut pass =
+                enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("route/miss"), timestamp_writes: ts(4 + layers) });
+            self.router.encode_miss(&mut pass)?;
+        }
+        if let Some(t) = timer {
+            t.resolve(&mut enc, timer_pairs(layers));
+        }
+        rt.queue.submit([enc.finish()]);
+        self.last_queries = queries.into_iter().last().unwrap_or_default();
+        rt.check("decode step")
+    }
+
     /// One decode step: route, append, gather, attend every layer, evict, recount miss rates.
     pub async fn step(&mut self, rt: &Runtime) -> Result<StepReport> {
         #[cfg(not(target_arch = "wasm32"))]
@@ -720,10 +800,25 @@ impl Pipeline {
         let tokens = self.workload.next_tokens();
         let n_seqs = self.cfg.workload.n_seqs;
         let layers = self.pool.cfg.layers;
-        self.route_and_append(rt, &tokens, n_seqs, true).await?;
-        let attention_error = self.attend_all(rt, true).await?;
-        let lists = match self.evict(rt, true).await? {
+        let fused = self.fused();
+        let attention_error = if fused {
+            self.encode_fused_step(rt, &tokens)?;
+            None
+        } else {
+            self.route_and_append(rt, &tokens, n_seqs, true).await?;
+            self.attend_all(rt, true).await?
+        };
+        let evicted = if fused {
+            match &self.scheduler {
+                Some(s) => Some(s.read_lists(rt).await?),
+                None => None,
+            }
+        } else {
+            self.evict(rt, true).await?
+        };
+        let lists = match evicted {
             Some(l) => Some(l),
+            None if fused => None,
             None => {
                 // Keep the timer's evict pair written.
                 let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("no evict") });
@@ -735,7 +830,9 @@ impl Pipeline {
                 None
             }
         };
-        self.update_miss(rt, true)?;
+        if !fused {
+            self.update_miss(rt, true)?;
+        }
         rt.wait()?;
         let ctl = self.pool.check_errors(rt, n_seqs * layers).await?;
         let gpu = match &self.timer {

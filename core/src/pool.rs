@@ -393,6 +393,28 @@ impl KvPool {
         routed: Option<Routed<'_>>,
         timestamps: Option<wgpu::ComputePassTimestampWrites<'_>>,
     ) -> Result<()> {
+        if tokens.is_empty() {
+            return Ok(());
+        }
+        let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("shard/append") });
+        self.encode_append(rt, &mut enc, tokens, kv, step, routed, timestamps)?;
+        rt.queue.submit([enc.finish()]);
+        rt.check("shard/append")
+    }
+
+    /// [`KvPool::append_timed`] recorded into `enc` (its staging uploads go through the queue,
+    /// so at most one append per submission).
+    #[allow(clippy::too_many_arguments)]
+    pub fn encode_append(
+        &mut self,
+        rt: &Runtime,
+        enc: &mut wgpu::CommandEncoder,
+        tokens: &[NewToken],
+        kv: &[u32],
+        step: u32,
+        routed: Option<Routed<'_>>,
+        timestamps: Option<wgpu::ComputePassTimestampWrites<'_>>,
+    ) -> Result<()> {
         let n = tokens.len() as u32;
         if n == 0 {
             return Ok(());
@@ -448,7 +470,6 @@ impl KvPool {
             let u = rt.uniform("shard/apply_routing params", &ap);
             rt.bind(Kernel::ShardApplyRouting.label(), &self.apply_pipe, &[&self.geometry, &u, r.experts, r.gates, &s.new_tokens])
         });
-        let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("shard/append") });
         {
             let mut pass =
                 enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("shard/append"), timestamp_writes: timestamps });
@@ -469,8 +490,7 @@ impl KvPool {
                 pass.dispatch_workgroups((kvw as u32).div_ceil(64), n, 1);
             }
         }
-        rt.queue.submit([enc.finish()]);
-        rt.check("shard/append")
+        Ok(())
     }
 
     /// Compress every full raw page that is no longer its ring's newest, while compressed pages

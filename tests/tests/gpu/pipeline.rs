@@ -243,3 +243,48 @@ fn a_recorded_trace_reads_back_and_replays_identically() {
         assert_eq!(first_difference(want, got), None, "seed {seed}: step {} layer {}", want.step, want.layer);
     }
 }
+
+#[test]
+fn a_fused_step_does_what_the_staged_step_does() {
+    use expertkv_core::config::Codec;
+    use expertkv_core::scheduler_config::SchedulerConfig;
+    let rt = rt();
+    let seeds = seeds("fused_step", 3);
+    let cases = [
+        (Some(SchedulerConfig::H2o { sinks: 4, window: 8 }), Codec::None),
+        (Some(SchedulerConfig::AdaKv { floor: 0.2, sinks: 2, window: 8 }), Codec::None),
+        (None, Codec::Int8 { group: 16 }),
+    ];
+    for (seed, (sched, codec)) in seeds.into_iter().zip(cases) {
+        let base = DemoConfig {
+            workload: WorkloadConfig { seed, n_seqs: 2, layers: 2, prompt_len: 96, ..Default::default() },
+            steps: 3,
+            scheduler: sched.clone(),
+            budget: "40".into(),
+            codec,
+            verify: false,
+            ..Default::default()
+        };
+        let run = |reference: bool| {
+            let cfg = DemoConfig { reference_attention: reference, ..base.clone() };
+            let mut p = pollster::block_on(Pipeline::new(rt, cfg)).expect("pipeline");
+            pollster::block_on(p.prefill(rt, &mut |_, _| {})).expect("prefill");
+            // With the full-cache reference beside it the step needs the host between stages.
+            assert_eq!(p.fused(), !reference, "seed {seed}");
+            let mut recs = Vec::new();
+            let mut reports = Vec::new();
+            for _ in 0..3 {
+                reports.push(pollster::block_on(p.step(rt)).expect("step"));
+                recs.extend(pollster::block_on(p.trace_records(rt)).expect("records"));
+            }
+            (recs, reports)
+        };
+        let (fused, fr) = run(false);
+        let (staged, sr) = run(true);
+        assert_eq!(fused, staged, "seed {seed} {sched:?} {codec:?}: the fused step differs from the staged one");
+        for (a, b) in fr.iter().zip(&sr) {
+            assert_eq!((a.evicted, a.pages_in_use, a.kv_bytes_resident), (b.evicted, b.pages_in_use, b.kv_bytes_resident), "seed {seed}");
+            assert!(a.gpu.is_some() == b.gpu.is_some());
+        }
+    }
+}
