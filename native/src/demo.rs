@@ -308,6 +308,11 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
     let evicting = cfg.scheduler.is_some() || cfg.codec != Codec::None;
     if !a.json {
         println!("prefill: {total} tokens routed and appended in {:.2} s", t0.elapsed().as_secs_f64());
+        if p.fused() {
+            println!("decode steps: one submission each (no host round trip)");
+        } else {
+            println!("decode steps: staged submissions (the CPU lockstep, the full-cache reference, a host tier or QUEST read back mid-step)");
+        }
         if let (Some(sch), Ok(Some(b))) = (&cfg.scheduler, cfg.budget_tokens()) {
             println!(
                 "scheduler {} keeps {b} tokens per (layer, sequence, KV head) ({} of a {}-token context); threshold {:?}",
