@@ -5,11 +5,36 @@
 use expertkv_shaders::Kernel;
 
 use crate::error::{Error, Result};
-use crate::gpu_data::{EvictParams, ListState};
+use crate::gpu_data::{EvictParams, ExpertStats, GroupState, ListState};
 use crate::pool::KvPool;
 use crate::route::grid;
 use crate::runtime::Runtime;
-use crate::scheduler_config::{SchedulerConfig, Threshold};
+use crate::scheduler_config::{EKVA_MAX_GROUPS, EkvaConfig, SchedulerConfig, Threshold};
+
+/// The EKVA allocator's state on the GPU (see `evict/ekva.wgsl`).
+pub struct Ekva {
+    pub cfg: EkvaConfig,
+    pub n_experts: u32,
+    /// Per (list, expert): `GroupState`.
+    pub groups: wgpu::Buffer,
+    /// Per (layer, expert): the moving-average importance.
+    pub importance: wgpu::Buffer,
+    /// The router's `ExpertStats` per (layer, expert) (its moving-average load is read), or the
+    /// allocator's own copy when no router was given.
+    pub route_stats: wgpu::Buffer,
+    experts: (wgpu::ComputePipeline, wgpu::BindGroup),
+    update: (wgpu::ComputePipeline, wgpu::BindGroup),
+    split: (wgpu::ComputePipeline, wgpu::BindGroup),
+}
+
+/// What an allocator over the scheduler needs: its parameters, the experts per layer, and the
+/// router's statistics buffer (`None`: a zeroed buffer of its own, see
+/// [`Scheduler::write_route_stats`]).
+pub struct AllocatorSpec<'a> {
+    pub cfg: EkvaConfig,
+    pub n_experts: u32,
+    pub route_stats: Option<&'a wgpu::Buffer>,
+}
 
 pub struct Scheduler {
     pub cfg: SchedulerConfig,
@@ -32,6 +57,7 @@ pub struct Scheduler {
     compact: (wgpu::ComputePipeline, wgpu::BindGroup),
     moves: Vec<(wgpu::ComputePipeline, wgpu::BindGroup)>,
     free: (wgpu::ComputePipeline, wgpu::BindGroup),
+    pub ekva: Option<Ekva>,
     n_lists: u32,
     n_keys: u32,
     slots: u32,
@@ -56,7 +82,40 @@ impl Scheduler {
         pyramid: Option<f32>,
         threshold: Threshold,
     ) -> Result<Scheduler> {
+        Self::with_allocator(rt, pool, cfg, budget, pyramid, threshold, None).await
+    }
+
+    /// As [`Scheduler::with_pyramid`], with the EKVA allocator splitting every list's budget
+    /// over expert groups when `allocator` is given.
+    pub async fn with_allocator(
+        rt: &Runtime,
+        pool: &KvPool,
+        cfg: SchedulerConfig,
+        budget: u32,
+        pyramid: Option<f32>,
+        threshold: Threshold,
+        allocator: Option<AllocatorSpec<'_>>,
+    ) -> Result<Scheduler> {
         cfg.validate(budget)?;
+        if let Some(a) = &allocator {
+            a.cfg.validate()?;
+            if !(1..=EKVA_MAX_GROUPS).contains(&a.n_experts) {
+                return Err(Error::config(
+                    "experts",
+                    a.n_experts,
+                    format!("the EKVA allocator splits lists over 1 to {EKVA_MAX_GROUPS} experts"),
+                ));
+            }
+            if threshold != Threshold::default() {
+                return Err(Error::config("threshold", format!("{threshold:?}"), "the EKVA allocator enforces budgets only; use fixed:0"));
+            }
+            if let Some(b) = a.route_stats {
+                let want = u64::from(pool.cfg.layers) * u64::from(a.n_experts) * std::mem::size_of::<ExpertStats>() as u64;
+                if b.size() < want {
+                    return Err(Error::Input(format!("route stats: {} bytes, the allocator needs layers x experts = {want}", b.size())));
+                }
+            }
+        }
         let layer_budgets = cfg.layer_budgets(budget, pool.cfg.layers, pyramid, pool.cfg.page_size)?;
         if !cfg.uses_evict_kernels() {
             return Err(Error::config(
@@ -133,12 +192,75 @@ impl Scheduler {
                 &layer_budgets_buf,
             ],
         );
+        let groups = match &allocator {
+            Some(a) => rt.storage("evict ekva groups", u64::from(n_lists) * u64::from(a.n_experts) * 16),
+            None => rt.storage("evict ekva groups (off)", 16),
+        };
+        if groups.size() > rt.max_binding_bytes() {
+            return Err(Error::Limit {
+                what: "EKVA groups".into(),
+                needed: groups.size(),
+                limit_name: "max_storage_buffer_binding_size",
+                limit: rt.max_binding_bytes(),
+            });
+        }
         let select_p = rt.pipeline(Kernel::EvictSelect, &[]).await?;
         let select_bg = rt.bind(
             Kernel::EvictSelect.label(),
             &select_p,
-            &[&pool.geometry, &params, &pool.page_list, &pool.page_counts, &pool.page_meta, &pool.slot_meta, &utility, &lists, &victim],
+            &[
+                &pool.geometry,
+                &params,
+                &pool.page_list,
+                &pool.page_counts,
+                &pool.page_meta,
+                &pool.slot_meta,
+                &utility,
+                &lists,
+                &victim,
+                &groups,
+            ],
         );
+        let ekva = match allocator {
+            None => None,
+            Some(a) => {
+                let e = a.n_experts;
+                let importance = rt.storage_init("evict ekva importance", &vec![1.0f32 / e as f32; (pool.cfg.layers * e) as usize]);
+                let route_stats = match a.route_stats {
+                    Some(b) => b.clone(),
+                    None => rt.storage_init("evict ekva route stats", &vec![ExpertStats::default(); (pool.cfg.layers * e) as usize]),
+                };
+                let all = [
+                    (0, &pool.geometry),
+                    (1, &params),
+                    (2, &pool.page_list),
+                    (3, &pool.page_counts),
+                    (4, &pool.page_meta),
+                    (5, &pool.slot_meta),
+                    (6, &lists),
+                    (7, &groups),
+                    (8, &importance),
+                    (9, &route_stats),
+                ];
+                let pick = |ids: &[u32]| all.iter().filter(|(i, _)| ids.contains(i)).copied().collect::<Vec<_>>();
+                let ex_p = rt.pipeline(Kernel::EvictEkvaExperts, &[]).await?;
+                let ex_bg = rt.bind_at(Kernel::EvictEkvaExperts.label(), &ex_p, &pick(&[0, 1, 2, 3, 4, 5, 7]));
+                let up_p = rt.pipeline(Kernel::EvictEkvaImportance, &[]).await?;
+                let up_bg = rt.bind_at(Kernel::EvictEkvaImportance.label(), &up_p, &pick(&[0, 1, 7, 8, 9]));
+                let sp_p = rt.pipeline(Kernel::EvictEkvaSplit, &[]).await?;
+                let sp_bg = rt.bind_at(Kernel::EvictEkvaSplit.label(), &sp_p, &pick(&[0, 1, 6, 7, 8]));
+                Some(Ekva {
+                    cfg: a.cfg,
+                    n_experts: e,
+                    groups: groups.clone(),
+                    importance,
+                    route_stats,
+                    experts: (ex_p, ex_bg),
+                    update: (up_p, up_bg),
+                    split: (sp_p, sp_bg),
+                })
+            }
+        };
         let compact_p = rt.pipeline(Kernel::EvictCompact, &[]).await?;
         let compact_bg = rt.bind(
             Kernel::EvictCompact.label(),
@@ -185,13 +307,14 @@ impl Scheduler {
             lists,
             seq_lens,
             counts,
-            _buffers: vec![victim, move_src, move_dst, freed, layer_budgets_buf],
+            _buffers: vec![victim, move_src, move_dst, freed, layer_budgets_buf, groups],
             score: (score_p, score_bg),
             budget_pass: (budget_p, budget_bg),
             select: (select_p, select_bg),
             compact: (compact_p, compact_bg),
             moves,
             free: (free_p, free_bg),
+            ekva,
             n_lists,
             n_keys,
             slots,
@@ -205,6 +328,9 @@ impl Scheduler {
     pub fn params(&self, step: u32) -> EvictParams {
         let mut p = EvictParams { n_lists: self.n_lists, step, base_budget: self.budget, ..Default::default() };
         self.cfg.fill(&mut p);
+        if let Some(e) = &self.ekva {
+            e.cfg.fill(&mut p, e.n_experts);
+        }
         match self.threshold {
             Threshold::Fixed { tau } => p.threshold = tau,
             Threshold::Adaptive { target, step } => {
@@ -236,6 +362,18 @@ impl Scheduler {
         pass.set_pipeline(&self.budget_pass.0);
         pass.set_bind_group(0, &self.budget_pass.1, &[]);
         pass.dispatch_workgroups(self.max_seqs, self.layers, 1);
+        if let Some(e) = &self.ekva {
+            pass.set_pipeline(&e.experts.0);
+            pass.set_bind_group(0, &e.experts.1, &[]);
+            pass.dispatch_workgroups(self.n_lists.min(65_535), self.n_lists.div_ceil(65_535), 1);
+            pass.set_pipeline(&e.update.0);
+            pass.set_bind_group(0, &e.update.1, &[]);
+            pass.dispatch_workgroups(self.layers, 1, 1);
+            let groups = self.n_lists.div_ceil(64);
+            pass.set_pipeline(&e.split.0);
+            pass.set_bind_group(0, &e.split.1, &[]);
+            pass.dispatch_workgroups(groups.min(65_535), groups.div_ceil(65_535), 1);
+        }
         pass.set_pipeline(&self.select.0);
         pass.set_bind_group(0, &self.select.1, &[]);
         pass.dispatch_workgroups(self.n_lists.min(65_535), self.n_lists.div_ceil(65_535), 1);
@@ -277,6 +415,40 @@ impl Scheduler {
     /// Utility keys of every pool slot (only cached slots are meaningful).
     pub async fn read_utility(&self, rt: &Runtime) -> Result<Vec<u32>> {
         rt.read_all(&self.utility).await
+    }
+
+    /// EKVA: every (list, expert) group's state from the last eviction (empty without the
+    /// allocator).
+    pub async fn read_groups(&self, rt: &Runtime) -> Result<Vec<GroupState>> {
+        match &self.ekva {
+            Some(e) => rt.read_all(&e.groups).await,
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// EKVA: every (layer, expert) importance (empty without the allocator).
+    pub async fn read_importance(&self, rt: &Runtime) -> Result<Vec<f32>> {
+        match &self.ekva {
+            Some(e) => rt.read_all(&e.importance).await,
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// EKVA: overwrite the routing statistics the allocator reads (tests; a pipeline's router
+    /// writes its own).
+    pub fn write_route_stats(&self, rt: &Runtime, stats: &[ExpertStats]) -> Result<()> {
+        let Some(e) = &self.ekva else {
+            return Err(Error::Input("write_route_stats: the scheduler has no allocator".into()));
+        };
+        if stats.len() != (self.layers * e.n_experts) as usize {
+            return Err(Error::Input(format!(
+                "route stats: {} entries, expected layers x experts = {}",
+                stats.len(),
+                self.layers * e.n_experts
+            )));
+        }
+        rt.queue.write_buffer(&e.route_stats, 0, bytemuck::cast_slice(stats));
+        Ok(())
     }
 
     /// Overwrite the per-list state (tests and what-if runs).

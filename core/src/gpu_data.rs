@@ -315,8 +315,35 @@ pub struct EvictParams {
     pub threshold: f32,
     pub hit_target: f32,
     pub tau_step: f32,
+    /// EKVA: expert groups per list (0: the allocator is off).
+    pub n_groups: u32,
+    /// EKVA: share of a list's budget spread evenly over its groups before importance decides.
+    pub ekva_floor: f32,
+    /// EKVA: weight of routing frequency (the rest: attention mass) in expert importance.
+    pub ekva_alpha: f32,
+    /// EKVA: weight of the previous importance in its moving average.
+    pub ekva_decay: f32,
 }
-const _: () = assert!(std::mem::size_of::<EvictParams>() == 64);
+const _: () = assert!(std::mem::size_of::<EvictParams>() == 80);
+
+/// Must match `GroupState` in `shaders/wgsl/common/evict.wgsl`: one expert group of one page
+/// list under the EKVA allocator (tokens whose top-1 expert at that layer is the group's).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable, serde::Serialize)]
+pub struct GroupState {
+    /// Tokens of the group before eviction.
+    pub tokens: u32,
+    /// The group's share of the list's attention mass, in units of 2^-24 (rounded).
+    pub mass: u32,
+    /// Tokens the group may keep (`KEEP_ALL`: the list keeps everything).
+    pub budget: u32,
+    /// Tokens evicted from the group by the last eviction.
+    pub evicted: u32,
+}
+const _: () = assert!(std::mem::size_of::<GroupState>() == 16);
+
+/// `GroupState::mass` units per unit of mass share.
+pub const GROUP_MASS_ONE: f32 = 16_777_216.0;
 
 /// Must match `ListState` in `shaders/wgsl/common/evict.wgsl`.
 #[repr(C)]

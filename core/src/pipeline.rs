@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::attend::{AttendOptions, Attention};
 use crate::config::{Codec, KvDtype, PoolConfig, ShardMap};
 use crate::error::{Error, Result};
-use crate::evict::Scheduler;
+use crate::evict::{AllocatorSpec, Scheduler};
 use crate::flexgen::FlexGen;
 use crate::gpu_data::{ListState, PoolCtl};
 use crate::pool::KvPool;
@@ -23,7 +23,7 @@ use crate::reference::{attend_decode, pool::decode_words};
 use crate::route::{RouteShape, Router};
 use crate::router_config::RouterConfig;
 use crate::runtime::Runtime;
-use crate::scheduler_config::{SchedulerConfig, Threshold};
+use crate::scheduler_config::{EkvaConfig, SchedulerConfig, Threshold};
 use crate::timer::GpuTimer;
 use crate::workload::{GenToken, Workload, WorkloadConfig};
 
@@ -54,6 +54,9 @@ pub struct DemoConfig {
     /// PyramidKV over the scheduler: the first layer's budget over the last's (budgets shrink
     /// linearly with depth, averaging `budget`); `None`: every layer keeps `budget`.
     pub pyramid: Option<f32>,
+    /// The EKVA allocator over the scheduler: every list's budget split over expert groups by
+    /// importance (routing frequency and attention mass); `None`: expert-blind budgets.
+    pub allocator: Option<EkvaConfig>,
     pub threshold: Threshold,
     /// With a scheduler or a codec: keep a full f16 cache beside it to measure the attention
     /// error.
@@ -84,6 +87,7 @@ impl Default for DemoConfig {
             scheduler: Some(SchedulerConfig::H2o { sinks: 4, window: 32 }),
             budget: "25%".into(),
             pyramid: None,
+            allocator: None,
             threshold: Threshold::default(),
             reference_attention: true,
             codec: Codec::None,
@@ -251,13 +255,18 @@ pub struct StepReport {
     /// FlexGen: K/V bytes held in host memory, and moved between the tiers so far.
     pub host_kv_bytes: u64,
     pub tier_bytes_moved: u64,
+    /// EKVA: per expert, the tokens its groups may keep at this step's eviction (summed over
+    /// lists; empty without the allocator or where lists keep everything).
+    pub expert_budget: Vec<u64>,
+    /// EKVA: per expert, the allocator's importance (mean over layers; empty without it).
+    pub expert_importance: Vec<f32>,
 }
 
 impl StepReport {
     /// Column names of [`StepReport::csv_row`].
     pub const CSV_HEADER: &'static str = "step,context,route_ms,append_ms,gather_ms,attend_ms,evict_ms,miss_ms,host_ms,\
 kv_bytes_resident,kv_bytes_tokens,kv_bytes_attended,full_kv_bytes,pages_in_use,pages_total,ring_overflows,evicted,pages_evicted,\
-kept_attention,attention_error,routing_entropy,miss_rate,host_kv_bytes,tier_bytes_moved,shard_pages,expert_load,expert_hits,expert_misses";
+kept_attention,attention_error,routing_entropy,miss_rate,host_kv_bytes,tier_bytes_moved,shard_pages,expert_load,expert_hits,expert_misses,expert_budget,expert_importance";
 
     /// One CSV line (no newline): scalars as numbers, empty when absent; per-shard and
     /// per-expert vectors as `;`-separated values in one field.
@@ -279,7 +288,7 @@ kept_attention,attention_error,routing_entropy,miss_rate,host_kv_bytes,tier_byte
         .map(|t| opt(t.map(|x| format!("{x:.6}"))))
         .collect();
         format!(
-            "{},{},{},{:.3},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
+            "{},{},{},{:.3},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
             self.step,
             self.context,
             times.join(","),
@@ -303,6 +312,8 @@ kept_attention,attention_error,routing_entropy,miss_rate,host_kv_bytes,tier_byte
             join(&self.expert_load),
             join(&self.expert_hits),
             join(&self.expert_misses),
+            join(&self.expert_budget),
+            join(&self.expert_importance),
         )
     }
 }
@@ -382,6 +393,19 @@ impl Pipeline {
         if let (Some(s), Some(b)) = (&cfg.scheduler, budget) {
             s.validate(b)?;
         }
+        if let Some(a) = &cfg.allocator {
+            a.validate()?;
+            if !cfg.scheduler.as_ref().is_some_and(SchedulerConfig::uses_evict_kernels) {
+                return Err(Error::config(
+                    "allocator",
+                    "ekva",
+                    format!(
+                        "the EKVA allocator splits an evicting scheduler's budgets (h2o, streaming-llm, lru, lru-plus, adakv, duo, fastv-tokens), not {}",
+                        cfg.scheduler.as_ref().map_or("none", |s| s.name())
+                    ),
+                ));
+            }
+        }
         cfg.layer_budgets()?;
         let pool_cfg = cfg.pool_config();
         let workload = Workload::new(cfg.workload.clone())?;
@@ -442,7 +466,18 @@ impl Pipeline {
             }
             (Some(s), Some(b)) => (
                 Attention::new(rt, &pool, attend_opts.clone()).await?,
-                Some(Scheduler::with_pyramid(rt, &pool, s.clone(), b, cfg.pyramid, cfg.threshold).await?),
+                Some(
+                    Scheduler::with_allocator(
+                        rt,
+                        &pool,
+                        s.clone(),
+                        b,
+                        cfg.pyramid,
+                        cfg.threshold,
+                        cfg.allocator.map(|a| AllocatorSpec { cfg: a, n_experts: w.n_experts, route_stats: Some(&router.stats) }),
+                    )
+                    .await?,
+                ),
                 None,
             ),
             _ => (Attention::new(rt, &pool, attend_opts.clone()).await?, None, None),
@@ -662,7 +697,15 @@ impl Pipeline {
         if let Some(m) = &mut self.model {
             let keys = s.read_utility(rt).await?;
             let mut budgets = lists.clone();
-            m.evict(&keys, &mut budgets);
+            match &s.ekva {
+                Some(e) => {
+                    let mut groups = s.read_groups(rt).await?;
+                    m.evict_grouped(&keys, &mut budgets, Some((&mut groups, e.n_experts)));
+                }
+                None => {
+                    m.evict(&keys, &mut budgets);
+                }
+            }
         }
         Ok(Some(lists))
     }
@@ -860,6 +903,23 @@ impl Pipeline {
             report.evicted = lists.iter().map(|l| u64::from(l.evicted)).sum();
             report.kept_attention = lists.iter().map(|l| l.hit_rate).sum::<f32>() / lists.len().max(1) as f32;
         }
+        if let Some((s, ekva)) = self.scheduler.as_ref().and_then(|s| s.ekva.as_ref().map(|e| (s, e))) {
+            let e = ekva.n_experts as usize;
+            let groups = s.read_groups(rt).await?;
+            let mut budget = vec![0u64; e];
+            for (i, g) in groups.iter().enumerate() {
+                if g.budget != crate::gpu_data::KEEP_ALL {
+                    budget[i % e] += u64::from(g.budget);
+                }
+            }
+            report.expert_budget = budget;
+            let imp = s.read_importance(rt).await?;
+            let mut mean = vec![0f32; e];
+            for (i, x) in imp.iter().enumerate() {
+                mean[i % e] += x / layers as f32;
+            }
+            report.expert_importance = mean;
+        }
         if let Some((fg, _)) = &self.flexgen {
             report.host_kv_bytes = fg.stats.host_bytes;
             report.tier_bytes_moved = fg.stats.bytes_to_host + fg.stats.bytes_to_gpu;
@@ -928,6 +988,8 @@ impl Pipeline {
             kv_bytes_attended: resident,
             host_kv_bytes: 0,
             tier_bytes_moved: 0,
+            expert_budget: Vec::new(),
+            expert_importance: Vec::new(),
         })
     }
 

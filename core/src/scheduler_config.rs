@@ -57,6 +57,80 @@ impl Default for Threshold {
     }
 }
 
+/// The EKVA allocator over an evicting scheduler: each page list's budget split over expert
+/// groups (a token's group is its top-1 expert at that layer) in proportion to expert
+/// importance, with a floor; importance is a moving average of routing frequency and attention
+/// mass, updated on the GPU every eviction.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EkvaConfig {
+    /// Share of a list's budget spread evenly over the groups holding tokens, before
+    /// importance splits the rest.
+    pub floor: f32,
+    /// Weight of routing frequency in importance; the rest is attention mass.
+    pub alpha: f32,
+    /// Weight of the previous importance in its moving average (0: this step only).
+    pub decay: f32,
+}
+
+impl Default for EkvaConfig {
+    fn default() -> Self {
+        EkvaConfig { floor: 0.25, alpha: 0.5, decay: 0.8 }
+    }
+}
+
+/// Most expert groups the EKVA allocator splits a list into.
+pub const EKVA_MAX_GROUPS: u32 = 256;
+
+impl EkvaConfig {
+    /// `none` (no allocator: `None`), `ekva` or `ekva:key=value,...` (floor, alpha, decay).
+    pub fn parse(spec: &str) -> Result<Option<EkvaConfig>> {
+        let (name, rest) = spec.split_once(':').unwrap_or((spec, ""));
+        match name.trim() {
+            "none" | "off" if rest.trim().is_empty() => return Ok(None),
+            "ekva" => {}
+            other => return Err(Error::config("allocator", other, "allowed values: none, ekva[:floor=F,alpha=A,decay=D]")),
+        }
+        let mut c = EkvaConfig::default();
+        for kv in rest.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let (k, v) = kv.split_once('=').ok_or_else(|| Error::config("allocator", spec, format!("`{kv}` is not key=value")))?;
+            let x: f32 = v
+                .trim()
+                .parse()
+                .map_err(|_| Error::config("allocator", spec, format!("`{}` needs a number, got `{}`", k.trim(), v.trim())))?;
+            match k.trim() {
+                "floor" => c.floor = x,
+                "alpha" => c.alpha = x,
+                "decay" => c.decay = x,
+                other => return Err(Error::config("allocator", spec, format!("ekva has no parameter `{other}` (floor, alpha, decay)"))),
+            }
+        }
+        c.validate()?;
+        Ok(Some(c))
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        for (field, v) in [("allocator.floor", self.floor), ("allocator.alpha", self.alpha), ("allocator.decay", self.decay)] {
+            if !(0.0..=1.0).contains(&v) {
+                return Err(Error::config(field, v, "must be in [0, 1]"));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn spec(&self) -> String {
+        format!("ekva:floor={},alpha={},decay={}", self.floor, self.alpha, self.decay)
+    }
+
+    /// The allocator's fields of the eviction kernels' parameter block.
+    pub fn fill(&self, p: &mut EvictParams, n_experts: u32) {
+        p.n_groups = n_experts;
+        p.ekva_floor = self.floor;
+        p.ekva_alpha = self.alpha;
+        p.ekva_decay = self.decay;
+    }
+}
+
 impl SchedulerConfig {
     pub fn name(&self) -> &'static str {
         match self {
@@ -259,6 +333,19 @@ impl SchedulerConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ekva_parse() {
+        assert_eq!(EkvaConfig::parse("none").unwrap(), None);
+        assert_eq!(EkvaConfig::parse("ekva").unwrap(), Some(EkvaConfig::default()));
+        let c = EkvaConfig::parse("ekva:floor=0.5, alpha=1,decay=0").unwrap().unwrap();
+        assert_eq!((c.floor, c.alpha, c.decay), (0.5, 1.0, 0.0));
+        assert_eq!(EkvaConfig::parse(&c.spec()).unwrap(), Some(c));
+        for bad in ["ekva:floor=2", "ekva:beta=1", "ekva:floor", "ekva:alpha=x", "pikv", "none:floor=1"] {
+            let e = EkvaConfig::parse(bad).unwrap_err().to_string();
+            assert!(e.contains("allocator"), "{bad}: {e}");
+        }
+    }
 
     #[test]
     fn parse_and_validate() {

@@ -5,7 +5,7 @@ use clap::Args;
 use expertkv_core::config::{Codec, KvDtype, ShardMap};
 use expertkv_core::pipeline::{DemoConfig, Pipeline};
 use expertkv_core::router_config::RouterConfig;
-use expertkv_core::scheduler_config::{SchedulerConfig, Threshold};
+use expertkv_core::scheduler_config::{EkvaConfig, SchedulerConfig, Threshold};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::{GpuArgs, check_positive, fmt_bytes};
@@ -60,6 +60,11 @@ pub struct DemoArgs {
     /// averaging --budget) [default: off].
     #[arg(long)]
     pyramid: Option<f32>,
+    /// Budget allocator over the scheduler: none, or ekva[:floor=F,alpha=A,decay=D] (EKVA: each
+    /// list's budget split over expert groups by importance, routing frequency and attention mass)
+    /// [default: none].
+    #[arg(long)]
+    allocator: Option<String>,
     /// Utility threshold: fixed:TAU (evict tokens under TAU x mean mass even under budget) or
     /// adaptive:TARGET[,STEP] (TAU follows the kept-attention share) [default: fixed:0].
     #[arg(long)]
@@ -202,6 +207,9 @@ fn build_config(a: &DemoArgs) -> Result<DemoConfig> {
     if a.pyramid.is_some() {
         cfg.pyramid = a.pyramid;
     }
+    if let Some(al) = &a.allocator {
+        cfg.allocator = EkvaConfig::parse(al)?;
+    }
     if let Some(t) = &a.threshold {
         cfg.threshold = parse_threshold(t)?;
     }
@@ -311,7 +319,9 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
         if p.fused() {
             println!("decode steps: one submission each (no host round trip)");
         } else {
-            println!("decode steps: staged submissions (the CPU lockstep, the full-cache reference, a host tier or QUEST read back mid-step)");
+            println!(
+                "decode steps: staged submissions (the CPU lockstep, the full-cache reference, a host tier or QUEST read back mid-step)"
+            );
         }
         if let (Some(sch), Ok(Some(b))) = (&cfg.scheduler, cfg.budget_tokens()) {
             println!(
@@ -327,6 +337,9 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
                 let shown: Vec<String> = lb.iter().map(|&x| if x == u32::MAX { "all".into() } else { x.to_string() }).collect();
                 println!("per-layer budgets: {}", shown.join(" "));
             }
+            if let Some(al) = &cfg.allocator {
+                println!("allocator {}: each list's budget split over its {} expert groups by importance", al.spec(), w.n_experts);
+            }
         }
         print!(
             "{:>4} {:>6} {:>8} {:>8} {:>9} {:>8} {:>9} {:>8}  {:<22} {:>10}",
@@ -338,8 +351,12 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
         println!(" {:>6} {:>6}  shard pages", "H(rt)", "miss");
     }
     let mut gpu_totals = Vec::new();
+    let mut last_split = None;
     for _ in 0..cfg.steps {
         let r = pollster::block_on(p.step(&rt)).context("decode step")?;
+        if !r.expert_budget.is_empty() {
+            last_split = Some((r.expert_budget.clone(), r.expert_importance.clone()));
+        }
         if let Some(s) = &mut sink {
             s.write(&r)?;
         }
@@ -387,6 +404,18 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
             );
         }
         println!(" {:>6.3} {:>5.1}%  {:?}", r.routing_entropy, 100.0 * r.miss_rate, r.shard_pages);
+    }
+    if let Some((budget, imp)) = last_split
+        && !a.json
+    {
+        let total: u64 = budget.iter().sum();
+        let parts: Vec<String> = budget
+            .iter()
+            .zip(&imp)
+            .enumerate()
+            .map(|(e, (b, i))| format!("e{e} {:.1}% (imp {i:.3})", 100.0 * *b as f64 / total.max(1) as f64))
+            .collect();
+        println!("ekva budget split at the last eviction ({total} tokens): {}", parts.join(", "));
     }
     if let Some((fg, _)) = &p.flexgen
         && !a.json

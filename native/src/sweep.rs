@@ -3,7 +3,7 @@ use clap::Args;
 use expertkv_core::config::Codec;
 use expertkv_core::pipeline::{DemoConfig, Pipeline};
 use expertkv_core::router_config::RouterConfig;
-use expertkv_core::scheduler_config::SchedulerConfig;
+use expertkv_core::scheduler_config::{EkvaConfig, SchedulerConfig};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
@@ -25,6 +25,10 @@ pub struct SweepArgs {
     /// PyramidKV ratio applied to every evicting scheduler (first layer's budget over the last's).
     #[arg(long)]
     pyramid: Option<f32>,
+    /// Budget allocators over every evicting scheduler: none (expert-blind) and/or
+    /// ekva[:floor=F,alpha=A,decay=D] (budgets split over expert groups by importance).
+    #[arg(long, value_delimiter = ',', default_value = "none")]
+    allocators: Vec<String>,
     /// Routers (names or specs).
     #[arg(long, value_delimiter = ',', default_value = "topk")]
     routers: Vec<String>,
@@ -75,19 +79,24 @@ pub fn run(gpu: &GpuArgs, a: &SweepArgs) -> Result<()> {
     let schedulers: Vec<Option<SchedulerConfig>> =
         a.schedulers.iter().map(|s| if s == "none" { Ok(None) } else { SchedulerConfig::parse(s).map(Some) }).collect::<Result<_, _>>()?;
     let codecs: Vec<Codec> = a.codecs.iter().map(|c| Codec::parse(c)).collect::<Result<_, _>>()?;
+    let allocators: Vec<Option<EkvaConfig>> = a.allocators.iter().map(|s| EkvaConfig::parse(s)).collect::<Result<_, _>>()?;
     let mut grid = Vec::new();
     for r in &routers {
         for c in &codecs {
             if *c != Codec::None {
-                grid.push((r.clone(), None, "100%".to_string(), *c));
+                grid.push((r.clone(), None, "100%".to_string(), *c, None));
                 continue;
             }
             for s in &schedulers {
                 match s {
-                    None => grid.push((r.clone(), None, "100%".to_string(), Codec::None)),
+                    None => grid.push((r.clone(), None, "100%".to_string(), Codec::None, None)),
                     Some(s) => {
                         for b in &a.budgets {
-                            grid.push((r.clone(), Some(s.clone()), b.clone(), Codec::None));
+                            for al in &allocators {
+                                if al.is_none() || s.uses_evict_kernels() {
+                                    grid.push((r.clone(), Some(s.clone()), b.clone(), Codec::None, *al));
+                                }
+                            }
                         }
                     }
                 }
@@ -97,8 +106,13 @@ pub fn run(gpu: &GpuArgs, a: &SweepArgs) -> Result<()> {
     let bar = if a.json { ProgressBar::hidden() } else { ProgressBar::new(grid.len() as u64) };
     bar.set_style(ProgressStyle::with_template("sweep {bar:40} {pos}/{len} {msg}").unwrap_or_else(|_| ProgressStyle::default_bar()));
     let mut rows = Vec::new();
-    for (router, sched, budget, codec) in grid {
-        bar.set_message(format!("{} / {} / {budget} / {}", router.name(), sched.as_ref().map_or("none", |s| s.name()), codec.name()));
+    for (router, sched, budget, codec, allocator) in grid {
+        let sched_label = match (&sched, allocator) {
+            (None, _) => "none".to_string(),
+            (Some(s), None) => s.name().to_string(),
+            (Some(s), Some(al)) => format!("{}+{}", s.name(), al.spec()),
+        };
+        bar.set_message(format!("{} / {sched_label} / {budget} / {}", router.name(), codec.name()));
         let mut cfg = DemoConfig {
             steps: a.steps,
             verify: false,
@@ -106,6 +120,7 @@ pub fn run(gpu: &GpuArgs, a: &SweepArgs) -> Result<()> {
             scheduler: sched.clone(),
             budget: budget.clone(),
             pyramid: a.pyramid.filter(|_| sched.as_ref().is_some_and(|s| s.uses_evict_kernels())),
+            allocator,
             ..Default::default()
         };
         cfg.workload.seed = a.seed;
@@ -114,7 +129,7 @@ pub fn run(gpu: &GpuArgs, a: &SweepArgs) -> Result<()> {
         cfg.workload.layers = a.layers;
         cfg.workload.head_dim = a.head_dim;
         cfg.codec = codec;
-        let label = format!("{} / {} / {budget} / {}", router.name(), sched.as_ref().map_or("none", |s| s.name()), codec.name());
+        let label = format!("{} / {sched_label} / {budget} / {}", router.name(), codec.name());
         let mut p = pollster::block_on(Pipeline::new(&rt, cfg)).with_context(|| format!("building {label}"))?;
         pollster::block_on(p.prefill(&rt, &mut |_, _| {})).with_context(|| format!("prefill of {label}"))?;
         let mut errs = Vec::new();
@@ -135,7 +150,7 @@ pub fn run(gpu: &GpuArgs, a: &SweepArgs) -> Result<()> {
         let pc = &p.pool.cfg;
         let row = Row {
             router: router.name().into(),
-            scheduler: sched.as_ref().map_or("none".into(), |s| s.name().to_string()),
+            scheduler: sched_label,
             codec: codec.spec(),
             budget,
             attention_error: (!errs.is_empty()).then(|| errs.iter().sum::<f64>() / errs.len() as f64),

@@ -1,7 +1,9 @@
 //! CPU references of the eviction kernels (`shaders/wgsl/evict/*.wgsl`).
 
 use super::pool::PoolModel;
-use crate::gpu_data::{EvictParams, KEEP_ALL, ListState, NO_OWNER, PROTECTED, duo_kinds, meta, orderable, policies};
+use crate::gpu_data::{
+    EvictParams, GROUP_MASS_ONE, GroupState, KEEP_ALL, ListState, NO_OWNER, PROTECTED, duo_kinds, meta, orderable, policies,
+};
 
 impl PoolModel {
     fn slot_fields(&self, slot: usize) -> (u32, u32, u32, f32) {
@@ -143,6 +145,177 @@ impl PoolModel {
     /// given every slot's utility key and every list's budget. Only the budget decides here
     /// (no utility threshold). Returns each list's victims, (page, slot) before compaction.
     pub fn evict(&mut self, keys: &[u32], lists: &mut [ListState]) -> Vec<Vec<(u32, u32)>> {
+        self.evict_grouped(keys, lists, None)
+    }
+
+    /// The expert group of a cached slot under EKVA (`expert_group` in `common/evict.wgsl`).
+    fn expert_group(&self, slot: usize, n_groups: u32) -> u32 {
+        self.slot_meta[slot * self.cfg.meta_words() as usize + meta::EXPERTS].min(n_groups - 1)
+    }
+
+    /// EKVA `experts` pass (`evict/ekva.wgsl`): every (list, group)'s tokens and mass share
+    /// (in f64 then rounded, so within a unit or so of the GPU's f32 shares); budgets and
+    /// evictions are copied from `prev`.
+    pub fn ekva_groups(&self, n_groups: u32, prev: &[GroupState]) -> Vec<GroupState> {
+        let ps = self.cfg.page_size;
+        let g = n_groups as usize;
+        let mut out = prev.to_vec();
+        for layer in 0..self.cfg.layers {
+            for seq in 0..self.cfg.max_seqs {
+                for h in 0..self.cfg.kv_heads {
+                    let li = self.list_index(layer, seq, h) as usize;
+                    let toks = self.tokens(layer, seq, h);
+                    let slots: Vec<usize> = toks.iter().map(|&(pg, s)| (pg * ps + s) as usize).collect();
+                    let total: f64 = slots.iter().map(|&sl| f64::from(self.slot_fields(sl).3)).sum();
+                    for e in 0..g {
+                        out[li * g + e].tokens = 0;
+                        out[li * g + e].mass = 0;
+                    }
+                    for &sl in &slots {
+                        let e = self.expert_group(sl, n_groups) as usize;
+                        out[li * g + e].tokens += 1;
+                        if total > 0.0 {
+                            let share = (f64::from(self.slot_fields(sl).3) / total) as f32;
+                            out[li * g + e].mass += (share * GROUP_MASS_ONE).round_ties_even() as u32;
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// EKVA `update_importance` pass: the next importance of every (layer, expert) from the
+    /// groups' mass shares (each list holding mass counts once), the router's moving-average
+    /// loads (per (layer, expert)) and the previous importance, in the GPU's f32 order (the
+    /// layer's total by the same 256-wide tree).
+    pub fn ekva_importance(&self, p: &EvictParams, groups: &[GroupState], loads: &[f32], prev: &[f32]) -> Vec<f32> {
+        let g = p.n_groups as usize;
+        let per_layer = (self.cfg.max_seqs * self.cfg.kv_heads) as usize;
+        let mut out = prev.to_vec();
+        for layer in 0..self.cfg.layers as usize {
+            let mut mass = [0f32; 256];
+            for (e, m) in mass.iter_mut().enumerate().take(g) {
+                for i in 0..per_layer {
+                    *m += groups[(layer * per_layer + i) * g + e].mass as f32 / GROUP_MASS_ONE;
+                }
+            }
+            let mut red = mass;
+            let mut off = 128;
+            while off > 0 {
+                for t in 0..off {
+                    red[t] += red[t + off];
+                }
+                off /= 2;
+            }
+            let total = red[0];
+            for e in 0..g {
+                let share = if total > 0.0 { mass[e] / total } else { 0.0 };
+                let x = p.ekva_alpha * loads[layer * g + e] + (1.0 - p.ekva_alpha) * share;
+                let i = layer * g + e;
+                out[i] = p.ekva_decay * prev[i] + (1.0 - p.ekva_decay) * x;
+            }
+        }
+        out
+    }
+
+    /// EKVA `split` pass: every group's budget from its list's budget, its tokens and the
+    /// importance (floor, then water filling by importance, largest remainder), in the GPU's
+    /// f32 order. Division rounding may move a token between groups on some devices.
+    pub fn ekva_split(&self, p: &EvictParams, lists: &[ListState], groups: &[GroupState], importance: &[f32]) -> Vec<GroupState> {
+        let g = p.n_groups as usize;
+        let per_layer = (self.cfg.max_seqs * self.cfg.kv_heads) as usize;
+        let mut out = groups.to_vec();
+        for (li, st) in lists.iter().enumerate() {
+            let layer = li / per_layer;
+            let gs = &mut out[li * g..(li + 1) * g];
+            let imp = &importance[layer * g..(layer + 1) * g];
+            let b = st.budget;
+            let n: u32 = gs.iter().map(|x| x.tokens).sum();
+            if b == KEEP_ALL || n <= b {
+                for x in gs.iter_mut() {
+                    x.budget = if b == KEEP_ALL { KEEP_ALL } else { x.tokens };
+                }
+                continue;
+            }
+            let active = gs.iter().filter(|x| x.tokens > 0).count() as u32;
+            let f = (p.ekva_floor * b as f32) as u32 / active.max(1);
+            let mut left = b;
+            for x in gs.iter_mut() {
+                x.budget = x.tokens.min(f);
+                left -= x.budget;
+            }
+            let mut frac = vec![0f32; g];
+            let mut pass = 0;
+            while pass <= g && left > 0 {
+                pass += 1;
+                let open: Vec<usize> = (0..g).filter(|&e| gs[e].budget < gs[e].tokens).collect();
+                if open.is_empty() {
+                    break;
+                }
+                let mut w_sum = 0f32;
+                for &e in &open {
+                    w_sum += imp[e].max(0.0);
+                }
+                let mut filled = false;
+                for e in 0..g {
+                    frac[e] = if gs[e].budget < gs[e].tokens {
+                        let w = if w_sum > 0.0 { imp[e].max(0.0) / w_sum } else { 1.0 / open.len() as f32 };
+                        let exact = left as f32 * w;
+                        if exact >= (gs[e].tokens - gs[e].budget) as f32 {
+                            filled = true;
+                            -2.0
+                        } else {
+                            exact
+                        }
+                    } else {
+                        -1.0
+                    };
+                }
+                if filled {
+                    for e in 0..g {
+                        if frac[e] == -2.0 {
+                            left -= gs[e].tokens - gs[e].budget;
+                            gs[e].budget = gs[e].tokens;
+                        }
+                    }
+                    continue;
+                }
+                let mut given = 0;
+                for e in 0..g {
+                    if frac[e] >= 0.0 {
+                        let s = (frac[e].floor() as u32).min(left - given);
+                        gs[e].budget += s;
+                        given += s;
+                        frac[e] -= frac[e].floor();
+                    }
+                }
+                left -= given;
+                while left > 0 {
+                    let mut best = None;
+                    for e in 0..g {
+                        if frac[e] >= 0.0 && gs[e].budget < gs[e].tokens && best.is_none_or(|b: usize| frac[e] > frac[b]) {
+                            best = Some(e);
+                        }
+                    }
+                    let Some(b) = best else { break };
+                    gs[b].budget += 1;
+                    frac[b] = -1.0;
+                    left -= 1;
+                }
+            }
+        }
+        out
+    }
+
+    /// [`PoolModel::evict`], and under EKVA (`groups`: every (list, group)'s budget, `n_groups`
+    /// per list) each expert group evicts down to its own budget; the groups' `evicted` are set.
+    pub fn evict_grouped(
+        &mut self,
+        keys: &[u32],
+        lists: &mut [ListState],
+        mut groups: Option<(&mut [GroupState], u32)>,
+    ) -> Vec<Vec<(u32, u32)>> {
         let cfg = self.cfg.clone();
         let ps = cfg.page_size;
         let mut victim = vec![false; keys.len()];
@@ -159,11 +332,32 @@ impl PoolModel {
                         }
                     }
                     let n = items.len() as u32;
-                    let prot = items.iter().filter(|i| i.0 == PROTECTED).count() as u32;
-                    let budget = lists[li].budget;
-                    let want = if budget != KEEP_ALL && n > budget { n - budget } else { 0 }.min(n - prot);
                     items.sort_by_key(|i| (i.0, i.1));
-                    let chosen: Vec<(u32, u32)> = items[..want as usize].iter().map(|i| (i.2, i.3)).collect();
+                    let chosen: Vec<(u32, u32)> = match groups.as_mut() {
+                        None => {
+                            let prot = items.iter().filter(|i| i.0 == PROTECTED).count() as u32;
+                            let budget = lists[li].budget;
+                            let want = if budget != KEEP_ALL && n > budget { n - budget } else { 0 }.min(n - prot);
+                            items[..want as usize].iter().map(|i| (i.2, i.3)).collect()
+                        }
+                        Some((gs, ng)) => {
+                            let ng = *ng;
+                            let mut chosen = Vec::new();
+                            for e in 0..ng {
+                                let mine: Vec<&(u32, u32, u32, u32)> =
+                                    items.iter().filter(|i| self.expert_group((i.2 * ps + i.3) as usize, ng) == e).collect();
+                                let gst = &mut gs[li * ng as usize + e as usize];
+                                let tokens = mine.len() as u32;
+                                let prot = mine.iter().filter(|i| i.0 == PROTECTED).count() as u32;
+                                let want =
+                                    if gst.budget != KEEP_ALL && tokens > gst.budget { tokens - gst.budget } else { 0 }.min(tokens - prot);
+                                gst.evicted = want;
+                                chosen.extend(mine[..want as usize].iter().map(|i| (i.2, i.3)));
+                            }
+                            chosen
+                        }
+                    };
+                    let want = chosen.len() as u32;
                     let mut mass_total = 0f64;
                     let mut mass_evicted = 0f64;
                     for it in &items {

@@ -21,6 +21,26 @@ struct EvictParams {
     threshold: f32,     // fixed utility threshold, relative to the list's mean utility (0: off)
     hit_target: f32,    // adaptive threshold: hit rate to hold
     tau_step: f32,      // adaptive threshold: step of tau per unit hit-rate error
+    n_groups: u32,      // EKVA: expert groups per list (0: allocator off)
+    ekva_floor: f32,    // EKVA: share of a list's budget spread evenly over its groups
+    ekva_alpha: f32,    // EKVA: weight of routing frequency in importance (rest: attention mass)
+    ekva_decay: f32,    // EKVA: weight of the previous importance in its moving average
+}
+
+// must match `GroupState` in core/src/gpu_data.rs: one expert group of one page list (EKVA)
+struct GroupState {
+    tokens: u32,   // tokens of the group before eviction
+    mass: u32,     // the group's share of the list's attention mass, units of 2^-24
+    budget: u32,   // tokens the group may keep (KEEP_ALL: the list keeps everything)
+    evicted: u32,  // tokens evicted from the group by the last eviction
+}
+
+const GROUP_MASS_ONE: f32 = 16777216.0;
+
+// EKVA: the group of a cached slot, its top-1 expert at that layer (ids past the last group
+// fold into it).
+fn expert_group(expert: u32, n_groups: u32) -> u32 {
+    return min(expert, n_groups - 1u);
 }
 
 // must match `ListState` in core/src/gpu_data.rs

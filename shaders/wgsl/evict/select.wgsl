@@ -3,6 +3,8 @@
 // found by an 8-pass radix select over the 64-bit keys; a utility threshold (fixed, or adapted
 // to the hit rate) may evict more among mass-scored tokens; protected slots are never victims.
 // Records the list's hit rate (share of its attention mass kept) and adapts its threshold.
+// Under the EKVA allocator (n_groups > 0) the same select runs per expert group, each group
+// evicting down to its own budget (`evict/ekva.wgsl#split`); no threshold then.
 
 //!import common/pool.wgsl
 //!import common/evict.wgsl
@@ -16,6 +18,7 @@
 @group(0) @binding(6) var<storage, read> utility: array<u32>;
 @group(0) @binding(7) var<storage, read_write> lists: array<ListState>;
 @group(0) @binding(8) var<storage, read_write> victim: array<u32>;
+@group(0) @binding(9) var<storage, read_write> groups: array<GroupState>;
 
 const WG: u32 = 256u;
 var<workgroup> hist: array<atomic<u32>, 256>;
@@ -87,6 +90,76 @@ fn digit(hi: u32, lo: u32, p: u32) -> u32 {
     return (lo >> (56u - 8u * p)) & 255u;
 }
 
+const ALL_GROUPS: u32 = 0xffffffffu;
+
+fn in_group(slot: u32, g: u32) -> bool {
+    return g == ALL_GROUPS || expert_group(slot_meta[slot * geo.meta_words + META_EXPERTS], params.n_groups) == g;
+}
+
+// Mark the `want` lowest keys (utility, then list order) among the list's slots of group `g`
+// (ALL_GROUPS: every slot) as victims; returns their attention mass (the same in every
+// invocation). `want` must be uniform and at most the group's unprotected tokens.
+fn pick(t: u32, base: u32, n_slots: u32, want: u32, g: u32) -> f32 {
+    let P = geo.page_size;
+    // Radix select of the want-th smallest key.
+    if (t == 0u) {
+        known_hi = 0u;
+        known_lo = 0u;
+        rank_sh = want;
+    }
+    workgroupBarrier();
+    for (var p = 0u; p < 8u; p++) {
+        atomicStore(&hist[t], 0u);
+        workgroupBarrier();
+        let kh = known_hi;
+        let kl = known_lo;
+        for (var j = t; j < n_slots; j += WG) {
+            let page = page_list[base + j / P];
+            if (j % P < page_meta[page].fill && in_group(page * P + j % P, g)) {
+                let hi = utility[page * P + j % P];
+                if (matches(hi, j, p, kh, kl)) {
+                    atomicAdd(&hist[digit(hi, j, p)], 1u);
+                }
+            }
+        }
+        workgroupBarrier();
+        if (t == 0u) {
+            var r = rank_sh;
+            var d = 0u;
+            loop {
+                let c = atomicLoad(&hist[d]);
+                if (r <= c || d == 255u) {
+                    break;
+                }
+                r -= c;
+                d += 1u;
+            }
+            rank_sh = r;
+            if (p < 4u) {
+                known_hi |= d << (24u - 8u * p);
+            } else {
+                known_lo |= d << (56u - 8u * p);
+            }
+        }
+        workgroupBarrier();
+    }
+    let kh = known_hi;
+    let kl = known_lo;
+    var em = 0.0;
+    for (var j = t; j < n_slots; j += WG) {
+        let page = page_list[base + j / P];
+        if (j % P < page_meta[page].fill) {
+            let slot = page * P + j % P;
+            let hi = utility[slot];
+            if ((hi < kh || (hi == kh && j <= kl)) && in_group(slot, g)) {
+                victim[slot] = 1u;
+                em += bitcast<f32>(slot_meta[slot * geo.meta_words + meta_attn(geo)]);
+            }
+        }
+    }
+    return sum_f(t, em);
+}
+
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t: u32) {
     let li = wg.x + wg.y * 65535u;
@@ -121,87 +194,60 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     let protected_n = sum_u(t, prot);
     let total_mass = sum_f(t, mass);
 
-    // Victims wanted: over budget, or (mass-based) under the utility threshold.
     var want = 0u;
-    if (st.budget != KEEP_ALL && tokens > st.budget) {
-        want = tokens - st.budget;
-    }
-    let tau = select(params.threshold, st.tau, params.adaptive != 0u);
-    if (uniform_u32(t, u32(mass_based && tau > 0.0 && tokens > 0u)) != 0u) {
-        let limit = tau * total_mass / f32(tokens);
-        var below = 0u;
-        for (var j = t; j < n_slots; j += WG) {
-            let page = page_list[base + j / P];
-            if (j % P < page_meta[page].fill) {
-                let slot = page * P + j % P;
-                if (utility[slot] != PROTECTED && bitcast<f32>(slot_meta[slot * geo.meta_words + meta_attn(geo)]) < limit) {
-                    below += 1u;
-                }
-            }
-        }
-        want = max(want, sum_u(t, below));
-    }
-    want = uniform_u32(t, min(want, tokens - protected_n));
-
     var evicted_mass = 0.0;
-    if (want > 0u) {
-        // Radix select of the want-th smallest key.
-        if (t == 0u) {
-            known_hi = 0u;
-            known_lo = 0u;
-            rank_sh = want;
+    let G = params.n_groups;
+    if (G == 0u) {
+        // Victims wanted: over budget, or (mass-based) under the utility threshold.
+        if (st.budget != KEEP_ALL && tokens > st.budget) {
+            want = tokens - st.budget;
         }
-        workgroupBarrier();
-        for (var p = 0u; p < 8u; p++) {
-            atomicStore(&hist[t], 0u);
-            workgroupBarrier();
-            let kh = known_hi;
-            let kl = known_lo;
+        let tau = select(params.threshold, st.tau, params.adaptive != 0u);
+        if (uniform_u32(t, u32(mass_based && tau > 0.0 && tokens > 0u)) != 0u) {
+            let limit = tau * total_mass / f32(tokens);
+            var below = 0u;
             for (var j = t; j < n_slots; j += WG) {
                 let page = page_list[base + j / P];
                 if (j % P < page_meta[page].fill) {
-                    let hi = utility[page * P + j % P];
-                    if (matches(hi, j, p, kh, kl)) {
-                        atomicAdd(&hist[digit(hi, j, p)], 1u);
+                    let slot = page * P + j % P;
+                    if (utility[slot] != PROTECTED && bitcast<f32>(slot_meta[slot * geo.meta_words + meta_attn(geo)]) < limit) {
+                        below += 1u;
                     }
                 }
             }
-            workgroupBarrier();
+            want = max(want, sum_u(t, below));
+        }
+        want = uniform_u32(t, min(want, tokens - protected_n));
+        if (want > 0u) {
+            evicted_mass = pick(t, base, n_slots, want, ALL_GROUPS);
+        }
+    } else {
+        // EKVA: every expert group down to its own budget.
+        for (var g = 0u; g < G; g++) {
+            let gs = groups[li * G + g];
+            var over = 0u;
+            if (gs.budget != KEEP_ALL && gs.tokens > gs.budget) {
+                over = gs.tokens - gs.budget;
+            }
+            var want_g = uniform_u32(t, over);
+            if (want_g > 0u) {
+                var prot_g = 0u;
+                for (var j = t; j < n_slots; j += WG) {
+                    let page = page_list[base + j / P];
+                    if (j % P < page_meta[page].fill && in_group(page * P + j % P, g) && utility[page * P + j % P] == PROTECTED) {
+                        prot_g += 1u;
+                    }
+                }
+                want_g = uniform_u32(t, min(want_g, gs.tokens - min(sum_u(t, prot_g), gs.tokens)));
+                if (want_g > 0u) {
+                    evicted_mass += pick(t, base, n_slots, want_g, g);
+                }
+            }
             if (t == 0u) {
-                var r = rank_sh;
-                var d = 0u;
-                loop {
-                    let c = atomicLoad(&hist[d]);
-                    if (r <= c || d == 255u) {
-                        break;
-                    }
-                    r -= c;
-                    d += 1u;
-                }
-                rank_sh = r;
-                if (p < 4u) {
-                    known_hi |= d << (24u - 8u * p);
-                } else {
-                    known_lo |= d << (56u - 8u * p);
-                }
+                groups[li * G + g].evicted = want_g;
             }
-            workgroupBarrier();
+            want += want_g;
         }
-        let kh = known_hi;
-        let kl = known_lo;
-        var em = 0.0;
-        for (var j = t; j < n_slots; j += WG) {
-            let page = page_list[base + j / P];
-            if (j % P < page_meta[page].fill) {
-                let slot = page * P + j % P;
-                let hi = utility[slot];
-                if (hi < kh || (hi == kh && j <= kl)) {
-                    victim[slot] = 1u;
-                    em += bitcast<f32>(slot_meta[slot * geo.meta_words + meta_attn(geo)]);
-                }
-            }
-        }
-        evicted_mass = sum_f(t, em);
     }
     if (t == 0u) {
         st.tokens = tokens;

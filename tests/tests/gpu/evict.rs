@@ -2,13 +2,13 @@
 //! pools identical after compaction), and tests that show each policy doing its job.
 
 use expertkv_core::config::{Codec, KvDtype, PoolConfig, ShardMap};
-use expertkv_core::evict::Scheduler;
-use expertkv_core::gpu_data::{KEEP_ALL, ListState, duo_kinds, from_orderable, meta, policies};
+use expertkv_core::evict::{AllocatorSpec, Scheduler};
+use expertkv_core::gpu_data::{ExpertStats, KEEP_ALL, ListState, duo_kinds, from_orderable, meta, policies};
 use expertkv_core::pool::KvPool;
 use expertkv_core::reference::{NewToken, PoolModel};
 use expertkv_core::rng::Rng;
 use expertkv_core::runtime::Runtime;
-use expertkv_core::scheduler_config::{SchedulerConfig, Threshold};
+use expertkv_core::scheduler_config::{EkvaConfig, SchedulerConfig, Threshold};
 
 use crate::common::{POISON_U32, rt, seeds};
 use crate::shard::{assert_same_state, random_kv};
@@ -434,4 +434,176 @@ fn thresholds_fixed_and_adaptive() {
         taus.windows(2).any(|w| w[1].tau < w[0].tau) || taus.last().map(|l| l.hit_rate >= 0.8).unwrap_or(false),
         "tau reacts to the hit rate: {taus:?}"
     );
+}
+
+/// EKVA over a random evicting scheduler: group counts and mass shares, importance, the budget
+/// split and the per-group victims against the CPU reference (victims and the pool after
+/// compaction exactly; the split exactly where float division agrees, else within one token per
+/// group with the list's total kept), plus the split's invariants.
+#[test]
+fn ekva_gpu_match_cpu() {
+    let rt = rt();
+    let (mut split_lists, mut uneven, mut evicted, mut folded, mut inexact) = (0u64, 0u64, 0u64, 0, 0u64);
+    for seed in seeds("ekva", 16) {
+        let mut rng = Rng::new(seed);
+        let cfg = config(&mut rng);
+        let sched = match random_scheduler(&mut rng) {
+            // The allocator enforces budgets; StreamingLLM per expert group is legal but keeps
+            // little of interest, so H2O stands in for a third of it.
+            SchedulerConfig::StreamingLlm { .. } => SchedulerConfig::H2o { sinks: 1, window: 2 },
+            s => s,
+        };
+        let budget = cfg.page_size * (1 + rng.below(5)) + rng.below(cfg.page_size);
+        if sched.validate(budget).is_err() || sched.layer_budgets(budget, cfg.layers, None, cfg.page_size).is_err() {
+            continue;
+        }
+        // Groups: 3 and 5 fold the appended experts 0..8 into the last group.
+        let n_groups = [3u32, 5, 8, 12][rng.below(4) as usize];
+        folded += usize::from(n_groups < 8);
+        let al = EkvaConfig { floor: rng.range(0.0, 0.6) as f32, alpha: rng.range(0.0, 1.0) as f32, decay: rng.range(0.0, 0.9) as f32 };
+        let ctx = format!("seed {seed}: {sched:?}, budget {budget}, {n_groups} groups, {al:?}, {cfg:?}");
+        let mut pool = pollster::block_on(KvPool::new(rt, cfg.clone())).expect("pool");
+        let mut model = PoolModel::new(&cfg);
+        let spec = AllocatorSpec { cfg: al, n_experts: n_groups, route_stats: None };
+        let s = pollster::block_on(Scheduler::with_allocator(rt, &pool, sched.clone(), budget, None, Threshold::default(), Some(spec)))
+            .unwrap_or_else(|e| panic!("{ctx}: {e}"));
+        let ekva = s.ekva.as_ref().expect("allocator");
+        let loads: Vec<f32> = (0..cfg.layers * n_groups).map(|_| rng.range(0.0, 1.0) as f32).collect();
+        let stats: Vec<ExpertStats> = loads.iter().map(|&load| ExpertStats { load, ..Default::default() }).collect();
+        s.write_route_stats(rt, &stats).expect("route stats");
+        let mut importance = vec![1.0 / n_groups as f32; (cfg.layers * n_groups) as usize];
+        let mut lens = vec![0u32; cfg.max_seqs as usize];
+        for round in 0..3u32 {
+            let n = 1 + rng.below(3 * budget / cfg.n_shards.max(1) + 4);
+            append_round(rt, &mut rng, &mut pool, &mut model, &mut lens, n, round);
+            randomise_meta(rt, &mut rng, &pool, &mut model, round + 3);
+            pool.gather(rt).expect("gather");
+            rt.fill_u32(&s.utility, POISON_U32);
+            rt.fill_u32(&ekva.groups, POISON_U32);
+            s.run(rt, round + 3, &lens).unwrap_or_else(|e| panic!("{ctx}: round {round}: {e}"));
+            let ctx = format!("{ctx}, round {round}");
+            let p = s.params(round + 3);
+            let keys = pollster::block_on(s.read_utility(rt)).expect("utility");
+            let lists = pollster::block_on(s.read_lists(rt)).expect("lists");
+            let groups = pollster::block_on(s.read_groups(rt)).expect("groups");
+            let got_imp = pollster::block_on(s.read_importance(rt)).expect("importance");
+            // Counts exactly; mass shares within the rounding of one unit per token.
+            let want_groups = model.ekva_groups(n_groups, &groups);
+            for (i, (g, w)) in groups.iter().zip(&want_groups).enumerate() {
+                assert_eq!(g.tokens, w.tokens, "{ctx}: tokens of group {i}");
+                assert!(g.mass.abs_diff(w.mass) <= 2 * g.tokens + 2, "{ctx}: mass of group {i}: {} vs {}", g.mass, w.mass);
+            }
+            // Importance from the GPU's groups and lists.
+            let want_imp = model.ekva_importance(&p, &groups, &loads, &importance);
+            for (i, (g, w)) in got_imp.iter().zip(&want_imp).enumerate() {
+                assert!((g - w).abs() <= 1e-5 * (1.0 + w.abs()), "{ctx}: importance {i}: {g} vs {w}");
+            }
+            importance = got_imp.clone();
+            // The split from the GPU's inputs.
+            let want_split = model.ekva_split(&p, &lists, &groups, &got_imp);
+            let g_n = n_groups as usize;
+            for (li, st) in lists.iter().enumerate() {
+                let got = &groups[li * g_n..(li + 1) * g_n];
+                let want = &want_split[li * g_n..(li + 1) * g_n];
+                let tokens: u32 = got.iter().map(|x| x.tokens).sum();
+                if got.iter().zip(want).any(|(a, b)| a.budget != b.budget) {
+                    inexact += 1;
+                    for (e, (a, b)) in got.iter().zip(want).enumerate() {
+                        assert!(a.budget.abs_diff(b.budget) <= 1, "{ctx}: list {li} group {e}: budget {} vs {}", a.budget, b.budget);
+                    }
+                }
+                if st.budget == KEEP_ALL {
+                    assert!(got.iter().all(|x| x.budget == KEEP_ALL), "{ctx}: list {li} keeps everything");
+                    continue;
+                }
+                for (e, x) in got.iter().enumerate() {
+                    assert!(x.budget <= x.tokens, "{ctx}: list {li} group {e}: budget {} over its {} tokens", x.budget, x.tokens);
+                }
+                if tokens > st.budget {
+                    split_lists += 1;
+                    let sum: u32 = got.iter().map(|x| x.budget).sum();
+                    assert_eq!(sum, st.budget, "{ctx}: list {li}: the groups keep the list's budget");
+                    let active = got.iter().filter(|x| x.tokens > 0).count() as u32;
+                    let floor = (al.floor * st.budget as f32) as u32 / active.max(1);
+                    for (e, x) in got.iter().enumerate() {
+                        assert!(x.budget >= x.tokens.min(floor), "{ctx}: list {li} group {e}: {} under the floor {floor}", x.budget);
+                    }
+                    let (lo, hi) = (got.iter().map(|x| x.budget).min(), got.iter().map(|x| x.budget).max());
+                    uneven += u64::from(hi.unwrap_or(0) > lo.unwrap_or(0) + 1);
+                }
+            }
+            // Victims per group, compaction and freeing: identical pools.
+            let mut want_lists = lists.clone();
+            let mut want_groups = groups.clone();
+            model.evict_grouped(&keys, &mut want_lists, Some((&mut want_groups, n_groups)));
+            assert_same_state(rt, &pool, &model, &ctx);
+            for (i, (g, w)) in groups.iter().zip(&want_groups).enumerate() {
+                assert_eq!(g.evicted, w.evicted, "{ctx}: evicted from group {i}");
+            }
+            for (li, (g, w)) in lists.iter().zip(&want_lists).enumerate() {
+                assert_eq!((g.tokens, g.evicted), (w.tokens, w.evicted), "{ctx}: list {li} counts");
+                assert!((g.hit_rate - w.hit_rate).abs() < 1e-4, "{ctx}: list {li} hit rate {} vs {}", g.hit_rate, w.hit_rate);
+            }
+            evicted += lists.iter().map(|l| u64::from(l.evicted)).sum::<u64>();
+        }
+    }
+    println!("ekva: {split_lists} lists split, {uneven} unevenly, {evicted} tokens evicted, {inexact} splits off by a token");
+    if std::env::var("EXPERTKV_TEST_SEED").is_err() {
+        assert!(
+            split_lists > 20 && uneven > 10 && evicted > 100 && folded > 0,
+            "coverage: {split_lists} split, {uneven} uneven, {evicted} evicted, {folded} folded"
+        );
+    }
+}
+
+/// Importance moves the budget: with routing frequency alone (alpha 1) the group of the expert
+/// the router favours keeps most of the list; with attention mass alone (alpha 0) the group
+/// whose tokens carry the mass does.
+#[test]
+fn ekva_budgets_follow_importance() {
+    let rt = rt();
+    for (alpha, favoured) in [(1.0f32, 5u32), (0.0, 2)] {
+        let (pool, mut model, lens) = filled(rt, 1, 400, 2);
+        // Tokens round-robin over 8 experts; expert 2's tokens carry 20x the mass.
+        let mw = model.cfg.meta_words() as usize;
+        let k = model.cfg.top_k as usize;
+        for slot in 0..model.slot_meta.len() / mw {
+            let pos = model.slot_meta[slot * mw + meta::POSITION];
+            let e = pos % 8;
+            model.slot_meta[slot * mw + meta::EXPERTS] = e;
+            model.slot_meta[slot * mw + meta::attn(k)] = if e == 2 { 2.0f32 } else { 0.1 }.to_bits();
+        }
+        rt.queue.write_buffer(&pool.slot_meta, 0, bytemuck::cast_slice(&model.slot_meta));
+        let al = EkvaConfig { floor: 0.2, alpha, decay: 0.0 };
+        let spec = AllocatorSpec { cfg: al, n_experts: 8, route_stats: None };
+        let s = pollster::block_on(Scheduler::with_allocator(
+            rt,
+            &pool,
+            SchedulerConfig::H2o { sinks: 0, window: 0 },
+            160,
+            None,
+            Threshold::default(),
+            Some(spec),
+        ))
+        .expect("sched");
+        // The router favours expert 5: 65% of its routing slots, 5% each for the others.
+        let stats: Vec<ExpertStats> =
+            (0..8).map(|e| ExpertStats { load: if e == 5 { 0.65 } else { 0.05 }, ..Default::default() }).collect();
+        s.write_route_stats(rt, &stats).expect("stats");
+        s.run(rt, 1, &lens).expect("evict");
+        let groups = pollster::block_on(s.read_groups(rt)).expect("groups");
+        let budgets: Vec<u32> = groups.iter().map(|g| g.budget).collect();
+        assert_eq!(budgets.iter().sum::<u32>(), 160, "alpha {alpha}: {budgets:?}");
+        let others = budgets.iter().enumerate().filter(|(e, _)| *e as u32 != favoured).map(|(_, b)| *b).max().unwrap_or(0);
+        assert!(budgets[favoured as usize] > 2 * others, "alpha {alpha}: expert {favoured} should keep most: {budgets:?}");
+        // The floor: every group keeps at least 0.2 x 160 / 8 = 4 tokens.
+        assert!(budgets.iter().all(|&b| b >= 4), "alpha {alpha}: floor {budgets:?}");
+        // And the kept tokens follow: count the survivors per expert.
+        sync(rt, &pool, &mut model);
+        let mut kept = [0u32; 8];
+        for (pg, sl) in model.tokens(0, 0, 0) {
+            kept[model.slot_meta[((pg * model.cfg.page_size + sl) * model.cfg.meta_words()) as usize + meta::EXPERTS] as usize] += 1;
+        }
+        assert_eq!(kept.to_vec(), budgets, "alpha {alpha}: survivors per expert equal the split");
+    }
 }

@@ -44,11 +44,14 @@ fn demo_pipeline_matches_reference() {
 fn demo_pipeline_with_eviction_matches_reference_and_stays_under_budget() {
     use expertkv_core::scheduler_config::SchedulerConfig;
     let rt = rt();
-    for (seed, sched) in seeds("demo_pipeline_evict", 3).into_iter().zip(["h2o", "streaming-llm", "adakv"]) {
+    use expertkv_core::scheduler_config::EkvaConfig;
+    let runs = [("h2o", None), ("streaming-llm", None), ("adakv", None), ("h2o", Some(EkvaConfig::default()))];
+    for (seed, (sched, allocator)) in seeds("demo_pipeline_evict", 4).into_iter().zip(runs) {
         let cfg = DemoConfig {
             workload: WorkloadConfig { seed, n_seqs: 2, layers: 2, prompt_len: 120, ..Default::default() },
             steps: 4,
             scheduler: Some(SchedulerConfig::default_for(sched).expect("scheduler")),
+            allocator,
             budget: "48".into(),
             router: RouterConfig::default_for("cache-aware").expect("router"),
             ..Default::default()
@@ -72,6 +75,14 @@ fn demo_pipeline_with_eviction_matches_reference_and_stays_under_budget() {
             let (hits, misses): (u64, u64) = (r.expert_hits.iter().sum(), r.expert_misses.iter().sum());
             assert_eq!(hits + misses, pairs, "seed {seed} {sched}: hits {hits} + misses {misses}");
             assert!(misses > 0 && hits > 0, "seed {seed} {sched}");
+            // EKVA: the expert groups of every list together keep exactly the list's budget.
+            if allocator.is_some() {
+                assert_eq!(r.expert_budget.len(), cfg.workload.n_experts as usize);
+                assert_eq!(r.expert_budget.iter().sum::<u64>(), lists * 48, "seed {seed}: ekva split {:?}", r.expert_budget);
+                assert!(r.expert_importance.iter().all(|x| x.is_finite() && *x >= 0.0), "{:?}", r.expert_importance);
+            } else {
+                assert!(r.expert_budget.is_empty());
+            }
             // The metrics CSV row has a field per header column.
             assert_eq!(r.csv_row().split(',').count(), expertkv_core::pipeline::StepReport::CSV_HEADER.split(',').count());
         }
