@@ -54,6 +54,14 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
         }
         return;
     }
+    // Only AdaKV and Duo look at the tokens; every other policy keeps the base budget (select
+    // records the lists' mass).
+    if (params.policy != POLICY_ADAKV && params.policy != POLICY_DUO) {
+        if (t < geo.kv_heads) {
+            lists[list_index(geo, layer, seq, t)].budget = base_budget;
+        }
+        return;
+    }
     let P = geo.page_size;
     let len = seq_lens[seq];
     for (var h = 0u; h < geo.kv_heads; h++) {

@@ -29,6 +29,7 @@ var<workgroup> known_lo: u32;
 var<workgroup> rank_sh: u32;
 var<workgroup> count_sh: u32;
 var<workgroup> flag_sh: u32;
+var<workgroup> digits_sh: u32;
 
 // The same value in every invocation, as the uniformity analysis can see it.
 fn uniform_u32(t: u32, v: u32) -> u32 {
@@ -101,14 +102,20 @@ fn in_group(slot: u32, g: u32) -> bool {
 // invocation). `want` must be uniform and at most the group's unprotected tokens.
 fn pick(t: u32, base: u32, n_slots: u32, want: u32, g: u32) -> f32 {
     let P = geo.page_size;
-    // Radix select of the want-th smallest key.
+    // Radix select of the want-th smallest key, a digit (8 bits) per pass from the top. It stops
+    // early once the want-th key is the last of its digit bucket: then every key whose digits so
+    // far are at most the bucket's is a victim, exactly `want` of them.
     if (t == 0u) {
         known_hi = 0u;
         known_lo = 0u;
         rank_sh = want;
+        digits_sh = 8u;
     }
     workgroupBarrier();
     for (var p = 0u; p < 8u; p++) {
+        if (workgroupUniformLoad(&digits_sh) <= p) {
+            break;
+        }
         atomicStore(&hist[t], 0u);
         workgroupBarrier();
         let kh = known_hi;
@@ -140,24 +147,45 @@ fn pick(t: u32, base: u32, n_slots: u32, want: u32, g: u32) -> f32 {
             } else {
                 known_lo |= d << (56u - 8u * p);
             }
+            if (r == atomicLoad(&hist[d])) {
+                digits_sh = p + 1u;
+            }
         }
         workgroupBarrier();
     }
     let kh = known_hi;
     let kl = known_lo;
+    let n_digits = workgroupUniformLoad(&digits_sh);
     var em = 0.0;
     for (var j = t; j < n_slots; j += WG) {
         let page = page_list[base + j / P];
         if (j % P < page_meta[page].fill) {
             let slot = page * P + j % P;
-            let hi = utility[slot];
-            if ((hi < kh || (hi == kh && j <= kl)) && in_group(slot, g)) {
+            if (prefix_le(utility[slot], j, kh, kl, n_digits) && in_group(slot, g)) {
                 victim[slot] = 1u;
                 em += bitcast<f32>(slot_meta[slot * geo.meta_words + meta_attn(geo)]);
             }
         }
     }
     return sum_f(t, em);
+}
+
+// Are the first `n` digits (1..8) of key (hi, lo) at most those of (kh, kl) (whose later digits
+// are zero)?
+fn prefix_le(hi: u32, lo: u32, kh: u32, kl: u32, n: u32) -> bool {
+    if (n < 4u) {
+        return (hi & (0xffffffffu << (32u - 8u * n))) <= kh;
+    }
+    if (n == 4u) {
+        return hi <= kh;
+    }
+    if (hi != kh) {
+        return hi < kh;
+    }
+    if (n == 8u) {
+        return lo <= kl;
+    }
+    return (lo & (0xffffffffu << (64u - 8u * n))) <= kl;
 }
 
 @compute @workgroup_size(256)
