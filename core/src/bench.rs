@@ -236,6 +236,10 @@ pub struct AttendShape {
     pub page_size: u32,
     /// How full pages are stored; `Codec::None`: raw pages.
     pub codec: Codec,
+    /// 0: fill sequence by sequence in the largest appends (each list's pages end up nearly
+    /// contiguous); N: position by position, N positions of every sequence per append, as a
+    /// decode pipeline's prefill fills (each list's pages interleaved with every other list's).
+    pub interleave: u32,
 }
 
 /// Tokens per append while filling a pool with a codec (each batch is compressed before the
@@ -249,14 +253,15 @@ impl AttendShape {
             c => format!("_{}", c.spec().replace(':', "_").replace('=', "")),
         };
         format!(
-            "b{}_hq{}_hkv{}_d{}_t{}_{}_p{}{codec}",
+            "b{}_hq{}_hkv{}_d{}_t{}_{}_p{}{codec}{}",
             self.batch,
             self.q_heads,
             self.kv_heads,
             self.head_dim,
             self.tokens,
             self.dtype.name(),
-            self.page_size
+            self.page_size,
+            if self.interleave > 0 { format!("_i{}", self.interleave) } else { String::new() }
         )
     }
 
@@ -320,7 +325,15 @@ impl AttendShape {
 /// Fill sequences `0..batch` of layer 0 with `tokens` random tokens each, through the append
 /// path. Random K/V come from a block of distinct random tokens reused cyclically (cheap to make
 /// for gigabytes, never zeros). `progress(done, total)` is called after each batch.
-pub fn fill_random(rt: &Runtime, pool: &mut KvPool, batch: u32, tokens: u32, seed: u64, progress: &mut dyn FnMut(u64, u64)) -> Result<()> {
+pub fn fill_random(
+    rt: &Runtime,
+    pool: &mut KvPool,
+    batch: u32,
+    tokens: u32,
+    seed: u64,
+    interleave: u32,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<()> {
     let cfg = pool.cfg.clone();
     let per_token = (cfg.kv_heads * cfg.head_dim * 2) as usize;
     let distinct = 4096usize;
@@ -340,7 +353,13 @@ pub fn fill_random(rt: &Runtime, pool: &mut KvPool, batch: u32, tokens: u32, see
     let flush = |pending: &mut Vec<(u32, u32)>, pool: &mut KvPool, step: u32| -> Result<()> {
         let toks: Vec<NewToken> = pending
             .iter()
-            .map(|&(seq, pos)| NewToken { layer: 0, seq, position: pos, experts: vec![(pos / 7 + seq) % 64], gates: vec![1.0] })
+            .map(|&(seq, pos)| NewToken {
+                layer: 0,
+                seq,
+                position: pos,
+                experts: (0..cfg.top_k).map(|i| (pos / 7 + seq + i) % 64).collect(),
+                gates: vec![1.0 / cfg.top_k as f32; cfg.top_k as usize],
+            })
             .collect();
         let mut kv = Vec::with_capacity(toks.len() * wpt);
         for &(seq, pos) in pending.iter() {
@@ -355,8 +374,16 @@ pub fn fill_random(rt: &Runtime, pool: &mut KvPool, batch: u32, tokens: u32, see
         pool.compress(rt)?;
         Ok(())
     };
-    for seq in 0..batch {
-        for pos in 0..tokens {
+    if interleave > 0 {
+        max_batch = max_batch.min((interleave * batch) as usize).max(1);
+    }
+    let order: Box<dyn Iterator<Item = (u32, u32)>> = if interleave > 0 {
+        Box::new((0..tokens).flat_map(|pos| (0..batch).map(move |seq| (seq, pos))))
+    } else {
+        Box::new((0..batch).flat_map(|seq| (0..tokens).map(move |pos| (seq, pos))))
+    };
+    {
+        for (seq, pos) in order {
             pending.push((seq, pos));
             if pending.len() == max_batch {
                 done += pending.len() as u64;
@@ -391,7 +418,7 @@ pub async fn bench_attend(
         return Err(Error::config("q_heads", shape.q_heads, format!("must be a multiple of kv_heads = {}", shape.kv_heads)));
     }
     let mut pool = KvPool::new(rt, shape.pool_config()).await?;
-    fill_random(rt, &mut pool, shape.batch, shape.tokens, 7, progress)?;
+    fill_random(rt, &mut pool, shape.batch, shape.tokens, 7, shape.interleave, progress)?;
     pool.check_errors(rt, 0).await?;
     pool.gather(rt)?;
     let attn = Attention::new(rt, &pool, AttendOptions { group: shape.q_heads / shape.kv_heads, n_seqs: shape.batch, mass: false, ..base })

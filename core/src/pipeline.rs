@@ -993,6 +993,65 @@ impl Pipeline {
         })
     }
 
+    /// Time the pipeline's own attention over its own pool (layer 0) the way `bench attend`
+    /// times its kernel: `reps` passes back to back in one submission, with this step's
+    /// queries, with the split pass alone, and with random normal queries as the benchmark
+    /// uses. Tells the kernel's cost apart from the cost of its place in a step.
+    pub async fn probe_attention(&mut self, rt: &Runtime, warmup: u32, reps: u32) -> Result<serde_json::Value> {
+        let q = self.workload.queries(0);
+        self.attn.set_queries(rt, &q)?;
+        self.attn.prepare(rt, 0, self.step);
+        let with_workload = crate::bench::time_passes(rt, warmup, reps, &|p| self.attn.encode(p)).await?;
+        let split = crate::bench::time_passes(rt, warmup, reps, &|p| self.attn.encode_split(p)).await?;
+        let mut rng = crate::rng::Rng::new(11);
+        let random: Vec<f32> = (0..q.len()).map(|_| rng.normal() as f32).collect();
+        self.attn.set_queries(rt, &random)?;
+        let with_random = crate::bench::time_passes(rt, warmup, reps, &|p| self.attn.encode(p)).await?;
+        let q_abs = q.iter().map(|x| x.abs()).fold(0f32, f32::max);
+        // How full the listed pages are.
+        let (lists, counts) = self.pool.read_page_lists(rt).await?;
+        let metas: Vec<crate::gpu_data::PageMeta> = rt.read_all(&self.pool.page_meta).await?;
+        let mpl = self.pool.cfg.max_pages_per_seq() as usize;
+        let (mut listed, mut slots_filled, mut partial) = (0u64, 0u64, 0u64);
+        for (li, &c) in counts.iter().enumerate() {
+            for &pg in &lists[li * mpl..li * mpl + c as usize] {
+                listed += 1;
+                let f = metas.get(pg as usize).map_or(0, |m| m.fill);
+                slots_filled += u64::from(f);
+                partial += u64::from(f < self.pool.cfg.page_size);
+            }
+        }
+        // The same pool configuration filled the way `bench attend` fills its pool.
+        let bench_fill_ms = if std::env::var("EXPERTKV_PROBE_BENCH_FILL").is_ok() {
+            let mut pool = KvPool::new(rt, self.pool.cfg.clone()).await?;
+            let w = &self.cfg.workload;
+            crate::bench::fill_random(rt, &mut pool, w.n_seqs, self.workload.position(0), 7, 0, &mut |_, _| {})?;
+            pool.gather(rt)?;
+            let attn = Attention::new(rt, &pool, AttendOptions { mass: false, ..self.attn.opts.clone() }).await?;
+            attn.set_queries(rt, &q)?;
+            attn.prepare(rt, 0, 0);
+            Some(crate::bench::time_passes(rt, warmup, reps, &|p| attn.encode(p)).await?.median_ms)
+        } else {
+            None
+        };
+        Ok(serde_json::json!({
+            "probe": "attention",
+            "bench_fill_ms": bench_fill_ms,
+            "variant": self.attn.describe(),
+            "median_ms": with_workload.median_ms,
+            "split_ms": split.median_ms,
+            "random_queries_ms": with_random.median_ms,
+            "max_abs_query": q_abs,
+            "chunks": self.attn.n_chunks,
+            "pool_buffers": self.pool.n_buffers(),
+            "max_pages_per_seq": self.pool.cfg.max_pages_per_seq(),
+            "pages_in_pool": self.pool.cfg.n_pages,
+            "pages_listed": listed,
+            "partial_pages": partial,
+            "mean_fill": slots_filled as f64 / listed.max(1) as f64,
+        }))
+    }
+
     /// With a codec and the reference pool: the relative L2 error of the decoded keys and values of
     /// every compressed page against the same tokens in the full f16 cache (pages pair up by
     /// their place in the page lists, which both pools build alike). `None` without both.

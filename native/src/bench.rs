@@ -57,6 +57,11 @@ pub struct BenchArgs {
     /// Pages per split chunk of the attention kernel.
     #[arg(long, default_value_t = 32)]
     chunk_pages: u32,
+    /// Fill the pool position by position, N positions of every sequence per append, as a
+    /// decode pipeline's prefill does (0: sequence by sequence, each list's pages nearly
+    /// contiguous).
+    #[arg(long, default_value_t = 0)]
+    interleave: u32,
     #[arg(long, value_enum, default_value = "auto")]
     variant: Variant,
     /// Subgroup kernel: invocations per token (16 or 8; default: the widest the device allows).
@@ -248,6 +253,7 @@ pub fn run(gpu: &GpuArgs, a: &BenchArgs) -> Result<()> {
         dtype,
         page_size: a.page_size,
         codec: Codec::None,
+        interleave: a.interleave,
     })
     .collect();
     let codecs: Vec<Codec> = a.codecs.iter().map(|c| Codec::parse(c)).collect::<expertkv_core::error::Result<_>>()?;

@@ -60,6 +60,12 @@ pub struct DemoArgs {
     /// averaging --budget) [default: off].
     #[arg(long)]
     pyramid: Option<f32>,
+    /// After the steps, time the pipeline's own attention over its pool back to back (as `bench
+    /// attend` times its kernel) and print it: the kernel's cost apart from its place in a step.
+    /// With EXPERTKV_PROBE_BENCH_FILL=1 also over a second pool of the same configuration filled
+    /// as `bench attend` fills its own.
+    #[arg(long, hide = true)]
+    probe_attention: bool,
     /// Budget allocator over the scheduler: none, or ekva[:floor=F,alpha=A,decay=D] (EKVA: each
     /// list's budget split over expert groups by importance, routing frequency and attention mass)
     /// [default: none].
@@ -404,6 +410,10 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
             );
         }
         println!(" {:>6.3} {:>5.1}%  {:?}", r.routing_entropy, 100.0 * r.miss_rate, r.shard_pages);
+    }
+    if a.probe_attention {
+        let v = pollster::block_on(p.probe_attention(&rt, 5, 20)).context("attention probe")?;
+        println!("{v}");
     }
     if let Some((budget, imp)) = last_split
         && !a.json
