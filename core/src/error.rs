@@ -35,6 +35,16 @@ pub enum Error {
 
     #[error("{what} needs {needed} bytes, over this adapter's limit {limit_name} = {limit} bytes")]
     Limit { what: String, needed: u64, limit_name: &'static str, limit: u64 },
+
+    /// A model file's bytes are not what its format says (truncated, out-of-range count, offset or
+    /// type). `offset` is the byte in the file where the bad field starts.
+    #[error("malformed GGUF file at byte {offset}: {what}")]
+    Format { offset: u64, what: String },
+
+    /// A well-formed model file that expertkv cannot use as asked: a missing or mistyped metadata
+    /// key, an unsupported tensor type, architecture or tokenizer.
+    #[error("model: {0}")]
+    Model(String),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -7,6 +7,7 @@ pub mod config;
 pub mod error;
 pub mod evict;
 pub mod flexgen;
+pub mod gguf;
 pub mod gpu_data;
 pub mod pipeline;
 pub mod plan;
@@ -19,6 +20,7 @@ pub mod router_config;
 pub mod runtime;
 pub mod scheduler_config;
 pub mod timer;
+pub mod tokenizer;
 pub mod trace;
 pub mod workload;
 
