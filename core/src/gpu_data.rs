@@ -406,3 +406,27 @@ pub struct QuestParams {
     pub _pad1: u32,
 }
 const _: () = assert!(std::mem::size_of::<QuestParams>() == 32);
+
+/// Must match `MatVecParams` in `shaders/wgsl/model/matvec.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Pod, Zeroable)]
+pub struct MatVecParams {
+    pub rows: u32,
+    pub cols: u32,
+    pub n_tokens: u32,
+    pub _pad: u32,
+}
+
+/// Must match `ModelOpParams` in `shaders/wgsl/model/norm_rope.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Pod, Zeroable)]
+pub struct ModelOpParams {
+    pub n_tokens: u32,
+    pub dim: u32,
+    pub n_heads: u32,
+    pub _pad0: u32,
+    pub eps: f32,
+    pub base: f32,
+    pub _pad1: u32,
+    pub _pad2: u32,
+}

@@ -9,6 +9,7 @@ pub mod evict;
 pub mod flexgen;
 pub mod gguf;
 pub mod gpu_data;
+pub mod ops;
 pub mod pipeline;
 pub mod plan;
 pub mod pool;

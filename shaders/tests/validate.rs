@@ -134,3 +134,17 @@ fn route_topk_validates_for_every_define() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
 }
+
+#[test]
+fn model_kernels_validate_for_every_weight_format() {
+    let mut failures = Vec::new();
+    for kernel in [Kernel::ModelMatVec, Kernel::ModelEmbed] {
+        for format in 0..3u32 {
+            let text = kernel.resolved_with(&[("FORMAT", format!("{format}u"))]).expect("defines resolve");
+            if let Err(e) = validate(&format!("{} FORMAT={format}", kernel.label()), &text) {
+                failures.push(e);
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}

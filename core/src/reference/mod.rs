@@ -4,6 +4,7 @@
 pub mod attend;
 pub mod codec;
 pub mod evict;
+pub mod ops;
 pub mod pool;
 pub mod route;
 

@@ -12,6 +12,7 @@ mod buffers;
 mod copy;
 mod errors;
 mod evict;
+mod ops;
 mod pipeline;
 mod quest;
 mod route;

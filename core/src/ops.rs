@@ -1,0 +1,230 @@
+//! The model's per-token kernels on the GPU (`shaders/wgsl/model/*.wgsl`): matrix-vector products
+//! over weights kept in ggml's block formats and dequantised in-kernel, RMSNorm, RoPE, SwiGLU and
+//! embedding lookup. A forward pass strings them together around the KV pool's append and
+//! attention; each has a CPU reference in [`crate::reference::ops`].
+
+use expertkv_shaders::Kernel;
+
+use crate::error::{Error, Result};
+use crate::gguf::GgmlType;
+use crate::gpu_data::{MatVecParams, ModelOpParams};
+use crate::runtime::Runtime;
+
+/// Tokens one matrix-vector call takes (`MAX_TOKENS` in `model/matvec.wgsl`).
+pub const MATVEC_MAX_TOKENS: u32 = 8;
+
+/// How a matrix's weights sit in GPU memory (`common/quant.wgsl`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightFormat {
+    F32,
+    /// ggml Q8_0, each 34-byte block padded to 36 bytes on upload.
+    Q8_0,
+    /// ggml Q4_1 as is (20-byte blocks).
+    Q4_1,
+}
+
+impl WeightFormat {
+    pub fn from_ggml(ty: GgmlType) -> Result<WeightFormat> {
+        match ty {
+            GgmlType::F32 => Ok(WeightFormat::F32),
+            GgmlType::Q8_0 => Ok(WeightFormat::Q8_0),
+            GgmlType::Q4_1 => Ok(WeightFormat::Q4_1),
+            other => Err(Error::Model(format!("the GPU kernels read F32, Q8_0 and Q4_1 weights, not {}", other.name()))),
+        }
+    }
+
+    /// The `FORMAT` define of the kernels.
+    pub fn define(self) -> u32 {
+        match self {
+            WeightFormat::F32 => 0,
+            WeightFormat::Q8_0 => 1,
+            WeightFormat::Q4_1 => 2,
+        }
+    }
+
+    /// Bytes of one 32-weight block in the file.
+    pub fn file_block_bytes(self) -> usize {
+        match self {
+            WeightFormat::F32 => 128,
+            WeightFormat::Q8_0 => 34,
+            WeightFormat::Q4_1 => 20,
+        }
+    }
+
+    /// u32 words of one block on the GPU.
+    pub fn gpu_block_words(self) -> usize {
+        match self {
+            WeightFormat::F32 => 32,
+            WeightFormat::Q8_0 => 9,
+            WeightFormat::Q4_1 => 5,
+        }
+    }
+}
+
+/// A `rows x cols` matrix (row-major: row = output feature) in a block format on the GPU.
+pub struct GpuMatrix {
+    pub buffer: wgpu::Buffer,
+    pub format: WeightFormat,
+    pub rows: u32,
+    pub cols: u32,
+}
+
+/// The file's bytes of a `rows x cols` matrix as the kernels read them (Q8_0 blocks padded).
+pub fn pack_blocks(format: WeightFormat, rows: u32, cols: u32, bytes: &[u8]) -> Result<Vec<u32>> {
+    if cols == 0 || !cols.is_multiple_of(32) || rows == 0 {
+        return Err(Error::Input(format!("a {rows} x {cols} matrix: columns must be a positive multiple of 32")));
+    }
+    let blocks = rows as usize * (cols as usize / 32);
+    let want = blocks * format.file_block_bytes();
+    if bytes.len() != want {
+        return Err(Error::Input(format!("{rows} x {cols} {format:?} matrix needs {want} bytes, got {}", bytes.len())));
+    }
+    let words = |b: &[u8]| b.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect::<Vec<u32>>();
+    Ok(match format {
+        WeightFormat::F32 | WeightFormat::Q4_1 => words(bytes),
+        WeightFormat::Q8_0 => {
+            let mut out = Vec::with_capacity(blocks * 9);
+            for blk in bytes.chunks_exact(34) {
+                out.push(u32::from(u16::from_le_bytes([blk[0], blk[1]])));
+                out.extend(words(&blk[2..34]));
+            }
+            out
+        }
+    })
+}
+
+impl GpuMatrix {
+    pub fn upload(rt: &Runtime, label: &str, format: WeightFormat, rows: u32, cols: u32, bytes: &[u8]) -> Result<GpuMatrix> {
+        let words = pack_blocks(format, rows, cols, bytes)?;
+        let size = words.len() as u64 * 4;
+        if size > rt.max_binding_bytes() {
+            return Err(Error::Limit {
+                what: format!("matrix {label}"),
+                needed: size,
+                limit_name: "max_storage_buffer_binding_size",
+                limit: rt.max_binding_bytes(),
+            });
+        }
+        Ok(GpuMatrix { buffer: rt.storage_init(label, &words), format, rows, cols })
+    }
+}
+
+/// The compiled model kernels.
+pub struct ModelKernels {
+    matvec: [wgpu::ComputePipeline; 3],
+    embed: [wgpu::ComputePipeline; 3],
+    rmsnorm: wgpu::ComputePipeline,
+    rope: wgpu::ComputePipeline,
+    swiglu: wgpu::ComputePipeline,
+}
+
+impl ModelKernels {
+    pub async fn new(rt: &Runtime) -> Result<ModelKernels> {
+        let mut matvec = Vec::new();
+        let mut embed = Vec::new();
+        for f in 0..3u32 {
+            let d = [("FORMAT", format!("{f}u"))];
+            matvec.push(rt.pipeline_with(Kernel::ModelMatVec, &d, &[]).await?);
+            embed.push(rt.pipeline_with(Kernel::ModelEmbed, &d, &[]).await?);
+        }
+        let arr = |v: Vec<wgpu::ComputePipeline>| -> Result<[wgpu::ComputePipeline; 3]> {
+            v.try_into().map_err(|_| Error::Input("three weight formats".into()))
+        };
+        Ok(ModelKernels {
+            matvec: arr(matvec)?,
+            embed: arr(embed)?,
+            rmsnorm: rt.pipeline(Kernel::ModelRmsNorm, &[]).await?,
+            rope: rt.pipeline(Kernel::ModelRope, &[]).await?,
+            swiglu: rt.pipeline(Kernel::ModelSwiglu, &[]).await?,
+        })
+    }
+
+    /// `y[b] = W x[b]` for `n_tokens` tokens (x: [n_tokens][cols] f32, y: [n_tokens][rows]).
+    pub fn matvec(
+        &self,
+        rt: &Runtime,
+        pass: &mut wgpu::ComputePass<'_>,
+        w: &GpuMatrix,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        n_tokens: u32,
+    ) -> Result<()> {
+        if n_tokens == 0 || n_tokens > MATVEC_MAX_TOKENS {
+            return Err(Error::Input(format!("matvec takes 1 to {MATVEC_MAX_TOKENS} tokens, got {n_tokens}")));
+        }
+        let p = rt.uniform("model/matvec params", &MatVecParams { rows: w.rows, cols: w.cols, n_tokens, _pad: 0 });
+        let pipe = &self.matvec[w.format.define() as usize];
+        let bg = rt.bind(Kernel::ModelMatVec.label(), pipe, &[&p, &w.buffer, x, y]);
+        pass.set_pipeline(pipe);
+        pass.set_bind_group(0, &bg, &[]);
+        pass.dispatch_workgroups(w.rows.min(65_535), w.rows.div_ceil(65_535), 1);
+        Ok(())
+    }
+
+    /// Rows `tokens[b]` of `w`, dequantised (y: [n_tokens][cols]).
+    pub fn embed(
+        &self,
+        rt: &Runtime,
+        pass: &mut wgpu::ComputePass<'_>,
+        w: &GpuMatrix,
+        tokens: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        n_tokens: u32,
+    ) {
+        let p = rt.uniform("model/embed params", &ModelOpParams { n_tokens, dim: w.cols, ..Default::default() });
+        let pipe = &self.embed[w.format.define() as usize];
+        let bg = rt.bind_at(Kernel::ModelEmbed.label(), pipe, &[(0, &p), (2, y), (3, &w.buffer), (4, tokens)]);
+        pass.set_pipeline(pipe);
+        pass.set_bind_group(0, &bg, &[]);
+        pass.dispatch_workgroups(n_tokens, 1, 1);
+    }
+
+    /// `y[b] = x[b] / rms(x[b]) * g` over `dim` features.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm(
+        &self,
+        rt: &Runtime,
+        pass: &mut wgpu::ComputePass<'_>,
+        x: &wgpu::Buffer,
+        g: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        n_tokens: u32,
+        dim: u32,
+        eps: f32,
+    ) {
+        let p = rt.uniform("model/rmsnorm params", &ModelOpParams { n_tokens, dim, eps, ..Default::default() });
+        let bg = rt.bind_at(Kernel::ModelRmsNorm.label(), &self.rmsnorm, &[(0, &p), (1, x), (2, y), (3, g)]);
+        pass.set_pipeline(&self.rmsnorm);
+        pass.set_bind_group(0, &bg, &[]);
+        pass.dispatch_workgroups(n_tokens, 1, 1);
+    }
+
+    /// Rotate `x` ([n_tokens][n_heads][head_dim]) in place by each token's position.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope(
+        &self,
+        rt: &Runtime,
+        pass: &mut wgpu::ComputePass<'_>,
+        x: &wgpu::Buffer,
+        positions: &wgpu::Buffer,
+        n_tokens: u32,
+        n_heads: u32,
+        head_dim: u32,
+        base: f32,
+    ) {
+        let p = rt.uniform("model/rope params", &ModelOpParams { n_tokens, dim: head_dim, n_heads, base, ..Default::default() });
+        let bg = rt.bind_at(Kernel::ModelRope.label(), &self.rope, &[(0, &p), (2, x), (3, positions)]);
+        pass.set_pipeline(&self.rope);
+        pass.set_bind_group(0, &bg, &[]);
+        pass.dispatch_workgroups((n_tokens * n_heads * head_dim / 2).div_ceil(256), 1, 1);
+    }
+
+    /// `y[b][i] = silu(gu[b][0][i]) * gu[b][1][i]` over `n` features.
+    pub fn swiglu(&self, rt: &Runtime, pass: &mut wgpu::ComputePass<'_>, gu: &wgpu::Buffer, y: &wgpu::Buffer, n_tokens: u32, n: u32) {
+        let p = rt.uniform("model/swiglu params", &ModelOpParams { n_tokens, dim: n, ..Default::default() });
+        let bg = rt.bind_at(Kernel::ModelSwiglu.label(), &self.swiglu, &[(0, &p), (1, gu), (2, y)]);
+        pass.set_pipeline(&self.swiglu);
+        pass.set_bind_group(0, &bg, &[]);
+        pass.dispatch_workgroups((n_tokens * n).div_ceil(256), 1, 1);
+    }
+}

@@ -1,0 +1,121 @@
+// model: the per-token elementwise passes of a Llama block.
+//   rmsnorm: y[b][i] = x[b][i] / sqrt(mean_i x[b][i]^2 + eps) x g[i]; one workgroup per token
+//   rope:    rotates adjacent pairs (x[2i], x[2i+1]) of every head of every token by
+//            position x base^(-2i / head_dim) (llama.cpp's "normal" rotation, which GGUF's
+//            Llama weights are permuted for); one invocation per (token, head, pair), in place
+//   swiglu:  y = silu(g) x u elementwise (g and u side by side: [b][2][n])
+//   embed:   y[b] = row `tokens[b]` of a block-format matrix, dequantised
+
+//!import common/quant.wgsl
+//!define FORMAT 0u
+
+// must match `ModelOpParams` in core/src/gpu_data.rs
+struct ModelOpParams {
+    n_tokens: u32,
+    dim: u32,        // rmsnorm/embed: features per token; swiglu: n; rope: head_dim
+    n_heads: u32,    // rope
+    _pad0: u32,
+    eps: f32,        // rmsnorm
+    base: f32,       // rope: frequency base
+    _pad1: u32,
+    _pad2: u32,
+}
+
+@group(0) @binding(0) var<uniform> params: ModelOpParams;
+@group(0) @binding(1) var<storage, read> src: array<f32>;
+@group(0) @binding(2) var<storage, read_write> dst: array<f32>;
+@group(0) @binding(3) var<storage, read> aux: array<u32>;  // rmsnorm: g (f32 bits); rope: positions; embed: matrix
+@group(0) @binding(4) var<storage, read> tokens: array<u32>; // embed
+
+const WG: u32 = 256u;
+var<workgroup> red: array<f32, 256>;
+
+@compute @workgroup_size(256)
+fn rmsnorm(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t: u32) {
+    let b = wg.x;
+    if (b >= params.n_tokens) {
+        return;
+    }
+    let n = params.dim;
+    var s = 0.0;
+    for (var i = t; i < n; i += WG) {
+        let v = src[b * n + i];
+        s += v * v;
+    }
+    red[t] = s;
+    workgroupBarrier();
+    for (var off = WG / 2u; off > 0u; off = off / 2u) {
+        if (t < off) {
+            red[t] += red[t + off];
+        }
+        workgroupBarrier();
+    }
+    let scale = inverseSqrt(red[0] / f32(n) + params.eps);
+    for (var i = t; i < n; i += WG) {
+        dst[b * n + i] = src[b * n + i] * scale * bitcast<f32>(aux[i]);
+    }
+}
+
+@compute @workgroup_size(256)
+fn rope(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let half_dim = params.dim / 2u;
+    let i = gid.x;
+    if (i >= params.n_tokens * params.n_heads * half_dim) {
+        return;
+    }
+    let pair = i % half_dim;
+    let b = i / (params.n_heads * half_dim);
+    let theta = f32(aux[b]) * pow(params.base, -2.0 * f32(pair) / f32(params.dim));
+    let c = cos(theta);
+    let s = sin(theta);
+    let o = 2u * i;
+    let x0 = dst[o];
+    let x1 = dst[o + 1u];
+    dst[o] = x0 * c - x1 * s;
+    dst[o + 1u] = x0 * s + x1 * c;
+}
+
+@compute @workgroup_size(256)
+fn swiglu(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let i = gid.x;
+    let n = params.dim;
+    if (i >= params.n_tokens * n) {
+        return;
+    }
+    let b = i / n;
+    let g = src[2u * b * n + i % n];
+    let u = src[(2u * b + 1u) * n + i % n];
+    dst[i] = g / (1.0 + exp(-g)) * u;
+}
+
+@compute @workgroup_size(256)
+fn embed(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t: u32) {
+    let b = wg.x;
+    if (b >= params.n_tokens) {
+        return;
+    }
+    let n = params.dim;
+    let nb = n / 32u;
+    let bw = block_words(FORMAT);
+    let row = tokens[b];
+    for (var i = t; i < n; i += WG) {
+        let base = (row * nb + i / 32u) * bw;
+        let k = i % 32u;
+        var v = 0.0;
+        switch FORMAT {
+            case 1u: {
+                let q = i32(byte_at(aux[base + 1u + k / 4u], k % 4u) << 24u) >> 24u;
+                v = unpack2x16float(aux[base]).x * f32(q);
+            }
+            case 2u: {
+                let dm = unpack2x16float(aux[base]);
+                let q = byte_at(aux[base + 1u + (k % 16u) / 4u], k % 4u);
+                v = dm.x * f32(select(q & 15u, q >> 4u, k >= 16u)) + dm.y;
+            }
+            default: {
+                v = bitcast<f32>(aux[base + k]);
+            }
+        }
+        dst[b * n + i] = v;
+    }
+}

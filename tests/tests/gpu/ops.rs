@@ -1,0 +1,181 @@
+//! The model kernels (matrix-vector products over block-format weights dequantised in-kernel,
+//! RMSNorm, RoPE, SwiGLU, embedding rows) against their f64 CPU references, on random weights in
+//! every format and, when the model file is there, on a real SmolLM2 matrix.
+
+use expertkv_core::ops::{GpuMatrix, MATVEC_MAX_TOKENS, ModelKernels, WeightFormat};
+use expertkv_core::reference::ops as cpu;
+use expertkv_core::rng::Rng;
+use expertkv_core::runtime::Runtime;
+
+use crate::common::{POISON_F32, rt, seeds};
+
+/// File bytes of a random `rows x cols` matrix in `format` (finite scales, every code drawn).
+fn random_blocks(rng: &mut Rng, format: WeightFormat, rows: u32, cols: u32) -> Vec<u8> {
+    let blocks = (rows * cols / 32) as usize;
+    let f16 = |v: f64| half::f16::from_f64(v).to_le_bytes();
+    let mut out = Vec::with_capacity(blocks * format.file_block_bytes());
+    for _ in 0..blocks {
+        match format {
+            WeightFormat::F32 => {
+                for _ in 0..32 {
+                    out.extend((rng.normal() as f32).to_le_bytes());
+                }
+            }
+            WeightFormat::Q8_0 => {
+                out.extend(f16(rng.range(0.001, 0.05)));
+                out.extend((0..32).map(|_| rng.below(256) as u8));
+            }
+            WeightFormat::Q4_1 => {
+                out.extend(f16(rng.range(0.001, 0.1)));
+                out.extend(f16(rng.range(-0.5, 0.1)));
+                out.extend((0..16).map(|_| rng.below(256) as u8));
+            }
+        }
+    }
+    out
+}
+
+fn normals(rng: &mut Rng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.normal() as f32).collect()
+}
+
+fn run(rt: &Runtime, label: &str, f: impl FnOnce(&mut wgpu::ComputePass<'_>)) {
+    let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some(label) });
+    {
+        let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some(label), timestamp_writes: None });
+        f(&mut pass);
+    }
+    rt.queue.submit([enc.finish()]);
+    rt.check(label).expect("no GPU error");
+}
+
+fn close(got: &[f32], want: &[f64], scale: &[f64], tol: f64, ctx: &str) {
+    assert_eq!(got.len(), want.len(), "{ctx}: lengths");
+    for (i, ((g, w), s)) in got.iter().zip(want).zip(scale).enumerate() {
+        assert!(g.is_finite() && (f64::from(*g) - w).abs() <= tol * (s + 1e-3), "{ctx}: element {i}: {g} vs {w} (scale {s})");
+    }
+}
+
+#[test]
+fn matvec_and_embed_match_cpu_in_every_weight_format() {
+    let rt = rt();
+    let k = pollster::block_on(ModelKernels::new(rt)).expect("kernels");
+    let mut formats_seen = [0u32; 3];
+    for seed in seeds("model_matvec", 12) {
+        let mut rng = Rng::new(seed);
+        let format = [WeightFormat::F32, WeightFormat::Q8_0, WeightFormat::Q4_1][rng.below(3) as usize];
+        formats_seen[format.define() as usize] += 1;
+        let rows = 1 + rng.below(300);
+        let cols = 32 * (1 + rng.below(12));
+        let n = 1 + rng.below(MATVEC_MAX_TOKENS);
+        let ctx = format!("seed {seed}: {format:?} {rows} x {cols}, {n} tokens");
+        let bytes = random_blocks(&mut rng, format, rows, cols);
+        let w = GpuMatrix::upload(rt, "w", format, rows, cols, &bytes).expect("upload");
+        let wf = cpu::dequant_matrix(format, rows, cols, &bytes).expect("dequant");
+        let x = normals(&mut rng, (n * cols) as usize);
+        let xb = rt.storage_init("x", &x);
+        let y = rt.storage("y", u64::from(n * rows) * 4);
+        rt.fill_u32(&y, POISON_F32);
+        run(rt, "matvec", |p| k.matvec(rt, p, &w, &xb, &y, n).expect("matvec"));
+        let got: Vec<f32> = pollster::block_on(rt.read_all(&y)).expect("read");
+        let want = cpu::matvec(&wf, rows as usize, cols as usize, &x, n as usize);
+        let scale: Vec<f64> = (0..(n * rows) as usize)
+            .map(|i| {
+                let (b, o) = (i / rows as usize, i % rows as usize);
+                (0..cols as usize).map(|c| (f64::from(wf[o * cols as usize + c]) * f64::from(x[b * cols as usize + c])).abs()).sum()
+            })
+            .collect();
+        close(&got, &want, &scale, 1e-5, &ctx);
+        // Embedding rows of the same matrix.
+        let tokens: Vec<u32> = (0..n).map(|_| rng.below(rows)).collect();
+        let tb = rt.storage_init("tokens", &tokens);
+        let e = rt.storage("e", u64::from(n * cols) * 4);
+        rt.fill_u32(&e, POISON_F32);
+        run(rt, "embed", |p| k.embed(rt, p, &w, &tb, &e, n));
+        let got: Vec<f32> = pollster::block_on(rt.read_all(&e)).expect("read");
+        let want: Vec<f32> = tokens.iter().flat_map(|&t| wf[(t * cols) as usize..((t + 1) * cols) as usize].to_vec()).collect();
+        assert_eq!(got, want, "{ctx}: embedding rows are exact");
+    }
+    if std::env::var("EXPERTKV_TEST_SEED").is_err() {
+        assert!(formats_seen.iter().all(|&c| c > 0), "every format drawn: {formats_seen:?}");
+    }
+    // Bad shapes are refused with a message, not a panic.
+    assert!(GpuMatrix::upload(rt, "w", WeightFormat::Q4_1, 2, 33, &[0; 40]).is_err());
+    assert!(GpuMatrix::upload(rt, "w", WeightFormat::Q4_1, 2, 32, &[0; 39]).is_err());
+}
+
+#[test]
+fn rmsnorm_rope_swiglu_match_cpu() {
+    let rt = rt();
+    let k = pollster::block_on(ModelKernels::new(rt)).expect("kernels");
+    for seed in seeds("model_elementwise", 6) {
+        let mut rng = Rng::new(seed);
+        let n = 1 + rng.below(8);
+        let heads = 1 + rng.below(9);
+        let head_dim = 2 * (1 + rng.below(64));
+        let dim = heads * head_dim;
+        let ctx = format!("seed {seed}: {n} tokens, {heads} heads x {head_dim}");
+        // RMSNorm.
+        let x = normals(&mut rng, (n * dim) as usize);
+        let g: Vec<f32> = (0..dim).map(|_| rng.range(0.5, 1.5) as f32).collect();
+        let (xb, gb) = (rt.storage_init("x", &x), rt.storage_init("g", &g));
+        let y = rt.storage("y", u64::from(n * dim) * 4);
+        rt.fill_u32(&y, POISON_F32);
+        run(rt, "rmsnorm", |p| k.rmsnorm(rt, p, &xb, &gb, &y, n, dim, 1e-5));
+        let got: Vec<f32> = pollster::block_on(rt.read_all(&y)).expect("read");
+        let want = cpu::rmsnorm(&x, &g, dim as usize, 1e-5);
+        close(&got, &want, &want.iter().map(|w| w.abs()).collect::<Vec<_>>(), 1e-5, &format!("{ctx}: rmsnorm"));
+        // RoPE, in place, at positions up to 8K.
+        let positions: Vec<u32> = (0..n).map(|_| rng.below(8192)).collect();
+        let pb = rt.storage_init("positions", &positions);
+        let r = rt.storage_init("r", &x);
+        run(rt, "rope", |p| k.rope(rt, p, &r, &pb, n, heads, head_dim, 100_000.0));
+        let got: Vec<f32> = pollster::block_on(rt.read_all(&r)).expect("read");
+        let want = cpu::rope(&x, &positions, heads as usize, head_dim as usize, 100_000.0);
+        // f32 angles at position p carry about p x 2^-24 rad of error.
+        close(&got, &want, &vec![1.0; want.len()], 2e-3, &format!("{ctx}: rope"));
+        // SwiGLU.
+        let gu = normals(&mut rng, (2 * n * dim) as usize);
+        let gub = rt.storage_init("gu", &gu);
+        let s = rt.storage("s", u64::from(n * dim) * 4);
+        rt.fill_u32(&s, POISON_F32);
+        run(rt, "swiglu", |p| k.swiglu(rt, p, &gub, &s, n, dim));
+        let got: Vec<f32> = pollster::block_on(rt.read_all(&s)).expect("read");
+        let want = cpu::swiglu(&gu, dim as usize);
+        close(&got, &want, &want.iter().map(|w| w.abs()).collect::<Vec<_>>(), 1e-5, &format!("{ctx}: swiglu"));
+    }
+}
+
+/// A real SmolLM2 matrix (Q4_1) and the Q8_0 embedding through the kernels.
+#[test]
+fn matvec_on_real_model_weights() {
+    let dir = std::env::var("EXPERTKV_MODELS_DIR").unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../models").into());
+    let path = std::path::Path::new(&dir).join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let Ok(bytes) = std::fs::read(&path) else {
+        assert!(std::env::var("EXPERTKV_REQUIRE_MODEL").is_err(), "{} is missing (scripts/fetch_model.sh)", path.display());
+        println!("skipped: {} is missing (scripts/fetch_model.sh fetches it)", path.display());
+        return;
+    };
+    let g = expertkv_core::gguf::Gguf::parse(&bytes).expect("gguf");
+    let rt = rt();
+    let k = pollster::block_on(ModelKernels::new(rt)).expect("kernels");
+    let mut rng = Rng::new(5);
+    for name in ["blk.0.attn_q.weight", "blk.7.ffn_down.weight", "token_embd.weight"] {
+        let t = g.tensor(name).unwrap_or_else(|| panic!("{name} in the file"));
+        let (cols, rows) = (t.dims()[0] as u32, t.dims()[1] as u32);
+        let format = WeightFormat::from_ggml(t.ggml_type()).expect("format");
+        let data = g.tensor_data(name).expect("data");
+        let w = GpuMatrix::upload(rt, name, format, rows, cols, data).expect("upload");
+        let wf = cpu::dequant_matrix(format, rows, cols, data).expect("dequant");
+        let n = 3;
+        let x = normals(&mut rng, (n * cols) as usize);
+        let xb = rt.storage_init("x", &x);
+        let y = rt.storage("y", u64::from(n * rows) * 4);
+        rt.fill_u32(&y, POISON_F32);
+        run(rt, "matvec", |p| k.matvec(rt, p, &w, &xb, &y, n).expect("matvec"));
+        let got: Vec<f32> = pollster::block_on(rt.read_all(&y)).expect("read");
+        let want = cpu::matvec(&wf, rows as usize, cols as usize, &x, n as usize);
+        let scale: Vec<f64> = want.iter().map(|_| (cols as f64).sqrt() * 0.1).collect();
+        close(&got, &want, &scale, 1e-4, &format!("{name} ({format:?} {rows} x {cols})"));
+    }
+}
