@@ -116,6 +116,7 @@ pub struct ModelKernels {
     rmsnorm: wgpu::ComputePipeline,
     rope: wgpu::ComputePipeline,
     swiglu: wgpu::ComputePipeline,
+    residual: wgpu::ComputePipeline,
 }
 
 impl ModelKernels {
@@ -136,6 +137,7 @@ impl ModelKernels {
             rmsnorm: rt.pipeline(Kernel::ModelRmsNorm, &[]).await?,
             rope: rt.pipeline(Kernel::ModelRope, &[]).await?,
             swiglu: rt.pipeline(Kernel::ModelSwiglu, &[]).await?,
+            residual: rt.pipeline(Kernel::ModelResidual, &[]).await?,
         })
     }
 
@@ -226,5 +228,14 @@ impl ModelKernels {
         pass.set_pipeline(&self.swiglu);
         pass.set_bind_group(0, &bg, &[]);
         pass.dispatch_workgroups((n_tokens * n).div_ceil(256), 1, 1);
+    }
+
+    /// `y += x` over `n` values.
+    pub fn residual(&self, rt: &Runtime, pass: &mut wgpu::ComputePass<'_>, x: &wgpu::Buffer, y: &wgpu::Buffer, n: u32) {
+        let p = rt.uniform("model/residual params", &ModelOpParams { n_tokens: 1, dim: n, ..Default::default() });
+        let bg = rt.bind_at(Kernel::ModelResidual.label(), &self.residual, &[(0, &p), (1, x), (2, y)]);
+        pass.set_pipeline(&self.residual);
+        pass.set_bind_group(0, &bg, &[]);
+        pass.dispatch_workgroups(n.div_ceil(256), 1, 1);
     }
 }

@@ -110,6 +110,7 @@ pub enum Kernel {
     ModelRope,
     ModelSwiglu,
     ModelEmbed,
+    ModelResidual,
     QuestSummarize,
     QuestSelect,
     CodecPlan,
@@ -160,6 +161,7 @@ impl Kernel {
         Kernel::ModelRope,
         Kernel::ModelSwiglu,
         Kernel::ModelEmbed,
+        Kernel::ModelResidual,
         Kernel::QuestSummarize,
         Kernel::QuestSelect,
         Kernel::CodecPlan,
@@ -201,7 +203,7 @@ impl Kernel {
             Kernel::EvictFree => EVICT_FREE,
             Kernel::EvictEkvaExperts | Kernel::EvictEkvaImportance | Kernel::EvictEkvaSplit => EVICT_EKVA,
             Kernel::ModelMatVec => MODEL_MATVEC,
-            Kernel::ModelRmsNorm | Kernel::ModelRope | Kernel::ModelSwiglu | Kernel::ModelEmbed => MODEL_NORM_ROPE,
+            Kernel::ModelRmsNorm | Kernel::ModelRope | Kernel::ModelSwiglu | Kernel::ModelEmbed | Kernel::ModelResidual => MODEL_NORM_ROPE,
             Kernel::QuestSummarize => QUEST_SUMMARIZE,
             Kernel::QuestSelect => QUEST_SELECT,
             Kernel::CodecPlan => CODEC_PLAN,
@@ -235,6 +237,7 @@ impl Kernel {
             Kernel::ModelRope => "model/norm_rope.wgsl#rope",
             Kernel::ModelSwiglu => "model/norm_rope.wgsl#swiglu",
             Kernel::ModelEmbed => "model/norm_rope.wgsl#embed",
+            Kernel::ModelResidual => "model/norm_rope.wgsl#residual",
             _ => self.source().path,
         }
     }
@@ -257,6 +260,7 @@ impl Kernel {
             Kernel::ModelRope => "rope",
             Kernel::ModelSwiglu => "swiglu",
             Kernel::ModelEmbed => "embed",
+            Kernel::ModelResidual => "residual",
             _ => "main",
         }
     }

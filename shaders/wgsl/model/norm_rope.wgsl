@@ -5,6 +5,7 @@
 //            Llama weights are permuted for); one invocation per (token, head, pair), in place
 //   swiglu:  y = silu(g) x u elementwise (g and u side by side: [b][2][n])
 //   embed:   y[b] = row `tokens[b]` of a block-format matrix, dequantised
+//   residual: y += x elementwise
 
 //!import common/quant.wgsl
 //!define FORMAT 0u
@@ -118,4 +119,14 @@ fn embed(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) 
         }
         dst[b * n + i] = v;
     }
+}
+
+// residual: dst[i] += src[i] over n_tokens x dim values
+@compute @workgroup_size(256)
+fn residual(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let i = gid.x;
+    if (i >= params.n_tokens * params.dim) {
+        return;
+    }
+    dst[i] = dst[i] + src[i];
 }

@@ -12,6 +12,7 @@ mod buffers;
 mod copy;
 mod errors;
 mod evict;
+mod model;
 mod ops;
 mod pipeline;
 mod quest;

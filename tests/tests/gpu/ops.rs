@@ -143,6 +143,13 @@ fn rmsnorm_rope_swiglu_match_cpu() {
         let got: Vec<f32> = pollster::block_on(rt.read_all(&s)).expect("read");
         let want = cpu::swiglu(&gu, dim as usize);
         close(&got, &want, &want.iter().map(|w| w.abs()).collect::<Vec<_>>(), 1e-5, &format!("{ctx}: swiglu"));
+        // Residual add: exact in f32.
+        let acc = rt.storage_init("acc", &x);
+        run(rt, "residual", |p| k.residual(rt, p, &s, &acc, n * dim));
+        let got: Vec<f32> = pollster::block_on(rt.read_all(&acc)).expect("read");
+        let sw: Vec<f32> = pollster::block_on(rt.read_all(&s)).expect("read");
+        let want: Vec<f32> = x.iter().zip(&sw).map(|(a, b)| a + b).collect();
+        assert_eq!(got, want, "{ctx}: residual");
     }
 }
 

@@ -1,0 +1,295 @@
+//! A Llama-architecture forward pass on the GPU whose K/V live in the expertkv pool: every
+//! matrix product reads the GGUF's quantised weights in-kernel (`ops`), every token's keys and
+//! values are appended to the paged pool and attention reads them back through the same
+//! `attend_decode` kernels the pipeline uses. Prompts go in token by token (each a decode step,
+//! so prefill and decode share one path).
+//!
+//! This first version is staged: per layer, the step's queries, keys and values and the
+//! attention output cross to the host (the pool's append and attention take host-side inputs),
+//! so its speed says little; what it shows is a trained model's own K/V and attention running
+//! through the pool. Sequences decode together (one token each per step, up to
+//! [`MATVEC_MAX_TOKENS`]).
+
+use crate::attend::{AttendOptions, Attention};
+use crate::config::{Codec, KvDtype, PoolConfig, ShardMap};
+use crate::error::{Error, Result};
+use crate::gguf::{Gguf, LlamaConfig};
+use crate::ops::{GpuMatrix, MATVEC_MAX_TOKENS, ModelKernels, WeightFormat};
+use crate::pool::KvPool;
+use crate::reference::pool::{NewToken, encode_values};
+use crate::runtime::Runtime;
+
+struct Layer {
+    attn_norm: wgpu::Buffer,
+    wq: GpuMatrix,
+    wk: GpuMatrix,
+    wv: GpuMatrix,
+    wo: GpuMatrix,
+    ffn_norm: wgpu::Buffer,
+    /// Gate rows then up rows: one product gives SwiGLU's [gate; up] per token.
+    gate_up: GpuMatrix,
+    down: GpuMatrix,
+}
+
+/// Scratch buffers of one step (sized for `max_seqs` tokens).
+struct Scratch {
+    tokens: wgpu::Buffer,
+    positions: wgpu::Buffer,
+    h: wgpu::Buffer,
+    xn: wgpu::Buffer,
+    q: wgpu::Buffer,
+    k: wgpu::Buffer,
+    v: wgpu::Buffer,
+    attn: wgpu::Buffer,
+    o: wgpu::Buffer,
+    gu: wgpu::Buffer,
+    act: wgpu::Buffer,
+    logits: wgpu::Buffer,
+}
+
+pub struct GpuLlama {
+    pub cfg: LlamaConfig,
+    kernels: ModelKernels,
+    embed: GpuMatrix,
+    output: Option<GpuMatrix>,
+    out_norm: wgpu::Buffer,
+    layers: Vec<Layer>,
+    pub pool: KvPool,
+    attn: Attention,
+    s: Scratch,
+    pub n_seqs: u32,
+    /// Next position of every sequence.
+    pub positions: Vec<u32>,
+    step: u32,
+}
+
+fn norm_buffer(rt: &Runtime, g: &Gguf<'_>, name: &str) -> Result<wgpu::Buffer> {
+    let t = g.tensor(name).ok_or_else(|| Error::Model(format!("tensor `{name}` is missing")))?;
+    let mut v = vec![0f32; t.n_elements() as usize];
+    crate::gguf::dequantize(t.ggml_type(), g.tensor_data(name)?, &mut v)?;
+    Ok(rt.storage_init(name, &v))
+}
+
+fn matrix(rt: &Runtime, g: &Gguf<'_>, names: &[&str]) -> Result<GpuMatrix> {
+    let mut bytes = Vec::new();
+    let (mut rows, mut cols, mut format) = (0u32, 0u32, None);
+    for name in names {
+        let t = g.tensor(name).ok_or_else(|| Error::Model(format!("tensor `{name}` is missing")))?;
+        let f = WeightFormat::from_ggml(t.ggml_type())?;
+        if format.is_some_and(|x| x != f) || (cols != 0 && cols as u64 != t.dims()[0]) {
+            return Err(Error::Model(format!("{names:?}: the matrices to stack differ in format or width")));
+        }
+        format = Some(f);
+        cols = t.dims()[0] as u32;
+        rows += t.dims()[1] as u32;
+        bytes.extend_from_slice(g.tensor_data(name)?);
+    }
+    let format = format.ok_or_else(|| Error::Model("no matrix named".into()))?;
+    GpuMatrix::upload(rt, names[0], format, rows, cols, &bytes)
+}
+
+impl GpuLlama {
+    /// Upload the model's weights and build a pool for `n_seqs` sequences of up to `max_context`
+    /// tokens each (K/V in `dtype`).
+    pub async fn load(rt: &Runtime, g: &Gguf<'_>, n_seqs: u32, max_context: u32, dtype: KvDtype) -> Result<GpuLlama> {
+        let cfg = LlamaConfig::from_gguf(g)?;
+        cfg.check_tensors(g)?;
+        if n_seqs == 0 || n_seqs > MATVEC_MAX_TOKENS {
+            return Err(Error::config("seqs", n_seqs, format!("the model decodes 1 to {MATVEC_MAX_TOKENS} sequences together")));
+        }
+        if max_context == 0 || max_context > cfg.context_length {
+            return Err(Error::config(
+                "context",
+                max_context,
+                format!("must be in 1..={} (the model's trained context)", cfg.context_length),
+            ));
+        }
+        if cfg.expert_count > 0 {
+            return Err(Error::Model("GGUF files with MoE tensors are not read yet (only dense Llama models)".into()));
+        }
+        let kernels = ModelKernels::new(rt).await?;
+        let mut layers = Vec::new();
+        for l in 0..cfg.block_count {
+            let n = |s: &str| format!("blk.{l}.{s}.weight");
+            layers.push(Layer {
+                attn_norm: norm_buffer(rt, g, &n("attn_norm"))?,
+                wq: matrix(rt, g, &[&n("attn_q")])?,
+                wk: matrix(rt, g, &[&n("attn_k")])?,
+                wv: matrix(rt, g, &[&n("attn_v")])?,
+                wo: matrix(rt, g, &[&n("attn_output")])?,
+                ffn_norm: norm_buffer(rt, g, &n("ffn_norm"))?,
+                gate_up: matrix(rt, g, &[&n("ffn_gate"), &n("ffn_up")])?,
+                down: matrix(rt, g, &[&n("ffn_down")])?,
+            });
+        }
+        let embed = matrix(rt, g, &["token_embd.weight"])?;
+        let output = if g.tensor("output.weight").is_some() { Some(matrix(rt, g, &["output.weight"])?) } else { None };
+        let out_norm = norm_buffer(rt, g, "output_norm.weight")?;
+        let page_size = 16;
+        let pages_per_list = max_context.div_ceil(page_size) + 1;
+        let pool_cfg = PoolConfig {
+            layers: cfg.block_count,
+            kv_heads: cfg.head_count_kv,
+            head_dim: cfg.head_dim,
+            page_size,
+            dtype,
+            n_pages: cfg.block_count * n_seqs * cfg.head_count_kv * pages_per_list,
+            max_seqs: n_seqs,
+            n_shards: 1,
+            ring_capacity: pages_per_list + 1,
+            top_k: 1,
+            shard_map: ShardMap::ByExpert,
+            max_buffer_bytes: None,
+            codec: Codec::None,
+            codec_pages: 0,
+        };
+        pool_cfg.validate()?;
+        let pool = KvPool::new(rt, pool_cfg).await?;
+        let group = cfg.head_count / cfg.head_count_kv;
+        let attn = Attention::new(rt, &pool, AttendOptions { group, n_seqs, chunk_pages: 8, mass: false, ..Default::default() }).await?;
+        let (h, q, kv, f, vocab) = (
+            cfg.embedding_length,
+            cfg.head_count * cfg.head_dim,
+            cfg.head_count_kv * cfg.head_dim,
+            cfg.feed_forward_length,
+            cfg.vocab_size,
+        );
+        let buf = |label: &str, floats: u32| rt.storage(label, u64::from(n_seqs) * u64::from(floats) * 4);
+        let s = Scratch {
+            tokens: buf("model tokens", 1),
+            positions: buf("model positions", 1),
+            h: buf("model h", h),
+            xn: buf("model xn", h),
+            q: buf("model q", q),
+            k: buf("model k", kv),
+            v: buf("model v", kv),
+            attn: buf("model attn", q),
+            o: buf("model o", h),
+            gu: buf("model gate_up", 2 * f),
+            act: buf("model act", f),
+            logits: buf("model logits", vocab),
+        };
+        rt.check("model upload")?;
+        Ok(GpuLlama { cfg, kernels, embed, output, out_norm, layers, pool, attn, s, n_seqs, positions: vec![0; n_seqs as usize], step: 0 })
+    }
+
+    fn submit(&self, rt: &Runtime, label: &str, f: impl FnOnce(&mut wgpu::ComputePass<'_>) -> Result<()>) -> Result<()> {
+        let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some(label) });
+        {
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some(label), timestamp_writes: None });
+            f(&mut pass)?;
+        }
+        rt.queue.submit([enc.finish()]);
+        rt.check(label)
+    }
+
+    /// One token per sequence at its next position; returns the logits, [seq][vocab].
+    pub async fn forward(&mut self, rt: &Runtime, tokens: &[u32]) -> Result<Vec<f32>> {
+        let n = self.n_seqs;
+        if tokens.len() != n as usize {
+            return Err(Error::Input(format!("{} tokens for {n} sequences", tokens.len())));
+        }
+        if let Some(t) = tokens.iter().find(|&&t| t >= self.cfg.vocab_size) {
+            return Err(Error::Input(format!("token id {t} is outside the vocabulary ({})", self.cfg.vocab_size)));
+        }
+        let cap = (self.pool.cfg.ring_capacity - 1) * self.pool.cfg.page_size - self.pool.cfg.page_size;
+        if let Some(p) = self.positions.iter().find(|&&p| p >= cap) {
+            return Err(Error::Input(format!("position {p} is past the context this model was loaded for ({cap} tokens)")));
+        }
+        let c = self.cfg.clone();
+        let (h, hq, hkv, d) = (c.embedding_length, c.head_count, c.head_count_kv, c.head_dim);
+        rt.queue.write_buffer(&self.s.tokens, 0, bytemuck::cast_slice(tokens));
+        rt.queue.write_buffer(&self.s.positions, 0, bytemuck::cast_slice(&self.positions));
+        let k = &self.kernels;
+        let s = &self.s;
+        self.submit(rt, "model embed", |p| {
+            k.embed(rt, p, &self.embed, &s.tokens, &s.h, n);
+            Ok(())
+        })?;
+        for (l, w) in self.layers.iter().enumerate() {
+            self.submit(rt, "model attention inputs", |p| {
+                k.rmsnorm(rt, p, &s.h, &w.attn_norm, &s.xn, n, h, c.rms_norm_eps);
+                k.matvec(rt, p, &w.wq, &s.xn, &s.q, n)?;
+                k.matvec(rt, p, &w.wk, &s.xn, &s.k, n)?;
+                k.matvec(rt, p, &w.wv, &s.xn, &s.v, n)?;
+                k.rope(rt, p, &s.q, &s.positions, n, hq, d, c.rope_freq_base);
+                k.rope(rt, p, &s.k, &s.positions, n, hkv, d, c.rope_freq_base);
+                Ok(())
+            })?;
+            // The pool's append and attention take their inputs from the host (staged).
+            let kv = hkv as usize * d as usize;
+            let kk: Vec<f32> = rt.read(&s.k, 0, u64::from(n) * kv as u64).await?;
+            let vv: Vec<f32> = rt.read(&s.v, 0, u64::from(n) * kv as u64).await?;
+            let qq: Vec<f32> = rt.read(&s.q, 0, u64::from(n * hq * d)).await?;
+            let mut words = Vec::new();
+            let mut new = Vec::new();
+            for seq in 0..n as usize {
+                encode_values(&kk[seq * kv..(seq + 1) * kv], self.pool.cfg.dtype, &mut words);
+                encode_values(&vv[seq * kv..(seq + 1) * kv], self.pool.cfg.dtype, &mut words);
+                new.push(NewToken { layer: l as u32, seq: seq as u32, position: self.positions[seq], experts: vec![0], gates: vec![1.0] });
+            }
+            self.pool.append(rt, &new, &words, self.step)?;
+            self.pool.gather(rt)?;
+            self.attn.set_queries(rt, &qq)?;
+            self.attn.run(rt, l as u32, self.step)?;
+            let out = self.attn.read_output(rt).await?;
+            rt.queue.write_buffer(&s.attn, 0, bytemuck::cast_slice(&out));
+            self.submit(rt, "model attention output and FFN", |p| {
+                k.matvec(rt, p, &w.wo, &s.attn, &s.o, n)?;
+                k.residual(rt, p, &s.o, &s.h, n * h);
+                k.rmsnorm(rt, p, &s.h, &w.ffn_norm, &s.xn, n, h, c.rms_norm_eps);
+                k.matvec(rt, p, &w.gate_up, &s.xn, &s.gu, n)?;
+                k.swiglu(rt, p, &s.gu, &s.act, n, c.feed_forward_length);
+                k.matvec(rt, p, &w.down, &s.act, &s.o, n)?;
+                k.residual(rt, p, &s.o, &s.h, n * h);
+                Ok(())
+            })?;
+        }
+        let head = self.output.as_ref().unwrap_or(&self.embed);
+        self.submit(rt, "model head", |p| {
+            k.rmsnorm(rt, p, &s.h, &self.out_norm, &s.xn, n, h, c.rms_norm_eps);
+            k.matvec(rt, p, head, &s.xn, &s.logits, n)
+        })?;
+        self.pool.check_errors(rt, n * c.block_count).await?;
+        for p in &mut self.positions {
+            *p += 1;
+        }
+        self.step += 1;
+        rt.read(&s.logits, 0, u64::from(n * c.vocab_size)).await
+    }
+
+    /// Greedy decoding of one sequence (the model must be loaded for one): feeds `prompt`, then
+    /// `n` tokens of its own choosing; returns those.
+    pub async fn generate_greedy(&mut self, rt: &Runtime, prompt: &[u32], n: u32) -> Result<Vec<u32>> {
+        if self.n_seqs != 1 {
+            return Err(Error::Input("generate_greedy decodes one sequence".into()));
+        }
+        if prompt.is_empty() {
+            return Err(Error::Input("an empty prompt".into()));
+        }
+        let mut logits = Vec::new();
+        for &t in prompt {
+            logits = self.forward(rt, &[t]).await?;
+        }
+        let mut out = Vec::new();
+        for i in 0..n {
+            let next = argmax(&logits);
+            out.push(next);
+            if i + 1 < n {
+                logits = self.forward(rt, &[next]).await?;
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Index of the largest value (the first of equals).
+pub fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, x) in v.iter().enumerate() {
+        if *x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}

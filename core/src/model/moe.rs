@@ -1,0 +1,522 @@
+//! MoEfication of a dense SwiGLU FFN (after Zhang et al., "MoEfication", 2022): each layer's FFN
+//! neurons are split into `E` groups, the "experts"; a router picks, per token, the `k` groups
+//! whose centroid best matches the token, and only those groups' neurons are evaluated.
+//!
+//! Choices, and why:
+//! - **What is clustered**: neuron `n`'s gate row `Wgate[n]`, normalised to unit length (spherical
+//!   k-means, similarity = dot product). Neurons whose gates point the same way open for the same
+//!   inputs, so a group's mean gate direction tells which tokens it matters for.
+//! - **Initialisation**: greedy k-means++ (distance `2 - 2 cos`) with [`crate::rng::Rng`], seeded by
+//!   [`MoeConfig::seed`] mixed with the layer index; then [`MoeConfig::iterations`] rounds of
+//!   assign / recompute, a fixed count so the result depends on nothing but the weights and the
+//!   seed. The same weights, `E` and seed give the same experts on every platform.
+//! - **Balanced** (the default): every group holds `ffn / E` neurons (the first `ffn % E` one
+//!   more). Each round assigns (neuron, group) pairs greedily by decreasing similarity, skipping
+//!   full groups (ties: lower neuron, then lower group). Equal sizes make the cost of `k` experts
+//!   fixed (exactly `k / E` of the FFN), which is what a GPU kernel with a fixed expert size and a
+//!   fair comparison of `(E, k)` settings want. Unbalanced (`balanced: false`) is plain spherical
+//!   k-means; an emptied group takes the neuron least similar to its own centroid.
+//! - **Router**: a token's FFN input (`rmsnorm(x) * ffn_norm`), normalised to unit length, is
+//!   scored against each group's centroid (the normalised mean of its unit gate rows) by dot
+//!   product; the top `k` scores win (ties: lowest expert).
+//! - **Weights of the chosen experts: 1.** The groups partition one FFN, so the sum of all of
+//!   them is exactly the dense FFN; scaling by a softmax of router scores (which nothing was
+//!   trained with) would shrink every output and make `k = E` differ from the dense model. With
+//!   weight 1, `E = 1` (or `k = E`) is the dense FFN up to summation order.
+//!
+//! Clustering all 30 layers of SmolLM2-135M takes a few seconds on two cores, so it is computed
+//! when asked rather than cached on disk (a cache, if wanted, would key on the model file's hash
+//! and [`MoeConfig`]).
+
+use super::cpu::{axpy, dot, silu};
+use super::weights::{LayerWeights, LlamaWeights, Matrix};
+use crate::error::{Error, Result};
+use crate::rng::Rng;
+
+/// The seed of [`MoeConfig::new`].
+pub const DEFAULT_SEED: u64 = 0x6d6f_6566_7931;
+/// Assign / recompute rounds of [`MoeConfig::new`] (k-means has settled well before on these
+/// weights; a fixed count keeps the result reproducible).
+pub const DEFAULT_ITERATIONS: usize = 16;
+
+/// How to MoEfy a model.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct MoeConfig {
+    /// Groups (experts) per layer, `E`; 1 is the dense model.
+    pub experts: usize,
+    /// Groups evaluated per token, `k` (1 ..= `experts`).
+    pub top_k: usize,
+    pub seed: u64,
+    pub iterations: usize,
+    /// Equal group sizes (see the module docs).
+    pub balanced: bool,
+}
+
+impl MoeConfig {
+    /// `E` experts, top-`k`, balanced, with [`DEFAULT_SEED`] and [`DEFAULT_ITERATIONS`].
+    pub fn new(experts: usize, top_k: usize) -> Self {
+        MoeConfig { experts, top_k, seed: DEFAULT_SEED, iterations: DEFAULT_ITERATIONS, balanced: true }
+    }
+
+    /// Checks the settings against an FFN of `ffn` neurons.
+    pub fn validate(&self, ffn: usize) -> Result<()> {
+        if self.experts == 0 || self.experts > ffn {
+            return Err(Error::config("experts", self.experts, format!("must be in 1..={ffn} (the FFN's neurons)")));
+        }
+        if self.top_k == 0 || self.top_k > self.experts {
+            return Err(Error::config("top_k", self.top_k, format!("must be in 1..={} (the experts)", self.experts)));
+        }
+        Ok(())
+    }
+}
+
+/// One layer's experts and router.
+#[derive(Clone, Debug)]
+pub struct MoeLayer {
+    hidden: usize,
+    /// `[E][hidden]`, unit length: the router's weights.
+    pub centroids: Vec<f32>,
+    /// `[ffn]`: the expert of each neuron.
+    pub expert_from_neuron: Vec<u32>,
+    /// `[ffn]`: neuron ids grouped by expert, ascending within each; expert `e` is
+    /// `neurons[offsets[e]..offsets[e + 1]]`.
+    pub neurons: Vec<u32>,
+    /// `[E + 1]`.
+    pub offsets: Vec<u32>,
+    /// `Wdown` transposed, `[ffn][hidden]`: neuron `n`'s output direction is contiguous, so a
+    /// subset of neurons reads only its own rows.
+    down_t: Vec<f32>,
+}
+
+impl MoeLayer {
+    pub fn experts(&self) -> usize {
+        self.offsets.len() - 1
+    }
+
+    /// Expert `e`'s neurons (ascending).
+    pub fn expert(&self, e: usize) -> &[u32] {
+        &self.neurons[self.offsets[e] as usize..self.offsets[e + 1] as usize]
+    }
+
+    /// Expert `e`'s router centroid.
+    pub fn centroid(&self, e: usize) -> &[f32] {
+        &self.centroids[e * self.hidden..(e + 1) * self.hidden]
+    }
+
+    /// The router's scores of `x` (an FFN input, any scale) into `out` (`[E]`): the dot product
+    /// of `x / |x|` with each centroid.
+    pub fn scores(&self, x: &[f32], out: &mut [f32]) {
+        let norm = dot(x, x).sqrt();
+        let inv = if norm > 0.0 { 1.0 / norm } else { 0.0 };
+        for (e, s) in out.iter_mut().enumerate() {
+            *s = dot(x, self.centroid(e)) * inv;
+        }
+    }
+
+    /// The FFN output of `x` through the neurons of `experts` only, each expert weighted 1:
+    /// `out = sum_{n in experts} silu(Wgate[n] x) (Wup[n] x) Wdown[:, n]`.
+    pub fn forward(&self, lw: &LayerWeights, x: &[f32], experts: &[usize], out: &mut [f32]) {
+        out.fill(0.0);
+        for &e in experts {
+            for &n in self.expert(e) {
+                let n = n as usize;
+                let a = silu(dot(lw.gate.row(n), x)) * dot(lw.up.row(n), x);
+                axpy(out, a, &self.down_t[n * self.hidden..(n + 1) * self.hidden]);
+            }
+        }
+    }
+
+    /// Clusters `lw`'s neurons (see the module docs).
+    pub fn from_layer(lw: &LayerWeights, config: &MoeConfig, layer: usize) -> Result<Self> {
+        let (ffn, hidden) = (lw.gate.rows, lw.gate.cols);
+        config.validate(ffn)?;
+        if lw.gate.f32.len() != ffn * hidden || lw.down.f32.len() != ffn * hidden || (lw.down.rows, lw.down.cols) != (hidden, ffn) {
+            return Err(Error::Input(format!("MoEfication of layer {layer} needs f32 gate [{ffn}][{hidden}] and down [{hidden}][{ffn}]")));
+        }
+        let (centroids, assignment) = spherical_kmeans(&lw.gate, config, layer);
+        let e = config.experts;
+        let mut offsets = vec![0u32; e + 1];
+        for &a in &assignment {
+            offsets[a as usize + 1] += 1;
+        }
+        for j in 0..e {
+            offsets[j + 1] += offsets[j];
+        }
+        let mut fill = offsets.clone();
+        let mut neurons = vec![0u32; ffn];
+        for (n, &a) in assignment.iter().enumerate() {
+            neurons[fill[a as usize] as usize] = n as u32;
+            fill[a as usize] += 1;
+        }
+        let mut down_t = vec![0f32; ffn * hidden];
+        for o in 0..hidden {
+            for (n, &w) in lw.down.row(o).iter().enumerate() {
+                down_t[n * hidden + o] = w;
+            }
+        }
+        Ok(MoeLayer { hidden, centroids, expert_from_neuron: assignment, neurons, offsets, down_t })
+    }
+}
+
+/// A MoEfied model: one [`MoeLayer`] per transformer layer.
+#[derive(Clone, Debug)]
+pub struct Moefication {
+    pub config: MoeConfig,
+    pub layers: Vec<MoeLayer>,
+}
+
+impl Moefication {
+    /// Clusters every layer of `w` (f32 weights needed), layers split over threads on native
+    /// targets.
+    pub fn from_weights(w: &LlamaWeights, config: &MoeConfig) -> Result<Self> {
+        config.validate(w.config.feed_forward_length as usize)?;
+        let n = w.layers.len();
+        #[cfg(not(target_arch = "wasm32"))]
+        let layers: Vec<Result<MoeLayer>> = {
+            let threads = std::thread::available_parallelism().map_or(1, |t| t.get()).clamp(1, n.max(1));
+            let mut slots: Vec<Option<Result<MoeLayer>>> = (0..n).map(|_| None).collect();
+            std::thread::scope(|s| {
+                for (t, chunk) in slots.chunks_mut(n.div_ceil(threads).max(1)).enumerate() {
+                    let first = t * n.div_ceil(threads).max(1);
+                    s.spawn(move || {
+                        for (i, slot) in chunk.iter_mut().enumerate() {
+                            *slot = Some(MoeLayer::from_layer(&w.layers[first + i], config, first + i));
+                        }
+                    });
+                }
+            });
+            slots.into_iter().map(|s| s.unwrap_or_else(|| Err(Error::Input("a clustering thread did not finish".into())))).collect()
+        };
+        #[cfg(target_arch = "wasm32")]
+        let layers: Vec<Result<MoeLayer>> = w.layers.iter().enumerate().map(|(l, lw)| MoeLayer::from_layer(lw, config, l)).collect();
+        Ok(Moefication { config: config.clone(), layers: layers.into_iter().collect::<Result<_>>()? })
+    }
+
+    /// Whether these experts were made for a model of `w`'s shape.
+    pub fn check_fits(&self, w: &LlamaWeights) -> Result<()> {
+        let c = &w.config;
+        let ok = self.layers.len() == w.layers.len()
+            && self.layers.iter().all(|l| l.hidden == c.embedding_length as usize && l.neurons.len() == c.feed_forward_length as usize);
+        if !ok {
+            return Err(Error::Input(format!(
+                "MoEfication of {} layers does not fit a model of {} layers, hidden {}, FFN {}",
+                self.layers.len(),
+                w.layers.len(),
+                c.embedding_length,
+                c.feed_forward_length
+            )));
+        }
+        Ok(())
+    }
+
+    /// The fraction of FFN neurons a token evaluates (`k / E` when balanced).
+    pub fn fraction_evaluated(&self) -> f64 {
+        let (e, k) = (self.config.experts, self.config.top_k);
+        self.layers
+            .iter()
+            .map(|l| {
+                let mut sizes: Vec<usize> = (0..e).map(|j| l.expert(j).len()).collect();
+                sizes.sort_unstable_by(|a, b| b.cmp(a));
+                sizes.iter().take(k).sum::<usize>() as f64 / l.neurons.len() as f64
+            })
+            .fold(0.0, f64::max)
+    }
+}
+
+/// The `k` highest scores' indices, highest first; ties go to the lower index.
+pub fn top_k(scores: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..scores.len()).collect();
+    idx.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx
+}
+
+fn normalise(v: &mut [f32]) {
+    let n = dot(v, v).sqrt();
+    if n > 0.0 {
+        v.iter_mut().for_each(|x| *x /= n);
+    }
+}
+
+/// Spherical k-means over the unit rows of `m`: (centroids `[E][cols]`, the group of each row).
+fn spherical_kmeans(m: &Matrix, config: &MoeConfig, layer: usize) -> (Vec<f32>, Vec<u32>) {
+    let (n, d, e) = (m.rows, m.cols, config.experts);
+    let mut x = m.f32.clone();
+    for row in x.chunks_exact_mut(d) {
+        normalise(row);
+    }
+    let row = |i: usize| &x[i * d..(i + 1) * d];
+    let mut rng = Rng::new(config.seed ^ (layer as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    // Greedy k-means++ (as scikit-learn's): each next centroid is the best, by the resulting
+    // potential, of `2 + ln E` rows drawn with probability proportional to their squared distance
+    // (`2 - 2 cos` for unit rows) from the nearest centroid so far. The extra draws make seeding
+    // two centroids inside one tight cluster, which Lloyd rounds cannot undo, rare.
+    let dist = |i: usize, c: &[f32]| f64::from((2.0 - 2.0 * dot(row(i), c)).max(0.0));
+    let trials = 2 + (e as f64).ln() as usize;
+    let mut centroids = Vec::with_capacity(e * d);
+    centroids.extend_from_slice(row(rng.below(n as u32) as usize));
+    let mut d2: Vec<f64> = (0..n).map(|i| dist(i, &centroids[..d])).collect();
+    for _ in 1..e {
+        let total: f64 = d2.iter().sum();
+        let mut best: Option<(f64, Vec<f64>, usize)> = None;
+        for _ in 0..trials {
+            let pick = if total > 0.0 {
+                let mut r = rng.uniform() * total;
+                d2.iter()
+                    .position(|&w| {
+                        let hit = r < w;
+                        r -= w;
+                        hit
+                    })
+                    // Rounding can leave r just above the last weight: take the last row with any.
+                    .unwrap_or_else(|| d2.iter().rposition(|&w| w > 0.0).unwrap_or(n - 1))
+            } else {
+                rng.below(n as u32) as usize
+            };
+            let cand: Vec<f64> = (0..n).map(|i| d2[i].min(dist(i, row(pick)))).collect();
+            let potential: f64 = cand.iter().sum();
+            if best.as_ref().is_none_or(|b| potential < b.0) {
+                best = Some((potential, cand, pick));
+            }
+        }
+        if let Some((_, cand, pick)) = best {
+            centroids.extend_from_slice(row(pick));
+            d2 = cand;
+        }
+    }
+    let mut assignment = vec![0u32; n];
+    let mut sims = vec![0f32; n * e];
+    for _ in 0..config.iterations.max(1) {
+        for i in 0..n {
+            for j in 0..e {
+                sims[i * e + j] = dot(row(i), &centroids[j * d..(j + 1) * d]);
+            }
+        }
+        if config.balanced {
+            assign_balanced(&sims, n, e, &mut assignment);
+        } else {
+            for (i, a) in assignment.iter_mut().enumerate() {
+                let s = &sims[i * e..(i + 1) * e];
+                *a = super::cpu::argmax(s);
+            }
+            // Refill any emptied group with the row least similar to its own centroid.
+            for j in 0..e as u32 {
+                if !assignment.contains(&j) {
+                    let worst = (0..n)
+                        .filter(|&i| assignment.iter().filter(|&&a| a == assignment[i]).count() > 1)
+                        .min_by(|&a, &b| sims[a * e + assignment[a] as usize].total_cmp(&sims[b * e + assignment[b] as usize]));
+                    if let Some(i) = worst {
+                        assignment[i] = j;
+                    }
+                }
+            }
+        }
+        centroids.fill(0.0);
+        for (i, &a) in assignment.iter().enumerate() {
+            let a = a as usize;
+            for (c, v) in centroids[a * d..(a + 1) * d].iter_mut().zip(row(i)) {
+                *c += v;
+            }
+        }
+        for c in centroids.chunks_exact_mut(d) {
+            normalise(c);
+        }
+    }
+    (centroids, assignment)
+}
+
+/// Greedy capacity-constrained assignment: pairs by decreasing similarity, each row to the first
+/// group of its pairs that still has room. Group `j` holds `n / e` rows, plus one for `j < n % e`.
+fn assign_balanced(sims: &[f32], n: usize, e: usize, assignment: &mut [u32]) {
+    let mut room: Vec<usize> = (0..e).map(|j| n / e + usize::from(j < n % e)).collect();
+    let mut pairs: Vec<(u32, u32)> = (0..n as u32).flat_map(|i| (0..e as u32).map(move |j| (i, j))).collect();
+    let sim = |&(i, j): &(u32, u32)| sims[i as usize * e + j as usize];
+    pairs.sort_by(|a, b| sim(b).total_cmp(&sim(a)).then(a.cmp(b)));
+    let mut done = vec![false; n];
+    for (i, j) in pairs {
+        let (i, j) = (i as usize, j as usize);
+        if !done[i] && room[j] > 0 {
+            done[i] = true;
+            room[j] -= 1;
+            assignment[i] = j as u32;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::GgmlType;
+    use crate::model::cpu::matvec;
+    use crate::model::cpu::tests::{PERPLEXITY_TEXT, PROMPT, prompt_ids, test_model};
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    fn matrix(name: &str, rows: usize, cols: usize, f: impl FnMut(usize) -> f32) -> Matrix {
+        Matrix { name: name.into(), rows, cols, f32: (0..rows * cols).map(f).collect(), ggml_type: GgmlType::F32, raw: Vec::new() }
+    }
+
+    /// A random layer whose gate rows are `clusters` planted directions plus noise, neuron `n` in
+    /// cluster `n % clusters`.
+    fn planted_layer(seed: u64, ffn: usize, hidden: usize, clusters: usize) -> LayerWeights {
+        let mut rng = Rng::new(seed);
+        let dirs: Vec<f32> = (0..clusters * hidden).map(|_| rng.normal() as f32).collect();
+        let gate: Vec<f32> = (0..ffn * hidden)
+            .map(|i| {
+                let (n, c) = (i / hidden, i % hidden);
+                dirs[(n % clusters) * hidden + c] + 0.3 * rng.normal() as f32
+            })
+            .collect();
+        let mut r = || rng.normal() as f32 * 0.2;
+        LayerWeights {
+            attn_norm: vec![1.0; hidden],
+            wq: matrix("q", hidden, hidden, |_| r()),
+            wk: matrix("k", hidden, hidden, |_| r()),
+            wv: matrix("v", hidden, hidden, |_| r()),
+            wo: matrix("o", hidden, hidden, |_| r()),
+            ffn_norm: vec![1.0; hidden],
+            gate: matrix("gate", ffn, hidden, |i| gate[i]),
+            up: matrix("up", ffn, hidden, |_| r()),
+            down: matrix("down", hidden, ffn, |_| r()),
+        }
+    }
+
+    fn dense_ffn(lw: &LayerWeights, x: &[f32]) -> Vec<f32> {
+        let mut g = vec![0.0; lw.gate.rows];
+        let mut u = vec![0.0; lw.up.rows];
+        matvec(&lw.gate, x, &mut g, 1);
+        matvec(&lw.up, x, &mut u, 1);
+        let a: Vec<f32> = g.iter().zip(&u).map(|(&g, &u)| silu(g) * u).collect();
+        let mut y = vec![0.0; lw.down.rows];
+        matvec(&lw.down, &a, &mut y, 1);
+        y
+    }
+
+    /// Planted clusters are found exactly, in balanced groups, the same way for the same seed.
+    #[test]
+    fn moe_kmeans_finds_planted_groups_cpu() {
+        let lw = planted_layer(3, 256, 48, 8);
+        for (balanced, seed) in [true, false].into_iter().flat_map(|b| (1..6).map(move |s| (b, s))) {
+            let cfg = MoeConfig { balanced, seed, ..MoeConfig::new(8, 2) };
+            let m = MoeLayer::from_layer(&lw, &cfg, 0).unwrap();
+            for e in 0..8 {
+                let members = m.expert(e);
+                assert_eq!(members.len(), 32, "balanced {balanced}, seed {seed}, expert {e}");
+                let c = members[0] % 8;
+                assert!(members.iter().all(|&n| n % 8 == c), "seed {seed}: expert {e} mixes planted clusters: {members:?}");
+                assert!(members.windows(2).all(|w| w[0] < w[1]));
+                assert!(members.iter().all(|&n| m.expert_from_neuron[n as usize] == e as u32));
+                assert!((dot(m.centroid(e), m.centroid(e)) - 1.0).abs() < 1e-5);
+            }
+            let again = MoeLayer::from_layer(&lw, &cfg, 0).unwrap();
+            assert_eq!((again.neurons, again.centroids), (m.neurons.clone(), m.centroids.clone()));
+            // A token along one planted direction routes to that cluster's expert first.
+            let x: Vec<f32> = lw.gate.row(13).to_vec();
+            let mut s = vec![0.0; 8];
+            m.scores(&x, &mut s);
+            assert_eq!(m.expert_from_neuron[13] as usize, top_k(&s, 1)[0]);
+        }
+    }
+
+    /// Balanced groups have sizes that differ by at most one even when E does not divide the FFN.
+    #[test]
+    fn moe_balanced_sizes_cpu() {
+        let lw = planted_layer(5, 100, 16, 3);
+        let m = MoeLayer::from_layer(&lw, &MoeConfig::new(7, 3), 0).unwrap();
+        let sizes: Vec<usize> = (0..7).map(|e| m.expert(e).len()).collect();
+        assert_eq!(sizes, [15, 15, 14, 14, 14, 14, 14]);
+        let mut all = m.neurons.clone();
+        all.sort_unstable();
+        assert_eq!(all, (0..100).collect::<Vec<u32>>());
+    }
+
+    #[test]
+    fn moe_top_k_and_config_errors_cpu() {
+        assert_eq!(top_k(&[0.1, 0.5, 0.5, -1.0, 0.7], 3), [4, 1, 2]);
+        assert!(MoeConfig::new(0, 1).validate(8).is_err());
+        assert!(MoeConfig::new(4, 5).validate(8).is_err());
+        assert!(MoeConfig::new(9, 1).validate(8).is_err());
+        MoeConfig::new(8, 8).validate(8).unwrap();
+    }
+
+    /// E = 1, and k = E, evaluate every neuron: the dense FFN up to summation order. Fewer
+    /// experts evaluate exactly their neurons.
+    #[test]
+    fn moe_all_experts_equal_dense_ffn_cpu() {
+        let lw = planted_layer(9, 192, 64, 6);
+        let mut rng = Rng::new(10);
+        let x: Vec<f32> = (0..64).map(|_| rng.normal() as f32).collect();
+        let dense = dense_ffn(&lw, &x);
+        let scale = dense.iter().fold(0f32, |m, v| m.max(v.abs()));
+        for (e, k) in [(1, 1), (6, 6), (5, 5)] {
+            let m = MoeLayer::from_layer(&lw, &MoeConfig::new(e, k), 0).unwrap();
+            let mut y = vec![f32::NAN; 64];
+            m.forward(&lw, &x, &(0..k).collect::<Vec<_>>(), &mut y);
+            for (a, b) in y.iter().zip(&dense) {
+                assert!((a - b).abs() <= 1e-5 * scale, "E={e} k={k}: {a} vs {b}");
+            }
+        }
+        // Two of six experts: the dense FFN with the other neurons' activations zeroed.
+        let m = MoeLayer::from_layer(&lw, &MoeConfig::new(6, 2), 0).unwrap();
+        let mut y = vec![f32::NAN; 64];
+        m.forward(&lw, &x, &[4, 1], &mut y);
+        let mut masked = lw.clone();
+        for n in 0..192 {
+            if ![1, 4].contains(&m.expert_from_neuron[n]) {
+                masked.up.f32[n * 64..(n + 1) * 64].fill(0.0);
+            }
+        }
+        for (a, b) in y.iter().zip(dense_ffn(&masked, &x)) {
+            assert!((a - b).abs() <= 1e-5 * scale, "{a} vs {b}");
+        }
+    }
+
+    /// On the real model, E = 1 gives the dense logits (within 1e-4 of their largest magnitude).
+    #[test]
+    fn moe_smollm2_e1_equals_dense_real() {
+        let Some((dense, tok)) = test_model("moe_smollm2_e1_equals_dense_real") else { return };
+        let moe = Arc::new(Moefication::from_weights(dense.weights(), &MoeConfig::new(1, 1)).unwrap());
+        let model = dense.with_moe(Some(moe)).unwrap();
+        let ids = prompt_ids(&tok, PROMPT);
+        let (a, b) = (dense.prefill(&ids, &mut dense.new_cache()).unwrap(), model.prefill(&ids, &mut model.new_cache()).unwrap());
+        let scale = a.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let worst = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        eprintln!("E=1 vs dense: largest logit difference {worst:e} (largest logit magnitude {scale})");
+        assert!(worst <= 1e-4 * scale, "{worst} vs scale {scale}");
+        assert_eq!(super::super::cpu::argmax(&a), super::super::cpu::argmax(&b));
+    }
+
+    /// E = 8 / k = 2 and E = 16 / k = 4: finite logits; prints the top token, greedy text and
+    /// perplexity beside the dense model's.
+    #[test]
+    fn moe_smollm2_e8_e16_real() {
+        let Some((dense, tok)) = test_model("moe_smollm2_e8_e16_real") else { return };
+        let ids = prompt_ids(&tok, PROMPT);
+        let text_ids = prompt_ids(&tok, PERPLEXITY_TEXT);
+        let mut report = Vec::new();
+        for (e, k) in [(0, 0), (8, 2), (16, 4)] {
+            let (model, cluster_s) = if e == 0 {
+                (dense.clone(), 0.0)
+            } else {
+                let t = Instant::now();
+                let moe = Moefication::from_weights(dense.weights(), &MoeConfig::new(e, k)).unwrap();
+                let s = t.elapsed().as_secs_f64();
+                assert_eq!(moe.fraction_evaluated(), k as f64 / e as f64);
+                (dense.with_moe(Some(Arc::new(moe))).unwrap(), s)
+            };
+            let logits = model.prefill(&ids, &mut model.new_cache()).unwrap();
+            assert!(logits.iter().all(|v| v.is_finite()), "E={e} k={k}");
+            let top = super::super::cpu::argmax(&logits);
+            let greedy = model.generate_greedy(&ids, 4).unwrap();
+            let ppl = model.perplexity(&text_ids).unwrap();
+            let label = if e == 0 { "dense".to_string() } else { format!("E={e} k={k}") };
+            report.push(format!(
+                "{label:>9}: top token {top} {:?}, greedy {:?}, perplexity {ppl:.2}, clustering {cluster_s:.2} s",
+                tok.decode(&[top]).unwrap(),
+                tok.decode(&greedy).unwrap()
+            ));
+            assert!(ppl.is_finite() && ppl > 1.0);
+        }
+        eprintln!("{PROMPT:?}\n{}", report.join("\n"));
+    }
+}
