@@ -37,3 +37,32 @@ fn greedy_decoding_says_paris() {
     let ctl = pollster::block_on(m.pool.read_ctl(rt)).expect("ctl");
     assert_eq!(ctl.tokens_appended as usize, (prompt.len() + 1) * m.cfg.block_count as usize);
 }
+
+/// The GPU forward pass against the CPU f32 reference, token by token over the prompt: logits
+/// within f16-K/V and f32-accumulation tolerance, the same top token at every position.
+#[test]
+fn gpu_forward_matches_the_cpu_reference() {
+    use expertkv_core::gguf::LlamaConfig;
+    use expertkv_core::model::{CpuModel, LlamaWeights};
+    let Some(bytes) = model_bytes() else { return };
+    let g = Gguf::parse(&bytes).expect("gguf");
+    let tok = Tokenizer::from_gguf(&g).expect("tokenizer");
+    let cfg = LlamaConfig::from_gguf(&g).expect("config");
+    let cpu = CpuModel::new(std::sync::Arc::new(LlamaWeights::from_gguf(&g, &cfg).expect("weights"))).expect("cpu model");
+    let rt = rt();
+    for dtype in [KvDtype::F32, KvDtype::F16] {
+        let mut m = pollster::block_on(GpuLlama::load(rt, &g, 1, 32, dtype)).expect("load");
+        let mut cache_c = cpu.new_cache();
+        let ids = tok.encode("Water boils at 100 degrees");
+        for (pos, &t) in ids.iter().enumerate() {
+            let gpu = pollster::block_on(m.forward(rt, &[t])).expect("gpu forward");
+            let want = cpu.forward(t, pos as u32, &mut cache_c).expect("cpu forward");
+            let max = want.iter().fold(0f32, |a, b| a.max(b.abs()));
+            let err = gpu.iter().zip(&want).fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+            let tol = if dtype == KvDtype::F32 { 2e-5 } else { 2e-3 };
+            println!("{dtype:?} position {pos}: max |logit diff| {err:.2e} (max |logit| {max:.1})");
+            assert!(err <= tol * max, "{dtype:?} position {pos}: logits differ by {err} (max {max})");
+            assert_eq!(expertkv_core::forward::argmax(&gpu), expertkv_core::forward::argmax(&want), "{dtype:?} position {pos}: top token");
+        }
+    }
+}
