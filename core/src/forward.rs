@@ -13,11 +13,13 @@
 use crate::attend::{AttendOptions, Attention};
 use crate::config::{Codec, KvDtype, PoolConfig, ShardMap};
 use crate::error::{Error, Result};
+use crate::evict::Scheduler;
 use crate::gguf::{Gguf, LlamaConfig};
 use crate::ops::{GpuMatrix, MATVEC_MAX_TOKENS, ModelKernels, WeightFormat};
 use crate::pool::KvPool;
 use crate::reference::pool::{NewToken, encode_values};
 use crate::runtime::Runtime;
+use crate::scheduler_config::{SchedulerConfig, Threshold};
 
 struct Layer {
     attn_norm: wgpu::Buffer,
@@ -56,6 +58,8 @@ pub struct GpuLlama {
     layers: Vec<Layer>,
     pub pool: KvPool,
     attn: Attention,
+    /// Evicts after every step down to its budget (tokens per layer x sequence x KV head).
+    pub scheduler: Option<Scheduler>,
     s: Scratch,
     pub n_seqs: u32,
     /// Next position of every sequence.
@@ -92,6 +96,20 @@ impl GpuLlama {
     /// Upload the model's weights and build a pool for `n_seqs` sequences of up to `max_context`
     /// tokens each (K/V in `dtype`).
     pub async fn load(rt: &Runtime, g: &Gguf<'_>, n_seqs: u32, max_context: u32, dtype: KvDtype) -> Result<GpuLlama> {
+        Self::load_with(rt, g, n_seqs, max_context, dtype, None).await
+    }
+
+    /// As [`GpuLlama::load`], with an evicting scheduler and its budget (tokens per layer x
+    /// sequence x KV head) over the pool: after every step it evicts down to the budget, using
+    /// the model's own attention mass.
+    pub async fn load_with(
+        rt: &Runtime,
+        g: &Gguf<'_>,
+        n_seqs: u32,
+        max_context: u32,
+        dtype: KvDtype,
+        scheduler: Option<(SchedulerConfig, u32)>,
+    ) -> Result<GpuLlama> {
         let cfg = LlamaConfig::from_gguf(g)?;
         cfg.check_tensors(g)?;
         if n_seqs == 0 || n_seqs > MATVEC_MAX_TOKENS {
@@ -146,7 +164,19 @@ impl GpuLlama {
         pool_cfg.validate()?;
         let pool = KvPool::new(rt, pool_cfg).await?;
         let group = cfg.head_count / cfg.head_count_kv;
-        let attn = Attention::new(rt, &pool, AttendOptions { group, n_seqs, chunk_pages: 8, mass: false, ..Default::default() }).await?;
+        let mass = scheduler.as_ref().is_some_and(|(s, _)| s.evicts());
+        let attn = Attention::new(rt, &pool, AttendOptions { group, n_seqs, chunk_pages: 8, mass, ..Default::default() }).await?;
+        let scheduler = match scheduler {
+            Some((s, budget)) if s.uses_evict_kernels() => Some(Scheduler::new(rt, &pool, s, budget, Threshold::default()).await?),
+            Some((s, _)) => {
+                return Err(Error::config(
+                    "scheduler",
+                    s.name(),
+                    "the model runs the evicting schedulers (h2o, streaming-llm, lru, lru-plus, adakv, duo, fastv-tokens)",
+                ));
+            }
+            None => None,
+        };
         let (h, q, kv, f, vocab) = (
             cfg.embedding_length,
             cfg.head_count * cfg.head_dim,
@@ -170,7 +200,21 @@ impl GpuLlama {
             logits: buf("model logits", vocab),
         };
         rt.check("model upload")?;
-        Ok(GpuLlama { cfg, kernels, embed, output, out_norm, layers, pool, attn, s, n_seqs, positions: vec![0; n_seqs as usize], step: 0 })
+        Ok(GpuLlama {
+            cfg,
+            kernels,
+            embed,
+            output,
+            out_norm,
+            layers,
+            pool,
+            attn,
+            scheduler,
+            s,
+            n_seqs,
+            positions: vec![0; n_seqs as usize],
+            step: 0,
+        })
     }
 
     fn submit(&self, rt: &Runtime, label: &str, f: impl FnOnce(&mut wgpu::ComputePass<'_>) -> Result<()>) -> Result<()> {
@@ -253,6 +297,11 @@ impl GpuLlama {
         self.pool.check_errors(rt, n * c.block_count).await?;
         for p in &mut self.positions {
             *p += 1;
+        }
+        if let Some(sch) = &self.scheduler {
+            // The page lists must be current: this step appended to every layer.
+            self.pool.gather(rt)?;
+            sch.run(rt, self.step, &self.positions)?;
         }
         self.step += 1;
         rt.read(&s.logits, 0, u64::from(n * c.vocab_size)).await

@@ -66,3 +66,35 @@ fn gpu_forward_matches_the_cpu_reference() {
         }
     }
 }
+
+/// H2O over the model's own attention mass: past the budget every step evicts, each page list
+/// keeps exactly the budget, and decoding goes on with finite logits.
+#[test]
+fn h2o_evicts_the_models_own_kv_down_to_the_budget() {
+    use expertkv_core::gpu_data::KEEP_ALL;
+    use expertkv_core::scheduler_config::SchedulerConfig;
+    let Some(bytes) = model_bytes() else { return };
+    let g = Gguf::parse(&bytes).expect("gguf");
+    let tok = Tokenizer::from_gguf(&g).expect("tokenizer");
+    let rt = rt();
+    let budget = 16;
+    let sched = SchedulerConfig::H2o { sinks: 2, window: 4 };
+    let mut m = pollster::block_on(GpuLlama::load_with(rt, &g, 1, 64, KvDtype::F16, Some((sched, budget)))).expect("load");
+    let ids = tok.encode("The quick brown fox jumps over the lazy dog near the river bank at dawn, and then it runs away home.");
+    assert!(ids.len() > budget as usize + 1, "the prompt must outgrow the budget: {} tokens", ids.len());
+    for &t in &ids {
+        let logits = pollster::block_on(m.forward(rt, &[t])).expect("forward");
+        assert!(logits.iter().all(|x| x.is_finite()));
+    }
+    let s = m.scheduler.as_ref().expect("scheduler");
+    let lists = pollster::block_on(s.read_lists(rt)).expect("lists");
+    assert_eq!(lists.len() as u32, m.cfg.block_count * m.cfg.head_count_kv);
+    for (li, l) in lists.iter().enumerate() {
+        assert_ne!(l.budget, KEEP_ALL);
+        assert_eq!(l.tokens - l.evicted, budget, "list {li}: {l:?}");
+        assert!(l.evicted_total > 0, "list {li} evicted");
+    }
+    let ctl = pollster::block_on(m.pool.read_ctl(rt)).expect("ctl");
+    let lists_n = m.cfg.block_count * m.cfg.head_count_kv;
+    assert!(m.pool.cfg.n_pages - ctl.free_top <= lists_n * budget.div_ceil(m.pool.cfg.page_size), "pages in use within the budget");
+}
