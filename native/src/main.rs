@@ -11,7 +11,9 @@ mod info;
 mod plan;
 mod plot;
 mod replay;
+mod run;
 mod sweep;
+mod view;
 
 #[derive(Parser)]
 #[command(name = "expertkv", version, about = "Expert-aware KV cache management for MoE decoding, on wgpu")]
@@ -63,7 +65,7 @@ enum Command {
     /// Adapters, backend, limits, features and the capability tier.
     Info(info::InfoArgs),
     /// Run the decode pipeline on the built-in synthetic workload.
-    Demo(demo::DemoArgs),
+    Demo(view::DemoCmd),
     /// Benchmark a kernel against the copy roofline measured in the same run.
     Bench(bench::BenchArgs),
     /// Run the pipeline over routers x schedulers x budgets and print a table.
@@ -74,6 +76,10 @@ enum Command {
     Record(replay::RecordArgs),
     /// Read a decode trace back: re-run it and check every step and layer, or summarise it.
     Replay(replay::ReplayArgs),
+    /// Greedy decoding of a real model (GGUF; SmolLM2-135M by default) with its K/V in the pool.
+    Run(run::RunArgs),
+    /// Watch the pipeline in a window (cache heat, shards, evictions, budget split, step time), live or replaying a trace.
+    View(view::ViewArgs),
 }
 
 fn main() -> ExitCode {
@@ -93,12 +99,15 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let r = match &cli.cmd {
         Command::Info(a) => info::run(&cli.gpu, a),
-        Command::Demo(a) => demo::run(&cli.gpu, a),
+        Command::Demo(a) if a.view => view::demo(&cli.gpu, a),
+        Command::Demo(a) => demo::run(&cli.gpu, &a.args),
         Command::Bench(a) => bench::run(&cli.gpu, a),
         Command::Sweep(a) => sweep::run(&cli.gpu, a),
         Command::Plan(a) => plan::run(&cli.gpu, a),
         Command::Record(a) => replay::record(&cli.gpu, a),
         Command::Replay(a) => replay::run(&cli.gpu, a),
+        Command::Run(a) => run::run(&cli.gpu, a),
+        Command::View(a) => view::run(&cli.gpu, a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,38 +1,22 @@
-//! egui panels that draw expertkv pipeline state from snapshots produced by `expertkv-core`.
+//! egui panels that draw expertkv pipeline state from snapshots of `expertkv-core` data.
 //!
-//! For now: shard occupancy and the per-stage step time of a [`StepReport`]. The eframe app
-//! (native and web), cache heat, evictions and the budget split come with the viewer issue.
+//! - [`state`]: the plain data the panels draw ([`Snapshot`] of one step, [`ViewerState`] with a
+//!   ring of recent [`StepReport`](expertkv_core::pipeline::StepReport)s) and the derived grids.
+//! - [`capture`]: fills a [`Snapshot`] from a live [`Pipeline`](expertkv_core::pipeline::Pipeline)
+//!   through its public readers (router statistics per (layer, expert), shard rings, pool counters).
+//! - [`panels`]: expert cache heat (routing frequency, KV occupancy, miss rate per layer and
+//!   expert), shard occupancy (per shard, per ring, per tier), evictions over time, the EKVA
+//!   budget split, per-stage GPU step time, a replayed trace beside its recording.
+//! - [`controls`] and [`app`]: the whole window ([`Viewer`]) and the requests it makes of
+//!   whatever drives the pipeline (pause, step, restart, rebuild with a new router, scheduler,
+//!   codec, budget or allocator). The native shell is `expertkv view` (eframe, wgpu renderer).
 
-use expertkv_core::pipeline::StepReport;
+pub mod app;
+pub mod capture;
+pub mod controls;
+pub mod panels;
+pub mod state;
 
-/// Pages per shard as horizontal bars, scaled to the fullest shard.
-pub fn shard_occupancy(ui: &mut egui::Ui, report: &StepReport) {
-    ui.heading("Shard occupancy");
-    let max = report.shard_pages.iter().copied().max().unwrap_or(0).max(1);
-    for (s, pages) in report.shard_pages.iter().enumerate() {
-        ui.horizontal(|ui| {
-            ui.label(format!("shard {s:>3}"));
-            ui.add(egui::ProgressBar::new(*pages as f32 / max as f32).text(format!("{pages} pages")));
-        });
-    }
-    ui.label(format!("{} of {} pages in use; {} ring overflows", report.pages_in_use, report.pages_total, report.ring_overflows));
-}
-
-/// GPU time of each stage of the step.
-pub fn stage_times(ui: &mut egui::Ui, report: &StepReport) {
-    ui.heading(format!("Step {}", report.step));
-    match &report.gpu {
-        Some(g) => {
-            egui::Grid::new("stage_times").show(ui, |ui| {
-                for (name, ms) in [("append", g.append_ms), ("gather", g.gather_ms), ("attend", g.attend_ms)] {
-                    ui.label(name);
-                    ui.label(format!("{ms:.3} ms"));
-                    ui.end_row();
-                }
-            });
-        }
-        None => {
-            ui.label("no GPU timestamps on this adapter");
-        }
-    }
-}
+pub use app::Viewer;
+pub use controls::{ConfigEdit, Controls, Request};
+pub use state::{Event, HeatMode, RunInfo, Snapshot, Source, ViewerState};

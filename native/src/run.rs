@@ -1,0 +1,132 @@
+//! `expertkv run`: greedy decoding of a real model (a GGUF file, SmolLM2-135M by default) on the
+//! GPU, its K/V in the expertkv pool.
+
+use std::io::Write;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use expertkv_core::config::KvDtype;
+use expertkv_core::forward::{GpuLlama, argmax};
+use expertkv_core::gguf::Gguf;
+use expertkv_core::scheduler_config::SchedulerConfig;
+use expertkv_core::tokenizer::Tokenizer;
+
+use crate::{GpuArgs, fmt_bytes};
+
+#[derive(Args)]
+pub struct RunArgs {
+    /// Text to continue.
+    #[arg(long, default_value = "The capital of France is")]
+    prompt: String,
+    /// Tokens to generate (greedy).
+    #[arg(long, default_value_t = 16)]
+    tokens: u32,
+    /// The model: a GGUF file of a Llama-architecture model [default: models/SmolLM2-135M-Instruct.Q4_1.gguf,
+    /// fetched by scripts/fetch_model.sh].
+    #[arg(long)]
+    model: Option<std::path::PathBuf>,
+    /// K/V storage in the pool: f16 or f32.
+    #[arg(long, default_value = "f16")]
+    dtype: String,
+    /// Evict over the model's own attention: an evicting scheduler (h2o, streaming-llm, lru,
+    /// lru-plus, adakv, duo, fastv-tokens), name or name:key=value,... [default: none, the full
+    /// cache].
+    #[arg(long)]
+    scheduler: Option<String>,
+    /// Tokens each (layer, KV head) keeps under --scheduler.
+    #[arg(long, default_value_t = 64)]
+    budget: u32,
+}
+
+pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
+    let path = a.model.clone().unwrap_or_else(|| {
+        let dir = std::env::var("EXPERTKV_MODELS_DIR").unwrap_or_else(|_| "models".into());
+        std::path::Path::new(&dir).join("SmolLM2-135M-Instruct.Q4_1.gguf")
+    });
+    let bytes = std::fs::read(&path)
+        .with_context(|| format!("cannot read the model {} (scripts/fetch_model.sh fetches SmolLM2-135M)", path.display()))?;
+    let g = Gguf::parse(&bytes).with_context(|| format!("{} is not a readable GGUF file", path.display()))?;
+    let tok = Tokenizer::from_gguf(&g).context("the model's tokenizer")?;
+    if let Some((at, c)) = tok.unencodable(&a.prompt) {
+        bail!("--prompt: character {c:?} at byte {at} has no token in this model's vocabulary");
+    }
+    let mut prompt = tok.encode(&a.prompt);
+    if tok.add_bos()
+        && let Some(b) = tok.bos()
+    {
+        prompt.insert(0, b);
+    }
+    if prompt.is_empty() {
+        bail!("--prompt is empty");
+    }
+    let dtype = KvDtype::parse(&a.dtype)?;
+    let scheduler = match a.scheduler.as_deref() {
+        None | Some("none") => None,
+        Some(spec) => Some((SchedulerConfig::parse(spec)?, a.budget)),
+    };
+    let rt = gpu.runtime()?;
+    println!("adapter: {} ({:?})", rt.info.name, rt.info.backend);
+    let context = prompt.len() as u32 + a.tokens + 1;
+    let t0 = std::time::Instant::now();
+    let mut m =
+        pollster::block_on(GpuLlama::load_with(&rt, &g, 1, context, dtype, scheduler.clone())).context("loading the model onto the GPU")?;
+    let c = m.cfg.clone();
+    println!(
+        "model: {} ({} layers, hidden {}, {}/{} heads x {}, FFN {}, vocab {}), loaded in {:.2} s; KV pool {} ({})",
+        path.display(),
+        c.block_count,
+        c.embedding_length,
+        c.head_count,
+        c.head_count_kv,
+        c.head_dim,
+        c.feed_forward_length,
+        c.vocab_size,
+        t0.elapsed().as_secs_f64(),
+        fmt_bytes(m.pool.cfg.page_bytes() * u64::from(m.pool.cfg.n_pages)),
+        dtype.name()
+    );
+    print!("{}", a.prompt);
+    std::io::stdout().flush()?;
+    let t1 = std::time::Instant::now();
+    let mut logits = Vec::new();
+    for &t in &prompt {
+        logits = pollster::block_on(m.forward(&rt, &[t]))?;
+    }
+    let prefill_s = t1.elapsed().as_secs_f64();
+    let t2 = std::time::Instant::now();
+    let mut generated = Vec::new();
+    for i in 0..a.tokens {
+        let next = argmax(&logits);
+        generated.push(next);
+        print!("{}", String::from_utf8_lossy(&tok.decode_bytes(&[next])?));
+        std::io::stdout().flush()?;
+        if tok.eos() == Some(next) {
+            break;
+        }
+        if i + 1 < a.tokens {
+            logits = pollster::block_on(m.forward(&rt, &[next]))?;
+        }
+    }
+    let decode_s = t2.elapsed().as_secs_f64();
+    println!();
+    if let (Some(s), Some((cfg, budget))) = (&m.scheduler, &scheduler) {
+        let lists = pollster::block_on(s.read_lists(&rt))?;
+        let evicted: u64 = lists.iter().map(|l| u64::from(l.evicted_total)).sum();
+        println!("scheduler {}: {budget} tokens per (layer, KV head); {evicted} token K/V evicted over the run", cfg.name());
+    }
+    let ctl = pollster::block_on(m.pool.read_ctl(&rt))?;
+    let used = m.pool.cfg.n_pages - ctl.free_top;
+    println!(
+        "prefill: {} tokens in {:.2} s; decode: {} tokens in {:.2} s ({:.2} tokens/s, staged: host round trips every layer); \
+context: {} tokens x {} layers; K/V pages in use: {used} ({})",
+        prompt.len(),
+        prefill_s,
+        generated.len(),
+        decode_s,
+        generated.len() as f64 / decode_s.max(1e-9),
+        m.positions[0],
+        c.block_count,
+        fmt_bytes(u64::from(used) * m.pool.cfg.page_bytes())
+    );
+    Ok(())
+}
