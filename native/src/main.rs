@@ -7,6 +7,7 @@ use clap::{Args, Parser, Subcommand};
 
 mod bench;
 mod demo;
+mod eval;
 mod info;
 mod plan;
 mod plot;
@@ -78,6 +79,9 @@ enum Command {
     Replay(replay::ReplayArgs),
     /// Greedy decoding of a real model (GGUF; SmolLM2-135M by default) with its K/V in the pool.
     Run(run::RunArgs),
+    /// A real model's quality per scheduler and budget: perplexity, greedy agreement with the
+    /// full cache, needle retrieval; a table and a plot.
+    Eval(eval::EvalArgs),
     /// Watch the pipeline in a window (cache heat, shards, evictions, budget split, step time), live or replaying a trace.
     View(view::ViewArgs),
 }
@@ -107,6 +111,7 @@ fn main() -> ExitCode {
         Command::Record(a) => replay::record(&cli.gpu, a),
         Command::Replay(a) => replay::run(&cli.gpu, a),
         Command::Run(a) => run::run(&cli.gpu, a),
+        Command::Eval(a) => eval::run(&cli.gpu, a),
         Command::View(a) => view::run(&cli.gpu, a),
     };
     match r {

@@ -36,15 +36,29 @@ pub fn write(dir: &Path, title: &str, points: &[Point]) -> Result<Vec<PathBuf>> 
         ("quality_vs_time.png", "GPU time per decode step (ms)", |p: &Point| p.gpu_ms),
     ] {
         let path = dir.join(file);
-        chart(&path, title, xlabel, points, x_of).with_context(|| format!("drawing {}", path.display()))?;
+        chart(&path, title, xlabel, "attention error (rel. L2, log)", 1e-3, points, x_of)
+            .with_context(|| format!("drawing {}", path.display()))?;
         out.push(path);
     }
     Ok(out)
 }
 
-fn chart(path: &Path, title: &str, xlabel: &str, points: &[Point], x_of: fn(&Point) -> f64) -> Result<()> {
+/// Write `perplexity_vs_bytes.png` into `dir` (`Point::error` holds the perplexity).
+pub fn write_perplexity(dir: &Path, title: &str, points: &[Point]) -> Result<Vec<PathBuf>> {
+    if points.is_empty() {
+        return Ok(Vec::new());
+    }
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    register_font()?;
+    let path = dir.join("perplexity_vs_bytes.png");
+    chart(&path, title, "K/V pages in use (KiB)", "perplexity (log)", f64::INFINITY, points, |p: &Point| p.kv_bytes / 1024.0)
+        .with_context(|| format!("drawing {}", path.display()))?;
+    Ok(vec![path])
+}
+
+fn chart(path: &Path, title: &str, xlabel: &str, ylabel: &str, lo_cap: f64, points: &[Point], x_of: fn(&Point) -> f64) -> Result<()> {
     let errs: Vec<f64> = points.iter().map(|p| p.error).filter(|e| *e > 0.0 && e.is_finite()).collect();
-    let y_lo = errs.iter().cloned().fold(f64::INFINITY, f64::min).min(1e-3) / 2.0;
+    let y_lo = errs.iter().cloned().fold(f64::INFINITY, f64::min).min(lo_cap) / 2.0;
     let y_hi = errs.iter().cloned().fold(0.0, f64::max).max(y_lo * 10.0) * 2.0;
     let xs: Vec<f64> = points.iter().map(x_of).collect();
     let x_hi = xs.iter().cloned().fold(0.0, f64::max) * 1.1 + 1e-9;
@@ -57,13 +71,7 @@ fn chart(path: &Path, title: &str, xlabel: &str, points: &[Point], x_of: fn(&Poi
         .y_label_area_size(72)
         .build_cartesian_2d(0.0..x_hi, (y_lo..y_hi).log_scale())
         .map_err(|e| anyhow!("{e}"))?;
-    chart
-        .configure_mesh()
-        .x_desc(xlabel)
-        .y_desc("attention error (rel. L2, log)")
-        .label_style(("sans-serif", 15))
-        .draw()
-        .map_err(|e| anyhow!("{e}"))?;
+    chart.configure_mesh().x_desc(xlabel).y_desc(ylabel).label_style(("sans-serif", 15)).draw().map_err(|e| anyhow!("{e}"))?;
     let mut series: Vec<&str> = points.iter().map(|p| p.series.as_str()).collect();
     series.dedup();
     series.sort_unstable();

@@ -72,3 +72,42 @@ fn plan_predicts_and_chooses() {
     // 2 x 2 x 4 heads x 514 tokens x 256 B = 2 MiB in f16: only the 25% budget fits in 1 MiB.
     assert!(out.contains("plan: codec none at budget 25%"), "{out}");
 }
+
+#[test]
+fn eval_scores_the_real_model_per_scheduler() {
+    let dir = std::env::var("EXPERTKV_MODELS_DIR").unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../models").into());
+    let model = std::path::Path::new(&dir).join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    if !model.exists() {
+        assert!(std::env::var("EXPERTKV_REQUIRE_MODEL").is_err(), "{} is missing (scripts/fetch_model.sh)", model.display());
+        println!("skipped: {} is missing", model.display());
+        return;
+    }
+    let plots = tmp("eval_plots");
+    let out = ok(&[
+        "eval",
+        "--model",
+        model.to_str().expect("utf-8 path"),
+        "--tokens",
+        "20",
+        "--schedulers",
+        "h2o:sinks=2,window=2",
+        "--budgets",
+        "16",
+        "--needle-filler",
+        "0",
+        "--json",
+        "--plot",
+        plots.to_str().expect("utf-8 path"),
+    ]);
+    let rows: Vec<serde_json::Value> =
+        out.lines().filter(|l| l.starts_with('{')).map(|l| serde_json::from_str(l).expect("json row")).collect();
+    assert_eq!(rows.len(), 2, "{out}");
+    let (full, h2o) = (&rows[0], &rows[1]);
+    assert_eq!(full["scheduler"], "none");
+    assert_eq!(full["greedy_agreement"], 1.0);
+    let ppl = full["perplexity"].as_f64().expect("perplexity");
+    assert!(ppl > 1.0 && ppl < 1000.0, "{ppl}");
+    assert!(h2o["perplexity"].as_f64().expect("perplexity").is_finite());
+    assert!(h2o["kv_bytes"].as_u64() < full["kv_bytes"].as_u64(), "H2O at 16 of 20 tokens holds fewer pages: {out}");
+    assert!(plots.join("perplexity_vs_bytes.png").metadata().expect("plot written").len() > 1000);
+}

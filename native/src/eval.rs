@@ -1,0 +1,271 @@
+//! `expertkv eval`: a real model's quality under each scheduler and budget, against its full
+//! cache: perplexity over a text (teacher forcing), the share of positions whose greedy token
+//! equals the full cache's, and a needle-retrieval check (a fact planted before filler text,
+//! asked for after it). Writes a table, JSON lines and, with --plot, a PNG.
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use expertkv_core::config::KvDtype;
+use expertkv_core::forward::{GpuLlama, argmax};
+use expertkv_core::gguf::Gguf;
+use expertkv_core::runtime::Runtime;
+use expertkv_core::scheduler_config::SchedulerConfig;
+use expertkv_core::tokenizer::Tokenizer;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+
+use crate::{GpuArgs, fmt_bytes};
+
+/// The text the project ships for perplexity (written for expertkv; no license attached).
+const SHIPPED_TEXT: &str = include_str!("../data/eval.txt");
+const NEEDLE: &str = "The secret number is 7291.";
+const NEEDLE_QUESTION: &str = " The secret number is";
+const NEEDLE_ANSWER: &str = "7291";
+
+#[derive(Args)]
+pub struct EvalArgs {
+    /// A UTF-8 text file to measure perplexity on [default: the text the project ships].
+    #[arg(long)]
+    text: Option<std::path::PathBuf>,
+    /// Tokens of the text to use (from its start).
+    #[arg(long, default_value_t = 128)]
+    tokens: u32,
+    /// Schedulers: comma-separated names or name:key=value,... specs (a `key=value` after a comma
+    /// belongs to the spec before it); the full cache always runs first as the reference.
+    #[arg(long, default_value = "h2o:sinks=4,window=16,streaming-llm:sinks=4")]
+    schedulers: String,
+    /// Budgets: tokens per (layer, KV head).
+    #[arg(long, value_delimiter = ',', default_value = "64,32")]
+    budgets: Vec<u32>,
+    /// Filler tokens (from the text) between the planted fact and the question; 0 skips the
+    /// needle check.
+    #[arg(long, default_value_t = 64)]
+    needle_filler: u32,
+    /// The model [default: models/SmolLM2-135M-Instruct.Q4_1.gguf].
+    #[arg(long)]
+    model: Option<std::path::PathBuf>,
+    /// Also draw perplexity against K/V bytes into this folder.
+    #[arg(long, value_name = "DIR")]
+    plot: Option<std::path::PathBuf>,
+    /// One JSON object per configuration instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Serialize)]
+struct Row {
+    scheduler: String,
+    budget: Option<u32>,
+    tokens: usize,
+    perplexity: f64,
+    /// Share of positions whose greedy (argmax) token equals the full cache's.
+    greedy_agreement: f64,
+    /// K/V bytes of the pool's pages in use at the end of the text.
+    kv_bytes: u64,
+    needle_found: Option<bool>,
+    needle_answer: Option<String>,
+}
+
+fn nll(logits: &[f32], target: u32) -> f64 {
+    let m = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let lse = f64::from(m) + logits.iter().map(|x| f64::from(x - m).exp()).sum::<f64>().ln();
+    lse - f64::from(logits[target as usize])
+}
+
+struct Outcome {
+    perplexity: f64,
+    greedy: Vec<u32>,
+    kv_bytes: u64,
+}
+
+fn score(rt: &Runtime, g: &Gguf<'_>, ids: &[u32], sched: Option<(SchedulerConfig, u32)>, bar: &ProgressBar) -> Result<Outcome> {
+    let mut m = pollster::block_on(GpuLlama::load_with(rt, g, 1, ids.len() as u32 + 1, KvDtype::F16, sched))?;
+    let mut total = 0.0;
+    let mut greedy = Vec::new();
+    for (i, &t) in ids.iter().enumerate() {
+        let logits = pollster::block_on(m.forward(rt, &[t]))?;
+        greedy.push(argmax(&logits));
+        if let Some(&next) = ids.get(i + 1) {
+            total += nll(&logits, next);
+        }
+        bar.inc(1);
+    }
+    let ctl = pollster::block_on(m.pool.read_ctl(rt))?;
+    let kv_bytes = u64::from(m.pool.cfg.n_pages - ctl.free_top) * m.pool.cfg.page_bytes();
+    Ok(Outcome { perplexity: (total / (ids.len() - 1) as f64).exp(), greedy, kv_bytes })
+}
+
+fn needle(
+    rt: &Runtime,
+    g: &Gguf<'_>,
+    prompt: &[u32],
+    tok: &Tokenizer,
+    sched: Option<(SchedulerConfig, u32)>,
+    bar: &ProgressBar,
+) -> Result<String> {
+    let mut m = pollster::block_on(GpuLlama::load_with(rt, g, 1, prompt.len() as u32 + 8, KvDtype::F16, sched))?;
+    let mut logits = Vec::new();
+    for &t in prompt {
+        logits = pollster::block_on(m.forward(rt, &[t]))?;
+        bar.inc(1);
+    }
+    // SmolLM2 writes digits one token each: room for a space and the four digits and a bit.
+    let mut out = Vec::new();
+    for i in 0..6 {
+        let next = argmax(&logits);
+        out.push(next);
+        if i < 5 {
+            logits = pollster::block_on(m.forward(rt, &[next]))?;
+        }
+    }
+    Ok(String::from_utf8_lossy(&tok.decode_bytes(&out)?).into_owned())
+}
+
+/// Split `a:k=1,v=2,b,c:x=3` into `a:k=1,v=2`, `b`, `c:x=3`.
+pub fn split_specs(list: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for part in list.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        match out.last_mut() {
+            Some(last) if part.contains('=') && !part.contains(':') && last.contains(':') => {
+                last.push(',');
+                last.push_str(part);
+            }
+            _ => out.push(part.to_string()),
+        }
+    }
+    out
+}
+
+pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
+    let path = a.model.clone().unwrap_or_else(|| {
+        let dir = std::env::var("EXPERTKV_MODELS_DIR").unwrap_or_else(|_| "models".into());
+        std::path::Path::new(&dir).join("SmolLM2-135M-Instruct.Q4_1.gguf")
+    });
+    let bytes = std::fs::read(&path)
+        .with_context(|| format!("cannot read the model {} (scripts/fetch_model.sh fetches SmolLM2-135M)", path.display()))?;
+    let g = Gguf::parse(&bytes).with_context(|| format!("{} is not a readable GGUF file", path.display()))?;
+    let tok = Tokenizer::from_gguf(&g).context("the model's tokenizer")?;
+    let text = match &a.text {
+        Some(p) => std::fs::read_to_string(p).with_context(|| format!("--text: cannot read {} as UTF-8", p.display()))?,
+        None => SHIPPED_TEXT.to_string(),
+    };
+    if let Some((at, c)) = tok.unencodable(&text) {
+        bail!("--text: character {c:?} at byte {at} has no token in this model's vocabulary");
+    }
+    let all = tok.encode(&text);
+    if all.len() < 2 || a.tokens < 2 {
+        bail!("the text needs at least 2 tokens (it has {}, --tokens {})", all.len(), a.tokens);
+    }
+    let ids: Vec<u32> = all.iter().copied().take(a.tokens as usize).collect();
+    if (a.tokens as usize) > all.len() && !a.json {
+        println!("note: the text has {} tokens, fewer than --tokens {}", all.len(), a.tokens);
+    }
+    let mut configs: Vec<Option<(SchedulerConfig, u32)>> = vec![None];
+    for s in split_specs(&a.schedulers).iter().filter(|s| s.as_str() != "none") {
+        let sc = SchedulerConfig::parse(s)?;
+        for &b in &a.budgets {
+            sc.validate(b)?;
+            configs.push(Some((sc.clone(), b)));
+        }
+    }
+    let needle_prompt: Vec<u32> = if a.needle_filler > 0 {
+        let mut p = tok.encode(NEEDLE);
+        p.extend(all.iter().copied().take(a.needle_filler as usize));
+        p.extend(tok.encode(NEEDLE_QUESTION));
+        p
+    } else {
+        Vec::new()
+    };
+    let rt = gpu.runtime()?;
+    if !a.json {
+        println!(
+            "adapter: {} ({:?}); model {}; {} text tokens, needle after {} filler tokens",
+            rt.info.name,
+            rt.info.backend,
+            path.display(),
+            ids.len(),
+            a.needle_filler
+        );
+    }
+    let total = configs.len() as u64 * (ids.len() + needle_prompt.len()) as u64;
+    let bar = if a.json { ProgressBar::hidden() } else { ProgressBar::new(total) };
+    bar.set_style(ProgressStyle::with_template("eval {bar:40} {pos}/{len} tokens {msg}").unwrap_or_else(|_| ProgressStyle::default_bar()));
+    let mut rows = Vec::new();
+    let mut reference: Option<Vec<u32>> = None;
+    for c in &configs {
+        let name = c.as_ref().map_or("none (full cache)".to_string(), |(s, b)| format!("{} @ {b}", s.name()));
+        bar.set_message(name.clone());
+        let o = score(&rt, &g, &ids, c.clone(), &bar).with_context(|| format!("scoring {name}"))?;
+        let reference_greedy = reference.get_or_insert_with(|| o.greedy.clone());
+        let agree = o.greedy.iter().zip(reference_greedy.iter()).filter(|(x, y)| x == y).count() as f64 / o.greedy.len() as f64;
+        let answer = if needle_prompt.is_empty() {
+            None
+        } else {
+            Some(needle(&rt, &g, &needle_prompt, &tok, c.clone(), &bar).with_context(|| format!("needle of {name}"))?)
+        };
+        let row = Row {
+            scheduler: c.as_ref().map_or("none".into(), |(s, _)| s.name().to_string()),
+            budget: c.as_ref().map(|(_, b)| *b),
+            tokens: ids.len(),
+            perplexity: o.perplexity,
+            greedy_agreement: agree,
+            kv_bytes: o.kv_bytes,
+            needle_found: answer.as_ref().map(|s| s.contains(NEEDLE_ANSWER)),
+            needle_answer: answer,
+        };
+        if a.json {
+            println!("{}", serde_json::to_string(&row)?);
+        }
+        rows.push(row);
+    }
+    bar.finish_and_clear();
+    if !a.json {
+        println!("| scheduler | budget | perplexity | greedy agreement | K/V in use | needle |");
+        println!("|---|---|---|---|---|---|");
+        for r in &rows {
+            println!(
+                "| {} | {} | {:.2} | {:.1}% | {} | {} |",
+                r.scheduler,
+                r.budget.map_or("all".into(), |b| b.to_string()),
+                r.perplexity,
+                100.0 * r.greedy_agreement,
+                fmt_bytes(r.kv_bytes),
+                match (&r.needle_found, &r.needle_answer) {
+                    (Some(f), Some(s)) => format!("{} ({s:?})", if *f { "found" } else { "missed" }),
+                    _ => "-".into(),
+                }
+            );
+        }
+    }
+    if let Some(dir) = &a.plot {
+        let points: Vec<crate::plot::Point> = rows
+            .iter()
+            .map(|r| crate::plot::Point {
+                label: format!("{} {}", r.scheduler, r.budget.map_or("all".into(), |b| b.to_string())),
+                series: r.scheduler.clone(),
+                kv_bytes: r.kv_bytes as f64,
+                gpu_ms: 0.0,
+                error: r.perplexity,
+            })
+            .collect();
+        let title = format!("{} tokens of text, {}", ids.len(), path.file_name().and_then(|f| f.to_str()).unwrap_or("model"));
+        for p in crate::plot::write_perplexity(dir, &title, &points)? {
+            if !a.json {
+                println!("plot: {}", p.display());
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split_specs;
+
+    #[test]
+    fn specs_split_at_names_not_at_parameters() {
+        assert_eq!(split_specs("h2o:sinks=4,window=16,streaming-llm:sinks=4"), ["h2o:sinks=4,window=16", "streaming-llm:sinks=4"]);
+        assert_eq!(split_specs("none, h2o ,lru"), ["none", "h2o", "lru"]);
+        assert_eq!(split_specs(""), Vec::<String>::new());
+    }
+}
