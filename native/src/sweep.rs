@@ -13,7 +13,8 @@ use crate::{GpuArgs, fmt_bytes};
 /// print one table row per combination.
 #[derive(Args)]
 pub struct SweepArgs {
-    /// Schedulers (comma-separated names or name:key=value specs; `none` = full cache).
+    /// Schedulers (comma-separated names or name:key=value,... specs, a `key=value` after a comma
+    /// belonging to the spec before it; `none` = full cache).
     #[arg(long, value_delimiter = ',', default_value = "h2o,streaming-llm,lru,lru-plus,adakv,duo")]
     schedulers: Vec<String>,
     /// Budgets: tokens per (layer, sequence, KV head) or shares of the context.
@@ -75,11 +76,15 @@ struct Row {
 
 pub fn run(gpu: &GpuArgs, a: &SweepArgs) -> Result<()> {
     let rt = gpu.runtime()?;
-    let routers: Vec<RouterConfig> = a.routers.iter().map(|r| RouterConfig::parse(r)).collect::<Result<_, _>>()?;
-    let schedulers: Vec<Option<SchedulerConfig>> =
-        a.schedulers.iter().map(|s| if s == "none" { Ok(None) } else { SchedulerConfig::parse(s).map(Some) }).collect::<Result<_, _>>()?;
-    let codecs: Vec<Codec> = a.codecs.iter().map(|c| Codec::parse(c)).collect::<Result<_, _>>()?;
-    let allocators: Vec<Option<EkvaConfig>> = a.allocators.iter().map(|s| EkvaConfig::parse(s)).collect::<Result<_, _>>()?;
+    // clap splits at every comma; put `key=value` parts back on the spec they belong to.
+    let specs = |v: &[String]| crate::eval::split_specs(&v.join(","));
+    let routers: Vec<RouterConfig> = specs(&a.routers).iter().map(|r| RouterConfig::parse(r)).collect::<Result<_, _>>()?;
+    let schedulers: Vec<Option<SchedulerConfig>> = specs(&a.schedulers)
+        .iter()
+        .map(|s| if s == "none" { Ok(None) } else { SchedulerConfig::parse(s).map(Some) })
+        .collect::<Result<_, _>>()?;
+    let codecs: Vec<Codec> = specs(&a.codecs).iter().map(|c| Codec::parse(c)).collect::<Result<_, _>>()?;
+    let allocators: Vec<Option<EkvaConfig>> = specs(&a.allocators).iter().map(|s| EkvaConfig::parse(s)).collect::<Result<_, _>>()?;
     let mut grid = Vec::new();
     for r in &routers {
         for c in &codecs {
