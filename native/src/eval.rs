@@ -137,12 +137,7 @@ pub fn split_specs(list: &str) -> Vec<String> {
 }
 
 pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
-    let path = a.model.clone().unwrap_or_else(|| {
-        let dir = std::env::var("EXPERTKV_MODELS_DIR").unwrap_or_else(|_| "models".into());
-        std::path::Path::new(&dir).join("SmolLM2-135M-Instruct.Q4_1.gguf")
-    });
-    let bytes = std::fs::read(&path)
-        .with_context(|| format!("cannot read the model {} (scripts/fetch_model.sh fetches SmolLM2-135M)", path.display()))?;
+    let (path, bytes) = crate::run::read_model(a.model.as_deref())?;
     let g = Gguf::parse(&bytes).with_context(|| format!("{} is not a readable GGUF file", path.display()))?;
     let tok = Tokenizer::from_gguf(&g).context("the model's tokenizer")?;
     let text = match &a.text {

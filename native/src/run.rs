@@ -38,13 +38,20 @@ pub struct RunArgs {
     budget: u32,
 }
 
-pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
-    let path = a.model.clone().unwrap_or_else(|| {
+/// The model file's path (`--model`, else SmolLM2 under `EXPERTKV_MODELS_DIR` or `models/`) and
+/// its bytes; `run` and `eval` share it.
+pub fn read_model(model: Option<&std::path::Path>) -> Result<(std::path::PathBuf, Vec<u8>)> {
+    let path = model.map(std::path::Path::to_path_buf).unwrap_or_else(|| {
         let dir = std::env::var("EXPERTKV_MODELS_DIR").unwrap_or_else(|_| "models".into());
         std::path::Path::new(&dir).join("SmolLM2-135M-Instruct.Q4_1.gguf")
     });
     let bytes = std::fs::read(&path)
         .with_context(|| format!("cannot read the model {} (scripts/fetch_model.sh fetches SmolLM2-135M)", path.display()))?;
+    Ok((path, bytes))
+}
+
+pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
+    let (path, bytes) = read_model(a.model.as_deref())?;
     let g = Gguf::parse(&bytes).with_context(|| format!("{} is not a readable GGUF file", path.display()))?;
     let tok = Tokenizer::from_gguf(&g).context("the model's tokenizer")?;
     if let Some((at, c)) = tok.unencodable(&a.prompt) {
