@@ -4,6 +4,7 @@
 pub mod attend;
 pub mod bench;
 pub mod config;
+pub mod digest;
 pub mod error;
 pub mod evict;
 pub mod flexgen;

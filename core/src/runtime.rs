@@ -227,7 +227,14 @@ impl Runtime {
     }
 
     async fn open(instance: wgpu::Instance, adapter: wgpu::Adapter, checks: ShaderChecks) -> Result<Runtime> {
-        let info = adapter.get_info();
+        let mut info = adapter.get_info();
+        if info.name.is_empty() {
+            // Browsers do not name their WebGPU adapter.
+            info.name = match info.backend {
+                wgpu::Backend::BrowserWebGpu => "browser WebGPU adapter".into(),
+                b => format!("unnamed {b:?} adapter"),
+            };
+        }
         let af = adapter.features();
         let wanted = wgpu::Features::SHADER_F16
             | wgpu::Features::SUBGROUP

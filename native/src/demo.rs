@@ -110,6 +110,10 @@ pub struct DemoArgs {
     /// One JSON object per step (and a final summary) instead of a table.
     #[arg(long)]
     json: bool,
+    /// Print a checksum of every step's decisions (routing, evictions, pool placement), the number
+    /// the browser demo's test compares with the page's (`scripts/web.sh test`).
+    #[arg(long)]
+    checksum: bool,
     /// Also write every step's metrics to FILE: CSV when it ends in .csv, JSON lines otherwise.
     #[arg(long, value_name = "FILE")]
     metrics: Option<std::path::PathBuf>,
@@ -358,8 +362,12 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
     }
     let mut gpu_totals = Vec::new();
     let mut last_split = None;
+    let mut digest = expertkv_core::digest::DecisionDigest::new();
     for _ in 0..cfg.steps {
         let r = pollster::block_on(p.step(&rt)).context("decode step")?;
+        if a.checksum {
+            pollster::block_on(digest.absorb_step(&rt, &p)).context("decision checksum")?;
+        }
         if !r.expert_budget.is_empty() {
             last_split = Some((r.expert_budget.clone(), r.expert_importance.clone()));
         }
@@ -410,6 +418,13 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
             );
         }
         println!(" {:>6.3} {:>5.1}%  {:?}", r.routing_entropy, 100.0 * r.miss_rate, r.shard_pages);
+    }
+    if a.checksum {
+        if a.json {
+            println!("{}", serde_json::json!({"checksum": digest.hex(), "steps": digest.steps()}));
+        } else {
+            println!("decision checksum over {} steps: {}", digest.steps(), digest.hex());
+        }
     }
     if a.probe_attention {
         let v = pollster::block_on(p.probe_attention(&rt, 5, 20)).context("attention probe")?;

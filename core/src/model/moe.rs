@@ -170,9 +170,9 @@ impl Moefication {
     /// targets.
     pub fn from_weights(w: &LlamaWeights, config: &MoeConfig) -> Result<Self> {
         config.validate(w.config.feed_forward_length as usize)?;
-        let n = w.layers.len();
         #[cfg(not(target_arch = "wasm32"))]
         let layers: Vec<Result<MoeLayer>> = {
+            let n = w.layers.len();
             let threads = std::thread::available_parallelism().map_or(1, |t| t.get()).clamp(1, n.max(1));
             let mut slots: Vec<Option<Result<MoeLayer>>> = (0..n).map(|_| None).collect();
             std::thread::scope(|s| {

@@ -299,3 +299,36 @@ fn a_fused_step_does_what_the_staged_step_does() {
         }
     }
 }
+
+/// The browser test compares the page's decision checksum with the native one: the checksum must
+/// repeat for the same run, whichever way the step is staged, and tell different runs apart.
+#[test]
+fn the_decision_checksum_repeats_and_tells_runs_apart() {
+    let rt = rt();
+    let digest = |seed: u64, budget: &str, verify: bool| {
+        let cfg = DemoConfig {
+            workload: WorkloadConfig { seed, n_seqs: 2, layers: 2, prompt_len: 128, n_experts: 8, ..Default::default() },
+            steps: 4,
+            budget: budget.into(),
+            verify,
+            reference_attention: false,
+            ..Default::default()
+        };
+        let mut p = pollster::block_on(Pipeline::new(rt, cfg)).expect("pipeline");
+        pollster::block_on(p.prefill(rt, &mut |_, _| {})).expect("prefill");
+        let mut d = expertkv_core::digest::DecisionDigest::new();
+        for _ in 0..4 {
+            pollster::block_on(p.step(rt)).expect("step");
+            pollster::block_on(d.absorb_step(rt, &p)).expect("digest");
+        }
+        assert_eq!(d.steps(), 4);
+        d.value()
+    };
+    for seed in seeds("decision_checksum", 2) {
+        let a = digest(seed, "25%", false);
+        assert_eq!(a, digest(seed, "25%", false), "seed {seed}: the same run gave two checksums");
+        assert_eq!(a, digest(seed, "25%", true), "seed {seed}: the staged step (CPU lockstep) decided differently");
+        assert_ne!(a, digest(seed ^ 1, "25%", false), "seed {seed}: another workload seed, same checksum");
+        assert_ne!(a, digest(seed, "50%", false), "seed {seed}: another budget, same checksum");
+    }
+}

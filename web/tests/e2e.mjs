@@ -1,0 +1,97 @@
+// The browser demo's end-to-end test, run by `scripts/web.sh test`:
+//   node e2e.mjs URL EXPECTED_CHECKSUM STEPS SCREENSHOT.png
+// 1. Headless Chromium with WebGPU (SwiftShader, on the CPU) loads the page, which runs
+//    web/browser.toml for STEPS decode steps; the page's decision checksum (routing, evictions,
+//    pool placement of every step) must equal the native run's, and a screenshot of the viewer
+//    beside the live pipeline is saved.
+// 2. The same page in a Chromium without WebGPU must say so in the page instead of failing.
+// Exit status 0 only when both hold.
+import { chromium } from 'playwright-core';
+
+const [url, expected, stepsArg, shot] = process.argv.slice(2);
+if (!url || !expected || !stepsArg || !shot) {
+  console.error('usage: node e2e.mjs URL EXPECTED_CHECKSUM STEPS SCREENSHOT.png');
+  process.exit(2);
+}
+const steps = Number(stepsArg);
+const executablePath = process.env.CHROMIUM || '/usr/bin/chromium';
+const common = ['--no-sandbox', '--disable-quic', '--no-first-run', '--disable-background-networking',
+  '--disable-component-update', '--disable-sync'];
+const timeoutMs = Number(process.env.EXPERTKV_WEB_TIMEOUT_S || 900) * 1000;
+
+function fail(msg) {
+  console.error(`FAIL: ${msg}`);
+  process.exitCode = 1;
+}
+
+async function withWebGpu() {
+  const browser = await chromium.launch({ executablePath, headless: true, args: [...common, '--enable-unsafe-webgpu'] });
+  try {
+    const page = await browser.newPage({ viewport: { width: 1400, height: 900 } });
+    page.on('console', (m) => { if (m.type() === 'error' || m.type() === 'warning') console.log(`[page ${m.type()}] ${m.text()}`); });
+    page.on('pageerror', (e) => console.log(`[page error] ${e.message}`));
+    const target = `${url}${url.includes('?') ? '&' : '?'}steps=${steps}`;
+    console.log(`loading ${target} (Chromium at ${executablePath}, WebGPU on)`);
+    await page.goto(target);
+    const t0 = Date.now();
+    let last = '';
+    for (;;) {
+      const s = await page.evaluate(() => window.expertkv || null);
+      const line = s ? `${s.phase} ${s.stepsDone ?? 0}/${s.steps ?? '?'}${s.adapter ? ' on ' + s.adapter : ''}` : 'loading';
+      if (line !== last) {
+        console.log(`  [${((Date.now() - t0) / 1000).toFixed(1)} s] ${line}`);
+        last = line;
+      }
+      if (s && s.error) {
+        fail(`the page stopped: ${s.error}`);
+        await page.screenshot({ path: shot });
+        return;
+      }
+      if (s && s.phase === 'finished') break;
+      if (Date.now() - t0 > timeoutMs) {
+        fail(`no result within ${timeoutMs / 1000} s (last state: ${line})`);
+        await page.screenshot({ path: shot });
+        return;
+      }
+      await page.waitForTimeout(500);
+    }
+    const r = await page.evaluate(() => window.expertkv);
+    // Let the viewer draw the last step before the screenshot.
+    await page.waitForTimeout(1500);
+    await page.screenshot({ path: shot });
+    console.log(`page: ${r.stepsDone} steps, checksum ${r.checksum}, adapter ${r.adapter}; native: ${expected}`);
+    console.log(`screenshot: ${shot}`);
+    if (r.stepsDone !== steps) fail(`the page ran ${r.stepsDone} steps, expected ${steps}`);
+    if (!r.shippedConfig) fail('the page ran an edited configuration');
+    if (r.checksum !== expected) fail(`decision checksum ${r.checksum} differs from the native run's ${expected}`);
+  } finally {
+    await browser.close();
+  }
+}
+
+async function withoutWebGpu() {
+  const browser = await chromium.launch({ executablePath, headless: true, args: common });
+  try {
+    const page = await browser.newPage();
+    await page.goto(url);
+    await page.waitForFunction(() => window.expertkv && (window.expertkv.phase === 'unsupported' || window.expertkv.error), null, {
+      timeout: 60000,
+    });
+    const r = await page.evaluate(() => ({ state: window.expertkv, shown: !document.getElementById('nogpu').hidden,
+      text: document.getElementById('nogpu').innerText }));
+    console.log(`without WebGPU: phase ${r.state.phase}; the page says: ${r.text.split('\n')[0]}`);
+    if (r.state.phase !== 'unsupported' || !r.shown || !/WebGPU/.test(r.text)) {
+      fail(`a browser without WebGPU should see the message, got ${JSON.stringify(r.state)}`);
+    }
+  } finally {
+    await browser.close();
+  }
+}
+
+await withWebGpu();
+await withoutWebGpu();
+if (process.exitCode) {
+  console.error('browser test failed');
+} else {
+  console.log('browser test passed: the page\'s decisions equal the native run\'s');
+}
