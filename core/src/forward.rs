@@ -15,7 +15,8 @@ use crate::config::{Codec, KvDtype, PoolConfig, ShardMap};
 use crate::error::{Error, Result};
 use crate::evict::Scheduler;
 use crate::gguf::{Gguf, LlamaConfig};
-use crate::ops::{GpuMatrix, MATVEC_MAX_TOKENS, ModelKernels, WeightFormat};
+use crate::model::moe::{Moefication, top_k};
+use crate::ops::{GpuMatrix, MATVEC_MAX_TOKENS, ModelKernels, MoeFfn, WeightFormat};
 use crate::pool::KvPool;
 use crate::reference::pool::{NewToken, encode_values};
 use crate::runtime::Runtime;
@@ -49,6 +50,19 @@ struct Scratch {
     logits: wgpu::Buffer,
 }
 
+/// The MoEfied FFNs ([`GpuLlama::set_moe`]): per layer the router's centroids (`[E][hidden]`,
+/// f32, scored with the matrix-vector kernel) and the permuted FFN.
+struct GpuMoe {
+    top_k: u32,
+    n_experts: u32,
+    layers: Vec<(GpuMatrix, MoeFfn)>,
+    scores: wgpu::Buffer,
+    sel: wgpu::Buffer,
+    act: wgpu::Buffer,
+    /// Tokens routed to each (layer, expert) so far, `layer * E + e`.
+    counts: Vec<u64>,
+}
+
 pub struct GpuLlama {
     pub cfg: LlamaConfig,
     kernels: ModelKernels,
@@ -61,6 +75,7 @@ pub struct GpuLlama {
     /// Evicts after every step down to its budget (tokens per layer x sequence x KV head).
     pub scheduler: Option<Scheduler>,
     s: Scratch,
+    moe: Option<GpuMoe>,
     pub n_seqs: u32,
     /// Next position of every sequence.
     pub positions: Vec<u32>,
@@ -211,10 +226,78 @@ impl GpuLlama {
             attn,
             scheduler,
             s,
+            moe: None,
             n_seqs,
             positions: vec![0; n_seqs as usize],
             step: 0,
         })
+    }
+
+    /// Replace every layer's dense FFN with `moe`'s experts (clustered from this model's weights,
+    /// [`Moefication::from_weights`]): the router scores each token's FFN input against the
+    /// centroids on the GPU, the host picks the top k (as the CPU reference does), and only those
+    /// experts' neurons are read and evaluated. The dense FFN matrices stay loaded.
+    pub fn set_moe(&mut self, rt: &Runtime, g: &Gguf<'_>, moe: &Moefication) -> Result<()> {
+        let c = &self.cfg;
+        let (hidden, ffn) = (c.embedding_length, c.feed_forward_length);
+        if moe.layers.len() != c.block_count as usize {
+            return Err(Error::Model(format!("{} MoEfied layers for a model of {}", moe.layers.len(), c.block_count)));
+        }
+        let e = moe.config.experts as u32;
+        let k = moe.config.top_k as u32;
+        let mut layers = Vec::new();
+        for (l, ml) in moe.layers.iter().enumerate() {
+            if ml.neurons.len() != ffn as usize || ml.centroids.len() != (e * hidden) as usize {
+                return Err(Error::Model(format!("layer {l}: the experts were made for another model shape")));
+            }
+            let n = |s: &str| format!("blk.{l}.{s}.weight");
+            let gate = g.tensor(&n("ffn_gate")).ok_or_else(|| Error::Model(format!("tensor `{}` is missing", n("ffn_gate"))))?;
+            let format = WeightFormat::from_ggml(gate.ggml_type())?;
+            let up = g.tensor(&n("ffn_up")).ok_or_else(|| Error::Model(format!("tensor `{}` is missing", n("ffn_up"))))?;
+            if WeightFormat::from_ggml(up.ggml_type())? != format {
+                return Err(Error::Model(format!("layer {l}: gate and up differ in format")));
+            }
+            let down_name = n("ffn_down");
+            let down = g.tensor(&down_name).ok_or_else(|| Error::Model(format!("tensor `{down_name}` is missing")))?;
+            let mut down_f = vec![0f32; down.n_elements() as usize];
+            crate::gguf::dequantize(down.ggml_type(), g.tensor_data(&down_name)?, &mut down_f)?;
+            let ffn_l = MoeFfn::upload(
+                rt,
+                &format!("blk.{l} moe"),
+                format,
+                hidden,
+                g.tensor_data(&n("ffn_gate"))?,
+                g.tensor_data(&n("ffn_up"))?,
+                &down_f,
+                &ml.neurons,
+                &ml.offsets,
+            )?;
+            let cbytes: Vec<u8> = ml.centroids.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let centroids = GpuMatrix::upload(rt, &format!("blk.{l} router"), WeightFormat::F32, e, hidden, &cbytes)?;
+            layers.push((centroids, ffn_l));
+        }
+        let max_size = layers.iter().map(|(_, f)| f.max_size).max().unwrap_or(1).max(1);
+        let n = self.n_seqs;
+        self.moe = Some(GpuMoe {
+            top_k: k,
+            n_experts: e,
+            layers,
+            scores: rt.storage("moe scores", u64::from(n * e) * 4),
+            sel: rt.storage("moe sel", u64::from(n * k) * 4),
+            act: rt.storage("moe act", u64::from(n * k * max_size) * 4),
+            counts: vec![0; (c.block_count * e) as usize],
+        });
+        rt.check("moe upload")
+    }
+
+    /// `(E, k)` of the MoEfied FFNs, `None` for the dense model.
+    pub fn moe_shape(&self) -> Option<(u32, u32)> {
+        self.moe.as_ref().map(|m| (m.n_experts, m.top_k))
+    }
+
+    /// Tokens routed to each (layer, expert) so far (`layer * E + e`); empty for the dense model.
+    pub fn expert_counts(&self) -> &[u64] {
+        self.moe.as_ref().map_or(&[], |m| &m.counts)
     }
 
     fn submit(&self, rt: &Runtime, label: &str, f: impl FnOnce(&mut wgpu::ComputePass<'_>) -> Result<()>) -> Result<()> {
@@ -246,6 +329,8 @@ impl GpuLlama {
         rt.queue.write_buffer(&self.s.positions, 0, bytemuck::cast_slice(&self.positions));
         let k = &self.kernels;
         let s = &self.s;
+        // The experts each layer's router chose, [layer][seq][k] (MoEfied models only).
+        let mut chosen: Vec<Vec<u32>> = Vec::new();
         self.submit(rt, "model embed", |p| {
             k.embed(rt, p, &self.embed, &s.tokens, &s.h, n);
             Ok(())
@@ -278,13 +363,35 @@ impl GpuLlama {
             self.attn.run(rt, l as u32, self.step)?;
             let out = self.attn.read_output(rt).await?;
             rt.queue.write_buffer(&s.attn, 0, bytemuck::cast_slice(&out));
-            self.submit(rt, "model attention output and FFN", |p| {
+            let Some(moe) = &self.moe else {
+                self.submit(rt, "model attention output and FFN", |p| {
+                    k.matvec(rt, p, &w.wo, &s.attn, &s.o, n)?;
+                    k.residual(rt, p, &s.o, &s.h, n * h);
+                    k.rmsnorm(rt, p, &s.h, &w.ffn_norm, &s.xn, n, h, c.rms_norm_eps);
+                    k.matvec(rt, p, &w.gate_up, &s.xn, &s.gu, n)?;
+                    k.swiglu(rt, p, &s.gu, &s.act, n, c.feed_forward_length);
+                    k.matvec(rt, p, &w.down, &s.act, &s.o, n)?;
+                    k.residual(rt, p, &s.o, &s.h, n * h);
+                    Ok(())
+                })?;
+                continue;
+            };
+            // MoEfied: score the FFN input against the centroids, pick the top k on the host,
+            // then evaluate only those experts' neurons.
+            let (centroids, ffn) = &moe.layers[l];
+            self.submit(rt, "model attention output and router", |p| {
                 k.matvec(rt, p, &w.wo, &s.attn, &s.o, n)?;
                 k.residual(rt, p, &s.o, &s.h, n * h);
                 k.rmsnorm(rt, p, &s.h, &w.ffn_norm, &s.xn, n, h, c.rms_norm_eps);
-                k.matvec(rt, p, &w.gate_up, &s.xn, &s.gu, n)?;
-                k.swiglu(rt, p, &s.gu, &s.act, n, c.feed_forward_length);
-                k.matvec(rt, p, &w.down, &s.act, &s.o, n)?;
+                k.matvec(rt, p, centroids, &s.xn, &moe.scores, n)
+            })?;
+            let e = moe.n_experts as usize;
+            let scores: Vec<f32> = rt.read(&moe.scores, 0, u64::from(n) * e as u64).await?;
+            let sel: Vec<u32> = scores.chunks(e).flat_map(|sc| top_k(sc, moe.top_k as usize)).map(|x| x as u32).collect();
+            rt.queue.write_buffer(&moe.sel, 0, bytemuck::cast_slice(&sel));
+            chosen.push(sel);
+            self.submit(rt, "model MoE FFN", |p| {
+                k.moe_ffn(rt, p, ffn, &s.xn, &moe.sel, &moe.act, &s.o, n, moe.top_k)?;
                 k.residual(rt, p, &s.o, &s.h, n * h);
                 Ok(())
             })?;
@@ -295,6 +402,14 @@ impl GpuLlama {
             k.matvec(rt, p, head, &s.xn, &s.logits, n)
         })?;
         self.pool.check_errors(rt, n * c.block_count).await?;
+        if let Some(moe) = &mut self.moe {
+            let e = moe.n_experts as usize;
+            for (l, sel) in chosen.iter().enumerate() {
+                for &x in sel {
+                    moe.counts[l * e + x as usize] += 1;
+                }
+            }
+        }
         for p in &mut self.positions {
             *p += 1;
         }

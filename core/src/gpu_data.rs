@@ -417,6 +417,21 @@ pub struct MatVecParams {
     pub _pad: u32,
 }
 
+/// Must match `MoeParams` in `shaders/wgsl/model/moe.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct MoeParams {
+    pub hidden: u32,
+    pub ffn: u32,
+    pub top_k: u32,
+    pub max_size: u32,
+    pub n_tokens: u32,
+    pub n_experts: u32,
+    pub _pad0: u32,
+    pub _pad1: u32,
+}
+const _: () = assert!(std::mem::size_of::<MoeParams>() == 32);
+
 /// Must match `ModelOpParams` in `shaders/wgsl/model/norm_rope.wgsl`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Pod, Zeroable)]

@@ -7,7 +7,7 @@ use expertkv_shaders::Kernel;
 
 use crate::error::{Error, Result};
 use crate::gguf::GgmlType;
-use crate::gpu_data::{MatVecParams, ModelOpParams};
+use crate::gpu_data::{MatVecParams, ModelOpParams, MoeParams};
 use crate::runtime::Runtime;
 
 /// Tokens one matrix-vector call takes (`MAX_TOKENS` in `model/matvec.wgsl`).
@@ -109,9 +109,83 @@ impl GpuMatrix {
     }
 }
 
+/// One layer's MoEfied FFN on the GPU (`model/moe.wgsl`): the FFN permuted so that every
+/// expert's neurons are contiguous. Gate and up rows are the file's block rows copied in expert
+/// order (no requantisation); Wdown is held transposed in f32 (`[ffn][hidden]`), since its
+/// neurons are columns and a column subset of a block format is not a block format.
+pub struct MoeFfn {
+    /// `[2 * ffn][hidden]`: gate rows then up rows, in expert order.
+    pub gate_up: GpuMatrix,
+    pub down_t: wgpu::Buffer,
+    pub offsets: wgpu::Buffer,
+    pub n_experts: u32,
+    pub max_size: u32,
+    pub ffn: u32,
+    pub hidden: u32,
+}
+
+impl MoeFfn {
+    /// From the file's `gate` and `up` bytes (`[ffn][hidden]` each, in `format`), Wdown as f32
+    /// (`[hidden][ffn]`, row-major as in the file) and the experts (`neurons` grouped by expert,
+    /// expert `e` = `neurons[offsets[e]..offsets[e + 1]]`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn upload(
+        rt: &Runtime,
+        label: &str,
+        format: WeightFormat,
+        hidden: u32,
+        gate: &[u8],
+        up: &[u8],
+        down: &[f32],
+        neurons: &[u32],
+        offsets: &[u32],
+    ) -> Result<MoeFfn> {
+        let ffn = neurons.len();
+        let h = hidden as usize;
+        let row_bytes = h / 32 * format.file_block_bytes();
+        if h == 0 || !h.is_multiple_of(32) || gate.len() != ffn * row_bytes || up.len() != ffn * row_bytes || down.len() != ffn * h {
+            return Err(Error::Input(format!("{label}: FFN matrices do not match {ffn} neurons x {hidden} features")));
+        }
+        let n_experts = offsets.len().saturating_sub(1);
+        let mut seen = vec![false; ffn];
+        let ok = n_experts > 0
+            && offsets[0] == 0
+            && offsets[n_experts] as usize == ffn
+            && offsets.windows(2).all(|w| w[0] <= w[1])
+            && neurons.iter().all(|&n| (n as usize) < ffn && !std::mem::replace(&mut seen[n as usize], true));
+        if !ok {
+            return Err(Error::Input(format!("{label}: the experts do not partition the {ffn} neurons")));
+        }
+        let mut permuted = Vec::with_capacity(2 * ffn * row_bytes);
+        for m in [gate, up] {
+            for &n in neurons {
+                permuted.extend_from_slice(&m[n as usize * row_bytes..(n as usize + 1) * row_bytes]);
+            }
+        }
+        let mut down_t = vec![0f32; ffn * h];
+        for (i, &n) in neurons.iter().enumerate() {
+            for o in 0..h {
+                down_t[i * h + o] = down[o * ffn + n as usize];
+            }
+        }
+        let max_size = offsets.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
+        Ok(MoeFfn {
+            gate_up: GpuMatrix::upload(rt, label, format, 2 * ffn as u32, hidden, &permuted)?,
+            down_t: rt.storage_init(label, &down_t),
+            offsets: rt.storage_init(label, offsets),
+            n_experts: n_experts as u32,
+            max_size,
+            ffn: ffn as u32,
+            hidden,
+        })
+    }
+}
+
 /// The compiled model kernels.
 pub struct ModelKernels {
     matvec: [wgpu::ComputePipeline; 3],
+    moe_gate_up: [wgpu::ComputePipeline; 3],
+    moe_down: wgpu::ComputePipeline,
     embed: [wgpu::ComputePipeline; 3],
     rmsnorm: wgpu::ComputePipeline,
     rope: wgpu::ComputePipeline,
@@ -123,10 +197,12 @@ impl ModelKernels {
     pub async fn new(rt: &Runtime) -> Result<ModelKernels> {
         let mut matvec = Vec::new();
         let mut embed = Vec::new();
+        let mut moe_gate_up = Vec::new();
         for f in 0..3u32 {
             let d = [("FORMAT", format!("{f}u"))];
             matvec.push(rt.pipeline_with(Kernel::ModelMatVec, &d, &[]).await?);
             embed.push(rt.pipeline_with(Kernel::ModelEmbed, &d, &[]).await?);
+            moe_gate_up.push(rt.pipeline_with(Kernel::ModelMoeGateUp, &d, &[]).await?);
         }
         let arr = |v: Vec<wgpu::ComputePipeline>| -> Result<[wgpu::ComputePipeline; 3]> {
             v.try_into().map_err(|_| Error::Input("three weight formats".into()))
@@ -134,6 +210,8 @@ impl ModelKernels {
         Ok(ModelKernels {
             matvec: arr(matvec)?,
             embed: arr(embed)?,
+            moe_gate_up: arr(moe_gate_up)?,
+            moe_down: rt.pipeline(Kernel::ModelMoeDown, &[]).await?,
             rmsnorm: rt.pipeline(Kernel::ModelRmsNorm, &[]).await?,
             rope: rt.pipeline(Kernel::ModelRope, &[]).await?,
             swiglu: rt.pipeline(Kernel::ModelSwiglu, &[]).await?,
@@ -160,6 +238,61 @@ impl ModelKernels {
         pass.set_pipeline(pipe);
         pass.set_bind_group(0, &bg, &[]);
         pass.dispatch_workgroups(w.rows.min(65_535), w.rows.div_ceil(65_535), 1);
+        Ok(())
+    }
+
+    /// The MoEfied FFN of `n_tokens` tokens: `x` `[n_tokens][hidden]`, `sel` the chosen experts
+    /// `[n_tokens][top_k]`, `act` scratch of `n_tokens x top_k x max_size` floats, `y`
+    /// `[n_tokens][hidden]` (overwritten).
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_ffn(
+        &self,
+        rt: &Runtime,
+        pass: &mut wgpu::ComputePass<'_>,
+        m: &MoeFfn,
+        x: &wgpu::Buffer,
+        sel: &wgpu::Buffer,
+        act: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        n_tokens: u32,
+        top_k: u32,
+    ) -> Result<()> {
+        if n_tokens == 0 || top_k == 0 || top_k > m.n_experts {
+            return Err(Error::Input(format!("moe_ffn: {n_tokens} tokens, top-{top_k} of {} experts", m.n_experts)));
+        }
+        let need = u64::from(n_tokens) * u64::from(top_k) * u64::from(m.max_size) * 4;
+        if act.size() < need || sel.size() < u64::from(n_tokens * top_k) * 4 {
+            return Err(Error::Input("moe_ffn: scratch buffers too small".into()));
+        }
+        let p = rt.uniform(
+            "model/moe params",
+            &MoeParams {
+                hidden: m.hidden,
+                ffn: m.ffn,
+                top_k,
+                max_size: m.max_size,
+                n_tokens,
+                n_experts: m.n_experts,
+                ..Default::default()
+            },
+        );
+        let pipe = &self.moe_gate_up[m.gate_up.format.define() as usize];
+        let bg = rt.bind_at(
+            Kernel::ModelMoeGateUp.label(),
+            pipe,
+            &[(0, &p), (1, &m.gate_up.buffer), (2, x), (3, act), (4, sel), (5, &m.offsets)],
+        );
+        pass.set_pipeline(pipe);
+        pass.set_bind_group(0, &bg, &[]);
+        pass.dispatch_workgroups(m.max_size, top_k, n_tokens);
+        let bg = rt.bind_at(
+            Kernel::ModelMoeDown.label(),
+            &self.moe_down,
+            &[(0, &p), (3, act), (4, sel), (5, &m.offsets), (6, &m.down_t), (7, y)],
+        );
+        pass.set_pipeline(&self.moe_down);
+        pass.set_bind_group(0, &bg, &[]);
+        pass.dispatch_workgroups(m.hidden.div_ceil(64), n_tokens, 1);
         Ok(())
     }
 

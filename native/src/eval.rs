@@ -8,6 +8,7 @@ use clap::Args;
 use expertkv_core::config::KvDtype;
 use expertkv_core::forward::{GpuLlama, argmax};
 use expertkv_core::gguf::Gguf;
+use expertkv_core::model::Moefication;
 use expertkv_core::runtime::Runtime;
 use expertkv_core::scheduler_config::SchedulerConfig;
 use expertkv_core::tokenizer::Tokenizer;
@@ -41,6 +42,10 @@ pub struct EvalArgs {
     /// needle check.
     #[arg(long, default_value_t = 64)]
     needle_filler: u32,
+    /// MoEfied models to add, full cache each: E:K specs, comma-separated (for example 8:2,16:4;
+    /// see `run --moe`) [default: none].
+    #[arg(long, value_delimiter = ',')]
+    moe: Vec<String>,
     /// The model [default: models/SmolLM2-135M-Instruct.Q4_1.gguf].
     #[arg(long)]
     model: Option<std::path::PathBuf>,
@@ -54,6 +59,8 @@ pub struct EvalArgs {
 
 #[derive(Serialize)]
 struct Row {
+    /// `dense` or `E8 k2` (MoEfied).
+    ffn: String,
     scheduler: String,
     budget: Option<u32>,
     tokens: usize,
@@ -78,8 +85,28 @@ struct Outcome {
     kv_bytes: u64,
 }
 
-fn score(rt: &Runtime, g: &Gguf<'_>, ids: &[u32], sched: Option<(SchedulerConfig, u32)>, bar: &ProgressBar) -> Result<Outcome> {
-    let mut m = pollster::block_on(GpuLlama::load_with(rt, g, 1, ids.len() as u32 + 1, KvDtype::F16, sched))?;
+/// One evaluated configuration: the FFN (dense or MoEfied) and the cache policy.
+struct Config {
+    moe: Option<std::sync::Arc<Moefication>>,
+    sched: Option<(SchedulerConfig, u32)>,
+}
+
+impl Config {
+    fn ffn(&self) -> String {
+        self.moe.as_ref().map_or("dense".into(), |m| format!("E{} k{}", m.config.experts, m.config.top_k))
+    }
+
+    fn load(&self, rt: &Runtime, g: &Gguf<'_>, context: u32) -> Result<GpuLlama> {
+        let mut m = pollster::block_on(GpuLlama::load_with(rt, g, 1, context, KvDtype::F16, self.sched.clone()))?;
+        if let Some(moe) = &self.moe {
+            m.set_moe(rt, g, moe)?;
+        }
+        Ok(m)
+    }
+}
+
+fn score(rt: &Runtime, g: &Gguf<'_>, ids: &[u32], c: &Config, bar: &ProgressBar) -> Result<Outcome> {
+    let mut m = c.load(rt, g, ids.len() as u32 + 1)?;
     let mut total = 0.0;
     let mut greedy = Vec::new();
     for (i, &t) in ids.iter().enumerate() {
@@ -95,15 +122,8 @@ fn score(rt: &Runtime, g: &Gguf<'_>, ids: &[u32], sched: Option<(SchedulerConfig
     Ok(Outcome { perplexity: (total / (ids.len() - 1) as f64).exp(), greedy, kv_bytes })
 }
 
-fn needle(
-    rt: &Runtime,
-    g: &Gguf<'_>,
-    prompt: &[u32],
-    tok: &Tokenizer,
-    sched: Option<(SchedulerConfig, u32)>,
-    bar: &ProgressBar,
-) -> Result<String> {
-    let mut m = pollster::block_on(GpuLlama::load_with(rt, g, 1, prompt.len() as u32 + 8, KvDtype::F16, sched))?;
+fn needle(rt: &Runtime, g: &Gguf<'_>, prompt: &[u32], tok: &Tokenizer, c: &Config, bar: &ProgressBar) -> Result<String> {
+    let mut m = c.load(rt, g, prompt.len() as u32 + 8)?;
     let mut logits = Vec::new();
     for &t in prompt {
         logits = pollster::block_on(m.forward(rt, &[t]))?;
@@ -155,13 +175,26 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
     if (a.tokens as usize) > all.len() && !a.json {
         println!("note: the text has {} tokens, fewer than --tokens {}", all.len(), a.tokens);
     }
-    let mut configs: Vec<Option<(SchedulerConfig, u32)>> = vec![None];
+    let mut configs = vec![Config { moe: None, sched: None }];
     for s in split_specs(&a.schedulers).iter().filter(|s| s.as_str() != "none") {
         let sc = SchedulerConfig::parse(s)?;
         for &b in &a.budgets {
             sc.validate(b)?;
-            configs.push(Some((sc.clone(), b)));
+            configs.push(Config { moe: None, sched: Some((sc.clone(), b)) });
         }
+    }
+    let mut moes = Vec::new();
+    for spec in &a.moe {
+        if let Some(mc) = crate::run::parse_moe(spec)? {
+            moes.push(mc);
+        }
+    }
+    for mc in &moes {
+        let (m, secs) = crate::run::moefy(&g, mc)?;
+        if !a.json {
+            println!("moefied E={} k={}: clustered in {secs:.2} s", mc.experts, mc.top_k);
+        }
+        configs.push(Config { moe: Some(std::sync::Arc::new(m)), sched: None });
     }
     let needle_prompt: Vec<u32> = if a.needle_filler > 0 {
         let mut p = tok.encode(NEEDLE);
@@ -188,19 +221,21 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
     let mut rows = Vec::new();
     let mut reference: Option<Vec<u32>> = None;
     for c in &configs {
-        let name = c.as_ref().map_or("none (full cache)".to_string(), |(s, b)| format!("{} @ {b}", s.name()));
+        let name =
+            format!("{}, {}", c.ffn(), c.sched.as_ref().map_or("none (full cache)".to_string(), |(s, b)| format!("{} @ {b}", s.name())));
         bar.set_message(name.clone());
-        let o = score(&rt, &g, &ids, c.clone(), &bar).with_context(|| format!("scoring {name}"))?;
+        let o = score(&rt, &g, &ids, c, &bar).with_context(|| format!("scoring {name}"))?;
         let reference_greedy = reference.get_or_insert_with(|| o.greedy.clone());
         let agree = o.greedy.iter().zip(reference_greedy.iter()).filter(|(x, y)| x == y).count() as f64 / o.greedy.len() as f64;
         let answer = if needle_prompt.is_empty() {
             None
         } else {
-            Some(needle(&rt, &g, &needle_prompt, &tok, c.clone(), &bar).with_context(|| format!("needle of {name}"))?)
+            Some(needle(&rt, &g, &needle_prompt, &tok, c, &bar).with_context(|| format!("needle of {name}"))?)
         };
         let row = Row {
-            scheduler: c.as_ref().map_or("none".into(), |(s, _)| s.name().to_string()),
-            budget: c.as_ref().map(|(_, b)| *b),
+            ffn: c.ffn(),
+            scheduler: c.sched.as_ref().map_or("none".into(), |(s, _)| s.name().to_string()),
+            budget: c.sched.as_ref().map(|(_, b)| *b),
             tokens: ids.len(),
             perplexity: o.perplexity,
             greedy_agreement: agree,
@@ -215,11 +250,12 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
     }
     bar.finish_and_clear();
     if !a.json {
-        println!("| scheduler | budget | perplexity | greedy agreement | K/V in use | needle |");
-        println!("|---|---|---|---|---|---|");
+        println!("| FFN | scheduler | budget | perplexity | greedy agreement | K/V in use | needle |");
+        println!("|---|---|---|---|---|---|---|");
         for r in &rows {
             println!(
-                "| {} | {} | {:.2} | {:.1}% | {} | {} |",
+                "| {} | {} | {} | {:.2} | {:.1}% | {} | {} |",
+                r.ffn,
                 r.scheduler,
                 r.budget.map_or("all".into(), |b| b.to_string()),
                 r.perplexity,
@@ -237,7 +273,7 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
             .iter()
             .map(|r| crate::plot::Point {
                 label: format!("{} {}", r.scheduler, r.budget.map_or("all".into(), |b| b.to_string())),
-                series: r.scheduler.clone(),
+                series: if r.ffn == "dense" { r.scheduler.clone() } else { r.ffn.clone() },
                 kv_bytes: r.kv_bytes as f64,
                 gpu_ms: 0.0,
                 error: r.perplexity,

@@ -7,7 +7,9 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use expertkv_core::config::KvDtype;
 use expertkv_core::forward::{GpuLlama, argmax};
-use expertkv_core::gguf::Gguf;
+use expertkv_core::gguf::{Gguf, LlamaConfig};
+use expertkv_core::model::moe::{MoeConfig, Moefication};
+use expertkv_core::model::{LlamaWeights, LoadOptions};
 use expertkv_core::scheduler_config::SchedulerConfig;
 use expertkv_core::tokenizer::Tokenizer;
 
@@ -36,6 +38,33 @@ pub struct RunArgs {
     /// Tokens each (layer, KV head) keeps under --scheduler.
     #[arg(long, default_value_t = 64)]
     budget: u32,
+    /// MoEfy the FFNs: E:K splits each layer's neurons into E experts (balanced spherical
+    /// k-means of the gate rows) and evaluates only the top K per token, as ranked by the
+    /// router (the token against each expert's centroid) [default: dense].
+    #[arg(long, value_name = "E:K")]
+    moe: Option<String>,
+}
+
+/// `E:K` (`8:2`) as a MoEfication; `dense` or `1:1`... are accepted as written (`dense`: none).
+pub fn parse_moe(spec: &str) -> Result<Option<MoeConfig>> {
+    let spec = spec.trim();
+    if spec == "dense" || spec == "none" {
+        return Ok(None);
+    }
+    let parsed = spec.split_once(':').and_then(|(e, k)| Some((e.trim().parse::<usize>().ok()?, k.trim().parse::<usize>().ok()?)));
+    match parsed {
+        Some((e, k)) if e >= 1 && k >= 1 && k <= e => Ok(Some(MoeConfig::new(e, k))),
+        _ => bail!("--moe: expected E:K with 1 <= K <= E (for example 8:2) or dense, got `{spec}`"),
+    }
+}
+
+/// Cluster `g`'s FFNs into `cfg`'s experts (a few seconds for SmolLM2 on two cores).
+pub fn moefy(g: &Gguf<'_>, cfg: &MoeConfig) -> Result<(Moefication, f64)> {
+    let t0 = std::time::Instant::now();
+    let lc = LlamaConfig::from_gguf(g)?;
+    let w = LlamaWeights::from_gguf_with(g, &lc, LoadOptions { f32: true, raw: false }).context("the model's weights for MoEfication")?;
+    let m = Moefication::from_weights(&w, cfg).context("MoEfication")?;
+    Ok((m, t0.elapsed().as_secs_f64()))
 }
 
 /// The model file's path (`--model`, else SmolLM2 under `EXPERTKV_MODELS_DIR` or `models/`) and
@@ -71,6 +100,10 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
         None | Some("none") => None,
         Some(spec) => Some((SchedulerConfig::parse(spec)?, a.budget)),
     };
+    let moe = match a.moe.as_deref() {
+        Some(spec) => parse_moe(spec)?,
+        None => None,
+    };
     let rt = gpu.runtime()?;
     println!("adapter: {} ({:?})", rt.info.name, rt.info.backend);
     let context = prompt.len() as u32 + a.tokens + 1;
@@ -92,6 +125,17 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
         fmt_bytes(m.pool.cfg.page_bytes() * u64::from(m.pool.cfg.n_pages)),
         dtype.name()
     );
+    if let Some(mc) = &moe {
+        let (experts, secs) = moefy(&g, mc)?;
+        m.set_moe(&rt, &g, &experts).context("uploading the experts")?;
+        println!(
+            "moefied: {} experts per layer, top-{} per token ({:.0}% of the FFN's neurons evaluated), clustered in {:.2} s",
+            mc.experts,
+            mc.top_k,
+            100.0 * experts.fraction_evaluated(),
+            secs
+        );
+    }
     print!("{}", a.prompt);
     std::io::stdout().flush()?;
     let t1 = std::time::Instant::now();
@@ -120,6 +164,19 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
         let lists = pollster::block_on(s.read_lists(&rt))?;
         let evicted: u64 = lists.iter().map(|l| u64::from(l.evicted_total)).sum();
         println!("scheduler {}: {budget} tokens per (layer, KV head); {evicted} token K/V evicted over the run", cfg.name());
+    }
+    if let Some((e, _)) = m.moe_shape() {
+        // How evenly the router spread the tokens: per layer, the busiest expert's share.
+        let counts = m.expert_counts();
+        let e = e as usize;
+        let shares: Vec<f64> =
+            counts.chunks(e).map(|c| *c.iter().max().unwrap_or(&0) as f64 / c.iter().sum::<u64>().max(1) as f64).collect();
+        let mean = shares.iter().sum::<f64>() / shares.len().max(1) as f64;
+        println!(
+            "routing: the busiest expert of a layer took {:.0}% of its slots on average (an even spread: {:.0}%)",
+            100.0 * mean,
+            100.0 / e as f64
+        );
     }
     let ctl = pollster::block_on(m.pool.read_ctl(&rt))?;
     let used = m.pool.cfg.n_pages - ctl.free_top;

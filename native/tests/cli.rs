@@ -95,19 +95,31 @@ fn eval_scores_the_real_model_per_scheduler() {
         "16",
         "--needle-filler",
         "0",
+        "--moe",
+        "4:4",
         "--json",
         "--plot",
         plots.to_str().expect("utf-8 path"),
     ]);
     let rows: Vec<serde_json::Value> =
         out.lines().filter(|l| l.starts_with('{')).map(|l| serde_json::from_str(l).expect("json row")).collect();
-    assert_eq!(rows.len(), 2, "{out}");
-    let (full, h2o) = (&rows[0], &rows[1]);
+    assert_eq!(rows.len(), 3, "{out}");
+    let (full, h2o, moe) = (&rows[0], &rows[1], &rows[2]);
+    assert_eq!(full["ffn"], "dense");
+    // Every expert chosen (k = E) is the dense FFN up to summation order.
+    assert_eq!(moe["ffn"], "E4 k4");
+    let moe_ppl = moe["perplexity"].as_f64().expect("perplexity");
     assert_eq!(full["scheduler"], "none");
     assert_eq!(full["greedy_agreement"], 1.0);
     let ppl = full["perplexity"].as_f64().expect("perplexity");
     assert!(ppl > 1.0 && ppl < 1000.0, "{ppl}");
+    assert!((moe_ppl - ppl).abs() <= 0.01 * ppl, "k = E: {moe_ppl} against dense {ppl}");
+    assert!(moe["greedy_agreement"].as_f64().expect("agreement") > 0.9, "{out}");
     assert!(h2o["perplexity"].as_f64().expect("perplexity").is_finite());
     assert!(h2o["kv_bytes"].as_u64() < full["kv_bytes"].as_u64(), "H2O at 16 of 20 tokens holds fewer pages: {out}");
     assert!(plots.join("perplexity_vs_bytes.png").metadata().expect("plot written").len() > 1000);
+    // A MoEfication that cannot be is refused by name.
+    let o = expertkv(&["eval", "--model", model.to_str().expect("utf-8 path"), "--moe", "2:3"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("--moe") && !err.contains("panicked"), "{err}");
 }

@@ -60,6 +60,7 @@ sources! {
     EVICT_EKVA => "evict/ekva.wgsl",
     COMMON_QUANT => "common/quant.wgsl",
     MODEL_MATVEC => "model/matvec.wgsl",
+    MODEL_MOE => "model/moe.wgsl",
     MODEL_NORM_ROPE => "model/norm_rope.wgsl",
     QUEST_SUMMARIZE => "quest/summarize.wgsl",
     QUEST_SELECT => "quest/select.wgsl",
@@ -111,6 +112,8 @@ pub enum Kernel {
     ModelSwiglu,
     ModelEmbed,
     ModelResidual,
+    ModelMoeGateUp,
+    ModelMoeDown,
     QuestSummarize,
     QuestSelect,
     CodecPlan,
@@ -162,6 +165,8 @@ impl Kernel {
         Kernel::ModelSwiglu,
         Kernel::ModelEmbed,
         Kernel::ModelResidual,
+        Kernel::ModelMoeGateUp,
+        Kernel::ModelMoeDown,
         Kernel::QuestSummarize,
         Kernel::QuestSelect,
         Kernel::CodecPlan,
@@ -203,6 +208,7 @@ impl Kernel {
             Kernel::EvictFree => EVICT_FREE,
             Kernel::EvictEkvaExperts | Kernel::EvictEkvaImportance | Kernel::EvictEkvaSplit => EVICT_EKVA,
             Kernel::ModelMatVec => MODEL_MATVEC,
+            Kernel::ModelMoeGateUp | Kernel::ModelMoeDown => MODEL_MOE,
             Kernel::ModelRmsNorm | Kernel::ModelRope | Kernel::ModelSwiglu | Kernel::ModelEmbed | Kernel::ModelResidual => MODEL_NORM_ROPE,
             Kernel::QuestSummarize => QUEST_SUMMARIZE,
             Kernel::QuestSelect => QUEST_SELECT,
@@ -238,6 +244,8 @@ impl Kernel {
             Kernel::ModelSwiglu => "model/norm_rope.wgsl#swiglu",
             Kernel::ModelEmbed => "model/norm_rope.wgsl#embed",
             Kernel::ModelResidual => "model/norm_rope.wgsl#residual",
+            Kernel::ModelMoeGateUp => "model/moe.wgsl#moe_gate_up",
+            Kernel::ModelMoeDown => "model/moe.wgsl#moe_down",
             _ => self.source().path,
         }
     }
@@ -261,6 +269,8 @@ impl Kernel {
             Kernel::ModelSwiglu => "swiglu",
             Kernel::ModelEmbed => "embed",
             Kernel::ModelResidual => "residual",
+            Kernel::ModelMoeGateUp => "moe_gate_up",
+            Kernel::ModelMoeDown => "moe_down",
             _ => "main",
         }
     }

@@ -138,7 +138,7 @@ fn route_topk_validates_for_every_define() {
 #[test]
 fn model_kernels_validate_for_every_weight_format() {
     let mut failures = Vec::new();
-    for kernel in [Kernel::ModelMatVec, Kernel::ModelEmbed] {
+    for kernel in [Kernel::ModelMatVec, Kernel::ModelEmbed, Kernel::ModelMoeGateUp, Kernel::ModelMoeDown] {
         for format in 0..3u32 {
             let text = kernel.resolved_with(&[("FORMAT", format!("{format}u"))]).expect("defines resolve");
             if let Err(e) = validate(&format!("{} FORMAT={format}", kernel.label()), &text) {

@@ -67,6 +67,57 @@ fn gpu_forward_matches_the_cpu_reference() {
     }
 }
 
+/// The MoEfied forward (router on the GPU, only the chosen experts' neurons evaluated) against
+/// the CPU reference's MoEfied forward with the same experts, and all experts chosen (k = E)
+/// against the dense GPU forward.
+#[test]
+fn moefied_gpu_forward_matches_the_cpu_reference() {
+    use expertkv_core::gguf::LlamaConfig;
+    use expertkv_core::model::moe::{MoeConfig, Moefication};
+    use expertkv_core::model::{CpuModel, LlamaWeights};
+    use std::sync::Arc;
+    let Some(bytes) = model_bytes() else { return };
+    let g = Gguf::parse(&bytes).expect("gguf");
+    let tok = Tokenizer::from_gguf(&g).expect("tokenizer");
+    let cfg = LlamaConfig::from_gguf(&g).expect("config");
+    let weights = Arc::new(LlamaWeights::from_gguf(&g, &cfg).expect("weights"));
+    let rt = rt();
+    let ids = tok.encode("Water boils at 100");
+    let max_diff = |a: &[f32], b: &[f32]| a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    let max_abs = |a: &[f32]| a.iter().fold(0f32, |m, x| m.max(x.abs()));
+    // E = 8, k = 2 against the CPU reference with the same experts.
+    let moe = Arc::new(Moefication::from_weights(&weights, &MoeConfig::new(8, 2)).expect("moefication"));
+    let cpu = CpuModel::new(weights.clone()).expect("cpu").with_moe(Some(moe.clone())).expect("cpu moe");
+    let mut m = pollster::block_on(GpuLlama::load(rt, &g, 1, 32, KvDtype::F32)).expect("load");
+    m.set_moe(rt, &g, &moe).expect("set_moe");
+    assert_eq!(m.moe_shape(), Some((8, 2)));
+    let mut cache = cpu.new_cache();
+    for (pos, &t) in ids.iter().enumerate() {
+        let gpu = pollster::block_on(m.forward(rt, &[t])).expect("gpu forward");
+        let want = cpu.forward(t, pos as u32, &mut cache).expect("cpu forward");
+        let (err, max) = (max_diff(&gpu, &want), max_abs(&want));
+        println!("E8k2 position {pos}: max |logit diff| {err:.2e} (max |logit| {max:.1})");
+        assert!(err <= 1e-4 * max, "E8k2 position {pos}: logits differ by {err} (max {max})");
+    }
+    // Every layer routed every token to exactly k experts.
+    let counts = m.expert_counts();
+    assert_eq!(counts.len(), cfg.block_count as usize * 8);
+    for l in 0..cfg.block_count as usize {
+        assert_eq!(counts[l * 8..(l + 1) * 8].iter().sum::<u64>(), 2 * ids.len() as u64, "layer {l}");
+    }
+    // k = E evaluates every neuron: the dense model up to summation order.
+    let all = Moefication::from_weights(&weights, &MoeConfig::new(4, 4)).expect("moefication");
+    let mut dense = pollster::block_on(GpuLlama::load(rt, &g, 1, 32, KvDtype::F32)).expect("load");
+    let mut full = pollster::block_on(GpuLlama::load(rt, &g, 1, 32, KvDtype::F32)).expect("load");
+    full.set_moe(rt, &g, &all).expect("set_moe");
+    for &t in &ids {
+        let a = pollster::block_on(dense.forward(rt, &[t])).expect("dense");
+        let b = pollster::block_on(full.forward(rt, &[t])).expect("moe k=E");
+        let (err, max) = (max_diff(&a, &b), max_abs(&a));
+        assert!(err <= 1e-4 * max, "k = E differs from dense by {err} (max {max})");
+    }
+}
+
 /// H2O over the model's own attention mass: past the budget every step evicts, each page list
 /// keeps exactly the budget, and decoding goes on with finite logits.
 #[test]

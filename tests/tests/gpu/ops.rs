@@ -2,7 +2,7 @@
 //! RMSNorm, RoPE, SwiGLU, embedding rows) against their f64 CPU references, on random weights in
 //! every format and, when the model file is there, on a real SmolLM2 matrix.
 
-use expertkv_core::ops::{GpuMatrix, MATVEC_MAX_TOKENS, ModelKernels, WeightFormat};
+use expertkv_core::ops::{GpuMatrix, MATVEC_MAX_TOKENS, ModelKernels, MoeFfn, WeightFormat};
 use expertkv_core::reference::ops as cpu;
 use expertkv_core::rng::Rng;
 use expertkv_core::runtime::Runtime;
@@ -102,6 +102,93 @@ fn matvec_and_embed_match_cpu_in_every_weight_format() {
     // Bad shapes are refused with a message, not a panic.
     assert!(GpuMatrix::upload(rt, "w", WeightFormat::Q4_1, 2, 33, &[0; 40]).is_err());
     assert!(GpuMatrix::upload(rt, "w", WeightFormat::Q4_1, 2, 32, &[0; 39]).is_err());
+}
+
+/// The MoEfied FFN (only the chosen experts' neurons, over permuted weights) against its f64
+/// reference on random weights in every format, random expert sizes (some empty) and choices.
+#[test]
+fn moe_ffn_matches_cpu_in_every_weight_format() {
+    let rt = rt();
+    let k = pollster::block_on(ModelKernels::new(rt)).expect("kernels");
+    let mut formats_seen = [0u32; 3];
+    for seed in seeds("model_moe_ffn", 9) {
+        let mut rng = Rng::new(seed);
+        let format = [WeightFormat::F32, WeightFormat::Q8_0, WeightFormat::Q4_1][rng.below(3) as usize];
+        formats_seen[format.define() as usize] += 1;
+        let hidden = 32 * (1 + rng.below(6));
+        let ffn = 8 + rng.below(200);
+        let experts = 1 + rng.below(ffn.min(12));
+        let top_k = 1 + rng.below(experts);
+        let n = 1 + rng.below(MATVEC_MAX_TOKENS);
+        let ctx = format!("seed {seed}: {format:?} hidden {hidden}, ffn {ffn}, top-{top_k} of {experts}, {n} tokens");
+        // A random partition: a shuffled neuron order cut at random points (empty experts allowed).
+        let mut neurons: Vec<u32> = (0..ffn).collect();
+        for i in (1..neurons.len()).rev() {
+            neurons.swap(i, rng.below(i as u32 + 1) as usize);
+        }
+        let mut cuts: Vec<u32> = (0..experts - 1).map(|_| rng.below(ffn + 1)).collect();
+        cuts.sort_unstable();
+        let offsets: Vec<u32> = std::iter::once(0).chain(cuts).chain(std::iter::once(ffn)).collect();
+        let gate = random_blocks(&mut rng, format, ffn, hidden);
+        let up = random_blocks(&mut rng, format, ffn, hidden);
+        let down: Vec<f32> = normals(&mut rng, (hidden * ffn) as usize).iter().map(|v| v * 0.1).collect();
+        let m = MoeFfn::upload(rt, "moe", format, hidden, &gate, &up, &down, &neurons, &offsets).expect("upload");
+        // The reference over the same permutation, from the file's bytes.
+        let gf = cpu::dequant_matrix(format, ffn, hidden, &gate).expect("gate");
+        let uf = cpu::dequant_matrix(format, ffn, hidden, &up).expect("up");
+        let (h, f) = (hidden as usize, ffn as usize);
+        let mut gate_up = Vec::with_capacity(2 * f * h);
+        for src in [&gf, &uf] {
+            for &nn in &neurons {
+                gate_up.extend_from_slice(&src[nn as usize * h..(nn as usize + 1) * h]);
+            }
+        }
+        let down_t: Vec<f32> = neurons.iter().flat_map(|&nn| (0..h).map(|o| down[o * f + nn as usize]).collect::<Vec<_>>()).collect();
+        let x: Vec<f32> = normals(&mut rng, (n * hidden) as usize).iter().map(|v| v * 0.2).collect();
+        // Distinct experts per token, as a router picks them.
+        let mut sel = Vec::new();
+        for _ in 0..n {
+            let mut all: Vec<u32> = (0..experts).collect();
+            for j in 0..top_k as usize {
+                let pick = j + rng.below(experts - j as u32) as usize;
+                all.swap(j, pick);
+            }
+            sel.extend_from_slice(&all[..top_k as usize]);
+        }
+        let xb = rt.storage_init("x", &x);
+        let sb = rt.storage_init("sel", &sel);
+        let act = rt.storage("act", u64::from(n * top_k * m.max_size.max(1)) * 4);
+        let y = rt.storage("y", u64::from(n * hidden) * 4);
+        rt.fill_u32(&act, POISON_F32);
+        rt.fill_u32(&y, POISON_F32);
+        run(rt, "moe", |p| k.moe_ffn(rt, p, &m, &xb, &sb, &act, &y, n, top_k).expect("moe_ffn"));
+        let got: Vec<f32> = pollster::block_on(rt.read_all(&y)).expect("read");
+        let want = cpu::moe_ffn(&gate_up, &down_t, &offsets, h, &x, &sel, top_k as usize, n as usize);
+        // Scale: the sum of |terms| of each output.
+        let scale: Vec<f64> = (0..(n * hidden) as usize)
+            .map(|i| {
+                let (b, o) = (i / h, i % h);
+                let mut s = 0.0;
+                for &e in &sel[b * top_k as usize..(b + 1) * top_k as usize] {
+                    for r in offsets[e as usize] as usize..offsets[e as usize + 1] as usize {
+                        let dot = |row: usize| -> f64 { (0..h).map(|c| f64::from(gate_up[row * h + c]) * f64::from(x[b * h + c])).sum() };
+                        let g = dot(r);
+                        let a = g / (1.0 + (-g).exp()) * dot(f + r);
+                        s += (a * f64::from(down_t[r * h + o])).abs();
+                    }
+                }
+                s
+            })
+            .collect();
+        close(&got, &want, &scale, 1e-4, &ctx);
+    }
+    if std::env::var("EXPERTKV_TEST_SEED").is_err() {
+        assert!(formats_seen.iter().all(|&c| c > 0), "every format drawn: {formats_seen:?}");
+    }
+    // A partition that is not one is refused.
+    let g = vec![0u8; 2 * 2 * 20];
+    assert!(MoeFfn::upload(rt, "bad", WeightFormat::Q4_1, 32, &g[..40], &g[..40], &[0.0; 64], &[0, 0], &[0, 2]).is_err());
+    assert!(MoeFfn::upload(rt, "bad", WeightFormat::Q4_1, 32, &g[..40], &g[..40], &[0.0; 64], &[0, 1], &[0, 1]).is_err());
 }
 
 #[test]
