@@ -186,7 +186,7 @@ fn moe_ffn_matches_cpu_in_every_weight_format() {
         assert!(formats_seen.iter().all(|&c| c > 0), "every format drawn: {formats_seen:?}");
     }
     // A partition that is not one is refused.
-    let g = vec![0u8; 2 * 2 * 20];
+    let g = [0u8; 2 * 2 * 20];
     assert!(MoeFfn::upload(rt, "bad", WeightFormat::Q4_1, 32, &g[..40], &g[..40], &[0.0; 64], &[0, 0], &[0, 2]).is_err());
     assert!(MoeFfn::upload(rt, "bad", WeightFormat::Q4_1, 32, &g[..40], &g[..40], &[0.0; 64], &[0, 1], &[0, 1]).is_err());
 }
