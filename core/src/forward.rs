@@ -125,6 +125,33 @@ impl GpuLlama {
         dtype: KvDtype,
         scheduler: Option<(SchedulerConfig, u32)>,
     ) -> Result<GpuLlama> {
+        Self::load_codec(rt, g, n_seqs, max_context, dtype, scheduler, Codec::None).await
+    }
+
+    /// As [`GpuLlama::load_with`], with a page codec: every page that leaves its ring's head is
+    /// compressed on the GPU right after the step's append, and attention decodes compressed
+    /// pages in-kernel. The quantisers and FastV's dimensions only (the low-rank codecs fit their
+    /// basis on a calibration batch, which a token-by-token model does not have); not with an
+    /// evicting scheduler (evicting from a compressed page would need it re-encoded).
+    pub async fn load_codec(
+        rt: &Runtime,
+        g: &Gguf<'_>,
+        n_seqs: u32,
+        max_context: u32,
+        dtype: KvDtype,
+        scheduler: Option<(SchedulerConfig, u32)>,
+        codec: Codec,
+    ) -> Result<GpuLlama> {
+        if codec.is_low_rank() {
+            return Err(Error::config(
+                "codec",
+                codec.name(),
+                "the model runs int8, int4 and fastv-dims (the low-rank codecs need a calibration batch)",
+            ));
+        }
+        if codec != Codec::None && scheduler.is_some() {
+            return Err(Error::config("codec", codec.name(), "codecs run with the full cache (no scheduler)"));
+        }
         let cfg = LlamaConfig::from_gguf(g)?;
         cfg.check_tensors(g)?;
         if n_seqs == 0 || n_seqs > MATVEC_MAX_TOKENS {
@@ -160,7 +187,7 @@ impl GpuLlama {
         let out_norm = norm_buffer(rt, g, "output_norm.weight")?;
         let page_size = 16;
         let pages_per_list = max_context.div_ceil(page_size) + 1;
-        let pool_cfg = PoolConfig {
+        let mut pool_cfg = PoolConfig {
             layers: cfg.block_count,
             kv_heads: cfg.head_count_kv,
             head_dim: cfg.head_dim,
@@ -176,6 +203,13 @@ impl GpuLlama {
             codec: Codec::None,
             codec_pages: 0,
         };
+        if codec != Codec::None {
+            // Raw pages only for every list's head page (and one to spare); the rest compressed.
+            let lists = cfg.block_count * n_seqs * cfg.head_count_kv;
+            pool_cfg.codec_pages = pool_cfg.n_pages;
+            pool_cfg.n_pages = lists * 3;
+            pool_cfg.codec = codec;
+        }
         pool_cfg.validate()?;
         let pool = KvPool::new(rt, pool_cfg).await?;
         let group = cfg.head_count / cfg.head_count_kv;
@@ -290,6 +324,15 @@ impl GpuLlama {
         rt.check("moe upload")
     }
 
+    /// Bytes of the pool's pages in use (raw pages and compressed pages), as allocated.
+    pub async fn kv_bytes_in_use(&self, rt: &Runtime) -> Result<u64> {
+        let c = &self.pool.cfg;
+        let ctl = self.pool.read_ctl(rt).await?;
+        let raw = u64::from(c.n_pages - ctl.free_top);
+        let codec = u64::from((c.n_ids() - c.n_pages) - ctl.codec_free_top);
+        Ok(raw * c.page_bytes() + codec * c.codec_page_bytes())
+    }
+
     /// `(E, k)` of the MoEfied FFNs, `None` for the dense model.
     pub fn moe_shape(&self) -> Option<(u32, u32)> {
         self.moe.as_ref().map(|m| (m.n_experts, m.top_k))
@@ -358,6 +401,8 @@ impl GpuLlama {
                 new.push(NewToken { layer: l as u32, seq: seq as u32, position: self.positions[seq], experts: vec![0], gates: vec![1.0] });
             }
             self.pool.append(rt, &new, &words, self.step)?;
+            // Pages that left their ring's head are compressed now (no-op without a codec).
+            self.pool.compress(rt)?;
             self.pool.gather(rt)?;
             self.attn.set_queries(rt, &qq)?;
             self.attn.run(rt, l as u32, self.step)?;

@@ -5,7 +5,7 @@
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use expertkv_core::config::KvDtype;
+use expertkv_core::config::{Codec, KvDtype};
 use expertkv_core::forward::{GpuLlama, argmax};
 use expertkv_core::gguf::Gguf;
 use expertkv_core::model::Moefication;
@@ -42,6 +42,10 @@ pub struct EvalArgs {
     /// needle check.
     #[arg(long, default_value_t = 64)]
     needle_filler: u32,
+    /// Page codecs to add, full cache each: int8, int4 (with :group=G), fastv-dims (with
+    /// :keep=D), comma-separated [default: none].
+    #[arg(long, default_value = "")]
+    codecs: String,
     /// MoEfied models to add, full cache each: E:K specs, comma-separated (for example 8:2,16:4;
     /// see `run --moe`) [default: none].
     #[arg(long, value_delimiter = ',')]
@@ -61,6 +65,8 @@ pub struct EvalArgs {
 struct Row {
     /// `dense` or `E8 k2` (MoEfied).
     ffn: String,
+    /// The page codec (`none`: f16 pages).
+    codec: String,
     scheduler: String,
     budget: Option<u32>,
     tokens: usize,
@@ -89,6 +95,7 @@ struct Outcome {
 struct Config {
     moe: Option<std::sync::Arc<Moefication>>,
     sched: Option<(SchedulerConfig, u32)>,
+    codec: Codec,
 }
 
 impl Config {
@@ -97,7 +104,7 @@ impl Config {
     }
 
     fn load(&self, rt: &Runtime, g: &Gguf<'_>, context: u32) -> Result<GpuLlama> {
-        let mut m = pollster::block_on(GpuLlama::load_with(rt, g, 1, context, KvDtype::F16, self.sched.clone()))?;
+        let mut m = pollster::block_on(GpuLlama::load_codec(rt, g, 1, context, KvDtype::F16, self.sched.clone(), self.codec))?;
         if let Some(moe) = &self.moe {
             m.set_moe(rt, g, moe)?;
         }
@@ -117,8 +124,7 @@ fn score(rt: &Runtime, g: &Gguf<'_>, ids: &[u32], c: &Config, bar: &ProgressBar)
         }
         bar.inc(1);
     }
-    let ctl = pollster::block_on(m.pool.read_ctl(rt))?;
-    let kv_bytes = u64::from(m.pool.cfg.n_pages - ctl.free_top) * m.pool.cfg.page_bytes();
+    let kv_bytes = pollster::block_on(m.kv_bytes_in_use(rt))?;
     Ok(Outcome { perplexity: (total / (ids.len() - 1) as f64).exp(), greedy, kv_bytes })
 }
 
@@ -175,13 +181,20 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
     if (a.tokens as usize) > all.len() && !a.json {
         println!("note: the text has {} tokens, fewer than --tokens {}", all.len(), a.tokens);
     }
-    let mut configs = vec![Config { moe: None, sched: None }];
+    let mut configs = vec![Config { moe: None, sched: None, codec: Codec::None }];
     for s in split_specs(&a.schedulers).iter().filter(|s| s.as_str() != "none") {
         let sc = SchedulerConfig::parse(s)?;
         for &b in &a.budgets {
             sc.validate(b)?;
-            configs.push(Config { moe: None, sched: Some((sc.clone(), b)) });
+            configs.push(Config { moe: None, sched: Some((sc.clone(), b)), codec: Codec::None });
         }
+    }
+    for spec in split_specs(&a.codecs).iter().filter(|s| s.as_str() != "none") {
+        let codec = Codec::parse(spec)?;
+        if codec.is_low_rank() {
+            bail!("--codecs: {spec}: the model runs int8, int4 and fastv-dims (the low-rank codecs need a calibration batch)");
+        }
+        configs.push(Config { moe: None, sched: None, codec });
     }
     let mut moes = Vec::new();
     for spec in &a.moe {
@@ -194,7 +207,7 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
         if !a.json {
             println!("moefied E={} k={}: clustered in {secs:.2} s", mc.experts, mc.top_k);
         }
-        configs.push(Config { moe: Some(std::sync::Arc::new(m)), sched: None });
+        configs.push(Config { moe: Some(std::sync::Arc::new(m)), sched: None, codec: Codec::None });
     }
     let needle_prompt: Vec<u32> = if a.needle_filler > 0 {
         let mut p = tok.encode(NEEDLE);
@@ -234,6 +247,7 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
         };
         let row = Row {
             ffn: c.ffn(),
+            codec: c.codec.spec(),
             scheduler: c.sched.as_ref().map_or("none".into(), |(s, _)| s.name().to_string()),
             budget: c.sched.as_ref().map(|(_, b)| *b),
             tokens: ids.len(),
@@ -250,12 +264,13 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
     }
     bar.finish_and_clear();
     if !a.json {
-        println!("| FFN | scheduler | budget | perplexity | greedy agreement | K/V in use | needle |");
-        println!("|---|---|---|---|---|---|---|");
+        println!("| FFN | codec | scheduler | budget | perplexity | greedy agreement | K/V in use | needle |");
+        println!("|---|---|---|---|---|---|---|---|");
         for r in &rows {
             println!(
-                "| {} | {} | {} | {:.2} | {:.1}% | {} | {} |",
+                "| {} | {} | {} | {} | {:.2} | {:.1}% | {} | {} |",
                 r.ffn,
+                r.codec,
                 r.scheduler,
                 r.budget.map_or("all".into(), |b| b.to_string()),
                 r.perplexity,
@@ -273,7 +288,13 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
             .iter()
             .map(|r| crate::plot::Point {
                 label: format!("{} {}", r.scheduler, r.budget.map_or("all".into(), |b| b.to_string())),
-                series: if r.ffn == "dense" { r.scheduler.clone() } else { r.ffn.clone() },
+                series: if r.ffn != "dense" {
+                    r.ffn.clone()
+                } else if r.codec != "none" {
+                    format!("codec {}", r.codec)
+                } else {
+                    r.scheduler.clone()
+                },
                 kv_bytes: r.kv_bytes as f64,
                 gpu_ms: 0.0,
                 error: r.perplexity,
