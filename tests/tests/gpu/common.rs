@@ -35,3 +35,19 @@ pub fn seeds(test: &str, n: u64) -> Vec<u64> {
 /// Poison patterns: a quiet NaN as f32, and a value no index or count takes.
 pub const POISON_F32: u32 = 0x7fc0_dead;
 pub const POISON_U32: u32 = 0xdead_beef;
+
+/// The SmolLM2 GGUF's bytes (`EXPERTKV_MODELS_DIR` or `models/`, fetched by
+/// scripts/fetch_model.sh); `None` (the test skips) when it is missing, unless
+/// `EXPERTKV_REQUIRE_MODEL` is set, as scripts/test.sh does.
+pub fn model_bytes() -> Option<Vec<u8>> {
+    let dir = std::env::var("EXPERTKV_MODELS_DIR").unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../models").into());
+    let path = std::path::Path::new(&dir).join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    match std::fs::read(&path) {
+        Ok(b) => Some(b),
+        Err(_) => {
+            assert!(std::env::var("EXPERTKV_REQUIRE_MODEL").is_err(), "{} is missing (scripts/fetch_model.sh)", path.display());
+            println!("skipped: {} is missing (scripts/fetch_model.sh fetches it)", path.display());
+            None
+        }
+    }
+}

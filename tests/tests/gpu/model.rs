@@ -6,20 +6,7 @@ use expertkv_core::forward::GpuLlama;
 use expertkv_core::gguf::Gguf;
 use expertkv_core::tokenizer::Tokenizer;
 
-use crate::common::rt;
-
-fn model_bytes() -> Option<Vec<u8>> {
-    let dir = std::env::var("EXPERTKV_MODELS_DIR").unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../models").into());
-    let path = std::path::Path::new(&dir).join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    match std::fs::read(&path) {
-        Ok(b) => Some(b),
-        Err(_) => {
-            assert!(std::env::var("EXPERTKV_REQUIRE_MODEL").is_err(), "{} is missing (scripts/fetch_model.sh)", path.display());
-            println!("skipped: {} is missing (scripts/fetch_model.sh fetches it)", path.display());
-            None
-        }
-    }
-}
+use crate::common::{model_bytes, rt};
 
 #[test]
 fn greedy_decoding_says_paris() {

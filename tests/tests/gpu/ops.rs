@@ -243,13 +243,7 @@ fn rmsnorm_rope_swiglu_match_cpu() {
 /// A real SmolLM2 matrix (Q4_1) and the Q8_0 embedding through the kernels.
 #[test]
 fn matvec_on_real_model_weights() {
-    let dir = std::env::var("EXPERTKV_MODELS_DIR").unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../models").into());
-    let path = std::path::Path::new(&dir).join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    let Ok(bytes) = std::fs::read(&path) else {
-        assert!(std::env::var("EXPERTKV_REQUIRE_MODEL").is_err(), "{} is missing (scripts/fetch_model.sh)", path.display());
-        println!("skipped: {} is missing (scripts/fetch_model.sh fetches it)", path.display());
-        return;
-    };
+    let Some(bytes) = crate::common::model_bytes() else { return };
     let g = expertkv_core::gguf::Gguf::parse(&bytes).expect("gguf");
     let rt = rt();
     let k = pollster::block_on(ModelKernels::new(rt)).expect("kernels");
