@@ -993,6 +993,50 @@ impl Pipeline {
         })
     }
 
+    /// Decode `n` steps back to back as a serving loop would: each step one submission, no step
+    /// report read between them (the GPU never waits for the host's bookkeeping), then the last
+    /// step's per-stage GPU times and the wall time per step. The fused step only (no CPU
+    /// lockstep, no reference pool); the pool must have room for the `n` tokens.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub async fn probe_steps(&mut self, rt: &Runtime, n: u32) -> Result<serde_json::Value> {
+        if !self.fused() {
+            return Err(Error::Input("probe_steps runs the fused step: no CPU lockstep, no reference pool, no host tier".into()));
+        }
+        let layers = self.pool.cfg.layers;
+        let t0 = std::time::Instant::now();
+        for _ in 0..n {
+            let tokens = self.workload.next_tokens();
+            self.encode_fused_step(rt, &tokens)?;
+            self.step += 1;
+        }
+        rt.wait()?;
+        let wall_ms = t0.elapsed().as_secs_f64() * 1e3 / f64::from(n.max(1));
+        self.pool.check_errors(rt, self.cfg.workload.n_seqs * layers).await?;
+        let stages = match &self.timer {
+            Some(t) => {
+                let ms = t.read_ms(rt, timer_pairs(layers)).await?;
+                let l = layers as usize;
+                let st = StageTimes {
+                    route_ms: ms[0],
+                    append_ms: ms[1],
+                    gather_ms: ms[2],
+                    attend_ms: ms[3..3 + l].iter().sum(),
+                    evict_ms: ms[3 + l],
+                    miss_ms: ms[4 + l],
+                };
+                Some(st)
+            }
+            None => None,
+        };
+        Ok(serde_json::json!({
+            "probe": "steps",
+            "steps": n,
+            "wall_ms_per_step": wall_ms,
+            "last_step_gpu": stages,
+            "last_step_gpu_total_ms": stages.map(|g| g.route_ms + g.append_ms + g.gather_ms + g.attend_ms + g.evict_ms + g.miss_ms),
+        }))
+    }
+
     /// Time the pipeline's own attention over its own pool (layer 0) the way `bench attend`
     /// times its kernel: `reps` passes back to back in one submission, with this step's
     /// queries, with the split pass alone, and with random normal queries as the benchmark

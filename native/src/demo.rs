@@ -363,7 +363,10 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
     let mut gpu_totals = Vec::new();
     let mut last_split = None;
     let mut digest = expertkv_core::digest::DecisionDigest::new();
-    for _ in 0..cfg.steps {
+    // EXPERTKV_PROBE_STEPS=N (hidden, for the H200 step comparison): the last N steps run back to
+    // back without reading a report between them (`Pipeline::probe_steps`).
+    let probe_steps = std::env::var("EXPERTKV_PROBE_STEPS").ok().and_then(|v| v.parse::<u32>().ok()).unwrap_or(0).min(cfg.steps);
+    for _ in 0..cfg.steps - probe_steps {
         let r = pollster::block_on(p.step(&rt)).context("decode step")?;
         if a.checksum {
             pollster::block_on(digest.absorb_step(&rt, &p)).context("decision checksum")?;
@@ -419,6 +422,10 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
         }
         println!(" {:>6.3} {:>5.1}%  {:?}", r.routing_entropy, 100.0 * r.miss_rate, r.shard_pages);
     }
+    if probe_steps > 0 {
+        let v = pollster::block_on(p.probe_steps(&rt, probe_steps)).context("step probe")?;
+        println!("{v}");
+    }
     if a.checksum {
         if a.json {
             println!("{}", serde_json::json!({"checksum": digest.hex(), "steps": digest.steps()}));
@@ -427,7 +434,10 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
         }
     }
     if a.probe_attention {
-        let v = pollster::block_on(p.probe_attention(&rt, 5, 20)).context("attention probe")?;
+        // Warm-up passes before the 20 timed ones: EXPERTKV_PROBE_WARMUP (default 5). Hundreds
+        // keep the GPU busy long enough for its clocks to leave their idle state.
+        let warmup = std::env::var("EXPERTKV_PROBE_WARMUP").ok().and_then(|v| v.parse().ok()).unwrap_or(5);
+        let v = pollster::block_on(p.probe_attention(&rt, warmup, 20)).context("attention probe")?;
         println!("{v}");
     }
     if let Some((budget, imp)) = last_split
