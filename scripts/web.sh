@@ -38,6 +38,9 @@ ensure_debs() {
         as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
     fi
     [ -x /usr/lib/llvm-22/bin/wasm-ld ] || { log "error: /usr/lib/llvm-22/bin/wasm-ld missing after installing lld-22"; exit 1; }
+    # playwright-core 1.57 (web/tests/package.json) runs on Node.js 18 (Debian bookworm's) and newer.
+    node -e 'process.exit(parseInt(process.versions.node, 10) >= 18 ? 0 : 1)' ||
+        { log "error: Node.js 18 or newer needed for the browser test, found $(node --version)"; exit 1; }
 }
 
 bindgen_version() {
