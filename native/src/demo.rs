@@ -176,84 +176,152 @@ fn parse_threshold(s: &str) -> Result<Threshold> {
     })
 }
 
-fn build_config(a: &DemoArgs) -> Result<DemoConfig> {
-    let mut cfg = match &a.config {
-        Some(path) => {
-            let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-            toml::from_str::<DemoConfig>(&text).with_context(|| format!("{} is not a valid demo config", path.display()))?
-        }
-        None => DemoConfig::default(),
-    };
-    let w = &mut cfg.workload;
-    macro_rules! set {
-        ($dst:expr, $src:expr) => {
-            if let Some(v) = $src {
-                $dst = v;
+/// The flags that override a demo configuration (a TOML file or the defaults), shared by `demo`
+/// and the viewer's `view` / `demo --view` (which take a subset: the rest stay `None`).
+#[derive(Clone, Debug, Default)]
+pub struct Overrides<'a> {
+    pub config: Option<&'a std::path::Path>,
+    pub steps: Option<u32>,
+    pub seqs: Option<u32>,
+    pub layers: Option<u32>,
+    pub prompt: Option<u32>,
+    pub kv_heads: Option<u32>,
+    pub group: Option<u32>,
+    pub head_dim: Option<u32>,
+    pub experts: Option<u32>,
+    pub top_k: Option<u32>,
+    pub seed: Option<u64>,
+    pub page_size: Option<u32>,
+    pub chunk_pages: Option<u32>,
+    pub shards: Option<u32>,
+    pub router: Option<&'a str>,
+    pub scheduler: Option<&'a str>,
+    pub budget: Option<&'a str>,
+    pub pyramid: Option<f32>,
+    pub allocator: Option<&'a str>,
+    pub threshold: Option<&'a str>,
+    pub codec: Option<&'a str>,
+    pub dtype: Option<&'a str>,
+    pub shard_map: Option<&'a str>,
+    pub pages: Option<u32>,
+    pub no_verify: bool,
+    pub no_reference: bool,
+}
+
+impl Overrides<'_> {
+    /// The configuration file (or the defaults) with these flags applied, checked.
+    pub fn build(&self) -> Result<DemoConfig> {
+        let mut cfg = match self.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+                toml::from_str::<DemoConfig>(&text).with_context(|| format!("{} is not a valid demo config", path.display()))?
             }
+            None => DemoConfig::default(),
         };
+        let w = &mut cfg.workload;
+        for (dst, src) in [
+            (&mut cfg.steps, self.steps),
+            (&mut w.n_seqs, self.seqs),
+            (&mut w.layers, self.layers),
+            (&mut w.prompt_len, self.prompt),
+            (&mut w.kv_heads, self.kv_heads),
+            (&mut w.group, self.group),
+            (&mut w.head_dim, self.head_dim),
+            (&mut w.n_experts, self.experts),
+            (&mut w.top_k, self.top_k),
+            (&mut cfg.page_size, self.page_size),
+            (&mut cfg.chunk_pages, self.chunk_pages),
+            (&mut cfg.n_shards, self.shards),
+        ] {
+            if let Some(v) = src {
+                *dst = v;
+            }
+        }
+        if let Some(s) = self.seed {
+            w.seed = s;
+        }
+        if let Some(r) = self.router {
+            cfg.router = RouterConfig::parse(r)?;
+        }
+        if let Some(s) = self.scheduler {
+            cfg.scheduler = if s == "none" { None } else { Some(SchedulerConfig::parse(s)?) };
+        }
+        if let Some(b) = self.budget {
+            cfg.budget = b.to_string();
+        }
+        if self.pyramid.is_some() {
+            cfg.pyramid = self.pyramid;
+        }
+        if let Some(al) = self.allocator {
+            cfg.allocator = EkvaConfig::parse(al)?;
+        }
+        if let Some(t) = self.threshold {
+            cfg.threshold = parse_threshold(t)?;
+        }
+        if self.no_reference {
+            cfg.reference_attention = false;
+        }
+        if let Some(c) = self.codec {
+            cfg.codec = Codec::parse(c)?;
+        }
+        if let Some(d) = self.dtype {
+            cfg.dtype = KvDtype::parse(d)?;
+        }
+        if let Some(m) = self.shard_map {
+            cfg.shard_map = ShardMap::parse(m, cfg.n_shards)?;
+        } else if self.shards.is_some() {
+            // Keep the configured map, at the new shard count.
+            cfg.shard_map = ShardMap::parse(cfg.shard_map.name(), cfg.n_shards)?;
+        }
+        if self.pages.is_some() {
+            cfg.pool_pages = self.pages;
+        }
+        if self.no_verify {
+            cfg.verify = false;
+        }
+        for (n, v) in
+            [("steps", cfg.steps), ("seqs", cfg.workload.n_seqs), ("layers", cfg.workload.layers), ("prompt", cfg.workload.prompt_len)]
+        {
+            check_positive(n, v)?;
+        }
+        cfg.workload.validate()?;
+        cfg.router.validate(cfg.workload.n_experts, cfg.workload.top_k)?;
+        cfg.budget_tokens()?;
+        cfg.pool_config().validate()?;
+        Ok(cfg)
     }
-    set!(cfg.steps, a.steps);
-    set!(w.n_seqs, a.seqs);
-    set!(w.layers, a.layers);
-    set!(w.prompt_len, a.prompt);
-    set!(w.kv_heads, a.kv_heads);
-    set!(w.group, a.group);
-    set!(w.head_dim, a.head_dim);
-    set!(w.n_experts, a.experts);
-    set!(w.top_k, a.top_k);
-    set!(w.seed, a.seed);
-    set!(cfg.page_size, a.page_size);
-    set!(cfg.chunk_pages, a.chunk_pages);
-    set!(cfg.n_shards, a.shards);
-    if let Some(r) = &a.router {
-        cfg.router = RouterConfig::parse(r)?;
+}
+
+fn build_config(a: &DemoArgs) -> Result<DemoConfig> {
+    Overrides {
+        config: a.config.as_deref(),
+        steps: a.steps,
+        seqs: a.seqs,
+        layers: a.layers,
+        prompt: a.prompt,
+        kv_heads: a.kv_heads,
+        group: a.group,
+        head_dim: a.head_dim,
+        experts: a.experts,
+        top_k: a.top_k,
+        seed: a.seed,
+        page_size: a.page_size,
+        chunk_pages: a.chunk_pages,
+        shards: a.shards,
+        router: a.router.as_deref(),
+        scheduler: a.scheduler.as_deref(),
+        budget: a.budget.as_deref(),
+        pyramid: a.pyramid,
+        allocator: a.allocator.as_deref(),
+        threshold: a.threshold.as_deref(),
+        codec: a.codec.as_deref(),
+        dtype: a.dtype.as_deref(),
+        shard_map: a.shard_map.as_deref(),
+        pages: a.pages,
+        no_verify: a.no_verify,
+        no_reference: a.no_reference,
     }
-    if let Some(s) = &a.scheduler {
-        cfg.scheduler = if s == "none" { None } else { Some(SchedulerConfig::parse(s)?) };
-    }
-    if let Some(b) = &a.budget {
-        cfg.budget = b.clone();
-    }
-    if a.pyramid.is_some() {
-        cfg.pyramid = a.pyramid;
-    }
-    if let Some(al) = &a.allocator {
-        cfg.allocator = EkvaConfig::parse(al)?;
-    }
-    if let Some(t) = &a.threshold {
-        cfg.threshold = parse_threshold(t)?;
-    }
-    if a.no_reference {
-        cfg.reference_attention = false;
-    }
-    if let Some(c) = &a.codec {
-        cfg.codec = Codec::parse(c)?;
-    }
-    if let Some(d) = &a.dtype {
-        cfg.dtype = KvDtype::parse(d)?;
-    }
-    if let Some(m) = &a.shard_map {
-        cfg.shard_map = ShardMap::parse(m, cfg.n_shards)?;
-    } else if a.shards.is_some() {
-        // Keep the configured map, at the new shard count.
-        cfg.shard_map = ShardMap::parse(cfg.shard_map.name(), cfg.n_shards)?;
-    }
-    if a.pages.is_some() {
-        cfg.pool_pages = a.pages;
-    }
-    if a.no_verify {
-        cfg.verify = false;
-    }
-    for (n, v) in
-        [("steps", cfg.steps), ("seqs", cfg.workload.n_seqs), ("layers", cfg.workload.layers), ("prompt", cfg.workload.prompt_len)]
-    {
-        check_positive(n, v)?;
-    }
-    cfg.workload.validate()?;
-    cfg.router.validate(cfg.workload.n_experts, cfg.workload.top_k)?;
-    cfg.budget_tokens()?;
-    cfg.pool_config().validate()?;
-    Ok(cfg)
+    .build()
 }
 
 pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {

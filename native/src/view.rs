@@ -15,15 +15,12 @@ use clap::parser::ValueSource;
 use clap::{ArgMatches, Args, FromArgMatches};
 use eframe::egui;
 use expertkv_core::Runtime;
-use expertkv_core::config::{Codec, ShardMap};
 use expertkv_core::pipeline::{DemoConfig, Pipeline};
-use expertkv_core::router_config::RouterConfig;
-use expertkv_core::scheduler_config::{EkvaConfig, SchedulerConfig};
 use expertkv_core::trace::{Trace, read_trace};
 use expertkv_viewer::state::Source;
 use expertkv_viewer::{Event, Request, Viewer, capture};
 
-use crate::{GpuArgs, check_positive, demo};
+use crate::{GpuArgs, demo};
 
 /// The demo flags the viewer honours (the same names, meanings and defaults as `expertkv demo`).
 #[derive(Args, Clone, Debug, Default, PartialEq)]
@@ -139,71 +136,31 @@ impl RunFlags {
 
     /// The run these flags describe, over `--config` or the defaults, checked as `demo` checks it.
     pub fn build_config(&self) -> Result<DemoConfig> {
-        let mut cfg = match &self.config {
-            Some(path) => {
-                let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-                toml::from_str::<DemoConfig>(&text).with_context(|| format!("{} is not a valid demo config", path.display()))?
-            }
-            None => DemoConfig::default(),
-        };
-        let w = &mut cfg.workload;
-        for (dst, src) in [
-            (&mut cfg.steps, self.steps),
-            (&mut w.n_seqs, self.seqs),
-            (&mut w.layers, self.layers),
-            (&mut w.prompt_len, self.prompt),
-            (&mut w.kv_heads, self.kv_heads),
-            (&mut w.group, self.group),
-            (&mut w.head_dim, self.head_dim),
-            (&mut w.n_experts, self.experts),
-            (&mut w.top_k, self.top_k),
-            (&mut cfg.page_size, self.page_size),
-            (&mut cfg.n_shards, self.shards),
-        ] {
-            if let Some(v) = src {
-                *dst = v;
-            }
+        demo::Overrides {
+            config: self.config.as_deref(),
+            steps: self.steps,
+            seqs: self.seqs,
+            layers: self.layers,
+            prompt: self.prompt,
+            kv_heads: self.kv_heads,
+            group: self.group,
+            head_dim: self.head_dim,
+            experts: self.experts,
+            top_k: self.top_k,
+            seed: self.seed,
+            page_size: self.page_size,
+            shards: self.shards,
+            router: self.router.as_deref(),
+            scheduler: self.scheduler.as_deref(),
+            budget: self.budget.as_deref(),
+            pyramid: self.pyramid,
+            allocator: self.allocator.as_deref(),
+            codec: self.codec.as_deref(),
+            no_verify: self.no_verify,
+            no_reference: self.no_reference,
+            ..Default::default()
         }
-        if let Some(s) = self.seed {
-            w.seed = s;
-        }
-        if let Some(r) = &self.router {
-            cfg.router = RouterConfig::parse(r)?;
-        }
-        if let Some(s) = &self.scheduler {
-            cfg.scheduler = if s == "none" { None } else { Some(SchedulerConfig::parse(s)?) };
-        }
-        if let Some(b) = &self.budget {
-            cfg.budget = b.clone();
-        }
-        if self.pyramid.is_some() {
-            cfg.pyramid = self.pyramid;
-        }
-        if let Some(a) = &self.allocator {
-            cfg.allocator = EkvaConfig::parse(a)?;
-        }
-        if let Some(c) = &self.codec {
-            cfg.codec = Codec::parse(c)?;
-        }
-        if self.shards.is_some() {
-            cfg.shard_map = ShardMap::parse(cfg.shard_map.name(), cfg.n_shards)?;
-        }
-        if self.no_verify {
-            cfg.verify = false;
-        }
-        if self.no_reference {
-            cfg.reference_attention = false;
-        }
-        for (n, v) in
-            [("steps", cfg.steps), ("seqs", cfg.workload.n_seqs), ("layers", cfg.workload.layers), ("prompt", cfg.workload.prompt_len)]
-        {
-            check_positive(n, v)?;
-        }
-        cfg.workload.validate()?;
-        cfg.router.validate(cfg.workload.n_experts, cfg.workload.top_k)?;
-        cfg.budget_tokens()?;
-        cfg.pool_config().validate()?;
-        Ok(cfg)
+        .build()
     }
 }
 
