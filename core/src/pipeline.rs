@@ -214,6 +214,22 @@ pub struct StageTimes {
     pub miss_ms: f64,
 }
 
+impl StageTimes {
+    /// From a step's timestamp pairs in the timer's order: route, append, gather, one attend
+    /// pass per layer, evict, miss recount.
+    fn from_pairs(ms: &[f64], layers: u32) -> StageTimes {
+        let l = layers as usize;
+        StageTimes {
+            route_ms: ms[0],
+            append_ms: ms[1],
+            gather_ms: ms[2],
+            attend_ms: ms[3..3 + l].iter().sum(),
+            evict_ms: ms[3 + l],
+            miss_ms: ms[4 + l],
+        }
+    }
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct StepReport {
     pub step: u32,
@@ -879,18 +895,7 @@ impl Pipeline {
         rt.wait()?;
         let ctl = self.pool.check_errors(rt, n_seqs * layers).await?;
         let gpu = match &self.timer {
-            Some(t) => {
-                let ms = t.read_ms(rt, timer_pairs(layers)).await?;
-                let l = layers as usize;
-                Some(StageTimes {
-                    route_ms: ms[0],
-                    append_ms: ms[1],
-                    gather_ms: ms[2],
-                    attend_ms: ms[3..3 + l].iter().sum(),
-                    evict_ms: ms[3 + l],
-                    miss_ms: ms[4 + l],
-                })
-            }
+            Some(t) => Some(StageTimes::from_pairs(&t.read_ms(rt, timer_pairs(layers)).await?, layers)),
             None => None,
         };
         #[cfg(not(target_arch = "wasm32"))]
@@ -1013,19 +1018,7 @@ impl Pipeline {
         let wall_ms = t0.elapsed().as_secs_f64() * 1e3 / f64::from(n.max(1));
         self.pool.check_errors(rt, self.cfg.workload.n_seqs * layers).await?;
         let stages = match &self.timer {
-            Some(t) => {
-                let ms = t.read_ms(rt, timer_pairs(layers)).await?;
-                let l = layers as usize;
-                let st = StageTimes {
-                    route_ms: ms[0],
-                    append_ms: ms[1],
-                    gather_ms: ms[2],
-                    attend_ms: ms[3..3 + l].iter().sum(),
-                    evict_ms: ms[3 + l],
-                    miss_ms: ms[4 + l],
-                };
-                Some(st)
-            }
+            Some(t) => Some(StageTimes::from_pairs(&t.read_ms(rt, timer_pairs(layers)).await?, layers)),
             None => None,
         };
         Ok(serde_json::json!({
