@@ -84,9 +84,27 @@ pub fn subgroup_layout_with(rt: &Runtime, head_dim: u32, dtype: KvDtype, lanes_c
 
 const QUANT_MAX_IN_FLIGHT: u32 = 2;
 
+/// Code and parameter words per lane the quantised kernel loads together before using any (its
+/// `PF` slots times the words per slot: two code words and one parameter word per lane at int4
+/// with 16 lanes, four and two at int8). On an H200, b8 x 32K int4, the kernel alone: 0.457 ms
+/// at 2 slots, 0.394 at 4, 0.382 at 8, 0.695 at 16 (registers spill).
+const QUANT_PREFETCH_WORDS: u32 = 24;
+
 /// The fast quantised kernel (`attend/split_quant.wgsl`) for KIVI pages, when the raw pages run
-/// the subgroup kernel and the shape fits it: (lanes, bits, slots in flight).
-fn quant_fast_path(cfg: &crate::config::PoolConfig, variant: SplitVariant, opts: &AttendOptions) -> Option<(u32, u32, u32)> {
+/// the subgroup kernel and the shape fits it.
+#[derive(Clone, Copy, Debug)]
+struct QuantFast {
+    lanes: u32,
+    bits: u32,
+    /// Slots in flight through the softmax (`U`).
+    u: u32,
+    /// Slots loaded together (`PF`, a multiple of `u` dividing the page size).
+    prefetch: u32,
+    /// Whether one value-parameter word serves a whole code word (`VP_PER_WORD`).
+    vp_per_word: bool,
+}
+
+fn quant_fast_path(cfg: &crate::config::PoolConfig, variant: SplitVariant, opts: &AttendOptions) -> Option<QuantFast> {
     let SplitVariant::Subgroup { lanes, .. } = variant else { return None };
     let (bits, group) = match cfg.codec {
         crate::config::Codec::Int8 { group } => (8, group),
@@ -98,8 +116,17 @@ fn quant_fast_path(cfg: &crate::config::PoolConfig, variant: SplitVariant, opts:
     // H200, b8 x 32K int4: 0.47 ms at 2, 0.50 at 8, 0.61 at 1, 0.69 at 4; more registers per
     // slot than the f16 kernel).
     let u = (1..=opts.tokens_in_flight.min(cfg.page_size).min(QUANT_MAX_IN_FLIGHT)).rev().find(|u| cfg.page_size.is_multiple_of(*u))?;
+    let vp_per_word = group.is_multiple_of(32 / bits);
+    let words = cfg.head_dim / dims_per_lane_word;
+    let words_per_slot = 2 * words + if vp_per_word { words } else { words * (32 / bits / 4) };
+    // EXPERTKV_QUANT_PREFETCH (hidden, for the H200 probes) sets the block in slots instead.
+    let cap = std::env::var("EXPERTKV_QUANT_PREFETCH")
+        .ok()
+        .and_then(|v| v.parse::<u32>().ok())
+        .unwrap_or(QUANT_PREFETCH_WORDS / words_per_slot.max(1));
+    let prefetch = (u..=cap.max(u).min(cfg.page_size)).rev().find(|p| p.is_multiple_of(u) && cfg.page_size.is_multiple_of(*p)).unwrap_or(u);
     (cfg.head_dim.is_multiple_of(dims_per_lane_word) && group.is_multiple_of(4) && opts.group * cfg.head_dim <= 2048 && opts.group <= 16)
-        .then_some((lanes, bits, u))
+        .then_some(QuantFast { lanes, bits, u, prefetch, vp_per_word })
 }
 
 pub struct Attention {
@@ -121,7 +148,7 @@ pub struct Attention {
     split_bgs: Vec<wgpu::BindGroup>,
     codec_split: Option<(wgpu::ComputePipeline, wgpu::BindGroup)>,
     /// Which kernel reads the compressed pages (for `describe`).
-    codec_kernel: Option<&'static str>,
+    codec_kernel: Option<String>,
     reduce_bg: wgpu::BindGroup,
     mass_bg: Option<wgpu::BindGroup>,
     n_buffers: u32,
@@ -261,7 +288,7 @@ impl Attention {
                 ],
             );
             Some((p, bg))
-        } else if let Some((lanes, bits, u)) = quant_fast_path(cfg, variant, &opts) {
+        } else if let Some(QuantFast { lanes, bits, u, prefetch, vp_per_word }) = quant_fast_path(cfg, variant, &opts) {
             let transpose = opts.transpose && opts.group.is_power_of_two() && opts.group <= lanes;
             let p = rt
                 .pipeline_with(
@@ -273,6 +300,8 @@ impl Attention {
                         ("HEAD_DIM", format!("{}u", cfg.head_dim)),
                         ("PAGE_SIZE", format!("{}u", cfg.page_size)),
                         ("U", format!("{u}u")),
+                        ("PF", format!("{prefetch}u")),
+                        ("VP_PER_WORD", vp_per_word.to_string()),
                         ("TRANSPOSE", transpose.to_string()),
                     ],
                     &[],
@@ -296,11 +325,11 @@ impl Attention {
             None
         };
         let codec_kernel = if cfg.codec.is_low_rank() {
-            Some("lowrank")
-        } else if quant_fast_path(cfg, variant, &opts).is_some() {
-            Some("quant-subgroup")
+            Some("lowrank".to_string())
+        } else if let Some(f) = quant_fast_path(cfg, variant, &opts) {
+            Some(format!("quant-subgroup u={} pf={}", f.u, f.prefetch))
         } else if has_codec {
-            Some("codec-portable")
+            Some("codec-portable".to_string())
         } else {
             None
         };
@@ -434,7 +463,7 @@ impl Attention {
     /// The kernel and its knobs, as benchmarks report them.
     pub fn describe(&self) -> String {
         let raw = self.describe_raw();
-        match self.codec_kernel {
+        match &self.codec_kernel {
             Some(k) => format!("{raw}, compressed pages: {k}"),
             None => raw,
         }

@@ -355,41 +355,61 @@ impl Scheduler {
     /// Score, budget, select, compact, move, free: the pool's page lists must be current
     /// (gathered after the last append). Rebuild them before attention reads the pool again.
     pub fn encode(&self, pass: &mut wgpu::ComputePass<'_>) {
-        let (x, y) = grid(self.slots);
-        pass.set_pipeline(&self.score.0);
-        pass.set_bind_group(0, &self.score.1, &[]);
-        pass.dispatch_workgroups(x, y, 1);
-        pass.set_pipeline(&self.budget_pass.0);
-        pass.set_bind_group(0, &self.budget_pass.1, &[]);
-        pass.dispatch_workgroups(self.max_seqs, self.layers, 1);
-        if let Some(e) = &self.ekva {
-            pass.set_pipeline(&e.experts.0);
-            pass.set_bind_group(0, &e.experts.1, &[]);
-            pass.dispatch_workgroups(self.n_lists.min(65_535), self.n_lists.div_ceil(65_535), 1);
-            pass.set_pipeline(&e.update.0);
-            pass.set_bind_group(0, &e.update.1, &[]);
-            pass.dispatch_workgroups(self.layers, 1, 1);
-            let groups = self.n_lists.div_ceil(64);
-            pass.set_pipeline(&e.split.0);
-            pass.set_bind_group(0, &e.split.1, &[]);
-            pass.dispatch_workgroups(groups.min(65_535), groups.div_ceil(65_535), 1);
+        for (_, dispatches) in self.stages() {
+            for (p, bg, [x, y]) in dispatches {
+                pass.set_pipeline(p);
+                pass.set_bind_group(0, bg, &[]);
+                pass.dispatch_workgroups(x, y, 1);
+            }
         }
-        pass.set_pipeline(&self.select.0);
-        pass.set_bind_group(0, &self.select.1, &[]);
-        pass.dispatch_workgroups(self.n_lists.min(65_535), self.n_lists.div_ceil(65_535), 1);
-        pass.set_pipeline(&self.compact.0);
-        pass.set_bind_group(0, &self.compact.1, &[]);
-        pass.dispatch_workgroups(self.n_keys.min(65_535), self.n_keys.div_ceil(65_535), 1);
-        let (mx, my) = grid(self.max_moves);
-        for (p, bg) in &self.moves {
-            pass.set_pipeline(p);
-            pass.set_bind_group(0, bg, &[]);
-            pass.dispatch_workgroups(mx, my, 1);
-        }
-        pass.set_pipeline(&self.free.0);
-        pass.set_bind_group(0, &self.free.1, &[]);
-        pass.dispatch_workgroups(1, 1, 1);
     }
+
+    /// The same kernels as [`Scheduler::encode`], each stage in its own compute pass between
+    /// the timer's pairs `0..`: returns the stages' names in pair order. For probes: the pass
+    /// boundaries add barriers the one-pass encoding does not have.
+    pub fn encode_timed(&self, enc: &mut wgpu::CommandEncoder, timer: &crate::timer::GpuTimer) -> Vec<&'static str> {
+        let mut names = Vec::new();
+        for (i, (name, dispatches)) in self.stages().into_iter().enumerate() {
+            let mut pass =
+                enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some(name), timestamp_writes: timer.pass(i as u32) });
+            for (p, bg, [x, y]) in dispatches {
+                pass.set_pipeline(p);
+                pass.set_bind_group(0, bg, &[]);
+                pass.dispatch_workgroups(x, y, 1);
+            }
+            names.push(name);
+        }
+        names
+    }
+
+    /// The eviction's dispatches in order, by stage: (pipeline, bind group, workgroups x and y).
+    #[allow(clippy::type_complexity)]
+    fn stages(&self) -> Vec<(&'static str, Vec<(&wgpu::ComputePipeline, &wgpu::BindGroup, [u32; 2])>)> {
+        let (x, y) = grid(self.slots);
+        let lists = [self.n_lists.min(65_535), self.n_lists.div_ceil(65_535)];
+        let mut out = vec![("score", vec![(&self.score.0, &self.score.1, [x, y])])];
+        out.push(("budget", vec![(&self.budget_pass.0, &self.budget_pass.1, [self.max_seqs, self.layers])]));
+        if let Some(e) = &self.ekva {
+            let groups = self.n_lists.div_ceil(64);
+            out.push((
+                "ekva",
+                vec![
+                    (&e.experts.0, &e.experts.1, lists),
+                    (&e.update.0, &e.update.1, [self.layers, 1]),
+                    (&e.split.0, &e.split.1, [groups.min(65_535), groups.div_ceil(65_535)]),
+                ],
+            ));
+        }
+        out.push(("select", vec![(&self.select.0, &self.select.1, lists)]));
+        out.push(("compact", vec![(&self.compact.0, &self.compact.1, [self.n_keys.min(65_535), self.n_keys.div_ceil(65_535)])]));
+        let (mx, my) = grid(self.max_moves);
+        out.push(("move", self.moves.iter().map(|(p, bg)| (p, bg, [mx, my])).collect()));
+        out.push(("free", vec![(&self.free.0, &self.free.1, [1, 1])]));
+        out
+    }
+
+    /// Stages [`Scheduler::encode_timed`] times at most.
+    pub const TIMED_STAGES: u32 = 7;
 
     /// Evict in its own submission (the pool's page lists must be current).
     pub fn run(&self, rt: &Runtime, step: u32, seq_lens: &[u32]) -> Result<()> {

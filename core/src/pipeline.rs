@@ -362,6 +362,9 @@ pub struct Pipeline {
     reference: Option<Reference>,
     model: Option<PoolModel>,
     timer: Option<GpuTimer>,
+    /// Set by [`Pipeline::probe_steps`] for its last step: the eviction stage's kernels timed
+    /// one by one, with the stages' names.
+    evict_timer: Option<(GpuTimer, Vec<&'static str>)>,
     step: u32,
     /// Tokens routed so far (the hash router numbers tokens by this).
     routed_tokens: u32,
@@ -524,6 +527,7 @@ impl Pipeline {
             reference,
             model,
             timer,
+            evict_timer: None,
             step: 0,
             routed_tokens: 0,
             last_queries: Vec::new(),
@@ -786,7 +790,15 @@ impl Pipeline {
     /// The whole decode step in one command buffer: route, append, compress, gather, attend
     /// every layer (each layer's queries and parameters copied into place in the stream), evict,
     /// recount miss rates, resolve the timestamps; one submission.
-    fn encode_fused_step(&mut self, rt: &Runtime, tokens: &[GenToken]) -> Result<()> {
+    /// This step's synthetic inputs: every layer's new tokens, then every layer's queries (the
+    /// order the generator has always drawn them in, so runs repeat).
+    fn next_inputs(&mut self) -> (Vec<GenToken>, Vec<Vec<f32>>) {
+        let tokens = self.workload.next_tokens();
+        let queries = (0..self.pool.cfg.layers).map(|l| self.workload.queries(l)).collect();
+        (tokens, queries)
+    }
+
+    fn encode_fused_step(&mut self, rt: &Runtime, tokens: &[GenToken], queries: Vec<Vec<f32>>) -> Result<()> {
         let layers = self.pool.cfg.layers;
         let w = self.cfg.workload.clone();
         let per_layer = w.n_seqs;
@@ -798,7 +810,6 @@ impl Pipeline {
             self.router.set_logits(rt, layer, &logits)?;
             self.router.prepare(rt, layer, per_layer, self.routed_tokens + layer * per_layer)?;
         }
-        let queries: Vec<Vec<f32>> = (0..layers).map(|l| self.workload.queries(l)).collect();
         self.attn.stage_layers(rt, self.step, &queries)?;
         if let Some(s) = &self.scheduler {
             let lens: Vec<u32> = (0..w.n_seqs).map(|q| self.workload.position(q)).collect();
@@ -835,9 +846,13 @@ impl Pipeline {
         }
         {
             let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("evict"), timestamp_writes: ts(3 + layers) });
-            if let Some(s) = &self.scheduler {
+            if let (Some(s), None) = (&self.scheduler, &self.evict_timer) {
                 s.encode(&mut pass);
             }
+        }
+        if let (Some(s), Some((t, names))) = (&self.scheduler, &mut self.evict_timer) {
+            *names = s.encode_timed(&mut enc, t);
+            t.resolve(&mut enc, names.len() as u32);
         }
         {
             let mut pass =
@@ -856,14 +871,15 @@ impl Pipeline {
     pub async fn step(&mut self, rt: &Runtime) -> Result<StepReport> {
         #[cfg(not(target_arch = "wasm32"))]
         let t0 = std::time::Instant::now();
-        let tokens = self.workload.next_tokens();
         let n_seqs = self.cfg.workload.n_seqs;
         let layers = self.pool.cfg.layers;
         let fused = self.fused();
         let attention_error = if fused {
-            self.encode_fused_step(rt, &tokens)?;
+            let (tokens, queries) = self.next_inputs();
+            self.encode_fused_step(rt, &tokens, queries)?;
             None
         } else {
+            let tokens = self.workload.next_tokens();
             self.route_and_append(rt, &tokens, n_seqs, true).await?;
             self.attend_all(rt, true).await?
         };
@@ -999,32 +1015,72 @@ impl Pipeline {
     }
 
     /// Decode `n` steps back to back as a serving loop would: each step one submission, no step
-    /// report read between them (the GPU never waits for the host's bookkeeping), then the last
-    /// step's per-stage GPU times and the wall time per step. The fused step only (no CPU
-    /// lockstep, no reference pool); the pool must have room for the `n` tokens.
+    /// report read between them (the GPU never waits for the host's bookkeeping). The inputs are
+    /// drawn first (their cost reported apart), the first half of the steps warms the GPU's
+    /// clock, the second half is timed: wall time and host time (uploads, encoding, submission)
+    /// per step, and the last step's per-stage GPU times. The fused step only (no CPU lockstep,
+    /// no reference pool); the pool must have room for the `n` tokens.
     #[cfg(not(target_arch = "wasm32"))]
     pub async fn probe_steps(&mut self, rt: &Runtime, n: u32) -> Result<serde_json::Value> {
         if !self.fused() {
             return Err(Error::Input("probe_steps runs the fused step: no CPU lockstep, no reference pool, no host tier".into()));
         }
         let layers = self.pool.cfg.layers;
-        let t0 = std::time::Instant::now();
-        for _ in 0..n {
-            let tokens = self.workload.next_tokens();
-            self.encode_fused_step(rt, &tokens)?;
+        // The synthetic generator draws its keys, values and queries on the CPU (about 50,000
+        // normal samples per step at batch 8); a model's forward pass makes them on the GPU.
+        // Draw every step's inputs first and time it apart, so the loop below measures the
+        // pipeline: uploads, encoding, submission and the GPU.
+        let g0 = std::time::Instant::now();
+        let inputs: Vec<_> = (0..n).map(|_| self.next_inputs()).collect();
+        let generate_ms = g0.elapsed().as_secs_f64() * 1e3 / f64::from(n.max(1));
+        // The first half warms the GPU up to its serving clock (an idle H200 sits at 345 MHz and
+        // takes tens of milliseconds of steady work to reach 1980), the second half is timed.
+        let warmup = n / 2;
+        let timed = n - warmup;
+        let mut inputs = inputs.into_iter();
+        for (tokens, queries) in inputs.by_ref().take(warmup as usize) {
+            self.encode_fused_step(rt, &tokens, queries)?;
             self.step += 1;
         }
         rt.wait()?;
-        let wall_ms = t0.elapsed().as_secs_f64() * 1e3 / f64::from(n.max(1));
+        let t0 = std::time::Instant::now();
+        let mut host = std::time::Duration::ZERO;
+        for (i, (tokens, queries)) in inputs.enumerate() {
+            // EXPERTKV_PROBE_EVICT: the last step's eviction kernels timed one by one.
+            if i as u32 + 1 == timed && self.scheduler.is_some() && std::env::var("EXPERTKV_PROBE_EVICT").is_ok() {
+                self.evict_timer = GpuTimer::new(rt, Scheduler::TIMED_STAGES).map(|t| (t, Vec::new()));
+            }
+            let h0 = std::time::Instant::now();
+            self.encode_fused_step(rt, &tokens, queries)?;
+            host += h0.elapsed();
+            self.step += 1;
+        }
+        let w0 = std::time::Instant::now();
+        rt.wait()?;
+        let drain_ms = w0.elapsed().as_secs_f64() * 1e3;
+        let wall_ms = t0.elapsed().as_secs_f64() * 1e3 / f64::from(timed.max(1));
+        let host_ms = host.as_secs_f64() * 1e3 / f64::from(timed.max(1));
         self.pool.check_errors(rt, self.cfg.workload.n_seqs * layers).await?;
         let stages = match &self.timer {
             Some(t) => Some(StageTimes::from_pairs(&t.read_ms(rt, timer_pairs(layers)).await?, layers)),
             None => None,
         };
+        let evict_stages = match self.evict_timer.take() {
+            Some((t, names)) => {
+                let ms = t.read_ms(rt, names.len() as u32).await?;
+                Some(names.iter().zip(ms).map(|(n, m)| (n.to_string(), serde_json::json!(m))).collect::<serde_json::Map<_, _>>())
+            }
+            None => None,
+        };
         Ok(serde_json::json!({
             "probe": "steps",
+            "evict_stages_ms": evict_stages,
             "steps": n,
+            "warmup_steps": warmup,
             "wall_ms_per_step": wall_ms,
+            "host_ms_per_step": host_ms,
+            "generate_ms_per_step": generate_ms,
+            "drain_ms": drain_ms,
             "last_step_gpu": stages,
             "last_step_gpu_total_ms": stages.map(|g| g.route_ms + g.append_ms + g.gather_ms + g.attend_ms + g.evict_ms + g.miss_ms),
         }))

@@ -27,10 +27,14 @@
 //!define HEAD_DIM 128u
 //!define PAGE_SIZE 16u
 //!define U 4u
+//!define PF 16u
+//!define VP_PER_WORD true
 //!define TRANSPOSE true
 // GROUP: query heads per KV head. LANES: invocations per token. BITS: 8 or 4. HEAD_DIM: d
 // (a multiple of LANES * 32 / BITS). PAGE_SIZE: slots per page (a multiple of U). U: slots in
-// flight per token group. TRANSPOSE: as in split_subgroup.wgsl.
+// flight per token group. PF: slots whose code words are loaded together (a multiple of U
+// dividing PAGE_SIZE). VP_PER_WORD: the value groups are a multiple of a code word's dimensions,
+// so one parameter word serves a code word. TRANSPOSE: as in split_subgroup.wgsl.
 
 const WG: u32 = 128u;
 const CPW: u32 = 32u / BITS;                  // codes per u32 word
@@ -39,12 +43,13 @@ const VPW: u32 = CPW / 4u;                    // vec4 of dimensions per code wor
 const NV: u32 = WPL * VPW;                    // vec4 of dimensions per lane per row
 const CODE_MASK: u32 = (1u << BITS) - 1u;
 const HEADS_KEPT: u32 = select(GROUP, 1u, TRANSPOSE);
+const NVP: u32 = select(NV, WPL, VP_PER_WORD);  // value parameter words per lane per slot
 const MAX_CHUNK_PAGES: u32 = 64u;
 
 var<workgroup> chunk_page: array<u32, 64>;
 var<workgroup> chunk_fill: array<u32, 64>;
 var<workgroup> ml_sh: array<vec2<f32>, 256>;
-var<workgroup> acc_sh: array<vec4<f32>, 512>;
+var<workgroup> acc_sh: array<vec4<f32>, 512>;  // the scaled queries first, the merge at the end
 var<workgroup> count_sh: u32;
 var<workgroup> live_sh: u32;
 
@@ -53,15 +58,22 @@ fn dim_of(lane: u32, n: u32) -> u32 {
     return CPW * (lane + (n / VPW) * LANES) + 4u * (n % VPW);
 }
 
+// The code at bit p of a code word, as a float, without an integer-to-float conversion (a
+// quarter-rate instruction on common GPUs): the code's bits are masked in place into the
+// mantissa of a float whose exponent makes their lowest bit weigh 1, i.e. 2^(23 - s) + code,
+// and the power of two is subtracted, exactly. Bits 16 and up are taken from the word's upper
+// half so every code sits below the exponent field. Same value as f32((w >> p) & CODE_MASK).
+fn code_float(w: u32, p: u32) -> f32 {
+    let x = select(w, w >> 16u, p >= 16u);
+    let s = p & 15u;
+    let e = (150u - s) << 23u;
+    return bitcast<f32>((x & (CODE_MASK << s)) | e) - bitcast<f32>(e);
+}
+
 // Codes of dimensions 4 sub .. 4 sub + 3 of a code word, as floats.
 fn codes4(w: u32, sub: u32) -> vec4<f32> {
     let sh = sub * 4u * BITS;
-    return vec4<f32>(
-        f32((w >> sh) & CODE_MASK),
-        f32((w >> (sh + BITS)) & CODE_MASK),
-        f32((w >> (sh + 2u * BITS)) & CODE_MASK),
-        f32((w >> (sh + 3u * BITS)) & CODE_MASK),
-    );
+    return vec4<f32>(code_float(w, sh), code_float(w, sh + BITS), code_float(w, sh + 2u * BITS), code_float(w, sh + 3u * BITS));
 }
 
 fn log2u(x: u32) -> u32 {
@@ -155,14 +167,15 @@ fn main(
         return;
     }
 
-    var q: array<vec4<f32>, GROUP * NV>;  // [g * NV + n]
+    // The scaled queries of this KV head's GROUP heads, in workgroup memory (acc_sh, which the
+    // merge reuses after a barrier): each token group reads its lanes' slice once per page to
+    // fold in the page's key scales, so the queries hold no registers through the page loop.
     let q0 = (seq * params.q_heads + kvh * GROUP) * HEAD_DIM;
-    for (var g = 0u; g < GROUP; g++) {
-        for (var n = 0u; n < NV; n++) {
-            let d = q0 + g * HEAD_DIM + dim_of(lane, n);
-            q[g * NV + n] = vec4<f32>(queries[d], queries[d + 1u], queries[d + 2u], queries[d + 3u]) * params.scale;
-        }
+    for (var e = t; e < GROUP * D4; e += WG) {
+        let d = q0 + 4u * e;
+        acc_sh[e] = vec4<f32>(queries[d], queries[d + 1u], queries[d + 2u], queries[d + 3u]) * params.scale;
     }
+    workgroupBarrier();
     var acc: array<vec4<f32>, GROUP * NV>;
     var m: array<f32, HEADS_KEPT>;
     var l: array<f32, HEADS_KEPT>;
@@ -179,9 +192,9 @@ fn main(
     let vp_off = v_params_off(geo);
     let vc_off = v_codes_off(geo);
     let vgroups = HEAD_DIM / geo.v_group;
-    var vgi: array<u32, NV>;  // value parameter word of each of this lane's vec4 (per slot)
-    for (var n = 0u; n < NV; n++) {
-        vgi[n] = dim_of(lane, n) / geo.v_group;
+    var vgi: array<u32, NVP>;  // value parameter word of each of this lane's parameter slots
+    for (var n = 0u; n < NVP; n++) {
+        vgi[n] = dim_of(lane, select(n, n * VPW, VP_PER_WORD)) / geo.v_group;
     }
     let rounds = (params.chunk_pages + n_tg - 1u) / n_tg;
     for (var r = 0u; r < rounds; r++) {
@@ -192,150 +205,160 @@ fn main(
             fill = chunk_fill[cc];
         }
         let cbase = (chunk_page[cc] - geo.n_pages) * geo.codec_page_words;
-        // The page's key parameters for this lane's channels: score = bias + (q * scale) . code.
+        // Issue the page's key parameters for this lane's channels, then each block's code
+        // words, before anything waits on them: one memory round trip per block of PF slots
+        // instead of one per U slots.
+        var kp: array<vec4<u32>, NV>;
+        for (var n = 0u; n < NV; n++) {
+            kp[n] = vec4<u32>(0u);
+            if (fill > 0u) {
+                let p0 = cbase + dim_of(lane, n);
+                kp[n] = vec4<u32>(codec_kv[p0], codec_kv[p0 + 1u], codec_kv[p0 + 2u], codec_kv[p0 + 3u]);
+            }
+        }
         var qs: array<vec4<f32>, GROUP * NV>;
         var bias: array<f32, GROUP>;
-        for (var g = 0u; g < GROUP; g++) {
-            bias[g] = 0.0;
-        }
-        if (fill > 0u) {
-            for (var n = 0u; n < NV; n++) {
-                let p0 = cbase + dim_of(lane, n);
-                let w = vec4<u32>(codec_kv[p0], codec_kv[p0 + 1u], codec_kv[p0 + 2u], codec_kv[p0 + 3u]);
-                let mins = vec4<f32>(f16_value(w.x), f16_value(w.y), f16_value(w.z), f16_value(w.w));
-                let scales = vec4<f32>(f16_value(w.x >> 16u), f16_value(w.y >> 16u), f16_value(w.z >> 16u), f16_value(w.w >> 16u));
-                for (var g = 0u; g < GROUP; g++) {
-                    qs[g * NV + n] = q[g * NV + n] * scales;
-                    bias[g] += dot(q[g * NV + n], mins);
+        for (var blk = 0u; blk < PAGE_SIZE / PF; blk++) {
+            var kw: array<u32, PF * WPL>;
+            var vw: array<u32, PF * WPL>;
+            var vprm: array<u32, PF * NVP>;
+            for (var u = 0u; u < PF; u++) {
+                let s = blk * PF + u;
+                for (var i = 0u; i < WPL; i++) {
+                    kw[u * WPL + i] = 0u;
+                    vw[u * WPL + i] = 0u;
                 }
-            }
-        } else {
-            for (var i = 0u; i < GROUP * NV; i++) {
-                qs[i] = vec4<f32>(0.0);
-            }
-        }
-        for (var sb = 0u; sb < PAGE_SIZE / U; sb++) {
-            var kw: array<u32, U * WPL>;
-            var vw: array<u32, U * WPL>;
-            var vprm: array<u32, U * NV>;
-            var valid: array<bool, U>;
-            var slot_of: array<u32, U>;
-            for (var u = 0u; u < U; u++) {
-                let s = sb * U + u;
-                let ok = s < fill;
-                valid[u] = ok;
-                slot_of[u] = c * PAGE_SIZE + s;
-                if (ok) {
+                for (var n = 0u; n < NVP; n++) {
+                    vprm[u * NVP + n] = 0u;
+                }
+                if (s < fill) {
                     for (var i = 0u; i < WPL; i++) {
                         kw[u * WPL + i] = codec_kv[cbase + kc_off + s * rw + lane + i * LANES];
                         vw[u * WPL + i] = codec_kv[cbase + vc_off + s * rw + lane + i * LANES];
                     }
-                    for (var n = 0u; n < NV; n++) {
-                        vprm[u * NV + n] = codec_kv[cbase + vp_off + s * vgroups + vgi[n]];
-                    }
-                } else {
-                    for (var i = 0u; i < WPL; i++) {
-                        kw[u * WPL + i] = 0u;
-                        vw[u * WPL + i] = 0u;
-                    }
-                    for (var n = 0u; n < NV; n++) {
-                        vprm[u * NV + n] = 0u;
+                    for (var n = 0u; n < NVP; n++) {
+                        vprm[u * NVP + n] = codec_kv[cbase + vp_off + s * vgroups + vgi[n]];
                     }
                 }
             }
-            var part: array<f32, U * GROUP>;
-            for (var u = 0u; u < U; u++) {
+            if (blk == 0u) {
+                // score = bias + (q * scale) . code, the key parameters folded in once per page.
                 for (var g = 0u; g < GROUP; g++) {
-                    var x = 0.0;
-                    for (var n = 0u; n < NV; n++) {
-                        x += dot(qs[g * NV + n], codes4(kw[u * WPL + n / VPW], n % VPW));
+                    bias[g] = 0.0;
+                }
+                for (var n = 0u; n < NV; n++) {
+                    let w = kp[n];
+                    let mins = vec4<f32>(f16_value(w.x), f16_value(w.y), f16_value(w.z), f16_value(w.w));
+                    let scales = vec4<f32>(f16_value(w.x >> 16u), f16_value(w.y >> 16u), f16_value(w.z >> 16u), f16_value(w.w >> 16u));
+                    for (var g = 0u; g < GROUP; g++) {
+                        let qv = acc_sh[g * D4 + dim_of(lane, n) / 4u];
+                        qs[g * NV + n] = qv * scales;
+                        bias[g] += dot(qv, mins);
                     }
-                    // The bias is split over the lanes like the dot product.
-                    part[u * GROUP + g] = x + bias[g];
                 }
             }
-            var p: array<f32, U * GROUP>;
-            var corr: array<f32, GROUP>;
-            if (TRANSPOSE) {
-                var sc: array<f32, U>;
-                var m_new = m[0];
+            for (var sb = 0u; sb < PF / U; sb++) {
+                var valid: array<bool, U>;
+                var slot_of: array<u32, U>;
                 for (var u = 0u; u < U; u++) {
-                    var mask = LANES / 2u;
-                    for (var half = GROUP / 2u; half > 0u; half = half / 2u) {
-                        let upper = (lane & mask) != 0u;
-                        for (var j = 0u; j < half; j++) {
-                            let keep = select(part[u * GROUP + j], part[u * GROUP + j + half], upper);
-                            let send = select(part[u * GROUP + j + half], part[u * GROUP + j], upper);
-                            part[u * GROUP + j] = keep + subgroupShuffleXor(send, mask);
+                    let s = blk * PF + sb * U + u;
+                    valid[u] = s < fill;
+                    slot_of[u] = c * PAGE_SIZE + s;
+                }
+                var part: array<f32, U * GROUP>;
+                for (var u = 0u; u < U; u++) {
+                    for (var g = 0u; g < GROUP; g++) {
+                        var x = 0.0;
+                        for (var n = 0u; n < NV; n++) {
+                            x += dot(qs[g * NV + n], codes4(kw[(sb * U + u) * WPL + n / VPW], n % VPW));
                         }
-                        mask = mask / 2u;
-                    }
-                    var x = part[u * GROUP];
-                    for (; mask > 0u; mask = mask / 2u) {
-                        x += subgroupShuffleXor(x, mask);
-                    }
-                    sc[u] = select(NEG_BIG, x, valid[u]);
-                    m_new = max(m_new, sc[u]);
-                    if (valid[u] && params.write_scores != 0u && (lane % replicas) == 0u) {
-                        scores[(seq * params.q_heads + kvh * GROUP + my_head) * params.max_tokens + first * PAGE_SIZE + slot_of[u]] = x;
+                        // The bias is split over the lanes like the dot product.
+                        part[u * GROUP + g] = x + bias[g];
                     }
                 }
-                let c_own = exp(m[0] - m_new);
-                var lsum = l[0] * c_own;
-                var p_own: array<f32, U>;
-                for (var u = 0u; u < U; u++) {
-                    p_own[u] = select(0.0, exp(sc[u] - m_new), valid[u]);
-                    lsum += p_own[u];
-                }
-                m[0] = m_new;
-                l[0] = lsum;
-                for (var g = 0u; g < GROUP; g++) {
-                    let src = group_base + lane_of_head(g);
-                    corr[g] = subgroupShuffle(c_own, src);
-                    for (var u = 0u; u < U; u++) {
-                        p[u * GROUP + g] = subgroupShuffle(p_own[u], src);
-                    }
-                }
-            } else {
-                for (var g = 0u; g < GROUP; g++) {
+                var p: array<f32, U * GROUP>;
+                var corr: array<f32, GROUP>;
+                if (TRANSPOSE) {
                     var sc: array<f32, U>;
-                    var m_new = m[g];
+                    var m_new = m[0];
                     for (var u = 0u; u < U; u++) {
-                        var x = part[u * GROUP + g];
-                        for (var mask = LANES / 2u; mask > 0u; mask = mask / 2u) {
+                        var mask = LANES / 2u;
+                        for (var half = GROUP / 2u; half > 0u; half = half / 2u) {
+                            let upper = (lane & mask) != 0u;
+                            for (var j = 0u; j < half; j++) {
+                                let keep = select(part[u * GROUP + j], part[u * GROUP + j + half], upper);
+                                let send = select(part[u * GROUP + j + half], part[u * GROUP + j], upper);
+                                part[u * GROUP + j] = keep + subgroupShuffleXor(send, mask);
+                            }
+                            mask = mask / 2u;
+                        }
+                        var x = part[u * GROUP];
+                        for (; mask > 0u; mask = mask / 2u) {
                             x += subgroupShuffleXor(x, mask);
                         }
                         sc[u] = select(NEG_BIG, x, valid[u]);
                         m_new = max(m_new, sc[u]);
-                        if (valid[u] && params.write_scores != 0u && lane == 0u) {
-                            scores[(seq * params.q_heads + kvh * GROUP + g) * params.max_tokens + first * PAGE_SIZE + slot_of[u]] = x;
+                        if (valid[u] && params.write_scores != 0u && (lane % replicas) == 0u) {
+                            scores[(seq * params.q_heads + kvh * GROUP + my_head) * params.max_tokens + first * PAGE_SIZE + slot_of[u]] = x;
                         }
                     }
-                    corr[g] = exp(m[g] - m_new);
-                    var lsum = l[g] * corr[g];
+                    let c_own = exp(m[0] - m_new);
+                    var lsum = l[0] * c_own;
+                    var p_own: array<f32, U>;
                     for (var u = 0u; u < U; u++) {
-                        p[u * GROUP + g] = select(0.0, exp(sc[u] - m_new), valid[u]);
-                        lsum += p[u * GROUP + g];
+                        p_own[u] = select(0.0, exp(sc[u] - m_new), valid[u]);
+                        lsum += p_own[u];
                     }
-                    m[g] = m_new;
-                    l[g] = lsum;
-                }
-            }
-            // Values: min + code * scale per token group of dimensions, shared by the heads.
-            var vdec: array<vec4<f32>, U * NV>;
-            for (var u = 0u; u < U; u++) {
-                for (var n = 0u; n < NV; n++) {
-                    let prm = vprm[u * NV + n];
-                    vdec[u * NV + n] = f16_value(prm) + codes4(vw[u * WPL + n / VPW], n % VPW) * f16_value(prm >> 16u);
-                }
-            }
-            for (var g = 0u; g < GROUP; g++) {
-                for (var n = 0u; n < NV; n++) {
-                    var a = acc[g * NV + n] * corr[g];
-                    for (var u = 0u; u < U; u++) {
-                        a += p[u * GROUP + g] * vdec[u * NV + n];
+                    m[0] = m_new;
+                    l[0] = lsum;
+                    for (var g = 0u; g < GROUP; g++) {
+                        let src = group_base + lane_of_head(g);
+                        corr[g] = subgroupShuffle(c_own, src);
+                        for (var u = 0u; u < U; u++) {
+                            p[u * GROUP + g] = subgroupShuffle(p_own[u], src);
+                        }
                     }
-                    acc[g * NV + n] = a;
+                } else {
+                    for (var g = 0u; g < GROUP; g++) {
+                        var sc: array<f32, U>;
+                        var m_new = m[g];
+                        for (var u = 0u; u < U; u++) {
+                            var x = part[u * GROUP + g];
+                            for (var mask = LANES / 2u; mask > 0u; mask = mask / 2u) {
+                                x += subgroupShuffleXor(x, mask);
+                            }
+                            sc[u] = select(NEG_BIG, x, valid[u]);
+                            m_new = max(m_new, sc[u]);
+                            if (valid[u] && params.write_scores != 0u && lane == 0u) {
+                                scores[(seq * params.q_heads + kvh * GROUP + g) * params.max_tokens + first * PAGE_SIZE + slot_of[u]] = x;
+                            }
+                        }
+                        corr[g] = exp(m[g] - m_new);
+                        var lsum = l[g] * corr[g];
+                        for (var u = 0u; u < U; u++) {
+                            p[u * GROUP + g] = select(0.0, exp(sc[u] - m_new), valid[u]);
+                            lsum += p[u * GROUP + g];
+                        }
+                        m[g] = m_new;
+                        l[g] = lsum;
+                    }
+                }
+                // Values: min + code * scale per token group of dimensions, shared by the heads.
+                var vdec: array<vec4<f32>, U * NV>;
+                for (var u = 0u; u < U; u++) {
+                    for (var n = 0u; n < NV; n++) {
+                        let prm = vprm[(sb * U + u) * NVP + select(n, n / VPW, VP_PER_WORD)];
+                        vdec[u * NV + n] = f16_value(prm) + codes4(vw[(sb * U + u) * WPL + n / VPW], n % VPW) * f16_value(prm >> 16u);
+                    }
+                }
+                for (var g = 0u; g < GROUP; g++) {
+                    for (var n = 0u; n < NV; n++) {
+                        var a = acc[g * NV + n] * corr[g];
+                        for (var u = 0u; u < U; u++) {
+                            a += p[u * GROUP + g] * vdec[u * NV + n];
+                        }
+                        acc[g * NV + n] = a;
+                    }
                 }
             }
         }

@@ -13,7 +13,7 @@ use crate::common::{POISON_F32, POISON_U32, rt, seeds};
 use crate::shard::{assert_same_state, random_batch, random_kv};
 
 fn random_codec(rng: &mut Rng, d: u32) -> Codec {
-    let groups: Vec<u32> = [8u32, 16, 32, 64].into_iter().filter(|g| d.is_multiple_of(*g)).collect();
+    let groups: Vec<u32> = [4u32, 8, 16, 32, 64].into_iter().filter(|g| d.is_multiple_of(*g)).collect();
     let group = groups[rng.below(groups.len() as u32) as usize];
     match rng.below(3) {
         0 => Codec::Int8 { group },
