@@ -206,6 +206,8 @@ impl DemoConfig {
 pub struct StageTimes {
     pub route_ms: f64,
     pub append_ms: f64,
+    /// Compressing the pages that filled (a codec's plan and encode passes; empty without one).
+    pub compress_ms: f64,
     pub gather_ms: f64,
     pub attend_ms: f64,
     /// Scheduling: utilities, budgets, victims, compaction, freeing.
@@ -216,17 +218,23 @@ pub struct StageTimes {
 
 impl StageTimes {
     /// From a step's timestamp pairs in the timer's order: route, append, gather, one attend
-    /// pass per layer, evict, miss recount.
+    /// pass per layer, evict, miss recount, compress.
     fn from_pairs(ms: &[f64], layers: u32) -> StageTimes {
         let l = layers as usize;
         StageTimes {
             route_ms: ms[0],
             append_ms: ms[1],
+            compress_ms: ms[5 + l],
             gather_ms: ms[2],
             attend_ms: ms[3..3 + l].iter().sum(),
             evict_ms: ms[3 + l],
             miss_ms: ms[4 + l],
         }
+    }
+
+    /// The step's GPU time: every stage.
+    pub fn total_ms(&self) -> f64 {
+        self.route_ms + self.append_ms + self.compress_ms + self.gather_ms + self.attend_ms + self.evict_ms + self.miss_ms
     }
 }
 
@@ -280,7 +288,7 @@ pub struct StepReport {
 
 impl StepReport {
     /// Column names of [`StepReport::csv_row`].
-    pub const CSV_HEADER: &'static str = "step,context,route_ms,append_ms,gather_ms,attend_ms,evict_ms,miss_ms,host_ms,\
+    pub const CSV_HEADER: &'static str = "step,context,route_ms,append_ms,compress_ms,gather_ms,attend_ms,evict_ms,miss_ms,host_ms,\
 kv_bytes_resident,kv_bytes_tokens,kv_bytes_attended,full_kv_bytes,pages_in_use,pages_total,ring_overflows,evicted,pages_evicted,\
 kept_attention,attention_error,routing_entropy,miss_rate,host_kv_bytes,tier_bytes_moved,shard_pages,expert_load,expert_hits,expert_misses,expert_budget,expert_importance";
 
@@ -295,6 +303,7 @@ kept_attention,attention_error,routing_entropy,miss_rate,host_kv_bytes,tier_byte
         let times: Vec<String> = [
             g.map(|g| g.route_ms),
             g.map(|g| g.append_ms),
+            g.map(|g| g.compress_ms),
             g.map(|g| g.gather_ms),
             g.map(|g| g.attend_ms),
             g.map(|g| g.evict_ms),
@@ -389,8 +398,9 @@ fn prefill_positions(max_append: u32, n_seqs: u32, layers: u32) -> u32 {
 }
 
 /// Timer pairs of a step: route, append, gather, attend x layers, evict, miss.
+/// Timestamp pairs of a step: route, append, gather, attend per layer, evict, miss, compress.
 fn timer_pairs(layers: u32) -> u32 {
-    5 + layers
+    6 + layers
 }
 
 fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
@@ -582,7 +592,7 @@ impl Pipeline {
             }
         }
         // Pages that left their ring's head are compressed right away (no-op without a codec).
-        self.pool.compress(rt)?;
+        self.pool.compress_timed(rt, if timed { self.timer.as_ref().and_then(|t| t.pass(5 + layers)) } else { None })?;
         if let Some(r) = &mut self.reference {
             r.pool.append_timed(rt, &new, &words, self.step, Some(routed), None)?;
         }
@@ -835,7 +845,8 @@ impl Pipeline {
         };
         self.pool.encode_append(rt, &mut enc, &new, &words, self.step, Some(routed), ts(1))?;
         {
-            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("compress"), timestamp_writes: None });
+            let mut pass =
+                enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("compress"), timestamp_writes: ts(5 + layers) });
             self.pool.encode_compress(&mut pass);
         }
         self.pool.encode_gather(rt, &mut enc, 0, layers, ts(2));
@@ -1082,7 +1093,7 @@ impl Pipeline {
             "generate_ms_per_step": generate_ms,
             "drain_ms": drain_ms,
             "last_step_gpu": stages,
-            "last_step_gpu_total_ms": stages.map(|g| g.route_ms + g.append_ms + g.gather_ms + g.attend_ms + g.evict_ms + g.miss_ms),
+            "last_step_gpu_total_ms": stages.as_ref().map(StageTimes::total_ms),
         }))
     }
 

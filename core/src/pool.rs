@@ -28,12 +28,15 @@ pub struct PoolSnapshot {
     pub codec_free: Vec<u32>,
 }
 
-/// The passes that compress full pages (`codec/plan`, `codec/encode`).
+/// The passes that compress full pages (`codec/plan.wgsl#count`, `#main`, `#assign`,
+/// `codec/encode`).
 struct CodecPasses {
-    plan: (wgpu::ComputePipeline, wgpu::BindGroup),
+    plan: [(wgpu::ComputePipeline, wgpu::BindGroup); 3],
     encode: (wgpu::ComputePipeline, Vec<wgpu::BindGroup>),
     dispatch: wgpu::Buffer,
-    _jobs: wgpu::Buffer,
+    /// Rings (shard keys): the count and assign passes run a workgroup per ring.
+    n_keys: u32,
+    _buffers: [wgpu::Buffer; 3],
 }
 
 /// Fitting the low-rank codecs' basis (`codec/gram`, `codec/basis`).
@@ -245,12 +248,34 @@ impl KvPool {
                 usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::INDIRECT | wgpu::BufferUsages::COPY_SRC,
                 mapped_at_creation: false,
             });
-            let plan_p = rt.pipeline(Kernel::CodecPlan, &[]).await?;
-            let plan_bg = rt.bind(
-                Kernel::CodecPlan.label(),
-                &plan_p,
-                &[&geometry, &rings, &ring_pages, &page_meta, &free_stack, &codec_free, &ctl, &jobs, &dispatch],
-            );
+            let n_keys = cfg.n_keys();
+            let plan_counts = rt.storage("codec plan counts", u64::from(n_keys.max(1)) * 4);
+            let plan_state = rt.storage("codec plan state", 16);
+            let mut plan = Vec::new();
+            for (k, used) in [
+                (Kernel::CodecPlanCount, vec![(0, &geometry), (1, &rings), (2, &ring_pages), (3, &page_meta), (9, &plan_counts)]),
+                (Kernel::CodecPlan, vec![(0, &geometry), (6, &ctl), (8, &dispatch), (9, &plan_counts), (10, &plan_state)]),
+                (
+                    Kernel::CodecPlanAssign,
+                    vec![
+                        (0, &geometry),
+                        (1, &rings),
+                        (2, &ring_pages),
+                        (3, &page_meta),
+                        (4, &free_stack),
+                        (5, &codec_free),
+                        (7, &jobs),
+                        (9, &plan_counts),
+                        (10, &plan_state),
+                    ],
+                ),
+            ] {
+                let p = rt.pipeline(k, &[]).await?;
+                let bg = rt.bind_at(k.label(), &p, &used);
+                plan.push((p, bg));
+            }
+            let plan: [(wgpu::ComputePipeline, wgpu::BindGroup); 3] =
+                plan.try_into().map_err(|_| Error::Input("codec plan passes".into()))?;
             let enc_p = rt.pipeline(Kernel::CodecEncode, &[]).await?;
             let enc_bgs = kv_buffers
                 .iter()
@@ -263,7 +288,7 @@ impl KvPool {
                     )
                 })
                 .collect();
-            Some(CodecPasses { plan: (plan_p, plan_bg), encode: (enc_p, enc_bgs), dispatch, _jobs: jobs })
+            Some(CodecPasses { plan, encode: (enc_p, enc_bgs), dispatch, n_keys, _buffers: [jobs, plan_counts, plan_state] })
         };
         rt.check("KV pool creation")?;
         Ok(KvPool {
@@ -500,9 +525,12 @@ impl KvPool {
         if !self.ready_to_compress() {
             return;
         }
-        pass.set_pipeline(&c.plan.0);
-        pass.set_bind_group(0, &c.plan.1, &[]);
-        pass.dispatch_workgroups(1, 1, 1);
+        let rings = [c.n_keys.min(65_535), c.n_keys.div_ceil(65_535)];
+        for ((p, bg), [x, y]) in c.plan.iter().zip([rings, [1, 1], rings]) {
+            pass.set_pipeline(p);
+            pass.set_bind_group(0, bg, &[]);
+            pass.dispatch_workgroups(x, y, 1);
+        }
         pass.set_pipeline(&c.encode.0);
         for bg in &c.encode.1 {
             pass.set_bind_group(0, bg, &[]);
@@ -568,15 +596,21 @@ impl KvPool {
 
     /// [`KvPool::encode_compress`] in its own submission.
     pub fn compress(&self, rt: &Runtime) -> Result<()> {
-        if self.codec.is_none() {
+        self.compress_timed(rt, None)
+    }
+
+    /// [`KvPool::compress`] with timestamps around its pass; the pass (empty without a codec)
+    /// and its timestamps are there whenever `timestamps` is.
+    pub fn compress_timed(&self, rt: &Runtime, timestamps: Option<wgpu::ComputePassTimestampWrites<'_>>) -> Result<()> {
+        if self.codec.is_none() && timestamps.is_none() {
             return Ok(());
         }
-        if !self.ready_to_compress() {
+        if self.codec.is_some() && !self.ready_to_compress() {
             return Err(Error::Input("a low-rank codec encodes pages only once its basis is fitted (KvPool::calibrate)".into()));
         }
         let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("codec") });
         {
-            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("codec"), timestamp_writes: None });
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("codec"), timestamp_writes: timestamps });
             self.encode_compress(&mut pass);
         }
         rt.queue.submit([enc.finish()]);

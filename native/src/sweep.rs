@@ -146,7 +146,7 @@ pub fn run(gpu: &GpuArgs, a: &SweepArgs) -> Result<()> {
                 errs.push(e);
             }
             if let Some(g) = &r.gpu {
-                times.push(g.route_ms + g.append_ms + g.gather_ms + g.attend_ms + g.evict_ms + g.miss_ms);
+                times.push(g.total_ms());
             }
             last = Some(r);
         }

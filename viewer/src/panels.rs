@@ -6,9 +6,10 @@ use egui::{Align2, Color32, FontId, Rect, Sense, Stroke, StrokeKind, Ui, pos2, v
 use crate::state::{HeatMode, STAGES, ViewerState};
 
 /// Colour of each stage in [`STAGES`] order.
-pub const STAGE_COLORS: [Color32; 6] = [
+pub const STAGE_COLORS: [Color32; 7] = [
     Color32::from_rgb(86, 156, 214),
     Color32::from_rgb(106, 190, 110),
+    Color32::from_rgb(200, 200, 90),
     Color32::from_rgb(78, 201, 176),
     Color32::from_rgb(236, 160, 64),
     Color32::from_rgb(220, 90, 80),
@@ -275,7 +276,7 @@ pub fn evictions_panel(ui: &mut Ui, state: &ViewerState) {
         ui.weak("no data yet");
         return;
     }
-    let vals: Vec<(u32, Vec<(f64, Color32)>)> = ev.iter().map(|&(s, n)| (s, vec![(n as f64, STAGE_COLORS[4])])).collect();
+    let vals: Vec<(u32, Vec<(f64, Color32)>)> = ev.iter().map(|&(s, n)| (s, vec![(n as f64, STAGE_COLORS[5])])).collect();
     bars(ui, "evicted", &vals, 70.0, "tokens");
     if let Some(s) = &state.latest {
         let total: u64 = ev.iter().map(|e| e.1).sum();
@@ -314,7 +315,7 @@ pub fn budget_panel(ui: &mut Ui, state: &ViewerState) {
         );
         if let Some(&imp) = b.importance.get(e) {
             let y = plot.bottom() - 1.0 - imp / max_imp * (plot.height() - 4.0);
-            p.circle_filled(pos2(x + slot / 2.0, y), 2.5, STAGE_COLORS[3]);
+            p.circle_filled(pos2(x + slot / 2.0, y), 2.5, STAGE_COLORS[4]);
         }
         if n <= 32 || e % 4 == 0 {
             p.text(pos2(x + slot / 2.0, plot.bottom() + 1.0), Align2::CENTER_TOP, format!("{e}"), small(), text_color(ui));
@@ -336,7 +337,7 @@ pub fn budget_panel(ui: &mut Ui, state: &ViewerState) {
     }
     ui.horizontal(|ui| {
         legend_swatch(ui, STAGE_COLORS[0], "share of the budget");
-        legend_swatch(ui, STAGE_COLORS[3], "importance");
+        legend_swatch(ui, STAGE_COLORS[4], "importance");
         ui.small(format!("{} tokens over {} experts", b.total, b.tokens.len()));
     });
 }

@@ -187,11 +187,11 @@ pub struct BudgetSplit {
 }
 
 /// Stage names and colours of the stacked step-time bars, in pipeline order.
-pub const STAGES: [&str; 6] = ["route", "append", "gather", "attend", "evict", "miss"];
+pub const STAGES: [&str; 7] = ["route", "append", "compress", "gather", "attend", "evict", "miss"];
 
 /// GPU milliseconds of each stage, in [`STAGES`] order.
-pub fn stage_segments(t: &StageTimes) -> [f64; 6] {
-    [t.route_ms, t.append_ms, t.gather_ms, t.attend_ms, t.evict_ms, t.miss_ms]
+pub fn stage_segments(t: &StageTimes) -> [f64; 7] {
+    [t.route_ms, t.append_ms, t.compress_ms, t.gather_ms, t.attend_ms, t.evict_ms, t.miss_ms]
 }
 
 impl ViewerState {
@@ -281,7 +281,7 @@ impl ViewerState {
     }
 
     /// Per-stage GPU time of each step in the history that has timestamps.
-    pub fn step_times(&self) -> Vec<(u32, [f64; 6])> {
+    pub fn step_times(&self) -> Vec<(u32, [f64; 7])> {
         self.history.iter().filter_map(|r| r.gpu.as_ref().map(|g| (r.step, stage_segments(g)))).collect()
     }
 
@@ -306,7 +306,15 @@ mod tests {
         StepReport {
             step,
             context: 100 + step,
-            gpu: Some(StageTimes { route_ms: 1.0, append_ms: 2.0, gather_ms: 0.5, attend_ms: 4.0, evict_ms: 1.5, miss_ms: 0.25 }),
+            gpu: Some(StageTimes {
+                route_ms: 1.0,
+                append_ms: 2.0,
+                compress_ms: 0.75,
+                gather_ms: 0.5,
+                attend_ms: 4.0,
+                evict_ms: 1.5,
+                miss_ms: 0.25,
+            }),
             host_ms: 0.0,
             kv_bytes_resident: 4096,
             kv_bytes_tokens: 2048,

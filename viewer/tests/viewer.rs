@@ -78,7 +78,15 @@ fn run() -> &'static Run {
 /// Stage times that do not change between runs, different per step.
 fn fixed_times(step: u32) -> StageTimes {
     let s = f64::from(step);
-    StageTimes { route_ms: 0.4, append_ms: 0.6 + 0.05 * s, gather_ms: 0.3, attend_ms: 3.0 + 0.25 * s, evict_ms: 1.2, miss_ms: 0.2 }
+    StageTimes {
+        route_ms: 0.4,
+        append_ms: 0.6 + 0.05 * s,
+        compress_ms: 0.1,
+        gather_ms: 0.3,
+        attend_ms: 3.0 + 0.25 * s,
+        evict_ms: 1.2,
+        miss_ms: 0.2,
+    }
 }
 
 /// The viewer state of the run; `deterministic`: stage times fixed, host times zero and the
@@ -247,16 +255,16 @@ fn step_time_panel_stacks_the_stages() {
     for (step, t) in &times {
         let g = real.history.iter().find(|r| r.step == *step).and_then(|r| r.gpu.clone()).expect("times");
         let sum: f64 = t.iter().sum();
-        let want = g.route_ms + g.append_ms + g.gather_ms + g.attend_ms + g.evict_ms + g.miss_ms;
+        let want = g.total_ms();
         assert!((sum - want).abs() < 1e-9 && sum > 0.0, "step {step}: {t:?}");
-        assert!(t[3] > 0.0, "step {step}: attention takes time");
+        assert!(t[4] > 0.0, "step {step}: attention takes time");
     }
     let mut h = panel_harness(egui::vec2(640.0, 160.0), |ui| panels::step_time_panel(ui, &real));
     h.run();
     h.render().expect("the panel renders with real times");
     // Fixed times: a deterministic picture of the stacked bars.
     let fixed = state(true);
-    assert_eq!(stage_segments(&fixed_times(2)), [0.4, 0.7, 0.3, 3.5, 1.2, 0.2]);
+    assert_eq!(stage_segments(&fixed_times(2)), [0.4, 0.7, 0.1, 0.3, 3.5, 1.2, 0.2]);
     assert_eq!(STAGES.len(), panels::STAGE_COLORS.len());
     let mut h = panel_harness(egui::vec2(640.0, 160.0), |ui| panels::step_time_panel(ui, &fixed));
     h.run();

@@ -399,3 +399,82 @@ fn low_rank_fit_matches_f64_svd_and_encodes_exactly() {
         assert!(compressed > 30, "only {compressed} pages were compressed: the cases prove little");
     }
 }
+
+/// The compression plan over a ring longer than a workgroup (its per-ring passes take several
+/// rounds), with the compressed pages running out mid-ring or not, and over more rings than a
+/// workgroup (the scan over rings takes several rounds): GPU state equal to the CPU reference.
+#[test]
+fn compression_plan_spans_long_rings_and_many_rings() {
+    let rt = rt();
+    let base = PoolConfig {
+        layers: 1,
+        kv_heads: 1,
+        head_dim: 16,
+        page_size: 4,
+        dtype: KvDtype::F16,
+        n_pages: 0,
+        max_seqs: 1,
+        n_shards: 1,
+        ring_capacity: 700,
+        top_k: 1,
+        shard_map: ShardMap::Pikv { n_tok: 1, n_exp: 1 },
+        max_buffer_bytes: None,
+        codec: Codec::Int4 { group: 8 },
+        codec_pages: 0,
+    };
+    let long = PoolConfig { n_pages: 400, codec_pages: 600, ..base.clone() };
+    let short_of_pages = PoolConfig { n_pages: 400, codec_pages: 300, ..base.clone() };
+    let many = PoolConfig {
+        layers: 2,
+        max_seqs: 8,
+        kv_heads: 5,
+        n_shards: 4,
+        ring_capacity: 64,
+        shard_map: ShardMap::Pikv { n_tok: 2, n_exp: 2 },
+        n_pages: 2000,
+        codec_pages: 4000,
+        codec: Codec::Int8 { group: 16 },
+        ..base
+    };
+    for (name, cfg, tokens) in
+        [("long ring", long, 1300), ("long ring, too few compressed pages", short_of_pages, 1300), ("many rings", many, 1200)]
+    {
+        for seed in seeds(&format!("codec plan {name}"), 2) {
+            let ctx0 = format!("{name}, seed {seed}");
+            let mut rng = Rng::new(seed);
+            let mut pool = pollster::block_on(KvPool::new(rt, cfg.clone())).unwrap_or_else(|e| panic!("{ctx0}: {e}"));
+            rt.fill_u32(&pool.codec_kv, POISON_U32);
+            let mut model = PoolModel::new(&cfg);
+            let mut positions = vec![0u32; cfg.max_seqs as usize];
+            let mut left = tokens;
+            let mut most = 0;
+            for round in 0.. {
+                if left == 0 {
+                    break;
+                }
+                let ctx = format!("{ctx0}, round {round}");
+                let n = left.min(pool.max_append_tokens(rt));
+                left -= n;
+                let toks = random_batch(&mut rng, &cfg, &mut positions, n as usize, false);
+                let kv = random_kv(&mut rng, &cfg, n as usize);
+                pool.append(rt, &toks, &kv, round).expect("append");
+                model.append(&toks, &kv, round).expect("append");
+                assert_eq!(model.ctl.error_flags, 0, "{ctx}: the raw pages must hold the batch");
+                let before = model.ctl.codec_free_top;
+                pool.compress(rt).expect("compress");
+                model.compress();
+                most = most.max(before - model.ctl.codec_free_top);
+                assert_same_codec(rt, &pool, &model, &ctx);
+            }
+            let keys = cfg.n_keys();
+            if keys == 1 {
+                assert!(most > 256, "{ctx0}: one plan compressed only {most} pages of one ring");
+            } else {
+                assert!(keys > 256 && most > 0, "{ctx0}: {keys} rings, at most {most} pages compressed per plan");
+            }
+            if cfg.codec_pages < 320 {
+                assert_eq!(model.ctl.codec_free_top, 0, "{ctx0}: the compressed pages should have run out");
+            }
+        }
+    }
+}
