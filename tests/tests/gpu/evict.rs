@@ -33,7 +33,8 @@ fn random_scheduler(rng: &mut Rng) -> SchedulerConfig {
     }
 }
 
-fn config(rng: &mut Rng) -> PoolConfig {
+/// `long`: rings of 300 pages, so a list can outgrow several rounds of a 256-invocation walk.
+fn config(rng: &mut Rng, long: bool) -> PoolConfig {
     let n_shards = [1u32, 2, 4][rng.below(3) as usize];
     let mut cfg = PoolConfig {
         layers: 1 + rng.below(3),
@@ -44,13 +45,16 @@ fn config(rng: &mut Rng) -> PoolConfig {
         n_pages: 0,
         max_seqs: 1 + rng.below(3),
         n_shards,
-        ring_capacity: 12,
+        ring_capacity: if long { 300 } else { 12 },
         top_k: 1,
         shard_map: ShardMap::Pikv { n_tok: n_shards, n_exp: n_shards },
         max_buffer_bytes: None,
         codec: Codec::None,
         codec_pages: 0,
     };
+    if long {
+        cfg.page_size = 8;
+    }
     cfg.n_pages = cfg.n_keys() * cfg.ring_capacity;
     if rng.below(2) == 0 {
         cfg.max_buffer_bytes = Some(cfg.page_bytes() * u64::from(3 + rng.below(8)));
@@ -99,11 +103,14 @@ fn randomise_meta(rt: &Runtime, rng: &mut Rng, pool: &KvPool, model: &mut PoolMo
 fn evict_gpu_match_cpu() {
     let rt = rt();
     let (mut evicted, mut pages_freed, mut multi, mut policies_seen, mut layered) = (0u64, 0u64, 0, Vec::new(), 0);
+    let mut longest = 0;
     for seed in seeds("evict", 28) {
         let mut rng = Rng::new(seed);
-        let cfg = config(&mut rng);
+        // Some lists longer than the kernels' per-round walk (4 x 256 slots).
+        let long = rng.below(5) == 0;
+        let cfg = config(&mut rng, long);
         let sched = random_scheduler(&mut rng);
-        let budget = cfg.page_size * (1 + rng.below(5)) + rng.below(cfg.page_size);
+        let budget = if long { 700 + rng.below(400) } else { cfg.page_size * (1 + rng.below(5)) + rng.below(cfg.page_size) };
         // PyramidKV over a third of the runs (where every layer keeps at least a page).
         let pyramid = Some(rng.range(1.0, 4.0) as f32).filter(|_| rng.below(3) == 0);
         let pyramid = pyramid.filter(|_| sched.layer_budgets(budget, cfg.layers, pyramid, cfg.page_size).is_ok());
@@ -122,7 +129,7 @@ fn evict_gpu_match_cpu() {
         let mut lens = vec![0u32; cfg.max_seqs as usize];
         let mut lists = vec![ListState { budget, hit_rate: 1.0, ..Default::default() }; cfg.n_lists() as usize];
         for round in 0..3u32 {
-            let n = 1 + rng.below(3 * budget / cfg.n_shards.max(1) + 4);
+            let n = if long { 1 + rng.below(budget) } else { 1 + rng.below(3 * budget / cfg.n_shards.max(1) + 4) };
             append_round(rt, &mut rng, &mut pool, &mut model, &mut lens, n, round);
             randomise_meta(rt, &mut rng, &pool, &mut model, round + 3);
             pool.gather(rt).expect("gather");
@@ -178,14 +185,16 @@ fn evict_gpu_match_cpu() {
                 }
             }
             evicted += got_lists.iter().map(|l| u64::from(l.evicted)).sum::<u64>();
+            longest = longest.max(got_lists.iter().filter(|l| l.evicted > 0).map(|l| l.tokens).max().unwrap_or(0));
             lists = got_lists;
         }
         pages_freed += u64::from(model.ctl.pages_evicted);
     }
     if std::env::var("EXPERTKV_TEST_SEED").is_err() {
         assert!(
-            evicted > 100 && pages_freed > 10 && multi > 0 && policies_seen.len() >= 5 && layered > 0,
-            "coverage: {evicted} evicted, {pages_freed} pages freed, {multi} multi-buffer pools, {policies_seen:?}, {layered} per-layer budget rounds"
+            evicted > 100 && pages_freed > 10 && multi > 0 && policies_seen.len() >= 5 && layered > 0 && longest > 1024,
+            "coverage: {evicted} evicted, {pages_freed} pages freed, {multi} multi-buffer pools, {policies_seen:?}, {layered} per-layer \
+             budget rounds, longest list with victims {longest} tokens"
         );
     }
 }
@@ -446,7 +455,7 @@ fn ekva_gpu_match_cpu() {
     let (mut split_lists, mut uneven, mut evicted, mut folded, mut inexact) = (0u64, 0u64, 0u64, 0, 0u64);
     for seed in seeds("ekva", 16) {
         let mut rng = Rng::new(seed);
-        let cfg = config(&mut rng);
+        let cfg = config(&mut rng, false);
         let sched = match random_scheduler(&mut rng) {
             // The allocator enforces budgets; StreamingLLM per expert group is legal but keeps
             // little of interest, so H2O stands in for a third of it.
