@@ -14,7 +14,7 @@ S="--seqs 8 --layers 1 --prompt 32768 --head-dim 128 --kv-heads 8 --group 4 --st
 export EXPERTKV_PROBE_STEPS=600
 for ek in "8 2" "256 8"; do
   set -- $ek
-  for extra in "--scheduler none" "--scheduler h2o --budget 25%" "--scheduler none --codec int8"; do
+  for extra in "--scheduler none" "--scheduler h2o --budget 25%" "--scheduler none --codec int8" "--scheduler none --codec int4"; do
     echo "== E$1 k$2 $extra"
     $B demo $S --experts $1 --top-k $2 $extra 2>/dev/null | grep '"probe":"steps"'
   done

@@ -24,6 +24,7 @@ const WG: u32 = 256u;
 var<workgroup> hist: array<atomic<u32>, 256>;
 var<workgroup> red_u: array<u32, 256>;
 var<workgroup> red_f: array<f32, 256>;
+var<workgroup> red_lo: array<u32, 256>;
 var<workgroup> known_hi: u32;
 var<workgroup> known_lo: u32;
 var<workgroup> rank_sh: u32;
@@ -97,61 +98,11 @@ fn in_group(slot: u32, g: u32) -> bool {
     return g == ALL_GROUPS || expert_group(slot_meta[slot * geo.meta_words + META_EXPERTS], params.n_groups) == g;
 }
 
-// The list walks below take four slots per invocation and round: j0, j0 + WG, j0 + 2 WG,
-// j0 + 3 WG, each load issued for all four before any is used (page ids, then fills, then
-// the slots' words), so a walk waits for memory a quarter as often. NO_OWNER marks a slot past
-// the list's end or past its page's fill.
-const STRIDE4: u32 = 4u * WG;
-
-fn slots4(base: u32, j0: u32, n_slots: u32) -> vec4<u32> {
-    let P = geo.page_size;
-    var pg = vec4<u32>(0u);
-    for (var i = 0u; i < 4u; i++) {
-        let j = j0 + i * WG;
-        if (j < n_slots) {
-            pg[i] = page_list[base + j / P];
-        }
-    }
-    var fill = vec4<u32>(0u);
-    for (var i = 0u; i < 4u; i++) {
-        if (j0 + i * WG < n_slots) {
-            fill[i] = page_meta[pg[i]].fill;
-        }
-    }
-    var out = vec4<u32>(NO_OWNER);
-    for (var i = 0u; i < 4u; i++) {
-        let j = j0 + i * WG;
-        if (j < n_slots && j % P < fill[i]) {
-            out[i] = pg[i] * P + j % P;
-        }
-    }
-    return out;
-}
-
-fn utility4(s: vec4<u32>) -> vec4<u32> {
-    var u = vec4<u32>(0u);
-    for (var i = 0u; i < 4u; i++) {
-        if (s[i] != NO_OWNER) {
-            u[i] = utility[s[i]];
-        }
-    }
-    return u;
-}
-
-fn mass4(s: vec4<u32>) -> vec4<f32> {
-    var m = vec4<f32>(0.0);
-    for (var i = 0u; i < 4u; i++) {
-        if (s[i] != NO_OWNER) {
-            m[i] = bitcast<f32>(slot_meta[s[i] * geo.meta_words + meta_attn(geo)]);
-        }
-    }
-    return m;
-}
-
 // Mark the `want` lowest keys (utility, then list order) among the list's slots of group `g`
 // (ALL_GROUPS: every slot) as victims; returns their attention mass (the same in every
 // invocation). `want` must be uniform and at most the group's unprotected tokens.
 fn pick(t: u32, base: u32, n_slots: u32, want: u32, g: u32) -> f32 {
+    let P = geo.page_size;
     // Radix select of the want-th smallest key, a digit (8 bits) per pass from the top. It stops
     // early once the want-th key is the last of its digit bucket: then every key whose digits so
     // far are at most the bucket's is a victim, exactly `want` of them.
@@ -162,6 +113,43 @@ fn pick(t: u32, base: u32, n_slots: u32, want: u32, g: u32) -> f32 {
         digits_sh = 8u;
     }
     workgroupBarrier();
+    if (want == 1u) {
+        // One victim (a decode step at its budget appends one token per list): the smallest
+        // key, from one walk and a tree reduction instead of up to eight radix passes. Keys are
+        // unique (list order in the low word), so it is the radix select's victim.
+        var bh = 0xffffffffu;
+        var bl = 0xffffffffu;
+        for (var j = t; j < n_slots; j += WG) {
+            let page = page_list[base + j / P];
+            if (j % P < page_meta[page].fill && in_group(page * P + j % P, g)) {
+                let hi = utility[page * P + j % P];
+                if (hi < bh || (hi == bh && j < bl)) {
+                    bh = hi;
+                    bl = j;
+                }
+            }
+        }
+        red_u[t] = bh;
+        red_lo[t] = bl;
+        workgroupBarrier();
+        for (var off = WG / 2u; off > 0u; off = off / 2u) {
+            if (t < off) {
+                let oh = red_u[t + off];
+                let ol = red_lo[t + off];
+                if (oh < red_u[t] || (oh == red_u[t] && ol < red_lo[t])) {
+                    red_u[t] = oh;
+                    red_lo[t] = ol;
+                }
+            }
+            workgroupBarrier();
+        }
+        if (t == 0u) {
+            known_hi = red_u[0];
+            known_lo = red_lo[0];
+            digits_sh = 0u;
+        }
+        workgroupBarrier();
+    }
     for (var p = 0u; p < 8u; p++) {
         if (workgroupUniformLoad(&digits_sh) <= p) {
             break;
@@ -170,13 +158,12 @@ fn pick(t: u32, base: u32, n_slots: u32, want: u32, g: u32) -> f32 {
         workgroupBarrier();
         let kh = known_hi;
         let kl = known_lo;
-        for (var j0 = t; j0 < n_slots; j0 += STRIDE4) {
-            let s4 = slots4(base, j0, n_slots);
-            let u4 = utility4(s4);
-            for (var i = 0u; i < 4u; i++) {
-                let j = j0 + i * WG;
-                if (s4[i] != NO_OWNER && matches(u4[i], j, p, kh, kl) && in_group(s4[i], g)) {
-                    atomicAdd(&hist[digit(u4[i], j, p)], 1u);
+        for (var j = t; j < n_slots; j += WG) {
+            let page = page_list[base + j / P];
+            if (j % P < page_meta[page].fill && in_group(page * P + j % P, g)) {
+                let hi = utility[page * P + j % P];
+                if (matches(hi, j, p, kh, kl)) {
+                    atomicAdd(&hist[digit(hi, j, p)], 1u);
                 }
             }
         }
@@ -206,14 +193,14 @@ fn pick(t: u32, base: u32, n_slots: u32, want: u32, g: u32) -> f32 {
     }
     let kh = known_hi;
     let kl = known_lo;
-    let n_digits = workgroupUniformLoad(&digits_sh);
+    // The one-victim path leaves digits_sh at 0 (no radix pass) and its key whole.
+    let n_digits = select(workgroupUniformLoad(&digits_sh), 8u, want == 1u);
     var em = 0.0;
-    for (var j0 = t; j0 < n_slots; j0 += STRIDE4) {
-        let s4 = slots4(base, j0, n_slots);
-        let u4 = utility4(s4);
-        for (var i = 0u; i < 4u; i++) {
-            let slot = s4[i];
-            if (slot != NO_OWNER && prefix_le(u4[i], j0 + i * WG, kh, kl, n_digits) && in_group(slot, g)) {
+    for (var j = t; j < n_slots; j += WG) {
+        let page = page_list[base + j / P];
+        if (j % P < page_meta[page].fill) {
+            let slot = page * P + j % P;
+            if (prefix_le(utility[slot], j, kh, kl, n_digits) && in_group(slot, g)) {
                 victim[slot] = 1u;
                 em += bitcast<f32>(slot_meta[slot * geo.meta_words + meta_attn(geo)]);
             }
@@ -259,16 +246,15 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     var n = 0u;
     var prot = 0u;
     var mass = 0.0;
-    for (var j0 = t; j0 < n_slots; j0 += STRIDE4) {
-        let s4 = slots4(base, j0, n_slots);
-        let u4 = utility4(s4);
-        let m4 = mass4(s4);
-        for (var i = 0u; i < 4u; i++) {
-            if (s4[i] != NO_OWNER) {
-                n += 1u;
-                prot += u32(u4[i] == PROTECTED);
-                mass += m4[i];
+    for (var j = t; j < n_slots; j += WG) {
+        let page = page_list[base + j / P];
+        if (j % P < page_meta[page].fill) {
+            let slot = page * P + j % P;
+            n += 1u;
+            if (utility[slot] == PROTECTED) {
+                prot += 1u;
             }
+            mass += bitcast<f32>(slot_meta[slot * geo.meta_words + meta_attn(geo)]);
         }
     }
     let tokens = uniform_u32(t, sum_u(t, n));
@@ -287,12 +273,11 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
         if (uniform_u32(t, u32(mass_based && tau > 0.0 && tokens > 0u)) != 0u) {
             let limit = tau * total_mass / f32(tokens);
             var below = 0u;
-            for (var j0 = t; j0 < n_slots; j0 += STRIDE4) {
-                let s4 = slots4(base, j0, n_slots);
-                let u4 = utility4(s4);
-                let m4 = mass4(s4);
-                for (var i = 0u; i < 4u; i++) {
-                    if (s4[i] != NO_OWNER && u4[i] != PROTECTED && m4[i] < limit) {
+            for (var j = t; j < n_slots; j += WG) {
+                let page = page_list[base + j / P];
+                if (j % P < page_meta[page].fill) {
+                    let slot = page * P + j % P;
+                    if (utility[slot] != PROTECTED && bitcast<f32>(slot_meta[slot * geo.meta_words + meta_attn(geo)]) < limit) {
                         below += 1u;
                     }
                 }
@@ -314,13 +299,10 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
             var want_g = uniform_u32(t, over);
             if (want_g > 0u) {
                 var prot_g = 0u;
-                for (var j0 = t; j0 < n_slots; j0 += STRIDE4) {
-                    let s4 = slots4(base, j0, n_slots);
-                    let u4 = utility4(s4);
-                    for (var i = 0u; i < 4u; i++) {
-                        if (s4[i] != NO_OWNER && u4[i] == PROTECTED && in_group(s4[i], g)) {
-                            prot_g += 1u;
-                        }
+                for (var j = t; j < n_slots; j += WG) {
+                    let page = page_list[base + j / P];
+                    if (j % P < page_meta[page].fill && in_group(page * P + j % P, g) && utility[page * P + j % P] == PROTECTED) {
+                        prot_g += 1u;
                     }
                 }
                 want_g = uniform_u32(t, min(want_g, gs.tokens - min(sum_u(t, prot_g), gs.tokens)));
