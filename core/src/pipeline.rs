@@ -1029,7 +1029,7 @@ impl Pipeline {
     /// report read between them (the GPU never waits for the host's bookkeeping). The inputs are
     /// drawn first (their cost reported apart), the first half of the steps warms the GPU's
     /// clock, the second half is timed: wall time and host time (uploads, encoding, submission)
-    /// per step, and the last step's per-stage GPU times. The fused step only (no CPU lockstep,
+    /// per step, and the last step's per-stage GPU times (the only step that writes timestamps). The fused step only (no CPU lockstep,
     /// no reference pool); the pool must have room for the `n` tokens.
     #[cfg(not(target_arch = "wasm32"))]
     pub async fn probe_steps(&mut self, rt: &Runtime, n: u32) -> Result<serde_json::Value> {
@@ -1049,23 +1049,45 @@ impl Pipeline {
         let warmup = n / 2;
         let timed = n - warmup;
         let mut inputs = inputs.into_iter();
+        // A serving loop does not time its steps: the timestamps (a pair around every pass) are
+        // written in the last step only. The timer goes back on every exit.
+        let mut timer = self.timer.take();
+        let mut restore = |p: &mut Pipeline, r: Result<()>| {
+            if p.timer.is_none() {
+                p.timer = timer.take();
+            }
+            r
+        };
         for (tokens, queries) in inputs.by_ref().take(warmup as usize) {
-            self.encode_fused_step(rt, &tokens, queries)?;
+            let r = self.encode_fused_step(rt, &tokens, queries);
+            if r.is_err() {
+                return restore(self, r).map(|_| serde_json::Value::Null);
+            }
             self.step += 1;
         }
-        rt.wait()?;
+        let r = rt.wait();
+        if r.is_err() {
+            return restore(self, r).map(|_| serde_json::Value::Null);
+        }
         let t0 = std::time::Instant::now();
         let mut host = std::time::Duration::ZERO;
         for (i, (tokens, queries)) in inputs.enumerate() {
-            // EXPERTKV_PROBE_EVICT: the last step's eviction kernels timed one by one.
-            if i as u32 + 1 == timed && self.scheduler.is_some() && std::env::var("EXPERTKV_PROBE_EVICT").is_ok() {
-                self.evict_timer = GpuTimer::new(rt, Scheduler::TIMED_STAGES).map(|t| (t, Vec::new()));
+            if i as u32 + 1 == timed {
+                restore(self, Ok(()))?;
+                // EXPERTKV_PROBE_EVICT: the last step's eviction kernels timed one by one.
+                if self.scheduler.is_some() && std::env::var("EXPERTKV_PROBE_EVICT").is_ok() {
+                    self.evict_timer = GpuTimer::new(rt, Scheduler::TIMED_STAGES).map(|t| (t, Vec::new()));
+                }
             }
             let h0 = std::time::Instant::now();
-            self.encode_fused_step(rt, &tokens, queries)?;
+            let r = self.encode_fused_step(rt, &tokens, queries);
+            if r.is_err() {
+                return restore(self, r).map(|_| serde_json::Value::Null);
+            }
             host += h0.elapsed();
             self.step += 1;
         }
+        restore(self, Ok(()))?;
         let w0 = std::time::Instant::now();
         rt.wait()?;
         let drain_ms = w0.elapsed().as_secs_f64() * 1e3;
