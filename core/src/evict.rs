@@ -204,7 +204,13 @@ impl Scheduler {
                 limit: rt.max_binding_bytes(),
             });
         }
-        let select_p = rt.pipeline(Kernel::EvictSelect, &[]).await?;
+        // One workgroup walks each list: as many invocations as the device allows, up to 1024
+        // (three reduction arrays of that size in workgroup memory, and the 256-bin histogram).
+        let select_wg = [1024u32, 512, 256]
+            .into_iter()
+            .find(|&w| w <= rt.caps.max_invocations_per_workgroup && (3 * w + 256) * 4 + 64 <= rt.caps.max_workgroup_storage_bytes)
+            .unwrap_or(256);
+        let select_p = rt.pipeline_with(Kernel::EvictSelect, &[("WG", format!("{select_wg}u"))], &[]).await?;
         let select_bg = rt.bind(
             Kernel::EvictSelect.label(),
             &select_p,

@@ -20,11 +20,14 @@
 @group(0) @binding(8) var<storage, read_write> victim: array<u32>;
 @group(0) @binding(9) var<storage, read_write> groups: array<GroupState>;
 
-const WG: u32 = 256u;
+//!define WG 256u
+// WG: invocations per workgroup, a power of two of at least 256 (the histogram's bins). A
+// workgroup walks one list, so on a device that allows it the host picks 1024: four times the
+// loads in flight per list (on an H200 a select over 64 lists of 8K tokens is latency-bound).
 var<workgroup> hist: array<atomic<u32>, 256>;
-var<workgroup> red_u: array<u32, 256>;
-var<workgroup> red_f: array<f32, 256>;
-var<workgroup> red_lo: array<u32, 256>;
+var<workgroup> red_u: array<u32, WG>;
+var<workgroup> red_f: array<f32, WG>;
+var<workgroup> red_lo: array<u32, WG>;
 var<workgroup> known_hi: u32;
 var<workgroup> known_lo: u32;
 var<workgroup> rank_sh: u32;
@@ -154,7 +157,9 @@ fn pick(t: u32, base: u32, n_slots: u32, want: u32, g: u32) -> f32 {
         if (workgroupUniformLoad(&digits_sh) <= p) {
             break;
         }
-        atomicStore(&hist[t], 0u);
+        if (t < 256u) {
+            atomicStore(&hist[t], 0u);
+        }
         workgroupBarrier();
         let kh = known_hi;
         let kl = known_lo;
@@ -227,7 +232,7 @@ fn prefix_le(hi: u32, lo: u32, kh: u32, kl: u32, n: u32) -> bool {
     return (lo & (0xffffffffu << (64u - 8u * n))) <= kl;
 }
 
-@compute @workgroup_size(256)
+@compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t: u32) {
     let li = wg.x + wg.y * 65535u;
     if (li >= params.n_lists) {
