@@ -96,6 +96,38 @@ impl Scheduler {
         threshold: Threshold,
         allocator: Option<AllocatorSpec<'_>>,
     ) -> Result<Scheduler> {
+        Self::with_select_workgroup(rt, pool, cfg, budget, pyramid, threshold, allocator, None).await
+    }
+
+    /// As [`Scheduler::with_allocator`], with `evict/select`'s invocations per list given
+    /// (256, 512 or 1024, within the device's limits) instead of chosen for the device: the
+    /// largest that fits on a GPU (a workgroup walks one list; more invocations, more loads in
+    /// flight), 256 on a CPU adapter (where wider workgroups only add barrier work: lavapipe's
+    /// eviction stage took 26 ms at 1024 against 7 ms at 256).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn with_select_workgroup(
+        rt: &Runtime,
+        pool: &KvPool,
+        cfg: SchedulerConfig,
+        budget: u32,
+        pyramid: Option<f32>,
+        threshold: Threshold,
+        allocator: Option<AllocatorSpec<'_>>,
+        select_workgroup: Option<u32>,
+    ) -> Result<Scheduler> {
+        let fits = |w: u32| w <= rt.caps.max_invocations_per_workgroup && (3 * w + 256) * 4 + 64 <= rt.caps.max_workgroup_storage_bytes;
+        let select_wg = match select_workgroup {
+            Some(w) if [256, 512, 1024].contains(&w) && fits(w) => w,
+            Some(w) => {
+                return Err(Error::config(
+                    "select_workgroup",
+                    w,
+                    format!("256, 512 or 1024 within this device's {} invocations per workgroup", rt.caps.max_invocations_per_workgroup),
+                ));
+            }
+            None if rt.info.device_type == wgpu::DeviceType::Cpu => 256,
+            None => [1024u32, 512, 256].into_iter().find(|&w| fits(w)).unwrap_or(256),
+        };
         cfg.validate(budget)?;
         if let Some(a) = &allocator {
             a.cfg.validate()?;
@@ -204,12 +236,8 @@ impl Scheduler {
                 limit: rt.max_binding_bytes(),
             });
         }
-        // One workgroup walks each list: as many invocations as the device allows, up to 1024
-        // (three reduction arrays of that size in workgroup memory, and the 256-bin histogram).
-        let select_wg = [1024u32, 512, 256]
-            .into_iter()
-            .find(|&w| w <= rt.caps.max_invocations_per_workgroup && (3 * w + 256) * 4 + 64 <= rt.caps.max_workgroup_storage_bytes)
-            .unwrap_or(256);
+        // One workgroup walks each list (`select_wg` invocations: three reduction arrays of that
+        // size in workgroup memory, and the 256-bin histogram).
         let select_p = rt.pipeline_with(Kernel::EvictSelect, &[("WG", format!("{select_wg}u"))], &[]).await?;
         let select_bg = rt.bind(
             Kernel::EvictSelect.label(),

@@ -104,8 +104,11 @@ fn evict_gpu_match_cpu() {
     let rt = rt();
     let (mut evicted, mut pages_freed, mut multi, mut policies_seen, mut layered) = (0u64, 0u64, 0, Vec::new(), 0);
     let mut longest = 0;
-    for seed in seeds("evict", 28) {
+    let mut wide_runs = 0;
+    for (i, seed) in seeds("evict", 28).into_iter().enumerate() {
         let mut rng = Rng::new(seed);
+        // select's workgroup: the device's choice (256 on a CPU adapter), or 1024 every other run.
+        let wide = i % 2 == 0 && rt.caps.max_invocations_per_workgroup >= 1024;
         // Some lists longer than the kernels' per-round walk (4 x 256 slots).
         let long = rng.below(5) == 0;
         let cfg = config(&mut rng, long);
@@ -117,15 +120,25 @@ fn evict_gpu_match_cpu() {
         if sched.validate(budget).is_err() || sched.layer_budgets(budget, cfg.layers, pyramid, cfg.page_size).is_err() {
             continue;
         }
-        let ctx = format!("seed {seed}: {sched:?}, budget {budget}, pyramid {pyramid:?}, {cfg:?}");
+        let ctx = format!("seed {seed}: {sched:?}, budget {budget}, pyramid {pyramid:?}, wide select {wide}, {cfg:?}");
         let mut pool = pollster::block_on(KvPool::new(rt, cfg.clone())).expect("pool");
         multi += usize::from(pool.n_buffers() > 1);
         if !policies_seen.contains(&sched.name()) {
             policies_seen.push(sched.name());
         }
         let mut model = PoolModel::new(&cfg);
-        let s = pollster::block_on(Scheduler::with_pyramid(rt, &pool, sched.clone(), budget, pyramid, Threshold::default()))
-            .unwrap_or_else(|e| panic!("{ctx}: {e}"));
+        let s = pollster::block_on(Scheduler::with_select_workgroup(
+            rt,
+            &pool,
+            sched.clone(),
+            budget,
+            pyramid,
+            Threshold::default(),
+            None,
+            wide.then_some(1024),
+        ))
+        .unwrap_or_else(|e| panic!("{ctx}: {e}"));
+        wide_runs += usize::from(wide);
         let mut lens = vec![0u32; cfg.max_seqs as usize];
         let mut lists = vec![ListState { budget, hit_rate: 1.0, ..Default::default() }; cfg.n_lists() as usize];
         for round in 0..3u32 {
@@ -192,9 +205,15 @@ fn evict_gpu_match_cpu() {
     }
     if std::env::var("EXPERTKV_TEST_SEED").is_err() {
         assert!(
-            evicted > 100 && pages_freed > 10 && multi > 0 && policies_seen.len() >= 5 && layered > 0 && longest > 1024,
+            evicted > 100
+                && pages_freed > 10
+                && multi > 0
+                && policies_seen.len() >= 5
+                && layered > 0
+                && longest > 1024
+                && (wide_runs > 0 || rt.caps.max_invocations_per_workgroup < 1024),
             "coverage: {evicted} evicted, {pages_freed} pages freed, {multi} multi-buffer pools, {policies_seen:?}, {layered} per-layer \
-             budget rounds, longest list with victims {longest} tokens"
+             budget rounds, longest list with victims {longest} tokens, {wide_runs} runs with 1024-invocation select"
         );
     }
 }
