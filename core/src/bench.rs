@@ -119,7 +119,7 @@ impl CopyKernel {
 pub struct FmaKernel {
     pipeline: wgpu::ComputePipeline,
     bind: wgpu::BindGroup,
-    groups: (u32, u32),
+    groups: [u32; 2],
     pub invocations: u32,
     pub iters: u32,
     pub out: wgpu::Buffer,
@@ -134,8 +134,8 @@ impl FmaKernel {
             return Err(Error::Input("the compute roofline needs at least one invocation and iteration".into()));
         }
         let wgs = invocations.div_ceil(256);
-        let groups = (wgs.min(65_535), wgs.div_ceil(65_535));
-        let invocations = groups.0 * groups.1 * 256;
+        let groups = crate::route::split_workgroups(wgs);
+        let invocations = groups[0] * groups[1] * 256;
         let pipeline = rt.pipeline(Kernel::BenchFma, &[]).await?;
         let out = rt.storage("bench/fma out", u64::from(invocations) * 16);
         let params = rt.uniform("bench/fma params", &crate::gpu_data::FmaParams { iters, ..Default::default() });
@@ -146,7 +146,7 @@ impl FmaKernel {
     pub fn encode(&self, pass: &mut wgpu::ComputePass<'_>) {
         pass.set_pipeline(&self.pipeline);
         pass.set_bind_group(0, &self.bind, &[]);
-        pass.dispatch_workgroups(self.groups.0, self.groups.1, 1);
+        pass.dispatch_workgroups(self.groups[0], self.groups[1], 1);
     }
 
     pub fn flops(&self) -> u64 {

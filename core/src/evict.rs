@@ -7,7 +7,7 @@ use expertkv_shaders::Kernel;
 use crate::error::{Error, Result};
 use crate::gpu_data::{EvictParams, ExpertStats, GroupState, ListState};
 use crate::pool::KvPool;
-use crate::route::grid;
+use crate::route::{grid, split_workgroups};
 use crate::runtime::Runtime;
 use crate::scheduler_config::{EKVA_MAX_GROUPS, EkvaConfig, SchedulerConfig, Threshold};
 
@@ -34,6 +34,17 @@ pub struct AllocatorSpec<'a> {
     pub cfg: EkvaConfig,
     pub n_experts: u32,
     pub route_stats: Option<&'a wgpu::Buffer>,
+}
+
+/// One eviction stage's dispatches: (pipeline, bind group, workgroups x and y).
+type Dispatches<'a> = Vec<(&'a wgpu::ComputePipeline, &'a wgpu::BindGroup, [u32; 2])>;
+
+fn dispatch_all(pass: &mut wgpu::ComputePass<'_>, dispatches: &Dispatches<'_>) {
+    for &(p, bg, [x, y]) in dispatches {
+        pass.set_pipeline(p);
+        pass.set_bind_group(0, bg, &[]);
+        pass.dispatch_workgroups(x, y, 1);
+    }
 }
 
 pub struct Scheduler {
@@ -390,11 +401,7 @@ impl Scheduler {
     /// (gathered after the last append). Rebuild them before attention reads the pool again.
     pub fn encode(&self, pass: &mut wgpu::ComputePass<'_>) {
         for (_, dispatches) in self.stages() {
-            for (p, bg, [x, y]) in dispatches {
-                pass.set_pipeline(p);
-                pass.set_bind_group(0, bg, &[]);
-                pass.dispatch_workgroups(x, y, 1);
-            }
+            dispatch_all(pass, &dispatches);
         }
     }
 
@@ -406,21 +413,16 @@ impl Scheduler {
         for (i, (name, dispatches)) in self.stages().into_iter().enumerate() {
             let mut pass =
                 enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some(name), timestamp_writes: timer.pass(i as u32) });
-            for (p, bg, [x, y]) in dispatches {
-                pass.set_pipeline(p);
-                pass.set_bind_group(0, bg, &[]);
-                pass.dispatch_workgroups(x, y, 1);
-            }
+            dispatch_all(&mut pass, &dispatches);
             names.push(name);
         }
         names
     }
 
-    /// The eviction's dispatches in order, by stage: (pipeline, bind group, workgroups x and y).
-    #[allow(clippy::type_complexity)]
-    fn stages(&self) -> Vec<(&'static str, Vec<(&wgpu::ComputePipeline, &wgpu::BindGroup, [u32; 2])>)> {
+    /// The eviction's dispatches in order, by stage.
+    fn stages(&self) -> Vec<(&'static str, Dispatches<'_>)> {
         let (x, y) = grid(self.slots);
-        let lists = [self.n_lists.min(65_535), self.n_lists.div_ceil(65_535)];
+        let lists = split_workgroups(self.n_lists);
         let mut out = vec![("score", vec![(&self.score.0, &self.score.1, [x, y])])];
         out.push(("budget", vec![(&self.budget_pass.0, &self.budget_pass.1, [self.max_seqs, self.layers])]));
         if let Some(e) = &self.ekva {
@@ -430,12 +432,12 @@ impl Scheduler {
                 vec![
                     (&e.experts.0, &e.experts.1, lists),
                     (&e.update.0, &e.update.1, [self.layers, 1]),
-                    (&e.split.0, &e.split.1, [groups.min(65_535), groups.div_ceil(65_535)]),
+                    (&e.split.0, &e.split.1, split_workgroups(groups)),
                 ],
             ));
         }
         out.push(("select", vec![(&self.select.0, &self.select.1, lists)]));
-        out.push(("compact", vec![(&self.compact.0, &self.compact.1, [self.n_keys.min(65_535), self.n_keys.div_ceil(65_535)])]));
+        out.push(("compact", vec![(&self.compact.0, &self.compact.1, split_workgroups(self.n_keys))]));
         let (mx, my) = grid(self.max_moves);
         out.push(("move", self.moves.iter().map(|(p, bg)| (p, bg, [mx, my])).collect()));
         out.push(("free", vec![(&self.free.0, &self.free.1, [1, 1])]));

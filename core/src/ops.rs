@@ -237,7 +237,8 @@ impl ModelKernels {
         let bg = rt.bind(Kernel::ModelMatVec.label(), pipe, &[&p, &w.buffer, x, y]);
         pass.set_pipeline(pipe);
         pass.set_bind_group(0, &bg, &[]);
-        pass.dispatch_workgroups(w.rows.min(65_535), w.rows.div_ceil(65_535), 1);
+        let [x, y] = crate::route::split_workgroups(w.rows);
+        pass.dispatch_workgroups(x, y, 1);
         Ok(())
     }
 

@@ -397,7 +397,6 @@ fn prefill_positions(max_append: u32, n_seqs: u32, layers: u32) -> u32 {
     (max_append / (n_seqs * layers)).clamp(1, 256)
 }
 
-/// Timer pairs of a step: route, append, gather, attend x layers, evict, miss.
 /// Timestamp pairs of a step: route, append, gather, attend per layer, evict, miss, compress.
 fn timer_pairs(layers: u32) -> u32 {
     6 + layers
@@ -797,9 +796,6 @@ impl Pipeline {
             && (!self.pool.cfg.codec.is_low_rank() || self.pool.calibrated)
     }
 
-    /// The whole decode step in one command buffer: route, append, compress, gather, attend
-    /// every layer (each layer's queries and parameters copied into place in the stream), evict,
-    /// recount miss rates, resolve the timestamps; one submission.
     /// This step's synthetic inputs: every layer's new tokens, then every layer's queries (the
     /// order the generator has always drawn them in, so runs repeat).
     fn next_inputs(&mut self) -> (Vec<GenToken>, Vec<Vec<f32>>) {
@@ -808,6 +804,9 @@ impl Pipeline {
         (tokens, queries)
     }
 
+    /// The whole decode step in one command buffer: route, append, compress, gather, attend
+    /// every layer (each layer's queries and parameters copied into place in the stream), evict,
+    /// recount miss rates, resolve the timestamps; one submission.
     fn encode_fused_step(&mut self, rt: &Runtime, tokens: &[GenToken], queries: Vec<Vec<f32>>) -> Result<()> {
         let layers = self.pool.cfg.layers;
         let w = self.cfg.workload.clone();
@@ -1029,8 +1028,9 @@ impl Pipeline {
     /// report read between them (the GPU never waits for the host's bookkeeping). The inputs are
     /// drawn first (their cost reported apart), the first half of the steps warms the GPU's
     /// clock, the second half is timed: wall time and host time (uploads, encoding, submission)
-    /// per step, and the last step's per-stage GPU times (the only step that writes timestamps). The fused step only (no CPU lockstep,
-    /// no reference pool); the pool must have room for the `n` tokens.
+    /// per step, and the last step's per-stage GPU times (the only step that writes timestamps).
+    /// The fused step only (no CPU lockstep, no reference pool); the pool must have room for the
+    /// `n` tokens.
     #[cfg(not(target_arch = "wasm32"))]
     pub async fn probe_steps(&mut self, rt: &Runtime, n: u32) -> Result<serde_json::Value> {
         if !self.fused() {
@@ -1048,46 +1048,14 @@ impl Pipeline {
         // takes tens of milliseconds of steady work to reach 1980), the second half is timed.
         let warmup = n / 2;
         let timed = n - warmup;
-        let mut inputs = inputs.into_iter();
         // A serving loop does not time its steps: the timestamps (a pair around every pass) are
-        // written in the last step only. The timer goes back on every exit.
+        // written in the last step only. The timer goes back whatever the loop returns.
         let mut timer = self.timer.take();
-        let mut restore = |p: &mut Pipeline, r: Result<()>| {
-            if p.timer.is_none() {
-                p.timer = timer.take();
-            }
-            r
-        };
-        for (tokens, queries) in inputs.by_ref().take(warmup as usize) {
-            let r = self.encode_fused_step(rt, &tokens, queries);
-            if r.is_err() {
-                return restore(self, r).map(|_| serde_json::Value::Null);
-            }
-            self.step += 1;
+        let looped = self.probe_loop(rt, inputs, warmup, &mut timer);
+        if self.timer.is_none() {
+            self.timer = timer;
         }
-        let r = rt.wait();
-        if r.is_err() {
-            return restore(self, r).map(|_| serde_json::Value::Null);
-        }
-        let t0 = std::time::Instant::now();
-        let mut host = std::time::Duration::ZERO;
-        for (i, (tokens, queries)) in inputs.enumerate() {
-            if i as u32 + 1 == timed {
-                restore(self, Ok(()))?;
-                // EXPERTKV_PROBE_EVICT: the last step's eviction kernels timed one by one.
-                if self.scheduler.is_some() && std::env::var("EXPERTKV_PROBE_EVICT").is_ok() {
-                    self.evict_timer = GpuTimer::new(rt, Scheduler::TIMED_STAGES).map(|t| (t, Vec::new()));
-                }
-            }
-            let h0 = std::time::Instant::now();
-            let r = self.encode_fused_step(rt, &tokens, queries);
-            if r.is_err() {
-                return restore(self, r).map(|_| serde_json::Value::Null);
-            }
-            host += h0.elapsed();
-            self.step += 1;
-        }
-        restore(self, Ok(()))?;
+        let (t0, host) = looped.inspect_err(|_| self.evict_timer = None)?;
         let w0 = std::time::Instant::now();
         rt.wait()?;
         let drain_ms = w0.elapsed().as_secs_f64() * 1e3;
@@ -1117,6 +1085,42 @@ impl Pipeline {
             "last_step_gpu": stages,
             "last_step_gpu_total_ms": stages.as_ref().map(StageTimes::total_ms),
         }))
+    }
+
+    /// `probe_steps`' loop: the warm-up steps, a wait, then the timed steps (the last one with
+    /// `timer` back in place, and the eviction's kernel timer when asked for). Returns when
+    /// the timed steps began and the host time spent encoding them.
+    #[cfg(not(target_arch = "wasm32"))]
+    fn probe_loop(
+        &mut self,
+        rt: &Runtime,
+        inputs: Vec<(Vec<GenToken>, Vec<Vec<f32>>)>,
+        warmup: u32,
+        timer: &mut Option<GpuTimer>,
+    ) -> Result<(std::time::Instant, std::time::Duration)> {
+        let last = inputs.len().saturating_sub(1);
+        let mut t0 = std::time::Instant::now();
+        let mut host = std::time::Duration::ZERO;
+        for (i, (tokens, queries)) in inputs.into_iter().enumerate() {
+            if i == warmup as usize {
+                rt.wait()?;
+                t0 = std::time::Instant::now();
+            }
+            if i == last {
+                self.timer = timer.take();
+                // EXPERTKV_PROBE_EVICT: the last step's eviction kernels timed one by one.
+                if self.scheduler.is_some() && std::env::var("EXPERTKV_PROBE_EVICT").is_ok() {
+                    self.evict_timer = GpuTimer::new(rt, Scheduler::TIMED_STAGES).map(|t| (t, Vec::new()));
+                }
+            }
+            let h0 = std::time::Instant::now();
+            self.encode_fused_step(rt, &tokens, queries)?;
+            if i >= warmup as usize {
+                host += h0.elapsed();
+            }
+            self.step += 1;
+        }
+        Ok((t0, host))
     }
 
     /// Time the pipeline's own attention over its own pool (layer 0) the way `bench attend`

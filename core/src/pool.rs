@@ -525,7 +525,7 @@ impl KvPool {
         if !self.ready_to_compress() {
             return;
         }
-        let rings = [c.n_keys.min(65_535), c.n_keys.div_ceil(65_535)];
+        let rings = crate::route::split_workgroups(c.n_keys);
         for ((p, bg), [x, y]) in c.plan.iter().zip([rings, [1, 1], rings]) {
             pass.set_pipeline(p);
             pass.set_bind_group(0, bg, &[]);

@@ -124,7 +124,8 @@ impl Quest {
         pass.set_pipeline(&self.summarize.0);
         for (bg, pages) in &self.summarize.1 {
             pass.set_bind_group(0, bg, &[]);
-            pass.dispatch_workgroups((*pages).min(65_535), pages.div_ceil(65_535), 1);
+            let [x, y] = crate::route::split_workgroups(*pages);
+            pass.dispatch_workgroups(x, y, 1);
         }
     }
 

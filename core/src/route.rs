@@ -60,6 +60,12 @@ struct LayerBinds {
     update: Option<wgpu::BindGroup>,
 }
 
+/// `n` workgroups as (x, y) within the per-dimension limit: (n, 1) up to 65,535, else rows of
+/// 65,535 (the kernel skips indices past `n`).
+pub fn split_workgroups(n: u32) -> [u32; 2] {
+    [n.min(65_535), n.div_ceil(65_535)]
+}
+
 /// Workgroups (x, y) covering `n` invocations in groups of 64 within the per-dimension limit.
 pub fn grid(n: u32) -> (u32, u32) {
     let groups = n.div_ceil(64).max(1);
@@ -306,7 +312,8 @@ impl Router {
         pass.set_bind_group(0, a, &[]);
         // One workgroup per shard ring.
         let keys = *keys;
-        pass.dispatch_workgroups(keys.min(65_535), keys.div_ceil(65_535), 1);
+        let [x, y] = split_workgroups(keys);
+        pass.dispatch_workgroups(x, y, 1);
         pass.set_pipeline(&self.miss_finish_pipe);
         pass.set_bind_group(0, b, &[]);
         pass.dispatch_workgroups((self.shape.layers * self.shape.n_experts).div_ceil(64), 1, 1);
