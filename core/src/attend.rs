@@ -443,6 +443,53 @@ impl Attention {
         Ok(())
     }
 
+    /// Stage every layer's parameters for one submission whose queries come from the GPU
+    /// ([`Attention::encode_queries_from`]); [`Attention::encode_layer_params`] copies layer i's
+    /// in place before its pass.
+    pub fn stage_params(&mut self, rt: &Runtime, step: u32, layers: u32) {
+        let pb = std::mem::size_of::<AttendParams>() as u64;
+        let qb = u64::from(self.opts.n_seqs * self.q_heads * self.head_dim) * 4;
+        if self.stage.as_ref().is_none_or(|s| s.2 < layers) {
+            self.stage = Some((
+                rt.storage("attend staged params", pb * u64::from(layers)),
+                rt.storage("attend staged queries", qb * u64::from(layers)),
+                layers,
+            ));
+        }
+        let Some((sp, _, _)) = &self.stage else { unreachable!("stage allocated above") };
+        let all: Vec<AttendParams> = (0..layers).map(|l| self.params_for(l, step)).collect();
+        rt.queue.write_buffer(sp, 0, bytemuck::cast_slice(&all));
+    }
+
+    /// Copy layer `layer`'s staged parameters into place (before its pass).
+    pub fn encode_layer_params(&self, enc: &mut wgpu::CommandEncoder, layer: u32) -> Result<()> {
+        let Some((sp, _, n)) = &self.stage else {
+            return Err(Error::Input("no staged layers: call stage_params first".into()));
+        };
+        if layer >= *n {
+            return Err(Error::Input(format!("layer {layer} was not staged ({n} layers)")));
+        }
+        let pb = std::mem::size_of::<AttendParams>() as u64;
+        enc.copy_buffer_to_buffer(sp, pb * u64::from(layer), &self.params, 0, pb);
+        Ok(())
+    }
+
+    /// Copy the queries, [seq][q_head][head_dim] f32, from `src` on the GPU (unchecked for
+    /// finiteness, unlike [`Attention::set_queries`]).
+    pub fn encode_queries_from(&self, enc: &mut wgpu::CommandEncoder, src: &wgpu::Buffer) -> Result<()> {
+        let qb = u64::from(self.opts.n_seqs * self.q_heads * self.head_dim) * 4;
+        if src.size() < qb {
+            return Err(Error::Input(format!("queries: the buffer holds {} bytes, {qb} needed", src.size())));
+        }
+        enc.copy_buffer_to_buffer(src, 0, &self.queries, 0, qb);
+        Ok(())
+    }
+
+    /// The output buffer, [seq][q_head][head_dim] f32, for copies on the GPU.
+    pub fn output(&self) -> &wgpu::Buffer {
+        &self.out
+    }
+
     fn params_for(&self, layer: u32, step: u32) -> AttendParams {
         AttendParams {
             n_seqs: self.opts.n_seqs,

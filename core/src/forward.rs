@@ -4,10 +4,9 @@
 //! `attend_decode` kernels the pipeline uses. Prompts go in token by token (each a decode step,
 //! so prefill and decode share one path).
 //!
-//! This first version is staged: per layer, the step's queries, keys and values and the
-//! attention output cross to the host (the pool's append and attention take host-side inputs),
-//! so its speed says little; what it shows is a trained model's own K/V and attention running
-//! through the pool. Sequences decode together (one token each per step, up to
+//! A step is one submission ([`GpuLlama::forward`]): nothing of a layer crosses to the host;
+//! the host writes the token ids, positions and the append's records, and reads the logits (and,
+//! MoEfied, the experts chosen). Sequences decode together (one token each per step, up to
 //! [`MATVEC_MAX_TOKENS`]).
 
 use crate::attend::{AttendOptions, Attention};
@@ -15,10 +14,10 @@ use crate::config::{Codec, KvDtype, PoolConfig, ShardMap};
 use crate::error::{Error, Result};
 use crate::evict::Scheduler;
 use crate::gguf::{Gguf, LlamaConfig};
-use crate::model::moe::{Moefication, top_k};
+use crate::model::moe::Moefication;
 use crate::ops::{GpuMatrix, MATVEC_MAX_TOKENS, ModelKernels, MoeFfn, WeightFormat};
 use crate::pool::KvPool;
-use crate::reference::pool::{NewToken, encode_values};
+use crate::reference::pool::NewToken;
 use crate::runtime::Runtime;
 use crate::scheduler_config::{SchedulerConfig, Threshold};
 
@@ -43,6 +42,8 @@ struct Scratch {
     q: wgpu::Buffer,
     k: wgpu::Buffer,
     v: wgpu::Buffer,
+    /// K then V of each token in the pool's storage words (`ModelKernels::kv_pack`).
+    kv_words: wgpu::Buffer,
     attn: wgpu::Buffer,
     o: wgpu::Buffer,
     gu: wgpu::Buffer,
@@ -58,6 +59,8 @@ struct GpuMoe {
     layers: Vec<(GpuMatrix, MoeFfn)>,
     scores: wgpu::Buffer,
     sel: wgpu::Buffer,
+    /// The experts every layer chose in this step, `[layer][seq][k]`, read back once per step.
+    log: wgpu::Buffer,
     act: wgpu::Buffer,
     /// Tokens routed to each (layer, expert) so far, `layer * E + e`.
     counts: Vec<u64>,
@@ -242,6 +245,7 @@ impl GpuLlama {
             q: buf("model q", q),
             k: buf("model k", kv),
             v: buf("model v", kv),
+            kv_words: buf("model kv words", 2 * kv),
             attn: buf("model attn", q),
             o: buf("model o", h),
             gu: buf("model gate_up", 2 * f),
@@ -269,7 +273,7 @@ impl GpuLlama {
 
     /// Replace every layer's dense FFN with `moe`'s experts (clustered from this model's weights,
     /// [`Moefication::from_weights`]): the router scores each token's FFN input against the
-    /// centroids on the GPU, the host picks the top k (as the CPU reference does), and only those
+    /// centroids on the GPU, picks the top k there (as the CPU reference does), and only those
     /// experts' neurons are read and evaluated. The dense FFN matrices stay loaded.
     pub fn set_moe(&mut self, rt: &Runtime, g: &Gguf<'_>, moe: &Moefication) -> Result<()> {
         let c = &self.cfg;
@@ -318,6 +322,7 @@ impl GpuLlama {
             layers,
             scores: rt.storage("moe scores", u64::from(n * e) * 4),
             sel: rt.storage("moe sel", u64::from(n * k) * 4),
+            log: rt.storage("moe choices", u64::from(c.block_count * n * k) * 4),
             act: rt.storage("moe act", u64::from(n * k * max_size) * 4),
             counts: vec![0; (c.block_count * e) as usize],
         });
@@ -343,17 +348,15 @@ impl GpuLlama {
         self.moe.as_ref().map_or(&[], |m| &m.counts)
     }
 
-    fn submit(&self, rt: &Runtime, label: &str, f: impl FnOnce(&mut wgpu::ComputePass<'_>) -> Result<()>) -> Result<()> {
-        let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some(label) });
-        {
-            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some(label), timestamp_writes: None });
-            f(&mut pass)?;
-        }
-        rt.queue.submit([enc.finish()]);
-        rt.check(label)
-    }
-
     /// One token per sequence at its next position; returns the logits, [seq][vocab].
+    ///
+    /// The whole step is one submission: per layer the projections, RoPE and the K/V packed into
+    /// the pool's layout ([`ModelKernels::kv_pack`]), the pool's append of that layer's tokens
+    /// ([`KvPool::encode_staged_append`], records staged once per step), compression of pages
+    /// that left their ring's head, the layer's page lists ([`KvPool::encode_gather_layer`]),
+    /// attention with the queries copied in place, and the FFN (dense, or the MoEfied router's
+    /// top-k on the GPU then only the chosen experts). The host reads the logits back, and the
+    /// experts chosen in every layer once at the end (MoEfied models).
     pub async fn forward(&mut self, rt: &Runtime, tokens: &[u32]) -> Result<Vec<f32>> {
         let n = self.n_seqs;
         if tokens.len() != n as usize {
@@ -370,86 +373,83 @@ impl GpuLlama {
         let (h, hq, hkv, d) = (c.embedding_length, c.head_count, c.head_count_kv, c.head_dim);
         rt.queue.write_buffer(&self.s.tokens, 0, bytemuck::cast_slice(tokens));
         rt.queue.write_buffer(&self.s.positions, 0, bytemuck::cast_slice(&self.positions));
+        let new: Vec<NewToken> = (0..c.block_count)
+            .flat_map(|l| {
+                self.positions.iter().enumerate().map(move |(seq, &position)| NewToken {
+                    layer: l,
+                    seq: seq as u32,
+                    position,
+                    experts: vec![0],
+                    gates: vec![1.0],
+                })
+            })
+            .collect();
+        self.pool.stage_append(rt, &new, n, self.step)?;
+        self.attn.stage_params(rt, self.step, c.block_count);
         let k = &self.kernels;
         let s = &self.s;
-        // The experts each layer's router chose, [layer][seq][k] (MoEfied models only).
-        let mut chosen: Vec<Vec<u32>> = Vec::new();
-        self.submit(rt, "model embed", |p| {
-            k.embed(rt, p, &self.embed, &s.tokens, &s.h, n);
-            Ok(())
-        })?;
+        let f16 = self.pool.cfg.dtype == KvDtype::F16;
+        let attn_bytes = u64::from(n * hq * d) * 4;
+        let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("model forward") });
+        let pass_desc = |label| wgpu::ComputePassDescriptor { label: Some(label), timestamp_writes: None };
+        k.embed(rt, &mut enc.begin_compute_pass(&pass_desc("model embed")), &self.embed, &s.tokens, &s.h, n);
         for (l, w) in self.layers.iter().enumerate() {
-            self.submit(rt, "model attention inputs", |p| {
+            {
+                let p = &mut enc.begin_compute_pass(&pass_desc("model attention inputs"));
                 k.rmsnorm(rt, p, &s.h, &w.attn_norm, &s.xn, n, h, c.rms_norm_eps);
                 k.matvec(rt, p, &w.wq, &s.xn, &s.q, n)?;
                 k.matvec(rt, p, &w.wk, &s.xn, &s.k, n)?;
                 k.matvec(rt, p, &w.wv, &s.xn, &s.v, n)?;
                 k.rope(rt, p, &s.q, &s.positions, n, hq, d, c.rope_freq_base);
                 k.rope(rt, p, &s.k, &s.positions, n, hkv, d, c.rope_freq_base);
-                Ok(())
-            })?;
-            // The pool's append and attention take their inputs from the host (staged).
-            let kv = hkv as usize * d as usize;
-            let kk: Vec<f32> = rt.read(&s.k, 0, u64::from(n) * kv as u64).await?;
-            let vv: Vec<f32> = rt.read(&s.v, 0, u64::from(n) * kv as u64).await?;
-            let qq: Vec<f32> = rt.read(&s.q, 0, u64::from(n * hq * d)).await?;
-            let mut words = Vec::new();
-            let mut new = Vec::new();
-            for seq in 0..n as usize {
-                encode_values(&kk[seq * kv..(seq + 1) * kv], self.pool.cfg.dtype, &mut words);
-                encode_values(&vv[seq * kv..(seq + 1) * kv], self.pool.cfg.dtype, &mut words);
-                new.push(NewToken { layer: l as u32, seq: seq as u32, position: self.positions[seq], experts: vec![0], gates: vec![1.0] });
+                k.kv_pack(rt, p, &s.k, &s.v, &s.kv_words, n, hkv * d, f16)?;
             }
-            self.pool.append(rt, &new, &words, self.step)?;
-            // Pages that left their ring's head are compressed now (no-op without a codec).
-            self.pool.compress(rt)?;
-            self.pool.gather(rt)?;
-            self.attn.set_queries(rt, &qq)?;
-            self.attn.run(rt, l as u32, self.step)?;
-            let out = self.attn.read_output(rt).await?;
-            rt.queue.write_buffer(&s.attn, 0, bytemuck::cast_slice(&out));
-            let Some(moe) = &self.moe else {
-                self.submit(rt, "model attention output and FFN", |p| {
-                    k.matvec(rt, p, &w.wo, &s.attn, &s.o, n)?;
-                    k.residual(rt, p, &s.o, &s.h, n * h);
-                    k.rmsnorm(rt, p, &s.h, &w.ffn_norm, &s.xn, n, h, c.rms_norm_eps);
+            let l = l as u32;
+            self.pool.encode_staged_append(&mut enc, l, &s.kv_words)?;
+            if self.pool.ready_to_compress() {
+                // Pages that left their ring's head are compressed now.
+                self.pool.encode_compress(&mut enc.begin_compute_pass(&pass_desc("model compress")));
+            }
+            self.pool.encode_gather_layer(&mut enc, l)?;
+            self.attn.encode_layer_params(&mut enc, l)?;
+            self.attn.encode_queries_from(&mut enc, &s.q)?;
+            self.attn.encode(&mut enc.begin_compute_pass(&pass_desc("model attention")));
+            enc.copy_buffer_to_buffer(self.attn.output(), 0, &s.attn, 0, attn_bytes);
+            let p = &mut enc.begin_compute_pass(&pass_desc("model attention output and FFN"));
+            k.matvec(rt, p, &w.wo, &s.attn, &s.o, n)?;
+            k.residual(rt, p, &s.o, &s.h, n * h);
+            k.rmsnorm(rt, p, &s.h, &w.ffn_norm, &s.xn, n, h, c.rms_norm_eps);
+            match &self.moe {
+                None => {
                     k.matvec(rt, p, &w.gate_up, &s.xn, &s.gu, n)?;
                     k.swiglu(rt, p, &s.gu, &s.act, n, c.feed_forward_length);
                     k.matvec(rt, p, &w.down, &s.act, &s.o, n)?;
-                    k.residual(rt, p, &s.o, &s.h, n * h);
-                    Ok(())
-                })?;
-                continue;
-            };
-            // MoEfied: score the FFN input against the centroids, pick the top k on the host,
-            // then evaluate only those experts' neurons.
-            let (centroids, ffn) = &moe.layers[l];
-            self.submit(rt, "model attention output and router", |p| {
-                k.matvec(rt, p, &w.wo, &s.attn, &s.o, n)?;
-                k.residual(rt, p, &s.o, &s.h, n * h);
-                k.rmsnorm(rt, p, &s.h, &w.ffn_norm, &s.xn, n, h, c.rms_norm_eps);
-                k.matvec(rt, p, centroids, &s.xn, &moe.scores, n)
-            })?;
-            let e = moe.n_experts as usize;
-            let scores: Vec<f32> = rt.read(&moe.scores, 0, u64::from(n) * e as u64).await?;
-            let sel: Vec<u32> = scores.chunks(e).flat_map(|sc| top_k(sc, moe.top_k as usize)).map(|x| x as u32).collect();
-            rt.queue.write_buffer(&moe.sel, 0, bytemuck::cast_slice(&sel));
-            chosen.push(sel);
-            self.submit(rt, "model MoE FFN", |p| {
-                k.moe_ffn(rt, p, ffn, &s.xn, &moe.sel, &moe.act, &s.o, n, moe.top_k)?;
-                k.residual(rt, p, &s.o, &s.h, n * h);
-                Ok(())
-            })?;
+                }
+                Some(moe) => {
+                    // MoEfied: score the FFN input against the centroids, take the top k on the
+                    // GPU, then evaluate only those experts' neurons.
+                    let (centroids, ffn) = &moe.layers[l as usize];
+                    k.matvec(rt, p, centroids, &s.xn, &moe.scores, n)?;
+                    k.moe_topk(rt, p, &moe.scores, &moe.sel, &moe.log, l * n * moe.top_k, n, moe.n_experts, moe.top_k)?;
+                    k.moe_ffn(rt, p, ffn, &s.xn, &moe.sel, &moe.act, &s.o, n, moe.top_k)?;
+                }
+            }
+            k.residual(rt, p, &s.o, &s.h, n * h);
         }
-        let head = self.output.as_ref().unwrap_or(&self.embed);
-        self.submit(rt, "model head", |p| {
+        {
+            let head = self.output.as_ref().unwrap_or(&self.embed);
+            let p = &mut enc.begin_compute_pass(&pass_desc("model head"));
             k.rmsnorm(rt, p, &s.h, &self.out_norm, &s.xn, n, h, c.rms_norm_eps);
-            k.matvec(rt, p, head, &s.xn, &s.logits, n)
-        })?;
+            k.matvec(rt, p, head, &s.xn, &s.logits, n)?;
+        }
+        rt.queue.submit([enc.finish()]);
+        rt.check("model forward")?;
         self.pool.check_errors(rt, n * c.block_count).await?;
         if let Some(moe) = &mut self.moe {
             let e = moe.n_experts as usize;
-            for (l, sel) in chosen.iter().enumerate() {
+            let per_layer = (n * moe.top_k) as usize;
+            let chosen: Vec<u32> = rt.read(&moe.log, 0, (per_layer * c.block_count as usize) as u64).await?;
+            for (l, sel) in chosen.chunks(per_layer).enumerate() {
                 for &x in sel {
                     moe.counts[l * e + x as usize] += 1;
                 }

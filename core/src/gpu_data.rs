@@ -432,6 +432,31 @@ pub struct MoeParams {
 }
 const _: () = assert!(std::mem::size_of::<MoeParams>() == 32);
 
+/// Must match `KvPackParams` in `shaders/wgsl/model/kv_pack.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct KvPackParams {
+    pub n_tokens: u32,
+    /// K (or V) floats per token: kv_heads x head_dim.
+    pub floats: u32,
+    /// 1: f16 pairs, 0: f32 bits.
+    pub f16: u32,
+    pub _pad: u32,
+}
+const _: () = assert!(std::mem::size_of::<KvPackParams>() == 16);
+
+/// Must match `MoeTopkParams` in `shaders/wgsl/model/router.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct MoeTopkParams {
+    pub n_tokens: u32,
+    pub n_experts: u32,
+    pub top_k: u32,
+    /// Where this call's choices start in the log buffer (words).
+    pub log_offset: u32,
+}
+const _: () = assert!(std::mem::size_of::<MoeTopkParams>() == 16);
+
 /// Must match `ModelOpParams` in `shaders/wgsl/model/norm_rope.wgsl`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Pod, Zeroable)]

@@ -7,7 +7,7 @@ use expertkv_shaders::Kernel;
 
 use crate::error::{Error, Result};
 use crate::gguf::GgmlType;
-use crate::gpu_data::{MatVecParams, ModelOpParams, MoeParams};
+use crate::gpu_data::{KvPackParams, MatVecParams, ModelOpParams, MoeParams, MoeTopkParams};
 use crate::runtime::Runtime;
 
 /// Tokens one matrix-vector call takes (`MAX_TOKENS` in `model/matvec.wgsl`).
@@ -191,6 +191,8 @@ pub struct ModelKernels {
     rope: wgpu::ComputePipeline,
     swiglu: wgpu::ComputePipeline,
     residual: wgpu::ComputePipeline,
+    kv_pack: wgpu::ComputePipeline,
+    moe_topk: wgpu::ComputePipeline,
 }
 
 impl ModelKernels {
@@ -216,7 +218,72 @@ impl ModelKernels {
             rope: rt.pipeline(Kernel::ModelRope, &[]).await?,
             swiglu: rt.pipeline(Kernel::ModelSwiglu, &[]).await?,
             residual: rt.pipeline(Kernel::ModelResidual, &[]).await?,
+            kv_pack: rt.pipeline(Kernel::ModelKvPack, &[]).await?,
+            moe_topk: rt.pipeline(Kernel::ModelMoeTopk, &[]).await?,
         })
+    }
+
+    /// Pack `n_tokens` tokens' K and V (`[n_tokens][floats]` f32 each) into the pool's append
+    /// layout in `words` (per token K then V; f16 pairs when `f16`, else f32 bits), as
+    /// [`crate::reference::pool::encode_values`] does on the CPU.
+    #[allow(clippy::too_many_arguments)]
+    pub fn kv_pack(
+        &self,
+        rt: &Runtime,
+        pass: &mut wgpu::ComputePass<'_>,
+        k: &wgpu::Buffer,
+        v: &wgpu::Buffer,
+        words: &wgpu::Buffer,
+        n_tokens: u32,
+        floats: u32,
+        f16: bool,
+    ) -> Result<()> {
+        let per = if f16 { floats / 2 } else { floats };
+        let need_in = u64::from(n_tokens) * u64::from(floats) * 4;
+        let need_out = u64::from(n_tokens) * u64::from(2 * per) * 4;
+        if n_tokens == 0 || floats == 0 || (f16 && !floats.is_multiple_of(2)) {
+            return Err(Error::Input(format!("kv_pack: {n_tokens} tokens of {floats} floats (f16 needs an even count)")));
+        }
+        if k.size() < need_in || v.size() < need_in || words.size() < need_out {
+            return Err(Error::Input("kv_pack: buffers too small".into()));
+        }
+        let p = rt.uniform("model/kv_pack params", &KvPackParams { n_tokens, floats, f16: u32::from(f16), _pad: 0 });
+        let bg = rt.bind(Kernel::ModelKvPack.label(), &self.kv_pack, &[&p, k, v, words]);
+        pass.set_pipeline(&self.kv_pack);
+        pass.set_bind_group(0, &bg, &[]);
+        pass.dispatch_workgroups((2 * per).div_ceil(256), n_tokens, 1);
+        Ok(())
+    }
+
+    /// The router's top `top_k` of `n_experts` scores per token (`scores` `[n_tokens][E]`) into
+    /// `sel` `[n_tokens][top_k]` and into `log` from word `log_offset`, as
+    /// [`crate::model::moe::top_k`] picks them.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_topk(
+        &self,
+        rt: &Runtime,
+        pass: &mut wgpu::ComputePass<'_>,
+        scores: &wgpu::Buffer,
+        sel: &wgpu::Buffer,
+        log: &wgpu::Buffer,
+        log_offset: u32,
+        n_tokens: u32,
+        n_experts: u32,
+        top_k: u32,
+    ) -> Result<()> {
+        if n_tokens == 0 || top_k == 0 || top_k > n_experts {
+            return Err(Error::Input(format!("moe_topk: {n_tokens} tokens, top-{top_k} of {n_experts} experts")));
+        }
+        let chosen = u64::from(n_tokens * top_k) * 4;
+        if scores.size() < u64::from(n_tokens * n_experts) * 4 || sel.size() < chosen || log.size() < u64::from(log_offset) * 4 + chosen {
+            return Err(Error::Input("moe_topk: buffers too small".into()));
+        }
+        let p = rt.uniform("model/router params", &MoeTopkParams { n_tokens, n_experts, top_k, log_offset });
+        let bg = rt.bind(Kernel::ModelMoeTopk.label(), &self.moe_topk, &[&p, scores, sel, log]);
+        pass.set_pipeline(&self.moe_topk);
+        pass.set_bind_group(0, &bg, &[]);
+        pass.dispatch_workgroups(n_tokens.div_ceil(64), 1, 1);
+        Ok(())
     }
 
     /// `y[b] = W x[b]` for `n_tokens` tokens (x: [n_tokens][cols] f32, y: [n_tokens][rows]).

@@ -90,10 +90,15 @@ pub struct KvPool {
     release_pipe: wgpu::ComputePipeline,
     gather_params: wgpu::Buffer,
     gather_bg: wgpu::BindGroup,
+    /// `GatherParams { first_layer: l }` for every layer l, copied into `gather_params` by
+    /// [`KvPool::encode_gather_layer`] so one submission can gather layer after layer.
+    gather_layers: wgpu::Buffer,
     _release_params: wgpu::Buffer,
     release_counts: wgpu::Buffer,
     release_bg: wgpu::BindGroup,
     scratch: Option<AppendScratch>,
+    /// Token records staged by [`KvPool::stage_append`]: (buffer, tokens per batch, batches).
+    staged: Option<(wgpu::Buffer, u32, u32)>,
     /// Compressed pages (ids `n_pages..n_ids`), their free stack, and the compression passes.
     pub codec_kv: wgpu::Buffer,
     pub codec_free: wgpu::Buffer,
@@ -192,6 +197,8 @@ impl KvPool {
         let release_pipe = rt.pipeline(Kernel::ShardRelease, &[]).await?;
 
         let gather_params = rt.uniform("shard/gather_pages params", &GatherParams::default());
+        let per_layer: Vec<GatherParams> = (0..cfg.layers).map(|l| GatherParams { first_layer: l, ..Default::default() }).collect();
+        let gather_layers = rt.storage_init("shard/gather_pages per-layer params", &per_layer);
         let gather_bg = rt.bind(
             Kernel::ShardGatherPages.label(),
             &gather_pipe,
@@ -314,10 +321,12 @@ impl KvPool {
             release_pipe,
             gather_params,
             gather_bg,
+            gather_layers,
             _release_params: release_params,
             release_counts,
             release_bg,
             scratch: None,
+            staged: None,
             codec,
             codec_kv,
             codec_free,
@@ -451,21 +460,7 @@ impl KvPool {
                  (ring_capacity - 1) x page_size; staged K/V must fit one binding), got {n}; split the batch"
             )));
         }
-        let k = self.cfg.top_k as usize;
-        for (i, t) in tokens.iter().enumerate() {
-            if t.experts.len() != k || t.gates.len() != k {
-                return Err(Error::Input(format!(
-                    "token {i}: {} experts and {} gates, the pool keeps top_k = {k}",
-                    t.experts.len(),
-                    t.gates.len()
-                )));
-            }
-            if routed.is_none()
-                && let Some(g) = t.gates.iter().find(|g| !g.is_finite())
-            {
-                return Err(Error::Input(format!("token {i}: gate weight {g} is not finite")));
-            }
-        }
+        self.check_tokens(tokens, routed.is_some())?;
         let kvw = (2 * self.cfg.kv_heads * self.cfg.vec_words()) as usize;
         if kv.len() != tokens.len() * kvw {
             return Err(Error::Input(format!("K/V data holds {} words, {} tokens need {}", kv.len(), n, tokens.len() * kvw)));
@@ -474,7 +469,7 @@ impl KvPool {
         let Some(s) = self.scratch.as_ref() else { unreachable!("scratch ensured above") };
         let mut words = Vec::with_capacity(tokens.len() * token_words(self.cfg.top_k) as usize);
         for t in tokens {
-            t.encode_into(k, &mut words);
+            t.encode_into(self.cfg.top_k as usize, &mut words);
         }
         rt.queue.write_buffer(&s.new_tokens, 0, bytemuck::cast_slice(&words));
         rt.queue.write_buffer(&s.new_kv, 0, bytemuck::cast_slice(kv));
@@ -495,26 +490,112 @@ impl KvPool {
             let u = rt.uniform("shard/apply_routing params", &ap);
             rt.bind(Kernel::ShardApplyRouting.label(), &self.apply_pipe, &[&self.geometry, &u, r.experts, r.gates, &s.new_tokens])
         });
-        {
-            let mut pass =
-                enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("shard/append"), timestamp_writes: timestamps });
-            if let Some(bg) = &apply_bg {
-                pass.set_pipeline(&self.apply_pipe);
-                pass.set_bind_group(0, bg, &[]);
-                pass.dispatch_workgroups(n.div_ceil(64), 1, 1);
+        self.encode_append_passes(enc, n, apply_bg.as_ref(), timestamps);
+        Ok(())
+    }
+
+    /// Every token carries top_k experts and gates (finite gates unless a router supplies them).
+    fn check_tokens(&self, tokens: &[NewToken], routed: bool) -> Result<()> {
+        let k = self.cfg.top_k as usize;
+        for (i, t) in tokens.iter().enumerate() {
+            if t.experts.len() != k || t.gates.len() != k {
+                return Err(Error::Input(format!(
+                    "token {i}: {} experts and {} gates, the pool keeps top_k = {k}",
+                    t.experts.len(),
+                    t.gates.len()
+                )));
             }
-            pass.set_pipeline(&self.plan_pipe);
-            pass.set_bind_group(0, &s.plan_bg, &[]);
-            pass.dispatch_workgroups(n.div_ceil(64), 1, 1);
-            pass.set_pipeline(&self.alloc_pipe);
-            pass.set_bind_group(0, &s.alloc_bg, &[]);
-            pass.dispatch_workgroups(1, 1, 1);
-            pass.set_pipeline(&self.write_pipe);
-            for bg in &s.write_bgs {
-                pass.set_bind_group(0, bg, &[]);
-                pass.dispatch_workgroups((kvw as u32).div_ceil(64), n, 1);
+            if !routed && let Some(g) = t.gates.iter().find(|g| !g.is_finite()) {
+                return Err(Error::Input(format!("token {i}: gate weight {g} is not finite")));
             }
         }
+        Ok(())
+    }
+
+    /// The append's pass over `n` tokens already in the scratch buffers.
+    fn encode_append_passes(
+        &self,
+        enc: &mut wgpu::CommandEncoder,
+        n: u32,
+        apply_bg: Option<&wgpu::BindGroup>,
+        timestamps: Option<wgpu::ComputePassTimestampWrites<'_>>,
+    ) {
+        let Some(s) = self.scratch.as_ref() else { return };
+        let kvw = 2 * self.cfg.kv_heads * self.cfg.vec_words();
+        let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("shard/append"), timestamp_writes: timestamps });
+        if let Some(bg) = apply_bg {
+            pass.set_pipeline(&self.apply_pipe);
+            pass.set_bind_group(0, bg, &[]);
+            pass.dispatch_workgroups(n.div_ceil(64), 1, 1);
+        }
+        pass.set_pipeline(&self.plan_pipe);
+        pass.set_bind_group(0, &s.plan_bg, &[]);
+        pass.dispatch_workgroups(n.div_ceil(64), 1, 1);
+        pass.set_pipeline(&self.alloc_pipe);
+        pass.set_bind_group(0, &s.alloc_bg, &[]);
+        pass.dispatch_workgroups(1, 1, 1);
+        pass.set_pipeline(&self.write_pipe);
+        for bg in &s.write_bgs {
+            pass.set_bind_group(0, bg, &[]);
+            pass.dispatch_workgroups(kvw.div_ceil(64), n, 1);
+        }
+    }
+
+    /// Stage the token records of `tokens.len() / per_batch` appends of `per_batch` tokens each
+    /// (one per layer, say, when a forward pass appends layer after layer in one submission), for
+    /// [`KvPool::encode_staged_append`]; `step` is every batch's step. Checked as
+    /// [`KvPool::append`] checks; writes through the queue (one staging per submission).
+    pub fn stage_append(&mut self, rt: &Runtime, tokens: &[NewToken], per_batch: u32, step: u32) -> Result<()> {
+        if per_batch == 0 || tokens.is_empty() || !(tokens.len() as u32).is_multiple_of(per_batch) {
+            return Err(Error::Input(format!("staged append: {} tokens are not whole batches of {per_batch}", tokens.len())));
+        }
+        let max_batch = self.max_append_tokens(rt);
+        if per_batch > max_batch {
+            return Err(Error::Input(format!("an append carries at most {max_batch} tokens here, got batches of {per_batch}")));
+        }
+        self.check_tokens(tokens, false)?;
+        self.ensure_scratch(rt, per_batch);
+        let tw = token_words(self.cfg.top_k);
+        let mut words = Vec::with_capacity(tokens.len() * tw as usize);
+        for t in tokens {
+            t.encode_into(self.cfg.top_k as usize, &mut words);
+        }
+        let batches = tokens.len() as u32 / per_batch;
+        let bytes = words.len() as u64 * 4;
+        if self.staged.as_ref().is_none_or(|(b, _, _)| b.size() < bytes) {
+            self.staged = Some((rt.storage("shard/append staged tokens", bytes), per_batch, batches));
+        }
+        let Some((buf, pb, nb)) = self.staged.as_mut() else { unreachable!("staged above") };
+        (*pb, *nb) = (per_batch, batches);
+        rt.queue.write_buffer(buf, 0, bytemuck::cast_slice(&words));
+        let Some(s) = self.scratch.as_ref() else { unreachable!("scratch ensured above") };
+        let params = AppendParams { n_tokens: per_batch, token_words: tw, step, _pad: 0 };
+        rt.queue.write_buffer(&s.params, 0, bytemuck::bytes_of(&params));
+        Ok(())
+    }
+
+    /// Append staged batch `batch` ([`KvPool::stage_append`]) with its K/V taken from `kv` on the
+    /// GPU (per token K then V of every KV head in storage words, as [`KvPool::append`] takes
+    /// them), recorded into `enc`: nothing crosses to the host.
+    pub fn encode_staged_append(&self, enc: &mut wgpu::CommandEncoder, batch: u32, kv: &wgpu::Buffer) -> Result<()> {
+        let (Some((buf, per_batch, batches)), Some(s)) = (self.staged.as_ref(), self.scratch.as_ref()) else {
+            return Err(Error::Input("no staged append: call stage_append first".into()));
+        };
+        if batch >= *batches {
+            return Err(Error::Input(format!("staged append {batch} of {batches}")));
+        }
+        let tw = u64::from(token_words(self.cfg.top_k)) * 4;
+        let kv_bytes = u64::from(*per_batch) * u64::from(2 * self.cfg.kv_heads * self.cfg.vec_words()) * 4;
+        if kv.size() < kv_bytes {
+            return Err(Error::Input(format!(
+                "staged append: the K/V buffer holds {} bytes, {per_batch} tokens need {kv_bytes}",
+                kv.size()
+            )));
+        }
+        let rec = tw * u64::from(*per_batch);
+        enc.copy_buffer_to_buffer(buf, rec * u64::from(batch), &s.new_tokens, 0, rec);
+        enc.copy_buffer_to_buffer(kv, 0, &s.new_kv, 0, kv_bytes);
+        self.encode_append_passes(enc, *per_batch, None, None);
         Ok(())
     }
 
@@ -639,6 +720,23 @@ impl KvPool {
         pass.set_pipeline(&self.gather_pipe);
         pass.set_bind_group(0, &self.gather_bg, &[]);
         pass.dispatch_workgroups(self.cfg.max_seqs * self.cfg.kv_heads, n_layers, 1);
+    }
+
+    /// Rebuild the page lists of layer `layer` alone, recorded into `enc` without a queue write
+    /// (the layer's parameters are copied in place), so one submission can gather layer after
+    /// layer between appends.
+    pub fn encode_gather_layer(&self, enc: &mut wgpu::CommandEncoder, layer: u32) -> Result<()> {
+        if layer >= self.cfg.layers {
+            return Err(Error::Input(format!("gather: layer {layer} of {}", self.cfg.layers)));
+        }
+        let pb = std::mem::size_of::<GatherParams>() as u64;
+        enc.copy_buffer_to_buffer(&self.gather_layers, pb * u64::from(layer), &self.gather_params, 0, pb);
+        let mut pass =
+            enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some(Kernel::ShardGatherPages.label()), timestamp_writes: None });
+        pass.set_pipeline(&self.gather_pipe);
+        pass.set_bind_group(0, &self.gather_bg, &[]);
+        pass.dispatch_workgroups(self.cfg.max_seqs * self.cfg.kv_heads, 1, 1);
+        Ok(())
     }
 
     /// Gather the page lists of every layer, in its own submission.

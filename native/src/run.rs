@@ -181,7 +181,7 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     let ctl = pollster::block_on(m.pool.read_ctl(&rt))?;
     let used = m.pool.cfg.n_pages - ctl.free_top;
     println!(
-        "prefill: {} tokens in {:.2} s; decode: {} tokens in {:.2} s ({:.2} tokens/s, staged: host round trips every layer); \
+        "prefill: {} tokens in {:.2} s; decode: {} tokens in {:.2} s ({:.2} tokens/s, one submission per token); \
 context: {} tokens x {} layers; K/V pages in use: {used} ({})",
         prompt.len(),
         prefill_s,

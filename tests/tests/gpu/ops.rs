@@ -267,3 +267,73 @@ fn matvec_on_real_model_weights() {
         close(&got, &want, &scale, 1e-4, &format!("{name} ({format:?} {rows} x {cols})"));
     }
 }
+
+#[test]
+fn kv_pack_matches_encode_values_bit_for_bit() {
+    use expertkv_core::config::KvDtype;
+    use expertkv_core::reference::pool::encode_values;
+    let rt = rt();
+    let k = pollster::block_on(ModelKernels::new(rt)).expect("kernels");
+    for seed in seeds("model_kv_pack", 8) {
+        let mut rng = Rng::new(seed);
+        let f16 = seed % 2 == 0;
+        let n = 1 + rng.below(MATVEC_MAX_TOKENS);
+        let floats = 2 * (1 + rng.below(200));
+        let ctx = format!("seed {seed}: {n} tokens of {floats}, f16 {f16}");
+        // Magnitudes from f16's subnormals (2^-24..2^-14) to its top binade, so every rounding
+        // path is taken; the values stay inside f16's range (beyond it the kernel clamps).
+        let mut draw = |len: usize| -> Vec<f32> {
+            (0..len).map(|_| (rng.normal() * 2f64.powf(rng.range(-22.0, 14.0))).clamp(-65_000.0, 65_000.0) as f32).collect()
+        };
+        let (kv_k, kv_v) = (draw((n * floats) as usize), draw((n * floats) as usize));
+        let (kb, vb) = (rt.storage_init("k", &kv_k), rt.storage_init("v", &kv_v));
+        let per = if f16 { floats / 2 } else { floats };
+        let words = rt.storage("words", u64::from(n * 2 * per) * 4);
+        rt.fill_u32(&words, POISON_F32);
+        run(rt, "kv_pack", |p| k.kv_pack(rt, p, &kb, &vb, &words, n, floats, f16).expect("kv_pack"));
+        let got: Vec<u32> = pollster::block_on(rt.read_all(&words)).expect("read");
+        let dtype = if f16 { KvDtype::F16 } else { KvDtype::F32 };
+        let mut want = Vec::new();
+        for b in 0..n as usize {
+            let r = b * floats as usize..(b + 1) * floats as usize;
+            encode_values(&kv_k[r.clone()], dtype, &mut want);
+            encode_values(&kv_v[r], dtype, &mut want);
+        }
+        assert_eq!(got.len(), want.len(), "{ctx}");
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g, w, "{ctx}: word {i}: {g:#010x} vs {w:#010x}");
+        }
+    }
+}
+
+#[test]
+fn moe_topk_matches_the_cpu_choice_with_ties_and_signed_zeros() {
+    use expertkv_core::model::moe::top_k;
+    let rt = rt();
+    let k = pollster::block_on(ModelKernels::new(rt)).expect("kernels");
+    for seed in seeds("model_moe_topk", 10) {
+        let mut rng = Rng::new(seed);
+        let n = 1 + rng.below(MATVEC_MAX_TOKENS);
+        let e = 1 + rng.below(40);
+        let top = 1 + rng.below(e);
+        let layer = rng.below(4);
+        let ctx = format!("seed {seed}: {n} tokens, top-{top} of {e}, layer slot {layer}");
+        // Few distinct values, so ties are common; -0.0 and 0.0 differ in f32's total order.
+        let pool = [-1.5f32, -0.0, 0.0, 0.25, 0.25, 3.0, -7.0];
+        let scores: Vec<f32> =
+            (0..n * e).map(|_| if rng.below(2) == 0 { pool[rng.below(pool.len() as u32) as usize] } else { rng.normal() as f32 }).collect();
+        let sb = rt.storage_init("scores", &scores);
+        let sel = rt.storage("sel", u64::from(n * top) * 4);
+        let log = rt.storage("log", u64::from(4 * n * top) * 4);
+        rt.fill_u32(&sel, POISON_F32);
+        rt.fill_u32(&log, POISON_F32);
+        run(rt, "moe_topk", |p| k.moe_topk(rt, p, &sb, &sel, &log, layer * n * top, n, e, top).expect("moe_topk"));
+        let got: Vec<u32> = pollster::block_on(rt.read_all(&sel)).expect("read");
+        let logged: Vec<u32> = pollster::block_on(rt.read_all(&log)).expect("read");
+        let want: Vec<u32> = scores.chunks(e as usize).flat_map(|s| top_k(s, top as usize)).map(|x| x as u32).collect();
+        assert_eq!(got, want, "{ctx}");
+        let at = (layer * n * top) as usize;
+        assert_eq!(&logged[at..at + want.len()], &want[..], "{ctx}: the log");
+        assert!(logged[..at].iter().chain(&logged[at + want.len()..]).all(|&w| w == POISON_F32), "{ctx}: the log outside its slot");
+    }
+}

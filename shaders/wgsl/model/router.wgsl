@@ -1,0 +1,51 @@
+// model: the MoEfied router's choice on the GPU: per token the top_k of its n_experts scores,
+// highest first, ties to the lower index, in f32's total order (as core::model::moe::top_k, which
+// sorts with f32::total_cmp). Written to `sel` (read by model/moe.wgsl) and to `log` at
+// `log_offset` (a step's choices of every layer, read back once per step). One invocation per
+// token; top_k * n_experts * top_k steps, small next to the experts it chooses.
+
+// must match `MoeTopkParams` in core/src/gpu_data.rs
+struct MoeTopkParams {
+    n_tokens: u32,
+    n_experts: u32,
+    top_k: u32,
+    log_offset: u32,
+}
+
+@group(0) @binding(0) var<uniform> params: MoeTopkParams;
+@group(0) @binding(1) var<storage, read> scores: array<f32>;
+@group(0) @binding(2) var<storage, read_write> sel: array<u32>;
+@group(0) @binding(3) var<storage, read_write> log: array<u32>;
+
+// Bits of x as an unsigned key in f32's total order (-NaN < -inf < ... < -0 < +0 < ... < +NaN).
+fn total_key(x: f32) -> u32 {
+    let u = bitcast<u32>(x);
+    return select(u | 0x80000000u, ~u, (u >> 31u) != 0u);
+}
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let b = gid.x;
+    if (b >= params.n_tokens) {
+        return;
+    }
+    let k = params.top_k;
+    let e_n = params.n_experts;
+    for (var j = 0u; j < k; j++) {
+        var best = 0xffffffffu;
+        var best_key = 0u;
+        for (var e = 0u; e < e_n; e++) {
+            var taken = false;
+            for (var i = 0u; i < j; i++) {
+                taken = taken || sel[b * k + i] == e;
+            }
+            let key = total_key(scores[b * e_n + e]);
+            if (!taken && (best == 0xffffffffu || key > best_key)) {
+                best = e;
+                best_key = key;
+            }
+        }
+        sel[b * k + j] = best;
+        log[params.log_offset + b * k + j] = best;
+    }
+}
