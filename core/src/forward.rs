@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::evict::Scheduler;
 use crate::gguf::{Gguf, LlamaConfig};
 use crate::model::moe::Moefication;
-use crate::ops::{GpuMatrix, MATVEC_MAX_TOKENS, ModelKernels, MoeFfn, WeightFormat};
+use crate::ops::{GpuMatrix, MATVEC_MAX_TOKENS, ModelKernels, MoeFfn, Recorded, WeightFormat};
 use crate::pool::KvPool;
 use crate::reference::pool::NewToken;
 use crate::runtime::Runtime;
@@ -51,33 +51,45 @@ struct Scratch {
     logits: wgpu::Buffer,
 }
 
-/// The MoEfied FFNs ([`GpuLlama::set_moe`]): per layer the router's centroids (`[E][hidden]`,
-/// f32, scored with the matrix-vector kernel) and the permuted FFN.
+/// Every model kernel's dispatch of a step, recorded once at load (the buffers, shapes and
+/// therefore uniforms and bind groups are the same every step) and replayed by
+/// [`GpuLlama::forward`] between the pool's and attention's own passes.
+struct Recording {
+    embed: Recorded,
+    /// Per layer: RMSNorm, Q/K/V projections, RoPE, K/V packed for the append.
+    attention_inputs: Vec<Recorded>,
+    /// Per layer: output projection, residual, RMSNorm, the dense FFN, residual.
+    ffn: Vec<Recorded>,
+    head: Recorded,
+}
+
+/// The MoEfied FFNs ([`GpuLlama::set_moe`]), recorded per layer: the router's centroids
+/// (`[E][hidden]`, f32, scored with the matrix-vector kernel), its top-k, and the permuted FFN
+/// (the recorded bind groups hold the buffers).
 struct GpuMoe {
     top_k: u32,
     n_experts: u32,
-    layers: Vec<(GpuMatrix, MoeFfn)>,
-    scores: wgpu::Buffer,
-    sel: wgpu::Buffer,
     /// The experts every layer chose in this step, `[layer][seq][k]`, read back once per step.
     log: wgpu::Buffer,
-    act: wgpu::Buffer,
     /// Tokens routed to each (layer, expert) so far, `layer * E + e`.
     counts: Vec<u64>,
+    /// Per layer: output projection, residual, RMSNorm, router, top-k, the chosen experts,
+    /// residual (replacing [`Recording::ffn`]).
+    recorded: Vec<Recorded>,
 }
 
 pub struct GpuLlama {
     pub cfg: LlamaConfig,
     kernels: ModelKernels,
-    embed: GpuMatrix,
-    output: Option<GpuMatrix>,
-    out_norm: wgpu::Buffer,
+    /// Each layer's matrices (the MoEfied FFN's recording takes its attention output from here;
+    /// the recorded bind groups keep every other buffer alive).
     layers: Vec<Layer>,
     pub pool: KvPool,
     attn: Attention,
     /// Evicts after every step down to its budget (tokens per layer x sequence x KV head).
     pub scheduler: Option<Scheduler>,
     s: Scratch,
+    recorded: Recording,
     moe: Option<GpuMoe>,
     pub n_seqs: u32,
     /// Next position of every sequence.
@@ -108,6 +120,52 @@ fn matrix(rt: &Runtime, g: &Gguf<'_>, names: &[&str]) -> Result<GpuMatrix> {
     }
     let format = format.ok_or_else(|| Error::Model("no matrix named".into()))?;
     GpuMatrix::upload(rt, names[0], format, rows, cols, &bytes)
+}
+
+/// Record every model kernel's dispatch of a step (see [`Recording`]).
+#[allow(clippy::too_many_arguments)]
+fn record(
+    rt: &Runtime,
+    k: &ModelKernels,
+    c: &LlamaConfig,
+    layers: &[Layer],
+    (embed, output, out_norm): (&GpuMatrix, Option<&GpuMatrix>, &wgpu::Buffer),
+    s: &Scratch,
+    n: u32,
+    f16: bool,
+) -> Result<Recording> {
+    let (h, hq, hkv, d) = (c.embedding_length, c.head_count, c.head_count_kv, c.head_dim);
+    let mut rec = Recording { embed: Recorded::default(), attention_inputs: Vec::new(), ffn: Vec::new(), head: Recorded::default() };
+    k.embed(rt, &mut rec.embed, embed, &s.tokens, &s.h, n);
+    for w in layers {
+        let mut p = Recorded::default();
+        k.rmsnorm(rt, &mut p, &s.h, &w.attn_norm, &s.xn, n, h, c.rms_norm_eps);
+        k.matvec(rt, &mut p, &w.wq, &s.xn, &s.q, n)?;
+        k.matvec(rt, &mut p, &w.wk, &s.xn, &s.k, n)?;
+        k.matvec(rt, &mut p, &w.wv, &s.xn, &s.v, n)?;
+        k.rope(rt, &mut p, &s.q, &s.positions, n, hq, d, c.rope_freq_base);
+        k.rope(rt, &mut p, &s.k, &s.positions, n, hkv, d, c.rope_freq_base);
+        k.kv_pack(rt, &mut p, &s.k, &s.v, &s.kv_words, n, hkv * d, f16)?;
+        rec.attention_inputs.push(p);
+        let mut p = Recorded::default();
+        attention_output(rt, k, c, w, s, n, &mut p)?;
+        k.matvec(rt, &mut p, &w.gate_up, &s.xn, &s.gu, n)?;
+        k.swiglu(rt, &mut p, &s.gu, &s.act, n, c.feed_forward_length);
+        k.matvec(rt, &mut p, &w.down, &s.act, &s.o, n)?;
+        k.residual(rt, &mut p, &s.o, &s.h, n * h);
+        rec.ffn.push(p);
+    }
+    k.rmsnorm(rt, &mut rec.head, &s.h, out_norm, &s.xn, n, h, c.rms_norm_eps);
+    k.matvec(rt, &mut rec.head, output.unwrap_or(embed), &s.xn, &s.logits, n)?;
+    Ok(rec)
+}
+
+/// The output projection, the residual and the FFN's RMSNorm (the FFN input lands in `s.xn`).
+fn attention_output(rt: &Runtime, k: &ModelKernels, c: &LlamaConfig, w: &Layer, s: &Scratch, n: u32, p: &mut Recorded) -> Result<()> {
+    k.matvec(rt, p, &w.wo, &s.attn, &s.o, n)?;
+    k.residual(rt, p, &s.o, &s.h, n * c.embedding_length);
+    k.rmsnorm(rt, p, &s.h, &w.ffn_norm, &s.xn, n, c.embedding_length, c.rms_norm_eps);
+    Ok(())
 }
 
 impl GpuLlama {
@@ -252,13 +310,13 @@ impl GpuLlama {
             act: buf("model act", f),
             logits: buf("model logits", vocab),
         };
+        let f16 = pool.cfg.dtype == KvDtype::F16;
+        let recorded = record(rt, &kernels, &cfg, &layers, (&embed, output.as_ref(), &out_norm), &s, n_seqs, f16)?;
         rt.check("model upload")?;
         Ok(GpuLlama {
             cfg,
             kernels,
-            embed,
-            output,
-            out_norm,
+            recorded,
             layers,
             pool,
             attn,
@@ -316,16 +374,24 @@ impl GpuLlama {
         }
         let max_size = layers.iter().map(|(_, f)| f.max_size).max().unwrap_or(1).max(1);
         let n = self.n_seqs;
-        self.moe = Some(GpuMoe {
-            top_k: k,
-            n_experts: e,
-            layers,
-            scores: rt.storage("moe scores", u64::from(n * e) * 4),
-            sel: rt.storage("moe sel", u64::from(n * k) * 4),
-            log: rt.storage("moe choices", u64::from(c.block_count * n * k) * 4),
-            act: rt.storage("moe act", u64::from(n * k * max_size) * 4),
-            counts: vec![0; (c.block_count * e) as usize],
-        });
+        let scores = rt.storage("moe scores", u64::from(n * e) * 4);
+        let sel = rt.storage("moe sel", u64::from(n * k) * 4);
+        let log = rt.storage("moe choices", u64::from(c.block_count * n * k) * 4);
+        let act = rt.storage("moe act", u64::from(n * k * max_size) * 4);
+        let (kern, s) = (&self.kernels, &self.s);
+        let mut recorded = Vec::new();
+        for (l, ((centroids, ffn_l), w)) in layers.iter().zip(&self.layers).enumerate() {
+            // Score the FFN input against the centroids, take the top k on the GPU, then
+            // evaluate only those experts' neurons.
+            let mut p = Recorded::default();
+            attention_output(rt, kern, c, w, s, n, &mut p)?;
+            kern.matvec(rt, &mut p, centroids, &s.xn, &scores, n)?;
+            kern.moe_topk(rt, &mut p, &scores, &sel, &log, l as u32 * n * k, n, e, k)?;
+            kern.moe_ffn(rt, &mut p, ffn_l, &s.xn, &sel, &act, &s.o, n, k)?;
+            kern.residual(rt, &mut p, &s.o, &s.h, n * hidden);
+            recorded.push(p);
+        }
+        self.moe = Some(GpuMoe { top_k: k, n_experts: e, log, counts: vec![0; (c.block_count * e) as usize], recorded });
         rt.check("moe upload")
     }
 
@@ -370,7 +436,7 @@ impl GpuLlama {
             return Err(Error::Input(format!("position {p} is past the context this model was loaded for ({cap} tokens)")));
         }
         let c = self.cfg.clone();
-        let (h, hq, hkv, d) = (c.embedding_length, c.head_count, c.head_count_kv, c.head_dim);
+        let (hq, d) = (c.head_count, c.head_dim);
         rt.queue.write_buffer(&self.s.tokens, 0, bytemuck::cast_slice(tokens));
         rt.queue.write_buffer(&self.s.positions, 0, bytemuck::cast_slice(&self.positions));
         let new: Vec<NewToken> = (0..c.block_count)
@@ -386,25 +452,14 @@ impl GpuLlama {
             .collect();
         self.pool.stage_append(rt, &new, n, self.step)?;
         self.attn.stage_params(rt, self.step, c.block_count);
-        let k = &self.kernels;
         let s = &self.s;
-        let f16 = self.pool.cfg.dtype == KvDtype::F16;
+        let rec = &self.recorded;
         let attn_bytes = u64::from(n * hq * d) * 4;
         let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("model forward") });
         let pass_desc = |label| wgpu::ComputePassDescriptor { label: Some(label), timestamp_writes: None };
-        k.embed(rt, &mut enc.begin_compute_pass(&pass_desc("model embed")), &self.embed, &s.tokens, &s.h, n);
-        for (l, w) in self.layers.iter().enumerate() {
-            {
-                let p = &mut enc.begin_compute_pass(&pass_desc("model attention inputs"));
-                k.rmsnorm(rt, p, &s.h, &w.attn_norm, &s.xn, n, h, c.rms_norm_eps);
-                k.matvec(rt, p, &w.wq, &s.xn, &s.q, n)?;
-                k.matvec(rt, p, &w.wk, &s.xn, &s.k, n)?;
-                k.matvec(rt, p, &w.wv, &s.xn, &s.v, n)?;
-                k.rope(rt, p, &s.q, &s.positions, n, hq, d, c.rope_freq_base);
-                k.rope(rt, p, &s.k, &s.positions, n, hkv, d, c.rope_freq_base);
-                k.kv_pack(rt, p, &s.k, &s.v, &s.kv_words, n, hkv * d, f16)?;
-            }
-            let l = l as u32;
+        rec.embed.encode(&mut enc.begin_compute_pass(&pass_desc("model embed")));
+        for l in 0..c.block_count {
+            rec.attention_inputs[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("model attention inputs")));
             self.pool.encode_staged_append(&mut enc, l, &s.kv_words)?;
             if self.pool.ready_to_compress() {
                 // Pages that left their ring's head are compressed now.
@@ -415,33 +470,13 @@ impl GpuLlama {
             self.attn.encode_queries_from(&mut enc, &s.q)?;
             self.attn.encode(&mut enc.begin_compute_pass(&pass_desc("model attention")));
             enc.copy_buffer_to_buffer(self.attn.output(), 0, &s.attn, 0, attn_bytes);
-            let p = &mut enc.begin_compute_pass(&pass_desc("model attention output and FFN"));
-            k.matvec(rt, p, &w.wo, &s.attn, &s.o, n)?;
-            k.residual(rt, p, &s.o, &s.h, n * h);
-            k.rmsnorm(rt, p, &s.h, &w.ffn_norm, &s.xn, n, h, c.rms_norm_eps);
-            match &self.moe {
-                None => {
-                    k.matvec(rt, p, &w.gate_up, &s.xn, &s.gu, n)?;
-                    k.swiglu(rt, p, &s.gu, &s.act, n, c.feed_forward_length);
-                    k.matvec(rt, p, &w.down, &s.act, &s.o, n)?;
-                }
-                Some(moe) => {
-                    // MoEfied: score the FFN input against the centroids, take the top k on the
-                    // GPU, then evaluate only those experts' neurons.
-                    let (centroids, ffn) = &moe.layers[l as usize];
-                    k.matvec(rt, p, centroids, &s.xn, &moe.scores, n)?;
-                    k.moe_topk(rt, p, &moe.scores, &moe.sel, &moe.log, l * n * moe.top_k, n, moe.n_experts, moe.top_k)?;
-                    k.moe_ffn(rt, p, ffn, &s.xn, &moe.sel, &moe.act, &s.o, n, moe.top_k)?;
-                }
-            }
-            k.residual(rt, p, &s.o, &s.h, n * h);
+            let ffn = match &self.moe {
+                Some(moe) => &moe.recorded[l as usize],
+                None => &rec.ffn[l as usize],
+            };
+            ffn.encode(&mut enc.begin_compute_pass(&pass_desc("model attention output and FFN")));
         }
-        {
-            let head = self.output.as_ref().unwrap_or(&self.embed);
-            let p = &mut enc.begin_compute_pass(&pass_desc("model head"));
-            k.rmsnorm(rt, p, &s.h, &self.out_norm, &s.xn, n, h, c.rms_norm_eps);
-            k.matvec(rt, p, head, &s.xn, &s.logits, n)?;
-        }
+        rec.head.encode(&mut enc.begin_compute_pass(&pass_desc("model head")));
         rt.queue.submit([enc.finish()]);
         rt.check("model forward")?;
         self.pool.check_errors(rt, n * c.block_count).await?;

@@ -181,6 +181,50 @@ impl MoeFfn {
     }
 }
 
+/// Where the model kernels put their dispatches: straight into a compute pass, or into a
+/// [`Recorded`] list built once and replayed every step (the kernels' parameters and buffers do
+/// not change between steps, so neither do their uniforms and bind groups).
+pub trait DispatchSink {
+    fn dispatch(&mut self, pipeline: &wgpu::ComputePipeline, bind_group: wgpu::BindGroup, workgroups: [u32; 3]);
+}
+
+impl DispatchSink for wgpu::ComputePass<'_> {
+    fn dispatch(&mut self, pipeline: &wgpu::ComputePipeline, bind_group: wgpu::BindGroup, [x, y, z]: [u32; 3]) {
+        self.set_pipeline(pipeline);
+        self.set_bind_group(0, &bind_group, &[]);
+        self.dispatch_workgroups(x, y, z);
+    }
+}
+
+/// Dispatches recorded once (each bind group keeps its uniform and buffers alive), encoded into
+/// any number of passes.
+#[derive(Default)]
+pub struct Recorded(Vec<(wgpu::ComputePipeline, wgpu::BindGroup, [u32; 3])>);
+
+impl DispatchSink for Recorded {
+    fn dispatch(&mut self, pipeline: &wgpu::ComputePipeline, bind_group: wgpu::BindGroup, workgroups: [u32; 3]) {
+        self.0.push((pipeline.clone(), bind_group, workgroups));
+    }
+}
+
+impl Recorded {
+    pub fn encode(&self, pass: &mut wgpu::ComputePass<'_>) {
+        for (p, bg, [x, y, z]) in &self.0 {
+            pass.set_pipeline(p);
+            pass.set_bind_group(0, bg, &[]);
+            pass.dispatch_workgroups(*x, *y, *z);
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
 /// The compiled model kernels.
 pub struct ModelKernels {
     matvec: [wgpu::ComputePipeline; 3],
@@ -230,7 +274,7 @@ impl ModelKernels {
     pub fn kv_pack(
         &self,
         rt: &Runtime,
-        pass: &mut wgpu::ComputePass<'_>,
+        pass: &mut impl DispatchSink,
         k: &wgpu::Buffer,
         v: &wgpu::Buffer,
         words: &wgpu::Buffer,
@@ -249,9 +293,7 @@ impl ModelKernels {
         }
         let p = rt.uniform("model/kv_pack params", &KvPackParams { n_tokens, floats, f16: u32::from(f16), _pad: 0 });
         let bg = rt.bind(Kernel::ModelKvPack.label(), &self.kv_pack, &[&p, k, v, words]);
-        pass.set_pipeline(&self.kv_pack);
-        pass.set_bind_group(0, &bg, &[]);
-        pass.dispatch_workgroups((2 * per).div_ceil(256), n_tokens, 1);
+        pass.dispatch(&self.kv_pack, bg, [(2 * per).div_ceil(256), n_tokens, 1]);
         Ok(())
     }
 
@@ -262,7 +304,7 @@ impl ModelKernels {
     pub fn moe_topk(
         &self,
         rt: &Runtime,
-        pass: &mut wgpu::ComputePass<'_>,
+        pass: &mut impl DispatchSink,
         scores: &wgpu::Buffer,
         sel: &wgpu::Buffer,
         log: &wgpu::Buffer,
@@ -280,9 +322,7 @@ impl ModelKernels {
         }
         let p = rt.uniform("model/router params", &MoeTopkParams { n_tokens, n_experts, top_k, log_offset });
         let bg = rt.bind(Kernel::ModelMoeTopk.label(), &self.moe_topk, &[&p, scores, sel, log]);
-        pass.set_pipeline(&self.moe_topk);
-        pass.set_bind_group(0, &bg, &[]);
-        pass.dispatch_workgroups(n_tokens.div_ceil(64), 1, 1);
+        pass.dispatch(&self.moe_topk, bg, [n_tokens.div_ceil(64), 1, 1]);
         Ok(())
     }
 
@@ -290,7 +330,7 @@ impl ModelKernels {
     pub fn matvec(
         &self,
         rt: &Runtime,
-        pass: &mut wgpu::ComputePass<'_>,
+        pass: &mut impl DispatchSink,
         w: &GpuMatrix,
         x: &wgpu::Buffer,
         y: &wgpu::Buffer,
@@ -302,10 +342,8 @@ impl ModelKernels {
         let p = rt.uniform("model/matvec params", &MatVecParams { rows: w.rows, cols: w.cols, n_tokens, _pad: 0 });
         let pipe = &self.matvec[w.format.define() as usize];
         let bg = rt.bind(Kernel::ModelMatVec.label(), pipe, &[&p, &w.buffer, x, y]);
-        pass.set_pipeline(pipe);
-        pass.set_bind_group(0, &bg, &[]);
         let [x, y] = crate::route::split_workgroups(w.rows);
-        pass.dispatch_workgroups(x, y, 1);
+        pass.dispatch(pipe, bg, [x, y, 1]);
         Ok(())
     }
 
@@ -316,7 +354,7 @@ impl ModelKernels {
     pub fn moe_ffn(
         &self,
         rt: &Runtime,
-        pass: &mut wgpu::ComputePass<'_>,
+        pass: &mut impl DispatchSink,
         m: &MoeFfn,
         x: &wgpu::Buffer,
         sel: &wgpu::Buffer,
@@ -350,36 +388,22 @@ impl ModelKernels {
             pipe,
             &[(0, &p), (1, &m.gate_up.buffer), (2, x), (3, act), (4, sel), (5, &m.offsets)],
         );
-        pass.set_pipeline(pipe);
-        pass.set_bind_group(0, &bg, &[]);
-        pass.dispatch_workgroups(m.max_size, top_k, n_tokens);
+        pass.dispatch(pipe, bg, [m.max_size, top_k, n_tokens]);
         let bg = rt.bind_at(
             Kernel::ModelMoeDown.label(),
             &self.moe_down,
             &[(0, &p), (3, act), (4, sel), (5, &m.offsets), (6, &m.down_t), (7, y)],
         );
-        pass.set_pipeline(&self.moe_down);
-        pass.set_bind_group(0, &bg, &[]);
-        pass.dispatch_workgroups(m.hidden.div_ceil(64), n_tokens, 1);
+        pass.dispatch(&self.moe_down, bg, [m.hidden.div_ceil(64), n_tokens, 1]);
         Ok(())
     }
 
     /// Rows `tokens[b]` of `w`, dequantised (y: [n_tokens][cols]).
-    pub fn embed(
-        &self,
-        rt: &Runtime,
-        pass: &mut wgpu::ComputePass<'_>,
-        w: &GpuMatrix,
-        tokens: &wgpu::Buffer,
-        y: &wgpu::Buffer,
-        n_tokens: u32,
-    ) {
+    pub fn embed(&self, rt: &Runtime, pass: &mut impl DispatchSink, w: &GpuMatrix, tokens: &wgpu::Buffer, y: &wgpu::Buffer, n_tokens: u32) {
         let p = rt.uniform("model/embed params", &ModelOpParams { n_tokens, dim: w.cols, ..Default::default() });
         let pipe = &self.embed[w.format.define() as usize];
         let bg = rt.bind_at(Kernel::ModelEmbed.label(), pipe, &[(0, &p), (2, y), (3, &w.buffer), (4, tokens)]);
-        pass.set_pipeline(pipe);
-        pass.set_bind_group(0, &bg, &[]);
-        pass.dispatch_workgroups(n_tokens, 1, 1);
+        pass.dispatch(pipe, bg, [n_tokens, 1, 1]);
     }
 
     /// `y[b] = x[b] / rms(x[b]) * g` over `dim` features.
@@ -387,7 +411,7 @@ impl ModelKernels {
     pub fn rmsnorm(
         &self,
         rt: &Runtime,
-        pass: &mut wgpu::ComputePass<'_>,
+        pass: &mut impl DispatchSink,
         x: &wgpu::Buffer,
         g: &wgpu::Buffer,
         y: &wgpu::Buffer,
@@ -397,9 +421,7 @@ impl ModelKernels {
     ) {
         let p = rt.uniform("model/rmsnorm params", &ModelOpParams { n_tokens, dim, eps, ..Default::default() });
         let bg = rt.bind_at(Kernel::ModelRmsNorm.label(), &self.rmsnorm, &[(0, &p), (1, x), (2, y), (3, g)]);
-        pass.set_pipeline(&self.rmsnorm);
-        pass.set_bind_group(0, &bg, &[]);
-        pass.dispatch_workgroups(n_tokens, 1, 1);
+        pass.dispatch(&self.rmsnorm, bg, [n_tokens, 1, 1]);
     }
 
     /// Rotate `x` ([n_tokens][n_heads][head_dim]) in place by each token's position.
@@ -407,7 +429,7 @@ impl ModelKernels {
     pub fn rope(
         &self,
         rt: &Runtime,
-        pass: &mut wgpu::ComputePass<'_>,
+        pass: &mut impl DispatchSink,
         x: &wgpu::Buffer,
         positions: &wgpu::Buffer,
         n_tokens: u32,
@@ -417,26 +439,20 @@ impl ModelKernels {
     ) {
         let p = rt.uniform("model/rope params", &ModelOpParams { n_tokens, dim: head_dim, n_heads, base, ..Default::default() });
         let bg = rt.bind_at(Kernel::ModelRope.label(), &self.rope, &[(0, &p), (2, x), (3, positions)]);
-        pass.set_pipeline(&self.rope);
-        pass.set_bind_group(0, &bg, &[]);
-        pass.dispatch_workgroups((n_tokens * n_heads * head_dim / 2).div_ceil(256), 1, 1);
+        pass.dispatch(&self.rope, bg, [(n_tokens * n_heads * head_dim / 2).div_ceil(256), 1, 1]);
     }
 
     /// `y[b][i] = silu(gu[b][0][i]) * gu[b][1][i]` over `n` features.
-    pub fn swiglu(&self, rt: &Runtime, pass: &mut wgpu::ComputePass<'_>, gu: &wgpu::Buffer, y: &wgpu::Buffer, n_tokens: u32, n: u32) {
+    pub fn swiglu(&self, rt: &Runtime, pass: &mut impl DispatchSink, gu: &wgpu::Buffer, y: &wgpu::Buffer, n_tokens: u32, n: u32) {
         let p = rt.uniform("model/swiglu params", &ModelOpParams { n_tokens, dim: n, ..Default::default() });
         let bg = rt.bind_at(Kernel::ModelSwiglu.label(), &self.swiglu, &[(0, &p), (1, gu), (2, y)]);
-        pass.set_pipeline(&self.swiglu);
-        pass.set_bind_group(0, &bg, &[]);
-        pass.dispatch_workgroups((n_tokens * n).div_ceil(256), 1, 1);
+        pass.dispatch(&self.swiglu, bg, [(n_tokens * n).div_ceil(256), 1, 1]);
     }
 
     /// `y += x` over `n` values.
-    pub fn residual(&self, rt: &Runtime, pass: &mut wgpu::ComputePass<'_>, x: &wgpu::Buffer, y: &wgpu::Buffer, n: u32) {
+    pub fn residual(&self, rt: &Runtime, pass: &mut impl DispatchSink, x: &wgpu::Buffer, y: &wgpu::Buffer, n: u32) {
         let p = rt.uniform("model/residual params", &ModelOpParams { n_tokens: 1, dim: n, ..Default::default() });
         let bg = rt.bind_at(Kernel::ModelResidual.label(), &self.residual, &[(0, &p), (1, x), (2, y)]);
-        pass.set_pipeline(&self.residual);
-        pass.set_bind_group(0, &bg, &[]);
-        pass.dispatch_workgroups(n.div_ceil(256), 1, 1);
+        pass.dispatch(&self.residual, bg, [n.div_ceil(256), 1, 1]);
     }
 }
