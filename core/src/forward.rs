@@ -21,6 +21,10 @@ use crate::reference::pool::NewToken;
 use crate::runtime::Runtime;
 use crate::scheduler_config::{SchedulerConfig, Threshold};
 
+/// Positions per sequence the low-rank codecs' basis is fitted on (their calibration window):
+/// every (layer, KV head)'s K and V subspace from the model's own first tokens.
+pub const LOW_RANK_CALIBRATION_TOKENS: u32 = 64;
+
 struct Layer {
     attn_norm: wgpu::Buffer,
     wq: GpuMatrix,
@@ -58,7 +62,8 @@ struct Recording {
     embed: Recorded,
     /// Per layer: RMSNorm, Q/K/V projections, RoPE, K/V packed for the append.
     attention_inputs: Vec<Recorded>,
-    /// Per layer: output projection, residual, RMSNorm, the dense FFN, residual.
+    /// Per layer: output projection added to the residual, RMSNorm, the dense FFN (its down
+    /// projection added to the residual).
     ffn: Vec<Recorded>,
     head: Recorded,
 }
@@ -95,6 +100,10 @@ pub struct GpuLlama {
     /// Next position of every sequence.
     pub positions: Vec<u32>,
     step: u32,
+    /// Low-rank codecs: positions per sequence before the basis is fitted, and the most the raw
+    /// pages were sized for.
+    calibration_tokens: u32,
+    calibration_max: u32,
 }
 
 fn norm_buffer(rt: &Runtime, g: &Gguf<'_>, name: &str) -> Result<wgpu::Buffer> {
@@ -151,8 +160,7 @@ fn record(
         attention_output(rt, k, c, w, s, n, &mut p)?;
         k.matvec(rt, &mut p, &w.gate_up, &s.xn, &s.gu, n)?;
         k.swiglu(rt, &mut p, &s.gu, &s.act, n, c.feed_forward_length);
-        k.matvec(rt, &mut p, &w.down, &s.act, &s.o, n)?;
-        k.residual(rt, &mut p, &s.o, &s.h, n * h);
+        k.matvec_add(rt, &mut p, &w.down, &s.act, &s.h, n)?;
         rec.ffn.push(p);
     }
     k.rmsnorm(rt, &mut rec.head, &s.h, out_norm, &s.xn, n, h, c.rms_norm_eps);
@@ -160,10 +168,10 @@ fn record(
     Ok(rec)
 }
 
-/// The output projection, the residual and the FFN's RMSNorm (the FFN input lands in `s.xn`).
+/// The output projection added to the residual stream, and the FFN's RMSNorm (the FFN input
+/// lands in `s.xn`).
 fn attention_output(rt: &Runtime, k: &ModelKernels, c: &LlamaConfig, w: &Layer, s: &Scratch, n: u32, p: &mut Recorded) -> Result<()> {
-    k.matvec(rt, p, &w.wo, &s.attn, &s.o, n)?;
-    k.residual(rt, p, &s.o, &s.h, n * c.embedding_length);
+    k.matvec_add(rt, p, &w.wo, &s.attn, &s.h, n)?;
     k.rmsnorm(rt, p, &s.h, &w.ffn_norm, &s.xn, n, c.embedding_length, c.rms_norm_eps);
     Ok(())
 }
@@ -191,9 +199,10 @@ impl GpuLlama {
 
     /// As [`GpuLlama::load_with`], with a page codec: every page that leaves its ring's head is
     /// compressed on the GPU right after the step's append, and attention decodes compressed
-    /// pages in-kernel. The quantisers and FastV's dimensions only (the low-rank codecs fit their
-    /// basis on a calibration batch, which a token-by-token model does not have); not with an
-    /// evicting scheduler (evicting from a compressed page would need it re-encoded).
+    /// pages in-kernel. The low-rank codecs first fit their basis on the model's own K/V of the
+    /// first [`LOW_RANK_CALIBRATION_TOKENS`] positions (the calibration window, kept raw; see
+    /// [`GpuLlama::set_calibration_tokens`]), then compress those pages and every later one. Not
+    /// with an evicting scheduler (evicting from a compressed page would need it re-encoded).
     pub async fn load_codec(
         rt: &Runtime,
         g: &Gguf<'_>,
@@ -203,13 +212,6 @@ impl GpuLlama {
         scheduler: Option<(SchedulerConfig, u32)>,
         codec: Codec,
     ) -> Result<GpuLlama> {
-        if codec.is_low_rank() {
-            return Err(Error::config(
-                "codec",
-                codec.name(),
-                "the model runs int8, int4 and fastv-dims (the low-rank codecs need a calibration batch)",
-            ));
-        }
         if codec != Codec::None && scheduler.is_some() {
             return Err(Error::config("codec", codec.name(), "codecs run with the full cache (no scheduler)"));
         }
@@ -265,10 +267,12 @@ impl GpuLlama {
             codec_pages: 0,
         };
         if codec != Codec::None {
-            // Raw pages only for every list's head page (and one to spare); the rest compressed.
+            // Raw pages only for every list's head page (and one to spare), plus, for the
+            // low-rank codecs, the calibration window's pages; the rest compressed.
             let lists = cfg.block_count * n_seqs * cfg.head_count_kv;
+            let window = if codec.is_low_rank() { LOW_RANK_CALIBRATION_TOKENS.min(max_context).div_ceil(page_size) } else { 0 };
             pool_cfg.codec_pages = pool_cfg.n_pages;
-            pool_cfg.n_pages = lists * 3;
+            pool_cfg.n_pages = lists * (3 + window);
             pool_cfg.codec = codec;
         }
         pool_cfg.validate()?;
@@ -326,6 +330,8 @@ impl GpuLlama {
             n_seqs,
             positions: vec![0; n_seqs as usize],
             step: 0,
+            calibration_tokens: LOW_RANK_CALIBRATION_TOKENS.min(max_context),
+            calibration_max: LOW_RANK_CALIBRATION_TOKENS.min(max_context),
         })
     }
 
@@ -401,7 +407,23 @@ impl GpuLlama {
         let ctl = self.pool.read_ctl(rt).await?;
         let raw = u64::from(c.n_pages - ctl.free_top);
         let codec = u64::from((c.n_ids() - c.n_pages) - ctl.codec_free_top);
-        Ok(raw * c.page_bytes() + codec * c.codec_page_bytes())
+        Ok(raw * c.page_bytes() + codec * c.codec_page_bytes() + self.codec_basis_bytes())
+    }
+
+    /// Bytes of the low-rank codecs' basis (part of [`GpuLlama::kv_bytes_in_use`]); 0 otherwise.
+    pub fn codec_basis_bytes(&self) -> u64 {
+        if self.pool.cfg.codec.is_low_rank() { self.pool.codec_basis.size() } else { 0 }
+    }
+
+    /// Fit the low-rank basis after `tokens` positions instead of [`LOW_RANK_CALIBRATION_TOKENS`]
+    /// (at most that many: the raw pages were sized for it), before the first step.
+    pub fn set_calibration_tokens(&mut self, tokens: u32) -> Result<()> {
+        let max = self.calibration_max;
+        if tokens == 0 || tokens > max || self.step > 0 {
+            return Err(Error::config("calibration", tokens, format!("must be in 1..={max}, set before the first step")));
+        }
+        self.calibration_tokens = tokens;
+        Ok(())
     }
 
     /// `(E, k)` of the MoEfied FFNs, `None` for the dense model.
@@ -424,6 +446,87 @@ impl GpuLlama {
     /// top-k on the GPU then only the chosen experts). The host reads the logits back, and the
     /// experts chosen in every layer once at the end (MoEfied models).
     pub async fn forward(&mut self, rt: &Runtime, tokens: &[u32]) -> Result<Vec<f32>> {
+        let cb = self.encode_step(rt, tokens)?;
+        rt.queue.submit([cb]);
+        rt.check("model forward")?;
+        let c = self.cfg.clone();
+        let n = self.n_seqs;
+        self.pool.check_errors(rt, n * c.block_count).await?;
+        if let Some(moe) = &mut self.moe {
+            let e = moe.n_experts as usize;
+            let per_layer = (n * moe.top_k) as usize;
+            let chosen: Vec<u32> = rt.read(&moe.log, 0, (per_layer * c.block_count as usize) as u64).await?;
+            for (l, sel) in chosen.chunks(per_layer).enumerate() {
+                for &x in sel {
+                    moe.counts[l * e + x as usize] += 1;
+                }
+            }
+        }
+        for p in &mut self.positions {
+            *p += 1;
+        }
+        if let Some(sch) = &self.scheduler {
+            // The page lists must be current: this step appended to every layer.
+            self.pool.gather(rt)?;
+            sch.run(rt, self.step, &self.positions)?;
+        }
+        self.step += 1;
+        rt.read(&self.s.logits, 0, u64::from(n * c.vocab_size)).await
+    }
+
+    /// Time `n` decode steps of `token` (for every sequence) submitted back to back with
+    /// nothing read between them, as a serving loop that keeps the GPU busy would run: the first
+    /// half untimed (an idle GPU takes a while to reach its serving clock), the second half
+    /// timed: wall time per step, and the host's share (staging, encoding, submitting). The
+    /// steps' K/V stay in the pool and the positions advance; the per-expert counts are not
+    /// updated. Not with an evicting scheduler (it runs between steps).
+    #[cfg(not(target_arch = "wasm32"))]
+    pub async fn probe_steps(&mut self, rt: &Runtime, token: u32, n: u32) -> Result<serde_json::Value> {
+        if self.scheduler.is_some() {
+            return Err(Error::Input("probe_steps runs without an evicting scheduler".into()));
+        }
+        let cap = (self.pool.cfg.ring_capacity - 1) * self.pool.cfg.page_size - self.pool.cfg.page_size;
+        let room = cap.saturating_sub(self.positions.iter().copied().max().unwrap_or(0));
+        if n < 2 || n > room {
+            return Err(Error::Input(format!("probe_steps: {n} steps, the context has room for {room} (at least 2)")));
+        }
+        let tokens = vec![token; self.n_seqs as usize];
+        let warmup = n / 2;
+        let mut t0 = std::time::Instant::now();
+        let mut host = std::time::Duration::ZERO;
+        for i in 0..n {
+            if i == warmup {
+                rt.read::<f32>(&self.s.logits, 0, 1).await?;
+                t0 = std::time::Instant::now();
+                host = std::time::Duration::ZERO;
+            }
+            let h0 = std::time::Instant::now();
+            let cb = self.encode_step(rt, &tokens)?;
+            rt.queue.submit([cb]);
+            host += h0.elapsed();
+            for p in &mut self.positions {
+                *p += 1;
+            }
+            self.step += 1;
+        }
+        rt.read::<f32>(&self.s.logits, 0, 1).await?;
+        let wall = t0.elapsed();
+        rt.check("model forward")?;
+        self.pool.check_errors(rt, self.n_seqs * self.cfg.block_count).await?;
+        let timed = f64::from(n - warmup);
+        Ok(serde_json::json!({
+            "probe": "forward_steps",
+            "steps": n - warmup,
+            "warmup_steps": warmup,
+            "wall_ms_per_step": wall.as_secs_f64() * 1e3 / timed,
+            "tokens_per_s": timed * f64::from(self.n_seqs) / wall.as_secs_f64(),
+            "host_ms_per_step": host.as_secs_f64() * 1e3 / timed,
+        }))
+    }
+
+    /// Validate a step's tokens, fit a low-rank basis when its window is in, stage the step's
+    /// records and record the whole step into one command buffer (see [`GpuLlama::forward`]).
+    fn encode_step(&mut self, rt: &Runtime, tokens: &[u32]) -> Result<wgpu::CommandBuffer> {
         let n = self.n_seqs;
         if tokens.len() != n as usize {
             return Err(Error::Input(format!("{} tokens for {n} sequences", tokens.len())));
@@ -434,6 +537,11 @@ impl GpuLlama {
         let cap = (self.pool.cfg.ring_capacity - 1) * self.pool.cfg.page_size - self.pool.cfg.page_size;
         if let Some(p) = self.positions.iter().find(|&&p| p >= cap) {
             return Err(Error::Input(format!("position {p} is past the context this model was loaded for ({cap} tokens)")));
+        }
+        // A low-rank codec fits its basis once the calibration window is in (its pages stayed
+        // raw); this step then compresses them.
+        if self.pool.cfg.codec.is_low_rank() && !self.pool.calibrated && self.positions.iter().all(|&p| p >= self.calibration_tokens) {
+            self.pool.calibrate(rt, crate::pool::DEFAULT_BASIS_ITERS)?;
         }
         let c = self.cfg.clone();
         let (hq, d) = (c.head_count, c.head_dim);
@@ -477,29 +585,7 @@ impl GpuLlama {
             ffn.encode(&mut enc.begin_compute_pass(&pass_desc("model attention output and FFN")));
         }
         rec.head.encode(&mut enc.begin_compute_pass(&pass_desc("model head")));
-        rt.queue.submit([enc.finish()]);
-        rt.check("model forward")?;
-        self.pool.check_errors(rt, n * c.block_count).await?;
-        if let Some(moe) = &mut self.moe {
-            let e = moe.n_experts as usize;
-            let per_layer = (n * moe.top_k) as usize;
-            let chosen: Vec<u32> = rt.read(&moe.log, 0, (per_layer * c.block_count as usize) as u64).await?;
-            for (l, sel) in chosen.chunks(per_layer).enumerate() {
-                for &x in sel {
-                    moe.counts[l * e + x as usize] += 1;
-                }
-            }
-        }
-        for p in &mut self.positions {
-            *p += 1;
-        }
-        if let Some(sch) = &self.scheduler {
-            // The page lists must be current: this step appended to every layer.
-            self.pool.gather(rt)?;
-            sch.run(rt, self.step, &self.positions)?;
-        }
-        self.step += 1;
-        rt.read(&s.logits, 0, u64::from(n * c.vocab_size)).await
+        Ok(enc.finish())
     }
 
     /// Greedy decoding of one sequence (the model must be loaded for one): feeds `prompt`, then

@@ -414,7 +414,8 @@ pub struct MatVecParams {
     pub rows: u32,
     pub cols: u32,
     pub n_tokens: u32,
-    pub _pad: u32,
+    /// 1: y += W x (a residual in the same pass), 0: y = W x.
+    pub accumulate: u32,
 }
 
 /// Must match `MoeParams` in `shaders/wgsl/model/moe.wgsl`.

@@ -336,10 +336,38 @@ impl ModelKernels {
         y: &wgpu::Buffer,
         n_tokens: u32,
     ) -> Result<()> {
+        self.matvec_into(rt, pass, w, x, y, n_tokens, false)
+    }
+
+    /// `y[b] += W x[b]`: [`ModelKernels::matvec`] with the residual added in the same dispatch.
+    pub fn matvec_add(
+        &self,
+        rt: &Runtime,
+        pass: &mut impl DispatchSink,
+        w: &GpuMatrix,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        n_tokens: u32,
+    ) -> Result<()> {
+        self.matvec_into(rt, pass, w, x, y, n_tokens, true)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn matvec_into(
+        &self,
+        rt: &Runtime,
+        pass: &mut impl DispatchSink,
+        w: &GpuMatrix,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        n_tokens: u32,
+        accumulate: bool,
+    ) -> Result<()> {
         if n_tokens == 0 || n_tokens > MATVEC_MAX_TOKENS {
             return Err(Error::Input(format!("matvec takes 1 to {MATVEC_MAX_TOKENS} tokens, got {n_tokens}")));
         }
-        let p = rt.uniform("model/matvec params", &MatVecParams { rows: w.rows, cols: w.cols, n_tokens, _pad: 0 });
+        let p =
+            rt.uniform("model/matvec params", &MatVecParams { rows: w.rows, cols: w.cols, n_tokens, accumulate: u32::from(accumulate) });
         let pipe = &self.matvec[w.format.define() as usize];
         let bg = rt.bind(Kernel::ModelMatVec.label(), pipe, &[&p, &w.buffer, x, y]);
         let [x, y] = crate::route::split_workgroups(w.rows);

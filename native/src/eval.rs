@@ -43,7 +43,8 @@ pub struct EvalArgs {
     #[arg(long, default_value_t = 64)]
     needle_filler: u32,
     /// Page codecs to add, full cache each: int8, int4 (with :group=G), fastv-dims (with
-    /// :keep=D), comma-separated [default: none].
+    /// :keep=D), low-rank or lora (with :rank=R; the basis is fitted on the text's first 64
+    /// tokens, which stay raw until then), comma-separated [default: none].
     #[arg(long, default_value = "")]
     codecs: String,
     /// MoEfied models to add, full cache each: E:K specs, comma-separated (for example 8:2,16:4;
@@ -191,9 +192,6 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
     }
     for spec in split_specs(&a.codecs).iter().filter(|s| s.as_str() != "none") {
         let codec = Codec::parse(spec)?;
-        if codec.is_low_rank() {
-            bail!("--codecs: {spec}: the model runs int8, int4 and fastv-dims (the low-rank codecs need a calibration batch)");
-        }
         configs.push(Config { moe: None, sched: None, codec });
     }
     let mut moes = Vec::new();

@@ -106,7 +106,10 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     };
     let rt = gpu.runtime()?;
     println!("adapter: {} ({:?})", rt.info.name, rt.info.backend);
-    let context = prompt.len() as u32 + a.tokens + 1;
+    // EXPERTKV_PROBE_FORWARD=N (hidden, for the GPU machine): after decoding, time N more steps
+    // submitted back to back with nothing read between them (`GpuLlama::probe_steps`).
+    let probe: u32 = std::env::var("EXPERTKV_PROBE_FORWARD").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+    let context = prompt.len() as u32 + a.tokens + 1 + probe;
     let t0 = std::time::Instant::now();
     let mut m =
         pollster::block_on(GpuLlama::load_with(&rt, &g, 1, context, dtype, scheduler.clone())).context("loading the model onto the GPU")?;
@@ -192,5 +195,10 @@ context: {} tokens x {} layers; K/V pages in use: {used} ({})",
         c.block_count,
         fmt_bytes(u64::from(used) * m.pool.cfg.page_bytes())
     );
+    if probe > 0 {
+        let token = generated.last().copied().unwrap_or(prompt[prompt.len() - 1]);
+        let r = pollster::block_on(m.probe_steps(&rt, token, probe))?;
+        println!("{r}");
+    }
     Ok(())
 }

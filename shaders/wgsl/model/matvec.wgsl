@@ -1,4 +1,5 @@
-// model: y[b][o] = sum_i W[o][i] x[b][i] for the step's tokens b, W in one of the block formats of
+// model: y[b][o] = sum_i W[o][i] x[b][i] (or y[b][o] += that, with `accumulate`: a residual
+// added in the same pass) for the step's tokens b, W in one of the block formats of
 // common/quant.wgsl, dequantised in registers as it is read (no f32 copy of W exists). One
 // workgroup per output row; its invocations take the row's blocks in turn, each against every
 // token, then sum over the workgroup (a fixed tree, so the result does not depend on timing).
@@ -12,7 +13,7 @@ struct MatVecParams {
     rows: u32,       // output features
     cols: u32,       // input features (a multiple of 32)
     n_tokens: u32,   // tokens b (at most MAX_TOKENS)
-    _pad: u32,
+    accumulate: u32, // 1: y += W x, 0: y = W x
 }
 
 @group(0) @binding(0) var<uniform> params: MatVecParams;
@@ -91,6 +92,11 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
         workgroupBarrier();
     }
     if (t < params.n_tokens) {
-        y[t * params.rows + row] = red[t * WG];
+        let o = t * params.rows + row;
+        if (params.accumulate != 0u) {
+            y[o] += red[t * WG];
+        } else {
+            y[o] = red[t * WG];
+        }
     }
 }

@@ -138,14 +138,31 @@ fn codecs_compress_the_models_own_kv() {
     // Before the first page fills nothing is compressed: identical logits.
     assert_eq!(got[..16], base[..16], "{codec:?}: logits before any page was compressed");
     assert!(worst > 0.0 && worst <= 0.25, "{codec:?}: logits moved by {worst} of their range");
-    // The low-rank codecs and a codec under a scheduler are refused by name.
-    for (codec, sched) in [
-        (Codec::LowRank { rank: 16 }, None),
-        (Codec::Int8 { group: 32 }, Some((expertkv_core::scheduler_config::SchedulerConfig::parse("h2o").expect("h2o"), 32))),
-    ] {
-        let err = pollster::block_on(GpuLlama::load_codec(rt, &g, 1, 64, KvDtype::F16, sched, codec)).err().expect("refused");
-        assert!(err.to_string().contains("codec"), "{err}");
+    // The low-rank codec fits its basis on the model's own K/V of the first page (calibration
+    // window of 16 positions, rank 8 of 64), then compresses that page at position 16.
+    let codec = Codec::LowRank { rank: 8 };
+    let mut m = pollster::block_on(GpuLlama::load_codec(rt, &g, 1, 32, KvDtype::F16, None, codec)).expect("load");
+    assert!(m.set_calibration_tokens(0).is_err() && m.set_calibration_tokens(33).is_err(), "the window is checked");
+    m.set_calibration_tokens(16).expect("window");
+    let got: Vec<Vec<f32>> = ids.iter().map(|&t| pollster::block_on(m.forward(rt, &[t])).expect("forward")).collect();
+    let bytes = pollster::block_on(m.kv_bytes_in_use(rt)).expect("bytes");
+    let basis = m.codec_basis_bytes();
+    assert!(m.pool.calibrated, "{codec:?}: the basis was fitted");
+    assert!(basis > 0 && bytes - basis < base_bytes, "{codec:?}: {bytes} bytes in use ({basis} of basis), f16 pool {base_bytes}");
+    assert_eq!(got[..16], base[..16], "{codec:?}: logits before the calibration");
+    let mut worst = 0f32;
+    for (a, b) in got.iter().zip(&base).skip(16) {
+        let max = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+        assert!(a.iter().all(|x| x.is_finite()), "{codec:?}: finite logits");
+        worst = worst.max(a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / max);
     }
+    println!("{codec:?}: {bytes} bytes of K/V ({basis} of basis) against {base_bytes} in f16; worst logit diff {worst:.2e}");
+    assert!(worst > 0.0, "{codec:?}: the compressed page changes the logits");
+    // A codec under a scheduler is refused by name.
+    let sched = Some((expertkv_core::scheduler_config::SchedulerConfig::parse("h2o").expect("h2o"), 32));
+    let err =
+        pollster::block_on(GpuLlama::load_codec(rt, &g, 1, 64, KvDtype::F16, sched, Codec::Int8 { group: 32 })).err().expect("refused");
+    assert!(err.to_string().contains("codec"), "{err}");
 }
 
 /// H2O over the model's own attention mass: past the budget every step evicts, each page list

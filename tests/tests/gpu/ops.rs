@@ -86,6 +86,14 @@ fn matvec_and_embed_match_cpu_in_every_weight_format() {
             })
             .collect();
         close(&got, &want, &scale, 1e-5, &ctx);
+        // The same product added to what y holds (the residual stream).
+        let y0 = normals(&mut rng, (n * rows) as usize);
+        rt.queue.write_buffer(&y, 0, bytemuck::cast_slice(&y0));
+        run(rt, "matvec_add", |p| k.matvec_add(rt, p, &w, &xb, &y, n).expect("matvec_add"));
+        let got: Vec<f32> = pollster::block_on(rt.read_all(&y)).expect("read");
+        let want_add: Vec<f64> = want.iter().zip(&y0).map(|(a, b)| a + f64::from(*b)).collect();
+        let scale_add: Vec<f64> = scale.iter().zip(&y0).map(|(a, b)| a + f64::from(b.abs())).collect();
+        close(&got, &want_add, &scale_add, 1e-5, &format!("{ctx}, accumulated"));
         // Embedding rows of the same matrix.
         let tokens: Vec<u32> = (0..n).map(|_| rng.below(rows)).collect();
         let tb = rt.storage_init("tokens", &tokens);
