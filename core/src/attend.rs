@@ -443,9 +443,9 @@ impl Attention {
         Ok(())
     }
 
-    /// Stage every layer's parameters for one submission whose queries come from the GPU
-    /// ([`Attention::encode_queries_from`]); [`Attention::encode_layer_params`] copies layer i's
-    /// in place before its pass.
+    /// Stage every layer's parameters for one submission whose queries are written on the GPU
+    /// (into [`Attention::queries`] by whatever runs before each layer's pass);
+    /// [`Attention::encode_layer_params`] copies layer i's in place before its pass.
     pub fn stage_params(&mut self, rt: &Runtime, step: u32, layers: u32) {
         let pb = std::mem::size_of::<AttendParams>() as u64;
         let qb = u64::from(self.opts.n_seqs * self.q_heads * self.head_dim) * 4;
@@ -474,18 +474,7 @@ impl Attention {
         Ok(())
     }
 
-    /// Copy the queries, [seq][q_head][head_dim] f32, from `src` on the GPU (unchecked for
-    /// finiteness, unlike [`Attention::set_queries`]).
-    pub fn encode_queries_from(&self, enc: &mut wgpu::CommandEncoder, src: &wgpu::Buffer) -> Result<()> {
-        let qb = u64::from(self.opts.n_seqs * self.q_heads * self.head_dim) * 4;
-        if src.size() < qb {
-            return Err(Error::Input(format!("queries: the buffer holds {} bytes, {qb} needed", src.size())));
-        }
-        enc.copy_buffer_to_buffer(src, 0, &self.queries, 0, qb);
-        Ok(())
-    }
-
-    /// The output buffer, [seq][q_head][head_dim] f32, for copies on the GPU.
+    /// The output buffer, [seq][q_head][head_dim] f32, which later kernels may read directly.
     pub fn output(&self) -> &wgpu::Buffer {
         &self.out
     }

@@ -43,12 +43,10 @@ struct Scratch {
     positions: wgpu::Buffer,
     h: wgpu::Buffer,
     xn: wgpu::Buffer,
-    q: wgpu::Buffer,
     k: wgpu::Buffer,
     v: wgpu::Buffer,
     /// K then V of each token in the pool's storage words (`ModelKernels::kv_pack`).
     kv_words: wgpu::Buffer,
-    attn: wgpu::Buffer,
     o: wgpu::Buffer,
     gu: wgpu::Buffer,
     act: wgpu::Buffer,
@@ -140,6 +138,7 @@ fn record(
     layers: &[Layer],
     (embed, output, out_norm): (&GpuMatrix, Option<&GpuMatrix>, &wgpu::Buffer),
     s: &Scratch,
+    attn: &Attention,
     n: u32,
     f16: bool,
 ) -> Result<Recording> {
@@ -149,15 +148,15 @@ fn record(
     for w in layers {
         let mut p = Recorded::default();
         k.rmsnorm(rt, &mut p, &s.h, &w.attn_norm, &s.xn, n, h, c.rms_norm_eps);
-        k.matvec(rt, &mut p, &w.wq, &s.xn, &s.q, n)?;
+        k.matvec(rt, &mut p, &w.wq, &s.xn, &attn.queries, n)?;
         k.matvec(rt, &mut p, &w.wk, &s.xn, &s.k, n)?;
         k.matvec(rt, &mut p, &w.wv, &s.xn, &s.v, n)?;
-        k.rope(rt, &mut p, &s.q, &s.positions, n, hq, d, c.rope_freq_base);
+        k.rope(rt, &mut p, &attn.queries, &s.positions, n, hq, d, c.rope_freq_base);
         k.rope(rt, &mut p, &s.k, &s.positions, n, hkv, d, c.rope_freq_base);
         k.kv_pack(rt, &mut p, &s.k, &s.v, &s.kv_words, n, hkv * d, f16)?;
         rec.attention_inputs.push(p);
         let mut p = Recorded::default();
-        attention_output(rt, k, c, w, s, n, &mut p)?;
+        attention_output(rt, k, c, w, s, attn, n, &mut p)?;
         k.matvec(rt, &mut p, &w.gate_up, &s.xn, &s.gu, n)?;
         k.swiglu(rt, &mut p, &s.gu, &s.act, n, c.feed_forward_length);
         k.matvec_add(rt, &mut p, &w.down, &s.act, &s.h, n)?;
@@ -170,8 +169,18 @@ fn record(
 
 /// The output projection added to the residual stream, and the FFN's RMSNorm (the FFN input
 /// lands in `s.xn`).
-fn attention_output(rt: &Runtime, k: &ModelKernels, c: &LlamaConfig, w: &Layer, s: &Scratch, n: u32, p: &mut Recorded) -> Result<()> {
-    k.matvec_add(rt, p, &w.wo, &s.attn, &s.h, n)?;
+#[allow(clippy::too_many_arguments)]
+fn attention_output(
+    rt: &Runtime,
+    k: &ModelKernels,
+    c: &LlamaConfig,
+    w: &Layer,
+    s: &Scratch,
+    attn: &Attention,
+    n: u32,
+    p: &mut Recorded,
+) -> Result<()> {
+    k.matvec_add(rt, p, &w.wo, attn.output(), &s.h, n)?;
     k.rmsnorm(rt, p, &s.h, &w.ffn_norm, &s.xn, n, c.embedding_length, c.rms_norm_eps);
     Ok(())
 }
@@ -291,31 +300,23 @@ impl GpuLlama {
             }
             None => None,
         };
-        let (h, q, kv, f, vocab) = (
-            cfg.embedding_length,
-            cfg.head_count * cfg.head_dim,
-            cfg.head_count_kv * cfg.head_dim,
-            cfg.feed_forward_length,
-            cfg.vocab_size,
-        );
+        let (h, kv, f, vocab) = (cfg.embedding_length, cfg.head_count_kv * cfg.head_dim, cfg.feed_forward_length, cfg.vocab_size);
         let buf = |label: &str, floats: u32| rt.storage(label, u64::from(n_seqs) * u64::from(floats) * 4);
         let s = Scratch {
             tokens: buf("model tokens", 1),
             positions: buf("model positions", 1),
             h: buf("model h", h),
             xn: buf("model xn", h),
-            q: buf("model q", q),
             k: buf("model k", kv),
             v: buf("model v", kv),
             kv_words: buf("model kv words", 2 * kv),
-            attn: buf("model attn", q),
             o: buf("model o", h),
             gu: buf("model gate_up", 2 * f),
             act: buf("model act", f),
             logits: buf("model logits", vocab),
         };
         let f16 = pool.cfg.dtype == KvDtype::F16;
-        let recorded = record(rt, &kernels, &cfg, &layers, (&embed, output.as_ref(), &out_norm), &s, n_seqs, f16)?;
+        let recorded = record(rt, &kernels, &cfg, &layers, (&embed, output.as_ref(), &out_norm), &s, &attn, n_seqs, f16)?;
         rt.check("model upload")?;
         Ok(GpuLlama {
             cfg,
@@ -390,7 +391,7 @@ impl GpuLlama {
             // Score the FFN input against the centroids, take the top k on the GPU, then
             // evaluate only those experts' neurons.
             let mut p = Recorded::default();
-            attention_output(rt, kern, c, w, s, n, &mut p)?;
+            attention_output(rt, kern, c, w, s, &self.attn, n, &mut p)?;
             kern.matvec(rt, &mut p, centroids, &s.xn, &scores, n)?;
             kern.moe_topk(rt, &mut p, &scores, &sel, &log, l as u32 * n * k, n, e, k)?;
             kern.moe_ffn(rt, &mut p, ffn_l, &s.xn, &sel, &act, &s.o, n, k)?;
@@ -442,7 +443,8 @@ impl GpuLlama {
     /// the pool's layout ([`ModelKernels::kv_pack`]), the pool's append of that layer's tokens
     /// ([`KvPool::encode_staged_append`], records staged once per step), compression of pages
     /// that left their ring's head, the layer's page lists ([`KvPool::encode_gather_layer`]),
-    /// attention with the queries copied in place, and the FFN (dense, or the MoEfied router's
+    /// attention (the Q projection and RoPE write its query buffer, the output projection reads its
+    /// output buffer), and the FFN (dense, or the MoEfied router's
     /// top-k on the GPU then only the chosen experts). The host reads the logits back, and the
     /// experts chosen in every layer once at the end (MoEfied models).
     pub async fn forward(&mut self, rt: &Runtime, tokens: &[u32]) -> Result<Vec<f32>> {
@@ -544,7 +546,6 @@ impl GpuLlama {
             self.pool.calibrate(rt, crate::pool::DEFAULT_BASIS_ITERS)?;
         }
         let c = self.cfg.clone();
-        let (hq, d) = (c.head_count, c.head_dim);
         rt.queue.write_buffer(&self.s.tokens, 0, bytemuck::cast_slice(tokens));
         rt.queue.write_buffer(&self.s.positions, 0, bytemuck::cast_slice(&self.positions));
         let new: Vec<NewToken> = (0..c.block_count)
@@ -562,7 +563,6 @@ impl GpuLlama {
         self.attn.stage_params(rt, self.step, c.block_count);
         let s = &self.s;
         let rec = &self.recorded;
-        let attn_bytes = u64::from(n * hq * d) * 4;
         let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("model forward") });
         let pass_desc = |label| wgpu::ComputePassDescriptor { label: Some(label), timestamp_writes: None };
         rec.embed.encode(&mut enc.begin_compute_pass(&pass_desc("model embed")));
@@ -575,9 +575,7 @@ impl GpuLlama {
             }
             self.pool.encode_gather_layer(&mut enc, l)?;
             self.attn.encode_layer_params(&mut enc, l)?;
-            self.attn.encode_queries_from(&mut enc, &s.q)?;
             self.attn.encode(&mut enc.begin_compute_pass(&pass_desc("model attention")));
-            enc.copy_buffer_to_buffer(self.attn.output(), 0, &s.attn, 0, attn_bytes);
             let ffn = match &self.moe {
                 Some(moe) => &moe.recorded[l as usize],
                 None => &rec.ffn[l as usize],
