@@ -18,6 +18,8 @@ use crate::model::moe::Moefication;
 use crate::ops::{GpuMatrix, MATVEC_MAX_TOKENS, ModelKernels, MoeFfn, Recorded, WeightFormat};
 use crate::pool::KvPool;
 use crate::reference::pool::NewToken;
+use crate::route::{RouteShape, Router};
+use crate::router_config::RouterConfig;
 use crate::runtime::Runtime;
 use crate::scheduler_config::{SchedulerConfig, Threshold};
 
@@ -72,6 +74,12 @@ struct Recording {
 struct GpuMoe {
     top_k: u32,
     n_experts: u32,
+    /// Per layer: the centroids and the permuted FFN.
+    layers: Vec<(GpuMatrix, MoeFfn)>,
+    /// The centroid scores `[seq][E]`, the chosen experts `[seq][k]`, the experts' activations.
+    scores: wgpu::Buffer,
+    sel: wgpu::Buffer,
+    act: wgpu::Buffer,
     /// The experts every layer chose in this step, `[layer][seq][k]`, read back once per step.
     log: wgpu::Buffer,
     /// Tokens routed to each (layer, expert) so far, `layer * E + e`.
@@ -79,6 +87,16 @@ struct GpuMoe {
     /// Per layer: output projection, residual, RMSNorm, router, top-k, the chosen experts,
     /// residual (replacing [`Recording::ffn`]).
     recorded: Vec<Recorded>,
+    /// One of the pipeline's routers over the centroid scores ([`GpuLlama::set_moe_router`]).
+    routed: Option<RoutedMoe>,
+}
+
+/// The MoEfied FFN with the pipeline's router choosing the experts: per layer the part before
+/// the router (output projection, RMSNorm, centroid scores) and after it (the chosen experts).
+struct RoutedMoe {
+    router: Router,
+    before: Vec<Recorded>,
+    after: Vec<Recorded>,
 }
 
 pub struct GpuLlama {
@@ -398,8 +416,59 @@ impl GpuLlama {
             kern.residual(rt, &mut p, &s.o, &s.h, n * hidden);
             recorded.push(p);
         }
-        self.moe = Some(GpuMoe { top_k: k, n_experts: e, log, counts: vec![0; (c.block_count * e) as usize], recorded });
+        self.moe = Some(GpuMoe {
+            top_k: k,
+            n_experts: e,
+            layers,
+            scores,
+            sel,
+            act,
+            log,
+            counts: vec![0; (c.block_count * e) as usize],
+            recorded,
+            routed: None,
+        });
         rt.check("moe upload")
+    }
+
+    /// Let one of the pipeline's routers (`route/bias.wgsl`, `route/topk.wgsl`, its load
+    /// statistics and, for the adaptive router, its online update) choose the MoEfied experts
+    /// from the centroid scores, instead of their plain top k; [`GpuLlama::set_moe`] first. The
+    /// cache-aware router is refused: the model's pool is not sharded by expert, so there are no
+    /// per-expert cache misses for it to read.
+    pub async fn set_moe_router(&mut self, rt: &Runtime, cfg: RouterConfig) -> Result<()> {
+        let Some(moe) = &mut self.moe else {
+            return Err(Error::config("router", cfg.name(), "routes MoEfied experts: MoEfy the model first (set_moe)"));
+        };
+        if matches!(cfg, RouterConfig::CacheAware { .. }) {
+            return Err(Error::config(
+                "router",
+                cfg.name(),
+                "the model's pool is not sharded by expert, so there are no per-expert cache misses: use hash, topk, load-balance, entropy, adaptive or hierarchical",
+            ));
+        }
+        let (c, n, e, k) = (&self.cfg, self.n_seqs, moe.n_experts, moe.top_k);
+        let shape = RouteShape { n_experts: e, top_k: k, layers: c.block_count, max_tokens: n };
+        let router = Router::new(rt, cfg, shape, 0.1).await?;
+        let (kern, s) = (&self.kernels, &self.s);
+        let (mut before, mut after) = (Vec::new(), Vec::new());
+        for ((centroids, ffn_l), w) in moe.layers.iter().zip(&self.layers) {
+            let mut p = Recorded::default();
+            attention_output(rt, kern, c, w, s, &self.attn, n, &mut p)?;
+            kern.matvec(rt, &mut p, centroids, &s.xn, &moe.scores, n)?;
+            before.push(p);
+            let mut p = Recorded::default();
+            kern.moe_ffn(rt, &mut p, ffn_l, &s.xn, &moe.sel, &moe.act, &s.o, n, k)?;
+            kern.residual(rt, &mut p, &s.o, &s.h, n * c.embedding_length);
+            after.push(p);
+        }
+        moe.routed = Some(RoutedMoe { router, before, after });
+        rt.check("moe router")
+    }
+
+    /// The router choosing the MoEfied experts, when one was set.
+    pub fn moe_router(&self) -> Option<&RouterConfig> {
+        self.moe.as_ref().and_then(|m| m.routed.as_ref()).map(|r| &r.router.cfg)
     }
 
     /// Bytes of the pool's pages in use (raw pages and compressed pages), as allocated.
@@ -457,7 +526,8 @@ impl GpuLlama {
         if let Some(moe) = &mut self.moe {
             let e = moe.n_experts as usize;
             let per_layer = (n * moe.top_k) as usize;
-            let chosen: Vec<u32> = rt.read(&moe.log, 0, (per_layer * c.block_count as usize) as u64).await?;
+            let log = moe.routed.as_ref().map_or(&moe.log, |r| &r.router.experts);
+            let chosen: Vec<u32> = rt.read(log, 0, (per_layer * c.block_count as usize) as u64).await?;
             for (l, sel) in chosen.chunks(per_layer).enumerate() {
                 for &x in sel {
                     moe.counts[l * e + x as usize] += 1;
@@ -561,6 +631,12 @@ impl GpuLlama {
             .collect();
         self.pool.stage_append(rt, &new, n, self.step)?;
         self.attn.stage_params(rt, self.step, c.block_count);
+        if let Some(r) = self.moe.as_ref().and_then(|m| m.routed.as_ref()) {
+            // Tokens are numbered consecutively over the steps (the hash router's ids).
+            for l in 0..c.block_count {
+                r.router.prepare(rt, l, n, self.step.wrapping_mul(n))?;
+            }
+        }
         let s = &self.s;
         let rec = &self.recorded;
         let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("model forward") });
@@ -576,11 +652,21 @@ impl GpuLlama {
             self.pool.encode_gather_layer(&mut enc, l)?;
             self.attn.encode_layer_params(&mut enc, l)?;
             self.attn.encode(&mut enc.begin_compute_pass(&pass_desc("model attention")));
-            let ffn = match &self.moe {
-                Some(moe) => &moe.recorded[l as usize],
-                None => &rec.ffn[l as usize],
-            };
-            ffn.encode(&mut enc.begin_compute_pass(&pass_desc("model attention output and FFN")));
+            match &self.moe {
+                None => rec.ffn[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("model attention output and FFN"))),
+                Some(moe) => match &moe.routed {
+                    None => moe.recorded[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("model attention output and MoE"))),
+                    Some(r) => {
+                        let (e, k) = (u64::from(moe.n_experts), u64::from(moe.top_k));
+                        let (li, nn) = (u64::from(l), u64::from(n));
+                        r.before[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("model attention output and router scores")));
+                        enc.copy_buffer_to_buffer(&moe.scores, 0, &r.router.logits, li * nn * e * 4, nn * e * 4);
+                        r.router.encode(&mut enc.begin_compute_pass(&pass_desc("model router")), l, n);
+                        enc.copy_buffer_to_buffer(&r.router.experts, li * nn * k * 4, &moe.sel, 0, nn * k * 4);
+                        r.after[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("model MoE")));
+                    }
+                },
+            }
         }
         rec.head.encode(&mut enc.begin_compute_pass(&pass_desc("model head")));
         Ok(enc.finish())

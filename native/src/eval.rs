@@ -9,6 +9,7 @@ use expertkv_core::config::{Codec, KvDtype};
 use expertkv_core::forward::{GpuLlama, argmax};
 use expertkv_core::gguf::Gguf;
 use expertkv_core::model::Moefication;
+use expertkv_core::router_config::RouterConfig;
 use expertkv_core::runtime::Runtime;
 use expertkv_core::scheduler_config::SchedulerConfig;
 use expertkv_core::tokenizer::Tokenizer;
@@ -51,6 +52,11 @@ pub struct EvalArgs {
     /// see `run --moe`) [default: none].
     #[arg(long, value_delimiter = ',')]
     moe: Vec<String>,
+    /// With --moe: also score each MoEfied model with these of the pipeline's routers choosing
+    /// its experts (hash, topk, load-balance, entropy, adaptive, hierarchical; comma-separated)
+    /// [default: the centroid scores' plain top k only].
+    #[arg(long, value_delimiter = ',')]
+    moe_routers: Vec<String>,
     /// The model [default: models/SmolLM2-135M-Instruct.Q4_1.gguf].
     #[arg(long)]
     model: Option<std::path::PathBuf>,
@@ -78,6 +84,9 @@ struct Row {
     kv_bytes: u64,
     needle_found: Option<bool>,
     needle_answer: Option<String>,
+    /// MoEfied: the share of a layer's routing slots its busiest expert took, averaged over the
+    /// layers (an even spread is 1 / E).
+    busiest_expert: Option<f64>,
 }
 
 fn nll(logits: &[f32], target: u32) -> f64 {
@@ -90,24 +99,31 @@ struct Outcome {
     perplexity: f64,
     greedy: Vec<u32>,
     kv_bytes: u64,
+    busiest_expert: Option<f64>,
 }
 
 /// One evaluated configuration: the FFN (dense or MoEfied) and the cache policy.
 struct Config {
     moe: Option<std::sync::Arc<Moefication>>,
+    /// With `moe`: the pipeline's router choosing the experts (none: the plain top k).
+    router: Option<RouterConfig>,
     sched: Option<(SchedulerConfig, u32)>,
     codec: Codec,
 }
 
 impl Config {
     fn ffn(&self) -> String {
-        self.moe.as_ref().map_or("dense".into(), |m| format!("E{} k{}", m.config.experts, m.config.top_k))
+        let router = self.router.as_ref().map_or(String::new(), |r| format!(" {}", r.name()));
+        self.moe.as_ref().map_or("dense".into(), |m| format!("E{} k{}{router}", m.config.experts, m.config.top_k))
     }
 
     fn load(&self, rt: &Runtime, g: &Gguf<'_>, context: u32) -> Result<GpuLlama> {
         let mut m = pollster::block_on(GpuLlama::load_codec(rt, g, 1, context, KvDtype::F16, self.sched.clone(), self.codec))?;
         if let Some(moe) = &self.moe {
             m.set_moe(rt, g, moe)?;
+            if let Some(r) = &self.router {
+                pollster::block_on(m.set_moe_router(rt, r.clone()))?;
+            }
         }
         Ok(m)
     }
@@ -126,7 +142,15 @@ fn score(rt: &Runtime, g: &Gguf<'_>, ids: &[u32], c: &Config, bar: &ProgressBar)
         bar.inc(1);
     }
     let kv_bytes = pollster::block_on(m.kv_bytes_in_use(rt))?;
-    Ok(Outcome { perplexity: (total / (ids.len() - 1) as f64).exp(), greedy, kv_bytes })
+    let busiest_expert = m.moe_shape().map(|(e, _)| {
+        let shares: Vec<f64> = m
+            .expert_counts()
+            .chunks(e as usize)
+            .map(|c| *c.iter().max().unwrap_or(&0) as f64 / c.iter().sum::<u64>().max(1) as f64)
+            .collect();
+        shares.iter().sum::<f64>() / shares.len().max(1) as f64
+    });
+    Ok(Outcome { perplexity: (total / (ids.len() - 1) as f64).exp(), greedy, kv_bytes, busiest_expert })
 }
 
 fn needle(rt: &Runtime, g: &Gguf<'_>, prompt: &[u32], tok: &Tokenizer, c: &Config, bar: &ProgressBar) -> Result<String> {
@@ -182,17 +206,17 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
     if (a.tokens as usize) > all.len() && !a.json {
         println!("note: the text has {} tokens, fewer than --tokens {}", all.len(), a.tokens);
     }
-    let mut configs = vec![Config { moe: None, sched: None, codec: Codec::None }];
+    let mut configs = vec![Config { moe: None, router: None, sched: None, codec: Codec::None }];
     for s in split_specs(&a.schedulers).iter().filter(|s| s.as_str() != "none") {
         let sc = SchedulerConfig::parse(s)?;
         for &b in &a.budgets {
             sc.validate(b)?;
-            configs.push(Config { moe: None, sched: Some((sc.clone(), b)), codec: Codec::None });
+            configs.push(Config { moe: None, router: None, sched: Some((sc.clone(), b)), codec: Codec::None });
         }
     }
     for spec in split_specs(&a.codecs).iter().filter(|s| s.as_str() != "none") {
         let codec = Codec::parse(spec)?;
-        configs.push(Config { moe: None, sched: None, codec });
+        configs.push(Config { moe: None, router: None, sched: None, codec });
     }
     let mut moes = Vec::new();
     for spec in &a.moe {
@@ -205,7 +229,11 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
         if !a.json {
             println!("moefied E={} k={}: clustered in {secs:.2} s", mc.experts, mc.top_k);
         }
-        configs.push(Config { moe: Some(std::sync::Arc::new(m)), sched: None, codec: Codec::None });
+        let m = std::sync::Arc::new(m);
+        configs.push(Config { moe: Some(m.clone()), router: None, sched: None, codec: Codec::None });
+        for spec in a.moe_routers.iter().map(|s| s.trim()).filter(|s| !s.is_empty()) {
+            configs.push(Config { moe: Some(m.clone()), router: Some(RouterConfig::parse(spec)?), sched: None, codec: Codec::None });
+        }
     }
     let needle_prompt: Vec<u32> = if a.needle_filler > 0 {
         let mut p = tok.encode(NEEDLE);
@@ -254,6 +282,7 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
             kv_bytes: o.kv_bytes,
             needle_found: answer.as_ref().map(|s| s.contains(NEEDLE_ANSWER)),
             needle_answer: answer,
+            busiest_expert: o.busiest_expert,
         };
         if a.json {
             println!("{}", serde_json::to_string(&row)?);
@@ -262,11 +291,11 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
     }
     bar.finish_and_clear();
     if !a.json {
-        println!("| FFN | codec | scheduler | budget | perplexity | greedy agreement | K/V in use | needle |");
-        println!("|---|---|---|---|---|---|---|---|");
+        println!("| FFN | codec | scheduler | budget | perplexity | greedy agreement | K/V in use | needle | busiest expert |");
+        println!("|---|---|---|---|---|---|---|---|---|");
         for r in &rows {
             println!(
-                "| {} | {} | {} | {} | {:.2} | {:.1}% | {} | {} |",
+                "| {} | {} | {} | {} | {:.2} | {:.1}% | {} | {} | {} |",
                 r.ffn,
                 r.codec,
                 r.scheduler,
@@ -277,7 +306,8 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
                 match (&r.needle_found, &r.needle_answer) {
                     (Some(f), Some(s)) => format!("{} ({s:?})", if *f { "found" } else { "missed" }),
                     _ => "-".into(),
-                }
+                },
+                r.busiest_expert.map_or("-".into(), |b| format!("{:.0}%", 100.0 * b))
             );
         }
     }

@@ -10,6 +10,7 @@ use expertkv_core::forward::{GpuLlama, argmax};
 use expertkv_core::gguf::{Gguf, LlamaConfig};
 use expertkv_core::model::moe::{MoeConfig, Moefication};
 use expertkv_core::model::{LlamaWeights, LoadOptions};
+use expertkv_core::router_config::RouterConfig;
 use expertkv_core::scheduler_config::SchedulerConfig;
 use expertkv_core::tokenizer::Tokenizer;
 
@@ -43,6 +44,11 @@ pub struct RunArgs {
     /// router (the token against each expert's centroid) [default: dense].
     #[arg(long, value_name = "E:K")]
     moe: Option<String>,
+    /// With --moe: one of the pipeline's routers chooses the experts from the centroid scores
+    /// (hash, topk, load-balance, entropy, adaptive, hierarchical; name or name:key=value,...)
+    /// [default: the scores' plain top K].
+    #[arg(long)]
+    router: Option<String>,
 }
 
 /// `E:K` (`8:2`) as a MoEfication; `dense` or `1:1`... are accepted as written (`dense`: none).
@@ -131,13 +137,19 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     if let Some(mc) = &moe {
         let (experts, secs) = moefy(&g, mc)?;
         m.set_moe(&rt, &g, &experts).context("uploading the experts")?;
+        if let Some(spec) = &a.router {
+            pollster::block_on(m.set_moe_router(&rt, RouterConfig::parse(spec)?))?;
+        }
         println!(
-            "moefied: {} experts per layer, top-{} per token ({:.0}% of the FFN's neurons evaluated), clustered in {:.2} s",
+            "moefied: {} experts per layer, top-{} per token ({:.0}% of the FFN's neurons evaluated), clustered in {:.2} s; router: {}",
             mc.experts,
             mc.top_k,
             100.0 * experts.fraction_evaluated(),
-            secs
+            secs,
+            m.moe_router().map_or("the centroid scores' top k".to_string(), |r| r.name().to_string())
         );
+    } else if a.router.is_some() {
+        bail!("--router chooses MoEfied experts: give --moe E:K too");
     }
     print!("{}", a.prompt);
     std::io::stdout().flush()?;

@@ -196,3 +196,58 @@ fn h2o_evicts_the_models_own_kv_down_to_the_budget() {
     let lists_n = m.cfg.block_count * m.cfg.head_count_kv;
     assert!(m.pool.cfg.n_pages - ctl.free_top <= lists_n * budget.div_ceil(m.pool.cfg.page_size), "pages in use within the budget");
 }
+
+/// The pipeline's routers over the MoEfied model's own experts: `topk` chooses exactly what the
+/// plain top k chooses (same experts, same logits), the hash router ignores the scores, and a
+/// strong load-balance penalty spreads the slots more evenly; cache-aware is refused by name.
+#[test]
+fn the_pipelines_routers_choose_the_models_experts() {
+    use expertkv_core::gguf::LlamaConfig;
+    use expertkv_core::model::LlamaWeights;
+    use expertkv_core::model::moe::{MoeConfig, Moefication};
+    use expertkv_core::router_config::RouterConfig;
+    let Some(bytes) = model_bytes() else { return };
+    let g = Gguf::parse(&bytes).expect("gguf");
+    let tok = Tokenizer::from_gguf(&g).expect("tokenizer");
+    let cfg = LlamaConfig::from_gguf(&g).expect("config");
+    let weights = LlamaWeights::from_gguf(&g, &cfg).expect("weights");
+    let moe = Moefication::from_weights(&weights, &MoeConfig::new(8, 2)).expect("moefication");
+    let rt = rt();
+    let ids = tok.encode("The river flows to the sea");
+    let run = |router: Option<RouterConfig>| {
+        let mut m = pollster::block_on(GpuLlama::load(rt, &g, 1, 32, KvDtype::F16)).expect("load");
+        m.set_moe(rt, &g, &moe).expect("set_moe");
+        if let Some(r) = router {
+            pollster::block_on(m.set_moe_router(rt, r)).expect("router");
+        }
+        let logits: Vec<Vec<f32>> = ids.iter().map(|&t| pollster::block_on(m.forward(rt, &[t])).expect("forward")).collect();
+        (logits, m.expert_counts().to_vec())
+    };
+    // The mean over layers of the busiest expert's share of the slots.
+    let busiest = |counts: &[u64]| {
+        let shares: Vec<f64> =
+            counts.chunks(8).map(|c| *c.iter().max().unwrap_or(&0) as f64 / c.iter().sum::<u64>().max(1) as f64).collect();
+        shares.iter().sum::<f64>() / shares.len() as f64
+    };
+    let (plain, plain_counts) = run(None);
+    let (topk, topk_counts) = run(Some(RouterConfig::Topk));
+    assert_eq!(topk_counts, plain_counts, "topk: the same experts");
+    assert_eq!(topk, plain, "topk: the same logits");
+    let (_, hash_counts) = run(Some(RouterConfig::Hash));
+    assert_ne!(hash_counts, plain_counts, "hash: choices from the token's id, not the scores");
+    let (lb, lb_counts) = run(Some(RouterConfig::LoadBalance { alpha: 200.0 }));
+    println!("busiest expert: plain {:.3}, load-balance {:.3}", busiest(&plain_counts), busiest(&lb_counts));
+    assert!(busiest(&lb_counts) < busiest(&plain_counts), "load-balance spreads the slots");
+    assert!(lb.iter().flatten().all(|x| x.is_finite()), "load-balance: finite logits");
+    for counts in [&topk_counts, &hash_counts, &lb_counts] {
+        for l in 0..cfg.block_count as usize {
+            assert_eq!(counts[l * 8..(l + 1) * 8].iter().sum::<u64>(), 2 * ids.len() as u64, "layer {l}: k slots per token");
+        }
+    }
+    let mut m = pollster::block_on(GpuLlama::load(rt, &g, 1, 32, KvDtype::F16)).expect("load");
+    let err = pollster::block_on(m.set_moe_router(rt, RouterConfig::Topk)).expect_err("no MoE yet");
+    assert!(err.to_string().contains("router"), "{err}");
+    m.set_moe(rt, &g, &moe).expect("set_moe");
+    let err = pollster::block_on(m.set_moe_router(rt, RouterConfig::CacheAware { lambda: 2.0 })).expect_err("refused");
+    assert!(err.to_string().contains("cache-aware"), "{err}");
+}
