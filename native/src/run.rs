@@ -5,7 +5,7 @@ use std::io::Write;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use expertkv_core::config::KvDtype;
+use expertkv_core::config::{Codec, KvDtype};
 use expertkv_core::forward::{GpuLlama, argmax};
 use expertkv_core::gguf::{Gguf, LlamaConfig};
 use expertkv_core::model::moe::{MoeConfig, Moefication};
@@ -31,6 +31,12 @@ pub struct RunArgs {
     /// K/V storage in the pool: f16 or f32.
     #[arg(long, default_value = "f16")]
     dtype: String,
+    /// Page codec of the K/V pool (int8, int4, fastv-dims, low-rank, lora; name or
+    /// name:key=value, for example int4:group=64): every page that leaves its ring's head is
+    /// compressed on the GPU; the low-rank codecs fit their basis on the first 64 positions
+    /// [default: none, f16 pages].
+    #[arg(long)]
+    codec: Option<String>,
     /// Evict over the model's own attention: an evicting scheduler (h2o, streaming-llm, lru,
     /// lru-plus, adakv, duo, fastv-tokens), name or name:key=value,... [default: none, the full
     /// cache].
@@ -102,6 +108,7 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
         bail!("--prompt is empty");
     }
     let dtype = KvDtype::parse(&a.dtype)?;
+    let codec = a.codec.as_deref().map_or(Ok(Codec::None), Codec::parse)?;
     let scheduler = match a.scheduler.as_deref() {
         None | Some("none") => None,
         Some(spec) => Some((SchedulerConfig::parse(spec)?, a.budget)),
@@ -117,8 +124,8 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     let probe: u32 = std::env::var("EXPERTKV_PROBE_FORWARD").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
     let context = prompt.len() as u32 + a.tokens + 1 + probe;
     let t0 = std::time::Instant::now();
-    let mut m =
-        pollster::block_on(GpuLlama::load_with(&rt, &g, 1, context, dtype, scheduler.clone())).context("loading the model onto the GPU")?;
+    let mut m = pollster::block_on(GpuLlama::load_codec(&rt, &g, 1, context, dtype, scheduler.clone(), codec))
+        .context("loading the model onto the GPU")?;
     let c = m.cfg.clone();
     println!(
         "model: {} ({} layers, hidden {}, {}/{} heads x {}, FFN {}, vocab {}), loaded in {:.2} s; KV pool {} ({})",
@@ -193,8 +200,11 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
             100.0 / e as f64
         );
     }
+    // Raw and compressed pages, and their bytes as allocated (with a low-rank codec's basis).
     let ctl = pollster::block_on(m.pool.read_ctl(&rt))?;
-    let used = m.pool.cfg.n_pages - ctl.free_top;
+    let pc = &m.pool.cfg;
+    let used = (pc.n_pages - ctl.free_top) + ((pc.n_ids() - pc.n_pages) - ctl.codec_free_top);
+    let bytes = pollster::block_on(m.kv_bytes_in_use(&rt))?;
     println!(
         "prefill: {} tokens in {:.2} s; decode: {} tokens in {:.2} s ({:.2} tokens/s, one submission per token); \
 context: {} tokens x {} layers; K/V pages in use: {used} ({})",
@@ -205,7 +215,7 @@ context: {} tokens x {} layers; K/V pages in use: {used} ({})",
         generated.len() as f64 / decode_s.max(1e-9),
         m.positions[0],
         c.block_count,
-        fmt_bytes(u64::from(used) * m.pool.cfg.page_bytes())
+        fmt_bytes(bytes)
     );
     if probe > 0 {
         let token = generated.last().copied().unwrap_or(prompt[prompt.len() - 1]);

@@ -97,14 +97,21 @@ fn eval_scores_the_real_model_per_scheduler() {
         "0",
         "--moe",
         "4:4",
+        "--moe-routers",
+        "topk",
         "--json",
         "--plot",
         plots.to_str().expect("utf-8 path"),
     ]);
     let rows: Vec<serde_json::Value> =
         out.lines().filter(|l| l.starts_with('{')).map(|l| serde_json::from_str(l).expect("json row")).collect();
-    assert_eq!(rows.len(), 3, "{out}");
-    let (full, h2o, moe) = (&rows[0], &rows[1], &rows[2]);
+    assert_eq!(rows.len(), 4, "{out}");
+    let (full, h2o, moe, routed) = (&rows[0], &rows[1], &rows[2], &rows[3]);
+    // The pipeline's topk router over all four experts chooses what the plain top k does.
+    assert_eq!(routed["ffn"], "E4 k4 topk");
+    assert_eq!(routed["perplexity"], moe["perplexity"], "{out}");
+    assert_eq!(moe["busiest_expert"], 0.25, "k = E: every expert takes a quarter of the slots");
+    assert!(full["busiest_expert"].is_null());
     assert_eq!(full["ffn"], "dense");
     // Every expert chosen (k = E) is the dense FFN up to summation order.
     assert_eq!(moe["ffn"], "E4 k4");
