@@ -147,6 +147,38 @@ fn matrix(rt: &Runtime, g: &Gguf<'_>, names: &[&str]) -> Result<GpuMatrix> {
     GpuMatrix::upload(rt, names[0], format, rows, cols, &bytes)
 }
 
+/// How [`GpuLlama::load`] sets the model's K/V pool up.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelOptions {
+    /// Sequences decoded together (1 to [`MATVEC_MAX_TOKENS`]).
+    pub n_seqs: u32,
+    /// Tokens per sequence the pool holds.
+    pub max_context: u32,
+    pub dtype: KvDtype,
+    /// An evicting scheduler and its budget (tokens per layer x sequence x KV head).
+    pub scheduler: Option<(SchedulerConfig, u32)>,
+    pub codec: Codec,
+}
+
+impl ModelOptions {
+    /// `n_seqs` sequences of up to `max_context` tokens, f16 K/V, full cache, no codec.
+    pub fn new(n_seqs: u32, max_context: u32) -> Self {
+        ModelOptions { n_seqs, max_context, dtype: KvDtype::F16, scheduler: None, codec: Codec::None }
+    }
+
+    pub fn dtype(self, dtype: KvDtype) -> Self {
+        ModelOptions { dtype, ..self }
+    }
+
+    pub fn scheduler(self, scheduler: Option<(SchedulerConfig, u32)>) -> Self {
+        ModelOptions { scheduler, ..self }
+    }
+
+    pub fn codec(self, codec: Codec) -> Self {
+        ModelOptions { codec, ..self }
+    }
+}
+
 /// Record every model kernel's dispatch of a step (see [`Recording`]).
 #[allow(clippy::too_many_arguments)]
 fn record(
@@ -204,41 +236,18 @@ fn attention_output(
 }
 
 impl GpuLlama {
-    /// Upload the model's weights and build a pool for `n_seqs` sequences of up to `max_context`
-    /// tokens each (K/V in `dtype`).
-    pub async fn load(rt: &Runtime, g: &Gguf<'_>, n_seqs: u32, max_context: u32, dtype: KvDtype) -> Result<GpuLlama> {
-        Self::load_with(rt, g, n_seqs, max_context, dtype, None).await
-    }
-
-    /// As [`GpuLlama::load`], with an evicting scheduler and its budget (tokens per layer x
-    /// sequence x KV head) over the pool: after every step it evicts down to the budget, using
-    /// the model's own attention mass.
-    pub async fn load_with(
-        rt: &Runtime,
-        g: &Gguf<'_>,
-        n_seqs: u32,
-        max_context: u32,
-        dtype: KvDtype,
-        scheduler: Option<(SchedulerConfig, u32)>,
-    ) -> Result<GpuLlama> {
-        Self::load_codec(rt, g, n_seqs, max_context, dtype, scheduler, Codec::None).await
-    }
-
-    /// As [`GpuLlama::load_with`], with a page codec: every page that leaves its ring's head is
-    /// compressed on the GPU right after the step's append, and attention decodes compressed
-    /// pages in-kernel. The low-rank codecs first fit their basis on the model's own K/V of the
-    /// first [`LOW_RANK_CALIBRATION_TOKENS`] positions (the calibration window, kept raw; see
-    /// [`GpuLlama::set_calibration_tokens`]), then compress those pages and every later one. Not
-    /// with an evicting scheduler (evicting from a compressed page would need it re-encoded).
-    pub async fn load_codec(
-        rt: &Runtime,
-        g: &Gguf<'_>,
-        n_seqs: u32,
-        max_context: u32,
-        dtype: KvDtype,
-        scheduler: Option<(SchedulerConfig, u32)>,
-        codec: Codec,
-    ) -> Result<GpuLlama> {
+    /// Upload the model's weights and build its K/V pool as `opts` says: `n_seqs` sequences of
+    /// up to `max_context` tokens each, K/V in `dtype`; with an evicting scheduler and its budget
+    /// (tokens per layer x sequence x KV head), which after every step evicts down to the budget
+    /// using the model's own attention mass; or with a page codec: every page that leaves its
+    /// ring's head is compressed on the GPU right after the step's append, and attention decodes
+    /// compressed pages in-kernel. The low-rank codecs first fit their basis on the model's own
+    /// K/V of the first [`LOW_RANK_CALIBRATION_TOKENS`] positions (the calibration window, kept
+    /// raw; see [`GpuLlama::set_calibration_tokens`]), then compress those pages and every later
+    /// one. Not a codec with an evicting scheduler (evicting from a compressed page would need
+    /// it re-encoded).
+    pub async fn load(rt: &Runtime, g: &Gguf<'_>, opts: ModelOptions) -> Result<GpuLlama> {
+        let ModelOptions { n_seqs, max_context, dtype, scheduler, codec } = opts;
         if codec != Codec::None && scheduler.is_some() {
             return Err(Error::config("codec", codec.name(), "codecs run with the full cache (no scheduler)"));
         }

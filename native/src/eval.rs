@@ -5,8 +5,8 @@
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use expertkv_core::config::{Codec, KvDtype};
-use expertkv_core::forward::{GpuLlama, argmax};
+use expertkv_core::config::Codec;
+use expertkv_core::forward::{GpuLlama, ModelOptions, argmax};
 use expertkv_core::gguf::Gguf;
 use expertkv_core::model::Moefication;
 use expertkv_core::router_config::RouterConfig;
@@ -118,7 +118,8 @@ impl Config {
     }
 
     fn load(&self, rt: &Runtime, g: &Gguf<'_>, context: u32) -> Result<GpuLlama> {
-        let mut m = pollster::block_on(GpuLlama::load_codec(rt, g, 1, context, KvDtype::F16, self.sched.clone(), self.codec))?;
+        let mut m =
+            pollster::block_on(GpuLlama::load(rt, g, ModelOptions::new(1, context).scheduler(self.sched.clone()).codec(self.codec)))?;
         if let Some(moe) = &self.moe {
             m.set_moe(rt, g, moe)?;
             if let Some(r) = &self.router {

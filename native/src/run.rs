@@ -6,7 +6,7 @@ use std::io::Write;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use expertkv_core::config::{Codec, KvDtype};
-use expertkv_core::forward::{GpuLlama, argmax};
+use expertkv_core::forward::{GpuLlama, ModelOptions, argmax};
 use expertkv_core::gguf::{Gguf, LlamaConfig};
 use expertkv_core::model::moe::{MoeConfig, Moefication};
 use expertkv_core::model::{LlamaWeights, LoadOptions};
@@ -124,8 +124,9 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     let probe: u32 = std::env::var("EXPERTKV_PROBE_FORWARD").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
     let context = prompt.len() as u32 + a.tokens + 1 + probe;
     let t0 = std::time::Instant::now();
-    let mut m = pollster::block_on(GpuLlama::load_codec(&rt, &g, 1, context, dtype, scheduler.clone(), codec))
-        .context("loading the model onto the GPU")?;
+    let mut m =
+        pollster::block_on(GpuLlama::load(&rt, &g, ModelOptions::new(1, context).dtype(dtype).scheduler(scheduler.clone()).codec(codec)))
+            .context("loading the model onto the GPU")?;
     let c = m.cfg.clone();
     println!(
         "model: {} ({} layers, hidden {}, {}/{} heads x {}, FFN {}, vocab {}), loaded in {:.2} s; KV pool {} ({})",

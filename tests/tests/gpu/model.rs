@@ -2,7 +2,7 @@
 //! comes from scripts/fetch_model.sh; without it the test skips unless EXPERTKV_REQUIRE_MODEL).
 
 use expertkv_core::config::KvDtype;
-use expertkv_core::forward::GpuLlama;
+use expertkv_core::forward::{GpuLlama, ModelOptions};
 use expertkv_core::gguf::Gguf;
 use expertkv_core::tokenizer::Tokenizer;
 
@@ -15,7 +15,7 @@ fn greedy_decoding_says_paris() {
     let tok = Tokenizer::from_gguf(&g).expect("tokenizer");
     let rt = rt();
     let prompt = tok.encode("The capital of France is");
-    let mut m = pollster::block_on(GpuLlama::load(rt, &g, 1, 64, KvDtype::F16)).expect("load");
+    let mut m = pollster::block_on(GpuLlama::load(rt, &g, ModelOptions::new(1, 64))).expect("load");
     let out = pollster::block_on(m.generate_greedy(rt, &prompt, 2)).expect("generate");
     let text = tok.decode(&out).expect("decode");
     println!("greedy: {prompt:?} -> {out:?} = {text:?}");
@@ -38,7 +38,7 @@ fn gpu_forward_matches_the_cpu_reference() {
     let cpu = CpuModel::new(std::sync::Arc::new(LlamaWeights::from_gguf(&g, &cfg).expect("weights"))).expect("cpu model");
     let rt = rt();
     for dtype in [KvDtype::F32, KvDtype::F16] {
-        let mut m = pollster::block_on(GpuLlama::load(rt, &g, 1, 32, dtype)).expect("load");
+        let mut m = pollster::block_on(GpuLlama::load(rt, &g, ModelOptions::new(1, 32).dtype(dtype))).expect("load");
         let mut cache_c = cpu.new_cache();
         let ids = tok.encode("Water boils at 100 degrees");
         for (pos, &t) in ids.iter().enumerate() {
@@ -75,7 +75,7 @@ fn moefied_gpu_forward_matches_the_cpu_reference() {
     // E = 8, k = 2 against the CPU reference with the same experts.
     let moe = Arc::new(Moefication::from_weights(&weights, &MoeConfig::new(8, 2)).expect("moefication"));
     let cpu = CpuModel::new(weights.clone()).expect("cpu").with_moe(Some(moe.clone())).expect("cpu moe");
-    let mut m = pollster::block_on(GpuLlama::load(rt, &g, 1, 32, KvDtype::F32)).expect("load");
+    let mut m = pollster::block_on(GpuLlama::load(rt, &g, ModelOptions::new(1, 32).dtype(KvDtype::F32))).expect("load");
     m.set_moe(rt, &g, &moe).expect("set_moe");
     assert_eq!(m.moe_shape(), Some((8, 2)));
     let mut cache = cpu.new_cache();
@@ -94,8 +94,8 @@ fn moefied_gpu_forward_matches_the_cpu_reference() {
     }
     // k = E evaluates every neuron: the dense model up to summation order.
     let all = Moefication::from_weights(&weights, &MoeConfig::new(4, 4)).expect("moefication");
-    let mut dense = pollster::block_on(GpuLlama::load(rt, &g, 1, 32, KvDtype::F32)).expect("load");
-    let mut full = pollster::block_on(GpuLlama::load(rt, &g, 1, 32, KvDtype::F32)).expect("load");
+    let mut dense = pollster::block_on(GpuLlama::load(rt, &g, ModelOptions::new(1, 32).dtype(KvDtype::F32))).expect("load");
+    let mut full = pollster::block_on(GpuLlama::load(rt, &g, ModelOptions::new(1, 32).dtype(KvDtype::F32))).expect("load");
     full.set_moe(rt, &g, &all).expect("set_moe");
     for &t in &ids {
         let a = pollster::block_on(dense.forward(rt, &[t])).expect("dense");
@@ -121,7 +121,7 @@ fn codecs_compress_the_models_own_kv() {
     assert!(ids.len() > 16, "the text fills a page: {}", ids.len());
     let ids = &ids[..18.min(ids.len())];
     let run = |codec: Codec| {
-        let mut m = pollster::block_on(GpuLlama::load_codec(rt, &g, 1, 32, KvDtype::F16, None, codec)).expect("load");
+        let mut m = pollster::block_on(GpuLlama::load(rt, &g, ModelOptions::new(1, 32).codec(codec))).expect("load");
         let logits: Vec<Vec<f32>> = ids.iter().map(|&t| pollster::block_on(m.forward(rt, &[t])).expect("forward")).collect();
         (logits, pollster::block_on(m.kv_bytes_in_use(rt)).expect("bytes"))
     };
@@ -141,7 +141,7 @@ fn codecs_compress_the_models_own_kv() {
     // The low-rank codec fits its basis on the model's own K/V of the first page (calibration
     // window of 16 positions, rank 8 of 64), then compresses that page at position 16.
     let codec = Codec::LowRank { rank: 8 };
-    let mut m = pollster::block_on(GpuLlama::load_codec(rt, &g, 1, 32, KvDtype::F16, None, codec)).expect("load");
+    let mut m = pollster::block_on(GpuLlama::load(rt, &g, ModelOptions::new(1, 32).codec(codec))).expect("load");
     assert!(m.set_calibration_tokens(0).is_err() && m.set_calibration_tokens(33).is_err(), "the window is checked");
     m.set_calibration_tokens(16).expect("window");
     let got: Vec<Vec<f32>> = ids.iter().map(|&t| pollster::block_on(m.forward(rt, &[t])).expect("forward")).collect();
@@ -160,8 +160,9 @@ fn codecs_compress_the_models_own_kv() {
     assert!(worst > 0.0, "{codec:?}: the compressed page changes the logits");
     // A codec under a scheduler is refused by name.
     let sched = Some((expertkv_core::scheduler_config::SchedulerConfig::parse("h2o").expect("h2o"), 32));
-    let err =
-        pollster::block_on(GpuLlama::load_codec(rt, &g, 1, 64, KvDtype::F16, sched, Codec::Int8 { group: 32 })).err().expect("refused");
+    let err = pollster::block_on(GpuLlama::load(rt, &g, ModelOptions::new(1, 64).scheduler(sched).codec(Codec::Int8 { group: 32 })))
+        .err()
+        .expect("refused");
     assert!(err.to_string().contains("codec"), "{err}");
 }
 
@@ -177,7 +178,7 @@ fn h2o_evicts_the_models_own_kv_down_to_the_budget() {
     let rt = rt();
     let budget = 16;
     let sched = SchedulerConfig::H2o { sinks: 2, window: 4 };
-    let mut m = pollster::block_on(GpuLlama::load_with(rt, &g, 1, 64, KvDtype::F16, Some((sched, budget)))).expect("load");
+    let mut m = pollster::block_on(GpuLlama::load(rt, &g, ModelOptions::new(1, 64).scheduler(Some((sched, budget))))).expect("load");
     let ids = tok.encode("The quick brown fox jumps over the lazy dog near the river bank at dawn, and then it runs away home.");
     assert!(ids.len() > budget as usize + 1, "the prompt must outgrow the budget: {} tokens", ids.len());
     for &t in &ids {
@@ -215,7 +216,7 @@ fn the_pipelines_routers_choose_the_models_experts() {
     let rt = rt();
     let ids = tok.encode("The river flows to the sea");
     let run = |router: Option<RouterConfig>| {
-        let mut m = pollster::block_on(GpuLlama::load(rt, &g, 1, 32, KvDtype::F16)).expect("load");
+        let mut m = pollster::block_on(GpuLlama::load(rt, &g, ModelOptions::new(1, 32))).expect("load");
         m.set_moe(rt, &g, &moe).expect("set_moe");
         if let Some(r) = router {
             pollster::block_on(m.set_moe_router(rt, r)).expect("router");
@@ -244,7 +245,7 @@ fn the_pipelines_routers_choose_the_models_experts() {
             assert_eq!(counts[l * 8..(l + 1) * 8].iter().sum::<u64>(), 2 * ids.len() as u64, "layer {l}: k slots per token");
         }
     }
-    let mut m = pollster::block_on(GpuLlama::load(rt, &g, 1, 32, KvDtype::F16)).expect("load");
+    let mut m = pollster::block_on(GpuLlama::load(rt, &g, ModelOptions::new(1, 32))).expect("load");
     let err = pollster::block_on(m.set_moe_router(rt, RouterConfig::Topk)).expect_err("no MoE yet");
     assert!(err.to_string().contains("router"), "{err}");
     m.set_moe(rt, &g, &moe).expect("set_moe");
