@@ -411,8 +411,20 @@ impl Attention {
                 return Err(Error::Input(format!("layer {l} queries: value {i} is {} (not finite)", q[i])));
             }
         }
+        let (pb, qb) = self.ensure_stage(rt, layers);
+        let Some((sp, sq, _)) = &self.stage else { unreachable!("stage allocated above") };
+        for (l, q) in queries.iter().enumerate() {
+            rt.queue.write_buffer(sp, pb * l as u64, bytemuck::bytes_of(&self.params_for(l as u32, step)));
+            rt.queue.write_buffer(sq, qb * l as u64, bytemuck::cast_slice(q));
+        }
+        Ok(())
+    }
+
+    /// Staging buffers for `layers` layers' parameters and queries (grown when too small);
+    /// returns the bytes of one layer's parameters and of its queries.
+    fn ensure_stage(&mut self, rt: &Runtime, layers: u32) -> (u64, u64) {
         let pb = std::mem::size_of::<AttendParams>() as u64;
-        let qb = qn as u64 * 4;
+        let qb = u64::from(self.opts.n_seqs * self.q_heads * self.head_dim) * 4;
         if self.stage.as_ref().is_none_or(|s| s.2 < layers) {
             self.stage = Some((
                 rt.storage("attend staged params", pb * u64::from(layers)),
@@ -420,12 +432,7 @@ impl Attention {
                 layers,
             ));
         }
-        let Some((sp, sq, _)) = &self.stage else { unreachable!("stage allocated above") };
-        for (l, q) in queries.iter().enumerate() {
-            rt.queue.write_buffer(sp, pb * l as u64, bytemuck::bytes_of(&self.params_for(l as u32, step)));
-            rt.queue.write_buffer(sq, qb * l as u64, bytemuck::cast_slice(q));
-        }
-        Ok(())
+        (pb, qb)
     }
 
     /// Copy layer `layer`'s staged parameters and queries into place (before its pass).
@@ -447,15 +454,7 @@ impl Attention {
     /// (into [`Attention::queries`] by whatever runs before each layer's pass);
     /// [`Attention::encode_layer_params`] copies layer i's in place before its pass.
     pub fn stage_params(&mut self, rt: &Runtime, step: u32, layers: u32) {
-        let pb = std::mem::size_of::<AttendParams>() as u64;
-        let qb = u64::from(self.opts.n_seqs * self.q_heads * self.head_dim) * 4;
-        if self.stage.as_ref().is_none_or(|s| s.2 < layers) {
-            self.stage = Some((
-                rt.storage("attend staged params", pb * u64::from(layers)),
-                rt.storage("attend staged queries", qb * u64::from(layers)),
-                layers,
-            ));
-        }
+        self.ensure_stage(rt, layers);
         let Some((sp, _, _)) = &self.stage else { unreachable!("stage allocated above") };
         let all: Vec<AttendParams> = (0..layers).map(|l| self.params_for(l, step)).collect();
         rt.queue.write_buffer(sp, 0, bytemuck::cast_slice(&all));
