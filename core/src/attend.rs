@@ -437,15 +437,9 @@ impl Attention {
 
     /// Copy layer `layer`'s staged parameters and queries into place (before its pass).
     pub fn encode_layer_inputs(&self, enc: &mut wgpu::CommandEncoder, layer: u32) -> Result<()> {
-        let Some((sp, sq, n)) = &self.stage else {
-            return Err(Error::Input("no staged layers: call stage_layers first".into()));
-        };
-        if layer >= *n {
-            return Err(Error::Input(format!("layer {layer} was not staged ({n} layers)")));
-        }
-        let pb = std::mem::size_of::<AttendParams>() as u64;
+        self.encode_layer_params(enc, layer)?;
+        let Some((_, sq, _)) = &self.stage else { unreachable!("checked by encode_layer_params") };
         let qb = u64::from(self.opts.n_seqs * self.q_heads * self.head_dim) * 4;
-        enc.copy_buffer_to_buffer(sp, pb * u64::from(layer), &self.params, 0, pb);
         enc.copy_buffer_to_buffer(sq, qb * u64::from(layer), &self.queries, 0, qb);
         Ok(())
     }
@@ -463,7 +457,7 @@ impl Attention {
     /// Copy layer `layer`'s staged parameters into place (before its pass).
     pub fn encode_layer_params(&self, enc: &mut wgpu::CommandEncoder, layer: u32) -> Result<()> {
         let Some((sp, _, n)) = &self.stage else {
-            return Err(Error::Input("no staged layers: call stage_params first".into()));
+            return Err(Error::Input("no staged layers: call stage_layers or stage_params first".into()));
         };
         if layer >= *n {
             return Err(Error::Input(format!("layer {layer} was not staged ({n} layers)")));
