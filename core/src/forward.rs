@@ -34,9 +34,9 @@ struct Layer {
     wv: GpuMatrix,
     wo: GpuMatrix,
     ffn_norm: wgpu::Buffer,
-    /// Gate rows then up rows: one product gives SwiGLU's [gate; up] per token.
-    gate_up: GpuMatrix,
-    down: GpuMatrix,
+    /// The dense FFN: gate rows then up rows (one product gives SwiGLU's [gate; up] per token),
+    /// and the down projection. `None` in a MoE file (its experts are [`GpuMoe`]'s).
+    ffn: Option<(GpuMatrix, GpuMatrix)>,
 }
 
 /// Scratch buffers of one step (sized for `max_seqs` tokens).
@@ -68,17 +68,22 @@ struct Recording {
     head: Recorded,
 }
 
-/// The MoEfied FFNs ([`GpuLlama::set_moe`]), recorded per layer: the router's centroids
-/// (`[E][hidden]`, f32, scored with the matrix-vector kernel), its top-k, and the permuted FFN
-/// (the recorded bind groups hold the buffers).
+/// The expert FFNs, recorded per layer: the router's weights (`[E][hidden]`, f32, scored with
+/// the matrix-vector kernel), its top-k, the chosen experts' weights, and the experts' FFN (the
+/// recorded bind groups hold the buffers). Either MoEfied ([`GpuLlama::set_moe`]: centroids,
+/// weights 1) or a MoE file's own ([`GpuLlama::load`]: `ffn_gate_inp`, softmax weights).
 struct GpuMoe {
     top_k: u32,
     n_experts: u32,
-    /// Per layer: the centroids and the permuted FFN.
+    /// A MoE file's own experts: the chosen experts' weights are the softmax of their scores.
+    native: bool,
+    /// Per layer: the router's weights and the experts' FFN.
     layers: Vec<(GpuMatrix, MoeFfn)>,
-    /// The centroid scores `[seq][E]`, the chosen experts `[seq][k]`, the experts' activations.
+    /// The router's scores `[seq][E]`, the chosen experts `[seq][k]`, their weights `[seq][k]`
+    /// (all 1 when MoEfied), the experts' activations.
     scores: wgpu::Buffer,
     sel: wgpu::Buffer,
+    wts: wgpu::Buffer,
     act: wgpu::Buffer,
     /// The experts every layer chose in this step, `[layer][seq][k]`, read back once per step.
     log: wgpu::Buffer,
@@ -91,8 +96,9 @@ struct GpuMoe {
     routed: Option<RoutedMoe>,
 }
 
-/// The MoEfied FFN with the pipeline's router choosing the experts: per layer the part before
-/// the router (output projection, RMSNorm, centroid scores) and after it (the chosen experts).
+/// The expert FFN with the pipeline's router choosing the experts: per layer the part before
+/// the router (output projection, RMSNorm, router scores) and after it (the chosen experts'
+/// weights when native, the experts).
 struct RoutedMoe {
     router: Router,
     before: Vec<Recorded>,
@@ -206,10 +212,13 @@ fn record(
         k.kv_pack(rt, &mut p, &s.k, &s.v, &s.kv_words, n, hkv * d, f16)?;
         rec.attention_inputs.push(p);
         let mut p = Recorded::default();
-        attention_output(rt, k, c, w, s, attn, n, &mut p)?;
-        k.matvec(rt, &mut p, &w.gate_up, &s.xn, &s.gu, n)?;
-        k.swiglu(rt, &mut p, &s.gu, &s.act, n, c.feed_forward_length);
-        k.matvec_add(rt, &mut p, &w.down, &s.act, &s.h, n)?;
+        // A MoE file's layer has no dense FFN: its experts are recorded by `install_moe`.
+        if let Some((gate_up, down)) = &w.ffn {
+            attention_output(rt, k, c, w, s, attn, n, &mut p)?;
+            k.matvec(rt, &mut p, gate_up, &s.xn, &s.gu, n)?;
+            k.swiglu(rt, &mut p, &s.gu, &s.act, n, c.feed_forward_length);
+            k.matvec_add(rt, &mut p, down, &s.act, &s.h, n)?;
+        }
         rec.ffn.push(p);
     }
     k.rmsnorm(rt, &mut rec.head, &s.h, out_norm, &s.xn, n, h, c.rms_norm_eps);
@@ -263,9 +272,6 @@ impl GpuLlama {
                 format!("must be in 1..={} (the model's trained context)", cfg.context_length),
             ));
         }
-        if cfg.expert_count > 0 {
-            return Err(Error::Model("GGUF files with MoE tensors are not read yet (only dense Llama models)".into()));
-        }
         let kernels = ModelKernels::new(rt).await?;
         let mut layers = Vec::new();
         for l in 0..cfg.block_count {
@@ -277,8 +283,11 @@ impl GpuLlama {
                 wv: matrix(rt, g, &[&n("attn_v")])?,
                 wo: matrix(rt, g, &[&n("attn_output")])?,
                 ffn_norm: norm_buffer(rt, g, &n("ffn_norm"))?,
-                gate_up: matrix(rt, g, &[&n("ffn_gate"), &n("ffn_up")])?,
-                down: matrix(rt, g, &[&n("ffn_down")])?,
+                ffn: if cfg.expert_count == 0 {
+                    Some((matrix(rt, g, &[&n("ffn_gate"), &n("ffn_up")])?, matrix(rt, g, &[&n("ffn_down")])?))
+                } else {
+                    None
+                },
             });
         }
         let embed = matrix(rt, g, &["token_embd.weight"])?;
@@ -327,7 +336,9 @@ impl GpuLlama {
             }
             None => None,
         };
-        let (h, kv, f, vocab) = (cfg.embedding_length, cfg.head_count_kv * cfg.head_dim, cfg.feed_forward_length, cfg.vocab_size);
+        let (h, kv, vocab) = (cfg.embedding_length, cfg.head_count_kv * cfg.head_dim, cfg.vocab_size);
+        // A MoE file's dense-FFN scratch is never used.
+        let f = if cfg.expert_count == 0 { cfg.feed_forward_length } else { 1 };
         let buf = |label: &str, floats: u32| rt.storage(label, u64::from(n_seqs) * u64::from(floats) * 4);
         let s = Scratch {
             tokens: buf("model tokens", 1),
@@ -345,7 +356,8 @@ impl GpuLlama {
         let f16 = pool.cfg.dtype == KvDtype::F16;
         let recorded = record(rt, &kernels, &cfg, &layers, (&embed, output.as_ref(), &out_norm), &s, &attn, n_seqs, f16)?;
         rt.check("model upload")?;
-        Ok(GpuLlama {
+        let native = if cfg.expert_count > 0 { Some(native_experts(rt, g, &cfg)?) } else { None };
+        let mut model = GpuLlama {
             cfg,
             kernels,
             recorded,
@@ -360,16 +372,29 @@ impl GpuLlama {
             step: 0,
             calibration_tokens: LOW_RANK_CALIBRATION_TOKENS.min(max_context),
             calibration_max: LOW_RANK_CALIBRATION_TOKENS.min(max_context),
-        })
+        };
+        if let Some(layers) = native {
+            let (e, k) = (model.cfg.expert_count, model.cfg.expert_used_count);
+            model.install_moe(rt, layers, e, k, true)?;
+        }
+        Ok(model)
     }
 
     /// Replace every layer's dense FFN with `moe`'s experts (clustered from this model's weights,
     /// [`Moefication::from_weights`]): the router scores each token's FFN input against the
     /// centroids on the GPU, picks the top k there (as the CPU reference does), and only those
-    /// experts' neurons are read and evaluated. The dense FFN matrices stay loaded.
+    /// experts' neurons are read and evaluated. The dense FFN matrices stay loaded. Refused for a
+    /// MoE file (it runs its own experts from the start).
     pub fn set_moe(&mut self, rt: &Runtime, g: &Gguf<'_>, moe: &Moefication) -> Result<()> {
         let c = &self.cfg;
         let (hidden, ffn) = (c.embedding_length, c.feed_forward_length);
+        if c.expert_count > 0 || moe.is_native() {
+            return Err(Error::config(
+                "experts",
+                moe.config.experts,
+                "MoEfication splits a dense model's FFNs; a MoE file runs its own experts and router",
+            ));
+        }
         if moe.layers.len() != c.block_count as usize {
             return Err(Error::Model(format!("{} MoEfied layers for a model of {}", moe.layers.len(), c.block_count)));
         }
@@ -381,16 +406,8 @@ impl GpuLlama {
                 return Err(Error::Model(format!("layer {l}: the experts were made for another model shape")));
             }
             let n = |s: &str| format!("blk.{l}.{s}.weight");
-            let gate = g.tensor(&n("ffn_gate")).ok_or_else(|| Error::Model(format!("tensor `{}` is missing", n("ffn_gate"))))?;
-            let format = WeightFormat::from_ggml(gate.ggml_type())?;
-            let up = g.tensor(&n("ffn_up")).ok_or_else(|| Error::Model(format!("tensor `{}` is missing", n("ffn_up"))))?;
-            if WeightFormat::from_ggml(up.ggml_type())? != format {
-                return Err(Error::Model(format!("layer {l}: gate and up differ in format")));
-            }
-            let down_name = n("ffn_down");
-            let down = g.tensor(&down_name).ok_or_else(|| Error::Model(format!("tensor `{down_name}` is missing")))?;
-            let mut down_f = vec![0f32; down.n_elements() as usize];
-            crate::gguf::dequantize(down.ggml_type(), g.tensor_data(&down_name)?, &mut down_f)?;
+            let format = same_format(g, &n("ffn_gate"), &n("ffn_up"))?;
+            let down_f = tensor_f32(g, &n("ffn_down"))?;
             let ffn_l = MoeFfn::upload(
                 rt,
                 &format!("blk.{l} moe"),
@@ -402,35 +419,48 @@ impl GpuLlama {
                 &ml.neurons,
                 &ml.offsets,
             )?;
-            let cbytes: Vec<u8> = ml.centroids.iter().flat_map(|v| v.to_le_bytes()).collect();
-            let centroids = GpuMatrix::upload(rt, &format!("blk.{l} router"), WeightFormat::F32, e, hidden, &cbytes)?;
+            let centroids = f32_matrix(rt, &format!("blk.{l} router"), e, hidden, &ml.centroids)?;
             layers.push((centroids, ffn_l));
         }
+        self.install_moe(rt, layers, e, k, false)
+    }
+
+    /// Record the expert FFN of every layer in place of the dense one (see [`GpuMoe`]).
+    fn install_moe(&mut self, rt: &Runtime, layers: Vec<(GpuMatrix, MoeFfn)>, e: u32, k: u32, native: bool) -> Result<()> {
+        let c = &self.cfg;
+        let hidden = c.embedding_length;
         let max_size = layers.iter().map(|(_, f)| f.max_size).max().unwrap_or(1).max(1);
         let n = self.n_seqs;
         let scores = rt.storage("moe scores", u64::from(n * e) * 4);
         let sel = rt.storage("moe sel", u64::from(n * k) * 4);
+        // MoEfied experts weigh 1 each; a MoE file's weights are written every layer.
+        let wts = rt.storage_init("moe weights", &vec![1f32; (n * k) as usize]);
         let log = rt.storage("moe choices", u64::from(c.block_count * n * k) * 4);
         let act = rt.storage("moe act", u64::from(n * k * max_size) * 4);
         let (kern, s) = (&self.kernels, &self.s);
         let mut recorded = Vec::new();
-        for (l, ((centroids, ffn_l), w)) in layers.iter().zip(&self.layers).enumerate() {
-            // Score the FFN input against the centroids, take the top k on the GPU, then
-            // evaluate only those experts' neurons.
+        for (l, ((router, ffn_l), w)) in layers.iter().zip(&self.layers).enumerate() {
+            // Score the FFN input with the router, take the top k on the GPU, weight the chosen,
+            // then evaluate only those experts' neurons.
             let mut p = Recorded::default();
             attention_output(rt, kern, c, w, s, &self.attn, n, &mut p)?;
-            kern.matvec(rt, &mut p, centroids, &s.xn, &scores, n)?;
+            kern.matvec(rt, &mut p, router, &s.xn, &scores, n)?;
             kern.moe_topk(rt, &mut p, &scores, &sel, &log, l as u32 * n * k, n, e, k)?;
-            kern.moe_ffn(rt, &mut p, ffn_l, &s.xn, &sel, &act, &s.o, n, k)?;
+            if native {
+                kern.moe_weights(rt, &mut p, &scores, &sel, &wts, n, e, k)?;
+            }
+            kern.moe_ffn(rt, &mut p, ffn_l, &s.xn, &sel, &wts, &act, &s.o, n, k)?;
             kern.residual(rt, &mut p, &s.o, &s.h, n * hidden);
             recorded.push(p);
         }
         self.moe = Some(GpuMoe {
             top_k: k,
             n_experts: e,
+            native,
             layers,
             scores,
             sel,
+            wts,
             act,
             log,
             counts: vec![0; (c.block_count * e) as usize],
@@ -441,13 +471,14 @@ impl GpuLlama {
     }
 
     /// Let one of the pipeline's routers (`route/bias.wgsl`, `route/topk.wgsl`, its load
-    /// statistics and, for the adaptive router, its online update) choose the MoEfied experts
-    /// from the centroid scores, instead of their plain top k; [`GpuLlama::set_moe`] first. The
+    /// statistics and, for the adaptive router, its online update) choose the experts from the
+    /// router's scores, instead of their plain top k: MoEfied experts ([`GpuLlama::set_moe`]
+    /// first) or a MoE file's own (weighted by the softmax of the chosen experts' scores). The
     /// cache-aware router is refused: the model's pool is not sharded by expert, so there are no
     /// per-expert cache misses for it to read.
     pub async fn set_moe_router(&mut self, rt: &Runtime, cfg: RouterConfig) -> Result<()> {
         let Some(moe) = &mut self.moe else {
-            return Err(Error::config("router", cfg.name(), "routes MoEfied experts: MoEfy the model first (set_moe)"));
+            return Err(Error::config("router", cfg.name(), "routes experts: MoEfy the dense model first (set_moe), or load a MoE file"));
         };
         if matches!(cfg, RouterConfig::CacheAware { .. }) {
             return Err(Error::config(
@@ -467,7 +498,10 @@ impl GpuLlama {
             kern.matvec(rt, &mut p, centroids, &s.xn, &moe.scores, n)?;
             before.push(p);
             let mut p = Recorded::default();
-            kern.moe_ffn(rt, &mut p, ffn_l, &s.xn, &moe.sel, &moe.act, &s.o, n, k)?;
+            if moe.native {
+                kern.moe_weights(rt, &mut p, &moe.scores, &moe.sel, &moe.wts, n, e, k)?;
+            }
+            kern.moe_ffn(rt, &mut p, ffn_l, &s.xn, &moe.sel, &moe.wts, &moe.act, &s.o, n, k)?;
             kern.residual(rt, &mut p, &s.o, &s.h, n * c.embedding_length);
             after.push(p);
         }
@@ -505,7 +539,7 @@ impl GpuLlama {
         Ok(())
     }
 
-    /// `(E, k)` of the MoEfied FFNs, `None` for the dense model.
+    /// `(E, k)` of the expert FFNs (MoEfied, or a MoE file's own), `None` for a dense FFN.
     pub fn moe_shape(&self) -> Option<(u32, u32)> {
         self.moe.as_ref().map(|m| (m.n_experts, m.top_k))
     }
@@ -704,6 +738,65 @@ impl GpuLlama {
         }
         Ok(out)
     }
+}
+
+/// Both tensors' weight format, which must be one the kernels read and the same for both.
+fn same_format(g: &Gguf<'_>, a: &str, b: &str) -> Result<WeightFormat> {
+    let ty = |name: &str| g.tensor(name).map(|t| t.ggml_type()).ok_or_else(|| Error::Model(format!("tensor `{name}` is missing")));
+    let format = WeightFormat::from_ggml(ty(a)?)?;
+    if WeightFormat::from_ggml(ty(b)?)? != format {
+        return Err(Error::Model(format!("`{a}` and `{b}` differ in format")));
+    }
+    Ok(format)
+}
+
+/// A tensor dequantised to f32 (ggml order).
+fn tensor_f32(g: &Gguf<'_>, name: &str) -> Result<Vec<f32>> {
+    let t = g.tensor(name).ok_or_else(|| Error::Model(format!("tensor `{name}` is missing")))?;
+    let mut v = vec![0f32; t.n_elements() as usize];
+    crate::gguf::dequantize(t.ggml_type(), g.tensor_data(name)?, &mut v)?;
+    Ok(v)
+}
+
+fn f32_matrix(rt: &Runtime, label: &str, rows: u32, cols: u32, v: &[f32]) -> Result<GpuMatrix> {
+    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    GpuMatrix::upload(rt, label, WeightFormat::F32, rows, cols, &bytes)
+}
+
+/// A MoE file's experts and routers (shapes checked by [`LlamaConfig::check_tensors`]): expert
+/// `e` is neurons `e * ffn .. (e + 1) * ffn` of the stacked `ffn_gate_exps` / `ffn_up_exps`
+/// (their bytes as stored), `ffn_down_exps` re-laid as `[hidden][E * ffn]` f32, and the router
+/// `ffn_gate_inp` as f32.
+fn native_experts(rt: &Runtime, g: &Gguf<'_>, c: &LlamaConfig) -> Result<Vec<(GpuMatrix, MoeFfn)>> {
+    let (e, h, f) = (c.expert_count as usize, c.embedding_length as usize, c.feed_forward_length as usize);
+    let neurons: Vec<u32> = (0..(e * f) as u32).collect();
+    let offsets: Vec<u32> = (0..=e as u32).map(|x| x * f as u32).collect();
+    let mut layers = Vec::new();
+    for l in 0..c.block_count {
+        let n = |s: &str| format!("blk.{l}.{s}.weight");
+        let format = same_format(g, &n("ffn_gate_exps"), &n("ffn_up_exps"))?;
+        let down = tensor_f32(g, &n("ffn_down_exps"))?;
+        let mut by_neuron = vec![0f32; h * e * f];
+        for x in 0..e {
+            for o in 0..h {
+                by_neuron[o * e * f + x * f..o * e * f + (x + 1) * f].copy_from_slice(&down[(x * h + o) * f..(x * h + o + 1) * f]);
+            }
+        }
+        let experts = MoeFfn::upload(
+            rt,
+            &format!("blk.{l} experts"),
+            format,
+            h as u32,
+            g.tensor_data(&n("ffn_gate_exps"))?,
+            g.tensor_data(&n("ffn_up_exps"))?,
+            &by_neuron,
+            &neurons,
+            &offsets,
+        )?;
+        let router = f32_matrix(rt, &format!("blk.{l} router"), e as u32, h as u32, &tensor_f32(g, &n("ffn_gate_inp"))?)?;
+        layers.push((router, experts));
+    }
+    Ok(layers)
 }
 
 /// Index of the largest value (the first of equals).

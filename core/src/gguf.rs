@@ -1288,6 +1288,12 @@ impl LlamaConfig {
             expert_count: g.opt("llama.expert_count", Gguf::get_u32)?.unwrap_or(0),
             expert_used_count: g.opt("llama.expert_used_count", Gguf::get_u32)?.unwrap_or(0),
         };
+        if c.expert_count > 0 && !(1..=c.expert_count).contains(&c.expert_used_count) {
+            return Err(model_err(format!(
+                "llama.expert_used_count {} must be in 1..={} (llama.expert_count)",
+                c.expert_used_count, c.expert_count
+            )));
+        }
         if c.block_count == 0 || c.feed_forward_length == 0 || c.vocab_size == 0 || c.head_dim == 0 {
             return Err(model_err(format!("degenerate Llama hyper-parameters: {c:?}")));
         }
@@ -1313,9 +1319,11 @@ impl LlamaConfig {
         g.tensor("output.weight").is_none()
     }
 
-    /// Checks that every tensor a dense Llama forward pass reads is present with the shape these
-    /// hyper-parameters imply (ggml order: input dimension first). MoE files (`ffn_*_exps`) are
-    /// not checked here.
+    /// Checks that every tensor a Llama forward pass reads is present with the shape these
+    /// hyper-parameters imply (ggml order: input dimension first). A Mixture-of-Experts file
+    /// (`llama.expert_count` > 0, llama.cpp's layout) has per layer the router
+    /// `ffn_gate_inp` `[hidden, E]` and the experts stacked in `ffn_gate_exps` / `ffn_up_exps`
+    /// `[hidden, ffn, E]` and `ffn_down_exps` `[ffn, hidden, E]`, `ffn` being each expert's size.
     pub fn check_tensors(&self, g: &Gguf<'_>) -> Result<()> {
         let (h, f, v) = (u64::from(self.embedding_length), u64::from(self.feed_forward_length), u64::from(self.vocab_size));
         let q = u64::from(self.head_count) * u64::from(self.head_dim);
@@ -1343,25 +1351,40 @@ impl LlamaConfig {
                 want(&format!("blk.{l}.ffn_gate.weight"), &[h, f])?;
                 want(&format!("blk.{l}.ffn_up.weight"), &[h, f])?;
                 want(&format!("blk.{l}.ffn_down.weight"), &[f, h])?;
+            } else {
+                let e = u64::from(self.expert_count);
+                if g.tensor(&format!("blk.{l}.ffn_gate_exps.weight")).is_none() && g.tensor(&format!("blk.{l}.ffn_gate.0.weight")).is_some()
+                {
+                    return Err(model_err(
+                        "this MoE file stores each expert as its own tensor (`ffn_gate.0`, the layout before llama.cpp stacked them in \
+                         `ffn_gate_exps`); convert it again with a current llama.cpp",
+                    ));
+                }
+                want(&format!("blk.{l}.ffn_gate_inp.weight"), &[h, e])?;
+                want(&format!("blk.{l}.ffn_gate_exps.weight"), &[h, f, e])?;
+                want(&format!("blk.{l}.ffn_up_exps.weight"), &[h, f, e])?;
+                want(&format!("blk.{l}.ffn_down_exps.weight"), &[f, h, e])?;
             }
         }
         Ok(())
     }
 }
 
-/// Builds GGUF files in tests (here and in the tokenizer's tests).
-#[cfg(test)]
-pub(crate) mod writer {
+/// Builds GGUF v3 files in memory: the tests' files (here, in the tokenizer's and the model's
+/// tests, and the GPU tests' synthetic models, [`crate::model::synthetic`]). Whatever it is given
+/// it writes; [`Gguf::parse`] is what checks.
+pub mod writer {
     use super::{GgmlType, ValueType};
 
-    pub(crate) fn string(s: &[u8]) -> Vec<u8> {
+    /// A GGUF string: u64 length, then the bytes.
+    pub fn string(s: &[u8]) -> Vec<u8> {
         let mut v = (s.len() as u64).to_le_bytes().to_vec();
         v.extend_from_slice(s);
         v
     }
 
     /// The payload of an array value (element type, count, elements).
-    pub(crate) fn array(elem: ValueType, items: &[Vec<u8>]) -> Vec<u8> {
+    pub fn array(elem: ValueType, items: &[Vec<u8>]) -> Vec<u8> {
         let mut v = elem.id().to_le_bytes().to_vec();
         v.extend_from_slice(&(items.len() as u64).to_le_bytes());
         for i in items {
@@ -1370,7 +1393,8 @@ pub(crate) mod writer {
         v
     }
 
-    pub(crate) struct GgufWriter {
+    /// Metadata and tensors, in the order given.
+    pub struct GgufWriter {
         pub version: u32,
         alignment: u64,
         kv: Vec<u8>,
@@ -1378,11 +1402,19 @@ pub(crate) mod writer {
         tensors: Vec<(String, Vec<u64>, GgmlType, Vec<u8>)>,
     }
 
+    impl Default for GgufWriter {
+        fn default() -> Self {
+            Self::new()
+        }
+    }
+
     impl GgufWriter {
+        /// Version 3, alignment 32.
         pub fn new() -> Self {
             GgufWriter { version: 3, alignment: 32, kv: Vec::new(), n_kv: 0, tensors: Vec::new() }
         }
 
+        /// A metadata value from its encoded payload.
         pub fn raw(&mut self, key: &str, ty: ValueType, payload: &[u8]) -> &mut Self {
             self.kv.extend_from_slice(&string(key.as_bytes()));
             self.kv.extend_from_slice(&ty.id().to_le_bytes());
@@ -1415,11 +1447,13 @@ pub(crate) mod writer {
             self.alignment = u64::from(a);
             self.u32("general.alignment", a)
         }
+        /// A tensor of ggml `dims` (contiguous dimension first) whose stored bytes are `data`.
         pub fn tensor(&mut self, name: &str, dims: &[u64], ty: GgmlType, data: Vec<u8>) -> &mut Self {
             self.tensors.push((name.to_string(), dims.to_vec(), ty, data));
             self
         }
 
+        /// The file's bytes.
         pub fn finish(&self) -> Vec<u8> {
             let pad = |v: &mut Vec<u8>, a: u64| v.resize((v.len() as u64).next_multiple_of(a) as usize, 0);
             let mut out = b"GGUF".to_vec();

@@ -237,6 +237,7 @@ pub struct ModelKernels {
     residual: wgpu::ComputePipeline,
     kv_pack: wgpu::ComputePipeline,
     moe_topk: wgpu::ComputePipeline,
+    moe_weights: wgpu::ComputePipeline,
 }
 
 impl ModelKernels {
@@ -264,6 +265,7 @@ impl ModelKernels {
             residual: rt.pipeline(Kernel::ModelResidual, &[]).await?,
             kv_pack: rt.pipeline(Kernel::ModelKvPack, &[]).await?,
             moe_topk: rt.pipeline(Kernel::ModelMoeTopk, &[]).await?,
+            moe_weights: rt.pipeline(Kernel::ModelMoeWeights, &[]).await?,
         })
     }
 
@@ -326,6 +328,34 @@ impl ModelKernels {
         Ok(())
     }
 
+    /// The softmax of the chosen experts' scores per token (`scores` `[n_tokens][E]`, `sel`
+    /// `[n_tokens][top_k]`) into `wts` `[n_tokens][top_k]`: a MoE file's expert weights, as
+    /// [`crate::model::moe::softmax_weights`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_weights(
+        &self,
+        rt: &Runtime,
+        pass: &mut impl DispatchSink,
+        scores: &wgpu::Buffer,
+        sel: &wgpu::Buffer,
+        wts: &wgpu::Buffer,
+        n_tokens: u32,
+        n_experts: u32,
+        top_k: u32,
+    ) -> Result<()> {
+        if n_tokens == 0 || top_k == 0 || top_k > n_experts {
+            return Err(Error::Input(format!("moe_weights: {n_tokens} tokens, top-{top_k} of {n_experts} experts")));
+        }
+        let chosen = u64::from(n_tokens * top_k) * 4;
+        if scores.size() < u64::from(n_tokens * n_experts) * 4 || sel.size() < chosen || wts.size() < chosen {
+            return Err(Error::Input("moe_weights: buffers too small".into()));
+        }
+        let p = rt.uniform("model/router params", &MoeTopkParams { n_tokens, n_experts, top_k, log_offset: 0 });
+        let bg = rt.bind_at(Kernel::ModelMoeWeights.label(), &self.moe_weights, &[(0, &p), (1, scores), (2, sel), (4, wts)]);
+        pass.dispatch(&self.moe_weights, bg, [n_tokens.div_ceil(64), 1, 1]);
+        Ok(())
+    }
+
     /// `y[b] = W x[b]` for `n_tokens` tokens (x: [n_tokens][cols] f32, y: [n_tokens][rows]).
     pub fn matvec(
         &self,
@@ -375,9 +405,9 @@ impl ModelKernels {
         Ok(())
     }
 
-    /// The MoEfied FFN of `n_tokens` tokens: `x` `[n_tokens][hidden]`, `sel` the chosen experts
-    /// `[n_tokens][top_k]`, `act` scratch of `n_tokens x top_k x max_size` floats, `y`
-    /// `[n_tokens][hidden]` (overwritten).
+    /// The expert FFN of `n_tokens` tokens: `x` `[n_tokens][hidden]`, `sel` the chosen experts
+    /// `[n_tokens][top_k]` and `wts` their weights, `act` scratch of `n_tokens x top_k x max_size`
+    /// floats, `y` `[n_tokens][hidden]` (overwritten).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_ffn(
         &self,
@@ -386,6 +416,7 @@ impl ModelKernels {
         m: &MoeFfn,
         x: &wgpu::Buffer,
         sel: &wgpu::Buffer,
+        wts: &wgpu::Buffer,
         act: &wgpu::Buffer,
         y: &wgpu::Buffer,
         n_tokens: u32,
@@ -395,7 +426,7 @@ impl ModelKernels {
             return Err(Error::Input(format!("moe_ffn: {n_tokens} tokens, top-{top_k} of {} experts", m.n_experts)));
         }
         let need = u64::from(n_tokens) * u64::from(top_k) * u64::from(m.max_size) * 4;
-        if act.size() < need || sel.size() < u64::from(n_tokens * top_k) * 4 {
+        if act.size() < need || sel.size() < u64::from(n_tokens * top_k) * 4 || wts.size() < u64::from(n_tokens * top_k) * 4 {
             return Err(Error::Input("moe_ffn: scratch buffers too small".into()));
         }
         let p = rt.uniform(
@@ -414,7 +445,7 @@ impl ModelKernels {
         let bg = rt.bind_at(
             Kernel::ModelMoeGateUp.label(),
             pipe,
-            &[(0, &p), (1, &m.gate_up.buffer), (2, x), (3, act), (4, sel), (5, &m.offsets)],
+            &[(0, &p), (1, &m.gate_up.buffer), (2, x), (3, act), (4, sel), (5, &m.offsets), (8, wts)],
         );
         pass.dispatch(pipe, bg, [m.max_size, top_k, n_tokens]);
         let bg = rt.bind_at(

@@ -52,9 +52,9 @@ pub struct EvalArgs {
     /// see `run --moe`) [default: none].
     #[arg(long, value_delimiter = ',')]
     moe: Vec<String>,
-    /// With --moe: also score each MoEfied model with these of the pipeline's routers choosing
-    /// its experts (hash, topk, load-balance, entropy, adaptive, hierarchical; comma-separated)
-    /// [default: the centroid scores' plain top k only].
+    /// With --moe, or a MoE file: also score each MoEfied model (or the file's own experts) with
+    /// these of the pipeline's routers choosing its experts (hash, topk, load-balance, entropy,
+    /// adaptive, hierarchical; comma-separated) [default: the router scores' plain top k only].
     #[arg(long, value_delimiter = ',')]
     moe_routers: Vec<String>,
     /// The model [default: models/SmolLM2-135M-Instruct.Q4_1.gguf].
@@ -70,7 +70,8 @@ pub struct EvalArgs {
 
 #[derive(Serialize)]
 struct Row {
-    /// `dense` or `E8 k2` (MoEfied).
+    /// `dense`, `E8 k2` (MoEfied) or `own E8 k2` (a MoE file's experts), then the pipeline's
+    /// router when one chooses the experts.
     ffn: String,
     /// The page codec (`none`: f16 pages).
     codec: String,
@@ -102,10 +103,14 @@ struct Outcome {
     busiest_expert: Option<f64>,
 }
 
-/// One evaluated configuration: the FFN (dense or MoEfied) and the cache policy.
+/// One evaluated configuration: the FFN (dense, MoEfied, or a MoE file's own experts) and the
+/// cache policy.
+#[derive(Clone)]
 struct Config {
     moe: Option<std::sync::Arc<Moefication>>,
-    /// With `moe`: the pipeline's router choosing the experts (none: the plain top k).
+    /// A MoE file's own experts, `(E, k)`.
+    own: Option<(u32, u32)>,
+    /// With `moe` or `own`: the pipeline's router choosing the experts (none: the plain top k).
     router: Option<RouterConfig>,
     sched: Option<(SchedulerConfig, u32)>,
     codec: Codec,
@@ -114,7 +119,11 @@ struct Config {
 impl Config {
     fn ffn(&self) -> String {
         let router = self.router.as_ref().map_or(String::new(), |r| format!(" {}", r.name()));
-        self.moe.as_ref().map_or("dense".into(), |m| format!("E{} k{}{router}", m.config.experts, m.config.top_k))
+        match (&self.moe, self.own) {
+            (Some(m), _) => format!("E{} k{}{router}", m.config.experts, m.config.top_k),
+            (None, Some((e, k))) => format!("own E{e} k{k}{router}"),
+            (None, None) => "dense".into(),
+        }
     }
 
     fn load(&self, rt: &Runtime, g: &Gguf<'_>, context: u32) -> Result<GpuLlama> {
@@ -122,9 +131,9 @@ impl Config {
             pollster::block_on(GpuLlama::load(rt, g, ModelOptions::new(1, context).scheduler(self.sched.clone()).codec(self.codec)))?;
         if let Some(moe) = &self.moe {
             m.set_moe(rt, g, moe)?;
-            if let Some(r) = &self.router {
-                pollster::block_on(m.set_moe_router(rt, r.clone()))?;
-            }
+        }
+        if let Some(r) = &self.router {
+            pollster::block_on(m.set_moe_router(rt, r.clone()))?;
         }
         Ok(m)
     }
@@ -207,17 +216,20 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
     if (a.tokens as usize) > all.len() && !a.json {
         println!("note: the text has {} tokens, fewer than --tokens {}", all.len(), a.tokens);
     }
-    let mut configs = vec![Config { moe: None, router: None, sched: None, codec: Codec::None }];
+    let lc = expertkv_core::gguf::LlamaConfig::from_gguf(&g)?;
+    let own = (lc.expert_count > 0).then_some((lc.expert_count, lc.expert_used_count));
+    let base = Config { moe: None, own, router: None, sched: None, codec: Codec::None };
+    let mut configs = vec![base.clone()];
     for s in split_specs(&a.schedulers).iter().filter(|s| s.as_str() != "none") {
         let sc = SchedulerConfig::parse(s)?;
         for &b in &a.budgets {
             sc.validate(b)?;
-            configs.push(Config { moe: None, router: None, sched: Some((sc.clone(), b)), codec: Codec::None });
+            configs.push(Config { sched: Some((sc.clone(), b)), ..base.clone() });
         }
     }
     for spec in split_specs(&a.codecs).iter().filter(|s| s.as_str() != "none") {
         let codec = Codec::parse(spec)?;
-        configs.push(Config { moe: None, router: None, sched: None, codec });
+        configs.push(Config { codec, ..base.clone() });
     }
     let mut moes = Vec::new();
     for spec in &a.moe {
@@ -225,15 +237,25 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
             moes.push(mc);
         }
     }
+    if let Some((e, _)) = own {
+        if !moes.is_empty() {
+            bail!("--moe MoEfies a dense model's FFNs; {} is a MoE file with {e} experts per layer and its own router", path.display());
+        }
+        for spec in a.moe_routers.iter().map(|s| s.trim()).filter(|s| !s.is_empty()) {
+            configs.push(Config { router: Some(RouterConfig::parse(spec)?), ..base.clone() });
+        }
+    } else if moes.is_empty() && a.moe_routers.iter().any(|s| !s.trim().is_empty()) {
+        bail!("--moe-routers choose experts: give --moe E:K too (or a MoE file)");
+    }
     for mc in &moes {
         let (m, secs) = crate::run::moefy(&g, mc)?;
         if !a.json {
             println!("moefied E={} k={}: clustered in {secs:.2} s", mc.experts, mc.top_k);
         }
         let m = std::sync::Arc::new(m);
-        configs.push(Config { moe: Some(m.clone()), router: None, sched: None, codec: Codec::None });
+        configs.push(Config { moe: Some(m.clone()), ..base.clone() });
         for spec in a.moe_routers.iter().map(|s| s.trim()).filter(|s| !s.is_empty()) {
-            configs.push(Config { moe: Some(m.clone()), router: Some(RouterConfig::parse(spec)?), sched: None, codec: Codec::None });
+            configs.push(Config { moe: Some(m.clone()), router: Some(RouterConfig::parse(spec)?), ..base.clone() });
         }
     }
     let needle_prompt: Vec<u32> = if a.needle_filler > 0 {
@@ -317,7 +339,7 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
             .iter()
             .map(|r| crate::plot::Point {
                 label: format!("{} {}", r.scheduler, r.budget.map_or("all".into(), |b| b.to_string())),
-                series: if r.ffn != "dense" {
+                series: if r.ffn != configs[0].ffn() {
                     r.ffn.clone()
                 } else if r.codec != "none" {
                     format!("codec {}", r.codec)

@@ -50,9 +50,9 @@ pub struct RunArgs {
     /// router (the token against each expert's centroid) [default: dense].
     #[arg(long, value_name = "E:K")]
     moe: Option<String>,
-    /// With --moe: one of the pipeline's routers chooses the experts from the centroid scores
-    /// (hash, topk, load-balance, entropy, adaptive, hierarchical; name or name:key=value,...)
-    /// [default: the scores' plain top K].
+    /// With --moe, or a MoE file: one of the pipeline's routers chooses the experts from the
+    /// router's scores (hash, topk, load-balance, entropy, adaptive, hierarchical; name or
+    /// name:key=value,...) [default: the scores' plain top K].
     #[arg(long)]
     router: Option<String>,
 }
@@ -128,20 +128,31 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
         pollster::block_on(GpuLlama::load(&rt, &g, ModelOptions::new(1, context).dtype(dtype).scheduler(scheduler.clone()).codec(codec)))
             .context("loading the model onto the GPU")?;
     let c = m.cfg.clone();
+    let ffn = if c.expert_count > 0 {
+        format!("{} experts of {}, top-{} softmax-weighted", c.expert_count, c.feed_forward_length, c.expert_used_count)
+    } else {
+        c.feed_forward_length.to_string()
+    };
     println!(
-        "model: {} ({} layers, hidden {}, {}/{} heads x {}, FFN {}, vocab {}), loaded in {:.2} s; KV pool {} ({})",
+        "model: {} ({} layers, hidden {}, {}/{} heads x {}, FFN {ffn}, vocab {}), loaded in {:.2} s; KV pool {} ({})",
         path.display(),
         c.block_count,
         c.embedding_length,
         c.head_count,
         c.head_count_kv,
         c.head_dim,
-        c.feed_forward_length,
         c.vocab_size,
         t0.elapsed().as_secs_f64(),
         fmt_bytes(m.pool.cfg.page_bytes() * u64::from(m.pool.cfg.n_pages)),
         dtype.name()
     );
+    if moe.is_some() && c.expert_count > 0 {
+        bail!(
+            "--moe MoEfies a dense model's FFNs; {} is a MoE file with {} experts per layer and its own router (drop --moe)",
+            path.display(),
+            c.expert_count
+        );
+    }
     if let Some(mc) = &moe {
         let (experts, secs) = moefy(&g, mc)?;
         m.set_moe(&rt, &g, &experts).context("uploading the experts")?;
@@ -156,8 +167,12 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
             secs,
             m.moe_router().map_or("the centroid scores' top k".to_string(), |r| r.name().to_string())
         );
-    } else if a.router.is_some() {
-        bail!("--router chooses MoEfied experts: give --moe E:K too");
+    } else if let Some(spec) = &a.router {
+        if c.expert_count == 0 {
+            bail!("--router chooses experts: give --moe E:K too (or a MoE file)");
+        }
+        pollster::block_on(m.set_moe_router(&rt, RouterConfig::parse(spec)?))?;
+        println!("router: {} over the file's own experts", spec);
     }
     print!("{}", a.prompt);
     std::io::stdout().flush()?;

@@ -130,3 +130,47 @@ fn eval_scores_the_real_model_per_scheduler() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("--moe") && !err.contains("panicked"), "{err}");
 }
+
+/// A Mixture-of-Experts GGUF (a random one: no MoE file ships offline) through `run` and `eval`:
+/// its own experts and router from the start, the pipeline's routers over them, and MoEfication
+/// refused by name.
+#[test]
+fn run_and_eval_a_moe_file_with_its_own_experts() {
+    use expertkv_core::model::SyntheticModel;
+    let path = tmp("moe.gguf");
+    std::fs::write(&path, SyntheticModel::moe(3, 8, 2).gguf()).expect("write the model");
+    let model = path.to_str().expect("utf-8 path");
+    let out = ok(&["run", "--model", model, "--prompt", "Hello", "--tokens", "4", "--dtype", "f32"]);
+    assert!(out.contains("8 experts of 96, top-2 softmax-weighted"), "{out}");
+    assert!(out.contains("routing: the busiest expert"), "{out}");
+    let out = ok(&["run", "--model", model, "--prompt", "Hello", "--tokens", "4", "--router", "load-balance"]);
+    assert!(out.contains("router: load-balance over the file's own experts"), "{out}");
+    let out = ok(&[
+        "eval",
+        "--model",
+        model,
+        "--tokens",
+        "24",
+        "--needle-filler",
+        "0",
+        "--schedulers",
+        "none",
+        "--moe-routers",
+        "topk,hash",
+        "--json",
+    ]);
+    let rows: Vec<serde_json::Value> =
+        out.lines().filter(|l| l.starts_with('{')).map(|l| serde_json::from_str(l).expect("json row")).collect();
+    assert_eq!(rows.len(), 3, "{out}");
+    assert_eq!(
+        (rows[0]["ffn"].as_str(), rows[1]["ffn"].as_str(), rows[2]["ffn"].as_str()),
+        (Some("own E8 k2"), Some("own E8 k2 topk"), Some("own E8 k2 hash"))
+    );
+    assert_eq!(rows[1]["perplexity"], rows[0]["perplexity"], "the pipeline's top-k chooses as the file's router: {out}");
+    assert_ne!(rows[2]["perplexity"], rows[0]["perplexity"], "hash routing chooses other experts: {out}");
+    for args in [&["run", "--model", model, "--moe", "4:2"][..], &["eval", "--model", model, "--moe", "4:2"][..]] {
+        let o = expertkv(args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains("MoE file with 8 experts") && !err.contains("panicked"), "{args:?}: {err}");
+    }
+}

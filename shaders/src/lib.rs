@@ -119,6 +119,7 @@ pub enum Kernel {
     ModelMoeDown,
     ModelKvPack,
     ModelMoeTopk,
+    ModelMoeWeights,
     QuestSummarize,
     QuestSelect,
     CodecPlanCount,
@@ -176,6 +177,7 @@ impl Kernel {
         Kernel::ModelMoeDown,
         Kernel::ModelKvPack,
         Kernel::ModelMoeTopk,
+        Kernel::ModelMoeWeights,
         Kernel::QuestSummarize,
         Kernel::QuestSelect,
         Kernel::CodecPlanCount,
@@ -221,7 +223,7 @@ impl Kernel {
             Kernel::ModelMatVec => MODEL_MATVEC,
             Kernel::ModelMoeGateUp | Kernel::ModelMoeDown => MODEL_MOE,
             Kernel::ModelKvPack => MODEL_KV_PACK,
-            Kernel::ModelMoeTopk => MODEL_ROUTER,
+            Kernel::ModelMoeTopk | Kernel::ModelMoeWeights => MODEL_ROUTER,
             Kernel::ModelRmsNorm | Kernel::ModelRope | Kernel::ModelSwiglu | Kernel::ModelEmbed | Kernel::ModelResidual => MODEL_NORM_ROPE,
             Kernel::QuestSummarize => QUEST_SUMMARIZE,
             Kernel::QuestSelect => QUEST_SELECT,
@@ -262,6 +264,7 @@ impl Kernel {
             Kernel::ModelResidual => "model/norm_rope.wgsl#residual",
             Kernel::ModelMoeGateUp => "model/moe.wgsl#moe_gate_up",
             Kernel::ModelMoeDown => "model/moe.wgsl#moe_down",
+            Kernel::ModelMoeWeights => "model/router.wgsl#moe_weights",
             _ => self.source().path,
         }
     }
@@ -289,6 +292,7 @@ impl Kernel {
             Kernel::ModelResidual => "residual",
             Kernel::ModelMoeGateUp => "moe_gate_up",
             Kernel::ModelMoeDown => "moe_down",
+            Kernel::ModelMoeWeights => "moe_weights",
             _ => "main",
         }
     }

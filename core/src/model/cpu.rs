@@ -7,7 +7,7 @@
 //! ([`rope_norm`]); `k, v` appended to the cache; grouped-query causal attention over every cached
 //! position with scale `1/sqrt(head_dim)` (query head `h` reads KV head `h / (heads / kv_heads)`);
 //! `x += Wo attn`; `xn = rmsnorm(x) * ffn_norm`; `x += Wdown (silu(Wgate xn) * Wup xn)` (or the
-//! MoEfied FFN, [`super::moe`]). Then `logits = lm_head(rmsnorm(x) * output_norm)`.
+//! MoEfied FFN or a MoE file's own experts, [`super::moe`]). Then `logits = lm_head(rmsnorm(x) * output_norm)`.
 //!
 //! Matrix-vector products walk the rows of the row-major `[out][in]` weights (contiguous dot
 //! products with eight partial sums, which the compiler vectorises); the large ones are split
@@ -266,7 +266,8 @@ struct Scratch {
 }
 
 impl CpuModel {
-    /// A dense model over weights loaded with f32 ([`super::weights::LoadOptions::f32`]).
+    /// The model over weights loaded with f32 ([`super::weights::LoadOptions::f32`]): dense, or
+    /// for a MoE file its own experts and routers ([`Moefication::native`]).
     pub fn new(weights: Arc<LlamaWeights>) -> Result<Self> {
         if !weights.has_f32() {
             return Err(input_err("the CPU model needs f32 weights; load them with LoadOptions { f32: true, .. }"));
@@ -275,13 +276,19 @@ impl CpuModel {
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
         #[cfg(target_arch = "wasm32")]
         let threads = 1;
-        Ok(CpuModel { weights, moe: None, threads })
+        let moe = if weights.is_moe() { Some(Arc::new(Moefication::native(&weights)?)) } else { None };
+        Ok(CpuModel { weights, moe, threads })
     }
 
-    /// This model with its FFNs replaced by `moe` (`None`: dense), sharing the weights.
+    /// This model with its FFNs replaced by `moe` (`None`: dense), sharing the weights. A MoE
+    /// file keeps its own experts: it takes only those ([`Moefication::native`]).
     pub fn with_moe(&self, moe: Option<Arc<Moefication>>) -> Result<Self> {
-        if let Some(m) = &moe {
-            m.check_fits(&self.weights)?;
+        match &moe {
+            Some(m) => m.check_fits(&self.weights)?,
+            None if self.weights.is_moe() => {
+                return Err(input_err("a MoE file has no dense FFN to fall back to; it keeps its own experts"));
+            }
+            None => {}
         }
         Ok(CpuModel { moe, ..self.clone() })
     }
@@ -431,7 +438,7 @@ impl CpuModel {
                     ml.scores(&s.xn, &mut s.scores);
                     p(Stage::RouterScores, &s.scores, probe);
                     let chosen = super::moe::top_k(&s.scores, moe.config.top_k);
-                    ml.forward(lw, &s.xn, &chosen, &mut s.proj);
+                    ml.forward(lw, &s.xn, &chosen, &ml.weights(&s.scores, &chosen), &mut s.proj);
                 }
             }
             p(Stage::Ffn, &s.proj, probe);

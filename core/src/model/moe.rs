@@ -27,6 +27,13 @@
 //! Clustering all 30 layers of SmolLM2-135M takes a few seconds on two cores, so it is computed
 //! when asked rather than cached on disk (a cache, if wanted, would key on the model file's hash
 //! and [`MoeConfig`]).
+//!
+//! A GGUF file that holds real experts (llama.cpp's `ffn_gate_inp` and `ffn_*_exps`) is read
+//! into the same structure by [`Moefication::native`]: expert `e` owns the file's neurons
+//! `e * ffn .. (e + 1) * ffn`, the router's weights are `ffn_gate_inp` as trained, and the
+//! chosen experts are weighted as the model was trained ([`Gating::Softmax`], llama.cpp's
+//! `build_moe_ffn` for the llama architecture: a softmax over all `E` logits, the top `k` kept
+//! and renormalised, which equals a softmax over the `k` chosen logits).
 
 use super::cpu::{axpy, dot, silu};
 use super::weights::{LayerWeights, LlamaWeights, Matrix};
@@ -70,11 +77,23 @@ impl MoeConfig {
     }
 }
 
+/// How a layer's router scores a token and weights the experts it chose.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gating {
+    /// MoEfication: the scores are cosines (the token normalised), every chosen expert weighs 1.
+    Unit,
+    /// A trained MoE: the scores are the router's raw logits `W x`, and the chosen experts weigh
+    /// the softmax of their logits ([`softmax_weights`]).
+    Softmax,
+}
+
 /// One layer's experts and router.
 #[derive(Clone, Debug)]
 pub struct MoeLayer {
     hidden: usize,
-    /// `[E][hidden]`, unit length: the router's weights.
+    pub gating: Gating,
+    /// `[E][hidden]`: the router's weights (MoEfication: unit-length centroids; a MoE file: its
+    /// `ffn_gate_inp`).
     pub centroids: Vec<f32>,
     /// `[ffn]`: the expert of each neuron.
     pub expert_from_neuron: Vec<u32>,
@@ -104,26 +123,65 @@ impl MoeLayer {
     }
 
     /// The router's scores of `x` (an FFN input, any scale) into `out` (`[E]`): the dot product
-    /// of `x / |x|` with each centroid.
+    /// of each centroid with `x / |x|` ([`Gating::Unit`]) or with `x` ([`Gating::Softmax`]).
+    /// The GPU scores with `x` unnormalised in both cases: a positive scale changes no choice.
     pub fn scores(&self, x: &[f32], out: &mut [f32]) {
         let norm = dot(x, x).sqrt();
-        let inv = if norm > 0.0 { 1.0 / norm } else { 0.0 };
+        let inv = match self.gating {
+            Gating::Unit if norm > 0.0 => 1.0 / norm,
+            Gating::Unit => 0.0,
+            Gating::Softmax => 1.0,
+        };
         for (e, s) in out.iter_mut().enumerate() {
             *s = dot(x, self.centroid(e)) * inv;
         }
     }
 
-    /// The FFN output of `x` through the neurons of `experts` only, each expert weighted 1:
-    /// `out = sum_{n in experts} silu(Wgate[n] x) (Wup[n] x) Wdown[:, n]`.
-    pub fn forward(&self, lw: &LayerWeights, x: &[f32], experts: &[usize], out: &mut [f32]) {
+    /// The weights of the chosen `experts` given the router's `scores`: 1 each
+    /// ([`Gating::Unit`]) or [`softmax_weights`].
+    pub fn weights(&self, scores: &[f32], experts: &[usize]) -> Vec<f32> {
+        match self.gating {
+            Gating::Unit => vec![1.0; experts.len()],
+            Gating::Softmax => softmax_weights(scores, experts),
+        }
+    }
+
+    /// The FFN output of `x` through the neurons of `experts` only, expert `experts[j]` weighted
+    /// `weights[j]`: `out = sum_j weights[j] sum_{n in experts[j]} silu(Wgate[n] x) (Wup[n] x)
+    /// Wdown[:, n]`.
+    pub fn forward(&self, lw: &LayerWeights, x: &[f32], experts: &[usize], weights: &[f32], out: &mut [f32]) {
         out.fill(0.0);
-        for &e in experts {
+        for (&e, &w) in experts.iter().zip(weights) {
             for &n in self.expert(e) {
                 let n = n as usize;
-                let a = silu(dot(lw.gate.row(n), x)) * dot(lw.up.row(n), x);
+                let a = silu(dot(lw.gate.row(n), x)) * dot(lw.up.row(n), x) * w;
                 axpy(out, a, &self.down_t[n * self.hidden..(n + 1) * self.hidden]);
             }
         }
+    }
+
+    /// A MoE file's layer as it was trained: the router `ffn_gate_inp`, expert `e` the file's
+    /// neurons `e * ffn .. (e + 1) * ffn`, [`Gating::Softmax`].
+    pub fn native(lw: &LayerWeights, layer: usize) -> Result<Self> {
+        let Some(router) = &lw.router else {
+            return Err(Error::Model(format!("layer {layer} has no router (`ffn_gate_inp`): not a MoE file")));
+        };
+        let (e, hidden, neurons) = (router.rows, router.cols, lw.gate.rows);
+        if e == 0 || !neurons.is_multiple_of(e) || router.f32.len() != e * hidden || lw.down.f32.len() != neurons * hidden {
+            return Err(Error::Model(format!(
+                "layer {layer}: {neurons} expert neurons do not split into {e} experts of hidden {hidden} (f32 weights needed)"
+            )));
+        }
+        let size = (neurons / e) as u32;
+        Ok(MoeLayer {
+            hidden,
+            gating: Gating::Softmax,
+            centroids: router.f32.clone(),
+            expert_from_neuron: (0..neurons as u32).map(|n| n / size).collect(),
+            neurons: (0..neurons as u32).collect(),
+            offsets: (0..=e as u32).map(|x| x * size).collect(),
+            down_t: transpose(&lw.down),
+        })
     }
 
     /// Clusters `lw`'s neurons (see the module docs).
@@ -148,14 +206,37 @@ impl MoeLayer {
             neurons[fill[a as usize] as usize] = n as u32;
             fill[a as usize] += 1;
         }
-        let mut down_t = vec![0f32; ffn * hidden];
-        for o in 0..hidden {
-            for (n, &w) in lw.down.row(o).iter().enumerate() {
-                down_t[n * hidden + o] = w;
-            }
-        }
-        Ok(MoeLayer { hidden, centroids, expert_from_neuron: assignment, neurons, offsets, down_t })
+        Ok(MoeLayer {
+            hidden,
+            gating: Gating::Unit,
+            centroids,
+            expert_from_neuron: assignment,
+            neurons,
+            offsets,
+            down_t: transpose(&lw.down),
+        })
     }
+}
+
+/// `m` (`[rows][cols]` f32) transposed, `[cols][rows]`.
+fn transpose(m: &Matrix) -> Vec<f32> {
+    let mut t = vec![0f32; m.rows * m.cols];
+    for o in 0..m.rows {
+        for (n, &w) in m.row(o).iter().enumerate() {
+            t[n * m.rows + o] = w;
+        }
+    }
+    t
+}
+
+/// The softmax of the chosen experts' logits: `w_j = exp(s[e_j] - m) / sum_i exp(s[e_i] - m)`,
+/// `m` their largest. (A softmax over all `E` logits, kept for the chosen and renormalised, is
+/// the same.)
+pub fn softmax_weights(scores: &[f32], experts: &[usize]) -> Vec<f32> {
+    let m = experts.iter().map(|&e| scores[e]).fold(f32::NEG_INFINITY, f32::max);
+    let w: Vec<f32> = experts.iter().map(|&e| (scores[e] - m).exp()).collect();
+    let sum: f32 = w.iter().sum();
+    w.into_iter().map(|x| x / sum).collect()
 }
 
 /// A MoEfied model: one [`MoeLayer`] per transformer layer.
@@ -169,6 +250,16 @@ impl Moefication {
     /// Clusters every layer of `w` (f32 weights needed), layers split over threads on native
     /// targets.
     pub fn from_weights(w: &LlamaWeights, config: &MoeConfig) -> Result<Self> {
+        if w.is_moe() {
+            return Err(Error::config(
+                "experts",
+                config.experts,
+                format!(
+                    "the file is a Mixture-of-Experts model with {} experts and its own router; MoEfication splits dense FFNs only",
+                    w.config.expert_count
+                ),
+            ));
+        }
         config.validate(w.config.feed_forward_length as usize)?;
         #[cfg(not(target_arch = "wasm32"))]
         let layers: Vec<Result<MoeLayer>> = {
@@ -192,11 +283,37 @@ impl Moefication {
         Ok(Moefication { config: config.clone(), layers: layers.into_iter().collect::<Result<_>>()? })
     }
 
-    /// Whether these experts were made for a model of `w`'s shape.
+    /// A MoE file's own experts and routers ([`MoeLayer::native`]), `k` = its
+    /// `llama.expert_used_count`.
+    pub fn native(w: &LlamaWeights) -> Result<Self> {
+        let c = &w.config;
+        if !w.is_moe() {
+            return Err(Error::Model("the file has no experts of its own (`llama.expert_count` is 0)".into()));
+        }
+        let layers = w.layers.iter().enumerate().map(|(l, lw)| MoeLayer::native(lw, l)).collect::<Result<Vec<_>>>()?;
+        let config =
+            MoeConfig { experts: c.expert_count as usize, top_k: c.expert_used_count as usize, seed: 0, iterations: 0, balanced: true };
+        Ok(Moefication { config, layers })
+    }
+
+    /// Whether these are a MoE file's own experts ([`Moefication::native`]).
+    pub fn is_native(&self) -> bool {
+        self.layers.first().is_some_and(|l| l.gating == Gating::Softmax)
+    }
+
+    /// Whether these experts were made for a model of `w`'s shape: MoEfication for a dense model,
+    /// a file's own experts for that MoE file.
     pub fn check_fits(&self, w: &LlamaWeights) -> Result<()> {
         let c = &w.config;
+        if self.is_native() != w.is_moe() {
+            return Err(Error::Input(if w.is_moe() {
+                "the file's FFNs are already experts with a trained router; MoEfication splits dense FFNs only".into()
+            } else {
+                "these experts are another file's own (a MoE GGUF), not a MoEfication of this model".into()
+            }));
+        }
         let ok = self.layers.len() == w.layers.len()
-            && self.layers.iter().all(|l| l.hidden == c.embedding_length as usize && l.neurons.len() == c.feed_forward_length as usize);
+            && self.layers.iter().zip(&w.layers).all(|(l, lw)| l.hidden == c.embedding_length as usize && l.neurons.len() == lw.gate.rows);
         if !ok {
             return Err(Error::Input(format!(
                 "MoEfication of {} layers does not fit a model of {} layers, hidden {}, FFN {}",
@@ -347,6 +464,7 @@ fn assign_balanced(sims: &[f32], n: usize, e: usize, assignment: &mut [u32]) {
 mod tests {
     use super::*;
     use crate::gguf::GgmlType;
+    use crate::model::CpuModel;
     use crate::model::cpu::matvec;
     use crate::model::cpu::tests::{PERPLEXITY_TEXT, PROMPT, prompt_ids, test_model};
     use std::sync::Arc;
@@ -378,6 +496,7 @@ mod tests {
             gate: matrix("gate", ffn, hidden, |i| gate[i]),
             up: matrix("up", ffn, hidden, |_| r()),
             down: matrix("down", hidden, ffn, |_| r()),
+            router: None,
         }
     }
 
@@ -451,7 +570,7 @@ mod tests {
         for (e, k) in [(1, 1), (6, 6), (5, 5)] {
             let m = MoeLayer::from_layer(&lw, &MoeConfig::new(e, k), 0).unwrap();
             let mut y = vec![f32::NAN; 64];
-            m.forward(&lw, &x, &(0..k).collect::<Vec<_>>(), &mut y);
+            m.forward(&lw, &x, &(0..k).collect::<Vec<_>>(), &vec![1.0; k], &mut y);
             for (a, b) in y.iter().zip(&dense) {
                 assert!((a - b).abs() <= 1e-5 * scale, "E={e} k={k}: {a} vs {b}");
             }
@@ -459,7 +578,7 @@ mod tests {
         // Two of six experts: the dense FFN with the other neurons' activations zeroed.
         let m = MoeLayer::from_layer(&lw, &MoeConfig::new(6, 2), 0).unwrap();
         let mut y = vec![f32::NAN; 64];
-        m.forward(&lw, &x, &[4, 1], &mut y);
+        m.forward(&lw, &x, &[4, 1], &[1.0, 1.0], &mut y);
         let mut masked = lw.clone();
         for n in 0..192 {
             if ![1, 4].contains(&m.expert_from_neuron[n]) {
@@ -468,6 +587,120 @@ mod tests {
         }
         for (a, b) in y.iter().zip(dense_ffn(&masked, &x)) {
             assert!((a - b).abs() <= 1e-5 * scale, "{a} vs {b}");
+        }
+    }
+
+    fn synthetic_weights(m: &crate::model::SyntheticModel) -> Arc<LlamaWeights> {
+        let file = m.gguf();
+        let g = crate::gguf::Gguf::parse(&file).unwrap();
+        let c = crate::gguf::LlamaConfig::from_gguf(&g).unwrap();
+        Arc::new(LlamaWeights::from_gguf(&g, &c).unwrap())
+    }
+
+    /// The weights of the chosen experts are Mixtral's gating: a softmax over all E logits, the
+    /// top k kept and renormalised (computed here that way, in f64).
+    #[test]
+    fn moe_softmax_weights_are_mixtral_gating_cpu() {
+        for seed in 0..50u64 {
+            let mut rng = Rng::new(seed);
+            let e = 1 + rng.below(16) as usize;
+            let k = 1 + rng.below(e as u32) as usize;
+            let scores: Vec<f32> = (0..e).map(|_| (rng.normal() * 4.0) as f32).collect();
+            let chosen = top_k(&scores, k);
+            let all: Vec<f64> = scores.iter().map(|&s| f64::from(s).exp()).collect();
+            let total: f64 = all.iter().sum();
+            let kept: f64 = chosen.iter().map(|&c| all[c] / total).sum();
+            let got = softmax_weights(&scores, &chosen);
+            for (j, &c) in chosen.iter().enumerate() {
+                let want = all[c] / total / kept;
+                assert!((f64::from(got[j]) - want).abs() < 1e-6, "seed {seed}: E={e} k={k} weight {j}: {} vs {want}", got[j]);
+            }
+        }
+    }
+
+    /// A MoE file's layer: the FFN the CPU model computes (its probe) against the experts and
+    /// router read straight from the file's stacked tensors, gated as Mixtral is, in f64.
+    #[test]
+    fn moe_file_experts_and_router_cpu() {
+        let spec = crate::model::SyntheticModel::moe(7, 4, 2);
+        let file = spec.gguf();
+        let g = crate::gguf::Gguf::parse(&file).unwrap();
+        let w = synthetic_weights(&spec);
+        let model = CpuModel::new(w.clone()).unwrap();
+        let moe = model.moe().expect("a MoE file runs its own experts");
+        assert!(moe.is_native() && moe.config.experts == 4 && moe.config.top_k == 2);
+        let (h, f, e) = (128usize, 96usize, 4usize);
+        let tensor = |name: &str| g.tensor_f32(name).unwrap();
+        let mut cache = model.new_cache();
+        for (pos, token) in [17u32, 200, 3].into_iter().enumerate() {
+            let (mut xn, mut ffn) = (Vec::new(), Vec::new());
+            let mut probe = |p: crate::model::Probe<'_>| {
+                if p.layer == 1 && p.stage == crate::model::Stage::FfnNorm {
+                    xn = p.values.to_vec();
+                }
+                if p.layer == 1 && p.stage == crate::model::Stage::Ffn {
+                    ffn = p.values.to_vec();
+                }
+            };
+            model.forward_probed(token, pos as u32, &mut cache, 2, true, &mut probe).unwrap();
+            let (router, gate, up, down) = (
+                tensor("blk.1.ffn_gate_inp.weight"),
+                tensor("blk.1.ffn_gate_exps.weight"),
+                tensor("blk.1.ffn_up_exps.weight"),
+                tensor("blk.1.ffn_down_exps.weight"),
+            );
+            let dot = |m: &[f32], row: usize| -> f64 { (0..h).map(|i| f64::from(m[row * h + i]) * f64::from(xn[i])).sum() };
+            let logits: Vec<f64> = (0..e).map(|x| dot(&router, x)).collect();
+            let mut order: Vec<usize> = (0..e).collect();
+            order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+            let total: f64 = logits.iter().map(|l| l.exp()).sum();
+            let kept: f64 = order[..2].iter().map(|&x| logits[x].exp() / total).sum();
+            let mut want = vec![0f64; h];
+            let mut scale = vec![0f64; h];
+            for &x in &order[..2] {
+                let wt = logits[x].exp() / total / kept;
+                for n in 0..f {
+                    let gv = dot(&gate, x * f + n);
+                    let a = gv / (1.0 + (-gv).exp()) * dot(&up, x * f + n) * wt;
+                    for o in 0..h {
+                        let d = f64::from(down[(x * h + o) * f + n]);
+                        want[o] += a * d;
+                        scale[o] += (a * d).abs();
+                    }
+                }
+            }
+            for o in 0..h {
+                assert!(
+                    (f64::from(ffn[o]) - want[o]).abs() <= 1e-5 * scale[o] + 1e-6,
+                    "token {pos}: output {o}: {} vs {}",
+                    ffn[o],
+                    want[o]
+                );
+            }
+        }
+        // MoEfication is for dense FFNs; a MoE file has no dense FFN to fall back to.
+        let e = Moefication::from_weights(&w, &MoeConfig::new(8, 2)).unwrap_err().to_string();
+        assert!(e.contains("Mixture-of-Experts"), "{e}");
+        assert!(model.with_moe(None).unwrap_err().to_string().contains("no dense FFN"));
+        let dense = synthetic_weights(&crate::model::SyntheticModel::dense(7));
+        assert!(Moefication::native(&dense).is_err());
+        assert!(CpuModel::new(dense).unwrap().with_moe(Some(moe.clone())).is_err(), "a file's own experts fit that file only");
+    }
+
+    /// Experts that are all copies of one FFN, weighted by a softmax (weights summing to 1), are
+    /// that FFN: a MoE file of copies gives a dense file's logits, whatever the router chooses.
+    #[test]
+    fn moe_file_of_identical_experts_equals_dense_cpu() {
+        let dense = CpuModel::new(synthetic_weights(&crate::model::SyntheticModel::dense(11))).unwrap();
+        let spec = crate::model::SyntheticModel { identical_experts: true, ..crate::model::SyntheticModel::moe(11, 4, 2) };
+        let moe = CpuModel::new(synthetic_weights(&spec)).unwrap();
+        let (mut cd, mut cm) = (dense.new_cache(), moe.new_cache());
+        for (pos, token) in [5u32, 99, 250, 42, 42].into_iter().enumerate() {
+            let a = dense.forward(token, pos as u32, &mut cd).unwrap();
+            let b = moe.forward(token, pos as u32, &mut cm).unwrap();
+            let scale = a.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let worst = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+            assert!(scale > 0.1 && worst <= 1e-5 * scale, "token {pos}: {worst} vs scale {scale}");
         }
     }
 

@@ -73,13 +73,21 @@ impl Matrix {
     }
 
     fn load(g: &Gguf<'_>, name: &str, rows: usize, cols: usize, opts: LoadOptions) -> Result<Self> {
+        Self::load_dims(g, name, &[cols as u64, rows as u64], opts)
+    }
+
+    /// A tensor of GGUF `dims` (`[cols, ..]`, everything after the first dimension flattened
+    /// into rows): a MoE file's `[hidden, ffn, E]` experts read as `E * ffn` rows of `hidden`.
+    fn load_dims(g: &Gguf<'_>, name: &str, dims: &[u64], opts: LoadOptions) -> Result<Self> {
         let t = g.tensor(name).ok_or_else(|| model_err(format!("tensor `{name}` is missing")))?;
-        if t.dims() != [cols as u64, rows as u64] {
+        if t.dims() != dims {
             return Err(model_err(format!(
-                "tensor `{name}` has GGUF dims {:?}, expected [{cols}, {rows}] (input features first, then output features)",
+                "tensor `{name}` has GGUF dims {:?}, expected {dims:?} (input features first, then output features)",
                 t.dims()
             )));
         }
+        let cols = dims[0] as usize;
+        let rows = dims[1..].iter().product::<u64>() as usize;
         let ty = t.ggml_type();
         let bytes = g.data(t)?;
         let f32 = if opts.f32 {
@@ -122,12 +130,17 @@ pub struct LayerWeights {
     pub wo: Matrix,
     /// RMSNorm gain before the FFN, `[hidden]`.
     pub ffn_norm: Vec<f32>,
-    /// `[ffn][hidden]`: row `n` is neuron `n`'s gate direction.
+    /// `[ffn][hidden]`: row `n` is neuron `n`'s gate direction. In a MoE file, every expert's
+    /// neurons one expert after another: `[E * ffn][hidden]`, expert `e` owning rows
+    /// `e * ffn .. (e + 1) * ffn`.
     pub gate: Matrix,
-    /// `[ffn][hidden]`.
+    /// `[ffn][hidden]` (MoE: `[E * ffn][hidden]`, as `gate`).
     pub up: Matrix,
-    /// `[hidden][ffn]`: column `n` is neuron `n`'s output direction.
+    /// `[hidden][ffn]`: column `n` is neuron `n`'s output direction (MoE: `[hidden][E * ffn]`,
+    /// re-laid from the file's `[E][hidden][ffn]` and held as F32).
     pub down: Matrix,
+    /// A MoE file's router `ffn_gate_inp`, `[E][hidden]`; `None` for a dense FFN.
+    pub router: Option<Matrix>,
 }
 
 /// Every weight of a dense Llama model.
@@ -149,14 +162,10 @@ impl LlamaWeights {
         Self::from_gguf_with(g, config, LoadOptions::default())
     }
 
-    /// Loads the tensors of a dense Llama forward pass, checking each one's shape against `config`.
+    /// Loads the tensors of a Llama forward pass, checking each one's shape against `config`:
+    /// a dense FFN, or a Mixture-of-Experts file's router and stacked experts (see
+    /// [`LayerWeights::gate`]).
     pub fn from_gguf_with(g: &Gguf<'_>, config: &LlamaConfig, opts: LoadOptions) -> Result<Self> {
-        if config.expert_count > 0 {
-            return Err(model_err(format!(
-                "the file is a Mixture-of-Experts model ({} experts, `ffn_*_exps` tensors); this loader reads dense Llama FFNs only",
-                config.expert_count
-            )));
-        }
         config.check_tensors(g)?;
         let c = config;
         let (h, f, v) = (c.embedding_length as usize, c.feed_forward_length as usize, c.vocab_size as usize);
@@ -165,6 +174,20 @@ impl LlamaWeights {
         let mut layers = Vec::with_capacity(c.block_count as usize);
         for l in 0..c.block_count {
             let m = |name: &str, rows, cols| Matrix::load(g, &format!("blk.{l}.{name}.weight"), rows, cols, opts);
+            let (gate, up, down, router) = if c.expert_count == 0 {
+                (m("ffn_gate", f, h)?, m("ffn_up", f, h)?, m("ffn_down", h, f)?, None)
+            } else {
+                let e = c.expert_count as usize;
+                let dims = |a: usize, b: usize| [a as u64, b as u64, e as u64];
+                let x = |name: &str, d: &[u64], o: LoadOptions| Matrix::load_dims(g, &format!("blk.{l}.{name}.weight"), d, o);
+                let down = x("ffn_down_exps", &dims(f, h), LoadOptions { f32: true, raw: false })?;
+                (
+                    x("ffn_gate_exps", &dims(h, f), opts)?,
+                    x("ffn_up_exps", &dims(h, f), opts)?,
+                    down_by_neuron(down, e, h, f, opts),
+                    Some(m("ffn_gate_inp", e, h)?),
+                )
+            };
             layers.push(LayerWeights {
                 attn_norm: load_vector(g, &format!("blk.{l}.attn_norm.weight"), h)?,
                 wq: m("attn_q", q, h)?,
@@ -172,9 +195,10 @@ impl LlamaWeights {
                 wv: m("attn_v", kv, h)?,
                 wo: m("attn_output", h, q)?,
                 ffn_norm: load_vector(g, &format!("blk.{l}.ffn_norm.weight"), h)?,
-                gate: m("ffn_gate", f, h)?,
-                up: m("ffn_up", f, h)?,
-                down: m("ffn_down", h, f)?,
+                gate,
+                up,
+                down,
+                router,
             });
         }
         let output = if LlamaConfig::tied_embeddings(g) { None } else { Some(Matrix::load(g, "output.weight", v, h, opts)?) };
@@ -197,12 +221,36 @@ impl LlamaWeights {
         self.matrices().all(|m| m.f32.len() == m.rows * m.cols)
     }
 
-    /// Every matrix: the embeddings, each layer's seven, then the separate LM head if any.
+    /// Every matrix: the embeddings, each layer's seven (and a MoE file's router), then the
+    /// separate LM head if any.
     pub fn matrices(&self) -> impl Iterator<Item = &Matrix> {
         std::iter::once(&self.token_embd)
-            .chain(self.layers.iter().flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down]))
+            .chain(
+                self.layers.iter().flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down].into_iter().chain(l.router.iter())),
+            )
             .chain(self.output.iter())
     }
+
+    /// Whether the file's FFNs are its own experts (a Mixture-of-Experts GGUF).
+    pub fn is_moe(&self) -> bool {
+        self.config.expert_count > 0
+    }
+}
+
+/// A MoE file's `ffn_down_exps` (`[E][hidden][ffn]` in f32) as one `[hidden][E * ffn]` matrix:
+/// neuron `e * ffn + n`'s output direction is column `e * ffn + n`, as in a dense `ffn_down`. Held
+/// as F32 (quantised blocks cannot be re-laid across rows); its raw bytes, when asked for, are
+/// those f32.
+fn down_by_neuron(m: Matrix, e: usize, h: usize, f: usize, opts: LoadOptions) -> Matrix {
+    let mut out = vec![0f32; h * e * f];
+    for x in 0..e {
+        for o in 0..h {
+            let src = &m.f32[(x * h + o) * f..(x * h + o + 1) * f];
+            out[o * e * f + x * f..o * e * f + (x + 1) * f].copy_from_slice(src);
+        }
+    }
+    let raw = if opts.raw { out.iter().flat_map(|v| v.to_le_bytes()).collect() } else { Vec::new() };
+    Matrix { name: m.name, rows: h, cols: e * f, f32: if opts.f32 { out } else { Vec::new() }, ggml_type: GgmlType::F32, raw }
 }
 
 #[cfg(test)]
@@ -300,6 +348,94 @@ pub(crate) mod tests {
         }
     }
 
+    /// A one-layer MoE file (3 experts of 4 neurons, hidden 8): element `(x, o, i)` of an expert
+    /// tensor is `1e5 x + 1000 o + i + tag`, `x` the expert, in ggml order (`i` fastest).
+    /// `legacy`: each expert its own tensor (`ffn_gate.0.weight`, ...), as old conversions wrote.
+    fn tiny_moe_file(legacy: bool) -> Vec<u8> {
+        let (h, f, e, v) = (8u64, 4u64, 3u64, 5u64);
+        let bytes: Vec<String> = crate::tokenizer::byte_to_char().iter().map(char::to_string).collect();
+        let tokens: Vec<&str> = bytes.iter().map(String::as_str).take(v as usize).collect();
+        let mut w = GgufWriter::new();
+        w.str("general.architecture", "llama")
+            .u32("llama.block_count", 1)
+            .u32("llama.embedding_length", h as u32)
+            .u32("llama.feed_forward_length", f as u32)
+            .u32("llama.attention.head_count", 2)
+            .u32("llama.attention.head_count_kv", 1)
+            .f32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+            .u32("llama.context_length", 64)
+            .u32("llama.expert_count", e as u32)
+            .u32("llama.expert_used_count", 2)
+            .strs("tokenizer.ggml.tokens", &tokens);
+        let tagged = |dims: [u64; 3], tag: f32| -> Vec<u8> {
+            let [cols, rows, n] = dims;
+            let data: Vec<f32> = (0..n)
+                .flat_map(|x| (0..rows).flat_map(move |o| (0..cols).map(move |i| (100_000 * x + 1000 * o + i) as f32 + tag)))
+                .collect();
+            f32_bytes(&data)
+        };
+        w.tensor("token_embd.weight", &[h, v], GgmlType::F32, tagged([h, v, 1], 0.5));
+        for (name, rows, cols) in [("attn_q", 8, h), ("attn_k", 4, h), ("attn_v", 4, h), ("attn_output", h, 8)] {
+            w.tensor(&format!("blk.0.{name}.weight"), &[cols, rows], GgmlType::F32, tagged([cols, rows, 1], 0.0));
+        }
+        w.tensor("blk.0.ffn_gate_inp.weight", &[h, e], GgmlType::F32, tagged([h, e, 1], 0.25));
+        if legacy {
+            for x in 0..e {
+                w.tensor(&format!("blk.0.ffn_gate.{x}.weight"), &[h, f], GgmlType::F32, tagged([h, f, 1], 0.5));
+            }
+        } else {
+            w.tensor("blk.0.ffn_gate_exps.weight", &[h, f, e], GgmlType::F32, tagged([h, f, e], 0.5));
+            w.tensor("blk.0.ffn_up_exps.weight", &[h, f, e], GgmlType::F32, tagged([h, f, e], 0.75));
+            w.tensor("blk.0.ffn_down_exps.weight", &[f, h, e], GgmlType::F32, tagged([f, h, e], 0.125));
+        }
+        for name in ["blk.0.attn_norm.weight", "blk.0.ffn_norm.weight", "output_norm.weight"] {
+            w.tensor(name, &[h], GgmlType::F32, f32_bytes(&vec![1.0; h as usize]));
+        }
+        w.finish()
+    }
+
+    /// A MoE file's experts read as `E * ffn` neurons: gate and up rows expert after expert, down
+    /// re-laid so that column `x * ffn + n` is expert `x`'s neuron `n`, and the router as `[E][hidden]`.
+    #[test]
+    fn weights_moe_file_layout_cpu() {
+        let file = tiny_moe_file(false);
+        let g = Gguf::parse(&file).unwrap();
+        let c = LlamaConfig::from_gguf(&g).unwrap();
+        assert_eq!((c.expert_count, c.expert_used_count), (3, 2));
+        let w = LlamaWeights::from_gguf(&g, &c).unwrap();
+        assert!(w.is_moe());
+        let l = &w.layers[0];
+        let router = l.router.as_ref().unwrap();
+        assert_eq!((router.rows, router.cols, l.gate.rows, l.gate.cols, l.down.rows, l.down.cols), (3, 8, 12, 8, 8, 12));
+        for x in 0..3 {
+            for n in 0..4 {
+                for i in 0..8 {
+                    let at = (100_000 * x + 1000 * n + i) as f32;
+                    assert_eq!(l.gate.at(x * 4 + n, i), at + 0.5, "gate expert {x} neuron {n} input {i}");
+                    assert_eq!(l.up.at(x * 4 + n, i), at + 0.75, "up expert {x} neuron {n} input {i}");
+                    // ffn_down_exps[x] is [hidden][ffn]: output `i` of neuron `n` is (x, i, n).
+                    assert_eq!(
+                        l.down.at(i, x * 4 + n),
+                        (100_000 * x + 1000 * i + n) as f32 + 0.125,
+                        "down expert {x} neuron {n} output {i}"
+                    );
+                }
+            }
+            assert_eq!(router.at(x, 5), (1000 * x + 5) as f32 + 0.25);
+        }
+        assert_eq!(l.down.raw_row(3), &f32_bytes(l.down.row(3))[..], "down's raw bytes are its re-laid f32");
+        assert_eq!(w.matrices().count(), 1 + 8);
+        // Shapes are checked against the metadata, and the old per-expert layout is named.
+        let mut bad = c.clone();
+        bad.expert_count = 4;
+        let e = LlamaWeights::from_gguf(&g, &bad).unwrap_err().to_string();
+        assert!(e.contains("ffn_gate_inp") && e.contains("expected"), "{e}");
+        let legacy = tiny_moe_file(true);
+        let g = Gguf::parse(&legacy).unwrap();
+        let e = LlamaWeights::from_gguf(&g, &LlamaConfig::from_gguf(&g).unwrap()).unwrap_err().to_string();
+        assert!(e.contains("ffn_gate.0") && e.contains("convert it again"), "{e}");
+    }
+
     #[test]
     fn weights_options_and_errors_cpu() {
         let file = tiny_file(true);
@@ -311,9 +447,10 @@ pub(crate) mod tests {
         bad.feed_forward_length = 16;
         let e = LlamaWeights::from_gguf(&g, &bad).unwrap_err().to_string();
         assert!(e.contains("blk.0.ffn_gate.weight") && e.contains("expected"), "{e}");
+        // Metadata that claims experts the file does not have: the router is missing.
         let mut moe = c.clone();
         moe.expert_count = 4;
-        assert!(LlamaWeights::from_gguf(&g, &moe).unwrap_err().to_string().contains("Mixture-of-Experts"));
+        assert!(LlamaWeights::from_gguf(&g, &moe).unwrap_err().to_string().contains("blk.0.ffn_gate_inp.weight` is missing"));
     }
 
     /// A few elements of the real weights against gguf.rs's dequantisation of the whole tensor

@@ -68,10 +68,10 @@ pub fn swiglu(gu: &[f32], n: usize) -> Vec<f64> {
         .collect()
 }
 
-/// The MoEfied FFN over permuted weights (`model/moe.wgsl`): `gate_up` is `[2 * ffn][hidden]`
+/// The expert FFN over permuted weights (`model/moe.wgsl`): `gate_up` is `[2 * ffn][hidden]`
 /// (gate rows, then up rows, in expert order), `down_t` is `[ffn][hidden]`, expert `e` owns rows
-/// `offsets[e]..offsets[e + 1]`, `sel` is `[n_tokens][top_k]`. Returns
-/// `y[b] = sum_j sum_{n in e_j} silu(gate[n] x[b]) (up[n] x[b]) down_t[n]`.
+/// `offsets[e]..offsets[e + 1]`, `sel` and `wts` are `[n_tokens][top_k]`. Returns
+/// `y[b] = sum_j wts[b][j] sum_{n in e_j} silu(gate[n] x[b]) (up[n] x[b]) down_t[n]`.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_ffn(
     gate_up: &[f32],
@@ -80,6 +80,7 @@ pub fn moe_ffn(
     hidden: usize,
     x: &[f32],
     sel: &[u32],
+    wts: &[f32],
     top_k: usize,
     n_tokens: usize,
 ) -> Vec<f64> {
@@ -88,10 +89,10 @@ pub fn moe_ffn(
         |row: usize, b: usize| -> f64 { (0..hidden).map(|i| f64::from(gate_up[row * hidden + i]) * f64::from(x[b * hidden + i])).sum() };
     let mut y = vec![0f64; n_tokens * hidden];
     for b in 0..n_tokens {
-        for &e in &sel[b * top_k..(b + 1) * top_k] {
+        for (&e, &w) in sel[b * top_k..(b + 1) * top_k].iter().zip(&wts[b * top_k..(b + 1) * top_k]) {
             for n in offsets[e as usize] as usize..offsets[e as usize + 1] as usize {
                 let g = dot(n, b);
-                let a = g / (1.0 + (-g).exp()) * dot(ffn + n, b);
+                let a = g / (1.0 + (-g).exp()) * dot(ffn + n, b) * f64::from(w);
                 for h in 0..hidden {
                     y[b * hidden + h] += a * f64::from(down_t[n * hidden + h]);
                 }

@@ -6,7 +6,9 @@
 //
 //   moe_gate_up: one workgroup per (slot s < max_size, choice j < top_k, token b): the gate and
 //     up products of neuron offsets[e] + s (e = sel[b][j]) with x[b], then
-//     act[b][j][s] = silu(gate) * up; slots past the expert's size get 0.
+//     act[b][j][s] = silu(gate) * up * wts[b][j]; slots past the expert's size get 0. The weights
+//     are 1 for MoEfied experts and the router's softmax for a MoE file's own (model/router.wgsl
+//     moe_weights).
 //   moe_down: one invocation per (output feature h, token b):
 //     y[b][h] = sum_j sum_{s < size(e_j)} act[b][j][s] * down_t[offsets[e_j] + s][h]
 //     in a fixed order (j, then s), so results do not depend on timing.
@@ -34,6 +36,7 @@ struct MoeParams {
 @group(0) @binding(5) var<storage, read> offsets: array<u32>;       // [n_experts + 1]
 @group(0) @binding(6) var<storage, read> down_t: array<f32>;        // [ffn][hidden]
 @group(0) @binding(7) var<storage, read_write> y: array<f32>;       // [n_tokens][hidden]
+@group(0) @binding(8) var<storage, read> wts: array<f32>;           // [n_tokens][top_k]
 
 const WG: u32 = 64u;
 var<workgroup> red_g: array<f32, WG>;
@@ -115,7 +118,7 @@ fn moe_gate_up(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_i
     }
     if (t == 0u) {
         let gate = red_g[0];
-        act[out] = gate / (1.0 + exp(-gate)) * red_u[0];
+        act[out] = gate / (1.0 + exp(-gate)) * red_u[0] * wts[b * params.top_k + j];
     }
 }
 

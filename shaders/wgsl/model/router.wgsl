@@ -3,6 +3,10 @@
 // sorts with f32::total_cmp). Written to `sel` (read by model/moe.wgsl) and to `log` at
 // `log_offset` (a step's choices of every layer, read back once per step). One invocation per
 // token; top_k * n_experts * top_k steps, small next to the experts it chooses.
+//
+// moe_weights: a MoE file's weights of the chosen experts (whoever chose them), the softmax of
+// their scores: wts[b][j] = exp(s_j - m) / sum_i exp(s_i - m), s_j = scores[b][sel[b][j]], m the
+// largest (as core::model::moe::softmax_weights).
 
 // must match `MoeTopkParams` in core/src/gpu_data.rs
 struct MoeTopkParams {
@@ -16,6 +20,7 @@ struct MoeTopkParams {
 @group(0) @binding(1) var<storage, read> scores: array<f32>;
 @group(0) @binding(2) var<storage, read_write> sel: array<u32>;
 @group(0) @binding(3) var<storage, read_write> log: array<u32>;
+@group(0) @binding(4) var<storage, read_write> wts: array<f32>;
 
 // Bits of x as an unsigned key in f32's total order (-NaN < -inf < ... < -0 < +0 < ... < +NaN).
 fn total_key(x: f32) -> u32 {
@@ -47,5 +52,28 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
         }
         sel[b * k + j] = best;
         log[params.log_offset + b * k + j] = best;
+    }
+}
+
+@compute @workgroup_size(64)
+fn moe_weights(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let b = gid.x;
+    if (b >= params.n_tokens) {
+        return;
+    }
+    let k = params.top_k;
+    let e_n = params.n_experts;
+    var m = -3.4028235e38;
+    for (var j = 0u; j < k; j++) {
+        m = max(m, scores[b * e_n + min(sel[b * k + j], e_n - 1u)]);
+    }
+    var sum = 0.0;
+    for (var j = 0u; j < k; j++) {
+        let w = exp(scores[b * e_n + min(sel[b * k + j], e_n - 1u)] - m);
+        wts[b * k + j] = w;
+        sum += w;
+    }
+    for (var j = 0u; j < k; j++) {
+        wts[b * k + j] = wts[b * k + j] / sum;
     }
 }

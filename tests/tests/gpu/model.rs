@@ -105,6 +105,74 @@ fn moefied_gpu_forward_matches_the_cpu_reference() {
     }
 }
 
+/// A Mixture-of-Experts GGUF (llama.cpp's `ffn_gate_inp` and stacked `ffn_*_exps`; a random one,
+/// as no MoE file ships offline) through the GPU forward pass: its own router, top-k and
+/// softmax weights on the GPU against the CPU reference, two sequences decoding together, every
+/// layer's choices equal to the CPU's; a file of identical experts equal to the dense file of
+/// the same seed; the pipeline's top-k router in place of the file's equal to it.
+#[test]
+fn moe_file_gpu_forward_matches_the_cpu_reference() {
+    use expertkv_core::gguf::LlamaConfig;
+    use expertkv_core::model::moe::{MoeConfig, Moefication, top_k};
+    use expertkv_core::model::{CpuModel, LlamaWeights, Probe, Stage, SyntheticModel};
+    use expertkv_core::router_config::RouterConfig;
+    use std::sync::Arc;
+    let rt = rt();
+    let max_diff = |a: &[f32], b: &[f32]| a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    let max_abs = |a: &[f32]| a.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let seed = crate::common::seeds("model_moe_file", 1)[0];
+    let spec = SyntheticModel::moe(seed, 8, 2);
+    let file = spec.gguf();
+    let g = Gguf::parse(&file).expect("gguf");
+    let cfg = LlamaConfig::from_gguf(&g).expect("config");
+    let cpu = CpuModel::new(Arc::new(LlamaWeights::from_gguf(&g, &cfg).expect("weights"))).expect("cpu");
+    let opts = ModelOptions::new(2, 64).dtype(KvDtype::F32);
+    let mut m = pollster::block_on(GpuLlama::load(rt, &g, opts.clone())).expect("load");
+    assert_eq!(m.moe_shape(), Some((8, 2)), "a MoE file runs its own experts from the start");
+    let mut topk = pollster::block_on(GpuLlama::load(rt, &g, opts.clone())).expect("load");
+    pollster::block_on(topk.set_moe_router(rt, RouterConfig::Topk)).expect("router");
+    let mut caches = [cpu.new_cache(), cpu.new_cache()];
+    let mut counts = vec![0u64; 2 * 8];
+    let tokens: [[u32; 2]; 6] = [[1, 200], [72, 72], [101, 7], [108, 255], [108, 32], [111, 0]];
+    for (pos, step) in tokens.iter().enumerate() {
+        let gpu = pollster::block_on(m.forward(rt, step)).expect("gpu forward");
+        let routed = pollster::block_on(topk.forward(rt, step)).expect("gpu forward, pipeline top-k");
+        for (seq, &t) in step.iter().enumerate() {
+            let mut probe = |p: Probe<'_>| {
+                if p.stage == Stage::RouterScores {
+                    for e in top_k(p.values, 2) {
+                        counts[p.layer * 8 + e] += 1;
+                    }
+                }
+            };
+            let want = cpu.forward_probed(t, pos as u32, &mut caches[seq], 2, true, &mut probe).expect("cpu forward");
+            let got = &gpu[seq * 256..(seq + 1) * 256];
+            let (err, max) = (max_diff(got, &want), max_abs(&want));
+            println!("seed {seed}: position {pos}, sequence {seq}: max |logit diff| {err:.2e} (max |logit| {max:.1})");
+            assert!(err <= 1e-4 * max, "seed {seed}: position {pos}, sequence {seq}: logits differ by {err} (max {max})");
+            assert_eq!(&routed[seq * 256..(seq + 1) * 256], got, "seed {seed}: the pipeline's top-k router chooses as the file's");
+        }
+    }
+    assert_eq!(m.expert_counts(), &counts[..], "seed {seed}: every layer's choices, GPU against CPU");
+    assert!(counts.iter().filter(|&&c| c > 0).count() > 4, "seed {seed}: the tokens spread over experts: {counts:?}");
+    // MoEfication is for dense FFNs.
+    let dense_w = Arc::new(LlamaWeights::from_gguf(&g, &cfg).expect("weights"));
+    assert!(Moefication::from_weights(&dense_w, &MoeConfig::new(2, 1)).is_err());
+    // A file of identical experts is the dense file of the same seed (weights sum to 1).
+    let same = SyntheticModel { identical_experts: true, ..spec.clone() }.gguf();
+    let dense = SyntheticModel::dense(seed).gguf();
+    let (gs, gd) = (Gguf::parse(&same).expect("gguf"), Gguf::parse(&dense).expect("gguf"));
+    let mut ms = pollster::block_on(GpuLlama::load(rt, &gs, opts.clone())).expect("load");
+    let mut md = pollster::block_on(GpuLlama::load(rt, &gd, opts)).expect("load");
+    assert_eq!(md.moe_shape(), None);
+    for step in &tokens {
+        let a = pollster::block_on(md.forward(rt, step)).expect("dense");
+        let b = pollster::block_on(ms.forward(rt, step)).expect("identical experts");
+        let (err, max) = (max_diff(&a, &b), max_abs(&a));
+        assert!(err <= 1e-4 * max, "seed {seed}: identical experts differ from dense by {err} (max {max})");
+    }
+}
+
 /// Page codecs on the model's own K/V: full pages are compressed as the text goes in, the pool
 /// holds fewer bytes than the f16 pool, and the logits stay close to the f16 pool's.
 #[test]

@@ -112,8 +112,9 @@ fn matvec_and_embed_match_cpu_in_every_weight_format() {
     assert!(GpuMatrix::upload(rt, "w", WeightFormat::Q4_1, 2, 32, &[0; 39]).is_err());
 }
 
-/// The MoEfied FFN (only the chosen experts' neurons, over permuted weights) against its f64
-/// reference on random weights in every format, random expert sizes (some empty) and choices.
+/// The expert FFN (only the chosen experts' neurons, over permuted weights, each expert scaled
+/// by its weight) against its f64 reference on random weights in every format, random expert
+/// sizes (some empty), choices and weights (all 1, as MoEfied, in one draw of three).
 #[test]
 fn moe_ffn_matches_cpu_in_every_weight_format() {
     let rt = rt();
@@ -163,25 +164,29 @@ fn moe_ffn_matches_cpu_in_every_weight_format() {
             }
             sel.extend_from_slice(&all[..top_k as usize]);
         }
+        let unit = rng.below(3) == 0;
+        let wts: Vec<f32> = (0..n * top_k).map(|_| if unit { 1.0 } else { rng.range(0.05, 1.0) as f32 }).collect();
         let xb = rt.storage_init("x", &x);
         let sb = rt.storage_init("sel", &sel);
+        let wb = rt.storage_init("wts", &wts);
         let act = rt.storage("act", u64::from(n * top_k * m.max_size.max(1)) * 4);
         let y = rt.storage("y", u64::from(n * hidden) * 4);
         rt.fill_u32(&act, POISON_F32);
         rt.fill_u32(&y, POISON_F32);
-        run(rt, "moe", |p| k.moe_ffn(rt, p, &m, &xb, &sb, &act, &y, n, top_k).expect("moe_ffn"));
+        run(rt, "moe", |p| k.moe_ffn(rt, p, &m, &xb, &sb, &wb, &act, &y, n, top_k).expect("moe_ffn"));
         let got: Vec<f32> = pollster::block_on(rt.read_all(&y)).expect("read");
-        let want = cpu::moe_ffn(&gate_up, &down_t, &offsets, h, &x, &sel, top_k as usize, n as usize);
+        let want = cpu::moe_ffn(&gate_up, &down_t, &offsets, h, &x, &sel, &wts, top_k as usize, n as usize);
         // Scale: the sum of |terms| of each output.
         let scale: Vec<f64> = (0..(n * hidden) as usize)
             .map(|i| {
                 let (b, o) = (i / h, i % h);
                 let mut s = 0.0;
-                for &e in &sel[b * top_k as usize..(b + 1) * top_k as usize] {
+                let chosen = b * top_k as usize..(b + 1) * top_k as usize;
+                for (&e, &w) in sel[chosen.clone()].iter().zip(&wts[chosen]) {
                     for r in offsets[e as usize] as usize..offsets[e as usize + 1] as usize {
                         let dot = |row: usize| -> f64 { (0..h).map(|c| f64::from(gate_up[row * h + c]) * f64::from(x[b * h + c])).sum() };
                         let g = dot(r);
-                        let a = g / (1.0 + (-g).exp()) * dot(f + r);
+                        let a = g / (1.0 + (-g).exp()) * dot(f + r) * f64::from(w);
                         s += (a * f64::from(down_t[r * h + o])).abs();
                     }
                 }
@@ -315,8 +320,8 @@ fn kv_pack_matches_encode_values_bit_for_bit() {
 }
 
 #[test]
-fn moe_topk_matches_the_cpu_choice_with_ties_and_signed_zeros() {
-    use expertkv_core::model::moe::top_k;
+fn moe_topk_and_weights_match_the_cpu_with_ties_and_signed_zeros() {
+    use expertkv_core::model::moe::{softmax_weights, top_k};
     let rt = rt();
     let k = pollster::block_on(ModelKernels::new(rt)).expect("kernels");
     for seed in seeds("model_moe_topk", 10) {
@@ -343,5 +348,20 @@ fn moe_topk_matches_the_cpu_choice_with_ties_and_signed_zeros() {
         let at = (layer * n * top) as usize;
         assert_eq!(&logged[at..at + want.len()], &want[..], "{ctx}: the log");
         assert!(logged[..at].iter().chain(&logged[at + want.len()..]).all(|&w| w == POISON_F32), "{ctx}: the log outside its slot");
+        // A MoE file's weights of those choices: the softmax of the chosen scores.
+        let wts = rt.storage("wts", u64::from(n * top) * 4);
+        rt.fill_u32(&wts, POISON_F32);
+        run(rt, "moe_weights", |p| k.moe_weights(rt, p, &sb, &sel, &wts, n, e, top).expect("moe_weights"));
+        let got_w: Vec<f32> = pollster::block_on(rt.read_all(&wts)).expect("read");
+        let chosen: Vec<usize> = want.iter().map(|&x| x as usize).collect();
+        for (b, (s, c)) in scores.chunks(e as usize).zip(chosen.chunks(top as usize)).enumerate() {
+            let want_w = softmax_weights(s, c);
+            let got_b = &got_w[b * top as usize..(b + 1) * top as usize];
+            for (j, (g, w)) in got_b.iter().zip(&want_w).enumerate() {
+                assert!((g - w).abs() <= 1e-6 + 1e-5 * w.abs(), "{ctx}: token {b}, weight {j}: {g} vs {w}");
+            }
+            let sum: f32 = got_b.iter().sum();
+            assert!((sum - 1.0).abs() < 1e-5, "{ctx}: token {b}: weights sum to {sum}");
+        }
     }
 }
