@@ -48,8 +48,8 @@ pub struct EvalArgs {
     /// tokens, which stay raw until then), comma-separated [default: none].
     #[arg(long, default_value = "")]
     codecs: String,
-    /// MoEfied models to add, full cache each: E:K specs, comma-separated (for example 8:2,16:4;
-    /// see `run --moe`) [default: none].
+    /// MoEfied models to add, full cache each: E:K or E:K:fitted specs, comma-separated (for
+    /// example 8:2,8:2:fitted,16:4; see `run --moe`) [default: none].
     #[arg(long, value_delimiter = ',')]
     moe: Vec<String>,
     /// With --moe, or a MoE file: also score each MoEfied model (or the file's own experts) with
@@ -120,7 +120,7 @@ impl Config {
     fn ffn(&self) -> String {
         let router = self.router.as_ref().map_or(String::new(), |r| format!(" {}", r.name()));
         match (&self.moe, self.own) {
-            (Some(m), _) => format!("E{} k{}{router}", m.config.experts, m.config.top_k),
+            (Some(m), _) => format!("E{} k{}{}{router}", m.config.experts, m.config.top_k, if m.fitted.is_some() { " fitted" } else { "" }),
             (None, Some((e, k))) => format!("own E{e} k{k}{router}"),
             (None, None) => "dense".into(),
         }
@@ -247,10 +247,11 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
     } else if moes.is_empty() && a.moe_routers.iter().any(|s| !s.trim().is_empty()) {
         bail!("--moe-routers choose experts: give --moe E:K too (or a MoE file)");
     }
-    for mc in &moes {
-        let (m, secs) = crate::run::moefy(&g, mc)?;
+    for spec in &moes {
+        let (m, secs) = crate::run::moefy(&g, spec)?;
         if !a.json {
-            println!("moefied E={} k={}: clustered in {secs:.2} s", mc.experts, mc.top_k);
+            let how = if spec.fitted { "clustered and routers fitted" } else { "clustered" };
+            println!("moefied E={} k={}: {how} in {secs:.2} s", spec.config.experts, spec.config.top_k);
         }
         let m = std::sync::Arc::new(m);
         configs.push(Config { moe: Some(m.clone()), ..base.clone() });
@@ -364,6 +365,18 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::split_specs;
+
+    #[test]
+    fn moe_specs_parse_or_say_why_not() {
+        use crate::run::parse_moe;
+        let s = parse_moe("8:2").unwrap().unwrap();
+        assert_eq!((s.config.experts, s.config.top_k, s.fitted), (8, 2, false));
+        assert!(parse_moe(" 16:4:fitted ").unwrap().unwrap().fitted);
+        assert_eq!(parse_moe("dense").unwrap(), None);
+        for bad in ["8", "2:3", "8:2:fit", "8:2:fitted:x", "a:b", "0:0"] {
+            assert!(parse_moe(bad).unwrap_err().to_string().contains("--moe"), "{bad}");
+        }
+    }
 
     #[test]
     fn specs_split_at_names_not_at_parameters() {

@@ -250,6 +250,8 @@ pub struct CpuModel {
     weights: Arc<LlamaWeights>,
     moe: Option<Arc<Moefication>>,
     threads: usize,
+    /// MoEfied: choose the experts by their actual activation mass ([`CpuModel::with_oracle_routing`]).
+    oracle_routing: bool,
 }
 
 /// Scratch vectors of one forward step.
@@ -277,7 +279,7 @@ impl CpuModel {
         #[cfg(target_arch = "wasm32")]
         let threads = 1;
         let moe = if weights.is_moe() { Some(Arc::new(Moefication::native(&weights)?)) } else { None };
-        Ok(CpuModel { weights, moe, threads })
+        Ok(CpuModel { weights, moe, threads, oracle_routing: false })
     }
 
     /// This model with its FFNs replaced by `moe` (`None`: dense), sharing the weights. A MoE
@@ -291,6 +293,18 @@ impl CpuModel {
             None => {}
         }
         Ok(CpuModel { moe, ..self.clone() })
+    }
+
+    /// MoEfied: choose each token's top-k experts by their actual activation mass,
+    /// `sum_{n in e} |silu(Wgate[n] x) (Wup[n] x)|`, instead of the router's scores. It computes
+    /// the whole dense FFN to choose, so it saves nothing: a diagnostic, the bound any router of
+    /// these experts could reach (CPU only). A MoE file's own experts are not MoEfied: refused.
+    pub fn with_oracle_routing(mut self, on: bool) -> Result<Self> {
+        if on && self.moe.as_ref().is_none_or(|m| m.is_native()) {
+            return Err(input_err("oracle routing chooses among MoEfied experts: MoEfy the dense model first (with_moe)"));
+        }
+        self.oracle_routing = on;
+        Ok(self)
     }
 
     /// This model splitting large products over `threads` threads (1: none).
@@ -436,6 +450,14 @@ impl CpuModel {
                     let ml = &moe.layers[l];
                     s.scores.resize(ml.experts(), 0.0);
                     ml.scores(&s.xn, &mut s.scores);
+                    if self.oracle_routing {
+                        // The experts' actual activation mass, from the whole dense FFN.
+                        matvec(&lw.gate, &s.xn, &mut s.gate, self.threads);
+                        matvec(&lw.up, &s.xn, &mut s.up, self.threads);
+                        for (e, sc) in s.scores.iter_mut().enumerate() {
+                            *sc = ml.expert(e).iter().map(|&n| (silu(s.gate[n as usize]) * s.up[n as usize]).abs()).sum();
+                        }
+                    }
                     p(Stage::RouterScores, &s.scores, probe);
                     let chosen = super::moe::top_k(&s.scores, moe.config.top_k);
                     ml.forward(lw, &s.xn, &chosen, &ml.weights(&s.scores, &chosen), &mut s.proj);
