@@ -300,13 +300,14 @@ impl Moefication {
 
     /// Replace every layer's centroid router with a linear router fitted to the experts' actual
     /// activation mass on calibration tokens: `dense` (the same weights, dense) runs `ids`, and
-    /// per layer the ridge regression `W = argmin sum_t |W x_t - m(x_t)|^2 + ridge * tr(X^T X) / h
-    /// * |W|^2` maps each FFN input `x_t` to its masses `m_e = sum_{n in e} |silu(Wgate[n] x)
-    /// (Wup[n] x)|` (no intercept, so the ranking of the scores is unchanged by the token's
-    /// scale, and the GPU scores it like the centroids). Returns the seconds taken.
+    /// per layer a ridge regression maps each FFN input `x_t` to its experts' masses
+    /// `m_e = sum_{n in e} |silu(Wgate[n] x) (Wup[n] x)|`: `W = argmin sum_t |W x_t - m(x_t)|^2 +
+    /// lambda |W|^2` with `lambda = ridge * tr(X^T X) / hidden`. No intercept, so the ranking of
+    /// the scores is unchanged by the token's scale, and the GPU scores it like the centroids.
+    /// Returns the seconds taken.
     pub fn fit_router(&mut self, dense: &super::CpuModel, ids: &[u32], ridge: f64) -> Result<f64> {
         let t0 = std::time::Instant::now();
-        if dense.moe().is_some() || ids.is_empty() || !(ridge >= 0.0) {
+        if dense.moe().is_some() || ids.is_empty() || ridge.is_nan() || ridge < 0.0 {
             return Err(Error::Input("fit_router: a dense model, some calibration tokens and a ridge >= 0".into()));
         }
         let w = dense.weights().clone();
