@@ -281,11 +281,9 @@ pub(crate) mod tests {
         v.iter().flat_map(|x| x.to_le_bytes()).collect()
     }
 
-    /// A one-layer model whose every element encodes where it lies: element `(o, i)` of a matrix
-    /// is `1000 o + i` plus a per-tensor offset, stored in ggml order (`i` fastest).
-    fn tiny_file(tied: bool) -> Vec<u8> {
-        let (h, f, v, heads, kv_heads) = (8u64, 12u64, 5u64, 2u64, 1u64);
-        let hd = h / heads;
+    /// The metadata of a one-layer model of hidden `h`, FFN `f`, 2 query heads sharing 1 KV head,
+    /// and the first `v` byte tokens.
+    fn tiny_header(h: u64, f: u64, v: u64) -> GgufWriter {
         let bytes: Vec<String> = crate::tokenizer::byte_to_char().iter().map(char::to_string).collect();
         let tokens: Vec<&str> = bytes.iter().map(String::as_str).take(v as usize).collect();
         let mut w = GgufWriter::new();
@@ -293,11 +291,20 @@ pub(crate) mod tests {
             .u32("llama.block_count", 1)
             .u32("llama.embedding_length", h as u32)
             .u32("llama.feed_forward_length", f as u32)
-            .u32("llama.attention.head_count", heads as u32)
-            .u32("llama.attention.head_count_kv", kv_heads as u32)
+            .u32("llama.attention.head_count", 2)
+            .u32("llama.attention.head_count_kv", 1)
             .f32("llama.attention.layer_norm_rms_epsilon", 1e-5)
             .u32("llama.context_length", 64)
             .strs("tokenizer.ggml.tokens", &tokens);
+        w
+    }
+
+    /// A one-layer model whose every element encodes where it lies: element `(o, i)` of a matrix
+    /// is `1000 o + i` plus a per-tensor offset, stored in ggml order (`i` fastest).
+    fn tiny_file(tied: bool) -> Vec<u8> {
+        let (h, f, v, heads, kv_heads) = (8u64, 12u64, 5u64, 2u64, 1u64);
+        let hd = h / heads;
+        let mut w = tiny_header(h, f, v);
         let mut tag = 0.0f32;
         let mut mat = |w: &mut GgufWriter, name: &str, rows: u64, cols: u64| {
             tag += 0.5;
@@ -353,20 +360,8 @@ pub(crate) mod tests {
     /// `legacy`: each expert its own tensor (`ffn_gate.0.weight`, ...), as old conversions wrote.
     fn tiny_moe_file(legacy: bool) -> Vec<u8> {
         let (h, f, e, v) = (8u64, 4u64, 3u64, 5u64);
-        let bytes: Vec<String> = crate::tokenizer::byte_to_char().iter().map(char::to_string).collect();
-        let tokens: Vec<&str> = bytes.iter().map(String::as_str).take(v as usize).collect();
-        let mut w = GgufWriter::new();
-        w.str("general.architecture", "llama")
-            .u32("llama.block_count", 1)
-            .u32("llama.embedding_length", h as u32)
-            .u32("llama.feed_forward_length", f as u32)
-            .u32("llama.attention.head_count", 2)
-            .u32("llama.attention.head_count_kv", 1)
-            .f32("llama.attention.layer_norm_rms_epsilon", 1e-5)
-            .u32("llama.context_length", 64)
-            .u32("llama.expert_count", e as u32)
-            .u32("llama.expert_used_count", 2)
-            .strs("tokenizer.ggml.tokens", &tokens);
+        let mut w = tiny_header(h, f, v);
+        w.u32("llama.expert_count", e as u32).u32("llama.expert_used_count", 2);
         let tagged = |dims: [u64; 3], tag: f32| -> Vec<u8> {
             let [cols, rows, n] = dims;
             let data: Vec<f32> = (0..n)
