@@ -248,10 +248,9 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
         bail!("--moe-routers choose experts: give --moe E:K too (or a MoE file)");
     }
     for spec in &moes {
-        let (m, secs) = crate::run::moefy(&g, spec)?;
+        let crate::run::Moefied { moe: m, how } = crate::run::moefy(&g, &bytes, &path, spec)?;
         if !a.json {
-            let how = if spec.fitted { "clustered and routers fitted" } else { "clustered" };
-            println!("moefied E={} k={}: {how} in {secs:.2} s", spec.config.experts, spec.config.top_k);
+            println!("moefied E={} k={}: {how}", spec.config.experts, spec.config.top_k);
         }
         let m = std::sync::Arc::new(m);
         configs.push(Config { moe: Some(m.clone()), ..base.clone() });

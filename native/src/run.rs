@@ -85,14 +85,54 @@ pub fn parse_moe(spec: &str) -> Result<Option<MoeSpec>> {
     }
 }
 
-/// Cluster `g`'s FFNs into the spec's experts (a few seconds for SmolLM2 on two cores), and fit
-/// the routers on [`expertkv_core::model::moe::CALIBRATION_TEXT`] when asked (the dense model on
-/// the CPU over its tokens; about 25 s more).
-pub fn moefy(g: &Gguf<'_>, spec: &MoeSpec) -> Result<(Moefication, f64)> {
+/// A MoEfication ready to upload, and how it was had.
+pub struct Moefied {
+    pub moe: Moefication,
+    /// `clustered in 0.43 s`, `clustered and routers fitted in 17.30 s`, or `loaded from the
+    /// cache FILE in 0.9 s`; plus where it was cached, if it was.
+    pub how: String,
+}
+
+/// The spec's MoEfication of the model in `bytes` (parsed as `g`): from the disk cache when one
+/// was made for the same file and settings, else clustered (a few seconds for SmolLM2 on two
+/// cores) and, when asked, its routers fitted on [`expertkv_core::model::moe::CALIBRATION_TEXT`]
+/// (the dense model on the CPU over its tokens; about 25 s more), then cached. The cache lives in
+/// `EXPERTKV_CACHE_DIR`, else `.expertkv-cache` beside the model file; its key is a hash of the
+/// file's bytes, the settings and the calibration text, so any change makes a new entry. A cache
+/// that cannot be read or written costs a recomputation and a note, never the run.
+pub fn moefy(g: &Gguf<'_>, bytes: &[u8], path: &std::path::Path, spec: &MoeSpec) -> Result<Moefied> {
     let t0 = std::time::Instant::now();
     let lc = LlamaConfig::from_gguf(g)?;
     let w = LlamaWeights::from_gguf_with(g, &lc, LoadOptions { f32: true, raw: false }).context("the model's weights for MoEfication")?;
-    let mut m = Moefication::from_weights(&w, &spec.config).context("MoEfication")?;
+    let c = &spec.config;
+    let key = {
+        let mut h = fnv(0xcbf2_9ce4_8422_2325, bytes);
+        let settings = format!("{}:{}:{}:{}:{}:{}", c.experts, c.top_k, c.seed, c.iterations, c.balanced, spec.fitted);
+        h = fnv(h, settings.as_bytes());
+        if spec.fitted {
+            h = fnv(h, expertkv_core::model::moe::CALIBRATION_TEXT.as_bytes());
+            h = fnv(h, &expertkv_core::model::moe::DEFAULT_RIDGE.to_le_bytes());
+        }
+        h
+    };
+    let dir = std::env::var_os("EXPERTKV_CACHE_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| path.parent().unwrap_or(std::path::Path::new(".")).join(".expertkv-cache"));
+    let file = dir.join(format!("moe-{key:016x}.bin"));
+    let mut note = String::new();
+    if let Ok(cached) = std::fs::read(&file) {
+        match Moefication::from_bytes(&cached, &w) {
+            Ok(m) if m.config == *c && m.fitted.is_some() == spec.fitted => {
+                return Ok(Moefied {
+                    moe: m,
+                    how: format!("loaded from the cache {} in {:.2} s", file.display(), t0.elapsed().as_secs_f64()),
+                });
+            }
+            Ok(_) => note = format!(" (the cache {} held other settings: replaced)", file.display()),
+            Err(e) => note = format!(" (the cache {} was unusable, {e}: replaced)", file.display()),
+        }
+    }
+    let mut m = Moefication::from_weights(&w, c).context("MoEfication")?;
     if spec.fitted {
         let tok = Tokenizer::from_gguf(g).context("the model's tokenizer, for the calibration text")?;
         let mut ids: Vec<u32> = tok.bos().filter(|_| tok.add_bos()).into_iter().collect();
@@ -100,7 +140,28 @@ pub fn moefy(g: &Gguf<'_>, spec: &MoeSpec) -> Result<(Moefication, f64)> {
         let dense = expertkv_core::model::CpuModel::new(std::sync::Arc::new(w))?;
         m.fit_router(&dense, &ids, expertkv_core::model::moe::DEFAULT_RIDGE).context("fitting the routers")?;
     }
-    Ok((m, t0.elapsed().as_secs_f64()))
+    let secs = t0.elapsed().as_secs_f64();
+    let made = if spec.fitted { "clustered and routers fitted" } else { "clustered" };
+    let tmp = file.with_extension(format!("tmp{}", std::process::id()));
+    let written = m.to_bytes().map_err(anyhow::Error::from).and_then(|b| {
+        std::fs::create_dir_all(&dir)?;
+        std::fs::write(&tmp, b)?;
+        std::fs::rename(&tmp, &file)?;
+        Ok(())
+    });
+    let cached = match written {
+        Ok(()) => format!("; cached in {}", file.display()),
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            format!("; not cached ({e})")
+        }
+    };
+    Ok(Moefied { moe: m, how: format!("{made} in {secs:.2} s{cached}{note}") })
+}
+
+/// FNV-1a, continued from `h` over `bytes`.
+fn fnv(h: u64, bytes: &[u8]) -> u64 {
+    bytes.iter().fold(h, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
 }
 
 /// The model file's path (`--model`, else SmolLM2 under `EXPERTKV_MODELS_DIR` or `models/`) and
@@ -179,17 +240,16 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     }
     if let Some(spec) = &moe {
         let mc = &spec.config;
-        let (experts, secs) = moefy(&g, spec)?;
+        let Moefied { moe: experts, how } = moefy(&g, &bytes, &path, spec)?;
         m.set_moe(&rt, &g, &experts).context("uploading the experts")?;
         if let Some(spec) = &a.router {
             pollster::block_on(m.set_moe_router(&rt, RouterConfig::parse(spec)?))?;
         }
         println!(
-            "moefied: {} experts per layer, top-{} per token ({:.0}% of the FFN's neurons evaluated), made in {:.2} s; router: {}",
+            "moefied: {} experts per layer, top-{} per token ({:.0}% of the FFN's neurons evaluated), {how}; router: {}",
             mc.experts,
             mc.top_k,
             100.0 * experts.fraction_evaluated(),
-            secs,
             m.moe_router().map_or_else(
                 || experts.fitted.map_or("the centroid scores' top k".to_string(), |n| format!("fitted on {n} calibration tokens, top k")),
                 |r| r.name().to_string()

@@ -174,3 +174,34 @@ fn run_and_eval_a_moe_file_with_its_own_experts() {
         assert!(!o.status.success() && err.contains("MoE file with 8 experts") && !err.contains("panicked"), "{args:?}: {err}");
     }
 }
+
+/// MoEfication is made once and cached: the second run loads it, a damaged cache is replaced
+/// with a note, and the run goes on.
+#[test]
+fn moefication_is_cached_and_a_damaged_cache_replaced() {
+    use expertkv_core::model::SyntheticModel;
+    let path = tmp("dense.gguf");
+    std::fs::write(&path, SyntheticModel::dense(5).gguf()).expect("write the model");
+    let cache = tmp("moe-cache");
+    let _ = std::fs::remove_dir_all(&cache);
+    let run = || {
+        let o = Command::new(env!("CARGO_BIN_EXE_expertkv"))
+            .args(["run", "--model", path.to_str().expect("utf-8 path"), "--prompt", "Hi", "--tokens", "2", "--moe", "4:2:fitted"])
+            .env("EXPERTKV_CACHE_DIR", &cache)
+            .output()
+            .expect("running expertkv");
+        let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+        assert!(o.status.success(), "{text}");
+        text
+    };
+    let first = run();
+    assert!(first.contains("clustered and routers fitted") && first.contains("cached in"), "{first}");
+    let second = run();
+    assert!(second.contains("loaded from the cache"), "{second}");
+    let entries: Vec<_> = std::fs::read_dir(&cache).expect("the cache folder").map(|e| e.expect("entry").path()).collect();
+    assert_eq!(entries.len(), 1, "{entries:?}");
+    std::fs::write(&entries[0], b"EKVMOE1\ngarbage").expect("damage the cache");
+    let third = run();
+    assert!(third.contains("was unusable") && third.contains("truncated") && third.contains("cached in"), "{third}");
+    assert!(run().contains("loaded from the cache"));
+}

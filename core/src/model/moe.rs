@@ -32,9 +32,10 @@
 //!   trained with) would shrink every output and make `k = E` differ from the dense model. With
 //!   weight 1, `E = 1` (or `k = E`) is the dense FFN up to summation order.
 //!
-//! Clustering all 30 layers of SmolLM2-135M takes a few seconds on two cores, so it is computed
-//! when asked rather than cached on disk (a cache, if wanted, would key on the model file's hash
-//! and [`MoeConfig`]).
+//! Clustering all 30 layers of SmolLM2-135M takes under a second on two cores, fitting the
+//! routers about 25 s; `expertkv run` and `eval` compute a MoEfication once and cache it on disk
+//! ([`Moefication::to_bytes`] / [`Moefication::from_bytes`], keyed on a hash of the model file,
+//! the [`MoeConfig`] and the calibration text).
 //!
 //! A GGUF file that holds real experts (llama.cpp's `ffn_gate_inp` and `ffn_*_exps`) is read
 //! into the same structure by [`Moefication::native`]: expert `e` owns the file's neurons
@@ -53,6 +54,9 @@ use crate::rng::Rng;
 pub const CALIBRATION_TEXT: &str = include_str!("../../data/calibration.txt");
 /// The ridge of [`Moefication::fit_router`]: a thousandth of the inputs' mean energy per feature.
 pub const DEFAULT_RIDGE: f64 = 1e-3;
+
+/// The first bytes of [`Moefication::to_bytes`] (its format's version is the last digit).
+const CACHE_MAGIC: &[u8; 8] = b"EKVMOE1\n";
 
 /// The seed of [`MoeConfig::new`].
 pub const DEFAULT_SEED: u64 = 0x6d6f_6566_7931;
@@ -206,7 +210,12 @@ impl MoeLayer {
             return Err(Error::Input(format!("MoEfication of layer {layer} needs f32 gate [{ffn}][{hidden}] and down [{hidden}][{ffn}]")));
         }
         let (centroids, assignment) = spherical_kmeans(&lw.gate, config, layer);
-        let e = config.experts;
+        Ok(Self::from_assignment(lw, centroids, assignment, config.experts))
+    }
+
+    /// The layer whose router is `centroids` and whose neuron `n` belongs to expert
+    /// `assignment[n]` (every entry below `e`).
+    fn from_assignment(lw: &LayerWeights, centroids: Vec<f32>, assignment: Vec<u32>, e: usize) -> Self {
         let mut offsets = vec![0u32; e + 1];
         for &a in &assignment {
             offsets[a as usize + 1] += 1;
@@ -215,20 +224,20 @@ impl MoeLayer {
             offsets[j + 1] += offsets[j];
         }
         let mut fill = offsets.clone();
-        let mut neurons = vec![0u32; ffn];
+        let mut neurons = vec![0u32; assignment.len()];
         for (n, &a) in assignment.iter().enumerate() {
             neurons[fill[a as usize] as usize] = n as u32;
             fill[a as usize] += 1;
         }
-        Ok(MoeLayer {
-            hidden,
+        MoeLayer {
+            hidden: lw.gate.cols,
             gating: Gating::Unit,
             centroids,
             expert_from_neuron: assignment,
             neurons,
             offsets,
             down_t: transpose(&lw.down),
-        })
+        }
     }
 }
 
@@ -352,6 +361,85 @@ impl Moefication {
         }
         self.fitted = Some(n);
         Ok(t0.elapsed().as_secs_f64())
+    }
+
+    /// The MoEfication as bytes, for a disk cache: the settings, the fitted flag and per layer
+    /// the routers and every neuron's expert (Wdown comes back from the weights,
+    /// [`Moefication::from_bytes`]). Not for a MoE file's own experts (read from the file).
+    pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        if self.is_native() {
+            return Err(Error::Input("a MoE file's own experts are read from the file, not cached".into()));
+        }
+        let c = &self.config;
+        let hidden = self.layers.first().map_or(0, |l| l.hidden);
+        let ffn = self.layers.first().map_or(0, |l| l.neurons.len());
+        let mut out = CACHE_MAGIC.to_vec();
+        let u32s = |v: &[u32], out: &mut Vec<u8>| v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes()));
+        let fitted = self.fitted.map_or(u32::MAX, |n| n as u32);
+        let head = [
+            c.experts as u32,
+            c.top_k as u32,
+            c.iterations as u32,
+            u32::from(c.balanced),
+            fitted,
+            self.layers.len() as u32,
+            hidden as u32,
+            ffn as u32,
+        ];
+        u32s(&head, &mut out);
+        out.extend_from_slice(&c.seed.to_le_bytes());
+        for l in &self.layers {
+            l.centroids.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes()));
+            u32s(&l.expert_from_neuron, &mut out);
+        }
+        Ok(out)
+    }
+
+    /// Back from [`Moefication::to_bytes`], against the weights it was made from (their Wdown);
+    /// anything amiss (another format, another shape, a truncated or damaged file) is an error,
+    /// never a panic.
+    pub fn from_bytes(bytes: &[u8], w: &LlamaWeights) -> Result<Self> {
+        let bad = |what: &str| Error::Input(format!("MoE cache: {what}"));
+        let rest = bytes.strip_prefix(CACHE_MAGIC).ok_or_else(|| bad("not an expertkv MoE cache of this version"))?;
+        let mut at = 0usize;
+        let mut take = |n: usize| -> Result<&[u8]> {
+            let end = at.checked_add(n).ok_or_else(|| bad("size overflows"))?;
+            let s = rest.get(at..end).ok_or_else(|| bad("truncated"))?;
+            at = end;
+            Ok(s)
+        };
+        let mut head = [0u32; 8];
+        for h in &mut head {
+            let b = take(4)?;
+            *h = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        }
+        let [experts, top_k, iterations, balanced, fitted, n_layers, hidden, ffn] = head;
+        let sb = take(8)?;
+        let seed = u64::from_le_bytes([sb[0], sb[1], sb[2], sb[3], sb[4], sb[5], sb[6], sb[7]]);
+        if balanced > 1 {
+            return Err(bad("damaged (the balanced flag)"));
+        }
+        let c = &w.config;
+        if w.is_moe() || n_layers as usize != w.layers.len() || hidden != c.embedding_length || ffn != c.feed_forward_length {
+            return Err(bad("made for another model shape"));
+        }
+        let config =
+            MoeConfig { experts: experts as usize, top_k: top_k as usize, seed, iterations: iterations as usize, balanced: balanced != 0 };
+        config.validate(ffn as usize)?;
+        let (h, f, e) = (hidden as usize, ffn as usize, experts as usize);
+        let mut layers = Vec::with_capacity(w.layers.len());
+        for lw in &w.layers {
+            let centroids: Vec<f32> = take(4 * e * h)?.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+            let assignment: Vec<u32> = take(4 * f)?.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+            if centroids.iter().any(|x| !x.is_finite()) || assignment.iter().any(|&a| a >= experts) {
+                return Err(bad("damaged (a router weight not finite or a neuron's expert out of range)"));
+            }
+            layers.push(MoeLayer::from_assignment(lw, centroids, assignment, e));
+        }
+        if at != rest.len() {
+            return Err(bad("trailing bytes"));
+        }
+        Ok(Moefication { config, layers, fitted: (fitted != u32::MAX).then_some(fitted as usize) })
     }
 
     /// A MoE file's own experts and routers ([`MoeLayer::native`]), `k` = its
@@ -686,6 +774,49 @@ mod tests {
             m.scores(&x, &mut s);
             assert_eq!(m.expert_from_neuron[13] as usize, top_k(&s, 1)[0]);
         }
+    }
+
+    /// A MoEfication survives its bytes exactly; damaged or foreign bytes are refused, never a
+    /// panic (every truncation, every single-byte change of the header).
+    #[test]
+    fn moe_cache_bytes_round_trip_and_refuse_damage_cpu() {
+        let w = synthetic_weights(&crate::model::SyntheticModel::dense(4));
+        let mut m = Moefication::from_weights(&w, &MoeConfig::new(6, 2)).unwrap();
+        m.fitted = Some(33);
+        let bytes = m.to_bytes().unwrap();
+        let back = Moefication::from_bytes(&bytes, &w).unwrap();
+        assert_eq!((&back.config, back.fitted), (&m.config, m.fitted));
+        for (a, b) in back.layers.iter().zip(&m.layers) {
+            assert_eq!(
+                (&a.centroids, &a.expert_from_neuron, &a.neurons, &a.offsets, &a.down_t),
+                (&b.centroids, &b.expert_from_neuron, &b.neurons, &b.offsets, &b.down_t)
+            );
+        }
+        for cut in 0..bytes.len() {
+            assert!(Moefication::from_bytes(&bytes[..cut], &w).is_err(), "truncated at {cut}");
+        }
+        // Header bytes: the magic, 8 u32 fields, the seed. Only the iterations (field 2), the
+        // calibration count (4) and the seed may change and still describe a valid MoEfication of
+        // this shape.
+        for at in 0..8 + 8 * 4 + 8 {
+            let mut d = bytes.clone();
+            d[at] ^= 0x5a;
+            if let Ok(x) = Moefication::from_bytes(&d, &w) {
+                let field = (at >= 8).then(|| (at - 8) / 4);
+                assert!(matches!(field, Some(2) | Some(4) | Some(8) | Some(9)), "byte {at} changed and was accepted: {:?}", x.config);
+            }
+        }
+        let mut long = bytes.clone();
+        long.push(0);
+        assert!(Moefication::from_bytes(&long, &w).is_err());
+        let mut nan = bytes.clone();
+        let first_centroid = 8 + 8 * 4 + 8;
+        nan[first_centroid..first_centroid + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+        assert!(Moefication::from_bytes(&nan, &w).unwrap_err().to_string().contains("damaged"));
+        let other = synthetic_weights(&crate::model::SyntheticModel { ffn: 64, ..crate::model::SyntheticModel::dense(4) });
+        assert!(Moefication::from_bytes(&bytes, &other).unwrap_err().to_string().contains("another model shape"));
+        let own = synthetic_weights(&crate::model::SyntheticModel::moe(4, 4, 2));
+        assert!(Moefication::native(&own).unwrap().to_bytes().is_err());
     }
 
     /// Balanced groups have sizes that differ by at most one even when E does not divide the FFN.
