@@ -43,11 +43,25 @@ pub struct AttendOptions {
     pub tokens_in_flight: u32,
     /// Subgroup variant: reduce-scatter scores over lanes when the group allows it.
     pub transpose: bool,
+    /// Quantised pages (int8, int4) on the subgroup tier: the kernel that works a page at a time
+    /// (`attend/split_quant_page.wgsl`) where the shape and the workgroup memory allow it;
+    /// `false`: the slot-block kernel (`attend/split_quant.wgsl`). The environment variable
+    /// `EXPERTKV_QUANT_KERNEL=slot` forces the latter too (for comparisons on one build).
+    pub quant_page: bool,
 }
 
 impl Default for AttendOptions {
     fn default() -> Self {
-        AttendOptions { group: 4, n_seqs: 1, chunk_pages: 32, mass: true, variant: None, tokens_in_flight: 4, transpose: true }
+        AttendOptions {
+            group: 4,
+            n_seqs: 1,
+            chunk_pages: 32,
+            mass: true,
+            variant: None,
+            tokens_in_flight: 4,
+            transpose: true,
+            quant_page: true,
+        }
     }
 }
 
@@ -127,6 +141,18 @@ fn quant_fast_path(cfg: &crate::config::PoolConfig, variant: SplitVariant, opts:
     let prefetch = (u..=cap.max(u).min(cfg.page_size)).rev().find(|p| p.is_multiple_of(u) && cfg.page_size.is_multiple_of(*p)).unwrap_or(u);
     (cfg.head_dim.is_multiple_of(dims_per_lane_word) && group.is_multiple_of(4) && opts.group * cfg.head_dim <= 2048 && opts.group <= 16)
         .then_some(QuantFast { lanes, bits, u, prefetch, vp_per_word })
+}
+
+/// The workgroup size of the page-at-a-time quantised kernel for this shape (128 invocations, or
+/// 64 where 128's workgroup memory, the scaled queries of every token group, would not fit the
+/// device), or `None` when that kernel does not run it (pages not split evenly over the lanes,
+/// or not asked for).
+fn quant_page_workgroup(rt: &Runtime, cfg: &crate::config::PoolConfig, opts: &AttendOptions, lanes: u32) -> Option<u32> {
+    let shared = |wg: u32| (wg / lanes + 1) * opts.group * cfg.head_dim * 4 + 256 * 8 + 2 * 64 * 4 + 8;
+    if !opts.quant_page || std::env::var("EXPERTKV_QUANT_KERNEL").as_deref() == Ok("slot") || !cfg.page_size.is_multiple_of(lanes) {
+        return None;
+    }
+    [128, 64].into_iter().find(|&wg| wg >= lanes && shared(wg) <= rt.caps.max_workgroup_storage_bytes)
 }
 
 pub struct Attention {
@@ -289,26 +315,27 @@ impl Attention {
             );
             Some((p, bg))
         } else if let Some(QuantFast { lanes, bits, u, prefetch, vp_per_word }) = quant_fast_path(cfg, variant, &opts) {
+            let page = quant_page_workgroup(rt, cfg, &opts, lanes);
             let transpose = opts.transpose && opts.group.is_power_of_two() && opts.group <= lanes;
-            let p = rt
-                .pipeline_with(
+            let (kernel, mut defines) = if let Some(wg) = page {
+                (Kernel::AttendSplitQuantPage, vec![("WG", format!("{wg}u"))])
+            } else {
+                (
                     Kernel::AttendSplitQuant,
-                    &[
-                        ("GROUP", format!("{}u", opts.group)),
-                        ("LANES", format!("{lanes}u")),
-                        ("BITS", format!("{bits}u")),
-                        ("HEAD_DIM", format!("{}u", cfg.head_dim)),
-                        ("PAGE_SIZE", format!("{}u", cfg.page_size)),
-                        ("U", format!("{u}u")),
-                        ("PF", format!("{prefetch}u")),
-                        ("VP_PER_WORD", vp_per_word.to_string()),
-                        ("TRANSPOSE", transpose.to_string()),
-                    ],
-                    &[],
+                    vec![("U", format!("{u}u")), ("PF", format!("{prefetch}u")), ("TRANSPOSE", transpose.to_string())],
                 )
-                .await?;
+            };
+            defines.extend([
+                ("GROUP", format!("{}u", opts.group)),
+                ("LANES", format!("{lanes}u")),
+                ("BITS", format!("{bits}u")),
+                ("HEAD_DIM", format!("{}u", cfg.head_dim)),
+                ("PAGE_SIZE", format!("{}u", cfg.page_size)),
+                ("VP_PER_WORD", vp_per_word.to_string()),
+            ]);
+            let p = rt.pipeline_with(kernel, &defines, &[]).await?;
             let bg = rt.bind(
-                Kernel::AttendSplitQuant.label(),
+                kernel.label(),
                 &p,
                 &[&pool.geometry, &params, page_list, page_counts, &pool.page_meta, &pool.codec_kv, &queries, &partials, &scores],
             );
@@ -327,7 +354,11 @@ impl Attention {
         let codec_kernel = if cfg.codec.is_low_rank() {
             Some("lowrank".to_string())
         } else if let Some(f) = quant_fast_path(cfg, variant, &opts) {
-            Some(format!("quant-subgroup u={} pf={}", f.u, f.prefetch))
+            Some(if let Some(wg) = quant_page_workgroup(rt, cfg, &opts, f.lanes) {
+                format!("quant-subgroup page wg={wg}")
+            } else {
+                format!("quant-subgroup u={} pf={}", f.u, f.prefetch)
+            })
         } else if has_codec {
             Some("codec-portable".to_string())
         } else {

@@ -77,7 +77,7 @@ fn assert_same_codec(rt: &Runtime, pool: &KvPool, model: &PoolModel, ctx: &str) 
 #[test]
 fn compression_gpu_match_cpu_and_attention_decodes_in_kernel() {
     let rt = rt();
-    let (mut compressed, mut fast_runs) = (0, 0);
+    let (mut compressed, mut fast_runs, mut page_runs) = (0, 0, 0);
     for seed in seeds("codec", 20) {
         let mut rng = Rng::new(seed);
         let cfg = config(&mut rng);
@@ -106,11 +106,13 @@ fn compression_gpu_match_cpu_and_attention_decodes_in_kernel() {
         compressed += cfg.codec_pages - model.ctl.codec_free_top;
         // Attention over raw and compressed pages, every variant the device has.
         pool.gather(rt).expect("gather");
-        let mut variants = vec![SplitVariant::Tiled];
+        // The quantised pages have two subgroup kernels: a page at a time, and a block of slots.
+        let mut variants = vec![(SplitVariant::Tiled, true)];
         if let Some(v) = subgroup_layout(rt, cfg.head_dim, cfg.dtype) {
-            variants.push(v);
+            variants.push((v, true));
+            variants.push((v, false));
         }
-        for variant in variants {
+        for (variant, quant_page) in variants {
             let group = 1 + rng.below(4);
             let attn = pollster::block_on(Attention::new(
                 rt,
@@ -118,14 +120,18 @@ fn compression_gpu_match_cpu_and_attention_decodes_in_kernel() {
                 AttendOptions {
                     group,
                     n_seqs: cfg.max_seqs,
-                    chunk_pages: 1 + rng.below(4),
+                    // Small chunks, and chunks longer than a workgroup's token groups (so one
+                    // group takes several pages and rescales its running sums).
+                    chunk_pages: if rng.below(2) == 0 { 1 + rng.below(4) } else { 17 + rng.below(24) },
                     mass: true,
                     variant: Some(variant),
+                    quant_page,
                     ..Default::default()
                 },
             ))
             .expect("attention");
             fast_runs += usize::from(attn.describe().contains("quant-subgroup"));
+            page_runs += usize::from(attn.describe().contains("quant-subgroup page"));
             let q: Vec<f32> = (0..cfg.max_seqs * attn.q_heads() * cfg.head_dim).map(|_| rng.normal() as f32).collect();
             attn.set_queries(rt, &q).expect("queries");
             for layer in 0..cfg.layers {
@@ -146,7 +152,89 @@ fn compression_gpu_match_cpu_and_attention_decodes_in_kernel() {
     if std::env::var("EXPERTKV_TEST_SEED").is_err() {
         assert!(compressed > 50, "only {compressed} pages were compressed: the cases prove little");
         if expertkv_core::attend::subgroup_layout(rt, 128, KvDtype::F16).is_some() {
-            assert!(fast_runs > 0, "no case ran the fast quantised kernel");
+            assert!(
+                fast_runs > page_runs && page_runs > 0,
+                "the quantised kernels ran {fast_runs} times, {page_runs} of them a page at a time"
+            );
+        }
+    }
+}
+
+/// Long lists of quantised pages (many more pages than a workgroup's token groups, so each group
+/// takes several pages and rescales its running sums) through both subgroup kernels, against
+/// the f64 reference; queries large enough that the softmax is far from uniform.
+#[test]
+fn quantised_attention_over_long_lists_both_kernels() {
+    let rt = rt();
+    let Some(variant) = subgroup_layout(rt, 128, KvDtype::F16) else {
+        eprintln!("no subgroup tier: the quantised subgroup kernels do not run here");
+        return;
+    };
+    for seed in seeds("codec_long_lists", 4) {
+        let mut rng = Rng::new(seed);
+        let codec = if rng.below(2) == 0 { Codec::Int4 { group: [32u32, 64][rng.below(2) as usize] } } else { Codec::Int8 { group: 32 } };
+        let mut cfg = PoolConfig {
+            layers: 1,
+            kv_heads: 1 + rng.below(2),
+            head_dim: 128,
+            page_size: 16,
+            dtype: KvDtype::F16,
+            n_pages: 0,
+            max_seqs: 1 + rng.below(2),
+            n_shards: 1,
+            ring_capacity: 64,
+            top_k: 1,
+            shard_map: ShardMap::Pikv { n_tok: 1, n_exp: 1 },
+            max_buffer_bytes: None,
+            codec,
+            codec_pages: 0,
+        };
+        cfg.n_pages = cfg.n_keys() * 3 + 8;
+        cfg.codec_pages = cfg.n_keys() * 64;
+        let ctx0 = format!("seed {seed}: {codec:?}, {} KV heads, {} sequences", cfg.kv_heads, cfg.max_seqs);
+        let mut pool = pollster::block_on(KvPool::new(rt, cfg.clone())).unwrap_or_else(|e| panic!("{ctx0}: {e}"));
+        let mut model = PoolModel::new(&cfg);
+        let mut positions = vec![0u32; cfg.max_seqs as usize];
+        let target = 150 + rng.below(60);
+        let mut round = 0;
+        while positions.iter().any(|&p| p < target) {
+            let n = pool.max_append_tokens(rt).min(32) as usize;
+            let toks = random_batch(&mut rng, &cfg, &mut positions, n, false);
+            let kv = random_kv(&mut rng, &cfg, n);
+            pool.append(rt, &toks, &kv, round).expect("append");
+            model.append(&toks, &kv, round).expect("append");
+            pool.compress(rt).expect("compress");
+            model.compress();
+            round += 1;
+        }
+        assert_eq!(model.ctl.error_flags, 0, "{ctx0}: the pool held the text");
+        pool.gather(rt).expect("gather");
+        for quant_page in [true, false] {
+            let group = 1 + rng.below(4);
+            let attn = pollster::block_on(Attention::new(
+                rt,
+                &pool,
+                AttendOptions {
+                    group,
+                    n_seqs: cfg.max_seqs,
+                    chunk_pages: 64,
+                    mass: true,
+                    variant: Some(variant),
+                    quant_page,
+                    ..Default::default()
+                },
+            ))
+            .expect("attention");
+            assert!(attn.describe().contains(if quant_page { "quant-subgroup page" } else { "quant-subgroup u=" }), "{}", attn.describe());
+            let q: Vec<f32> = (0..cfg.max_seqs * attn.q_heads() * cfg.head_dim).map(|_| rng.normal() as f32 * 3.0).collect();
+            attn.set_queries(rt, &q).expect("queries");
+            rt.fill_u32(&attn.out, POISON_F32);
+            attn.run(rt, 0, 9).expect("attend");
+            let got = pollster::block_on(attn.read_output(rt)).expect("out");
+            let want = attend_decode(&model, 0, cfg.max_seqs, &q, group, f64::from(attn.scale()));
+            for (i, (g, w)) in got.iter().zip(&want.out).enumerate() {
+                assert!((f64::from(*g) - w).abs() <= 2e-5 + 1e-4 * w.abs(), "{ctx0}: {} out[{i}] = {g}, reference {w}", attn.describe());
+            }
         }
     }
 }
