@@ -152,7 +152,9 @@ fn quant_page_workgroup(rt: &Runtime, cfg: &crate::config::PoolConfig, opts: &At
     if !opts.quant_page || std::env::var("EXPERTKV_QUANT_KERNEL").as_deref() == Ok("slot") || !cfg.page_size.is_multiple_of(lanes) {
         return None;
     }
-    [128, 64].into_iter().find(|&wg| wg >= lanes && shared(wg) <= rt.caps.max_workgroup_storage_bytes)
+    // EXPERTKV_QUANT_PAGE_WG=64 (hidden, for the H200 probes) takes the smaller size first.
+    let sizes = if std::env::var("EXPERTKV_QUANT_PAGE_WG").as_deref() == Ok("64") { [64, 128] } else { [128, 64] };
+    sizes.into_iter().find(|&wg| wg >= lanes && shared(wg) <= rt.caps.max_workgroup_storage_bytes)
 }
 
 pub struct Attention {
@@ -318,7 +320,10 @@ impl Attention {
             let page = quant_page_workgroup(rt, cfg, &opts, lanes);
             let transpose = opts.transpose && opts.group.is_power_of_two() && opts.group <= lanes;
             let (kernel, mut defines) = if let Some(wg) = page {
-                (Kernel::AttendSplitQuantPage, vec![("WG", format!("{wg}u"))])
+                // EXPERTKV_QUANT_PAGE_PREFETCH (hidden, for the H200 probes): value slots loaded
+                // with the keys.
+                let vp = std::env::var("EXPERTKV_QUANT_PAGE_PREFETCH").ok().and_then(|v| v.parse::<u32>().ok()).unwrap_or(cfg.page_size);
+                (Kernel::AttendSplitQuantPage, vec![("WG", format!("{wg}u")), ("V_PREFETCH", format!("{}u", vp.clamp(1, cfg.page_size)))])
             } else {
                 (
                     Kernel::AttendSplitQuant,

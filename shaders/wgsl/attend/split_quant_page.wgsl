@@ -34,11 +34,14 @@
 //!define PAGE_SIZE 16u
 //!define VP_PER_WORD true
 //!define WG 128u
+//!define V_PREFETCH 16u
 // GROUP: query heads per KV head. LANES: invocations per token group (a multiple of nothing
 // but a divisor of PAGE_SIZE). BITS: 8 or 4. HEAD_DIM: d (a multiple of LANES * 32 / BITS).
 // VP_PER_WORD: the value groups are a multiple of a code word's dimensions, so one parameter word
 // serves a code word. WG: invocations per workgroup (128, or 64 where the scaled queries of 128
-// would not fit the device's workgroup memory).
+// would not fit the device's workgroup memory). V_PREFETCH: slots whose value words are loaded
+// with the keys, before phase 1 (PAGE_SIZE: all; fewer holds fewer registers, the rest are loaded
+// in phase 2 a slot ahead of their use).
 
 const CPW: u32 = 32u / BITS;                  // codes per u32 word
 const KW: u32 = HEAD_DIM / CPW;               // code words per row
@@ -200,9 +203,9 @@ fn main(
                 }
             }
         }
-        var vw: array<u32, PAGE_SIZE * WPL>;
-        var vprm: array<u32, PAGE_SIZE * NVP>;
-        for (var s = 0u; s < PAGE_SIZE; s++) {
+        var vw: array<u32, V_PREFETCH * WPL>;
+        var vprm: array<u32, V_PREFETCH * NVP>;
+        for (var s = 0u; s < V_PREFETCH; s++) {
             for (var i = 0u; i < WPL; i++) {
                 vw[s * WPL + i] = 0u;
                 if (s < fill) {
@@ -294,9 +297,26 @@ fn main(
             for (var g = 0u; g < GROUP; g++) {
                 pv[g] = subgroupShuffle(p[(s / LANES) * GROUP + g], group_base + s % LANES);
             }
+            var cw: array<u32, WPL>;
+            var cp: array<u32, NVP>;
+            if (s < V_PREFETCH) {
+                for (var i = 0u; i < WPL; i++) {
+                    cw[i] = vw[min(s, V_PREFETCH - 1u) * WPL + i];
+                }
+                for (var n = 0u; n < NVP; n++) {
+                    cp[n] = vprm[min(s, V_PREFETCH - 1u) * NVP + n];
+                }
+            } else {
+                for (var i = 0u; i < WPL; i++) {
+                    cw[i] = select(0u, codec_kv[cbase + vc_off + s * rw + lane + i * LANES], s < fill);
+                }
+                for (var n = 0u; n < NVP; n++) {
+                    cp[n] = select(0u, codec_kv[cbase + vp_off + s * vgroups + vgi[n]], s < fill);
+                }
+            }
             for (var n = 0u; n < NV; n++) {
-                let prm = vprm[s * NVP + select(n, n / VPW, VP_PER_WORD)];
-                let v = f16_value(prm) + codes4(vw[s * WPL + n / VPW], n % VPW) * f16_value(prm >> 16u);
+                let prm = cp[select(n, n / VPW, VP_PER_WORD)];
+                let v = f16_value(prm) + codes4(cw[n / VPW], n % VPW) * f16_value(prm >> 16u);
                 for (var g = 0u; g < GROUP; g++) {
                     acc[g * NV + n] += pv[g] * v;
                 }

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Probes of the page-at-a-time quantised kernel on the lent H200, b8 x 32768 int4 and int8, the
+# codec kernel's time: value slots loaded with the keys (EXPERTKV_QUANT_PAGE_PREFETCH 16, 4, 1)
+# and 64-invocation workgroups (EXPERTKV_QUANT_PAGE_WG=64), against the slot-block kernel.
+for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
+export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+B=.bin/expertkv
+run() { $B bench attend --json --reps 20 "$@" 2>/dev/null | python3 -c "
+import json,sys
+for l in sys.stdin:
+    r=json.loads(l)
+    if r['kernel']=='copy': continue
+    print('${EXPERTKV_QUANT_KERNEL:-page} pf=${EXPERTKV_QUANT_PAGE_PREFETCH:-16} wg=${EXPERTKV_QUANT_PAGE_WG:-128}', r['shape'][-22:], 'ms', round(r['median_ms'],4), 'codec', round(r.get('codec_split_ms',0),4))
+"; }
+S="--batch 8 --tokens 32768"
+for codec in int4 int8; do
+  EXPERTKV_QUANT_KERNEL=slot run $S --codecs $codec
+  for pf in 16 4 1; do EXPERTKV_QUANT_PAGE_PREFETCH=$pf run $S --codecs $codec; done
+  EXPERTKV_QUANT_PAGE_PREFETCH=1 EXPERTKV_QUANT_PAGE_WG=64 run $S --codecs $codec
+  EXPERTKV_QUANT_PAGE_WG=64 run $S --codecs $codec
+done
