@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# The page-at-a-time kernel was measured slower and removed: run this at commit d916e06.
 # The quantised attention a page at a time (split_quant_page.wgsl, the default) against the
 # slot-block kernel (EXPERTKV_QUANT_KERNEL=slot) on the lent H200: b8 x 32768 and b1 x 131072,
 # int4 and int8, each configuration alone in its process (PyTorch and the f16 pool in the same

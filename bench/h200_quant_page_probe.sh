@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# The page-at-a-time kernel was measured slower and removed: run this at commit d916e06.
 # Probes of the page-at-a-time quantised kernel on the lent H200, b8 x 32768 int4 and int8, the
 # codec kernel's time: value slots loaded with the keys (EXPERTKV_QUANT_PAGE_PREFETCH 16, 4, 1)
 # and 64-invocation workgroups (EXPERTKV_QUANT_PAGE_WG=64), against the slot-block kernel.

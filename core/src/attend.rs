@@ -43,25 +43,11 @@ pub struct AttendOptions {
     pub tokens_in_flight: u32,
     /// Subgroup variant: reduce-scatter scores over lanes when the group allows it.
     pub transpose: bool,
-    /// Quantised pages (int8, int4) on the subgroup tier: the kernel that works a page at a time
-    /// (`attend/split_quant_page.wgsl`) where the shape and the workgroup memory allow it;
-    /// `false`: the slot-block kernel (`attend/split_quant.wgsl`). The environment variable
-    /// `EXPERTKV_QUANT_KERNEL=slot` forces the latter too (for comparisons on one build).
-    pub quant_page: bool,
 }
 
 impl Default for AttendOptions {
     fn default() -> Self {
-        AttendOptions {
-            group: 4,
-            n_seqs: 1,
-            chunk_pages: 32,
-            mass: true,
-            variant: None,
-            tokens_in_flight: 4,
-            transpose: true,
-            quant_page: true,
-        }
+        AttendOptions { group: 4, n_seqs: 1, chunk_pages: 32, mass: true, variant: None, tokens_in_flight: 4, transpose: true }
     }
 }
 
@@ -141,20 +127,6 @@ fn quant_fast_path(cfg: &crate::config::PoolConfig, variant: SplitVariant, opts:
     let prefetch = (u..=cap.max(u).min(cfg.page_size)).rev().find(|p| p.is_multiple_of(u) && cfg.page_size.is_multiple_of(*p)).unwrap_or(u);
     (cfg.head_dim.is_multiple_of(dims_per_lane_word) && group.is_multiple_of(4) && opts.group * cfg.head_dim <= 2048 && opts.group <= 16)
         .then_some(QuantFast { lanes, bits, u, prefetch, vp_per_word })
-}
-
-/// The workgroup size of the page-at-a-time quantised kernel for this shape (128 invocations, or
-/// 64 where 128's workgroup memory, the scaled queries of every token group, would not fit the
-/// device), or `None` when that kernel does not run it (pages not split evenly over the lanes,
-/// or not asked for).
-fn quant_page_workgroup(rt: &Runtime, cfg: &crate::config::PoolConfig, opts: &AttendOptions, lanes: u32) -> Option<u32> {
-    let shared = |wg: u32| (wg / lanes + 1) * opts.group * cfg.head_dim * 4 + 256 * 8 + 2 * 64 * 4 + 8;
-    if !opts.quant_page || std::env::var("EXPERTKV_QUANT_KERNEL").as_deref() == Ok("slot") || !cfg.page_size.is_multiple_of(lanes) {
-        return None;
-    }
-    // EXPERTKV_QUANT_PAGE_WG=64 (hidden, for the H200 probes) takes the smaller size first.
-    let sizes = if std::env::var("EXPERTKV_QUANT_PAGE_WG").as_deref() == Ok("64") { [64, 128] } else { [128, 64] };
-    sizes.into_iter().find(|&wg| wg >= lanes && shared(wg) <= rt.caps.max_workgroup_storage_bytes)
 }
 
 pub struct Attention {
@@ -317,30 +289,26 @@ impl Attention {
             );
             Some((p, bg))
         } else if let Some(QuantFast { lanes, bits, u, prefetch, vp_per_word }) = quant_fast_path(cfg, variant, &opts) {
-            let page = quant_page_workgroup(rt, cfg, &opts, lanes);
             let transpose = opts.transpose && opts.group.is_power_of_two() && opts.group <= lanes;
-            let (kernel, mut defines) = if let Some(wg) = page {
-                // EXPERTKV_QUANT_PAGE_PREFETCH (hidden, for the H200 probes): value slots loaded
-                // with the keys.
-                let vp = std::env::var("EXPERTKV_QUANT_PAGE_PREFETCH").ok().and_then(|v| v.parse::<u32>().ok()).unwrap_or(cfg.page_size);
-                (Kernel::AttendSplitQuantPage, vec![("WG", format!("{wg}u")), ("V_PREFETCH", format!("{}u", vp.clamp(1, cfg.page_size)))])
-            } else {
-                (
+            let p = rt
+                .pipeline_with(
                     Kernel::AttendSplitQuant,
-                    vec![("U", format!("{u}u")), ("PF", format!("{prefetch}u")), ("TRANSPOSE", transpose.to_string())],
+                    &[
+                        ("GROUP", format!("{}u", opts.group)),
+                        ("LANES", format!("{lanes}u")),
+                        ("BITS", format!("{bits}u")),
+                        ("HEAD_DIM", format!("{}u", cfg.head_dim)),
+                        ("PAGE_SIZE", format!("{}u", cfg.page_size)),
+                        ("U", format!("{u}u")),
+                        ("PF", format!("{prefetch}u")),
+                        ("VP_PER_WORD", vp_per_word.to_string()),
+                        ("TRANSPOSE", transpose.to_string()),
+                    ],
+                    &[],
                 )
-            };
-            defines.extend([
-                ("GROUP", format!("{}u", opts.group)),
-                ("LANES", format!("{lanes}u")),
-                ("BITS", format!("{bits}u")),
-                ("HEAD_DIM", format!("{}u", cfg.head_dim)),
-                ("PAGE_SIZE", format!("{}u", cfg.page_size)),
-                ("VP_PER_WORD", vp_per_word.to_string()),
-            ]);
-            let p = rt.pipeline_with(kernel, &defines, &[]).await?;
+                .await?;
             let bg = rt.bind(
-                kernel.label(),
+                Kernel::AttendSplitQuant.label(),
                 &p,
                 &[&pool.geometry, &params, page_list, page_counts, &pool.page_meta, &pool.codec_kv, &queries, &partials, &scores],
             );
@@ -359,11 +327,7 @@ impl Attention {
         let codec_kernel = if cfg.codec.is_low_rank() {
             Some("lowrank".to_string())
         } else if let Some(f) = quant_fast_path(cfg, variant, &opts) {
-            Some(if let Some(wg) = quant_page_workgroup(rt, cfg, &opts, f.lanes) {
-                format!("quant-subgroup page wg={wg}")
-            } else {
-                format!("quant-subgroup u={} pf={}", f.u, f.prefetch)
-            })
+            Some(format!("quant-subgroup u={} pf={}", f.u, f.prefetch))
         } else if has_codec {
             Some("codec-portable".to_string())
         } else {

@@ -113,20 +113,6 @@ fn quantised_attention_validates_for_every_shape_knob() {
                     }
                 }
             }
-            for (vp_per_word, wg) in [(true, 128u32), (false, 128), (true, 64)] {
-                let defines = [
-                    ("WG", format!("{wg}u")),
-                    ("GROUP", format!("{group}u")),
-                    ("LANES", format!("{lanes}u")),
-                    ("BITS", format!("{bits}u")),
-                    ("HEAD_DIM", format!("{d}u")),
-                    ("VP_PER_WORD", vp_per_word.to_string()),
-                ];
-                let text = Kernel::AttendSplitQuantPage.resolved_with(&defines).expect("defines resolve");
-                if let Err(e) = validate(&format!("attend/split_quant_page.wgsl {defines:?}"), &text) {
-                    failures.push(e);
-                }
-            }
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));

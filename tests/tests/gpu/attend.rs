@@ -122,7 +122,6 @@ fn check_case(rt: &Runtime, seed: u64, variant: SplitVariant) -> bool {
             variant: Some(variant),
             tokens_in_flight: case.tokens_in_flight,
             transpose: case.transpose,
-            quant_page: true,
         },
     ))
     .unwrap_or_else(|e| panic!("{ctx}: {e}"));
