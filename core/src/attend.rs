@@ -156,6 +156,8 @@ pub struct Attention {
     scale: f32,
     /// Every layer's parameters and queries for one submission ([`Attention::stage_layers`]).
     stage: Option<(wgpu::Buffer, wgpu::Buffer, u32)>,
+    /// Layers the last staging call staged (the buffers may hold more from an earlier one).
+    staged: u32,
 }
 
 impl Attention {
@@ -366,6 +368,7 @@ impl Attention {
             kv_heads: cfg.kv_heads,
             scale: 1.0 / (d as f32).sqrt(),
             stage: None,
+            staged: 0,
             opts,
         })
     }
@@ -412,6 +415,7 @@ impl Attention {
             }
         }
         let (pb, qb) = self.ensure_stage(rt, layers);
+        self.staged = layers;
         let Some((sp, sq, _)) = &self.stage else { unreachable!("stage allocated above") };
         for (l, q) in queries.iter().enumerate() {
             rt.queue.write_buffer(sp, pb * l as u64, bytemuck::bytes_of(&self.params_for(l as u32, step)));
@@ -449,6 +453,7 @@ impl Attention {
     /// [`Attention::encode_layer_params`] copies layer i's in place before its pass.
     pub fn stage_params(&mut self, rt: &Runtime, step: u32, layers: u32) {
         self.ensure_stage(rt, layers);
+        self.staged = layers;
         let Some((sp, _, _)) = &self.stage else { unreachable!("stage allocated above") };
         let all: Vec<AttendParams> = (0..layers).map(|l| self.params_for(l, step)).collect();
         rt.queue.write_buffer(sp, 0, bytemuck::cast_slice(&all));
@@ -456,11 +461,11 @@ impl Attention {
 
     /// Copy layer `layer`'s staged parameters into place (before its pass).
     pub fn encode_layer_params(&self, enc: &mut wgpu::CommandEncoder, layer: u32) -> Result<()> {
-        let Some((sp, _, n)) = &self.stage else {
+        let Some((sp, _, _)) = &self.stage else {
             return Err(Error::Input("no staged layers: call stage_layers or stage_params first".into()));
         };
-        if layer >= *n {
-            return Err(Error::Input(format!("layer {layer} was not staged ({n} layers)")));
+        if layer >= self.staged {
+            return Err(Error::Input(format!("layer {layer} was not staged (the last staging had {} layers)", self.staged)));
         }
         let pb = std::mem::size_of::<AttendParams>() as u64;
         enc.copy_buffer_to_buffer(sp, pb * u64::from(layer), &self.params, 0, pb);

@@ -110,6 +110,26 @@ fn non_finite_queries_are_refused() {
     assert!(e.to_string().contains("not finite"), "{e}");
 }
 
+/// A layer outside the last staging is refused, even when an earlier, larger staging left room
+/// for it in the buffers.
+#[test]
+fn unstaged_layers_are_refused() {
+    let rt = rt();
+    let pool = pollster::block_on(KvPool::new(rt, small())).expect("pool");
+    let mut attn =
+        pollster::block_on(Attention::new(rt, &pool, AttendOptions { group: 2, n_seqs: 1, ..Default::default() })).expect("attn");
+    let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("test") });
+    assert!(attn.encode_layer_params(&mut enc, 0).expect_err("nothing staged").to_string().contains("no staged layers"));
+    attn.stage_params(rt, 0, 4);
+    attn.encode_layer_params(&mut enc, 3).expect("layer 3 of 4");
+    attn.stage_params(rt, 1, 2);
+    attn.encode_layer_params(&mut enc, 1).expect("layer 1 of 2");
+    let e = attn.encode_layer_params(&mut enc, 3).expect_err("layer 3 after staging 2");
+    assert!(e.to_string().contains("was not staged"), "{e}");
+    let e = attn.encode_layer_inputs(&mut enc, 2).expect_err("layer 2 after staging 2");
+    assert!(e.to_string().contains("was not staged"), "{e}");
+}
+
 #[test]
 fn lost_device_is_an_error_not_a_panic() {
     let opts = expertkv_core::RuntimeOptions::from_env().expect("env");
