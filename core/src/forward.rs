@@ -49,7 +49,6 @@ struct Scratch {
     v: wgpu::Buffer,
     /// K then V of each token in the pool's storage words (`ModelKernels::kv_pack`).
     kv_words: wgpu::Buffer,
-    o: wgpu::Buffer,
     gu: wgpu::Buffer,
     act: wgpu::Buffer,
     logits: wgpu::Buffer,
@@ -348,7 +347,6 @@ impl GpuLlama {
             k: buf("model k", kv),
             v: buf("model v", kv),
             kv_words: buf("model kv words", 2 * kv),
-            o: buf("model o", h),
             gu: buf("model gate_up", 2 * f),
             act: buf("model act", f),
             logits: buf("model logits", vocab),
@@ -428,7 +426,6 @@ impl GpuLlama {
     /// Record the expert FFN of every layer in place of the dense one (see [`GpuMoe`]).
     fn install_moe(&mut self, rt: &Runtime, layers: Vec<(GpuMatrix, MoeFfn)>, e: u32, k: u32, native: bool) -> Result<()> {
         let c = &self.cfg;
-        let hidden = c.embedding_length;
         let max_size = layers.iter().map(|(_, f)| f.max_size).max().unwrap_or(1).max(1);
         let n = self.n_seqs;
         let scores = rt.storage("moe scores", u64::from(n * e) * 4);
@@ -449,8 +446,7 @@ impl GpuLlama {
             if native {
                 kern.moe_weights(rt, &mut p, &scores, &sel, &wts, n, e, k)?;
             }
-            kern.moe_ffn(rt, &mut p, ffn_l, &s.xn, &sel, &wts, &act, &s.o, n, k)?;
-            kern.residual(rt, &mut p, &s.o, &s.h, n * hidden);
+            kern.moe_ffn(rt, &mut p, ffn_l, &s.xn, &sel, &wts, &act, &s.h, n, k, true)?;
             recorded.push(p);
         }
         self.moe = Some(GpuMoe {
@@ -501,8 +497,7 @@ impl GpuLlama {
             if moe.native {
                 kern.moe_weights(rt, &mut p, &moe.scores, &moe.sel, &moe.wts, n, e, k)?;
             }
-            kern.moe_ffn(rt, &mut p, ffn_l, &s.xn, &moe.sel, &moe.wts, &moe.act, &s.o, n, k)?;
-            kern.residual(rt, &mut p, &s.o, &s.h, n * c.embedding_length);
+            kern.moe_ffn(rt, &mut p, ffn_l, &s.xn, &moe.sel, &moe.wts, &moe.act, &s.h, n, k, true)?;
             after.push(p);
         }
         moe.routed = Some(RoutedMoe { router, before, after });

@@ -428,7 +428,8 @@ pub struct MoeParams {
     pub max_size: u32,
     pub n_tokens: u32,
     pub n_experts: u32,
-    pub _pad0: u32,
+    /// 1: `y +=` the FFN's output (the residual stream), 0: `y =` it.
+    pub accumulate: u32,
     pub _pad1: u32,
 }
 const _: () = assert!(std::mem::size_of::<MoeParams>() == 32);

@@ -407,7 +407,8 @@ impl ModelKernels {
 
     /// The expert FFN of `n_tokens` tokens: `x` `[n_tokens][hidden]`, `sel` the chosen experts
     /// `[n_tokens][top_k]` and `wts` their weights, `act` scratch of `n_tokens x top_k x max_size`
-    /// floats, `y` `[n_tokens][hidden]` (overwritten).
+    /// floats, `y` `[n_tokens][hidden]`: overwritten, or added to when `accumulate` (the residual
+    /// stream, as [`ModelKernels::matvec_add`]).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_ffn(
         &self,
@@ -421,6 +422,7 @@ impl ModelKernels {
         y: &wgpu::Buffer,
         n_tokens: u32,
         top_k: u32,
+        accumulate: bool,
     ) -> Result<()> {
         if n_tokens == 0 || top_k == 0 || top_k > m.n_experts {
             return Err(Error::Input(format!("moe_ffn: {n_tokens} tokens, top-{top_k} of {} experts", m.n_experts)));
@@ -438,6 +440,7 @@ impl ModelKernels {
                 max_size: m.max_size,
                 n_tokens,
                 n_experts: m.n_experts,
+                accumulate: u32::from(accumulate),
                 ..Default::default()
             },
         );

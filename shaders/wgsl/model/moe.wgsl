@@ -10,8 +10,9 @@
 //     are 1 for MoEfied experts and the router's softmax for a MoE file's own (model/router.wgsl
 //     moe_weights).
 //   moe_down: one invocation per (output feature h, token b):
-//     y[b][h] = sum_j sum_{s < size(e_j)} act[b][j][s] * down_t[offsets[e_j] + s][h]
-//     in a fixed order (j, then s), so results do not depend on timing.
+//     y[b][h] (+)= sum_j sum_{s < size(e_j)} act[b][j][s] * down_t[offsets[e_j] + s][h]
+//     in a fixed order (j, then s), so results do not depend on timing; added to y (the residual
+//     stream) when `accumulate` is set, else written.
 
 //!import common/quant.wgsl
 //!define FORMAT 0u
@@ -24,7 +25,7 @@ struct MoeParams {
     max_size: u32,   // neurons of the largest expert
     n_tokens: u32,
     n_experts: u32,
-    _pad0: u32,
+    accumulate: u32, // 1: y += the FFN's output, 0: y = it
     _pad1: u32,
 }
 
@@ -139,5 +140,6 @@ fn moe_down(@builtin(global_invocation_id) gid: vec3<u32>) {
             acc += act[a0 + s] * down_t[(first + s) * params.hidden + h];
         }
     }
-    y[b * params.hidden + h] = acc;
+    let o = b * params.hidden + h;
+    y[o] = select(acc, y[o] + acc, params.accumulate != 0u);
 }

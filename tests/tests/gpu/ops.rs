@@ -173,9 +173,16 @@ fn moe_ffn_matches_cpu_in_every_weight_format() {
         let y = rt.storage("y", u64::from(n * hidden) * 4);
         rt.fill_u32(&act, POISON_F32);
         rt.fill_u32(&y, POISON_F32);
-        run(rt, "moe", |p| k.moe_ffn(rt, p, &m, &xb, &sb, &wb, &act, &y, n, top_k).expect("moe_ffn"));
+        run(rt, "moe", |p| k.moe_ffn(rt, p, &m, &xb, &sb, &wb, &act, &y, n, top_k, false).expect("moe_ffn"));
         let got: Vec<f32> = pollster::block_on(rt.read_all(&y)).expect("read");
         let want = cpu::moe_ffn(&gate_up, &down_t, &offsets, h, &x, &sel, &wts, top_k as usize, n as usize);
+        // Added to a residual stream instead: the same sums plus what was there.
+        let resid: Vec<f32> = normals(&mut rng, (n * hidden) as usize);
+        let yr = rt.storage_init("residual", &resid);
+        rt.fill_u32(&act, POISON_F32);
+        run(rt, "moe", |p| k.moe_ffn(rt, p, &m, &xb, &sb, &wb, &act, &yr, n, top_k, true).expect("moe_ffn accumulate"));
+        let got_acc: Vec<f32> = pollster::block_on(rt.read_all(&yr)).expect("read");
+        let want_acc: Vec<f64> = want.iter().zip(&resid).map(|(w, r)| w + f64::from(*r)).collect();
         // Scale: the sum of |terms| of each output.
         let scale: Vec<f64> = (0..(n * hidden) as usize)
             .map(|i| {
@@ -194,6 +201,8 @@ fn moe_ffn_matches_cpu_in_every_weight_format() {
             })
             .collect();
         close(&got, &want, &scale, 1e-4, &ctx);
+        let scale_acc: Vec<f64> = scale.iter().zip(&resid).map(|(s, r)| s + f64::from(r.abs())).collect();
+        close(&got_acc, &want_acc, &scale_acc, 1e-4, &format!("{ctx}, added to a residual"));
     }
     if std::env::var("EXPERTKV_TEST_SEED").is_err() {
         assert!(formats_seen.iter().all(|&c| c > 0), "every format drawn: {formats_seen:?}");
