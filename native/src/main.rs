@@ -14,6 +14,7 @@ mod plot;
 mod replay;
 mod run;
 mod sweep;
+mod synth;
 mod view;
 
 #[derive(Parser)]
@@ -82,6 +83,9 @@ enum Command {
     /// A real model's quality per scheduler and budget: perplexity, greedy agreement with the
     /// full cache, needle retrieval; a table and a plot.
     Eval(eval::EvalArgs),
+    /// Write a random Llama GGUF, dense or with experts in llama.cpp's MoE layout, to try `run`
+    /// and `eval` on shapes no shipped model has.
+    Synth(synth::SynthArgs),
     /// Watch the pipeline in a window (cache heat, shards, evictions, budget split, step time), live or replaying a trace.
     View(view::ViewArgs),
 }
@@ -112,6 +116,7 @@ fn main() -> ExitCode {
         Command::Replay(a) => replay::run(&cli.gpu, a),
         Command::Run(a) => run::run(&cli.gpu, a),
         Command::Eval(a) => eval::run(&cli.gpu, a),
+        Command::Synth(a) => synth::run(a),
         Command::View(a) => view::run(&cli.gpu, a),
     };
     match r {

@@ -205,3 +205,21 @@ fn moefication_is_cached_and_a_damaged_cache_replaced() {
     assert!(third.contains("was unusable") && third.contains("truncated") && third.contains("cached in"), "{third}");
     assert!(run().contains("loaded from the cache"));
 }
+
+/// `synth` writes a random MoE file `run` decodes, and refuses impossible shapes by name.
+#[test]
+fn synth_writes_a_model_run_decodes() {
+    let path = tmp("synth.gguf");
+    let p = path.to_str().expect("utf-8 path");
+    let out = ok(&["synth", "--out", p, "--experts", "4", "--top-k", "1", "--layers", "1", "--ffn", "64"]);
+    assert!(out.contains("4 experts of 64, top-1"), "{out}");
+    let out = ok(&["run", "--model", p, "--prompt", "Hi", "--tokens", "2"]);
+    assert!(out.contains("4 experts of 64, top-1 softmax-weighted"), "{out}");
+    for (args, needle) in
+        [(&["--experts", "4", "--top-k", "5"][..], "--top-k"), (&["--hidden", "100"][..], "--hidden"), (&["--layers", "0"][..], "--layers")]
+    {
+        let o = expertkv(&[&["synth", "--out", p][..], args].concat());
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(needle) && !err.contains("panicked"), "{args:?}: {err}");
+    }
+}
