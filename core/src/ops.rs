@@ -450,13 +450,13 @@ impl ModelKernels {
             pipe,
             &[(0, &p), (1, &m.gate_up.buffer), (2, x), (3, act), (4, sel), (5, &m.offsets), (8, wts)],
         );
-        pass.dispatch(pipe, bg, [m.max_size, top_k, n_tokens]);
+        pass.dispatch(pipe, bg, [m.max_size.div_ceil(4), top_k, n_tokens]);
         let bg = rt.bind_at(
             Kernel::ModelMoeDown.label(),
             &self.moe_down,
             &[(0, &p), (3, act), (4, sel), (5, &m.offsets), (6, &m.down_t), (7, y)],
         );
-        pass.dispatch(&self.moe_down, bg, [m.hidden.div_ceil(64), n_tokens, 1]);
+        pass.dispatch(&self.moe_down, bg, [m.hidden.div_ceil(32), n_tokens, 1]);
         Ok(())
     }
 

@@ -4,15 +4,17 @@
 // requantised), and `down_t` holds Wdown transposed, `[ffn][hidden]` f32, in the same order.
 // Expert e owns permuted neurons offsets[e] .. offsets[e + 1].
 //
-//   moe_gate_up: one workgroup per (slot s < max_size, choice j < top_k, token b): the gate and
-//     up products of neuron offsets[e] + s (e = sel[b][j]) with x[b], then
+//   moe_gate_up: one workgroup per (4 slots s < max_size, choice j < top_k, token b), 16
+//     invocations per slot: the gate and up products of neuron offsets[e] + s (e = sel[b][j])
+//     with x[b], then
 //     act[b][j][s] = silu(gate) * up * wts[b][j]; slots past the expert's size get 0. The weights
 //     are 1 for MoEfied experts and the router's softmax for a MoE file's own (model/router.wgsl
 //     moe_weights).
-//   moe_down: one invocation per (output feature h, token b):
+//   moe_down: one workgroup per (32 output features, token b), 8 slices of the chosen neurons:
 //     y[b][h] (+)= sum_j sum_{s < size(e_j)} act[b][j][s] * down_t[offsets[e_j] + s][h]
-//     in a fixed order (j, then s), so results do not depend on timing; added to y (the residual
-//     stream) when `accumulate` is set, else written.
+//     in a fixed order (each slice its neurons s = slice, slice + 8, ..., j then s; then the
+//     slices in order), so results do not depend on timing; added to y (the residual stream)
+//     when `accumulate` is set, else written.
 
 //!import common/quant.wgsl
 //!define FORMAT 0u
@@ -80,66 +82,89 @@ fn block_dot(row: u32, blk: u32, b: u32) -> f32 {
     return s;
 }
 
+// moe_gate_up's workgroup: NPW neurons, TPN invocations each (striding over the 32-weight blocks).
+const NPW: u32 = 4u;
+const TPN: u32 = WG / NPW;
+
 @compute @workgroup_size(64)
 fn moe_gate_up(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t: u32) {
-    let s = wg.x;
+    let r = t / TPN;
+    let i = t % TPN;
+    let s = wg.x * NPW + r;
     let j = wg.y;
     let b = wg.z;
     // Uniform per workgroup.
-    if (s >= params.max_size || j >= params.top_k || b >= params.n_tokens) {
+    if (j >= params.top_k || b >= params.n_tokens) {
         return;
     }
-    let out = (b * params.top_k + j) * params.max_size + s;
     let e = min(sel[b * params.top_k + j], params.n_experts - 1u);
     let first = offsets[e];
     let size = offsets[e + 1u] - first;
-    if (s >= size) {
-        if (t == 0u) {
-            act[out] = 0.0;
-        }
-        return;
-    }
-    let row = first + s;
+    let live = s < size;
     let nb = params.hidden / 32u;
     var g = 0.0;
     var u = 0.0;
-    for (var blk = t; blk < nb; blk += WG) {
-        g += block_dot(row, blk, b);
-        u += block_dot(params.ffn + row, blk, b);
+    if (live) {
+        let row = first + s;
+        for (var blk = i; blk < nb; blk += TPN) {
+            g += block_dot(row, blk, b);
+            u += block_dot(params.ffn + row, blk, b);
+        }
     }
     red_g[t] = g;
     red_u[t] = u;
     workgroupBarrier();
-    for (var off = WG / 2u; off > 0u; off = off / 2u) {
-        if (t < off) {
+    for (var off = TPN / 2u; off > 0u; off = off / 2u) {
+        if (i < off) {
             red_g[t] += red_g[t + off];
             red_u[t] += red_u[t + off];
         }
         workgroupBarrier();
     }
-    if (t == 0u) {
-        let gate = red_g[0];
-        act[out] = gate / (1.0 + exp(-gate)) * red_u[0] * wts[b * params.top_k + j];
+    if (i == 0u && s < params.max_size) {
+        let out = (b * params.top_k + j) * params.max_size + s;
+        let gate = red_g[t];
+        // Slots past the expert's size get 0.
+        act[out] = select(0.0, gate / (1.0 + exp(-gate)) * red_u[t] * wts[b * params.top_k + j], live);
     }
 }
 
-@compute @workgroup_size(64)
-fn moe_down(@builtin(global_invocation_id) gid: vec3<u32>) {
-    let h = gid.x;
-    let b = gid.y;
-    if (h >= params.hidden || b >= params.n_tokens) {
+// moe_down's workgroup: DOWN_H consecutive output features (one warp's coalesced row segment)
+// by DOWN_S slices of the chosen neurons, summed in workgroup memory.
+const DOWN_H: u32 = 32u;
+const DOWN_S: u32 = 8u;
+var<workgroup> red_d: array<f32, 256>;
+
+@compute @workgroup_size(256)
+fn moe_down(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t: u32) {
+    let hl = t % DOWN_H;
+    let slice = t / DOWN_H;
+    let h = wg.x * DOWN_H + hl;
+    let b = wg.y;
+    // Uniform per workgroup.
+    if (b >= params.n_tokens) {
         return;
     }
     var acc = 0.0;
-    for (var j = 0u; j < params.top_k; j++) {
-        let e = min(sel[b * params.top_k + j], params.n_experts - 1u);
-        let first = offsets[e];
-        let size = offsets[e + 1u] - first;
-        let a0 = (b * params.top_k + j) * params.max_size;
-        for (var s = 0u; s < size; s++) {
-            acc += act[a0 + s] * down_t[(first + s) * params.hidden + h];
+    if (h < params.hidden) {
+        for (var j = 0u; j < params.top_k; j++) {
+            let e = min(sel[b * params.top_k + j], params.n_experts - 1u);
+            let first = offsets[e];
+            let size = offsets[e + 1u] - first;
+            let a0 = (b * params.top_k + j) * params.max_size;
+            for (var s = slice; s < size; s += DOWN_S) {
+                acc += act[a0 + s] * down_t[(first + s) * params.hidden + h];
+            }
         }
     }
-    let o = b * params.hidden + h;
-    y[o] = select(acc, y[o] + acc, params.accumulate != 0u);
+    red_d[t] = acc;
+    workgroupBarrier();
+    if (slice == 0u && h < params.hidden) {
+        var sum = 0.0;
+        for (var i = 0u; i < DOWN_S; i++) {
+            sum += red_d[i * DOWN_H + hl];
+        }
+        let o = b * params.hidden + h;
+        y[o] = select(sum, y[o] + sum, params.accumulate != 0u);
+    }
 }

@@ -124,7 +124,8 @@ fn moe_ffn_matches_cpu_in_every_weight_format() {
         let mut rng = Rng::new(seed);
         let format = [WeightFormat::F32, WeightFormat::Q8_0, WeightFormat::Q4_1][rng.below(3) as usize];
         formats_seen[format.define() as usize] += 1;
-        let hidden = 32 * (1 + rng.below(6));
+        // Up to 24 blocks per row: more than one per invocation of a neuron (16).
+        let hidden = 32 * (1 + rng.below(24));
         let ffn = 8 + rng.below(200);
         let experts = 1 + rng.below(ffn.min(12));
         let top_k = 1 + rng.below(experts);
