@@ -419,9 +419,17 @@ impl PoolConfig {
     }
 
     /// f32 words of the low-rank basis: per (layer, KV head), K then V, `rank` rows of
-    /// `head_dim` (row j = basis vector j); 0 for other codecs.
+    /// `head_dim` (row j = basis vector j); LoRA's once per layer (shared by its KV heads); 0 for
+    /// other codecs.
     pub fn basis_words(&self) -> u64 {
-        self.codec.rank().map_or(0, |r| u64::from(self.layers) * u64::from(self.kv_heads) * 2 * u64::from(r) * u64::from(self.head_dim))
+        self.codec
+            .rank()
+            .map_or(0, |r| u64::from(self.layers) * u64::from(self.basis_heads()) * 2 * u64::from(r) * u64::from(self.head_dim))
+    }
+
+    /// Bases stored per layer: one per KV head, LoRA's one for the layer.
+    pub fn basis_heads(&self) -> u32 {
+        if matches!(self.codec, Codec::Lora { .. }) { 1 } else { self.kv_heads }
     }
 
     /// Bytes of one compressed page (0 without a codec).
@@ -513,6 +521,16 @@ mod tests {
                 assert!(m.shard_from_token_expert(8, t, e) < 8);
             }
         }
+    }
+
+    /// Low-rank bases: one per (layer, KV head); LoRA's one per layer, stored once.
+    #[test]
+    fn basis_words_per_head_and_per_layer() {
+        let c = PoolConfig { layers: 30, kv_heads: 3, head_dim: 64, codec: Codec::LowRank { rank: 16 }, ..Default::default() };
+        assert_eq!(c.basis_words(), 30 * 3 * 2 * 16 * 64);
+        let l = PoolConfig { codec: Codec::Lora { rank: 16 }, ..c.clone() };
+        assert_eq!((l.basis_heads(), l.basis_words()), (1, 30 * 2 * 16 * 64));
+        assert_eq!(PoolConfig { codec: Codec::Int4 { group: 32 }, ..c }.basis_words(), 0);
     }
 
     #[test]

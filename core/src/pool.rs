@@ -214,7 +214,7 @@ impl KvPool {
         check("low-rank basis", cfg.basis_words() * 4)?;
         let codec_basis = rt.storage("expertkv pool codec_basis", (cfg.basis_words() * 4).max(4));
         let fit = if let Some(rank) = cfg.codec.rank() {
-            let fits = cfg.layers * if matches!(cfg.codec, crate::config::Codec::Lora { .. }) { 1 } else { cfg.kv_heads };
+            let fits = cfg.layers * cfg.basis_heads();
             let d = u64::from(cfg.head_dim);
             let gram_bytes = u64::from(fits) * 2 * d * d * 4;
             check("low-rank Gram matrices", gram_bytes)?;

@@ -360,7 +360,8 @@ pub fn basis_slice<'a>(cfg: &PoolConfig, basis: &'a [f32], key: u32) -> &'a [f32
     let list = key / cfg.n_shards;
     let (layer, head) = (list / (cfg.max_seqs * cfg.kv_heads), list % cfg.kv_heads);
     let n = 2 * (r * cfg.head_dim) as usize;
-    let o = (layer * cfg.kv_heads + head) as usize * n;
+    let heads = cfg.basis_heads();
+    let o = (layer * heads + head.min(heads - 1)) as usize * n;
     basis.get(o..o + n).unwrap_or(&[])
 }
 

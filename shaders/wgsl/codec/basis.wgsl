@@ -116,7 +116,7 @@ fn iterate(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
     }
 }
 
-// The basis rows, rounded to f16 values; LoRA's per-layer fit goes to every head of the layer.
+// The basis rows, rounded to f16 values (LoRA's per-layer fit is stored once per layer).
 @compute @workgroup_size(256)
 fn finish(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t: u32) {
     let D = geo.head_dim;
@@ -126,17 +126,8 @@ fn finish(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index)
     let q0 = (fit * 2u + kv) * 2u * D * R;
     let lora = geo.codec == CODEC_LORA;
     let heads_fit = select(geo.kv_heads, 1u, lora);
-    let layer = fit / heads_fit;
-    var h0 = fit % heads_fit;
-    var h1 = h0 + 1u;
-    if (lora) {
-        h0 = 0u;
-        h1 = geo.kv_heads;
-    }
-    for (var h = h0; h < h1; h++) {
-        let b0 = basis_off(geo, layer, h, kv);
-        for (var e = t; e < D * R; e += WG) {
-            basis[b0 + e] = f16_value(f16_bits_rne(work[q0 + e]));
-        }
+    let b0 = basis_off(geo, fit / heads_fit, fit % heads_fit, kv);
+    for (var e = t; e < D * R; e += WG) {
+        basis[b0 + e] = f16_value(f16_bits_rne(work[q0 + e]));
     }
 }

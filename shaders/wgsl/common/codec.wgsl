@@ -32,9 +32,13 @@ fn codec_is_low_rank(geo: Geometry) -> bool {
     return geo.codec == CODEC_LOW_RANK || geo.codec == CODEC_LORA;
 }
 
-// Word offset of (layer, head, kv)'s rank x d basis block.
+// Word offset of (layer, head, kv)'s rank x d basis block. LoRA's basis is one per layer,
+// shared by its KV heads, and stored once.
 fn basis_off(geo: Geometry, layer: u32, head: u32, kv: u32) -> u32 {
-    return ((layer * geo.kv_heads + head) * 2u + kv) * geo.codec_param * geo.head_dim;
+    let lora = geo.codec == CODEC_LORA;
+    let heads = select(geo.kv_heads, 1u, lora);
+    let h = select(head, 0u, lora);
+    return ((layer * heads + h) * 2u + kv) * geo.codec_param * geo.head_dim;
 }
 
 // (layer, KV head) of a shard key.

@@ -253,8 +253,9 @@ fn compressed_pages_allocate_fewer_bytes() {
         let pool = pollster::block_on(KvPool::new(rt, cfg.clone())).expect("pool");
         let per_page = cfg.codec_page_bytes();
         // Measured from the allocation, against the layout's formula (plus the low-rank basis:
-        // per layer and KV head, K and V, rank x d f32).
-        let basis = codec.rank().map_or(0, |r| 8 * 2 * u64::from(r) * 128 * 4);
+        // per layer and KV head, K and V, rank x d f32; LoRA's per layer, its 8 KV heads sharing it).
+        let heads = if matches!(codec, Codec::Lora { .. }) { 1 } else { 8 };
+        let basis = codec.rank().map_or(0, |r| heads * 2 * u64::from(r) * 128 * 4);
         assert_eq!(pool.codec_bytes_allocated(), 256 * per_page + basis);
         let (p, d) = (16u64, 128u64);
         let formula = match codec {
@@ -370,6 +371,7 @@ fn low_rank_fit_matches_f64_svd_and_encodes_exactly() {
         }
         // Basis: orthonormal (to f16 precision) and spanning the f64 top-r eigenspace.
         let basis = pollster::block_on(pool.read_basis(rt)).expect("basis");
+        assert_eq!(basis.len() as u64, cfg.basis_words(), "{ctx0}: LoRA's basis is stored once per layer");
         let (du, r) = (d as usize, rank as usize);
         for fit in 0..fits {
             for kv in 0..2 {
@@ -377,9 +379,9 @@ fn low_rank_fit_matches_f64_svd_and_encodes_exactly() {
                 let (vals, vecs) = symmetric_eigen(g, du);
                 assert!(vals[r - 1] > 4.0 * vals[r].max(0.0), "{ctx0}: the planted gap is missing: {vals:?}");
                 let (layer, head) = if lora { (fit as u32, 0) } else { (fit as u32 / cfg.kv_heads, fit as u32 % cfg.kv_heads) };
-                let heads: Vec<u32> = if lora { (0..cfg.kv_heads).collect() } else { vec![head] };
-                for h in heads {
-                    let o = (((layer * cfg.kv_heads + h) * 2 + kv as u32) * rank * d) as usize;
+                {
+                    let h = head;
+                    let o = (((layer * cfg.basis_heads() + h) * 2 + kv as u32) * rank * d) as usize;
                     let u = &basis[o..o + r * du];
                     for a in 0..r {
                         for b in 0..r {
