@@ -128,10 +128,7 @@ pub struct GpuLlama {
 }
 
 fn norm_buffer(rt: &Runtime, g: &Gguf<'_>, name: &str) -> Result<wgpu::Buffer> {
-    let t = g.tensor(name).ok_or_else(|| Error::Model(format!("tensor `{name}` is missing")))?;
-    let mut v = vec![0f32; t.n_elements() as usize];
-    crate::gguf::dequantize(t.ggml_type(), g.tensor_data(name)?, &mut v)?;
-    Ok(rt.storage_init(name, &v))
+    Ok(rt.storage_init(name, &g.tensor_f32(name)?))
 }
 
 fn matrix(rt: &Runtime, g: &Gguf<'_>, names: &[&str]) -> Result<GpuMatrix> {
@@ -405,7 +402,7 @@ impl GpuLlama {
             }
             let n = |s: &str| format!("blk.{l}.{s}.weight");
             let format = same_format(g, &n("ffn_gate"), &n("ffn_up"))?;
-            let down_f = tensor_f32(g, &n("ffn_down"))?;
+            let down_f = g.tensor_f32(&n("ffn_down"))?;
             let ffn_l = MoeFfn::upload(
                 rt,
                 &format!("blk.{l} moe"),
@@ -745,14 +742,6 @@ fn same_format(g: &Gguf<'_>, a: &str, b: &str) -> Result<WeightFormat> {
     Ok(format)
 }
 
-/// A tensor dequantised to f32 (ggml order).
-fn tensor_f32(g: &Gguf<'_>, name: &str) -> Result<Vec<f32>> {
-    let t = g.tensor(name).ok_or_else(|| Error::Model(format!("tensor `{name}` is missing")))?;
-    let mut v = vec![0f32; t.n_elements() as usize];
-    crate::gguf::dequantize(t.ggml_type(), g.tensor_data(name)?, &mut v)?;
-    Ok(v)
-}
-
 fn f32_matrix(rt: &Runtime, label: &str, rows: u32, cols: u32, v: &[f32]) -> Result<GpuMatrix> {
     let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
     GpuMatrix::upload(rt, label, WeightFormat::F32, rows, cols, &bytes)
@@ -770,13 +759,7 @@ fn native_experts(rt: &Runtime, g: &Gguf<'_>, c: &LlamaConfig) -> Result<Vec<(Gp
     for l in 0..c.block_count {
         let n = |s: &str| format!("blk.{l}.{s}.weight");
         let format = same_format(g, &n("ffn_gate_exps"), &n("ffn_up_exps"))?;
-        let down = tensor_f32(g, &n("ffn_down_exps"))?;
-        let mut by_neuron = vec![0f32; h * e * f];
-        for x in 0..e {
-            for o in 0..h {
-                by_neuron[o * e * f + x * f..o * e * f + (x + 1) * f].copy_from_slice(&down[(x * h + o) * f..(x * h + o + 1) * f]);
-            }
-        }
+        let by_neuron = crate::model::weights::experts_down_by_neuron(&g.tensor_f32(&n("ffn_down_exps"))?, e, h, f);
         let experts = MoeFfn::upload(
             rt,
             &format!("blk.{l} experts"),
@@ -788,7 +771,7 @@ fn native_experts(rt: &Runtime, g: &Gguf<'_>, c: &LlamaConfig) -> Result<Vec<(Gp
             &neurons,
             &offsets,
         )?;
-        let router = f32_matrix(rt, &format!("blk.{l} router"), e as u32, h as u32, &tensor_f32(g, &n("ffn_gate_inp"))?)?;
+        let router = f32_matrix(rt, &format!("blk.{l} router"), e as u32, h as u32, &g.tensor_f32(&n("ffn_gate_inp"))?)?;
         layers.push((router, experts));
     }
     Ok(layers)

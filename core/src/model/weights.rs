@@ -242,15 +242,21 @@ impl LlamaWeights {
 /// as F32 (quantised blocks cannot be re-laid across rows); its raw bytes, when asked for, are
 /// those f32.
 fn down_by_neuron(m: Matrix, e: usize, h: usize, f: usize, opts: LoadOptions) -> Matrix {
+    let out = experts_down_by_neuron(&m.f32, e, h, f);
+    let raw = if opts.raw { out.iter().flat_map(|v| v.to_le_bytes()).collect() } else { Vec::new() };
+    Matrix { name: m.name, rows: h, cols: e * f, f32: if opts.f32 { out } else { Vec::new() }, ggml_type: GgmlType::F32, raw }
+}
+
+/// `[E][hidden][ffn]` (a MoE file's `ffn_down_exps` in f32) re-laid as `[hidden][E * ffn]`; the
+/// CPU weights ([`LayerWeights::down`]) and the GPU's expert upload both read it this way.
+pub(crate) fn experts_down_by_neuron(down: &[f32], e: usize, h: usize, f: usize) -> Vec<f32> {
     let mut out = vec![0f32; h * e * f];
     for x in 0..e {
         for o in 0..h {
-            let src = &m.f32[(x * h + o) * f..(x * h + o + 1) * f];
-            out[o * e * f + x * f..o * e * f + (x + 1) * f].copy_from_slice(src);
+            out[o * e * f + x * f..o * e * f + (x + 1) * f].copy_from_slice(&down[(x * h + o) * f..(x * h + o + 1) * f]);
         }
     }
-    let raw = if opts.raw { out.iter().flat_map(|v| v.to_le_bytes()).collect() } else { Vec::new() };
-    Matrix { name: m.name, rows: h, cols: e * f, f32: if opts.f32 { out } else { Vec::new() }, ggml_type: GgmlType::F32, raw }
+    out
 }
 
 #[cfg(test)]
