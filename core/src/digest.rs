@@ -9,8 +9,15 @@ use crate::error::Result;
 use crate::pipeline::Pipeline;
 use crate::runtime::Runtime;
 
-const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+/// FNV-1a's 64-bit offset basis: the hash of nothing, where [`fnv1a`] starts.
+pub const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
 const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
+
+/// FNV-1a (64-bit) continued from `hash` over `bytes` (start from [`FNV_OFFSET`]): the decision
+/// digest's mixing, the synthetic models' per-tensor seeds, the MoEfication cache's key.
+pub fn fnv1a(hash: u64, bytes: &[u8]) -> u64 {
+    bytes.iter().fold(hash, |h, &b| (h ^ u64::from(b)).wrapping_mul(FNV_PRIME))
+}
 
 /// FNV-1a (64-bit) over the decisions of every step absorbed so far.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -32,10 +39,7 @@ impl DecisionDigest {
 
     /// Mix in one 64-bit word (little-endian bytes).
     pub fn word(&mut self, x: u64) {
-        for b in x.to_le_bytes() {
-            self.hash ^= u64::from(b);
-            self.hash = self.hash.wrapping_mul(FNV_PRIME);
-        }
+        self.hash = fnv1a(self.hash, &x.to_le_bytes());
     }
 
     fn words(&mut self, xs: impl IntoIterator<Item = u64>) {
@@ -114,5 +118,6 @@ mod tests {
         d.hash ^= u64::from(b'a');
         d.hash = d.hash.wrapping_mul(FNV_PRIME);
         assert_eq!(d.value(), 0xaf63_dc4c_8601_ec8c);
+        assert_eq!(fnv1a(FNV_OFFSET, b"a"), 0xaf63_dc4c_8601_ec8c);
     }
 }

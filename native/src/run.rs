@@ -6,6 +6,7 @@ use std::io::Write;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use expertkv_core::config::{Codec, KvDtype};
+use expertkv_core::digest::{FNV_OFFSET, fnv1a};
 use expertkv_core::forward::{GpuLlama, ModelOptions, argmax};
 use expertkv_core::gguf::{Gguf, LlamaConfig};
 use expertkv_core::model::moe::{MoeConfig, Moefication};
@@ -106,12 +107,12 @@ pub fn moefy(g: &Gguf<'_>, bytes: &[u8], path: &std::path::Path, spec: &MoeSpec)
     let w = LlamaWeights::from_gguf_with(g, &lc, LoadOptions { f32: true, raw: false }).context("the model's weights for MoEfication")?;
     let c = &spec.config;
     let key = {
-        let mut h = fnv(0xcbf2_9ce4_8422_2325, bytes);
+        let mut h = fnv1a(FNV_OFFSET, bytes);
         let settings = format!("{}:{}:{}:{}:{}:{}", c.experts, c.top_k, c.seed, c.iterations, c.balanced, spec.fitted);
-        h = fnv(h, settings.as_bytes());
+        h = fnv1a(h, settings.as_bytes());
         if spec.fitted {
-            h = fnv(h, expertkv_core::model::moe::CALIBRATION_TEXT.as_bytes());
-            h = fnv(h, &expertkv_core::model::moe::DEFAULT_RIDGE.to_le_bytes());
+            h = fnv1a(h, expertkv_core::model::moe::CALIBRATION_TEXT.as_bytes());
+            h = fnv1a(h, &expertkv_core::model::moe::DEFAULT_RIDGE.to_le_bytes());
         }
         h
     };
@@ -157,11 +158,6 @@ pub fn moefy(g: &Gguf<'_>, bytes: &[u8], path: &std::path::Path, spec: &MoeSpec)
         }
     };
     Ok(Moefied { moe: m, how: format!("{made} in {secs:.2} s{cached}{note}") })
-}
-
-/// FNV-1a, continued from `h` over `bytes`.
-fn fnv(h: u64, bytes: &[u8]) -> u64 {
-    bytes.iter().fold(h, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
 }
 
 /// The model file's path (`--model`, else SmolLM2 under `EXPERTKV_MODELS_DIR` or `models/`) and

@@ -8,6 +8,7 @@
 //! the FFN's layout only, and since the chosen experts' weights sum to 1, in nothing they compute.
 //! All tensors are F32; the tokenizer is byte-level BPE over the 256 byte tokens, no merges.
 
+use crate::digest::{FNV_OFFSET, fnv1a};
 use crate::gguf::GgmlType;
 use crate::gguf::writer::GgufWriter;
 use crate::rng::Rng;
@@ -83,7 +84,7 @@ impl SyntheticModel {
         let seed = self.seed;
         // `[rows][cols]` (ggml dims `[cols, rows]`), normal with standard deviation `scale`.
         let draw = |name: &str, n: u64, scale: f32| -> Vec<f32> {
-            let mut rng = Rng::new(seed ^ fnv(name));
+            let mut rng = Rng::new(seed ^ fnv1a(FNV_OFFSET, name.as_bytes()));
             (0..n).map(|_| rng.normal() as f32 * scale).collect()
         };
         let mat = |w: &mut GgufWriter, name: &str, dims: &[u64], data: Vec<f32>| {
@@ -125,9 +126,4 @@ impl SyntheticModel {
         }
         w.finish()
     }
-}
-
-/// FNV-1a of a tensor's name: its generator's seed (mixed with the model's).
-fn fnv(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
 }
