@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Runs against a build of commit d87e2db (its EXPERTKV_QUANT_ABLATE / _KERNEL / _WG knobs and the
+# integer-key kernel were removed after these measurements; BENCHMARKS.md has the results).
 # Where the quantised attention kernel's time goes, on the lent H200 (b8 x 32768): the codec
 # kernel with its key arithmetic (ABLATE 1), its value arithmetic (2) or both (3) replaced by a
 # one-bit use of the loaded words, so the loads, the softmax and the merge stay; and page sizes

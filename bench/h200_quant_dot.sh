@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Runs against a build of commit d87e2db (its EXPERTKV_QUANT_ABLATE / _KERNEL / _WG knobs and the
+# integer-key kernel were removed after these measurements; BENCHMARKS.md has the results).
 # The integer-key quantised attention kernel (attend/split_quant_dot.wgsl) against the slot-block
 # kernel (EXPERTKV_QUANT_KERNEL=slots) and PyTorch SDPA on the lent H200, b8 x 32768 and
 # b1 x 131072, pages of 16, 32 and 64 slots.

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Runs against a build of commit d87e2db (its EXPERTKV_QUANT_ABLATE / _KERNEL / _WG knobs and the
+# integer-key kernel were removed after these measurements; BENCHMARKS.md has the results).
 # The integer-key kernel's rounds: 128 or 256 tokens per round (EXPERTKV_QUANT_WG), H200, b8 x 32768.
 for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
 export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json

@@ -129,31 +129,6 @@ fn quant_fast_path(cfg: &crate::config::PoolConfig, variant: SplitVariant, opts:
         .then_some(QuantFast { lanes, bits, u, prefetch, vp_per_word })
 }
 
-/// The integer-key quantised kernel (`attend/split_quant_dot.wgsl`): a round of 128 tokens at a
-/// time, scores as int8 dot products of the page-folded query with the key codes. It needs
-/// subgroups, at most 4 query heads per KV head, key rows of a multiple of 4 words dividing 128,
-/// pages of a multiple of 4 slots dividing 128, and value groups of whole code words.
-fn quant_dot_path(cfg: &crate::config::PoolConfig, variant: SplitVariant, opts: &AttendOptions) -> bool {
-    let SplitVariant::Subgroup { .. } = variant else { return false };
-    let (bits, group) = match cfg.codec {
-        crate::config::Codec::Int8 { group } => (8, group),
-        crate::config::Codec::Int4 { group } => (4, group),
-        _ => return false,
-    };
-    // EXPERTKV_QUANT_KERNEL=slots (hidden, for the H200 comparisons) keeps the slot-block kernel.
-    if std::env::var("EXPERTKV_QUANT_KERNEL").is_ok_and(|v| v == "slots") {
-        return false;
-    }
-    let row_words = cfg.head_dim * bits / 32;
-    opts.group <= 4
-        && row_words.is_multiple_of(4)
-        && 128u32.is_multiple_of(row_words)
-        && cfg.page_size.is_multiple_of(4)
-        && 128u32.is_multiple_of(cfg.page_size)
-        && group.is_multiple_of(32 / bits)
-        && cfg.head_dim.is_multiple_of(16)
-}
-
 pub struct Attention {
     pub opts: AttendOptions,
     pub variant: SplitVariant,
@@ -315,42 +290,6 @@ impl Attention {
                 ],
             );
             Some((p, bg))
-        } else if quant_dot_path(cfg, variant, &opts) {
-            let bits = if matches!(cfg.codec, crate::config::Codec::Int4 { .. }) { 4 } else { 8 };
-            let p = rt
-                .pipeline_with(
-                    Kernel::AttendSplitQuantDot,
-                    &[
-                        ("GROUP", format!("{}u", opts.group)),
-                        ("BITS", format!("{bits}u")),
-                        ("HEAD_DIM", format!("{}u", cfg.head_dim)),
-                        ("PAGE_SIZE", format!("{}u", cfg.page_size)),
-                        ("WG", format!("{}u", std::env::var("EXPERTKV_QUANT_WG").ok().and_then(|v| v.parse::<u32>().ok()).unwrap_or(128))),
-                        (
-                            "ABLATE",
-                            format!("{}u", std::env::var("EXPERTKV_QUANT_ABLATE").ok().and_then(|v| v.parse::<u32>().ok()).unwrap_or(0)),
-                        ),
-                    ],
-                    &[],
-                )
-                .await?;
-            let bg = rt.bind(
-                Kernel::AttendSplitQuantDot.label(),
-                &p,
-                &[
-                    &pool.geometry,
-                    &params,
-                    page_list,
-                    page_counts,
-                    &pool.page_meta,
-                    &pool.codec_kv,
-                    &queries,
-                    &partials,
-                    &scores,
-                    &pool.codec_kv,
-                ],
-            );
-            Some((p, bg))
         } else if let Some(QuantFast { lanes, bits, u, prefetch, vp_per_word }) = quant_fast_path(cfg, variant, &opts) {
             let transpose = opts.transpose && opts.group.is_power_of_two() && opts.group <= lanes;
             let p = rt
@@ -389,8 +328,6 @@ impl Attention {
         };
         let codec_kernel = if cfg.codec.is_low_rank() {
             Some("lowrank".to_string())
-        } else if quant_dot_path(cfg, variant, &opts) {
-            Some("quant-dot".to_string())
         } else if let Some(f) = quant_fast_path(cfg, variant, &opts) {
             Some(format!("quant-subgroup u={} pf={}", f.u, f.prefetch))
         } else if has_codec {

@@ -74,7 +74,6 @@ sources! {
     CODEC_BASIS => "codec/basis.wgsl",
     ATTEND_SPLIT_LOWRANK => "attend/split_lowrank.wgsl",
     ATTEND_SPLIT_QUANT => "attend/split_quant.wgsl",
-    ATTEND_SPLIT_QUANT_DOT => "attend/split_quant_dot.wgsl",
     ATTEND_SPLIT_CODEC => "attend/split_codec.wgsl",
 }
 
@@ -134,7 +133,6 @@ pub enum Kernel {
     CodecBasisFinish,
     AttendSplitLowrank,
     AttendSplitQuant,
-    AttendSplitQuantDot,
     BenchFma,
 }
 
@@ -193,7 +191,6 @@ impl Kernel {
         Kernel::CodecBasisFinish,
         Kernel::AttendSplitLowrank,
         Kernel::AttendSplitQuant,
-        Kernel::AttendSplitQuantDot,
         Kernel::BenchFma,
     ];
 
@@ -237,7 +234,6 @@ impl Kernel {
             Kernel::CodecBasisInit | Kernel::CodecBasisIterate | Kernel::CodecBasisFinish => CODEC_BASIS,
             Kernel::AttendSplitLowrank => ATTEND_SPLIT_LOWRANK,
             Kernel::AttendSplitQuant => ATTEND_SPLIT_QUANT,
-            Kernel::AttendSplitQuantDot => ATTEND_SPLIT_QUANT_DOT,
             Kernel::BenchFma => BENCH_FMA,
         }
     }
@@ -303,7 +299,7 @@ impl Kernel {
 
     /// Needs the SUBGROUP feature (only on the capability tier that has it).
     pub fn needs_subgroups(self) -> bool {
-        matches!(self, Kernel::AttendSplitSubgroup | Kernel::AttendSplitQuant | Kernel::AttendSplitQuantDot)
+        matches!(self, Kernel::AttendSplitSubgroup | Kernel::AttendSplitQuant)
     }
 
     /// Kernels whose every index the GPU-vs-CPU tests (`tests/tests/gpu`) exercise over random
@@ -314,7 +310,6 @@ impl Kernel {
             Kernel::AttendSplitTiled
                 | Kernel::AttendSplitSubgroup
                 | Kernel::AttendSplitQuant
-                | Kernel::AttendSplitQuantDot
                 | Kernel::AttendReduce
                 | Kernel::BenchCopy
                 | Kernel::RouteTopk

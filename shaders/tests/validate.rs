@@ -119,28 +119,6 @@ fn quantised_attention_validates_for_every_shape_knob() {
 }
 
 #[test]
-fn integer_key_attention_validates_for_every_shape_knob() {
-    let mut failures = Vec::new();
-    for group in [1u32, 2, 3, 4] {
-        for (bits, d) in [(4u32, 128u32), (4, 32), (8, 128), (8, 16), (4, 256), (8, 64)] {
-            for page in [4u32, 16, 64, 128] {
-                let defines = [
-                    ("GROUP", format!("{group}u")),
-                    ("BITS", format!("{bits}u")),
-                    ("HEAD_DIM", format!("{d}u")),
-                    ("PAGE_SIZE", format!("{page}u")),
-                ];
-                let text = Kernel::AttendSplitQuantDot.resolved_with(&defines).expect("defines resolve");
-                if let Err(e) = validate(&format!("attend/split_quant_dot.wgsl {defines:?}"), &text) {
-                    failures.push(e);
-                }
-            }
-        }
-    }
-    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
-}
-
-#[test]
 fn route_topk_validates_for_every_define() {
     let mut failures = Vec::new();
     for k in 1u32..=8 {

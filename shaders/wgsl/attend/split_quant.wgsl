@@ -30,7 +30,6 @@
 //!define PF 16u
 //!define VP_PER_WORD true
 //!define TRANSPOSE true
-//!define ABLATE 0u
 // GROUP: query heads per KV head. LANES: invocations per token. BITS: 8 or 4. HEAD_DIM: d
 // (a multiple of LANES * 32 / BITS). PAGE_SIZE: slots per page (a multiple of U). U: slots in
 // flight per token group. PF: slots whose code words are loaded together (a multiple of U
@@ -270,12 +269,8 @@ fn main(
                 for (var u = 0u; u < U; u++) {
                     for (var g = 0u; g < GROUP; g++) {
                         var x = 0.0;
-                        if ((ABLATE & 1u) != 0u) {
-                            x = f32(kw[(sb * U + u) * WPL] & 1u);
-                        } else {
                         for (var n = 0u; n < NV; n++) {
                             x += dot(qs[g * NV + n], codes4(kw[(sb * U + u) * WPL + n / VPW], n % VPW));
-                        }
                         }
                         // The bias is split over the lanes like the dot product.
                         part[u * GROUP + g] = x + bias[g];
@@ -349,16 +344,6 @@ fn main(
                     }
                 }
                 // Values: min + code * scale per token group of dimensions, shared by the heads.
-                if ((ABLATE & 2u) != 0u) {
-                    for (var g = 0u; g < GROUP; g++) {
-                        var a = acc[g * NV] * corr[g];
-                        for (var u = 0u; u < U; u++) {
-                            a.x += p[u * GROUP + g] * f32((vw[(sb * U + u) * WPL] ^ vprm[(sb * U + u) * NVP]) & 1u);
-                        }
-                        acc[g * NV] = a;
-                    }
-                    continue;
-                }
                 var vdec: array<vec4<f32>, U * NV>;
                 for (var u = 0u; u < U; u++) {
                     for (var n = 0u; n < NV; n++) {

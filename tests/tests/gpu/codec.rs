@@ -5,7 +5,7 @@
 use expertkv_core::attend::{AttendOptions, Attention, SplitVariant, subgroup_layout};
 use expertkv_core::config::{Codec, KvDtype, PoolConfig, ShardMap};
 use expertkv_core::pool::KvPool;
-use expertkv_core::reference::{AttentionOutput, PoolModel, attend_decode, attend_decode_int8_query};
+use expertkv_core::reference::{PoolModel, attend_decode};
 use expertkv_core::rng::Rng;
 use expertkv_core::runtime::Runtime;
 
@@ -74,20 +74,10 @@ fn assert_same_codec(rt: &Runtime, pool: &KvPool, model: &PoolModel, ctx: &str) 
     }
 }
 
-/// The f64 reference of the kernel that ran: the integer-key kernel quantises the page-folded
-/// query to int8 (its own reference), the others score the decoded keys exactly.
-fn reference_for(attn: &Attention, model: &PoolModel, layer: u32, n_seqs: u32, q: &[f32], group: u32) -> AttentionOutput {
-    if attn.describe().contains("quant-dot") {
-        attend_decode_int8_query(model, layer, n_seqs, q, group, attn.scale())
-    } else {
-        attend_decode(model, layer, n_seqs, q, group, f64::from(attn.scale()))
-    }
-}
-
 #[test]
 fn compression_gpu_match_cpu_and_attention_decodes_in_kernel() {
     let rt = rt();
-    let (mut compressed, mut fast_runs, mut dot_runs) = (0, 0, 0);
+    let (mut compressed, mut fast_runs) = (0, 0);
     for seed in seeds("codec", 20) {
         let mut rng = Rng::new(seed);
         let cfg = config(&mut rng);
@@ -138,14 +128,13 @@ fn compression_gpu_match_cpu_and_attention_decodes_in_kernel() {
             ))
             .expect("attention");
             fast_runs += usize::from(attn.describe().contains("quant-subgroup"));
-            dot_runs += usize::from(attn.describe().contains("quant-dot"));
             let q: Vec<f32> = (0..cfg.max_seqs * attn.q_heads() * cfg.head_dim).map(|_| rng.normal() as f32).collect();
             attn.set_queries(rt, &q).expect("queries");
             for layer in 0..cfg.layers {
                 rt.fill_u32(&attn.out, POISON_F32);
                 attn.run(rt, layer, 9).expect("attend");
                 let got = pollster::block_on(attn.read_output(rt)).expect("out");
-                let want = reference_for(&attn, &model, layer, cfg.max_seqs, &q, group);
+                let want = attend_decode(&model, layer, cfg.max_seqs, &q, group, f64::from(attn.scale()));
                 for (i, (g, w)) in got.iter().zip(&want.out).enumerate() {
                     assert!(
                         (f64::from(*g) - w).abs() <= 2e-5 + 1e-4 * w.abs(),
@@ -159,8 +148,7 @@ fn compression_gpu_match_cpu_and_attention_decodes_in_kernel() {
     if std::env::var("EXPERTKV_TEST_SEED").is_err() {
         assert!(compressed > 50, "only {compressed} pages were compressed: the cases prove little");
         if expertkv_core::attend::subgroup_layout(rt, 128, KvDtype::F16).is_some() {
-            assert!(fast_runs > 0, "no case ran the slot-block quantised kernel");
-            assert!(dot_runs > 0, "no case ran the integer-key quantised kernel");
+            assert!(fast_runs > 0, "no case ran the fast quantised kernel");
         }
     }
 }
@@ -222,13 +210,13 @@ fn quantised_attention_over_long_lists() {
                 AttendOptions { group, n_seqs: cfg.max_seqs, chunk_pages, mass: true, variant: Some(variant), ..Default::default() },
             ))
             .expect("attention");
-            assert!(attn.describe().contains("quant-dot"), "{}", attn.describe());
+            assert!(attn.describe().contains("quant-subgroup u="), "{}", attn.describe());
             let q: Vec<f32> = (0..cfg.max_seqs * attn.q_heads() * cfg.head_dim).map(|_| rng.normal() as f32 * 3.0).collect();
             attn.set_queries(rt, &q).expect("queries");
             rt.fill_u32(&attn.out, POISON_F32);
             attn.run(rt, 0, 9).expect("attend");
             let got = pollster::block_on(attn.read_output(rt)).expect("out");
-            let want = reference_for(&attn, &model, 0, cfg.max_seqs, &q, group);
+            let want = attend_decode(&model, 0, cfg.max_seqs, &q, group, f64::from(attn.scale()));
             for (i, (g, w)) in got.iter().zip(&want.out).enumerate() {
                 assert!((f64::from(*g) - w).abs() <= 2e-5 + 1e-4 * w.abs(), "{ctx0}: {} out[{i}] = {g}, reference {w}", attn.describe());
             }
