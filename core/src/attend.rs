@@ -86,9 +86,15 @@ const QUANT_MAX_IN_FLIGHT: u32 = 2;
 
 /// Code and parameter words per lane the quantised kernel loads together before using any (its
 /// `PF` slots times the words per slot: two code words and one parameter word per lane at int4
-/// with 16 lanes, four and two at int8). On an H200, b8 x 32K int4, the kernel alone: 0.457 ms
-/// at 2 slots, 0.394 at 4, 0.382 at 8, 0.695 at 16 (registers spill).
+/// with 16 lanes, four and two at int8), at most [`QUANT_PREFETCH_SLOTS`] slots. On an H200,
+/// b8 x 32K, the kernel alone: int8 0.476 ms at 2 slots, 0.411 at 4, 0.418 at 8; int4 with f32
+/// key scores 0.457 / 0.394 / 0.382, 0.695 at 16 (registers spill).
 const QUANT_PREFETCH_WORDS: u32 = 24;
+
+/// The most slots per prefetch block: int4's int8 query keeps more registers through the page,
+/// and 8 slots lost (H200, b8 x 32K, the kernel alone: 0.377 ms at 2 slots, 0.344 at 4, 0.381
+/// at 8).
+const QUANT_PREFETCH_SLOTS: u32 = 4;
 
 /// The fast quantised kernel (`attend/split_quant.wgsl`) for KIVI pages, when the raw pages run
 /// the subgroup kernel and the shape fits it.
@@ -123,7 +129,7 @@ fn quant_fast_path(cfg: &crate::config::PoolConfig, variant: SplitVariant, opts:
     let cap = std::env::var("EXPERTKV_QUANT_PREFETCH")
         .ok()
         .and_then(|v| v.parse::<u32>().ok())
-        .unwrap_or(QUANT_PREFETCH_WORDS / words_per_slot.max(1));
+        .unwrap_or((QUANT_PREFETCH_WORDS / words_per_slot.max(1)).min(QUANT_PREFETCH_SLOTS));
     let prefetch = (u..=cap.max(u).min(cfg.page_size)).rev().find(|p| p.is_multiple_of(u) && cfg.page_size.is_multiple_of(*p)).unwrap_or(u);
     (cfg.head_dim.is_multiple_of(dims_per_lane_word) && group.is_multiple_of(4) && opts.group * cfg.head_dim <= 2048 && opts.group <= 16)
         .then_some(QuantFast { lanes, bits, u, prefetch, vp_per_word })
@@ -158,6 +164,8 @@ pub struct Attention {
     stage: Option<(wgpu::Buffer, wgpu::Buffer, u32)>,
     /// Layers the last staging call staged (the buffers may hold more from an earlier one).
     staged: u32,
+    /// See [`Attention::int8_query_scores`].
+    int8_query: bool,
 }
 
 impl Attention {
@@ -369,12 +377,20 @@ impl Attention {
             scale: 1.0 / (d as f32).sqrt(),
             stage: None,
             staged: 0,
+            int8_query: !cfg.codec.is_low_rank() && quant_fast_path(cfg, variant, &opts).is_some_and(|f| f.bits == 4),
             opts,
         })
     }
 
     pub fn q_heads(&self) -> u32 {
         self.q_heads
+    }
+
+    /// Whether compressed pages are scored with the page-folded query quantised to int8 (the
+    /// fast quantised kernel over int4 pages): the CPU reference of that arithmetic is
+    /// [`crate::reference::attend_decode_int8_query`].
+    pub fn int8_query_scores(&self) -> bool {
+        self.int8_query
     }
 
     /// Scale applied to q.k (1/sqrt(head_dim)).

@@ -19,7 +19,7 @@ use crate::pool::KvPool;
 use crate::quest::Quest;
 use crate::reference::attend::attend_decode_over;
 use crate::reference::pool::{NewToken, PoolModel, encode_values};
-use crate::reference::{attend_decode, pool::decode_words};
+use crate::reference::{attend_decode, attend_decode_int8_query, attend_decode_int8_query_over, pool::decode_words};
 use crate::route::{RouteShape, Router};
 use crate::router_config::RouterConfig;
 use crate::runtime::Runtime;
@@ -1316,16 +1316,35 @@ impl Pipeline {
                     let li = model.list_index(layer, seq, head) as usize;
                     sel[li * maxp..li * maxp + counts[li] as usize].to_vec()
                 };
-                attend_decode_over(
-                    model,
-                    layer,
-                    self.cfg.workload.n_seqs,
-                    &self.last_queries,
-                    self.cfg.workload.group,
-                    f64::from(self.attn.scale()),
-                    &pick,
-                )
+                if self.attn.int8_query_scores() {
+                    attend_decode_int8_query_over(
+                        model,
+                        self.cfg.workload.n_seqs,
+                        &self.last_queries,
+                        self.cfg.workload.group,
+                        self.attn.scale(),
+                        &pick,
+                    )
+                } else {
+                    attend_decode_over(
+                        model,
+                        layer,
+                        self.cfg.workload.n_seqs,
+                        &self.last_queries,
+                        self.cfg.workload.group,
+                        f64::from(self.attn.scale()),
+                        &pick,
+                    )
+                }
             }
+            None if self.attn.int8_query_scores() => attend_decode_int8_query(
+                model,
+                layer,
+                self.cfg.workload.n_seqs,
+                &self.last_queries,
+                self.cfg.workload.group,
+                self.attn.scale(),
+            ),
             None => attend_decode(
                 model,
                 layer,

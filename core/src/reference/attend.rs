@@ -1,7 +1,9 @@
 //! f64 reference of decode attention (q_len 1, GQA) over a pool's pages, with each cached
 //! token's attention mass summed over the query heads of its KV head.
 
+use super::codec::f16_value;
 use super::pool::PoolModel;
+use crate::config::Codec;
 
 pub struct AttentionOutput {
     /// [seq][q_head][head_dim]
@@ -29,6 +31,76 @@ pub fn attend_decode_over(
     pages: &dyn Fn(u32, u32) -> Vec<u32>,
 ) -> AttentionOutput {
     let _ = layer;
+    attend_with(model, n_seqs, queries, group, pages, &|key, q, _, _| {
+        key.iter().zip(q).map(|(k, q)| k * f64::from(*q)).sum::<f64>() * scale
+    })
+}
+
+/// [`attend_decode`] with the scores of int4-compressed pages as the fast quantised kernel
+/// (`attend/split_quant.wgsl`) computes them: per page and query head, `q * scale` (f32) is
+/// multiplied by the page's per-channel key scales (f32), quantised to int8 with the power-of-two
+/// step `alpha = 2^(E - 6)` (E the exponent of the largest magnitude, at least -120, so every
+/// value lies in (-128, 128); rounded half to even, at most 127), and the score is
+/// `alpha * sum q8 * (code - 8) + sum (q * scale) * (min + 8 * key scale)`. Raw pages, and every
+/// other codec, score as in [`attend_decode`].
+pub fn attend_decode_int8_query(model: &PoolModel, layer: u32, n_seqs: u32, queries: &[f32], group: u32, scale: f32) -> AttentionOutput {
+    attend_decode_int8_query_over(model, n_seqs, queries, group, scale, &|seq, head| model.page_list(layer, seq, head))
+}
+
+/// [`attend_decode_int8_query`] over the pages `pages(seq, head)` gives (QUEST's selection).
+pub fn attend_decode_int8_query_over(
+    model: &PoolModel,
+    n_seqs: u32,
+    queries: &[f32],
+    group: u32,
+    scale: f32,
+    pages: &dyn Fn(u32, u32) -> Vec<u32>,
+) -> AttentionOutput {
+    let cfg = &model.cfg;
+    let exact = |key: &[f64], q: &[f32]| key.iter().zip(q).map(|(k, q)| k * f64::from(*q)).sum::<f64>() * f64::from(scale);
+    if !matches!(cfg.codec, Codec::Int4 { .. }) {
+        return attend_with(model, n_seqs, queries, group, pages, &|k, q, _, _| exact(k, q));
+    }
+    let cw = cfg.codec_page_bytes() as usize / 4;
+    let d = cfg.head_dim as usize;
+    let row = d / 8;
+    let score = |key: &[f64], q: &[f32], page: u32, slot: u32| {
+        if page < cfg.n_pages {
+            return exact(key, q);
+        }
+        let c0 = (page - cfg.n_pages) as usize * cw;
+        let words = &model.codec_kv[c0..c0 + cw];
+        let qf: Vec<f32> = q.iter().map(|v| v * scale).collect();
+        let qs: Vec<f32> = (0..d).map(|c| qf[c] * f16_value(words[c] >> 16)).collect();
+        let mx = qs.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let ex = (((mx.to_bits() >> 23) & 0xff) as i32 - 127).max(-120);
+        let step = 2f64.powi(6 - ex);
+        let codes = &words[d + slot as usize * row..][..row];
+        let mut isum = 0i64;
+        let mut bias = 0f64;
+        for c in 0..d {
+            let q8 = (f64::from(qs[c]) * step).round_ties_even().min(127.0) as i64;
+            let code = (codes[c / 8] >> ((c % 8) * 4)) & 15;
+            isum += q8 * (i64::from(code) - 8);
+            bias += f64::from(qf[c]) * f64::from(f16_value(words[c])) + 8.0 * f64::from(qs[c]);
+        }
+        2f64.powi(ex - 6) * isum as f64 + bias
+    };
+    attend_with(model, n_seqs, queries, group, pages, &score)
+}
+
+/// A cached key's scaled score: `(decoded key, query, page, slot)`.
+type KeyScore<'a> = dyn Fn(&[f64], &[f32], u32, u32) -> f64 + 'a;
+
+/// Decode attention with `score(key, query, page, slot)` giving each cached key's scaled score.
+fn attend_with(
+    model: &PoolModel,
+    n_seqs: u32,
+    queries: &[f32],
+    group: u32,
+    pages: &dyn Fn(u32, u32) -> Vec<u32>,
+    score: &KeyScore<'_>,
+) -> AttentionOutput {
     let cfg = &model.cfg;
     let d = cfg.head_dim as usize;
     let hkv = cfg.kv_heads;
@@ -45,8 +117,8 @@ pub fn attend_decode_over(
             for g in 0..group {
                 let qh = (h * group + g) as usize;
                 let q0 = (seq as usize * hq + qh) * d;
-                let q: Vec<f64> = queries[q0..q0 + d].iter().map(|v| f64::from(*v)).collect();
-                let scores: Vec<f64> = keys.iter().map(|k| k.iter().zip(&q).map(|(a, b)| a * b).sum::<f64>() * scale).collect();
+                let q = &queries[q0..q0 + d];
+                let scores: Vec<f64> = keys.iter().zip(&tokens).map(|(k, &(p, s))| score(k, q, p, s)).collect();
                 if scores.is_empty() {
                     continue;
                 }

@@ -1,9 +1,11 @@
 // attend_decode, split pass over KIVI int8 / int4 pages, fast variant (subgroups; the layout of
 // split_subgroup.wgsl): LANES invocations share one token, each holding WPL words of its key and
 // value code rows (coalesced), and combine partial dot products with subgroup shuffles. Each
-// token group works page by page: it decodes the page's per-channel key parameters once into
-// q * scale and a bias q . min (so a key's score is bias + sum (q * scale) * code, no per-element
-// dequantisation), then runs U slots in flight. Values dequantise per token group (min + code *
+// token group works page by page: it folds the page's per-channel key parameters once into
+// q * scale and a bias q . min (so a key's score is bias + (q * scale) . code, no per-element
+// dequantisation; at int4 q * scale is quantised to int8 and the dot product is dot4I8Packed on
+// packed bytes, CPU reference `reference::attend_decode_int8_query`), then runs U slots in
+// flight. Values dequantise per token group (min + code *
 // scale) straight into the accumulators. Nothing is decompressed to memory. Partials go to the
 // last "buffer" index, as in split_codec.wgsl (which is the portable fallback).
 
@@ -216,7 +218,9 @@ fn main(
                 kp[n] = vec4<u32>(codec_kv[p0], codec_kv[p0 + 1u], codec_kv[p0 + 2u], codec_kv[p0 + 3u]);
             }
         }
-        var qs: array<vec4<f32>, GROUP * NV>;
+        var qs: array<vec4<f32>, GROUP * NV>;  // int8: q * scale
+        var q8: array<u32, GROUP * NV>;        // int4: q * scale / alpha, packed bytes
+        var alpha: array<f32, GROUP>;
         var bias: array<f32, GROUP>;
         for (var blk = 0u; blk < PAGE_SIZE / PF; blk++) {
             var kw: array<u32, PF * WPL>;
@@ -242,9 +246,22 @@ fn main(
                 }
             }
             if (blk == 0u) {
-                // score = bias + (q * scale) . code, the key parameters folded in once per page.
+                // The key parameters folded in once per page: q * scale and the bias q . min,
+                // so a key's score is bias + (q * scale) . code with no per-element
+                // dequantisation. At int4, q * scale is then quantised to int8 (q8) and the score
+                // is alpha * q8 . (code - 8) + bias + 8 (q * scale) . 1: integer dot products of
+                // packed bytes. alpha = 2^(E - 6), E the exponent of the page's largest
+                // |q * scale| over every channel (at least -120), so every value lies in
+                // (-128, 128); rounded to nearest even by adding 1.5 * 2^23 (the sum's low byte is
+                // then the code), at most 127. Centring the codes halves the rounding's effect
+                // on the score. The bias and the dot products are split over the lanes like the
+                // score.
+                // (Folded into a local first: at int4 nothing of it outlives the fold.)
+                var qsl: array<vec4<f32>, GROUP * NV>;
+                var mx: array<f32, GROUP>;
                 for (var g = 0u; g < GROUP; g++) {
                     bias[g] = 0.0;
+                    mx[g] = 0.0;
                 }
                 for (var n = 0u; n < NV; n++) {
                     let w = kp[n];
@@ -252,8 +269,40 @@ fn main(
                     let scales = vec4<f32>(f16_value(w.x >> 16u), f16_value(w.y >> 16u), f16_value(w.z >> 16u), f16_value(w.w >> 16u));
                     for (var g = 0u; g < GROUP; g++) {
                         let qv = acc_sh[g * D4 + dim_of(lane, n) / 4u];
-                        qs[g * NV + n] = qv * scales;
+                        qsl[g * NV + n] = qv * scales;
                         bias[g] += dot(qv, mins);
+                        let a = abs(qsl[g * NV + n]);
+                        mx[g] = max(mx[g], max(max(a.x, a.y), max(a.z, a.w)));
+                    }
+                }
+                if (BITS == 8u) {
+                    qs = qsl;
+                } else {
+                    for (var g = 0u; g < GROUP; g++) {
+                        var mg = mx[g];
+                        for (var mask = LANES / 2u; mask > 0u; mask = mask / 2u) {
+                            mg = max(mg, subgroupShuffleXor(mg, mask));
+                        }
+                        let ex = max(i32((bitcast<u32>(mg) >> 23u) & 0xffu) - 127, -120);
+                        let step = ldexp(1.0, 6 - ex);
+                        alpha[g] = ldexp(1.0, ex - 6);
+                        var qsum = 0;
+                        var fsum = 0.0;
+                        for (var n = 0u; n < NV; n++) {
+                            q8[g * NV + n] = 0u;
+                        }
+                        for (var n = 0u; n < NV; n++) {
+                            let x = bitcast<vec4<u32>>(min(qsl[g * NV + n] * step, vec4<f32>(127.0)) + vec4<f32>(12582912.0));
+                            let b = x & vec4<u32>(0xffu);
+                            // A code word's even dimensions (its low nibbles), then its odd ones.
+                            let sh = (n % 2u) * 16u;
+                            q8[g * NV + n - n % 2u] |= (b.x | (b.z << 8u)) << sh;
+                            q8[g * NV + n - n % 2u + 1u] |= (b.y | (b.w << 8u)) << sh;
+                            let v = bitcast<vec4<i32>>(x - vec4<u32>(0x4b400000u));
+                            qsum += v.x + v.y + v.z + v.w;
+                            fsum += dot(qsl[g * NV + n], vec4<f32>(1.0));
+                        }
+                        bias[g] += 8.0 * (fsum - alpha[g] * f32(qsum));
                     }
                 }
             }
@@ -269,10 +318,19 @@ fn main(
                 for (var u = 0u; u < U; u++) {
                     for (var g = 0u; g < GROUP; g++) {
                         var x = 0.0;
-                        for (var n = 0u; n < NV; n++) {
-                            x += dot(qs[g * NV + n], codes4(kw[(sb * U + u) * WPL + n / VPW], n % VPW));
+                        if (BITS == 4u) {
+                            var isum = 0;
+                            for (var i = 0u; i < WPL; i++) {
+                                let w = kw[(sb * U + u) * WPL + i];
+                                isum += dot4I8Packed(q8[g * NV + 2u * i], w & 0x0f0f0f0fu) + dot4I8Packed(q8[g * NV + 2u * i + 1u], (w >> 4u) & 0x0f0f0f0fu);
+                            }
+                            // The integer as a float by the same 1.5 * 2^23 (|isum| < 2^22).
+                            x = alpha[g] * (bitcast<f32>(u32(isum) + 0x4b400000u) - 12582912.0);
+                        } else {
+                            for (var n = 0u; n < NV; n++) {
+                                x += dot(qs[g * NV + n], codes4(kw[(sb * U + u) * WPL + n / VPW], n % VPW));
+                            }
                         }
-                        // The bias is split over the lanes like the dot product.
                         part[u * GROUP + g] = x + bias[g];
                     }
                 }
