@@ -247,8 +247,9 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
     } else if moes.is_empty() && a.moe_routers.iter().any(|s| !s.trim().is_empty()) {
         bail!("--moe-routers choose experts: give --moe E:K too (or a MoE file)");
     }
+    let mut moefier = crate::run::Moefier::new(&g, &bytes, &path);
     for spec in &moes {
-        let crate::run::Moefied { moe: m, how } = crate::run::moefy(&g, &bytes, &path, spec)?;
+        let crate::run::Moefied { moe: m, how } = moefier.moefy(spec)?;
         if !a.json {
             println!("moefied E={} k={}: {how}", spec.config.experts, spec.config.top_k);
         }

@@ -310,30 +310,29 @@ impl Moefication {
     }
 
     /// Replace every layer's centroid router with a linear router fitted to the experts' actual
-    /// activation mass on calibration tokens: `dense` (the same weights, dense) runs `ids`, and
-    /// per layer a ridge regression maps each FFN input `x_t` to its experts' masses
-    /// `m_e = sum_{n in e} |silu(Wgate[n] x) (Wup[n] x)|`: `W = argmin sum_t |W x_t - m(x_t)|^2 +
-    /// lambda |W|^2` with `lambda = ridge * tr(X^T X) / hidden`. No intercept, so the ranking of
-    /// the scores is unchanged by the token's scale, and the GPU scores it like the centroids.
-    /// Returns the seconds taken.
-    pub fn fit_router(&mut self, dense: &super::CpuModel, ids: &[u32], ridge: f64) -> Result<f64> {
+    /// activation mass on calibration tokens (`calib`, the dense model's FFN inputs over them,
+    /// [`Calibration::collect`]; one collection serves every (E, k)): per layer a ridge
+    /// regression maps each FFN input `x_t` to its experts' masses
+    /// `m_e = sum_{n in e} |silu(Wgate[n] x) (Wup[n] x)|` (`w`: the same model's weights):
+    /// `W = argmin sum_t |W x_t - m(x_t)|^2 + lambda |W|^2` with
+    /// `lambda = ridge * tr(X^T X) / hidden`. No intercept, so the ranking of the scores is
+    /// unchanged by the token's scale, and the GPU scores it like the centroids. Returns the
+    /// seconds taken.
+    pub fn fit_router(&mut self, w: &LlamaWeights, calib: &Calibration, ridge: f64) -> Result<f64> {
         let t0 = std::time::Instant::now();
-        if dense.moe().is_some() || ids.is_empty() || ridge.is_nan() || ridge < 0.0 {
-            return Err(Error::Input("fit_router: a dense model, some calibration tokens and a ridge >= 0".into()));
+        if ridge.is_nan() || ridge < 0.0 {
+            return Err(Error::Input(format!("fit_router: the ridge must be >= 0, not {ridge}")));
         }
-        let w = dense.weights().clone();
-        self.check_fits(&w)?;
+        self.check_fits(w)?;
         let n_layers = self.layers.len();
-        let mut xs: Vec<Vec<f32>> = vec![Vec::new(); n_layers];
-        let mut cache = dense.new_cache();
-        for (pos, &t) in ids.iter().enumerate() {
-            dense.forward_probed(t, pos as u32, &mut cache, n_layers, false, &mut |p| {
-                if p.stage == super::Stage::FfnNorm {
-                    xs[p.layer].extend_from_slice(p.values);
-                }
-            })?;
+        let (xs, n) = (&calib.xs, calib.tokens);
+        let hidden = w.layers.first().map_or(0, |l| l.attn_norm.len());
+        if xs.len() != n_layers || xs.iter().any(|x| x.len() != n * hidden) {
+            return Err(Error::Input(format!(
+                "fit_router: the calibration holds {} layers of {n} tokens, not {n_layers} layers of {hidden} features",
+                xs.len()
+            )));
         }
-        let n = ids.len();
         let fit = |l: usize, layer: &mut MoeLayer| {
             fit_layer(layer, &w.layers[l], &xs[l], n, ridge).map_err(|m| Error::Input(format!("fit_router: layer {l}: {m}")))
         };
@@ -505,6 +504,40 @@ pub fn top_k(scores: &[f32], k: usize) -> Vec<usize> {
     idx.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
     idx.truncate(k);
     idx
+}
+
+/// A dense model's FFN inputs (the normed residual stream each layer's FFN reads) over
+/// calibration tokens, per layer: what [`Moefication::fit_router`] fits to.
+pub struct Calibration {
+    /// Per layer, `tokens` rows of `hidden` features.
+    xs: Vec<Vec<f32>>,
+    tokens: usize,
+}
+
+impl Calibration {
+    /// Run `dense` (a model without experts) over `ids` on the CPU and keep every layer's FFN
+    /// inputs.
+    pub fn collect(dense: &super::CpuModel, ids: &[u32]) -> Result<Calibration> {
+        if dense.moe().is_some() || ids.is_empty() {
+            return Err(Error::Input("calibration: a dense model and some tokens".into()));
+        }
+        let n_layers = dense.weights().layers.len();
+        let mut xs: Vec<Vec<f32>> = vec![Vec::new(); n_layers];
+        let mut cache = dense.new_cache();
+        for (pos, &t) in ids.iter().enumerate() {
+            dense.forward_probed(t, pos as u32, &mut cache, n_layers, false, &mut |p| {
+                if p.stage == super::Stage::FfnNorm {
+                    xs[p.layer].extend_from_slice(p.values);
+                }
+            })?;
+        }
+        Ok(Calibration { xs, tokens: ids.len() })
+    }
+
+    /// Calibration tokens.
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
 }
 
 /// One layer of [`Moefication::fit_router`]: `x` holds `n` FFN inputs.
@@ -872,6 +905,39 @@ mod tests {
         }
     }
 
+    /// One calibration run serves several (E, k): fitting from a shared collection equals
+    /// fitting from a fresh one, bit for bit; a calibration of another model, a MoE model, no
+    /// tokens or a negative ridge are refused.
+    #[test]
+    fn moe_calibration_is_collected_once_and_checked_cpu() {
+        let w = synthetic_weights(&crate::model::SyntheticModel::dense(5));
+        let dense = CpuModel::new(w.clone()).unwrap();
+        let ids: Vec<u32> = (0..12).map(|i| (i * 7 + 3) % 64).collect();
+        let shared = Calibration::collect(&dense, &ids).unwrap();
+        assert_eq!(shared.tokens(), ids.len());
+        for (e, k) in [(6, 2), (4, 3)] {
+            let mut a = Moefication::from_weights(&w, &MoeConfig::new(e, k)).unwrap();
+            let mut b = a.clone();
+            a.fit_router(&w, &shared, DEFAULT_RIDGE).unwrap();
+            b.fit_router(&w, &Calibration::collect(&dense, &ids).unwrap(), DEFAULT_RIDGE).unwrap();
+            assert_eq!(a.fitted, Some(ids.len()));
+            for (la, lb) in a.layers.iter().zip(&b.layers) {
+                assert_eq!(la.centroids, lb.centroids, "E={e} k={k}");
+            }
+            let fresh = Moefication::from_weights(&w, &MoeConfig::new(e, k)).unwrap();
+            assert_ne!(a.layers[0].centroids, fresh.layers[0].centroids, "E={e} k={k}: the routers changed");
+        }
+        let mut m = Moefication::from_weights(&w, &MoeConfig::new(6, 2)).unwrap();
+        assert!(m.fit_router(&w, &shared, -1.0).is_err(), "negative ridge");
+        assert!(m.fit_router(&w, &shared, f64::NAN).is_err(), "NaN ridge");
+        let other = synthetic_weights(&crate::model::SyntheticModel { layers: 3, ..crate::model::SyntheticModel::dense(5) });
+        let other_calib = Calibration::collect(&CpuModel::new(other).unwrap(), &ids).unwrap();
+        assert!(m.fit_router(&w, &other_calib, DEFAULT_RIDGE).is_err(), "another model's calibration");
+        assert!(Calibration::collect(&dense, &[]).is_err(), "no tokens");
+        let moe_file = CpuModel::new(synthetic_weights(&crate::model::SyntheticModel::moe(5, 4, 2))).unwrap();
+        assert!(Calibration::collect(&moe_file, &ids).is_err(), "a MoE model");
+    }
+
     fn synthetic_weights(m: &crate::model::SyntheticModel) -> Arc<LlamaWeights> {
         let file = m.gguf();
         let g = crate::gguf::Gguf::parse(&file).unwrap();
@@ -1010,19 +1076,19 @@ mod tests {
         let Some((dense, tok)) = test_model("moe_smollm2_router_against_oracle_real") else { return };
         let text_ids = prompt_ids(&tok, PERPLEXITY_TEXT);
         let mut report = vec![format!("dense: perplexity {:.2}", dense.perplexity(&text_ids).unwrap())];
+        let calib = Calibration::collect(&dense, &prompt_ids(&tok, CALIBRATION_TEXT)).unwrap();
         for (e, k) in [(8, 2), (8, 4), (8, 6), (16, 4)] {
             let moe = Arc::new(Moefication::from_weights(dense.weights(), &MoeConfig::new(e, k)).unwrap());
             let routed = dense.with_moe(Some(moe)).unwrap();
             let oracle = routed.clone().with_oracle_routing(true).unwrap();
             let (r, o) = (routed.perplexity(&text_ids).unwrap(), oracle.perplexity(&text_ids).unwrap());
-            let calib = prompt_ids(&tok, CALIBRATION_TEXT);
             let mut fitted = Moefication::from_weights(dense.weights(), &MoeConfig::new(e, k)).unwrap();
-            let secs = fitted.fit_router(&dense, &calib, DEFAULT_RIDGE).unwrap();
-            assert_eq!(fitted.fitted, Some(calib.len()));
+            let secs = fitted.fit_router(dense.weights(), &calib, DEFAULT_RIDGE).unwrap();
+            assert_eq!(fitted.fitted, Some(calib.tokens()));
             let f = dense.with_moe(Some(Arc::new(fitted))).unwrap().perplexity(&text_ids).unwrap();
             report.push(format!(
                 "E={e} k={k}: centroid router {r:.2}, fitted router {f:.2} ({} tokens, {secs:.1} s), oracle {o:.2}",
-                calib.len()
+                calib.tokens()
             ));
             assert!(o < r && o < f, "E={e} k={k}: the oracle ({o}) chooses worse than a router ({r}, fitted {f})");
             assert!(f < r, "E={e} k={k}: the fitted router ({f}) is no better than the centroids ({r})");
