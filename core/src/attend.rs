@@ -91,9 +91,9 @@ const QUANT_MAX_IN_FLIGHT: u32 = 2;
 /// key scores 0.457 / 0.394 / 0.382, 0.695 at 16 (registers spill).
 const QUANT_PREFETCH_WORDS: u32 = 24;
 
-/// The most slots per prefetch block: int4's int8 query keeps more registers through the page,
-/// and 8 slots lost (H200, b8 x 32K, the kernel alone: 0.377 ms at 2 slots, 0.344 at 4, 0.381
-/// at 8).
+/// The most slots per prefetch block, measured on int4 with the int8 query (H200, b8 x 32K, the
+/// kernel alone: 0.377 ms at 2 slots, 0.344 at 4, 0.381 at 8); int8 at d = 128 takes 4 slots
+/// either way, other shapes are capped unmeasured.
 const QUANT_PREFETCH_SLOTS: u32 = 4;
 
 /// The fast quantised kernel (`attend/split_quant.wgsl`) for KIVI pages, when the raw pages run
@@ -272,6 +272,7 @@ impl Attention {
                 )
             })
             .collect();
+        let quant_fast = if cfg.codec.rank().is_none() { quant_fast_path(cfg, variant, &opts) } else { None };
         let codec_split = if let Some(rank) = cfg.codec.rank() {
             if opts.group > 8 || opts.group * rank > 1024 {
                 return Err(Error::config(
@@ -298,7 +299,7 @@ impl Attention {
                 ],
             );
             Some((p, bg))
-        } else if let Some(QuantFast { lanes, bits, u, prefetch, vp_per_word }) = quant_fast_path(cfg, variant, &opts) {
+        } else if let Some(QuantFast { lanes, bits, u, prefetch, vp_per_word }) = quant_fast {
             let transpose = opts.transpose && opts.group.is_power_of_two() && opts.group <= lanes;
             let p = rt
                 .pipeline_with(
@@ -336,7 +337,7 @@ impl Attention {
         };
         let codec_kernel = if cfg.codec.is_low_rank() {
             Some("lowrank".to_string())
-        } else if let Some(f) = quant_fast_path(cfg, variant, &opts) {
+        } else if let Some(f) = quant_fast {
             Some(format!("quant-subgroup u={} pf={}", f.u, f.prefetch))
         } else if has_codec {
             Some("codec-portable".to_string())
@@ -377,7 +378,7 @@ impl Attention {
             scale: 1.0 / (d as f32).sqrt(),
             stage: None,
             staged: 0,
-            int8_query: !cfg.codec.is_low_rank() && quant_fast_path(cfg, variant, &opts).is_some_and(|f| f.bits == 4),
+            int8_query: quant_fast.is_some_and(|f| f.bits == 4),
             opts,
         })
     }
@@ -391,6 +392,27 @@ impl Attention {
     /// [`crate::reference::attend_decode_int8_query`].
     pub fn int8_query_scores(&self) -> bool {
         self.int8_query
+    }
+
+    /// The f64 reference of what this attention computes for `layer` of `model` (the pool's
+    /// CPU model) with `queries`: over each list's pages, or over `pages(seq, head)` (QUEST's
+    /// selection); int4 pages scored with the int8 query when the kernel does.
+    pub fn cpu_reference(
+        &self,
+        model: &crate::reference::PoolModel,
+        layer: u32,
+        queries: &[f32],
+        pages: Option<&dyn Fn(u32, u32) -> Vec<u32>>,
+    ) -> crate::reference::AttentionOutput {
+        use crate::reference::attend::{attend_decode_int8_query_over, attend_decode_over};
+        let list = |seq, head| model.page_list(layer, seq, head);
+        let pages = pages.unwrap_or(&list);
+        let (n, group) = (self.opts.n_seqs, self.opts.group);
+        if self.int8_query {
+            attend_decode_int8_query_over(model, n, queries, group, self.scale, pages)
+        } else {
+            attend_decode_over(model, layer, n, queries, group, f64::from(self.scale), pages)
+        }
     }
 
     /// Scale applied to q.k (1/sqrt(head_dim)).

@@ -17,9 +17,8 @@ use crate::flexgen::FlexGen;
 use crate::gpu_data::{ListState, PoolCtl};
 use crate::pool::KvPool;
 use crate::quest::Quest;
-use crate::reference::attend::attend_decode_over;
+use crate::reference::pool::decode_words;
 use crate::reference::pool::{NewToken, PoolModel, encode_values};
-use crate::reference::{attend_decode, attend_decode_int8_query, attend_decode_int8_query_over, pool::decode_words};
 use crate::route::{RouteShape, Router};
 use crate::router_config::RouterConfig;
 use crate::runtime::Runtime;
@@ -1316,43 +1315,9 @@ impl Pipeline {
                     let li = model.list_index(layer, seq, head) as usize;
                     sel[li * maxp..li * maxp + counts[li] as usize].to_vec()
                 };
-                if self.attn.int8_query_scores() {
-                    attend_decode_int8_query_over(
-                        model,
-                        self.cfg.workload.n_seqs,
-                        &self.last_queries,
-                        self.cfg.workload.group,
-                        self.attn.scale(),
-                        &pick,
-                    )
-                } else {
-                    attend_decode_over(
-                        model,
-                        layer,
-                        self.cfg.workload.n_seqs,
-                        &self.last_queries,
-                        self.cfg.workload.group,
-                        f64::from(self.attn.scale()),
-                        &pick,
-                    )
-                }
+                self.attn.cpu_reference(model, layer, &self.last_queries, Some(&pick))
             }
-            None if self.attn.int8_query_scores() => attend_decode_int8_query(
-                model,
-                layer,
-                self.cfg.workload.n_seqs,
-                &self.last_queries,
-                self.cfg.workload.group,
-                self.attn.scale(),
-            ),
-            None => attend_decode(
-                model,
-                layer,
-                self.cfg.workload.n_seqs,
-                &self.last_queries,
-                self.cfg.workload.group,
-                f64::from(self.attn.scale()),
-            ),
+            None => self.attn.cpu_reference(model, layer, &self.last_queries, None),
         };
         let max_abs = out.iter().zip(&reference.out).map(|(a, b)| (f64::from(*a) - b).abs()).fold(0.0, f64::max);
         let tol = match self.pool.cfg.dtype {

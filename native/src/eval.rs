@@ -247,16 +247,19 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
     } else if moes.is_empty() && a.moe_routers.iter().any(|s| !s.trim().is_empty()) {
         bail!("--moe-routers choose experts: give --moe E:K too (or a MoE file)");
     }
-    let mut moefier = crate::run::Moefier::new(&g, &bytes, &path);
-    for spec in &moes {
-        let crate::run::Moefied { moe: m, how } = moefier.moefy(spec)?;
-        if !a.json {
-            println!("moefied E={} k={}: {how}", spec.config.experts, spec.config.top_k);
-        }
-        let m = std::sync::Arc::new(m);
-        configs.push(Config { moe: Some(m.clone()), ..base.clone() });
-        for spec in a.moe_routers.iter().map(|s| s.trim()).filter(|s| !s.is_empty()) {
-            configs.push(Config { moe: Some(m.clone()), router: Some(RouterConfig::parse(spec)?), ..base.clone() });
+    {
+        // The f32 weights and the calibration are dropped before the GPU runs.
+        let mut moefier = crate::run::Moefier::new(&g, &bytes, &path);
+        for spec in &moes {
+            let crate::run::Moefied { moe: m, how } = moefier.moefy(spec)?;
+            if !a.json {
+                println!("moefied E={} k={}: {how}", spec.config.experts, spec.config.top_k);
+            }
+            let m = std::sync::Arc::new(m);
+            configs.push(Config { moe: Some(m.clone()), ..base.clone() });
+            for spec in a.moe_routers.iter().map(|s| s.trim()).filter(|s| !s.is_empty()) {
+                configs.push(Config { moe: Some(m.clone()), router: Some(RouterConfig::parse(spec)?), ..base.clone() });
+            }
         }
     }
     let needle_prompt: Vec<u32> = if a.needle_filler > 0 {

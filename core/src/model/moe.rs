@@ -906,8 +906,8 @@ mod tests {
     }
 
     /// One calibration run serves several (E, k): fitting from a shared collection equals
-    /// fitting from a fresh one, bit for bit; a calibration of another model, a MoE model, no
-    /// tokens or a negative ridge are refused.
+    /// fitting from a fresh one, bit for bit; a calibration of another shape (layers or
+    /// features), a MoE model, no tokens or a negative ridge are refused.
     #[test]
     fn moe_calibration_is_collected_once_and_checked_cpu() {
         let w = synthetic_weights(&crate::model::SyntheticModel::dense(5));
@@ -932,7 +932,7 @@ mod tests {
         assert!(m.fit_router(&w, &shared, f64::NAN).is_err(), "NaN ridge");
         let other = synthetic_weights(&crate::model::SyntheticModel { layers: 3, ..crate::model::SyntheticModel::dense(5) });
         let other_calib = Calibration::collect(&CpuModel::new(other).unwrap(), &ids).unwrap();
-        assert!(m.fit_router(&w, &other_calib, DEFAULT_RIDGE).is_err(), "another model's calibration");
+        assert!(m.fit_router(&w, &other_calib, DEFAULT_RIDGE).is_err(), "a calibration of another shape");
         assert!(Calibration::collect(&dense, &[]).is_err(), "no tokens");
         let moe_file = CpuModel::new(synthetic_weights(&crate::model::SyntheticModel::moe(5, 4, 2))).unwrap();
         assert!(Calibration::collect(&moe_file, &ids).is_err(), "a MoE model");

@@ -5,9 +5,9 @@
 // q * scale and a bias q . min (so a key's score is bias + (q * scale) . code, no per-element
 // dequantisation; at int4 q * scale is quantised to int8 and the dot product is dot4I8Packed on
 // packed bytes, CPU reference `reference::attend_decode_int8_query`), then runs U slots in
-// flight. Values dequantise per token group (min + code *
-// scale) straight into the accumulators. Nothing is decompressed to memory. Partials go to the
-// last "buffer" index, as in split_codec.wgsl (which is the portable fallback).
+// flight. Values dequantise per token group (min + code * scale) straight into the
+// accumulators. Nothing is decompressed to memory. Partials go to the last "buffer" index, as
+// in split_codec.wgsl (which is the portable fallback).
 
 //!import common/pool.wgsl
 //!import attend/common.wgsl
@@ -252,8 +252,8 @@ fn main(
                 // is alpha * q8 . (code - 8) + bias + 8 (q * scale) . 1: integer dot products of
                 // packed bytes. alpha = 2^(E - 6), E the exponent of the page's largest
                 // |q * scale| over every channel (at least -120), so every value lies in
-                // (-128, 128); rounded to nearest even by adding 1.5 * 2^23 (the sum's low byte is
-                // then the code), at most 127. Centring the codes halves the rounding's effect
+                // (-128, 128); at most 127, rounded to nearest even (`round`), then 1.5 * 2^23
+                // added exactly so that the sum's low byte is the code. Centring the codes halves the rounding's effect
                 // on the score. The bias and the dot products are split over the lanes like the
                 // score.
                 // (Folded into a local first: at int4 nothing of it outlives the fold.)
@@ -292,7 +292,7 @@ fn main(
                             q8[g * NV + n] = 0u;
                         }
                         for (var n = 0u; n < NV; n++) {
-                            let x = bitcast<vec4<u32>>(min(qsl[g * NV + n] * step, vec4<f32>(127.0)) + vec4<f32>(12582912.0));
+                            let x = bitcast<vec4<u32>>(round(min(qsl[g * NV + n] * step, vec4<f32>(127.0))) + vec4<f32>(12582912.0));
                             let b = x & vec4<u32>(0xffu);
                             // A code word's even dimensions (its low nibbles), then its odd ones.
                             let sh = (n % 2u) * 16u;

@@ -5,7 +5,7 @@
 use expertkv_core::attend::{AttendOptions, Attention, SplitVariant, subgroup_layout};
 use expertkv_core::config::{Codec, KvDtype, PoolConfig, ShardMap};
 use expertkv_core::pool::KvPool;
-use expertkv_core::reference::{AttentionOutput, PoolModel, attend_decode, attend_decode_int8_query};
+use expertkv_core::reference::{PoolModel, attend_decode};
 use expertkv_core::rng::Rng;
 use expertkv_core::runtime::Runtime;
 
@@ -74,16 +74,6 @@ fn assert_same_codec(rt: &Runtime, pool: &KvPool, model: &PoolModel, ctx: &str) 
     }
 }
 
-/// The f64 reference of the kernel that ran: the fast quantised kernel over int4 pages quantises
-/// the page-folded query to int8 (its own reference), the others score the decoded keys exactly.
-fn reference_for(attn: &Attention, model: &PoolModel, layer: u32, n_seqs: u32, q: &[f32], group: u32) -> AttentionOutput {
-    if attn.int8_query_scores() {
-        attend_decode_int8_query(model, layer, n_seqs, q, group, attn.scale())
-    } else {
-        attend_decode(model, layer, n_seqs, q, group, f64::from(attn.scale()))
-    }
-}
-
 #[test]
 fn compression_gpu_match_cpu_and_attention_decodes_in_kernel() {
     let rt = rt();
@@ -144,7 +134,7 @@ fn compression_gpu_match_cpu_and_attention_decodes_in_kernel() {
                 rt.fill_u32(&attn.out, POISON_F32);
                 attn.run(rt, layer, 9).expect("attend");
                 let got = pollster::block_on(attn.read_output(rt)).expect("out");
-                let want = reference_for(&attn, &model, layer, cfg.max_seqs, &q, group);
+                let want = attn.cpu_reference(&model, layer, &q, None);
                 for (i, (g, w)) in got.iter().zip(&want.out).enumerate() {
                     assert!(
                         (f64::from(*g) - w).abs() <= 2e-5 + 1e-4 * w.abs(),
@@ -226,21 +216,21 @@ fn quantised_attention_over_long_lists() {
             rt.fill_u32(&attn.out, POISON_F32);
             attn.run(rt, 0, 9).expect("attend");
             let got = pollster::block_on(attn.read_output(rt)).expect("out");
-            let want = reference_for(&attn, &model, 0, cfg.max_seqs, &q, group);
+            let want = attn.cpu_reference(&model, 0, &q, None);
             for (i, (g, w)) in got.iter().zip(&want.out).enumerate() {
                 assert!((f64::from(*g) - w).abs() <= 2e-5 + 1e-4 * w.abs(), "{ctx0}: {} out[{i}] = {g}, reference {w}", attn.describe());
             }
             // What the int4 kernel's int8 query costs against scoring the decoded keys exactly:
             // not nothing (the two references differ), and small (about 2% of the output with
-            // these sharp queries, where int4's own key error moves the scores about 7x more);
-            // int8 pages score exactly.
-            let exact = attend_decode(&model, 0, cfg.max_seqs, &q, group, f64::from(attn.scale()));
-            let err = want.out.iter().zip(&exact.out).map(|(a, b)| (a - b).powi(2)).sum::<f64>().sqrt()
-                / exact.out.iter().map(|b| b * b).sum::<f64>().sqrt();
-            eprintln!("{ctx0}: int8 query against exact scores: relative error {err:.2e}");
-            match codec {
-                Codec::Int4 { .. } => assert!(err > 0.0 && err < 5e-2, "{ctx0}: int8 query against exact scores: relative error {err:e}"),
-                _ => assert_eq!(err, 0.0, "{ctx0}: int8 pages must score exactly"),
+            // these sharp queries, where int4's own key error moves the scores about 7x more).
+            // Int8 pages are scored exactly.
+            assert_eq!(attn.int8_query_scores(), matches!(codec, Codec::Int4 { .. }), "{ctx0}");
+            if attn.int8_query_scores() {
+                let exact = attend_decode(&model, 0, cfg.max_seqs, &q, group, f64::from(attn.scale()));
+                let err = want.out.iter().zip(&exact.out).map(|(a, b)| (a - b).powi(2)).sum::<f64>().sqrt()
+                    / exact.out.iter().map(|b| b * b).sum::<f64>().sqrt();
+                eprintln!("{ctx0}: int8 query against exact scores: relative error {err:.2e}");
+                assert!(err > 0.0 && err < 5e-2, "{ctx0}: int8 query against exact scores: relative error {err:e}");
             }
         }
     }
