@@ -5,16 +5,10 @@
 # int4 and int8, each configuration alone in its process (PyTorch and the f16 pool in the same
 # process move the compressed pool's timings: BENCHMARKS.md), then beside PyTorch's SDPA for the
 # ratio, in one call.
-for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
-export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+. bench/lib.sh
+h200_setup
 B=.bin/expertkv
-run() { $B bench attend --json --reps 20 "$@" 2>/dev/null | python3 -c "
-import json,sys
-for l in sys.stdin:
-    r=json.loads(l)
-    if r['kernel']=='copy': continue
-    print('${EXPERTKV_QUANT_KERNEL:-page}', r['shape'][-22:], 'ms', round(r['median_ms'],4), 'codec', round(r.get('codec_split_ms',0),4), 'sdpa', round(r.get('torch_ms',0),4), 'x', round(r.get('speedup_vs_torch',0),2), r['variant'][-44:])
-"; }
+run() { $B bench attend --json --reps 20 "$@" 2>/dev/null | attend_rows "${EXPERTKV_QUANT_KERNEL:-page} $*"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 for shape in "--batch 8 --tokens 32768" "--batch 1 --tokens 131072"; do
   for codec in int4 int8; do

@@ -3,16 +3,10 @@
 # Probes of the page-at-a-time quantised kernel on the lent H200, b8 x 32768 int4 and int8, the
 # codec kernel's time: value slots loaded with the keys (EXPERTKV_QUANT_PAGE_PREFETCH 16, 4, 1)
 # and 64-invocation workgroups (EXPERTKV_QUANT_PAGE_WG=64), against the slot-block kernel.
-for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
-export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+. bench/lib.sh
+h200_setup
 B=.bin/expertkv
-run() { $B bench attend --json --reps 20 "$@" 2>/dev/null | python3 -c "
-import json,sys
-for l in sys.stdin:
-    r=json.loads(l)
-    if r['kernel']=='copy': continue
-    print('${EXPERTKV_QUANT_KERNEL:-page} pf=${EXPERTKV_QUANT_PAGE_PREFETCH:-16} wg=${EXPERTKV_QUANT_PAGE_WG:-128}', r['shape'][-22:], 'ms', round(r['median_ms'],4), 'codec', round(r.get('codec_split_ms',0),4))
-"; }
+run() { $B bench attend --json --reps 20 "$@" 2>/dev/null | attend_rows "${EXPERTKV_QUANT_KERNEL:-page} pf=${EXPERTKV_QUANT_PAGE_PREFETCH:-16} wg=${EXPERTKV_QUANT_PAGE_WG:-128} $*"; }
 S="--batch 8 --tokens 32768"
 for codec in int4 int8; do
   EXPERTKV_QUANT_KERNEL=slot run $S --codecs $codec

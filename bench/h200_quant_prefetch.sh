@@ -2,16 +2,10 @@
 # The quantised attention kernel's prefetch block (PF: slots whose code words are loaded before
 # any is used) on the lent H200, b8 x 32768 and b1 x 131072, the codec kernel alone and whole.
 # EXPERTKV_QUANT_PREFETCH caps the block (2 = one round trip per 2 slots, the old kernel's pace).
-for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
-export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+. bench/lib.sh
+h200_setup
 B=.bin/expertkv
-run() { $B bench attend --json --reps 20 "$@" 2>/dev/null | python3 -c "
-import json,sys
-for l in sys.stdin:
-    r=json.loads(l)
-    if r['kernel']=='copy': continue
-    print('pf=${EXPERTKV_QUANT_PREFETCH:-16}', '$*', r['shape'][-22:], 'ms', round(r['median_ms'],4), 'codec', round(r.get('codec_split_ms',0),4), 'sdpa', round(r.get('torch_ms',0),4), 'x', round(r.get('speedup_vs_torch',0),2), r['variant'][-40:])
-"; }
+run() { $B bench attend --json --reps 20 "$@" 2>/dev/null | attend_rows "pf=${EXPERTKV_QUANT_PREFETCH:-16} $*"; }
 S="--batch 8 --tokens 32768"
 run $S --codecs none,int4,int8,int4:group=64 --torch
 for pf in 2 4 8; do EXPERTKV_QUANT_PREFETCH=$pf run $S --codecs int4; done
