@@ -46,6 +46,7 @@ const MAX_CHUNK_PAGES: u32 = 64u;
 
 var<workgroup> chunk_page: array<u32, 64>;
 var<workgroup> chunk_fill: array<u32, 64>;
+var<workgroup> chunk_pos: array<u32, 64>;  // a live page's place in the chunk
 var<workgroup> ml_sh: array<vec2<f32>, 256>;   // [token group][query head]: (max, sum)
 var<workgroup> acc_sh: array<vec4<f32>, 512>;  // [query head][d / 4]
 var<workgroup> count_sh: u32;
@@ -103,6 +104,11 @@ fn lane_of_head(g: u32) -> u32 {
     return l;
 }
 
+// A slot's place in the chunk, from its place among the live pages' slots.
+fn chunk_slot(j: u32) -> u32 {
+    return chunk_pos[min(j / PAGE_SIZE, MAX_CHUNK_PAGES - 1u)] * PAGE_SIZE + j % PAGE_SIZE;
+}
+
 @compute @workgroup_size(128)
 fn main(
     @builtin(workgroup_id) wg: vec3<u32>,
@@ -149,18 +155,32 @@ fn main(
         }
         chunk_page[c] = page - window.first_page;
         chunk_fill[c] = fill;
+        chunk_pos[c] = c;
     }
     workgroupBarrier();
-    // A chunk with none of this kernel's pages (they live in another buffer, or compressed)
-    // leaves an empty partial and costs nothing more.
+    // The chunk's pages that this kernel reads (not in another buffer, not compressed), moved
+    // to the front in order: the token groups walk only those (a chunk of a compressed pool
+    // holds a few raw pages at most). A chunk with none leaves an empty partial.
     if (t == 0u) {
         var live = 0u;
         for (var c = 0u; c < params.chunk_pages; c++) {
-            live |= chunk_fill[c];
+            live += select(0u, 1u, chunk_fill[c] > 0u);
+        }
+        if (live < params.chunk_pages) {
+            var k = 0u;
+            for (var c = 0u; c < params.chunk_pages; c++) {
+                if (chunk_fill[c] > 0u) {
+                    chunk_page[k] = chunk_page[c];
+                    chunk_fill[k] = chunk_fill[c];
+                    chunk_pos[k] = c;
+                    k++;
+                }
+            }
         }
         live_sh = live;
     }
-    if (workgroupUniformLoad(&live_sh) == 0u) {
+    let n_live = workgroupUniformLoad(&live_sh);
+    if (n_live == 0u) {
         if (t < GROUP) {
             let o = partial_index(params, seq, kvh * GROUP + t, window.buffer_index, chunk) * partial_stride(D);
             partials[o] = NEG_BIG;
@@ -193,7 +213,7 @@ fn main(
     let vw4 = geo.vec_words / 4u;
     let page_w4 = geo.page_words / 4u;
     let v_off4 = block_words(geo) / 4u;
-    let slots = params.chunk_pages * PAGE_SIZE;
+    let slots = n_live * PAGE_SIZE;
     let iters = (slots + n_tg * U - 1u) / (n_tg * U);
     // (Software pipelining, loading iteration it + 1 while it computes, was tried on an H200:
     // the driver then kept the carried arrays in local memory and the kernel ran 5x slower.)
@@ -256,7 +276,7 @@ fn main(
                 sc[u] = select(NEG_BIG, x, valid[u]);
                 m_new = max(m_new, sc[u]);
                 if (valid[u] && params.write_scores != 0u && (lane % replicas) == 0u) {
-                    scores[(seq * params.q_heads + kvh * GROUP + my_head) * params.max_tokens + first * PAGE_SIZE + slot_of[u]] = x;
+                    scores[(seq * params.q_heads + kvh * GROUP + my_head) * params.max_tokens + first * PAGE_SIZE + chunk_slot(slot_of[u])] = x;
                 }
             }
             let c_own = exp(m[0] - m_new);
@@ -287,7 +307,7 @@ fn main(
                     sc[u] = select(NEG_BIG, x, valid[u]);
                     m_new = max(m_new, sc[u]);
                     if (valid[u] && params.write_scores != 0u && lane == 0u) {
-                        scores[(seq * params.q_heads + kvh * GROUP + g) * params.max_tokens + first * PAGE_SIZE + slot_of[u]] = x;
+                        scores[(seq * params.q_heads + kvh * GROUP + g) * params.max_tokens + first * PAGE_SIZE + chunk_slot(slot_of[u])] = x;
                     }
                 }
                 corr[g] = exp(m[g] - m_new);
