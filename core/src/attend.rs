@@ -43,12 +43,79 @@ pub struct AttendOptions {
     pub tokens_in_flight: u32,
     /// Subgroup variant: reduce-scatter scores over lanes when the group allows it.
     pub transpose: bool,
+    /// Tile kernel: how far (in score units, natural log) a score may rise above its head's
+    /// running reference maximum before the workgroup's sums are rescaled (lazy rescaling;
+    /// probabilities stay below e^slack), within 0..=[`TILE_MAX_SLACK`]; 0 or below rescales
+    /// whenever a maximum rises.
+    pub rescale_slack: f32,
+    /// Which kernel reads int4 pages (when the device and shape allow the tile kernel).
+    pub quant_kernel: QuantKernel,
+    /// Tile kernel: tiles of tokens between moves of its f16 value sums into f32 (1..=16).
+    pub f16_flush_tiles: u32,
 }
 
 impl Default for AttendOptions {
     fn default() -> Self {
-        AttendOptions { group: 4, n_seqs: 1, chunk_pages: 32, mass: true, variant: None, tokens_in_flight: 4, transpose: true }
+        AttendOptions {
+            group: 4,
+            n_seqs: 1,
+            chunk_pages: 32,
+            mass: true,
+            variant: None,
+            tokens_in_flight: 4,
+            transpose: true,
+            rescale_slack: RESCALE_SLACK,
+            quant_kernel: QuantKernel::Auto,
+            f16_flush_tiles: F16_FLUSH_TILES,
+        }
     }
+}
+
+/// The kernel that reads KIVI int4 pages.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub enum QuantKernel {
+    /// The tile kernel where the device (subgroups, shader-f16) and the shape allow it, else
+    /// the slot-block kernel (subgroups), else the portable one.
+    #[default]
+    Auto,
+    /// `attend/split_quant.wgsl`: LANES invocations per token, f32 sums.
+    SlotBlock,
+    /// `attend/split_quant_tile.wgsl` (or an error where it cannot run).
+    Tile,
+}
+
+impl QuantKernel {
+    pub fn parse(s: &str) -> Result<QuantKernel> {
+        match s {
+            "auto" => Ok(QuantKernel::Auto),
+            "slot" | "slot-block" => Ok(QuantKernel::SlotBlock),
+            "tile" => Ok(QuantKernel::Tile),
+            _ => Err(Error::config("quant_kernel", s, "one of auto, slot, tile")),
+        }
+    }
+}
+
+/// The default [`AttendOptions::f16_flush_tiles`].
+pub const F16_FLUSH_TILES: u32 = 2;
+
+/// The most [`AttendOptions::f16_flush_tiles`].
+pub const MAX_F16_FLUSH_TILES: u32 = 16;
+
+/// The tile kernel's lazy-rescale slack is the option's, within 0..=this (its f16 value sums
+/// hold terms up to e^slack; a negative option means 0, rescale whenever a maximum rises).
+pub const TILE_MAX_SLACK: f32 = 2.0;
+
+/// The default [`AttendOptions::rescale_slack`].
+pub const RESCALE_SLACK: f32 = TILE_MAX_SLACK;
+
+/// The largest [`AttendOptions::rescale_slack`] accepted (the tile kernel takes at most
+/// [`TILE_MAX_SLACK`] of it).
+pub const MAX_RESCALE_SLACK: f32 = 40.0;
+
+/// An f32 as a WGSL literal (finite: checked by [`Attention::new`]).
+fn wgsl_f32(x: f32) -> String {
+    let s = format!("{x:?}");
+    if s.contains(['.', 'e']) { s } else { format!("{s}.0") }
 }
 
 pub const MAX_GROUP: u32 = 8;
@@ -135,6 +202,98 @@ fn quant_fast_path(cfg: &crate::config::PoolConfig, variant: SplitVariant, opts:
         .then_some(QuantFast { lanes, bits, u, prefetch, vp_per_word })
 }
 
+/// The tile kernel (`attend/split_quant_tile.wgsl`) for int4 pages, when the device has subgroups
+/// and shader-f16 and the shape fits it.
+#[derive(Clone, Copy, Debug)]
+struct QuantTile {
+    /// Value groups per row.
+    ng: u32,
+    /// The kernel also reads the raw pages (the pool has one buffer, of f16 rows), so no other
+    /// split pass runs.
+    raw: bool,
+    slack: f32,
+    flush: u32,
+    /// log2 of the f16 terms' scale.
+    k: i32,
+    /// The f32 value sums live in workgroup memory (`ACC_SHARED`).
+    acc_shared: bool,
+    /// Probe knob (`ABLATE`): stages left out.
+    ablate: u32,
+}
+
+/// Workgroup memory of the tile kernel at this shape (mirrors its declarations).
+fn quant_tile_shared_bytes(group: u32, d: u32, p: u32, ng: u32, acc_shared: bool) -> u32 {
+    let (ppt, rw, gp, gq) = (128 / p, d / 8, group.div_ceil(2), group.div_ceil(4));
+    let chunk = 2 * 64 * 4 + 3 * 72 * 4;
+    let acc = if acc_shared { group * 2 * 128 * 16 } else { 16 };
+    let q = group * d * 4;
+    let q8 = ppt * (rw * gp + 1) * 16;
+    let ab = ppt * group * 8;
+    let ps = 128 * ng * gq * 16;
+    let red = 16 * (group + group * ng) * 4;
+    chunk + acc + q + q8 + ab + ps + red + 24
+}
+
+fn quant_tile_path(rt: &Runtime, pool: &KvPool, opts: &AttendOptions) -> Result<Option<QuantTile>> {
+    let cfg = &pool.cfg;
+    let why_not = || -> Option<String> {
+        let crate::config::Codec::Int4 { group: vg } = cfg.codec else { return Some("the pool's codec is not int4".into()) };
+        if rt.tier != Tier::Subgroups {
+            return Some("the device has no subgroups".into());
+        }
+        if !rt.caps.f16 {
+            return Some("the device has no shader-f16".into());
+        }
+        let d = cfg.head_dim;
+        if ![32, 64, 128].contains(&d) {
+            return Some(format!("head_dim {d} is not 32, 64 or 128"));
+        }
+        if ![16, 32, 64, 128].contains(&cfg.page_size) {
+            return Some(format!("page_size {} is not 16, 32, 64 or 128", cfg.page_size));
+        }
+        if !vg.is_multiple_of(8) || !d.is_multiple_of(vg) || (d / vg) * opts.group.div_ceil(4) > 8 {
+            return Some(format!("value group {vg}: needs a multiple of 8 with (d / group) x ceil(heads / 4) <= 8"));
+        }
+        if opts.group > MAX_GROUP || !cfg.codec.page_words(cfg.page_size, d).is_multiple_of(4) {
+            return Some("the page is not a whole number of 16-byte words".into());
+        }
+        let shared = quant_tile_shared_bytes(opts.group, d, cfg.page_size, d / vg, false);
+        if shared > rt.caps.max_workgroup_storage_bytes {
+            return Some(format!("it needs {shared} bytes of workgroup memory, the device allows {}", rt.caps.max_workgroup_storage_bytes));
+        }
+        None
+    };
+    let reason = why_not();
+    match (opts.quant_kernel, reason) {
+        (QuantKernel::SlotBlock, _) => Ok(None),
+        (QuantKernel::Tile, Some(why)) => Err(Error::config("quant_kernel", "tile", format!("the tile kernel cannot run: {why}"))),
+        (QuantKernel::Auto, Some(_)) => Ok(None),
+        // Pages of 16 fold their key parameters into the queries for every 16 tokens: there the
+        // slot-block kernel is faster (H200, b8 x 32768: 0.394 ms against 0.60).
+        (QuantKernel::Auto, None) if cfg.page_size < 32 => Ok(None),
+        (_, None) => {
+            let crate::config::Codec::Int4 { group: vg } = cfg.codec else { unreachable!("checked by why_not") };
+            let slack = opts.rescale_slack.clamp(0.0, TILE_MAX_SLACK);
+            let flush = opts.f16_flush_tiles;
+            // Each invocation sums at most flush x d / 8 terms, each below e^slack x 2^k x 15,
+            // between moves into f32: the largest k that keeps that below 60000 (f16 max 65504).
+            let terms = f64::from(flush * cfg.head_dim / 8) * 15.0 * f64::from(slack).exp();
+            let k = (60000.0 / terms).log2().floor().clamp(-14.0, 14.0) as i32;
+            // EXPERTKV_TILE_RAW=0 and EXPERTKV_TILE_ABLATE (hidden, for the H200 probes): the raw
+            // pages left to the raw pass; stages of the kernel left out (wrong results).
+            let env = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<u32>().ok());
+            let raw = pool.n_buffers() == 1 && cfg.dtype == KvDtype::F16 && env("EXPERTKV_TILE_RAW") != Some(0);
+            let ablate = env("EXPERTKV_TILE_ABLATE").unwrap_or(0);
+            // The f32 sums in workgroup memory only when EXPERTKV_TILE_ACC_SHARED=1 (a probe: on an
+            // H200, b8 x 32768, pages of 32, 0.66 ms against 0.33 in registers) and it fits.
+            let fits = quant_tile_shared_bytes(opts.group, cfg.head_dim, cfg.page_size, cfg.head_dim / vg, true)
+                <= rt.caps.max_workgroup_storage_bytes;
+            let acc_shared = fits && env("EXPERTKV_TILE_ACC_SHARED") == Some(1);
+            Ok(Some(QuantTile { ng: cfg.head_dim / vg, raw, slack, flush, k, acc_shared, ablate }))
+        }
+    }
+}
+
 pub struct Attention {
     pub opts: AttendOptions,
     pub variant: SplitVariant,
@@ -166,6 +325,8 @@ pub struct Attention {
     staged: u32,
     /// See [`Attention::int8_query_scores`].
     int8_query: bool,
+    /// The tile kernel reads the raw pages too: the raw split pass does not run.
+    raw_fused: bool,
 }
 
 impl Attention {
@@ -195,6 +356,12 @@ impl Attention {
         if opts.chunk_pages == 0 || opts.chunk_pages > MAX_CHUNK_PAGES {
             return Err(Error::config("chunk_pages", opts.chunk_pages, format!("must be in 1..={MAX_CHUNK_PAGES}")));
         }
+        if !opts.rescale_slack.is_finite() || opts.rescale_slack > MAX_RESCALE_SLACK {
+            return Err(Error::config("rescale_slack", opts.rescale_slack, format!("must be finite and at most {MAX_RESCALE_SLACK}")));
+        }
+        if !(1..=MAX_F16_FLUSH_TILES).contains(&opts.f16_flush_tiles) {
+            return Err(Error::config("f16_flush_tiles", opts.f16_flush_tiles, format!("must be in 1..={MAX_F16_FLUSH_TILES}")));
+        }
         let variant = match opts.variant {
             Some(v @ SplitVariant::Subgroup { lanes, .. }) => {
                 if subgroup_layout_with(rt, cfg.head_dim, cfg.dtype, &[lanes]) != Some(v) {
@@ -208,9 +375,12 @@ impl Attention {
         let q_heads = cfg.kv_heads * opts.group;
         let d = cfg.head_dim;
         let n_chunks = cfg.max_pages_per_seq().div_ceil(opts.chunk_pages);
-        // Compressed pages get one more partial slot, after the raw pool buffers'.
+        // Compressed pages get one more partial slot, after the raw pool buffers' (none when the
+        // tile kernel reads the raw pages too).
         let has_codec = cfg.codec != crate::config::Codec::None;
-        let n_buffers = pool.n_buffers() as u32 + u32::from(has_codec);
+        let quant_tile = if has_codec { quant_tile_path(rt, pool, &opts)? } else { None };
+        let raw_fused = quant_tile.is_some_and(|t| t.raw);
+        let n_buffers = if raw_fused { 1 } else { pool.n_buffers() as u32 + u32::from(has_codec) };
         let max_tokens = cfg.max_pages_per_seq() * cfg.page_size;
         let split = match variant {
             SplitVariant::Tiled => rt.pipeline(Kernel::AttendSplitTiled, &[]).await?,
@@ -272,7 +442,7 @@ impl Attention {
                 )
             })
             .collect();
-        let quant_fast = if cfg.codec.rank().is_none() { quant_fast_path(cfg, variant, &opts) } else { None };
+        let quant_fast = if cfg.codec.rank().is_none() && quant_tile.is_none() { quant_fast_path(cfg, variant, &opts) } else { None };
         let codec_split = if let Some(rank) = cfg.codec.rank() {
             if opts.group > 8 || opts.group * rank > 1024 {
                 return Err(Error::config(
@@ -296,6 +466,43 @@ impl Attention {
                     &partials,
                     &scores,
                     &pool.codec_basis,
+                ],
+            );
+            Some((p, bg))
+        } else if let Some(QuantTile { ng, raw, slack, flush, k, acc_shared, ablate }) = quant_tile {
+            let p = rt
+                .pipeline_with(
+                    Kernel::AttendSplitQuantTile,
+                    &[
+                        ("GROUP", format!("{}u", opts.group)),
+                        ("HEAD_DIM", format!("{}u", cfg.head_dim)),
+                        ("PAGE_SIZE", format!("{}u", cfg.page_size)),
+                        ("NG", format!("{ng}u")),
+                        ("FLUSH", format!("{flush}u")),
+                        ("RAW", raw.to_string()),
+                        ("SLACK", wgsl_f32(slack)),
+                        ("KSCALE", wgsl_f32(2f32.powi(k))),
+                        ("ACC_SHARED", acc_shared.to_string()),
+                        ("ABLATE", format!("{ablate}u")),
+                    ],
+                    &[],
+                )
+                .await?;
+            let bg = rt.bind(
+                Kernel::AttendSplitQuantTile.label(),
+                &p,
+                &[
+                    &pool.geometry,
+                    &params,
+                    &pool.window_bufs[0],
+                    page_list,
+                    page_counts,
+                    &pool.page_meta,
+                    &pool.codec_kv,
+                    &pool.kv_buffers[0],
+                    &queries,
+                    &partials,
+                    &scores,
                 ],
             );
             Some((p, bg))
@@ -337,6 +544,16 @@ impl Attention {
         };
         let codec_kernel = if cfg.codec.is_low_rank() {
             Some("lowrank".to_string())
+        } else if let Some(t) = quant_tile {
+            Some(format!(
+                "quant-tile flush={} slack={} k={}{}{}{}",
+                t.flush,
+                t.slack,
+                t.k,
+                if t.acc_shared { " acc-shared" } else { "" },
+                if t.raw { ", raw pages too" } else { "" },
+                if t.ablate != 0 { format!(" ABLATE={}", t.ablate) } else { String::new() }
+            ))
         } else if let Some(f) = quant_fast {
             Some(format!("quant-subgroup u={} pf={}", f.u, f.prefetch))
         } else if has_codec {
@@ -378,7 +595,8 @@ impl Attention {
             scale: 1.0 / (d as f32).sqrt(),
             stage: None,
             staged: 0,
-            int8_query: quant_fast.is_some_and(|f| f.bits == 4),
+            int8_query: quant_fast.is_some_and(|f| f.bits == 4) || quant_tile.is_some(),
+            raw_fused,
             opts,
         })
     }
@@ -392,6 +610,12 @@ impl Attention {
     /// [`crate::reference::attend_decode_int8_query`].
     pub fn int8_query_scores(&self) -> bool {
         self.int8_query
+    }
+
+    /// Whether the compressed pages' values are summed in f16 over a few tiles (the tile
+    /// kernel), which the tests allow a tolerance of f16's precision.
+    pub fn f16_value_sums(&self) -> bool {
+        self.codec_kernel.as_deref().is_some_and(|k| k.starts_with("quant-tile"))
     }
 
     /// The f64 reference of what this attention computes for `layer` of `model` (the pool's
@@ -558,10 +782,12 @@ impl Attention {
 
     /// Encode the split pass alone (one dispatch per pool buffer).
     pub fn encode_split(&self, pass: &mut wgpu::ComputePass<'_>) {
-        pass.set_pipeline(&self.split);
-        for bg in &self.split_bgs {
-            pass.set_bind_group(0, bg, &[]);
-            pass.dispatch_workgroups(self.n_chunks, self.kv_heads, self.opts.n_seqs);
+        if !self.raw_fused {
+            pass.set_pipeline(&self.split);
+            for bg in &self.split_bgs {
+                pass.set_bind_group(0, bg, &[]);
+                pass.dispatch_workgroups(self.n_chunks, self.kv_heads, self.opts.n_seqs);
+            }
         }
         if let Some((p, bg)) = &self.codec_split {
             pass.set_pipeline(p);

@@ -337,6 +337,9 @@ impl Runtime {
                 text.insert_str(0, "enable subgroups;\n");
             }
         }
+        if kernel.needs_f16() && !self.caps.f16 {
+            return Err(Error::Pipeline { kernel: kernel.label(), message: "needs shader-f16, which this device lacks".into() });
+        }
         let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let desc = wgpu::ShaderModuleDescriptor { label: Some(kernel.label()), source: wgpu::ShaderSource::Wgsl(text.into()) };
         let module = if self.checks == ShaderChecks::TrustedTested && kernel.may_run_unchecked() {

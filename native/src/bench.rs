@@ -73,6 +73,17 @@ pub struct BenchArgs {
     /// Subgroup kernel: reduce every head's score in every lane instead of reduce-scattering.
     #[arg(long)]
     no_transpose: bool,
+    /// Tile kernel: how far a score may rise above its head's reference maximum before the
+    /// sums are rescaled (natural-log units, at most 2; 0 or below: whenever it rises).
+    #[arg(long, default_value_t = expertkv_core::attend::RESCALE_SLACK, allow_negative_numbers = true)]
+    rescale_slack: f32,
+    /// Which kernel reads int4 pages: auto (the tile kernel where the device and shape allow
+    /// it), slot (the slot-block kernel) or tile.
+    #[arg(long, default_value = "auto")]
+    quant_kernel: String,
+    /// Tile kernel: tiles between moves of its f16 value sums into f32.
+    #[arg(long, default_value_t = expertkv_core::attend::F16_FLUSH_TILES)]
+    f16_flush: u32,
     /// Timed repetitions (median reported).
     #[arg(long)]
     reps: Option<u32>,
@@ -282,6 +293,9 @@ pub fn run(gpu: &GpuArgs, a: &BenchArgs) -> Result<()> {
                 variant,
                 tokens_in_flight: a.tokens_in_flight,
                 transpose: !a.no_transpose,
+                rescale_slack: a.rescale_slack,
+                quant_kernel: expertkv_core::attend::QuantKernel::parse(&a.quant_kernel)?,
+                f16_flush_tiles: a.f16_flush,
                 ..Default::default()
             };
             let ab = pollster::block_on(bench_attend(&rt, s, opts, warmup, reps, &mut |d, _| bar.set_position(d)))

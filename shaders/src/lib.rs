@@ -74,6 +74,7 @@ sources! {
     CODEC_BASIS => "codec/basis.wgsl",
     ATTEND_SPLIT_LOWRANK => "attend/split_lowrank.wgsl",
     ATTEND_SPLIT_QUANT => "attend/split_quant.wgsl",
+    ATTEND_SPLIT_QUANT_TILE => "attend/split_quant_tile.wgsl",
     ATTEND_SPLIT_CODEC => "attend/split_codec.wgsl",
 }
 
@@ -133,6 +134,7 @@ pub enum Kernel {
     CodecBasisFinish,
     AttendSplitLowrank,
     AttendSplitQuant,
+    AttendSplitQuantTile,
     BenchFma,
 }
 
@@ -191,6 +193,7 @@ impl Kernel {
         Kernel::CodecBasisFinish,
         Kernel::AttendSplitLowrank,
         Kernel::AttendSplitQuant,
+        Kernel::AttendSplitQuantTile,
         Kernel::BenchFma,
     ];
 
@@ -234,6 +237,7 @@ impl Kernel {
             Kernel::CodecBasisInit | Kernel::CodecBasisIterate | Kernel::CodecBasisFinish => CODEC_BASIS,
             Kernel::AttendSplitLowrank => ATTEND_SPLIT_LOWRANK,
             Kernel::AttendSplitQuant => ATTEND_SPLIT_QUANT,
+            Kernel::AttendSplitQuantTile => ATTEND_SPLIT_QUANT_TILE,
             Kernel::BenchFma => BENCH_FMA,
         }
     }
@@ -299,7 +303,12 @@ impl Kernel {
 
     /// Needs the SUBGROUP feature (only on the capability tier that has it).
     pub fn needs_subgroups(self) -> bool {
-        matches!(self, Kernel::AttendSplitSubgroup | Kernel::AttendSplitQuant)
+        matches!(self, Kernel::AttendSplitSubgroup | Kernel::AttendSplitQuant | Kernel::AttendSplitQuantTile)
+    }
+
+    /// Needs the SHADER_F16 feature (its text starts with `enable f16;`).
+    pub fn needs_f16(self) -> bool {
+        matches!(self, Kernel::AttendSplitQuantTile)
     }
 
     /// Kernels whose every index the GPU-vs-CPU tests (`tests/tests/gpu`) exercise over random
@@ -310,6 +319,7 @@ impl Kernel {
             Kernel::AttendSplitTiled
                 | Kernel::AttendSplitSubgroup
                 | Kernel::AttendSplitQuant
+                | Kernel::AttendSplitQuantTile
                 | Kernel::AttendReduce
                 | Kernel::BenchCopy
                 | Kernel::RouteTopk

@@ -119,6 +119,36 @@ fn quantised_attention_validates_for_every_shape_knob() {
 }
 
 #[test]
+fn quantised_tile_attention_validates_for_every_shape_knob() {
+    let mut failures = Vec::new();
+    for group in [1u32, 2, 3, 4, 5, 8] {
+        for (d, ng) in [(32u32, 1u32), (32, 4), (64, 2), (64, 8), (128, 4), (128, 8), (128, 2)] {
+            if ng * group.div_ceil(4) > 8 {
+                continue;
+            }
+            for p in [16u32, 32, 64, 128] {
+                for (raw, flush, acc) in [(true, 1u32, true), (false, 3, false)] {
+                    let defines = [
+                        ("ACC_SHARED", acc.to_string()),
+                        ("GROUP", format!("{group}u")),
+                        ("HEAD_DIM", format!("{d}u")),
+                        ("PAGE_SIZE", format!("{p}u")),
+                        ("NG", format!("{ng}u")),
+                        ("FLUSH", format!("{flush}u")),
+                        ("RAW", raw.to_string()),
+                    ];
+                    let text = Kernel::AttendSplitQuantTile.resolved_with(&defines).expect("defines resolve");
+                    if let Err(e) = validate(&format!("attend/split_quant_tile.wgsl {defines:?}"), &text) {
+                        failures.push(e);
+                    }
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
+#[test]
 fn route_topk_validates_for_every_define() {
     let mut failures = Vec::new();
     for k in 1u32..=8 {

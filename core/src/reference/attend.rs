@@ -56,16 +56,49 @@ pub fn attend_decode_int8_query_over(
     scale: f32,
     pages: &dyn Fn(u32, u32) -> Vec<u32>,
 ) -> AttentionOutput {
+    attend_with(model, n_seqs, queries, group, pages, &int8_query_score(model, scale))
+}
+
+/// What the tile kernel (`attend/split_quant_tile.wgsl`) sums in f16, [seq][q_head][head_dim]:
+/// the attention-weighted codes times scales, `sum_t p_t (v_t - min_t)` over the int4 pages'
+/// tokens (their value minus their group's min; raw tokens, summed in f32, count 0), with the
+/// scores of [`attend_decode_int8_query_over`]. Its rounding error is relative to this.
+pub fn attend_decode_int8_query_code_part_over(
+    model: &PoolModel,
+    n_seqs: u32,
+    queries: &[f32],
+    group: u32,
+    scale: f32,
+    pages: &dyn Fn(u32, u32) -> Vec<u32>,
+) -> Vec<f64> {
     let cfg = &model.cfg;
-    let exact = |key: &[f64], q: &[f32]| key.iter().zip(q).map(|(k, q)| k * f64::from(*q)).sum::<f64>() * f64::from(scale);
-    if !matches!(cfg.codec, Codec::Int4 { .. }) {
-        return attend_with(model, n_seqs, queries, group, pages, &|k, q, _, _| exact(k, q));
-    }
+    let d = cfg.head_dim as usize;
+    let value = |page: u32, slot: u32| -> Vec<f64> {
+        let v = model.vector(page, slot, 1);
+        let Codec::Int4 { group: vg } = cfg.codec else { return vec![0.0; d] };
+        if page < cfg.n_pages {
+            return vec![0.0; d];
+        }
+        let cw = cfg.codec_page_bytes() as usize / 4;
+        let words = &model.codec_kv[(page - cfg.n_pages) as usize * cw..][..cw];
+        let ng = d / vg as usize;
+        let prm = d + cfg.page_size as usize * d / 8 + slot as usize * ng;
+        v.iter().enumerate().map(|(i, x)| x - f64::from(f16_value(words[prm + i / vg as usize]))).collect()
+    };
+    attend_with_values(model, n_seqs, queries, group, pages, &int8_query_score(model, scale), &value).out
+}
+
+/// The scores of [`attend_decode_int8_query`]: int4 pages with the int8 query, everything else
+/// exactly.
+fn int8_query_score(model: &PoolModel, scale: f32) -> impl Fn(&[f64], &[f32], u32, u32) -> f64 + '_ {
+    let cfg = &model.cfg;
+    let exact = move |key: &[f64], q: &[f32]| key.iter().zip(q).map(|(k, q)| k * f64::from(*q)).sum::<f64>() * f64::from(scale);
+    let int4 = matches!(cfg.codec, Codec::Int4 { .. });
     let cw = cfg.codec_page_bytes() as usize / 4;
     let d = cfg.head_dim as usize;
     let row = d / 8;
-    let score = |key: &[f64], q: &[f32], page: u32, slot: u32| {
-        if page < cfg.n_pages {
+    move |key: &[f64], q: &[f32], page: u32, slot: u32| {
+        if !int4 || page < cfg.n_pages {
             return exact(key, q);
         }
         let c0 = (page - cfg.n_pages) as usize * cw;
@@ -85,8 +118,7 @@ pub fn attend_decode_int8_query_over(
             bias += f64::from(qf[c]) * f64::from(f16_value(words[c])) + 8.0 * f64::from(qs[c]);
         }
         2f64.powi(ex - 6) * isum as f64 + bias
-    };
-    attend_with(model, n_seqs, queries, group, pages, &score)
+    }
 }
 
 /// A cached key's scaled score: `(decoded key, query, page, slot)`.
@@ -101,6 +133,19 @@ fn attend_with(
     pages: &dyn Fn(u32, u32) -> Vec<u32>,
     score: &KeyScore<'_>,
 ) -> AttentionOutput {
+    attend_with_values(model, n_seqs, queries, group, pages, score, &|p, s| model.vector(p, s, 1))
+}
+
+/// [`attend_with`] summing `value(page, slot)` instead of each token's decoded value.
+fn attend_with_values(
+    model: &PoolModel,
+    n_seqs: u32,
+    queries: &[f32],
+    group: u32,
+    pages: &dyn Fn(u32, u32) -> Vec<u32>,
+    score: &KeyScore<'_>,
+    value: &dyn Fn(u32, u32) -> Vec<f64>,
+) -> AttentionOutput {
     let cfg = &model.cfg;
     let d = cfg.head_dim as usize;
     let hkv = cfg.kv_heads;
@@ -113,7 +158,7 @@ fn attend_with(
                 pages(seq, h).into_iter().flat_map(|page| (0..model.page_meta[page as usize].fill).map(move |s| (page, s))).collect();
             let mut head_mass = vec![0.0; tokens.len()];
             let keys: Vec<Vec<f64>> = tokens.iter().map(|&(p, s)| model.vector(p, s, 0)).collect();
-            let values: Vec<Vec<f64>> = tokens.iter().map(|&(p, s)| model.vector(p, s, 1)).collect();
+            let values: Vec<Vec<f64>> = tokens.iter().map(|&(p, s)| value(p, s)).collect();
             for g in 0..group {
                 let qh = (h * group + g) as usize;
                 let q0 = (seq as usize * hq + qh) * d;

@@ -8,5 +8,7 @@ pub mod ops;
 pub mod pool;
 pub mod route;
 
-pub use attend::{AttentionOutput, attend_decode, attend_decode_int8_query, attend_decode_int8_query_over};
+pub use attend::{
+    AttentionOutput, attend_decode, attend_decode_int8_query, attend_decode_int8_query_code_part_over, attend_decode_int8_query_over,
+};
 pub use pool::{NewToken, PoolModel};

@@ -90,8 +90,14 @@ fn close(got: f64, want: f64) -> bool {
 
 /// Runs one random case; false when the device cannot run `variant` at the drawn shape.
 fn check_case(rt: &Runtime, seed: u64, variant: SplitVariant) -> bool {
+    check_case_with(rt, seed, variant, |_, _| {})
+}
+
+/// [`check_case`], the drawn case changed by `tweak` before it runs.
+fn check_case_with(rt: &Runtime, seed: u64, variant: SplitVariant, tweak: impl Fn(&mut Rng, &mut Case)) -> bool {
     let mut rng = Rng::new(seed);
-    let case = random_case(&mut rng);
+    let mut case = random_case(&mut rng);
+    tweak(&mut rng, &mut case);
     let cfg = &case.cfg;
     if matches!(variant, SplitVariant::Subgroup { .. }) && subgroup_layout(rt, cfg.head_dim, cfg.dtype).is_none() {
         return false;
@@ -122,6 +128,7 @@ fn check_case(rt: &Runtime, seed: u64, variant: SplitVariant) -> bool {
             variant: Some(variant),
             tokens_in_flight: case.tokens_in_flight,
             transpose: case.transpose,
+            ..Default::default()
         },
     ))
     .unwrap_or_else(|e| panic!("{ctx}: {e}"));
@@ -188,6 +195,40 @@ fn attend_subgroup_gpu_match_cpu() {
     // Most random shapes have a subgroup layout; a run where none had proves nothing.
     if std::env::var("EXPERTKV_TEST_SEED").is_err() {
         assert!(ran >= 8, "only {ran} cases ran the subgroup kernel");
+    }
+}
+
+/// Long lists in long chunks, so that every token group takes many blocks of slots and rescales
+/// its running sums many times: the small random cases above give most token groups one block.
+#[test]
+fn attend_subgroup_long_lists_gpu_match_cpu() {
+    let rt = rt();
+    if rt.tier != expertkv_core::Tier::Subgroups {
+        eprintln!("skipped: adapter {} has no subgroups (tier {})", rt.info.name, rt.tier.name());
+        return;
+    }
+    let mut ran = 0;
+    for seed in seeds("attend_subgroup_long", 6) {
+        ran += u32::from(check_case_with(rt, seed, SplitVariant::Subgroup { lanes: 0, vpl: 0 }, |rng, case| {
+            let cfg = &mut case.cfg;
+            cfg.head_dim = [64u32, 128][rng.below(2) as usize];
+            cfg.page_size = [8u32, 16][rng.below(2) as usize];
+            cfg.ring_capacity = 48 + rng.below(17);
+            cfg.n_shards = 1;
+            cfg.shard_map = ShardMap::Pikv { n_tok: 1, n_exp: 1 };
+            cfg.max_seqs = 1 + rng.below(2);
+            cfg.layers = 1;
+            cfg.max_buffer_bytes = None;
+            cfg.n_pages = cfg.n_keys() * cfg.ring_capacity;
+            case.n_seqs = cfg.max_seqs;
+            case.group = [1u32, 2, 4][rng.below(3) as usize];
+            case.transpose = true;
+            case.chunk_pages = 24 + rng.below(41);
+            case.tokens_in_flight = 1 + rng.below(2);
+        }));
+    }
+    if std::env::var("EXPERTKV_TEST_SEED").is_err() {
+        assert!(ran >= 4, "only {ran} cases ran the subgroup kernel");
     }
 }
 

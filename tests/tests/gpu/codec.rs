@@ -2,14 +2,34 @@
 //! stacks, metadata), attention over compressed pages against the f64 reference over the decoded
 //! values, and the bytes the pool allocates.
 
-use expertkv_core::attend::{AttendOptions, Attention, SplitVariant, subgroup_layout};
+use expertkv_core::attend::{AttendOptions, Attention, QuantKernel, SplitVariant, subgroup_layout};
 use expertkv_core::config::{Codec, KvDtype, PoolConfig, ShardMap};
+use expertkv_core::gpu_data::meta;
 use expertkv_core::pool::KvPool;
-use expertkv_core::reference::{PoolModel, attend_decode};
+use expertkv_core::reference::{PoolModel, attend_decode, attend_decode_int8_query_code_part_over};
 use expertkv_core::rng::Rng;
 use expertkv_core::runtime::Runtime;
 
-use crate::common::{POISON_F32, POISON_U32, rt, seeds};
+use crate::common::{POISON_F32, POISON_U32, rt, rt_trusted, seeds};
+
+/// The tolerance of one output element: f32 rounding against the f64 reference, and where the
+/// kernel sums values in f16 (the tile kernel), 4e-3 of what those sums hold (`code_part`, the
+/// weighted codes times scales: f16's 2^-11 per rounding over at most a few dozen terms).
+fn out_close(got: f32, want: f64, code_part: f64) -> bool {
+    (f64::from(got) - want).abs() <= 2e-5 + 1e-4 * want.abs() + 4e-3 * code_part.abs()
+}
+
+/// [`attend_decode_int8_query_code_part_over`] of `attn`'s lists when it sums values in f16,
+/// zeros otherwise.
+fn code_part(attn: &Attention, model: &PoolModel, layer: u32, q: &[f32]) -> Vec<f64> {
+    let n = (attn.opts.n_seqs * attn.q_heads() * model.cfg.head_dim) as usize;
+    if !attn.f16_value_sums() {
+        return vec![0.0; n];
+    }
+    attend_decode_int8_query_code_part_over(model, attn.opts.n_seqs, q, attn.opts.group, attn.scale(), &|seq, head| {
+        model.page_list(layer, seq, head)
+    })
+}
 use crate::shard::{assert_same_state, random_batch, random_kv};
 
 fn random_codec(rng: &mut Rng, d: u32) -> Codec {
@@ -123,11 +143,13 @@ fn compression_gpu_match_cpu_and_attention_decodes_in_kernel() {
                     chunk_pages: if rng.below(2) == 0 { 1 + rng.below(4) } else { 17 + rng.below(24) },
                     mass: true,
                     variant: Some(variant),
+                    rescale_slack: [-1.0f32, 0.5, 8.0][rng.below(3) as usize],
+                    f16_flush_tiles: 1 + rng.below(3),
                     ..Default::default()
                 },
             ))
             .expect("attention");
-            fast_runs += usize::from(attn.describe().contains("quant-subgroup"));
+            fast_runs += usize::from(attn.describe().contains("quant-subgroup") || attn.f16_value_sums());
             let q: Vec<f32> = (0..cfg.max_seqs * attn.q_heads() * cfg.head_dim).map(|_| rng.normal() as f32).collect();
             attn.set_queries(rt, &q).expect("queries");
             for layer in 0..cfg.layers {
@@ -135,12 +157,9 @@ fn compression_gpu_match_cpu_and_attention_decodes_in_kernel() {
                 attn.run(rt, layer, 9).expect("attend");
                 let got = pollster::block_on(attn.read_output(rt)).expect("out");
                 let want = attn.cpu_reference(&model, layer, &q, None);
+                let cp = code_part(&attn, &model, layer, &q);
                 for (i, (g, w)) in got.iter().zip(&want.out).enumerate() {
-                    assert!(
-                        (f64::from(*g) - w).abs() <= 2e-5 + 1e-4 * w.abs(),
-                        "{ctx0}: {} layer {layer} out[{i}] = {g}, reference {w}",
-                        attn.describe()
-                    );
+                    assert!(out_close(*g, *w, cp[i]), "{ctx0}: {} layer {layer} out[{i}] = {g}, reference {w}", attn.describe());
                 }
             }
         }
@@ -207,7 +226,16 @@ fn quantised_attention_over_long_lists() {
             let attn = pollster::block_on(Attention::new(
                 rt,
                 &pool,
-                AttendOptions { group, n_seqs: cfg.max_seqs, chunk_pages, mass: true, variant: Some(variant), ..Default::default() },
+                AttendOptions {
+                    group,
+                    n_seqs: cfg.max_seqs,
+                    chunk_pages,
+                    mass: true,
+                    variant: Some(variant),
+                    // The slot-block kernel (the tile kernel has its own test below).
+                    quant_kernel: QuantKernel::SlotBlock,
+                    ..Default::default()
+                },
             ))
             .expect("attention");
             assert!(attn.describe().contains("quant-subgroup u="), "{}", attn.describe());
@@ -233,6 +261,130 @@ fn quantised_attention_over_long_lists() {
                 assert!(err > 0.0 && err < 5e-2, "{ctx0}: int8 query against exact scores: relative error {err:e}");
             }
         }
+    }
+}
+
+/// The tile kernel (int4 pages; subgroups and shader-f16) over random shapes it takes: head_dim,
+/// page size, value groups, query heads per KV head (odd and above 4 too), chunk lengths, flush
+/// periods and slacks, one raw pool buffer (the kernel reads the raw pages too) or several (the
+/// subgroup kernel reads them), with and without scores. Against the int8-query f64 reference,
+/// the f16 value sums allowed f16's precision of what they hold; the attention mass from its
+/// scores as for every other kernel; both check modes.
+#[test]
+fn quant_tile_attention_matches_reference() {
+    let (mut fused, mut split, mut worst) = (0, 0, 0f64);
+    for (seed_i, seed) in seeds("quant_tile", 10).into_iter().enumerate() {
+        let rt = if seed_i % 3 == 2 { rt_trusted() } else { rt() };
+        if !rt.caps.f16 || rt.tier != expertkv_core::Tier::Subgroups {
+            eprintln!("skipped: adapter {} has no subgroups or no shader-f16", rt.info.name);
+            return;
+        }
+        let mut rng = Rng::new(seed);
+        let d = [32u32, 64, 128][rng.below(3) as usize];
+        let page_size = [16u32, 32, 64][rng.below(3) as usize];
+        let group = [1u32, 2, 3, 4, 4, 8][rng.below(6) as usize];
+        let vgs: Vec<u32> = [8u32, 16, 32, 64].into_iter().filter(|g| d.is_multiple_of(*g) && (d / g) * group.div_ceil(4) <= 8).collect();
+        let vg = vgs[rng.below(vgs.len() as u32) as usize];
+        let shards = 1 + rng.below(2);
+        let target = 100 + rng.below(300);
+        let mut cfg = PoolConfig {
+            layers: 1 + rng.below(2),
+            kv_heads: 1 + rng.below(2),
+            head_dim: d,
+            page_size,
+            dtype: KvDtype::F16,
+            n_pages: 0,
+            max_seqs: 1 + rng.below(2),
+            n_shards: shards,
+            ring_capacity: target / page_size / shards + 6,
+            top_k: 1,
+            shard_map: ShardMap::Pikv { n_tok: shards, n_exp: shards },
+            max_buffer_bytes: None,
+            codec: Codec::Int4 { group: vg },
+            codec_pages: 0,
+        };
+        cfg.n_pages = cfg.n_keys() * 3 + 8;
+        cfg.codec_pages = cfg.n_keys() * cfg.ring_capacity;
+        if rng.below(3) == 0 {
+            cfg.max_buffer_bytes = Some(cfg.page_bytes() * u64::from(2 + rng.below(6)));
+        }
+        let ctx0 = format!("seed {seed}: {cfg:?}, {group} query heads per KV head, checks {}", rt.checks.name());
+        let mut pool = pollster::block_on(KvPool::new(rt, cfg.clone())).unwrap_or_else(|e| panic!("{ctx0}: {e}"));
+        let mut model = PoolModel::new(&cfg);
+        let mut positions = vec![0u32; cfg.max_seqs as usize];
+        let mut round = 0;
+        while positions.iter().any(|&p| p < target * cfg.layers) {
+            let n = pool.max_append_tokens(rt).min(32) as usize;
+            let toks = random_batch(&mut rng, &cfg, &mut positions, n, false);
+            let kv = random_kv(&mut rng, &cfg, n);
+            pool.append(rt, &toks, &kv, round).expect("append");
+            model.append(&toks, &kv, round).expect("append");
+            pool.compress(rt).expect("compress");
+            model.compress();
+            round += 1;
+        }
+        assert_eq!(model.ctl.error_flags, 0, "{ctx0}: the pool held the text");
+        pool.gather(rt).expect("gather");
+        let chunk_pages = [1u32, 2 + rng.below(6), 64][rng.below(3) as usize];
+        let mass = rng.below(4) != 0;
+        let opts = AttendOptions {
+            group,
+            n_seqs: cfg.max_seqs,
+            chunk_pages,
+            mass,
+            variant: None,
+            rescale_slack: [-1.0f32, 0.0, 0.5, 2.0, 8.0][rng.below(5) as usize],
+            quant_kernel: QuantKernel::Tile,
+            f16_flush_tiles: 1 + rng.below(4),
+            ..Default::default()
+        };
+        let attn = pollster::block_on(Attention::new(rt, &pool, opts.clone())).unwrap_or_else(|e| panic!("{ctx0}: {e}"));
+        let ctx0 = format!("{ctx0}, {opts:?}: {}", attn.describe());
+        assert!(attn.f16_value_sums() && attn.int8_query_scores(), "{ctx0}");
+        if attn.describe().contains("raw pages too") {
+            assert_eq!(pool.n_buffers(), 1, "{ctx0}");
+            fused += 1;
+        } else {
+            assert!(pool.n_buffers() > 1, "{ctx0}");
+            split += 1;
+        }
+        for layer in 0..cfg.layers {
+            let sharp = [0.5f32, 1.0, 3.0][rng.below(3) as usize];
+            let q: Vec<f32> = (0..cfg.max_seqs * attn.q_heads() * d).map(|_| rng.normal() as f32 * sharp).collect();
+            attn.set_queries(rt, &q).expect("queries");
+            for b in [&attn.out, &attn.partials, &attn.scores, &attn.stats] {
+                rt.fill_u32(b, POISON_F32);
+            }
+            attn.run(rt, layer, 50 + layer).unwrap_or_else(|e| panic!("{ctx0}: {e}"));
+            let got = pollster::block_on(attn.read_output(rt)).expect("out");
+            let want = attn.cpu_reference(&model, layer, &q, None);
+            let cp = code_part(&attn, &model, layer, &q);
+            for (i, (g, w)) in got.iter().zip(&want.out).enumerate() {
+                assert!(out_close(*g, *w, cp[i]), "{ctx0}: layer {layer} out[{i}] = {g}, reference {w} (f16 sums hold {})", cp[i]);
+                worst = worst.max((f64::from(*g) - w).abs() / (1e-6 + cp[i].abs()));
+            }
+            if mass {
+                let slot_meta: Vec<u32> = pollster::block_on(rt.read_all(&pool.slot_meta)).expect("meta");
+                let mw = cfg.meta_words() as usize;
+                let attn_off = meta::attn(cfg.top_k as usize);
+                for &(seq, head, page, slot, w) in &want.mass {
+                    let m = (page as usize * cfg.page_size as usize + slot as usize) * mw;
+                    let prev = f64::from(f32::from_bits(model.slot_meta[m + attn_off]));
+                    let g = f64::from(f32::from_bits(slot_meta[m + attn_off]));
+                    assert!(
+                        (g - prev - w).abs() <= 2e-5 + 1e-4 * (prev + w).abs(),
+                        "{ctx0}: layer {layer} seq {seq} head {head} page {page} slot {slot}: mass {g}, reference {}",
+                        prev + w
+                    );
+                    assert_eq!(slot_meta[m + meta::LAST_ACCESS], 50 + layer, "{ctx0}: last access");
+                }
+                model.slot_meta = slot_meta;
+            }
+        }
+    }
+    eprintln!("tile kernel: worst |error| / f16 sums' content {worst:.2e} (tolerance 4e-3)");
+    if std::env::var("EXPERTKV_TEST_SEED").is_err() {
+        assert!(fused > 0 && split > 0, "the cases ran the tile kernel with one raw buffer {fused} times and with several {split} times");
     }
 }
 
