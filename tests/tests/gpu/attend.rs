@@ -145,26 +145,28 @@ fn check_case_with(rt: &Runtime, seed: u64, variant: SplitVariant, tweak: impl F
         for (i, (g, w)) in got.iter().zip(&want.out).enumerate() {
             assert!(close(f64::from(*g), *w), "{ctx}: layer {layer} output[{i}] = {g}, reference {w}");
         }
-        // Attention mass accumulates into slot metadata, with the access recorded.
-        let slot_meta: Vec<u32> = pollster::block_on(rt.read_all(&pool.slot_meta)).expect("meta");
-        let mw = cfg.meta_words() as usize;
-        let attn_off = meta::attn(cfg.top_k as usize);
-        for &(seq, head, page, slot, w) in &want.mass {
-            let m = (page as usize * cfg.page_size as usize + slot as usize) * mw;
-            let prev = f64::from(f32::from_bits(model.slot_meta[m + attn_off]));
-            let g = f64::from(f32::from_bits(slot_meta[m + attn_off]));
-            assert!(
-                close(g, prev + w),
-                "{ctx}: layer {layer} seq {seq} head {head} page {page} slot {slot}: mass {g}, reference {}",
-                prev + w
-            );
-            assert_eq!(slot_meta[m + meta::LAST_ACCESS], 100 + layer, "{ctx}: last access");
-            assert_eq!(slot_meta[m + meta::ACCESS_COUNT], model.slot_meta[m + meta::ACCESS_COUNT] + 1, "{ctx}: access count");
-        }
-        // Carry the GPU's metadata forward so the next layer's comparison starts from it.
-        model.slot_meta = slot_meta;
+        assert_mass(rt, &pool, &mut model, &want.mass, 100 + layer, &format!("{ctx}: layer {layer}"));
     }
     true
+}
+
+/// Attention mass (`mass`, a reference's) accumulated into the GPU's slot metadata, with the
+/// access at `step` recorded; then the GPU's metadata carried into `model`, so that the next
+/// comparison starts from it.
+pub fn assert_mass(rt: &Runtime, pool: &KvPool, model: &mut PoolModel, mass: &[(u32, u32, u32, u32, f64)], step: u32, ctx: &str) {
+    let cfg = &pool.cfg;
+    let slot_meta: Vec<u32> = pollster::block_on(rt.read_all(&pool.slot_meta)).expect("meta");
+    let mw = cfg.meta_words() as usize;
+    let attn_off = meta::attn(cfg.top_k as usize);
+    for &(seq, head, page, slot, w) in mass {
+        let m = (page as usize * cfg.page_size as usize + slot as usize) * mw;
+        let prev = f64::from(f32::from_bits(model.slot_meta[m + attn_off]));
+        let g = f64::from(f32::from_bits(slot_meta[m + attn_off]));
+        assert!(close(g, prev + w), "{ctx}: seq {seq} head {head} page {page} slot {slot}: mass {g}, reference {}", prev + w);
+        assert_eq!(slot_meta[m + meta::LAST_ACCESS], step, "{ctx}: last access");
+        assert_eq!(slot_meta[m + meta::ACCESS_COUNT], model.slot_meta[m + meta::ACCESS_COUNT] + 1, "{ctx}: access count");
+    }
+    model.slot_meta = slot_meta;
 }
 
 #[test]

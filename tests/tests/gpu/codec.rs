@@ -4,7 +4,6 @@
 
 use expertkv_core::attend::{AttendOptions, Attention, QuantKernel, SplitVariant, subgroup_layout};
 use expertkv_core::config::{Codec, KvDtype, PoolConfig, ShardMap};
-use expertkv_core::gpu_data::meta;
 use expertkv_core::pool::KvPool;
 use expertkv_core::reference::{PoolModel, attend_decode, attend_decode_int8_query_code_part_over};
 use expertkv_core::rng::Rng;
@@ -172,6 +171,24 @@ fn compression_gpu_match_cpu_and_attention_decodes_in_kernel() {
     }
 }
 
+/// Random tokens appended until every sequence holds `positions` (over its layers), full pages
+/// compressed after each append, on the GPU and in the reference alike.
+fn fill_compressing(rt: &Runtime, rng: &mut Rng, pool: &mut KvPool, model: &mut PoolModel, positions: u32) {
+    let cfg = pool.cfg.clone();
+    let mut at = vec![0u32; cfg.max_seqs as usize];
+    let mut round = 0;
+    while at.iter().any(|&p| p < positions) {
+        let n = pool.max_append_tokens(rt).min(32) as usize;
+        let toks = random_batch(rng, &cfg, &mut at, n, false);
+        let kv = random_kv(rng, &cfg, n);
+        pool.append(rt, &toks, &kv, round).expect("append");
+        model.append(&toks, &kv, round).expect("append");
+        pool.compress(rt).expect("compress");
+        model.compress();
+        round += 1;
+    }
+}
+
 /// Long lists of quantised pages (more pages than a workgroup's token groups, so each group
 /// takes several pages and rescales its running sums) through the subgroup kernel, against the
 /// f64 reference; queries large enough that the softmax is far from uniform.
@@ -206,19 +223,8 @@ fn quantised_attention_over_long_lists() {
         let ctx0 = format!("seed {seed}: {codec:?}, {} KV heads, {} sequences", cfg.kv_heads, cfg.max_seqs);
         let mut pool = pollster::block_on(KvPool::new(rt, cfg.clone())).unwrap_or_else(|e| panic!("{ctx0}: {e}"));
         let mut model = PoolModel::new(&cfg);
-        let mut positions = vec![0u32; cfg.max_seqs as usize];
         let target = 150 + rng.below(60);
-        let mut round = 0;
-        while positions.iter().any(|&p| p < target) {
-            let n = pool.max_append_tokens(rt).min(32) as usize;
-            let toks = random_batch(&mut rng, &cfg, &mut positions, n, false);
-            let kv = random_kv(&mut rng, &cfg, n);
-            pool.append(rt, &toks, &kv, round).expect("append");
-            model.append(&toks, &kv, round).expect("append");
-            pool.compress(rt).expect("compress");
-            model.compress();
-            round += 1;
-        }
+        fill_compressing(rt, &mut rng, &mut pool, &mut model, target);
         assert_eq!(model.ctl.error_flags, 0, "{ctx0}: the pool held the text");
         pool.gather(rt).expect("gather");
         for chunk_pages in [64, 1 + rng.below(8)] {
@@ -311,18 +317,7 @@ fn quant_tile_attention_matches_reference() {
         let ctx0 = format!("seed {seed}: {cfg:?}, {group} query heads per KV head, checks {}", rt.checks.name());
         let mut pool = pollster::block_on(KvPool::new(rt, cfg.clone())).unwrap_or_else(|e| panic!("{ctx0}: {e}"));
         let mut model = PoolModel::new(&cfg);
-        let mut positions = vec![0u32; cfg.max_seqs as usize];
-        let mut round = 0;
-        while positions.iter().any(|&p| p < target * cfg.layers) {
-            let n = pool.max_append_tokens(rt).min(32) as usize;
-            let toks = random_batch(&mut rng, &cfg, &mut positions, n, false);
-            let kv = random_kv(&mut rng, &cfg, n);
-            pool.append(rt, &toks, &kv, round).expect("append");
-            model.append(&toks, &kv, round).expect("append");
-            pool.compress(rt).expect("compress");
-            model.compress();
-            round += 1;
-        }
+        fill_compressing(rt, &mut rng, &mut pool, &mut model, target * cfg.layers);
         assert_eq!(model.ctl.error_flags, 0, "{ctx0}: the pool held the text");
         pool.gather(rt).expect("gather");
         let chunk_pages = [1u32, 2 + rng.below(6), 64][rng.below(3) as usize];
@@ -364,21 +359,7 @@ fn quant_tile_attention_matches_reference() {
                 worst = worst.max((f64::from(*g) - w).abs() / (1e-6 + cp[i].abs()));
             }
             if mass {
-                let slot_meta: Vec<u32> = pollster::block_on(rt.read_all(&pool.slot_meta)).expect("meta");
-                let mw = cfg.meta_words() as usize;
-                let attn_off = meta::attn(cfg.top_k as usize);
-                for &(seq, head, page, slot, w) in &want.mass {
-                    let m = (page as usize * cfg.page_size as usize + slot as usize) * mw;
-                    let prev = f64::from(f32::from_bits(model.slot_meta[m + attn_off]));
-                    let g = f64::from(f32::from_bits(slot_meta[m + attn_off]));
-                    assert!(
-                        (g - prev - w).abs() <= 2e-5 + 1e-4 * (prev + w).abs(),
-                        "{ctx0}: layer {layer} seq {seq} head {head} page {page} slot {slot}: mass {g}, reference {}",
-                        prev + w
-                    );
-                    assert_eq!(slot_meta[m + meta::LAST_ACCESS], 50 + layer, "{ctx0}: last access");
-                }
-                model.slot_meta = slot_meta;
+                crate::attend::assert_mass(rt, &pool, &mut model, &want.mass, 50 + layer, &format!("{ctx0}: layer {layer}"));
             }
         }
     }
