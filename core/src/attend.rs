@@ -52,6 +52,9 @@ pub struct AttendOptions {
     pub quant_kernel: QuantKernel,
     /// Tile kernel: tiles of tokens between moves of its f16 value sums into f32 (1..=16).
     pub f16_flush_tiles: u32,
+    /// Tile kernel: invocations per workgroup, so tokens per tile: 32, 64 or 128, at least the
+    /// page size; 0 picks [`TILE_WG`] (or the page size where that is larger).
+    pub tile_wg: u32,
 }
 
 impl Default for AttendOptions {
@@ -67,6 +70,7 @@ impl Default for AttendOptions {
             rescale_slack: RESCALE_SLACK,
             quant_kernel: QuantKernel::Auto,
             f16_flush_tiles: F16_FLUSH_TILES,
+            tile_wg: 0,
         }
     }
 }
@@ -97,6 +101,9 @@ impl QuantKernel {
 
 /// The default [`AttendOptions::f16_flush_tiles`].
 pub const F16_FLUSH_TILES: u32 = 2;
+
+/// The tile kernel's workgroup size where [`AttendOptions::tile_wg`] is 0.
+pub const TILE_WG: u32 = 128;
 
 /// The most [`AttendOptions::f16_flush_tiles`].
 pub const MAX_F16_FLUSH_TILES: u32 = 16;
@@ -219,23 +226,27 @@ struct QuantTile {
     acc_shared: bool,
     /// Probe knob (`ABLATE`): stages left out.
     ablate: u32,
+    /// Invocations per workgroup (`WG`): a tile is this many tokens.
+    wg: u32,
 }
 
 /// Workgroup memory of the tile kernel at this shape (mirrors its declarations).
-fn quant_tile_shared_bytes(group: u32, d: u32, p: u32, ng: u32, acc_shared: bool) -> u32 {
-    let (ppt, rw, gp, gq) = (128 / p, d / 8, group.div_ceil(2), group.div_ceil(4));
+fn quant_tile_shared_bytes(group: u32, d: u32, p: u32, ng: u32, acc_shared: bool, wg: u32) -> u32 {
+    let (ppt, rw, gp, gq) = (wg / p, d / 8, group.div_ceil(2), group.div_ceil(4));
     let chunk = 2 * 64 * 4 + 3 * 72 * 4;
-    let acc = if acc_shared { group * 2 * 128 * 16 } else { 16 };
+    let acc = if acc_shared { group * 2 * wg * 16 } else { 16 };
     let q = group * d * 4;
     let q8 = ppt * (rw * gp + 1) * 16;
     let ab = ppt * group * 8;
-    let ps = 128 * ng * gq * 16;
+    let ps = wg * ng * gq * 16;
     let red = 16 * (group + group * ng) * 4;
     chunk + acc + q + q8 + ab + ps + red + 24
 }
 
 fn quant_tile_path(rt: &Runtime, pool: &KvPool, opts: &AttendOptions) -> Result<Option<QuantTile>> {
     let cfg = &pool.cfg;
+    let env = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<u32>().ok());
+    let wg = if opts.tile_wg == 0 { TILE_WG.max(cfg.page_size) } else { opts.tile_wg };
     let why_not = || -> Option<String> {
         let crate::config::Codec::Int4 { group: vg } = cfg.codec else { return Some("the pool's codec is not int4".into()) };
         if rt.tier != Tier::Subgroups {
@@ -251,13 +262,16 @@ fn quant_tile_path(rt: &Runtime, pool: &KvPool, opts: &AttendOptions) -> Result<
         if ![16, 32, 64, 128].contains(&cfg.page_size) {
             return Some(format!("page_size {} is not 16, 32, 64 or 128", cfg.page_size));
         }
+        if cfg.page_size > wg {
+            return Some(format!("page_size {} is larger than the tile kernel's {wg} invocations (tile_wg)", cfg.page_size));
+        }
         if !vg.is_multiple_of(8) || !d.is_multiple_of(vg) || (d / vg) * opts.group.div_ceil(4) > 8 {
             return Some(format!("value group {vg}: needs a multiple of 8 with (d / group) x ceil(heads / 4) <= 8"));
         }
         if opts.group > MAX_GROUP || !cfg.codec.page_words(cfg.page_size, d).is_multiple_of(4) {
             return Some("the page is not a whole number of 16-byte words".into());
         }
-        let shared = quant_tile_shared_bytes(opts.group, d, cfg.page_size, d / vg, false);
+        let shared = quant_tile_shared_bytes(opts.group, d, cfg.page_size, d / vg, false, wg);
         if shared > rt.caps.max_workgroup_storage_bytes {
             return Some(format!("it needs {shared} bytes of workgroup memory, the device allows {}", rt.caps.max_workgroup_storage_bytes));
         }
@@ -281,15 +295,14 @@ fn quant_tile_path(rt: &Runtime, pool: &KvPool, opts: &AttendOptions) -> Result<
             let k = (60000.0 / terms).log2().floor().clamp(-14.0, 14.0) as i32;
             // EXPERTKV_TILE_RAW=0 and EXPERTKV_TILE_ABLATE (hidden, for the H200 probes): the raw
             // pages left to the raw pass; stages of the kernel left out (wrong results).
-            let env = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<u32>().ok());
             let raw = pool.n_buffers() == 1 && cfg.dtype == KvDtype::F16 && env("EXPERTKV_TILE_RAW") != Some(0);
             let ablate = env("EXPERTKV_TILE_ABLATE").unwrap_or(0);
             // The f32 sums in workgroup memory only when EXPERTKV_TILE_ACC_SHARED=1 (a probe: on an
             // H200, b8 x 32768, pages of 32, 0.66 ms against 0.33 in registers) and it fits.
-            let fits = quant_tile_shared_bytes(opts.group, cfg.head_dim, cfg.page_size, cfg.head_dim / vg, true)
+            let fits = quant_tile_shared_bytes(opts.group, cfg.head_dim, cfg.page_size, cfg.head_dim / vg, true, wg)
                 <= rt.caps.max_workgroup_storage_bytes;
             let acc_shared = fits && env("EXPERTKV_TILE_ACC_SHARED") == Some(1);
-            Ok(Some(QuantTile { ng: cfg.head_dim / vg, raw, slack, flush, k, acc_shared, ablate }))
+            Ok(Some(QuantTile { ng: cfg.head_dim / vg, raw, slack, flush, k, acc_shared, ablate, wg }))
         }
     }
 }
@@ -358,6 +371,9 @@ impl Attention {
         }
         if !opts.rescale_slack.is_finite() || opts.rescale_slack > MAX_RESCALE_SLACK {
             return Err(Error::config("rescale_slack", opts.rescale_slack, format!("must be finite and at most {MAX_RESCALE_SLACK}")));
+        }
+        if ![0, 32, 64, 128].contains(&opts.tile_wg) {
+            return Err(Error::config("tile_wg", opts.tile_wg, "must be 0 (the default), 32, 64 or 128"));
         }
         if !(1..=MAX_F16_FLUSH_TILES).contains(&opts.f16_flush_tiles) {
             return Err(Error::config("f16_flush_tiles", opts.f16_flush_tiles, format!("must be in 1..={MAX_F16_FLUSH_TILES}")));
@@ -469,7 +485,7 @@ impl Attention {
                 ],
             );
             Some((p, bg))
-        } else if let Some(QuantTile { ng, raw, slack, flush, k, acc_shared, ablate }) = quant_tile {
+        } else if let Some(QuantTile { ng, raw, slack, flush, k, acc_shared, ablate, wg }) = quant_tile {
             let p = rt
                 .pipeline_with(
                     Kernel::AttendSplitQuantTile,
@@ -484,6 +500,7 @@ impl Attention {
                         ("KSCALE", wgsl_f32(2f32.powi(k))),
                         ("ACC_SHARED", acc_shared.to_string()),
                         ("ABLATE", format!("{ablate}u")),
+                        ("WG", format!("{wg}u")),
                     ],
                     &[],
                 )
@@ -546,7 +563,8 @@ impl Attention {
             Some("lowrank".to_string())
         } else if let Some(t) = quant_tile {
             Some(format!(
-                "quant-tile flush={} slack={} k={}{}{}{}",
+                "quant-tile wg={} flush={} slack={} k={}{}{}{}",
+                t.wg,
                 t.flush,
                 t.slack,
                 t.k,

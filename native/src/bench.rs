@@ -84,6 +84,9 @@ pub struct BenchArgs {
     /// Tile kernel: tiles between moves of its f16 value sums into f32.
     #[arg(long, default_value_t = expertkv_core::attend::F16_FLUSH_TILES)]
     f16_flush: u32,
+    /// Tile kernel: invocations per workgroup (32, 64 or 128; 0: the default).
+    #[arg(long, default_value_t = 0)]
+    tile_wg: u32,
     /// Timed repetitions (median reported).
     #[arg(long)]
     reps: Option<u32>,
@@ -296,6 +299,7 @@ pub fn run(gpu: &GpuArgs, a: &BenchArgs) -> Result<()> {
                 rescale_slack: a.rescale_slack,
                 quant_kernel: expertkv_core::attend::QuantKernel::parse(&a.quant_kernel)?,
                 f16_flush_tiles: a.f16_flush,
+                tile_wg: a.tile_wg,
                 ..Default::default()
             };
             let ab = pollster::block_on(bench_attend(&rt, s, opts, warmup, reps, &mut |d, _| bar.set_position(d)))

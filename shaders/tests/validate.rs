@@ -126,9 +126,10 @@ fn quantised_tile_attention_validates_for_every_shape_knob() {
             if ng * group.div_ceil(4) > 8 {
                 continue;
             }
-            for p in [16u32, 32, 64, 128] {
+            for (p, wg) in [(16u32, 128u32), (32, 128), (64, 128), (128, 128), (16, 32), (32, 32), (32, 64), (64, 64)] {
                 for (raw, flush, acc) in [(true, 1u32, true), (false, 3, false)] {
                     let defines = [
+                        ("WG", format!("{wg}u")),
                         ("ACC_SHARED", acc.to_string()),
                         ("GROUP", format!("{group}u")),
                         ("HEAD_DIM", format!("{d}u")),

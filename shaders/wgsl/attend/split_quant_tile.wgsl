@@ -50,6 +50,7 @@ enable f16;
 //!define KSCALE 8.0
 //!define ACC_SHARED true
 //!define ABLATE 0u
+//!define WG 128u
 // GROUP: query heads per KV head. HEAD_DIM: d (32, 64 or 128). PAGE_SIZE: P (16..128, dividing
 // WG). NG: value groups per row (d / v_group, v_group a multiple of 8). FLUSH: tiles between
 // moves of the f16 sums into f32. RAW: also attend the raw pages of pool buffer 0 (the pool has
@@ -59,9 +60,9 @@ enable f16;
 // registers (fewer registers, more workgroups per multiprocessor; they are touched only when the
 // f16 sums move). ABLATE (H200 probes only, 0 otherwise: results are wrong): bit 0 skips the fold, 1 the score
 // dot products, 2 the value phase, 3 the value phase's raw-token path, 4 the value words'
-// prefetch (loaded in the value loop instead).
+// prefetch (loaded in the value loop instead). WG: invocations per workgroup (32, 64 or 128, a
+// multiple of PAGE_SIZE; at least 8 per subgroup): a tile is WG tokens.
 
-const WG: u32 = 128u;
 const D4: u32 = HEAD_DIM / 4u;
 const RW: u32 = HEAD_DIM / 8u;        // code words per row (8 int4 codes each)
 const RW4: u32 = RW / 4u;             // vec4 of code words per row
@@ -195,7 +196,7 @@ fn write_empty(seq: u32, kvh: u32, buffer: u32, chunk: u32, t: u32) {
     }
 }
 
-@compute @workgroup_size(128)
+@compute @workgroup_size(WG)
 fn main(
     @builtin(workgroup_id) wg: vec3<u32>,
     @builtin(local_invocation_index) t: u32,

@@ -322,6 +322,7 @@ fn quant_tile_attention_matches_reference() {
         pool.gather(rt).expect("gather");
         let chunk_pages = [1u32, 2 + rng.below(6), 64][rng.below(3) as usize];
         let mass = rng.below(4) != 0;
+        let wgs: Vec<u32> = [0u32, 32, 64, 128].into_iter().filter(|w| *w == 0 || *w >= page_size).collect();
         let opts = AttendOptions {
             group,
             n_seqs: cfg.max_seqs,
@@ -331,6 +332,8 @@ fn quant_tile_attention_matches_reference() {
             rescale_slack: [-1.0f32, 0.0, 0.5, 2.0, 8.0][rng.below(5) as usize],
             quant_kernel: QuantKernel::Tile,
             f16_flush_tiles: 1 + rng.below(4),
+            // Every third case the smallest workgroup the page allows (32 or 64 invocations).
+            tile_wg: if seed_i % 3 == 1 { wgs[1] } else { wgs[rng.below(wgs.len() as u32) as usize] },
             ..Default::default()
         };
         let attn = pollster::block_on(Attention::new(rt, &pool, opts.clone())).unwrap_or_else(|e| panic!("{ctx0}: {e}"));
