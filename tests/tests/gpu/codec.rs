@@ -372,6 +372,102 @@ fn quant_tile_attention_matches_reference() {
     }
 }
 
+/// The stream kernel (int4 pages at head_dim 128; subgroups and shader-f16) over random shapes it
+/// takes: page size, value groups, query heads per KV head (padded to 4 inside), chunk lengths,
+/// one raw pool buffer (the kernel reads the raw pages too) or several (the subgroup kernel reads
+/// them), with and without scores, partly filled raw pages. Against the int8-query f64
+/// reference, the f16 value sums allowed f16's precision of what they hold; the attention mass
+/// from its scores as for every other kernel; both check modes.
+#[test]
+fn quant_stream_attention_matches_reference() {
+    let (mut fused, mut split, mut worst) = (0, 0, 0f64);
+    for (seed_i, seed) in seeds("quant_stream", 8).into_iter().enumerate() {
+        let rt = if seed_i % 3 == 2 { rt_trusted() } else { rt() };
+        if !rt.caps.f16 || rt.tier != expertkv_core::Tier::Subgroups {
+            eprintln!("skipped: adapter {} has no subgroups or no shader-f16", rt.info.name);
+            return;
+        }
+        let mut rng = Rng::new(seed);
+        let page_size = [32u32, 64][rng.below(2) as usize];
+        let group = 1 + rng.below(4);
+        let vg = [32u32, 64, 128][rng.below(3) as usize];
+        let shards = 1 + rng.below(2);
+        let target = 150 + rng.below(400);
+        let mut cfg = PoolConfig {
+            layers: 1 + rng.below(2),
+            kv_heads: 1 + rng.below(2),
+            head_dim: 128,
+            page_size,
+            dtype: KvDtype::F16,
+            n_pages: 0,
+            max_seqs: 1 + rng.below(2),
+            n_shards: shards,
+            ring_capacity: target / page_size / shards + 6,
+            top_k: 1,
+            shard_map: ShardMap::Pikv { n_tok: shards, n_exp: shards },
+            max_buffer_bytes: None,
+            codec: Codec::Int4 { group: vg },
+            codec_pages: 0,
+        };
+        cfg.n_pages = cfg.n_keys() * 3 + 8;
+        cfg.codec_pages = cfg.n_keys() * cfg.ring_capacity;
+        if seed_i % 4 == 3 {
+            cfg.max_buffer_bytes = Some(cfg.page_bytes() * u64::from(2 + rng.below(6)));
+        }
+        let ctx0 = format!("seed {seed}: {cfg:?}, {group} query heads per KV head, checks {}", rt.checks.name());
+        let mut pool = pollster::block_on(KvPool::new(rt, cfg.clone())).unwrap_or_else(|e| panic!("{ctx0}: {e}"));
+        let mut model = PoolModel::new(&cfg);
+        fill_compressing(rt, &mut rng, &mut pool, &mut model, target * cfg.layers);
+        assert_eq!(model.ctl.error_flags, 0, "{ctx0}: the pool held the text");
+        pool.gather(rt).expect("gather");
+        let chunk_pages = [1u32, 2 + rng.below(6), 64][rng.below(3) as usize];
+        let mass = rng.below(4) != 0;
+        let opts = AttendOptions {
+            group,
+            n_seqs: cfg.max_seqs,
+            chunk_pages,
+            mass,
+            variant: None,
+            quant_kernel: QuantKernel::Stream,
+            ..Default::default()
+        };
+        let attn = pollster::block_on(Attention::new(rt, &pool, opts.clone())).unwrap_or_else(|e| panic!("{ctx0}: {e}"));
+        let ctx0 = format!("{ctx0}, {opts:?}: {}", attn.describe());
+        assert!(attn.describe().contains("quant-stream"), "{ctx0}");
+        assert!(attn.f16_value_sums() && attn.int8_query_scores(), "{ctx0}");
+        if attn.describe().contains("raw pages too") {
+            assert_eq!(pool.n_buffers(), 1, "{ctx0}");
+            fused += 1;
+        } else {
+            assert!(pool.n_buffers() > 1, "{ctx0}");
+            split += 1;
+        }
+        for layer in 0..cfg.layers {
+            let sharp = [0.5f32, 1.0, 3.0][rng.below(3) as usize];
+            let q: Vec<f32> = (0..cfg.max_seqs * attn.q_heads() * 128).map(|_| rng.normal() as f32 * sharp).collect();
+            attn.set_queries(rt, &q).expect("queries");
+            for b in [&attn.out, &attn.partials, &attn.scores, &attn.stats] {
+                rt.fill_u32(b, POISON_F32);
+            }
+            attn.run(rt, layer, 50 + layer).unwrap_or_else(|e| panic!("{ctx0}: {e}"));
+            let got = pollster::block_on(attn.read_output(rt)).expect("out");
+            let want = attn.cpu_reference(&model, layer, &q, None);
+            let cp = code_part(&attn, &model, layer, &q);
+            for (i, (g, w)) in got.iter().zip(&want.out).enumerate() {
+                assert!(out_close(*g, *w, cp[i]), "{ctx0}: layer {layer} out[{i}] = {g}, reference {w} (f16 sums hold {})", cp[i]);
+                worst = worst.max((f64::from(*g) - w).abs() / (1e-6 + cp[i].abs()));
+            }
+            if mass {
+                crate::attend::assert_mass(rt, &pool, &mut model, &want.mass, 50 + layer, &format!("{ctx0}: layer {layer}"));
+            }
+        }
+    }
+    eprintln!("stream kernel: worst |error| / f16 sums' content {worst:.2e} (tolerance 4e-3)");
+    if std::env::var("EXPERTKV_TEST_SEED").is_err() {
+        assert!(fused > 0 && split > 0, "the cases ran the stream kernel with one raw buffer {fused} times and with several {split} times");
+    }
+}
+
 #[test]
 fn compressed_pages_allocate_fewer_bytes() {
     let rt = rt();
