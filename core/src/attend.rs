@@ -86,8 +86,6 @@ pub enum QuantKernel {
     SlotBlock,
     /// `attend/split_quant_tile.wgsl` (or an error where it cannot run).
     Tile,
-    /// `attend/split_quant_stream.wgsl` (or an error where it cannot run).
-    Stream,
 }
 
 impl QuantKernel {
@@ -96,8 +94,7 @@ impl QuantKernel {
             "auto" => Ok(QuantKernel::Auto),
             "slot" | "slot-block" => Ok(QuantKernel::SlotBlock),
             "tile" => Ok(QuantKernel::Tile),
-            "stream" => Ok(QuantKernel::Stream),
-            _ => Err(Error::config("quant_kernel", s, "one of auto, slot, tile, stream")),
+            _ => Err(Error::config("quant_kernel", s, "one of auto, slot, tile")),
         }
     }
 }
@@ -231,8 +228,6 @@ struct QuantTile {
     ablate: u32,
     /// Invocations per workgroup (`WG`): a tile is this many tokens.
     wg: u32,
-    /// Probe knob (`UNROLL`): the loops over per-invocation arrays expanded by the resolver.
-    unroll: bool,
 }
 
 /// Workgroup memory of the tile kernel at this shape (mirrors its declarations).
@@ -284,7 +279,7 @@ fn quant_tile_path(rt: &Runtime, pool: &KvPool, opts: &AttendOptions) -> Result<
     };
     let reason = why_not();
     match (opts.quant_kernel, reason) {
-        (QuantKernel::SlotBlock | QuantKernel::Stream, _) => Ok(None),
+        (QuantKernel::SlotBlock, _) => Ok(None),
         (QuantKernel::Tile, Some(why)) => Err(Error::config("quant_kernel", "tile", format!("the tile kernel cannot run: {why}"))),
         (QuantKernel::Auto, Some(_)) => Ok(None),
         // Pages of 16 fold their key parameters into the queries for every 16 tokens: there the
@@ -307,76 +302,8 @@ fn quant_tile_path(rt: &Runtime, pool: &KvPool, opts: &AttendOptions) -> Result<
             let fits = quant_tile_shared_bytes(opts.group, cfg.head_dim, cfg.page_size, cfg.head_dim / vg, true, wg)
                 <= rt.caps.max_workgroup_storage_bytes;
             let acc_shared = fits && env("EXPERTKV_TILE_ACC_SHARED") == Some(1);
-            let unroll = env("EXPERTKV_TILE_UNROLL") == Some(1);
-            Ok(Some(QuantTile { ng: cfg.head_dim / vg, raw, slack, flush, k, acc_shared, ablate, wg, unroll }))
+            Ok(Some(QuantTile { ng: cfg.head_dim / vg, raw, slack, flush, k, acc_shared, ablate, wg }))
         }
-    }
-}
-
-/// The stream kernel (`attend/split_quant_stream.wgsl`) for int4 pages, when the device has
-/// subgroups and shader-f16 and the shape fits it.
-#[derive(Clone, Copy, Debug)]
-struct QuantStream {
-    /// Value groups per row.
-    ng: u32,
-    /// The kernel also reads the raw pages (the pool has one buffer, of f16 rows), so no other
-    /// split pass runs.
-    raw: bool,
-    /// Probe knob (`ABLATE`): stages left out.
-    ablate: u32,
-    /// Probe knobs: the f32 value sums in workgroup memory between pages (`ACC_SHARED`); the
-    /// value code words loaded after the softmax (`VC_LATE`).
-    acc_shared: bool,
-    vc_late: bool,
-    /// Probe knob: the score and value loops left to the driver (`UNROLL_S`, `UNROLL_V` false).
-    no_unroll: u32,
-}
-
-fn quant_stream_path(rt: &Runtime, pool: &KvPool, opts: &AttendOptions) -> Result<Option<QuantStream>> {
-    let cfg = &pool.cfg;
-    let why_not = || -> Option<String> {
-        let crate::config::Codec::Int4 { group: vg } = cfg.codec else { return Some("the pool's codec is not int4".into()) };
-        if rt.tier != Tier::Subgroups {
-            return Some("the device has no subgroups".into());
-        }
-        if rt.caps.subgroup_min_size < 4 {
-            return Some(format!("the device's subgroups may hold {} invocations, fewer than 4", rt.caps.subgroup_min_size));
-        }
-        if !rt.caps.f16 {
-            return Some("the device has no shader-f16".into());
-        }
-        if cfg.head_dim != 128 {
-            return Some(format!("head_dim {} is not 128", cfg.head_dim));
-        }
-        if ![32, 64].contains(&cfg.page_size) {
-            return Some(format!("page_size {} is not 32 or 64", cfg.page_size));
-        }
-        if opts.group > 4 {
-            return Some(format!("{} query heads per KV head, more than 4", opts.group));
-        }
-        if ![32, 64, 128].contains(&vg) {
-            return Some(format!("value group {vg} is not 32, 64 or 128"));
-        }
-        None
-    };
-    match (opts.quant_kernel, why_not()) {
-        (QuantKernel::Stream, Some(why)) => Err(Error::config("quant_kernel", "stream", format!("the stream kernel cannot run: {why}"))),
-        (QuantKernel::Stream | QuantKernel::Auto, None) => {
-            let crate::config::Codec::Int4 { group: vg } = cfg.codec else { unreachable!("checked by why_not") };
-            // EXPERTKV_STREAM_RAW=0 and EXPERTKV_STREAM_ABLATE (hidden, for the H200 probes): the
-            // raw pages left to the raw pass; stages of the kernel left out (wrong results).
-            let env = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<u32>().ok());
-            let raw = pool.n_buffers() == 1 && cfg.dtype == KvDtype::F16 && env("EXPERTKV_STREAM_RAW") != Some(0);
-            Ok(Some(QuantStream {
-                ng: cfg.head_dim / vg,
-                raw,
-                ablate: env("EXPERTKV_STREAM_ABLATE").unwrap_or(0),
-                acc_shared: env("EXPERTKV_STREAM_ACC_SHARED") == Some(1),
-                vc_late: env("EXPERTKV_STREAM_VC_LATE") == Some(1),
-                no_unroll: env("EXPERTKV_STREAM_NO_UNROLL").unwrap_or(0),
-            }))
-        }
-        _ => Ok(None),
     }
 }
 
@@ -467,9 +394,8 @@ impl Attention {
         // Compressed pages get one more partial slot, after the raw pool buffers' (none when the
         // tile kernel reads the raw pages too).
         let has_codec = cfg.codec != crate::config::Codec::None;
-        let quant_stream = if has_codec { quant_stream_path(rt, pool, &opts)? } else { None };
-        let quant_tile = if has_codec && quant_stream.is_none() { quant_tile_path(rt, pool, &opts)? } else { None };
-        let raw_fused = quant_tile.is_some_and(|t| t.raw) || quant_stream.is_some_and(|s| s.raw);
+        let quant_tile = if has_codec { quant_tile_path(rt, pool, &opts)? } else { None };
+        let raw_fused = quant_tile.is_some_and(|t| t.raw);
         let n_buffers = if raw_fused { 1 } else { pool.n_buffers() as u32 + u32::from(has_codec) };
         let max_tokens = cfg.max_pages_per_seq() * cfg.page_size;
         let split = match variant {
@@ -532,11 +458,7 @@ impl Attention {
                 )
             })
             .collect();
-        let quant_fast = if cfg.codec.rank().is_none() && quant_tile.is_none() && quant_stream.is_none() {
-            quant_fast_path(cfg, variant, &opts)
-        } else {
-            None
-        };
+        let quant_fast = if cfg.codec.rank().is_none() && quant_tile.is_none() { quant_fast_path(cfg, variant, &opts) } else { None };
         let codec_split = if let Some(rank) = cfg.codec.rank() {
             if opts.group > 8 || opts.group * rank > 1024 {
                 return Err(Error::config(
@@ -563,43 +485,7 @@ impl Attention {
                 ],
             );
             Some((p, bg))
-        } else if let Some(QuantStream { ng, raw, ablate, acc_shared, vc_late, no_unroll }) = quant_stream {
-            let p = rt
-                .pipeline_with(
-                    Kernel::AttendSplitQuantStream,
-                    &[
-                        ("GROUP", format!("{}u", opts.group)),
-                        ("PAGE_SIZE", format!("{}u", cfg.page_size)),
-                        ("NG", format!("{ng}u")),
-                        ("RAW", raw.to_string()),
-                        ("ABLATE", format!("{ablate}u")),
-                        ("ACC_SHARED", acc_shared.to_string()),
-                        ("VC_LATE", vc_late.to_string()),
-                        ("UNROLL_S", (no_unroll & 1 == 0).to_string()),
-                        ("UNROLL_V", (no_unroll & 2 == 0).to_string()),
-                    ],
-                    &[],
-                )
-                .await?;
-            let bg = rt.bind(
-                Kernel::AttendSplitQuantStream.label(),
-                &p,
-                &[
-                    &pool.geometry,
-                    &params,
-                    &pool.window_bufs[0],
-                    page_list,
-                    page_counts,
-                    &pool.page_meta,
-                    &pool.codec_kv,
-                    &pool.kv_buffers[0],
-                    &queries,
-                    &partials,
-                    &scores,
-                ],
-            );
-            Some((p, bg))
-        } else if let Some(QuantTile { ng, raw, slack, flush, k, acc_shared, ablate, wg, unroll }) = quant_tile {
+        } else if let Some(QuantTile { ng, raw, slack, flush, k, acc_shared, ablate, wg }) = quant_tile {
             let p = rt
                 .pipeline_with(
                     Kernel::AttendSplitQuantTile,
@@ -615,7 +501,6 @@ impl Attention {
                         ("ACC_SHARED", acc_shared.to_string()),
                         ("ABLATE", format!("{ablate}u")),
                         ("WG", format!("{wg}u")),
-                        ("UNROLL", unroll.to_string()),
                     ],
                     &[],
                 )
@@ -676,24 +561,14 @@ impl Attention {
         };
         let codec_kernel = if cfg.codec.is_low_rank() {
             Some("lowrank".to_string())
-        } else if let Some(s) = quant_stream {
-            Some(format!(
-                "quant-stream{}{}{}{}{}",
-                if s.no_unroll != 0 { format!(" no-unroll={}", s.no_unroll) } else { String::new() },
-                if s.acc_shared { " acc-shared" } else { "" },
-                if s.vc_late { " vc-late" } else { "" },
-                if s.raw { ", raw pages too" } else { "" },
-                if s.ablate != 0 { format!(" ABLATE={}", s.ablate) } else { String::new() }
-            ))
         } else if let Some(t) = quant_tile {
             Some(format!(
-                "quant-tile wg={} flush={} slack={} k={}{}{}{}{}",
+                "quant-tile wg={} flush={} slack={} k={}{}{}{}",
                 t.wg,
                 t.flush,
                 t.slack,
                 t.k,
                 if t.acc_shared { " acc-shared" } else { "" },
-                if t.unroll { " unrolled" } else { "" },
                 if t.raw { ", raw pages too" } else { "" },
                 if t.ablate != 0 { format!(" ABLATE={}", t.ablate) } else { String::new() }
             ))
@@ -738,7 +613,7 @@ impl Attention {
             scale: 1.0 / (d as f32).sqrt(),
             stage: None,
             staged: 0,
-            int8_query: quant_fast.is_some_and(|f| f.bits == 4) || quant_tile.is_some() || quant_stream.is_some(),
+            int8_query: quant_fast.is_some_and(|f| f.bits == 4) || quant_tile.is_some(),
             raw_fused,
             opts,
         })
@@ -755,10 +630,10 @@ impl Attention {
         self.int8_query
     }
 
-    /// Whether the compressed pages' values are summed in f16 over a few tiles or a page (the
-    /// tile and stream kernels), which the tests allow a tolerance of f16's precision.
+    /// Whether the compressed pages' values are summed in f16 over a few tiles (the tile
+    /// kernel), which the tests allow a tolerance of f16's precision.
     pub fn f16_value_sums(&self) -> bool {
-        self.codec_kernel.as_deref().is_some_and(|k| k.starts_with("quant-tile") || k.starts_with("quant-stream"))
+        self.codec_kernel.as_deref().is_some_and(|k| k.starts_with("quant-tile"))
     }
 
     /// The f64 reference of what this attention computes for `layer` of `model` (the pool's

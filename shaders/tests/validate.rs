@@ -127,9 +127,8 @@ fn quantised_tile_attention_validates_for_every_shape_knob() {
                 continue;
             }
             for (p, wg) in [(16u32, 128u32), (32, 128), (64, 128), (128, 128), (16, 32), (32, 32), (32, 64), (64, 64)] {
-                for (raw, flush, acc, unroll) in [(true, 1u32, true, false), (false, 3, false, true)] {
+                for (raw, flush, acc) in [(true, 1u32, true), (false, 3, false)] {
                     let defines = [
-                        ("UNROLL", unroll.to_string()),
                         ("WG", format!("{wg}u")),
                         ("ACC_SHARED", acc.to_string()),
                         ("GROUP", format!("{group}u")),
@@ -141,33 +140,6 @@ fn quantised_tile_attention_validates_for_every_shape_knob() {
                     ];
                     let text = Kernel::AttendSplitQuantTile.resolved_with(&defines).expect("defines resolve");
                     if let Err(e) = validate(&format!("attend/split_quant_tile.wgsl {defines:?}"), &text) {
-                        failures.push(e);
-                    }
-                }
-            }
-        }
-    }
-    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
-}
-
-#[test]
-fn quantised_stream_attention_validates_for_every_shape_knob() {
-    let mut failures = Vec::new();
-    for group in 1u32..=4 {
-        for ng in [1u32, 2, 4] {
-            for p in [32u32, 64] {
-                for (raw, ablate, acc, late) in [(true, 0u32, false, false), (false, 0, true, true), (true, 15, true, false)] {
-                    let defines = [
-                        ("ACC_SHARED", acc.to_string()),
-                        ("VC_LATE", late.to_string()),
-                        ("GROUP", format!("{group}u")),
-                        ("PAGE_SIZE", format!("{p}u")),
-                        ("NG", format!("{ng}u")),
-                        ("RAW", raw.to_string()),
-                        ("ABLATE", format!("{ablate}u")),
-                    ];
-                    let text = Kernel::AttendSplitQuantStream.resolved_with(&defines).expect("defines resolve");
-                    if let Err(e) = validate(&format!("attend/split_quant_stream.wgsl {defines:?}"), &text) {
                         failures.push(e);
                     }
                 }

@@ -51,7 +51,6 @@ enable f16;
 //!define ACC_SHARED true
 //!define ABLATE 0u
 //!define WG 128u
-//!define UNROLL false
 // GROUP: query heads per KV head. HEAD_DIM: d (32, 64 or 128). PAGE_SIZE: P (16..128, dividing
 // WG). NG: value groups per row (d / v_group, v_group a multiple of 8). FLUSH: tiles between
 // moves of the f16 sums into f32. RAW: also attend the raw pages of pool buffer 0 (the pool has
@@ -62,8 +61,7 @@ enable f16;
 // f16 sums move). ABLATE (H200 probes only, 0 otherwise: results are wrong): bit 0 skips the fold, 1 the score
 // dot products, 2 the value phase, 3 the value phase's raw-token path, 4 the value words'
 // prefetch (loaded in the value loop instead). WG: invocations per workgroup (32, 64 or 128, a
-// multiple of PAGE_SIZE; at least 8 per subgroup): a tile is WG tokens. UNROLL: the loops over
-// per-invocation arrays expanded by the resolver (`//!unroll UNROLL`), not left to the driver.
+// multiple of PAGE_SIZE; at least 8 per subgroup): a tile is WG tokens.
 
 const D4: u32 = HEAD_DIM / 4u;
 const RW: u32 = HEAD_DIM / 8u;        // code words per row (8 int4 codes each)
@@ -75,8 +73,6 @@ const IPL: u32 = (ITEMS + WG - 1u) / WG;
 const LPR: u32 = HEAD_DIM / 8u;       // value phase: invocations per token row
 const NS: u32 = WG / LPR;             // value phase: token streams
 const TPL: u32 = WG / NS;             // value phase: tokens per invocation per tile
-const RW4_RUN: u32 = RW4 * (1u - (ABLATE / 2u) % 2u);  // ABLATE bit 1: no score dot products
-const TPL_RUN: u32 = TPL * (1u - (ABLATE / 4u) % 2u);  // ABLATE bit 2: no value phase
 const GP: u32 = (GROUP + 1u) / 2u;    // head pairs (a vec4 of folded query words per code word)
 const GQ: u32 = (GROUP + 3u) / 4u;    // head quads (a vec4 of probability words)
 const VG: u32 = HEAD_DIM / NG;        // dimensions per value group
@@ -127,7 +123,6 @@ fn tile_kw(c0: u32, t: u32, n_live: u32) -> array<vec4<u32>, RW4> {
     let pg = chunk_page[cc];
     let ok = c < n_live && t % PAGE_SIZE < chunk_fill[cc] && pg >= geo.n_pages;
     let r4 = select(0u, ((pg - geo.n_pages) * geo.codec_page_words + k_codes_off(geo) + (t % PAGE_SIZE) * RW) / 4u, ok);
-    //!unroll UNROLL
     for (var i = 0u; i < RW4; i++) {
         kw[i] = vec4<u32>(0u);
         if (ok) {
@@ -145,12 +140,10 @@ fn tile_vprm(c0: u32, t: u32, n_live: u32) -> array<u32, NG> {
     let pg = chunk_page[cc];
     let ok = c < n_live && t % PAGE_SIZE < chunk_fill[cc] && pg >= geo.n_pages;
     let w0 = select(0u, (pg - geo.n_pages) * geo.codec_page_words + v_params_off(geo) + (t % PAGE_SIZE) * NG, ok);
-    //!unroll UNROLL
     for (var g = 0u; g < NG; g++) {
         vp[g] = 0u;
     }
     if (ok) {
-        //!unroll UNROLL
         for (var g = 0u; g < NG; g++) {
             vp[g] = codec_word(w0 + g);
         }
@@ -163,7 +156,6 @@ fn tile_vw(c0: u32, t: u32, n_live: u32) -> array<u32, TPL> {
     var vw: array<u32, TPL>;
     let ts = t / LPR;
     let db = t % LPR;
-    //!unroll UNROLL
     for (var j = 0u; j < TPL; j++) {
         let tau = ts + NS * j;
         let c = c0 + tau / PAGE_SIZE;
@@ -311,21 +303,17 @@ fn main(
     var minacc: array<f32, GROUP * NG>;   // [h * NG + g]: sum of p * min over this token lane
     var acc16: array<vec2<f16>, GROUP * 4>;  // [h * 4 + k]: dimensions (k, k + 4) of the word
     var acc32: array<vec2<f32>, GROUP * 4u>;
-    //!unroll UNROLL
     for (var h = 0u; h < GROUP; h++) {
         m_ref[h] = NEG_BIG;
         lsum[h] = 0.0;
-        //!unroll UNROLL
         for (var k = 0u; k < 4u; k++) {
             acc16[h * 4u + k] = vec2<f16>(0.0h);
             acc32[h * 4u + k] = vec2<f32>(0.0);
         }
-        //!unroll UNROLL
         for (var g = 0u; g < NG; g++) {
             minacc[h * NG + g] = 0.0;
         }
     }
-    //!unroll UNROLL
     for (var g = 0u; g < NG; g++) {
         s_ref[g] = 0.0;
         sc16[g] = 0.0;
@@ -370,7 +358,6 @@ fn main(
             var bias = 0.0;
             var fsum = 0.0;
             var mx = 0.0;
-            //!unroll UNROLL
             for (var v = 0u; v < 4u; v++) {
                 let kv = codec_kv[cb4 + 4u * sl + v];  // (min, scale) f16 pairs of channels 16 sl + 4 v ..
                 let qv = q_sh[h * D4 + 4u * sl + v];
@@ -400,7 +387,6 @@ fn main(
             q8o[0] = 0u;
             q8o[1] = 0u;
             var qsum = 0;
-            //!unroll UNROLL
             for (var v = 0u; v < 4u; v++) {
                 let x = bitcast<vec4<u32>>(round(min(qs[v] * step, vec4<f32>(127.0))) + vec4<f32>(12582912.0));
                 let b = x & vec4<u32>(0xffu);
@@ -419,7 +405,6 @@ fn main(
                 bias += subgroupShuffleXor(bias, mask);
             }
             if (live) {
-                //!unroll UNROLL
                 for (var w = 0u; w < 2u; w++) {
                     let idx = pi * QPS + (2u * sl + w) * GP + h / 2u;
                     q8_sh[idx][2u * (h % 2u)] = q8e[w];
@@ -434,14 +419,12 @@ fn main(
 
         // Scores: the whole key row in this invocation.
         var x: array<f32, GROUP>;
-        //!unroll UNROLL
         for (var h = 0u; h < GROUP; h++) {
             x[h] = NEG_BIG;
         }
         if (valid) {
             if (RAW && raw_a) {
                 let row = (page_a - window.first_page) * page_w4 + slot * vw4;
-                //!unroll UNROLL
                 for (var h = 0u; h < GROUP; h++) {
                     x[h] = 0.0;
                 }
@@ -449,25 +432,20 @@ fn main(
                     let w = pool[row + i];
                     let k0 = vec4<f32>(unpack2x16float(w.x), unpack2x16float(w.y));
                     let k1 = vec4<f32>(unpack2x16float(w.z), unpack2x16float(w.w));
-                    //!unroll UNROLL
                     for (var h = 0u; h < GROUP; h++) {
                         x[h] += dot(q_sh[h * D4 + 2u * i], k0) + dot(q_sh[h * D4 + 2u * i + 1u], k1);
                     }
                 }
             } else {
                 var isum: array<i32, GROUP>;
-                //!unroll UNROLL
                 for (var h = 0u; h < GROUP; h++) {
                     isum[h] = 0;
                 }
-                //!unroll UNROLL
-                for (var i = 0u; i < RW4_RUN; i++) {
-                    //!unroll UNROLL
+                for (var i = 0u; i < select(RW4, 0u, (ABLATE & 2u) != 0u); i++) {
                     for (var e = 0u; e < 4u; e++) {
                         let w = kw[i][e];
                         let lo = w & 0x0f0f0f0fu;
                         let hi = (w >> 4u) & 0x0f0f0f0fu;
-                        //!unroll UNROLL
                         for (var hp = 0u; hp < GP; hp++) {
                             let qv = q8_sh[p_in * QPS + (4u * i + e) * GP + hp];
                             isum[2u * hp] += dot4I8Packed(qv.x, lo) + dot4I8Packed(qv.y, hi);
@@ -477,7 +455,6 @@ fn main(
                         }
                     }
                 }
-                //!unroll UNROLL
                 for (var h = 0u; h < GROUP; h++) {
                     let ab = ab_sh[p_in * GROUP + h];
                     x[h] = ab.x * f32(isum[h]) + ab.y;
@@ -485,7 +462,6 @@ fn main(
             }
             if (params.write_scores != 0u) {
                 let pos = (first + chunk_pos[ca]) * PAGE_SIZE + slot;
-                //!unroll UNROLL
                 for (var h = 0u; h < GROUP; h++) {
                     scores[(seq * params.q_heads + kvh * GROUP + h) * params.max_tokens + pos] = x[h];
                 }
@@ -493,12 +469,10 @@ fn main(
         }
         var s_a: array<f32, NG>;  // this token's value scales
         var need = false;
-        //!unroll UNROLL
         for (var g = 0u; g < NG; g++) {
             s_a[g] = unpack2x16float(vprm[g]).y;
             need = need || s_a[g] > s_ref[g];
         }
-        //!unroll UNROLL
         for (var h = 0u; h < GROUP; h++) {
             need = need || x[h] > m_ref[h] + SLACK;
         }
@@ -509,11 +483,9 @@ fn main(
             // Some reference moves: the tile's maxima over the workgroup, then the sums so far are
             // moved to f32 and rescaled to the new maxima.
             var red: array<f32, NRED>;
-            //!unroll UNROLL
             for (var h = 0u; h < GROUP; h++) {
                 red[h] = x[h];
             }
-            //!unroll UNROLL
             for (var g = 0u; g < NG; g++) {
                 red[GROUP + g] = s_a[g];
             }
@@ -533,13 +505,11 @@ fn main(
                 red[i] = r;
             }
             var corr: array<f32, GROUP>;
-            //!unroll UNROLL
             for (var h = 0u; h < GROUP; h++) {
                 let mn = max(m_ref[h], red[h]);
                 corr[h] = exp(m_ref[h] - mn);
                 m_ref[h] = mn;
                 lsum[h] *= corr[h];
-                //!unroll UNROLL
                 for (var g = 0u; g < NG; g++) {
                     minacc[h * NG + g] *= corr[h];
                 }
@@ -548,9 +518,7 @@ fn main(
             if (ACC_SHARED) {
                 acc32 = acc_get(t);
             }
-            //!unroll UNROLL
             for (var h = 0u; h < GROUP; h++) {
-                //!unroll UNROLL
                 for (var k = 0u; k < 4u; k++) {
                     acc32[h * 4u + k] = (acc32[h * 4u + k] + vec2<f32>(acc16[h * 4u + k]) * fl) * corr[h];
                     acc16[h * 4u + k] = vec2<f16>(0.0h);
@@ -559,7 +527,6 @@ fn main(
             if (ACC_SHARED) {
                 acc_put(t, acc32);
             }
-            //!unroll UNROLL
             for (var g = 0u; g < NG; g++) {
                 // Headroom of 2: a later scale up to twice this tile's largest moves nothing.
                 if (red[GROUP + g] > s_ref[g]) {
@@ -571,18 +538,14 @@ fn main(
 
         // Probabilities against the (possibly moved) references.
         var p: array<f32, GROUP>;
-        //!unroll UNROLL
         for (var h = 0u; h < GROUP; h++) {
             p[h] = select(0.0, exp(x[h] - m_ref[h]), valid);
             lsum[h] += p[h];
         }
-        //!unroll UNROLL
         for (var g = 0u; g < NG; g++) {
             let mins = unpack2x16float(vprm[g]).x;
-            //!unroll UNROLL
             for (var q = 0u; q < GQ; q++) {
                 var wv = vec4<u32>(0u);
-                //!unroll UNROLL
                 for (var e = 0u; e < 4u; e++) {
                     let h = 4u * q + e;
                     if (h < GROUP) {
@@ -605,7 +568,6 @@ fn main(
             if (ACC_SHARED) {
                 acc32 = acc_get(t);
             }
-            //!unroll UNROLL
             for (var j = 0u; j < TPL; j++) {
                 let tau = ts + NS * j;
                 let c = c0 + tau / PAGE_SIZE;
@@ -621,10 +583,8 @@ fn main(
                     let v23 = unpack2x16float(w.y);
                     let v45 = unpack2x16float(w.z);
                     let v67 = unpack2x16float(w.w);
-                    //!unroll UNROLL
                     for (var q = 0u; q < GQ; q++) {
                         let pw = ps_sh[(tau * NG) * GQ + q];
-                        //!unroll UNROLL
                         for (var e = 0u; e < 4u; e++) {
                             let h = 4u * q + e;
                             if (h < GROUP) {
@@ -642,8 +602,7 @@ fn main(
                 acc_put(t, acc32);
             }
         } else {
-            //!unroll UNROLL
-            for (var j = 0u; j < TPL_RUN; j++) {
+            for (var j = 0u; j < select(TPL, 0u, (ABLATE & 4u) != 0u); j++) {
                 let tau = ts + NS * j;
                 // Codes as exact f16 pairs: (w & 0x000f000f) | 0x6400 pairs is 1024 + code, and
                 // (w & 0x00f000f0) | 0x5400 pairs is 64 + code (mantissa step 1/16); nibbles (k, k + 4).
@@ -662,15 +621,12 @@ fn main(
                 cw[1] = h2((w & 0x00f000f0u) | 0x54005400u) - vec2<f16>(64.0h);
                 cw[2] = h2((w8 & 0x000f000fu) | 0x64006400u) - vec2<f16>(1024.0h);
                 cw[3] = h2((w8 & 0x00f000f0u) | 0x54005400u) - vec2<f16>(64.0h);
-                //!unroll UNROLL
                 for (var q = 0u; q < GQ; q++) {
                     let pw = ps_sh[(tau * NG + my_g) * GQ + q];
-                    //!unroll UNROLL
                     for (var e = 0u; e < 4u; e++) {
                         let h = 4u * q + e;
                         if (h < GROUP) {
                             let ps = h2(pw[e]);
-                            //!unroll UNROLL
                             for (var k = 0u; k < 4u; k++) {
                                 acc16[h * 4u + k] = fma(ps, cw[k], acc16[h * 4u + k]);
                             }
@@ -684,7 +640,6 @@ fn main(
             if (ACC_SHARED) {
                 acc32 = acc_get(t);
             }
-            //!unroll UNROLL
             for (var i = 0u; i < GROUP * 4u; i++) {
                 acc32[i] += vec2<f32>(acc16[i]) * fl;
                 acc16[i] = vec2<f16>(0.0h);
@@ -702,14 +657,12 @@ fn main(
     if (ACC_SHARED) {
         acc32 = acc_get(t);
     }
-    //!unroll UNROLL
     for (var i = 0u; i < GROUP * 4u; i++) {
         acc32[i] += vec2<f32>(acc16[i]) * fl;
     }
 
     // Sums over the token lanes: l per head, p * min per (head, group).
     var sums: array<f32, NSUM>;
-    //!unroll UNROLL
     for (var h = 0u; h < GROUP; h++) {
         sums[h] = lsum[h];
     }
@@ -735,7 +688,6 @@ fn main(
     // The token streams' value sums, one stream at a time, into q_sh (the queries are done).
     for (var r = 0u; r < NS; r++) {
         if (ts == r) {
-            //!unroll UNROLL
             for (var h = 0u; h < GROUP; h++) {
                 let lo = vec4<f32>(acc32[h * 4u].x, acc32[h * 4u + 1u].x, acc32[h * 4u + 2u].x, acc32[h * 4u + 3u].x);
                 let hi = vec4<f32>(acc32[h * 4u].y, acc32[h * 4u + 1u].y, acc32[h * 4u + 2u].y, acc32[h * 4u + 3u].y);
