@@ -3,9 +3,11 @@
 //! probes: a kernel that keeps its arrays in registers needs fewer warps' worth of registers than
 //! the multiprocessor has, or fewer workgroups fit.
 //!
-//! `cargo run --release -p expertkv --example shader_stats -- attend/split_quant_stream.wgsl GROUP=4u PAGE_SIZE=64u`
+//! `cargo run --release -p expertkv --example shader_stats -- attend/split_quant_tile.wgsl GROUP=4u PAGE_SIZE=64u`
 //! (the kernel's label, then its defines). The SPIR-V is naga's, as wgpu makes it for kernels
 //! created without runtime checks (no bounds checks, no loop bounding).
+//! `shader_stats --cooperative-matrix` lists the matrix shapes and types the device's
+//! VK_KHR_cooperative_matrix offers (what tensor cores a Vulkan kernel could reach).
 
 use anyhow::{Context, Result, anyhow, bail};
 use ash::vk;
@@ -13,7 +15,12 @@ use expertkv_shaders::Kernel;
 
 fn main() -> Result<()> {
     let mut args = std::env::args().skip(1);
-    let label = args.next().context("usage: shader_stats KERNEL_LABEL [NAME=VALUE ...]")?;
+    let label = args.next().context("usage: shader_stats KERNEL_LABEL [NAME=VALUE ...] | --cooperative-matrix")?;
+    if label == "--cooperative-matrix" {
+        wgpu_cooperative_matrix();
+        // SAFETY: plain Vulkan queries on an instance created there.
+        return unsafe { cooperative_matrix() };
+    }
     let kernel = Kernel::ALL.iter().copied().find(|k| k.label() == label).ok_or_else(|| anyhow!("no kernel labelled {label}"))?;
     let defines: Vec<(String, String)> = args
         .map(|a| a.split_once('=').map(|(n, v)| (n.to_owned(), v.to_owned())).ok_or_else(|| anyhow!("define {a}: NAME=VALUE")))
@@ -51,6 +58,51 @@ fn main() -> Result<()> {
     }
     // SAFETY: plain Vulkan calls on objects created here, each checked, destroyed by process exit.
     unsafe { stats(&spv, &bindings, &label) }
+}
+
+/// What wgpu makes of it: the adapter's experimental cooperative-matrix feature and shapes.
+fn wgpu_cooperative_matrix() {
+    let instance = wgpu::Instance::new(wgpu::InstanceDescriptor {
+        backends: wgpu::Backends::VULKAN,
+        ..wgpu::InstanceDescriptor::new_without_display_handle()
+    });
+    for adapter in pollster::block_on(instance.enumerate_adapters(wgpu::Backends::VULKAN)) {
+        let info = adapter.get_info();
+        let on = adapter.features().contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX);
+        println!("wgpu, {}: EXPERIMENTAL_COOPERATIVE_MATRIX {}", info.name, if on { "offered" } else { "not offered" });
+        for p in adapter.cooperative_matrix_properties() {
+            println!("  {} x {} x {}: {:?} -> {:?}", p.m_size, p.n_size, p.k_size, p.ab_type, p.cr_type);
+        }
+    }
+}
+
+unsafe fn cooperative_matrix() -> Result<()> {
+    // SAFETY: the caller's contract; the instance is created and queried here.
+    unsafe {
+        let entry = ash::Entry::load()?;
+        let app = vk::ApplicationInfo::default().api_version(vk::API_VERSION_1_3);
+        let instance = entry.create_instance(&vk::InstanceCreateInfo::default().application_info(&app), None)?;
+        let ext = ash::khr::cooperative_matrix::NAME;
+        let coop = ash::khr::cooperative_matrix::Instance::new(&entry, &instance);
+        for pd in instance.enumerate_physical_devices()? {
+            let props = instance.get_physical_device_properties(pd);
+            let name = props.device_name_as_c_str().map(|c| c.to_string_lossy().into_owned()).unwrap_or_default();
+            let exts = instance.enumerate_device_extension_properties(pd)?;
+            if !exts.iter().any(|e| e.extension_name_as_c_str().is_ok_and(|n| n == ext)) {
+                println!("{name}: no VK_KHR_cooperative_matrix");
+                continue;
+            }
+            let shapes = coop.get_physical_device_cooperative_matrix_properties(pd)?;
+            println!("{name}: VK_KHR_cooperative_matrix, {} configurations (M x N x K: A, B -> C, result; scope)", shapes.len());
+            for c in shapes {
+                println!(
+                    "  {} x {} x {}: {:?}, {:?} -> {:?}, {:?}; {:?}",
+                    c.m_size, c.n_size, c.k_size, c.a_type, c.b_type, c.c_type, c.result_type, c.scope
+                );
+            }
+        }
+        Ok(())
+    }
 }
 
 unsafe fn stats(spv: &[u32], bindings: &[(u32, vk::DescriptorType)], label: &str) -> Result<()> {
