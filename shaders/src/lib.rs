@@ -43,6 +43,7 @@ sources! {
     ATTEND_MASS => "attend/mass.wgsl",
     BENCH_COPY => "bench/copy.wgsl",
     BENCH_FMA => "bench/fma.wgsl",
+    BENCH_COOP => "bench/coop.wgsl",
     COMMON_ROUTE => "common/route.wgsl",
     ROUTE_BIAS => "route/bias.wgsl",
     ROUTE_TOPK => "route/topk.wgsl",
@@ -136,6 +137,7 @@ pub enum Kernel {
     AttendSplitQuant,
     AttendSplitQuantTile,
     BenchFma,
+    BenchCoop,
 }
 
 impl Kernel {
@@ -195,6 +197,7 @@ impl Kernel {
         Kernel::AttendSplitQuant,
         Kernel::AttendSplitQuantTile,
         Kernel::BenchFma,
+        Kernel::BenchCoop,
     ];
 
     pub fn source(self) -> Source {
@@ -239,6 +242,7 @@ impl Kernel {
             Kernel::AttendSplitQuant => ATTEND_SPLIT_QUANT,
             Kernel::AttendSplitQuantTile => ATTEND_SPLIT_QUANT_TILE,
             Kernel::BenchFma => BENCH_FMA,
+            Kernel::BenchCoop => BENCH_COOP,
         }
     }
 
