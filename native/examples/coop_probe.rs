@@ -1,7 +1,7 @@
 //! The tensor cores through wgpu's experimental cooperative matrices (native only): times
 //! `shaders/wgsl/bench/coop.wgsl` (16 x 16 x 16 f16 products accumulated in f32, four
 //! independent accumulators per subgroup-sized workgroup) and checks every accumulator against
-//! the product computed on the CPU (exact: small integers). Prints TFLOP/s, or why the adapter
+//! the product computed on the CPU (exact: small integers; column-major, as naga loads). Prints TFLOP/s, or why the adapter
 //! cannot run it.
 //!
 //! `cargo run --release -p expertkv --example coop_probe -- [WORKGROUPS] [ITERS]`
@@ -115,15 +115,18 @@ async fn run(groups: u32, iters: u32) -> Result<()> {
     read.slice(..).map_async(wgpu::MapMode::Read, |_| {});
     device.poll(wgpu::PollType::wait_indefinitely())?;
     let got: Vec<f32> = bytemuck::cast_slice(&read.slice(..).get_mapped_range()?).to_vec();
-    let mut want = [0f32; 256];
-    for i in 0..16 {
-        for j in 0..16 {
-            want[i * 16 + j] = (0..16).map(|k| a[i * 16 + k] * b[k * 16 + j]).sum::<f32>() * iters as f32;
-        }
-    }
+    // naga's `coopLoad` / `coopStore` (without the T suffix) read and write column-major: the
+    // kernel's 16 x 16 matrices are the transposes of the row-major buffers, so the row-major
+    // result is B A.
+    let product = |x: &[f32], y: &[f32]| -> Vec<f32> {
+        (0..256).map(|e| (0..16).map(|k| x[(e / 16) * 16 + k] * y[k * 16 + e % 16]).sum::<f32>() * iters as f32).collect()
+    };
+    let want = product(&b, &a);
     for (n, chunk) in got.chunks(256).enumerate() {
         if let Some(i) = (0..256).find(|&i| chunk[i] != want[i]) {
-            bail!("{name}: accumulator {n}, element {i}: {} where the CPU has {}", chunk[i], want[i]);
+            let ab = product(&a, &b);
+            let hint = if chunk == ab.as_slice() { " (the row-major A B: the layout is not what naga's docs say)" } else { "" };
+            bail!("{name}: accumulator {n}, element {i}: {} where the CPU has {}{hint}", chunk[i], want[i]);
         }
     }
     times.sort_by(f64::total_cmp);

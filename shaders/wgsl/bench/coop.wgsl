@@ -2,7 +2,8 @@
 // native/examples/coop_probe.rs): each subgroup-sized workgroup keeps four independent 16 x 16
 // f32 accumulators and adds the same 16 x 16 x 16 f16 product to each ITERS times. A and B hold
 // small integers, so every sum is exact in f32 and the host checks each accumulator against
-// A B * ITERS.
+// B A * ITERS (naga's coopLoad and coopStore are column-major: the matrices are the
+// transposes of the row-major buffers).
 enable f16;
 enable wgpu_cooperative_matrix;
 
