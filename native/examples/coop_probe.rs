@@ -1,8 +1,8 @@
 //! The tensor cores through wgpu's experimental cooperative matrices (native only): times
 //! `shaders/wgsl/bench/coop.wgsl` (16 x 16 x 16 f16 products accumulated in f32, four
 //! independent accumulators per subgroup-sized workgroup) and checks every accumulator against
-//! the product computed on the CPU (exact: small integers; column-major, as naga loads). Prints TFLOP/s, or why the adapter
-//! cannot run it.
+//! the product computed on the CPU (exact: small integers; column-major, as naga loads). Prints
+//! TFLOP/s, or why the adapter cannot run it.
 //!
 //! `cargo run --release -p expertkv --example coop_probe -- [WORKGROUPS] [ITERS]`
 

@@ -57,7 +57,17 @@ fn main() -> Result<()> {
         }
     }
     // SAFETY: plain Vulkan calls on objects created here, each checked, destroyed by process exit.
-    unsafe { stats(&spv, &bindings, &label) }
+    unsafe { stats(&spv, &bindings, &label, kernel.entry_point()) }
+}
+
+/// A physical device's name.
+///
+/// # Safety
+/// `pd` is a physical device of `instance`.
+unsafe fn device_name(instance: &ash::Instance, pd: vk::PhysicalDevice) -> String {
+    // SAFETY: the caller's contract.
+    let props = unsafe { instance.get_physical_device_properties(pd) };
+    props.device_name_as_c_str().map(|c| c.to_string_lossy().into_owned()).unwrap_or_default()
 }
 
 /// What wgpu makes of it: the adapter's experimental cooperative-matrix feature and shapes.
@@ -85,8 +95,7 @@ unsafe fn cooperative_matrix() -> Result<()> {
         let ext = ash::khr::cooperative_matrix::NAME;
         let coop = ash::khr::cooperative_matrix::Instance::new(&entry, &instance);
         for pd in instance.enumerate_physical_devices()? {
-            let props = instance.get_physical_device_properties(pd);
-            let name = props.device_name_as_c_str().map(|c| c.to_string_lossy().into_owned()).unwrap_or_default();
+            let name = device_name(&instance, pd);
             let exts = instance.enumerate_device_extension_properties(pd)?;
             if !exts.iter().any(|e| e.extension_name_as_c_str().is_ok_and(|n| n == ext)) {
                 println!("{name}: no VK_KHR_cooperative_matrix");
@@ -105,7 +114,7 @@ unsafe fn cooperative_matrix() -> Result<()> {
     }
 }
 
-unsafe fn stats(spv: &[u32], bindings: &[(u32, vk::DescriptorType)], label: &str) -> Result<()> {
+unsafe fn stats(spv: &[u32], bindings: &[(u32, vk::DescriptorType)], label: &str, entry_point: &str) -> Result<()> {
     // SAFETY: the caller's contract; every handle below is created and used in this function.
     unsafe {
         let entry = ash::Entry::load()?;
@@ -121,8 +130,7 @@ unsafe fn stats(spv: &[u32], bindings: &[(u32, vk::DescriptorType)], label: &str
             }
         }
         let pd = chosen.context("no Vulkan device offers VK_KHR_pipeline_executable_properties")?;
-        let props = instance.get_physical_device_properties(pd);
-        let name = props.device_name_as_c_str().map(|c| c.to_string_lossy().into_owned()).unwrap_or_default();
+        let name = device_name(&instance, pd);
         let qf = instance
             .get_physical_device_queue_family_properties(pd)
             .iter()
@@ -159,7 +167,7 @@ unsafe fn stats(spv: &[u32], bindings: &[(u32, vk::DescriptorType)], label: &str
         let layouts = [dsl];
         let layout = device.create_pipeline_layout(&vk::PipelineLayoutCreateInfo::default().set_layouts(&layouts), None)?;
         let module = device.create_shader_module(&vk::ShaderModuleCreateInfo::default().code(spv), None)?;
-        let ep = std::ffi::CString::new(Kernel::ALL.iter().find(|k| k.label() == label).map_or("main", |k| k.entry_point()))?;
+        let ep = std::ffi::CString::new(entry_point)?;
         let stage = vk::PipelineShaderStageCreateInfo::default().stage(vk::ShaderStageFlags::COMPUTE).module(module).name(&ep);
         let create =
             [vk::ComputePipelineCreateInfo::default().stage(stage).layout(layout).flags(vk::PipelineCreateFlags::CAPTURE_STATISTICS_KHR)];
