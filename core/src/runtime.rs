@@ -118,6 +118,9 @@ pub struct Capabilities {
     pub max_storage_buffers_per_stage: u32,
     pub max_workgroup_storage_bytes: u32,
     pub max_invocations_per_workgroup: u32,
+    /// wgpu's experimental cooperative matrices with the 16 x 16 x 16 f16 -> f32 shape (the
+    /// tensor cores; native only, and off with `EXPERTKV_COOP=0`).
+    pub coop_f16: bool,
 }
 
 /// The one capability switch that chooses kernel variants.
@@ -172,6 +175,25 @@ fn rank(t: wgpu::DeviceType) -> u32 {
 pub async fn list_adapters(backends: wgpu::Backends) -> Vec<wgpu::Adapter> {
     let instance = new_instance(backends);
     enumerate(&instance, backends).await
+}
+
+/// Whether wgpu offers its experimental cooperative matrices here with the 16 x 16 x 16
+/// f16 -> f32 shape (and shader-f16), unless `EXPERTKV_COOP=0`. Never in a browser.
+#[cfg(not(target_arch = "wasm32"))]
+fn coop_f16_offered(adapter: &wgpu::Adapter) -> bool {
+    let want = wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX | wgpu::Features::SHADER_F16;
+    std::env::var("EXPERTKV_COOP").as_deref() != Ok("0")
+        && adapter.features().contains(want)
+        && adapter.cooperative_matrix_properties().iter().any(|p| {
+            (p.m_size, p.n_size, p.k_size) == (16, 16, 16)
+                && p.ab_type == wgpu::CooperativeScalarType::F16
+                && p.cr_type == wgpu::CooperativeScalarType::F32
+        })
+}
+
+#[cfg(target_arch = "wasm32")]
+fn coop_f16_offered(_adapter: &wgpu::Adapter) -> bool {
+    false
 }
 
 fn new_instance(backends: wgpu::Backends) -> wgpu::Instance {
@@ -240,13 +262,23 @@ impl Runtime {
             | wgpu::Features::SUBGROUP
             | wgpu::Features::TIMESTAMP_QUERY
             | wgpu::Features::TIMESTAMP_QUERY_INSIDE_ENCODERS;
-        let features = af & wanted;
+        let mut features = af & wanted;
+        let coop_f16 = coop_f16_offered(&adapter);
+        let mut experimental = wgpu::ExperimentalFeatures::disabled();
+        if coop_f16 {
+            features |= wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX;
+            // SAFETY: wgpu's cooperative matrices are experimental (wgpu may hold bugs there);
+            // only the kernel that uses them depends on them, and its GPU-vs-CPU test checks
+            // its outputs on every device that offers them.
+            experimental = unsafe { wgpu::ExperimentalFeatures::enabled() };
+        }
         let limits = adapter.limits();
         let (device, queue) = adapter
             .request_device(&wgpu::DeviceDescriptor {
                 label: Some("expertkv"),
                 required_features: features,
                 required_limits: limits.clone(),
+                experimental_features: experimental,
                 ..Default::default()
             })
             .await
@@ -281,6 +313,7 @@ impl Runtime {
             max_storage_buffers_per_stage: limits.max_storage_buffers_per_shader_stage,
             max_workgroup_storage_bytes: limits.max_compute_workgroup_storage_size,
             max_invocations_per_workgroup: limits.max_compute_invocations_per_workgroup,
+            coop_f16,
         };
         let tier = if subgroups { Tier::Subgroups } else { Tier::Baseline };
         let checks = if cfg!(target_arch = "wasm32") { ShaderChecks::Checked } else { checks };
