@@ -86,6 +86,9 @@ pub enum QuantKernel {
     SlotBlock,
     /// `attend/split_quant_tile.wgsl` (or an error where it cannot run).
     Tile,
+    /// `attend/split_quant_coop.wgsl`, on the tensor cores through wgpu's experimental
+    /// cooperative matrices (or an error where it cannot run).
+    Coop,
 }
 
 impl QuantKernel {
@@ -94,7 +97,8 @@ impl QuantKernel {
             "auto" => Ok(QuantKernel::Auto),
             "slot" | "slot-block" => Ok(QuantKernel::SlotBlock),
             "tile" => Ok(QuantKernel::Tile),
-            _ => Err(Error::config("quant_kernel", s, "one of auto, slot, tile")),
+            "coop" => Ok(QuantKernel::Coop),
+            _ => Err(Error::config("quant_kernel", s, "one of auto, slot, tile, coop")),
         }
     }
 }
@@ -279,7 +283,7 @@ fn quant_tile_path(rt: &Runtime, pool: &KvPool, opts: &AttendOptions) -> Result<
     };
     let reason = why_not();
     match (opts.quant_kernel, reason) {
-        (QuantKernel::SlotBlock, _) => Ok(None),
+        (QuantKernel::SlotBlock | QuantKernel::Coop, _) => Ok(None),
         (QuantKernel::Tile, Some(why)) => Err(Error::config("quant_kernel", "tile", format!("the tile kernel cannot run: {why}"))),
         (QuantKernel::Auto, Some(_)) => Ok(None),
         // Pages of 16 fold their key parameters into the queries for every 16 tokens: there the
@@ -304,6 +308,84 @@ fn quant_tile_path(rt: &Runtime, pool: &KvPool, opts: &AttendOptions) -> Result<
             let acc_shared = fits && env("EXPERTKV_TILE_ACC_SHARED") == Some(1);
             Ok(Some(QuantTile { ng: cfg.head_dim / vg, raw, slack, flush, k, acc_shared, ablate, wg }))
         }
+    }
+}
+
+/// The tensor-core kernel (`attend/split_quant_coop.wgsl`) for int4 pages: value groups per
+/// row, subgroups per workgroup, and the lazy rescale's slack.
+#[derive(Clone, Copy, Debug)]
+struct QuantCoop {
+    ng: u32,
+    nw: u32,
+    slack: f32,
+    /// Probe knob (`ABLATE`, from the hidden `EXPERTKV_COOP_ABLATE`): stages left out.
+    ablate: u32,
+}
+
+/// Workgroup memory of the tensor-core kernel at this shape (mirrors its declarations).
+fn quant_coop_shared_bytes(group: u32, d: u32, ng: u32, nw: u32) -> u32 {
+    let (q8_row, code_row) = ((d / 4 + 2) * 8, (d / 8 + 1) * 16);
+    let fixed = 5 * 64 * 4 + 3 * 4 + group * d * 4 + 16 * q8_row + group * 16 + 64 * 8;
+    let per_subgroup = 16 * code_row + 256 * 4 + ng * 64 * 8 + group * (2 + ng) * 4;
+    fixed + nw * per_subgroup
+}
+
+/// The most subgroups per workgroup of the tensor-core kernel (`EXPERTKV_COOP_NW` lowers it).
+const COOP_MAX_SUBGROUPS: u32 = 4;
+
+fn quant_coop_path(rt: &Runtime, pool: &KvPool, opts: &AttendOptions) -> Result<Option<QuantCoop>> {
+    let cfg = &pool.cfg;
+    let env = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<u32>().ok());
+    let max_nw = env("EXPERTKV_COOP_NW").unwrap_or(COOP_MAX_SUBGROUPS).clamp(1, COOP_MAX_SUBGROUPS);
+    let why_not = || -> std::result::Result<(u32, u32), String> {
+        let crate::config::Codec::Int4 { group: vg } = cfg.codec else { return Err("the pool's codec is not int4".into()) };
+        if !rt.caps.coop_f16 {
+            return Err("the device offers no 16 x 16 x 16 f16 -> f32 cooperative matrices through wgpu".into());
+        }
+        if rt.tier != Tier::Subgroups || rt.caps.subgroup_min_size != 32 || rt.caps.subgroup_max_size != 32 {
+            return Err(format!(
+                "it needs subgroups of exactly 32 invocations (the device's hold {}..{})",
+                rt.caps.subgroup_min_size, rt.caps.subgroup_max_size
+            ));
+        }
+        let d = cfg.head_dim;
+        if ![32, 64, 128].contains(&d) {
+            return Err(format!("head_dim {d} is not 32, 64 or 128"));
+        }
+        if !cfg.page_size.is_multiple_of(16) || cfg.page_size > 128 {
+            return Err(format!("page_size {} is not a multiple of 16 up to 128", cfg.page_size));
+        }
+        if !vg.is_multiple_of(16) || !d.is_multiple_of(vg) {
+            return Err(format!("value group {vg} is not a multiple of 16 dividing head_dim {d}"));
+        }
+        if opts.group > 8 {
+            return Err(format!("{} query heads per KV head, more than 8", opts.group));
+        }
+        if !cfg.codec.page_words(cfg.page_size, d).is_multiple_of(4) {
+            return Err("the page is not a whole number of 16-byte words".into());
+        }
+        let ng = d / vg;
+        let tiles = cfg.page_size / 16;
+        // The most subgroups that divide the page's 16-token tiles and fit the workgroup memory.
+        let limit = rt.caps.max_workgroup_storage_bytes;
+        let nw = [4u32, 2, 1]
+            .into_iter()
+            .find(|&nw| nw <= max_nw && tiles.is_multiple_of(nw) && quant_coop_shared_bytes(opts.group, d, ng, nw) <= limit);
+        let Some(nw) = nw else {
+            return Err(format!(
+                "it needs {} bytes of workgroup memory, the device allows {limit}",
+                quant_coop_shared_bytes(opts.group, d, ng, 1)
+            ));
+        };
+        Ok((ng, nw))
+    };
+    match (opts.quant_kernel, why_not()) {
+        (QuantKernel::Coop, Err(why)) => Err(Error::config("quant_kernel", "coop", format!("the tensor-core kernel cannot run: {why}"))),
+        (QuantKernel::Coop, Ok((ng, nw))) => {
+            let ablate = env("EXPERTKV_COOP_ABLATE").unwrap_or(0);
+            Ok(Some(QuantCoop { ng, nw, slack: opts.rescale_slack.clamp(0.0, TILE_MAX_SLACK), ablate }))
+        }
+        _ => Ok(None),
     }
 }
 
@@ -394,7 +476,8 @@ impl Attention {
         // Compressed pages get one more partial slot, after the raw pool buffers' (none when the
         // tile kernel reads the raw pages too).
         let has_codec = cfg.codec != crate::config::Codec::None;
-        let quant_tile = if has_codec { quant_tile_path(rt, pool, &opts)? } else { None };
+        let quant_coop = if has_codec { quant_coop_path(rt, pool, &opts)? } else { None };
+        let quant_tile = if has_codec && quant_coop.is_none() { quant_tile_path(rt, pool, &opts)? } else { None };
         let raw_fused = quant_tile.is_some_and(|t| t.raw);
         let n_buffers = if raw_fused { 1 } else { pool.n_buffers() as u32 + u32::from(has_codec) };
         let max_tokens = cfg.max_pages_per_seq() * cfg.page_size;
@@ -458,7 +541,11 @@ impl Attention {
                 )
             })
             .collect();
-        let quant_fast = if cfg.codec.rank().is_none() && quant_tile.is_none() { quant_fast_path(cfg, variant, &opts) } else { None };
+        let quant_fast = if cfg.codec.rank().is_none() && quant_tile.is_none() && quant_coop.is_none() {
+            quant_fast_path(cfg, variant, &opts)
+        } else {
+            None
+        };
         let codec_split = if let Some(rank) = cfg.codec.rank() {
             if opts.group > 8 || opts.group * rank > 1024 {
                 return Err(Error::config(
@@ -483,6 +570,28 @@ impl Attention {
                     &scores,
                     &pool.codec_basis,
                 ],
+            );
+            Some((p, bg))
+        } else if let Some(QuantCoop { ng, nw, slack, ablate }) = quant_coop {
+            let p = rt
+                .pipeline_with(
+                    Kernel::AttendSplitQuantCoop,
+                    &[
+                        ("GROUP", format!("{}u", opts.group)),
+                        ("HEAD_DIM", format!("{}u", cfg.head_dim)),
+                        ("PAGE_SIZE", format!("{}u", cfg.page_size)),
+                        ("NG", format!("{ng}u")),
+                        ("NW", format!("{nw}u")),
+                        ("SLACK", wgsl_f32(slack)),
+                        ("ABLATE", format!("{ablate}u")),
+                    ],
+                    &[],
+                )
+                .await?;
+            let bg = rt.bind(
+                Kernel::AttendSplitQuantCoop.label(),
+                &p,
+                &[&pool.geometry, &params, page_list, page_counts, &pool.page_meta, &pool.codec_kv, &queries, &partials, &scores],
             );
             Some((p, bg))
         } else if let Some(QuantTile { ng, raw, slack, flush, k, acc_shared, ablate, wg }) = quant_tile {
@@ -561,6 +670,13 @@ impl Attention {
         };
         let codec_kernel = if cfg.codec.is_low_rank() {
             Some("lowrank".to_string())
+        } else if let Some(c) = quant_coop {
+            Some(format!(
+                "quant-coop subgroups={} slack={}{}",
+                c.nw,
+                c.slack,
+                if c.ablate != 0 { format!(" ABLATE={}", c.ablate) } else { String::new() }
+            ))
         } else if let Some(t) = quant_tile {
             Some(format!(
                 "quant-tile wg={} flush={} slack={} k={}{}{}{}",
@@ -613,7 +729,7 @@ impl Attention {
             scale: 1.0 / (d as f32).sqrt(),
             stage: None,
             staged: 0,
-            int8_query: quant_fast.is_some_and(|f| f.bits == 4) || quant_tile.is_some(),
+            int8_query: quant_fast.is_some_and(|f| f.bits == 4) || quant_tile.is_some() || quant_coop.is_some(),
             raw_fused,
             opts,
         })
@@ -631,9 +747,10 @@ impl Attention {
     }
 
     /// Whether the compressed pages' values are summed in f16 over a few tiles (the tile
-    /// kernel), which the tests allow a tolerance of f16's precision.
+    /// kernel) or weighted by f16 weights (the tensor-core kernel), which the tests allow a
+    /// tolerance of f16's precision.
     pub fn f16_value_sums(&self) -> bool {
-        self.codec_kernel.as_deref().is_some_and(|k| k.starts_with("quant-tile"))
+        self.codec_kernel.as_deref().is_some_and(|k| k.starts_with("quant-tile") || k.starts_with("quant-coop"))
     }
 
     /// The f64 reference of what this attention computes for `layer` of `model` (the pool's

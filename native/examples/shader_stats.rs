@@ -57,7 +57,8 @@ fn main() -> Result<()> {
         }
     }
     // SAFETY: plain Vulkan calls on objects created here, each checked, destroyed by process exit.
-    unsafe { stats(&spv, &bindings, &label, kernel.entry_point()) }
+    let coop = text.contains("enable wgpu_cooperative_matrix;");
+    unsafe { stats(&spv, &bindings, &label, kernel.entry_point(), coop) }
 }
 
 /// A physical device's name.
@@ -114,7 +115,7 @@ unsafe fn cooperative_matrix() -> Result<()> {
     }
 }
 
-unsafe fn stats(spv: &[u32], bindings: &[(u32, vk::DescriptorType)], label: &str, entry_point: &str) -> Result<()> {
+unsafe fn stats(spv: &[u32], bindings: &[(u32, vk::DescriptorType)], label: &str, entry_point: &str, coop: bool) -> Result<()> {
     // SAFETY: the caller's contract; every handle below is created and used in this function.
     unsafe {
         let entry = ash::Entry::load()?;
@@ -143,8 +144,13 @@ unsafe fn stats(spv: &[u32], bindings: &[(u32, vk::DescriptorType)], label: &str
         let mut v12 = vk::PhysicalDeviceVulkan12Features::default().shader_float16(true).shader_int8(true).vulkan_memory_model(true);
         let mut v13 = vk::PhysicalDeviceVulkan13Features::default().shader_integer_dot_product(true).subgroup_size_control(true);
         let features = vk::PhysicalDeviceFeatures::default().shader_int64(true);
-        let exts = [ext.as_ptr()];
-        let info = vk::DeviceCreateInfo::default()
+        // Kernels on cooperative matrices (`enable wgpu_cooperative_matrix;`) need the extension.
+        let mut exts = vec![ext.as_ptr()];
+        let mut coop_features = vk::PhysicalDeviceCooperativeMatrixFeaturesKHR::default().cooperative_matrix(true);
+        if coop {
+            exts.push(ash::khr::cooperative_matrix::NAME.as_ptr());
+        }
+        let mut info = vk::DeviceCreateInfo::default()
             .queue_create_infos(&queue)
             .enabled_extension_names(&exts)
             .enabled_features(&features)
@@ -152,6 +158,9 @@ unsafe fn stats(spv: &[u32], bindings: &[(u32, vk::DescriptorType)], label: &str
             .push_next(&mut v11)
             .push_next(&mut v12)
             .push_next(&mut v13);
+        if coop {
+            info = info.push_next(&mut coop_features);
+        }
         let device = instance.create_device(pd, &info, None)?;
         let dsl_bindings: Vec<vk::DescriptorSetLayoutBinding> = bindings
             .iter()

@@ -78,7 +78,8 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = expertkv_core::attend::RESCALE_SLACK, allow_negative_numbers = true)]
     rescale_slack: f32,
     /// Which kernel reads int4 pages: auto (the tile kernel where the device and shape allow
-    /// it), slot (the slot-block kernel) or tile.
+    /// it), slot (the slot-block kernel), tile, or coop (the tensor cores, through wgpu's
+    /// experimental cooperative matrices).
     #[arg(long, default_value = "auto")]
     quant_kernel: String,
     /// Tile kernel: tiles between moves of its f16 value sums into f32.

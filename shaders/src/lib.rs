@@ -76,6 +76,7 @@ sources! {
     ATTEND_SPLIT_LOWRANK => "attend/split_lowrank.wgsl",
     ATTEND_SPLIT_QUANT => "attend/split_quant.wgsl",
     ATTEND_SPLIT_QUANT_TILE => "attend/split_quant_tile.wgsl",
+    ATTEND_SPLIT_QUANT_COOP => "attend/split_quant_coop.wgsl",
     ATTEND_SPLIT_CODEC => "attend/split_codec.wgsl",
 }
 
@@ -136,8 +137,10 @@ pub enum Kernel {
     AttendSplitLowrank,
     AttendSplitQuant,
     AttendSplitQuantTile,
+    AttendSplitQuantCoop,
     BenchFma,
     BenchCoop,
+    BenchCoopLayout,
 }
 
 impl Kernel {
@@ -196,8 +199,10 @@ impl Kernel {
         Kernel::AttendSplitLowrank,
         Kernel::AttendSplitQuant,
         Kernel::AttendSplitQuantTile,
+        Kernel::AttendSplitQuantCoop,
         Kernel::BenchFma,
         Kernel::BenchCoop,
+        Kernel::BenchCoopLayout,
     ];
 
     pub fn source(self) -> Source {
@@ -241,8 +246,9 @@ impl Kernel {
             Kernel::AttendSplitLowrank => ATTEND_SPLIT_LOWRANK,
             Kernel::AttendSplitQuant => ATTEND_SPLIT_QUANT,
             Kernel::AttendSplitQuantTile => ATTEND_SPLIT_QUANT_TILE,
+            Kernel::AttendSplitQuantCoop => ATTEND_SPLIT_QUANT_COOP,
             Kernel::BenchFma => BENCH_FMA,
-            Kernel::BenchCoop => BENCH_COOP,
+            Kernel::BenchCoop | Kernel::BenchCoopLayout => BENCH_COOP,
         }
     }
 
@@ -273,6 +279,7 @@ impl Kernel {
             Kernel::ModelMoeGateUp => "model/moe.wgsl#moe_gate_up",
             Kernel::ModelMoeDown => "model/moe.wgsl#moe_down",
             Kernel::ModelMoeWeights => "model/router.wgsl#moe_weights",
+            Kernel::BenchCoopLayout => "bench/coop.wgsl#layout_check",
             _ => self.source().path,
         }
     }
@@ -301,18 +308,19 @@ impl Kernel {
             Kernel::ModelMoeGateUp => "moe_gate_up",
             Kernel::ModelMoeDown => "moe_down",
             Kernel::ModelMoeWeights => "moe_weights",
+            Kernel::BenchCoopLayout => "layout_check",
             _ => "main",
         }
     }
 
     /// Needs the SUBGROUP feature (only on the capability tier that has it).
     pub fn needs_subgroups(self) -> bool {
-        matches!(self, Kernel::AttendSplitSubgroup | Kernel::AttendSplitQuant | Kernel::AttendSplitQuantTile)
+        matches!(self, Kernel::AttendSplitSubgroup | Kernel::AttendSplitQuant | Kernel::AttendSplitQuantTile | Kernel::AttendSplitQuantCoop)
     }
 
     /// Needs the SHADER_F16 feature (its text starts with `enable f16;`).
     pub fn needs_f16(self) -> bool {
-        matches!(self, Kernel::AttendSplitQuantTile)
+        matches!(self, Kernel::AttendSplitQuantTile | Kernel::AttendSplitQuantCoop)
     }
 
     /// Kernels whose every index the GPU-vs-CPU tests (`tests/tests/gpu`) exercise over random

@@ -150,6 +150,30 @@ fn quantised_tile_attention_validates_for_every_shape_knob() {
 }
 
 #[test]
+fn quantised_coop_attention_validates_for_every_shape_knob() {
+    let mut failures = Vec::new();
+    for group in [1u32, 2, 3, 4, 5, 8] {
+        for (d, ng) in [(32u32, 1u32), (32, 2), (64, 1), (64, 4), (128, 1), (128, 2), (128, 8)] {
+            for (p, nw) in [(16u32, 1u32), (32, 2), (64, 4), (64, 1), (128, 4), (128, 2)] {
+                let defines = [
+                    ("GROUP", format!("{group}u")),
+                    ("HEAD_DIM", format!("{d}u")),
+                    ("PAGE_SIZE", format!("{p}u")),
+                    ("NG", format!("{ng}u")),
+                    ("NW", format!("{nw}u")),
+                    ("SLACK", "0.5".to_string()),
+                ];
+                let text = Kernel::AttendSplitQuantCoop.resolved_with(&defines).expect("defines resolve");
+                if let Err(e) = validate(&format!("attend/split_quant_coop.wgsl {defines:?}"), &text) {
+                    failures.push(e);
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
+#[test]
 fn route_topk_validates_for_every_define() {
     let mut failures = Vec::new();
     for k in 1u32..=8 {

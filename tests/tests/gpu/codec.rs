@@ -372,6 +372,94 @@ fn quant_tile_attention_matches_reference() {
     }
 }
 
+/// The tensor-core kernel (int4 pages; wgpu's cooperative matrices, 16 x 16 x 16 f16 -> f32,
+/// subgroups of 32) over random shapes it takes: head_dim, page size, value groups, query heads
+/// per KV head (odd ones too), chunk lengths, slacks, one pool buffer or several (the raw pages
+/// always go to the raw pass), with and without scores. Against the int8-query f64 reference,
+/// with the tile kernel's tolerance (its f16 weights); the attention mass from its scores. Runs
+/// where the device offers the matrices (not lavapipe: the H200's release test binary runs it).
+#[test]
+fn quant_coop_attention_matches_reference() {
+    let mut worst = 0f64;
+    for (seed_i, seed) in seeds("quant_coop", 10).into_iter().enumerate() {
+        let rt = if seed_i % 3 == 2 { rt_trusted() } else { rt() };
+        if !rt.caps.coop_f16 || rt.caps.subgroup_min_size != 32 || rt.caps.subgroup_max_size != 32 {
+            eprintln!("skipped: adapter {} has no 16 x 16 x 16 f16 cooperative matrices or its subgroups are not 32 wide", rt.info.name);
+            return;
+        }
+        let mut rng = Rng::new(seed);
+        let d = [32u32, 64, 128][rng.below(3) as usize];
+        let page_size = [16u32, 32, 64, 128][rng.below(4) as usize];
+        let group = [1u32, 2, 3, 4, 4, 8][rng.below(6) as usize];
+        let vgs: Vec<u32> = [16u32, 32, 64, 128].into_iter().filter(|g| d.is_multiple_of(*g)).collect();
+        let vg = vgs[rng.below(vgs.len() as u32) as usize];
+        let shards = 1 + rng.below(2);
+        let target = 100 + rng.below(400);
+        let mut cfg = PoolConfig {
+            layers: 1 + rng.below(2),
+            kv_heads: 1 + rng.below(2),
+            head_dim: d,
+            page_size,
+            dtype: KvDtype::F16,
+            n_pages: 0,
+            max_seqs: 1 + rng.below(2),
+            n_shards: shards,
+            ring_capacity: target / page_size / shards + 6,
+            top_k: 1,
+            shard_map: ShardMap::Pikv { n_tok: shards, n_exp: shards },
+            max_buffer_bytes: None,
+            codec: Codec::Int4 { group: vg },
+            codec_pages: 0,
+        };
+        cfg.n_pages = cfg.n_keys() * 3 + 8;
+        cfg.codec_pages = cfg.n_keys() * cfg.ring_capacity;
+        if rng.below(3) == 0 {
+            cfg.max_buffer_bytes = Some(cfg.page_bytes() * u64::from(2 + rng.below(6)));
+        }
+        let ctx0 = format!("seed {seed}: {cfg:?}, {group} query heads per KV head, checks {}", rt.checks.name());
+        let mut pool = pollster::block_on(KvPool::new(rt, cfg.clone())).unwrap_or_else(|e| panic!("{ctx0}: {e}"));
+        let mut model = PoolModel::new(&cfg);
+        fill_compressing(rt, &mut rng, &mut pool, &mut model, target * cfg.layers);
+        assert_eq!(model.ctl.error_flags, 0, "{ctx0}: the pool held the text");
+        pool.gather(rt).expect("gather");
+        let chunk_pages = [1u32, 2 + rng.below(6), 64][rng.below(3) as usize];
+        let mass = rng.below(4) != 0;
+        let opts = AttendOptions {
+            group,
+            n_seqs: cfg.max_seqs,
+            chunk_pages,
+            mass,
+            variant: None,
+            rescale_slack: [-1.0f32, 0.0, 0.5, 2.0, 8.0][rng.below(5) as usize],
+            quant_kernel: QuantKernel::Coop,
+            ..Default::default()
+        };
+        let attn = pollster::block_on(Attention::new(rt, &pool, opts.clone())).unwrap_or_else(|e| panic!("{ctx0}: {e}"));
+        let ctx0 = format!("{ctx0}, {opts:?}: {}", attn.describe());
+        assert!(attn.describe().contains("quant-coop") && attn.f16_value_sums() && attn.int8_query_scores(), "{ctx0}");
+        for layer in 0..cfg.layers {
+            let sharp = [0.5f32, 1.0, 3.0][rng.below(3) as usize];
+            let q: Vec<f32> = (0..cfg.max_seqs * attn.q_heads() * d).map(|_| rng.normal() as f32 * sharp).collect();
+            attn.set_queries(rt, &q).expect("queries");
+            for b in [&attn.out, &attn.partials, &attn.scores, &attn.stats] {
+                rt.fill_u32(b, POISON_F32);
+            }
+            attn.run(rt, layer, 50 + layer).unwrap_or_else(|e| panic!("{ctx0}: {e}"));
+            let got = pollster::block_on(attn.read_output(rt)).expect("out");
+            let want = attn.cpu_reference(&model, layer, &q, None);
+            let cp = code_part(&attn, &model, layer, &q);
+            for (i, (g, w)) in got.iter().zip(&want.out).enumerate() {
+                assert!(out_close(*g, *w, cp[i]), "{ctx0}: layer {layer} out[{i}] = {g}, reference {w} (f16 sums hold {})", cp[i]);
+                worst = worst.max((f64::from(*g) - w).abs() / (1e-6 + cp[i].abs()));
+            }
+            if mass {
+                crate::attend::assert_mass(rt, &pool, &mut model, &want.mass, 50 + layer, &format!("{ctx0}: layer {layer}"));
+            }
+        }
+    }
+    eprintln!("tensor-core kernel: worst |error| / f16 weights' content {worst:.2e} (tolerance 4e-3)");
+}
+
 #[test]
 fn compressed_pages_allocate_fewer_bytes() {
     let rt = rt();
