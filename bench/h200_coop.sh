@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The int4 tensor-core kernel (attend/split_quant_coop.wgsl) on the lent H200, one call: its
 # GPU-vs-CPU test and the tile kernel's (release test binary carried in .bin/gpu-tests), then
-# one `expertkv bench attend` per line of $CASES ("ENV=V ... -- bench arguments"), each line its
-# own process, SDPA from the lines that ask for --torch. Full JSON under $OUT.
+# one `expertkv bench attend` per line of $CASES ("ENV=V ... -- bench arguments", ENV among
+# EXPERTKV_COOP_NW (at most that many subgroups per workgroup) and EXPERTKV_COOP_ABLATE (stages
+# left out, wrong results)), each line its own process, SDPA from the lines that ask for
+# --torch. Full JSON under $OUT.
 . bench/lib.sh
 h200_setup
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

@@ -324,9 +324,9 @@ struct QuantCoop {
 
 /// Workgroup memory of the tensor-core kernel at this shape (mirrors its declarations).
 fn quant_coop_shared_bytes(group: u32, d: u32, ng: u32, nw: u32) -> u32 {
-    let (q8_row, code_row) = ((d / 4 + 2) * 8, (d / 8 + 1) * 16);
-    let fixed = 5 * 64 * 4 + 3 * 4 + group * d * 4 + 16 * q8_row + group * 16 + 64 * 8;
-    let per_subgroup = 16 * code_row + 256 * 4 + ng * 64 * 8 + group * (2 + ng) * 4;
+    let row = (d / 4 + 2) * 8;
+    let fixed = 5 * 64 * 4 + 3 * 4 + 2 * group * d * 4 + 16 * row + group * 16 + 64 * 8;
+    let per_subgroup = 16 * row + 256 * 4 + ng * 64 * 8 + group * (2 + ng) * 4;
     fixed + nw * per_subgroup
 }
 

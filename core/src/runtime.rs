@@ -119,7 +119,8 @@ pub struct Capabilities {
     pub max_workgroup_storage_bytes: u32,
     pub max_invocations_per_workgroup: u32,
     /// wgpu's experimental cooperative matrices with the 16 x 16 x 16 f16 -> f32 shape (the
-    /// tensor cores; native only, and off with `EXPERTKV_COOP=0`).
+    /// tensor cores), with 16-bit integers in shaders; native only, and off with
+    /// `EXPERTKV_COOP=0`.
     pub coop_f16: bool,
 }
 
@@ -178,10 +179,11 @@ pub async fn list_adapters(backends: wgpu::Backends) -> Vec<wgpu::Adapter> {
 }
 
 /// Whether wgpu offers its experimental cooperative matrices here with the 16 x 16 x 16
-/// f16 -> f32 shape (and shader-f16), unless `EXPERTKV_COOP=0`. Never in a browser.
+/// f16 -> f32 shape (and shader-f16 and 16-bit integers, which the kernel on them uses to
+/// build f16 bit patterns), unless `EXPERTKV_COOP=0`. Never in a browser.
 #[cfg(not(target_arch = "wasm32"))]
 fn coop_f16_offered(adapter: &wgpu::Adapter) -> bool {
-    let want = wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX | wgpu::Features::SHADER_F16;
+    let want = wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX | wgpu::Features::SHADER_F16 | wgpu::Features::SHADER_I16;
     std::env::var("EXPERTKV_COOP").as_deref() != Ok("0")
         && adapter.features().contains(want)
         && adapter.cooperative_matrix_properties().iter().any(|p| {
@@ -266,7 +268,7 @@ impl Runtime {
         let coop_f16 = coop_f16_offered(&adapter);
         let mut experimental = wgpu::ExperimentalFeatures::disabled();
         if coop_f16 {
-            features |= wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX;
+            features |= wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX | wgpu::Features::SHADER_I16;
             // SAFETY: wgpu's cooperative matrices are experimental (wgpu may hold bugs there);
             // only the kernel that uses them depends on them, and its GPU-vs-CPU test checks
             // its outputs on every device that offers them.

@@ -91,7 +91,6 @@ async fn run(groups: u32, iters: u32) -> Result<()> {
             wgpu::BindGroupEntry { binding: 1, resource: out.as_entire_binding() },
         ],
     });
-    check_layout(&device, &queue, &module, &ab_buf, &out, &read, &a, &b, &name)?;
     let mut times = Vec::new();
     for rep in 0..6 {
         let mut enc = device.create_command_encoder(&Default::default());
@@ -139,99 +138,4 @@ async fn run(groups: u32, iters: u32) -> Result<()> {
         flops / median / 1e12
     );
     Ok(())
-}
-
-/// The attention kernel's addressing (`bench/coop.wgsl#layout_check`): matrices read from workgroup
-/// arrays of vec4<f16>, offsets and strides counted in vec4. Says which reading of the stride the
-/// device follows, and fails unless it is the vec4 one.
-#[allow(clippy::too_many_arguments)]
-fn check_layout(
-    device: &wgpu::Device,
-    queue: &wgpu::Queue,
-    module: &wgpu::ShaderModule,
-    ab_buf: &wgpu::Buffer,
-    out: &wgpu::Buffer,
-    read: &wgpu::Buffer,
-    a: &[f32],
-    b: &[f32],
-    name: &str,
-) -> Result<()> {
-    let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-        label: Some(Kernel::BenchCoopLayout.label()),
-        layout: None,
-        module,
-        entry_point: Some(Kernel::BenchCoopLayout.entry_point()),
-        compilation_options: Default::default(),
-        cache: None,
-    });
-    let bg = device.create_bind_group(&wgpu::BindGroupDescriptor {
-        label: Some("coop layout"),
-        layout: &pipeline.get_bind_group_layout(0),
-        entries: &[
-            wgpu::BindGroupEntry { binding: 0, resource: ab_buf.as_entire_binding() },
-            wgpu::BindGroupEntry { binding: 1, resource: out.as_entire_binding() },
-        ],
-    });
-    let mut enc = device.create_command_encoder(&Default::default());
-    enc.clear_buffer(out, 0, None);
-    {
-        let mut pass = enc.begin_compute_pass(&Default::default());
-        pass.set_pipeline(&pipeline);
-        pass.set_bind_group(0, &bg, &[]);
-        pass.dispatch_workgroups(1, 1, 1);
-    }
-    enc.copy_buffer_to_buffer(out, 0, read, 0, 3072);
-    queue.submit([enc.finish()]);
-    device.poll(wgpu::PollType::wait_indefinitely())?;
-    read.slice(..3072).map_async(wgpu::MapMode::Read, |_| {});
-    device.poll(wgpu::PollType::wait_indefinitely())?;
-    let all: Vec<f32> = bytemuck::cast_slice(&read.slice(..3072).get_mapped_range()?).to_vec();
-    read.unmap();
-    let (got, rest) = all.split_at(256);
-    let (from_zero, from_u32) = rest.split_at(256);
-    if got != from_zero {
-        println!(
-            "{name}: layout check: the product from a zero-constructed accumulator differs from the one from zeros loaded (first values {:?} / {:?})",
-            &from_zero[..4],
-            &got[..4]
-        );
-    }
-    let f: Vec<f32> = a.iter().chain(b).copied().collect();
-    // unit: f16 per stride step and per offset step. C = A B, A(r, k) row-major from offset 1,
-    // B(k, c) column-major from offset 2; C stored column-major.
-    let expect = |unit: usize, off_unit: usize| -> Vec<f32> {
-        let mut c = vec![0f32; 256];
-        for r in 0..16 {
-            for col in 0..16 {
-                c[col * 16 + r] = (0..16).map(|k| f[off_unit + r * 6 * unit + k] * f[2 * off_unit + col * 6 * unit + k]).sum();
-            }
-        }
-        c
-    };
-    // Through vec4<u32>: A from f16 8 on, B from f16 16 on, 24 f16 per row / column.
-    let mut want32 = vec![0f32; 256];
-    for r in 0..16 {
-        for col in 0..16 {
-            want32[col * 16 + r] = (0..16).map(|k| f[8 + r * 24 + k] * f[16 + col * 24 + k]).sum();
-        }
-    }
-    if from_u32 == want32.as_slice() {
-        println!("{name}: layout check: f16 matrices read from vec4<u32> workgroup arrays (offset and stride in vec4<u32>) are right");
-    } else {
-        println!(
-            "{name}: layout check: f16 matrices read from vec4<u32> workgroup arrays differ (first values {:?}, want {:?})",
-            &from_u32[..4],
-            &want32[..4]
-        );
-    }
-    let readings =
-        [("offset and stride in vec4", expect(4, 4)), ("offset in vec4, stride in f16", expect(1, 4)), ("both in f16", expect(1, 1))];
-    match readings.iter().find(|(_, want)| want.as_slice() == got) {
-        Some((what, _)) if *what == readings[0].0 => {
-            println!("{name}: layout check: matrices read from vec4<f16> workgroup arrays count {what} (as the attention kernel assumes)");
-            Ok(())
-        }
-        Some((what, _)) => bail!("{name}: layout check: the device counts {what}; the attention kernel assumes vec4"),
-        None => bail!("{name}: layout check: the product matches no reading of the stride (first values {:?})", &got[..8]),
-    }
 }

@@ -140,7 +140,6 @@ pub enum Kernel {
     AttendSplitQuantCoop,
     BenchFma,
     BenchCoop,
-    BenchCoopLayout,
 }
 
 impl Kernel {
@@ -202,7 +201,6 @@ impl Kernel {
         Kernel::AttendSplitQuantCoop,
         Kernel::BenchFma,
         Kernel::BenchCoop,
-        Kernel::BenchCoopLayout,
     ];
 
     pub fn source(self) -> Source {
@@ -248,7 +246,7 @@ impl Kernel {
             Kernel::AttendSplitQuantTile => ATTEND_SPLIT_QUANT_TILE,
             Kernel::AttendSplitQuantCoop => ATTEND_SPLIT_QUANT_COOP,
             Kernel::BenchFma => BENCH_FMA,
-            Kernel::BenchCoop | Kernel::BenchCoopLayout => BENCH_COOP,
+            Kernel::BenchCoop => BENCH_COOP,
         }
     }
 
@@ -279,7 +277,6 @@ impl Kernel {
             Kernel::ModelMoeGateUp => "model/moe.wgsl#moe_gate_up",
             Kernel::ModelMoeDown => "model/moe.wgsl#moe_down",
             Kernel::ModelMoeWeights => "model/router.wgsl#moe_weights",
-            Kernel::BenchCoopLayout => "bench/coop.wgsl#layout_check",
             _ => self.source().path,
         }
     }
@@ -308,7 +305,6 @@ impl Kernel {
             Kernel::ModelMoeGateUp => "moe_gate_up",
             Kernel::ModelMoeDown => "moe_down",
             Kernel::ModelMoeWeights => "moe_weights",
-            Kernel::BenchCoopLayout => "layout_check",
             _ => "main",
         }
     }
@@ -332,6 +328,7 @@ impl Kernel {
                 | Kernel::AttendSplitSubgroup
                 | Kernel::AttendSplitQuant
                 | Kernel::AttendSplitQuantTile
+                | Kernel::AttendSplitQuantCoop
                 | Kernel::AttendReduce
                 | Kernel::BenchCopy
                 | Kernel::RouteTopk

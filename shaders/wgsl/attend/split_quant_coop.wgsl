@@ -8,10 +8,11 @@
 //     power-of-two step alpha per (page, head), and a bias; the int8 values as f16 rows of a
 //     16-row matrix Q8 (rows past GROUP stay zero);
 //   codes to f16: each 4-bit code c becomes the f16 64 + c with integer operations only (the
-//     nibble in mantissa bits 4..7 under the exponent of 64), written to workgroup memory as a
-//     token-major row of u32 pairs that the tensor cores read as f16; a row's positions hold
-//     dimensions 8i + (0, 4, 1, 5, 2, 6, 3, 7) of each code word i (the order the extraction
-//     yields), and Q8's columns follow it;
+//     nibble in mantissa bits 4..7 under the exponent of 64; each u32's halves become f16
+//     through 16-bit integers: naga cannot bitcast u32 to vec2<f16>, and f16 matrices read
+//     from u32 arrays made the H200's compiler fail), written to workgroup memory as a
+//     token-major row; a row's positions hold dimensions 8i + (0, 4, 1, 5, 2, 6, 3, 7) of each
+//     code word i (the order the extraction yields), and Q8's columns follow it;
 //   scores: S = Q8 (16 x d) times the key codes^T (d x 16 tokens), d / 16 products of
 //     16 x 16 x 16 into f32: every term is an integer below 2^21, so the sum is exact and
 //     alpha (S - 64 sum q8) + bias is the tile kernel's score;
@@ -27,8 +28,11 @@
 //     reference moves.
 // Raw pages are left to the raw pass; partials go to the last "buffer" index, as in
 // split_codec.wgsl. CPU reference: `reference::attend_decode_int8_query` (the f16 weights are
-// the kernel's only departure from it).
+// the kernel's only departure from it). On an H200 (2026-12-02) it is right and 2.1x slower than
+// the tile kernel (BENCHMARKS.md, "The int4 attention on the tensor cores"): only
+// `quant_kernel = coop` runs it.
 enable f16;
+enable wgpu_int16;
 enable wgpu_cooperative_matrix;
 
 //!import common/pool.wgsl
@@ -66,8 +70,7 @@ const CPL: u32 = (16u * RW4 + 31u) / 32u;  // vec4 of a tile's code words per in
 const D4: u32 = HEAD_DIM / 4u;
 const D16: u32 = HEAD_DIM / 16u;      // 16-dimension blocks
 const HH: u32 = (GROUP + 1u) / 2u;    // heads per invocation in a block's move
-const ROW4: u32 = D4 + 2u;            // a row of Q8: vec4 of f16, padded
-const ROW8: u32 = RW + 1u;            // a row of codes: vec4 of u32 (8 f16), padded
+const ROW4: u32 = D4 + 2u;            // a row of Q8 or codes: vec4 of f16, padded
 const VG: u32 = HEAD_DIM / NG;
 const TPP: u32 = PAGE_SIZE / 16u;     // tiles per page
 const STEPS: u32 = TPP / NW;          // tiles per subgroup per page
@@ -86,20 +89,25 @@ var<workgroup> q_sh: array<vec4<f32>, GROUP * D4>;     // the scaled queries
 var<workgroup> qa_sh: array<vec4<f16>, 16u * ROW4>;    // Q8 [head][position]
 var<workgroup> ab_sh: array<vec4<f32>, GROUP>;         // per head: alpha, bias, 64 sum q8
 var<workgroup> neg_sh: array<vec4<f16>, 64>;           // a 16 x 16 matrix of -64
-var<workgroup> kv_sh: array<vec4<u32>, NW * 16u * ROW8>;  // per subgroup: a tile's codes [token][position]
+var<workgroup> kv_sh: array<vec4<f16>, NW * 16u * ROW4>;  // per subgroup: a tile's codes [token][position]
 var<workgroup> s_sh: array<f32, NW * 256u>;            // per subgroup: scores; accumulators moving out
 var<workgroup> w_sh: array<vec4<f16>, NW * NG * 64u>;  // per subgroup: weights [group][token][16 heads]
 var<workgroup> ml_sh: array<f32, NW * GROUP * NM>;     // the merge: [subgroup][head][m, l, mins]
+var<workgroup> o_sh: array<f32, GROUP * HEAD_DIM>;     // the merge: value sums [head][position]
 
 // The u32 word `i` of the compressed pages.
 fn codec_word(i: u32) -> u32 {
     return codec_kv[i >> 2u][i & 3u];
 }
 
+// The two f16 whose bits are the halves of x (low half first).
+fn f16x2(x: u32) -> vec2<f16> {
+    return bitcast<vec2<f16>>(vec2<u16>(u16(x & 0xffffu), u16(x >> 16u)));
+}
+
 // Writes this invocation's share of a 16-token tile's code rows (vec4 j * 32 + lane of the
 // tile's 16 x RW4) to subgroup w's kv_sh as f16 64 + code, integer operations only: code word i
-// of a row becomes the pairs of dimensions (0, 4), (1, 5), (2, 6), (3, 7), one vec4<u32> (the
-// tensor cores read them as f16 through the u32 array).
+// of a row becomes the pairs of dimensions (0, 4), (1, 5), (2, 6), (3, 7), two vec4<f16>.
 fn put_codes(w: u32, lane: u32, words: array<vec4<u32>, CPL>) {
     for (var j = 0u; j < CPL; j++) {
         let e = j * 32u + lane;
@@ -108,12 +116,9 @@ fn put_codes(w: u32, lane: u32, words: array<vec4<u32>, CPL>) {
             let wq = e % RW4;
             for (var m = 0u; m < 4u; m++) {
                 let x = words[j][m];
-                kv_sh[(w * 16u + tok) * ROW8 + 4u * wq + m] = vec4<u32>(
-                    ((x << 4u) & 0x00f000f0u) | 0x54005400u,
-                    (x & 0x00f000f0u) | 0x54005400u,
-                    ((x >> 4u) & 0x00f000f0u) | 0x54005400u,
-                    ((x >> 8u) & 0x00f000f0u) | 0x54005400u,
-                );
+                let at = (w * 16u + tok) * ROW4 + 2u * (4u * wq + m);
+                kv_sh[at] = vec4<f16>(f16x2(((x << 4u) & 0x00f000f0u) | 0x54005400u), f16x2((x & 0x00f000f0u) | 0x54005400u));
+                kv_sh[at + 1u] = vec4<f16>(f16x2(((x >> 4u) & 0x00f000f0u) | 0x54005400u), f16x2(((x >> 8u) & 0x00f000f0u) | 0x54005400u));
             }
         }
     }
@@ -154,7 +159,7 @@ fn zero_c() -> coop_mat16x16<f32, C> {
 // part).
 fn value_block(acc: coop_mat16x16<f32, C>, w: u32, b: u32, negm: coop_mat16x16<f16, A>) -> coop_mat16x16<f32, C> {
     let g = (16u * b) / VG;
-    let vm = coopLoad<coop_mat16x16<f16, A>>(&kv_sh[w * 16u * ROW8 + 2u * b], ROW8);
+    let vm = coopLoad<coop_mat16x16<f16, A>>(&kv_sh[w * 16u * ROW4 + 4u * b], ROW4);
     let wm = coopLoadT<coop_mat16x16<f16, B>>(&w_sh[(w * NG + g) * 64u], 4u);
     return coopMultiplyAdd(negm, wm, coopMultiplyAdd(vm, wm, acc));
 }
@@ -383,7 +388,7 @@ fn main(
                 var sm = zero_c();
                 for (var b = 0u; b < D16; b++) {
                     let qm = coopLoadT<coop_mat16x16<f16, A>>(&qa_sh[4u * b], ROW4);
-                    let km = coopLoad<coop_mat16x16<f16, B>>(&kv_sh[w * 16u * ROW8 + 2u * b], ROW8);
+                    let km = coopLoad<coop_mat16x16<f16, B>>(&kv_sh[w * 16u * ROW4 + 4u * b], ROW4);
                     sm = coopMultiplyAdd(qm, km, sm);
                 }
                 coopStore(sm, &s_sh[w * 256u], 16u);
@@ -532,17 +537,8 @@ fn main(
         move_block(w, lane, acc6, 6u, one, s_ref, &o);
         move_block(w, lane, acc7, 7u, one, s_ref, &o);
     }
-    // This subgroup's sums into its kv_sh (f32 bits, [head][position]) and ml_sh.
-    workgroupBarrier();
-    for (var b = 0u; b < D16; b++) {
-        for (var i = 0u; i < HH; i++) {
-            let h = 2u * i + lane / 16u;
-            if (h < GROUP) {
-                let e = h * HEAD_DIM + 16u * b + lane % 16u;
-                kv_sh[w * 16u * ROW8 + e / 4u][e % 4u] = bitcast<u32>(o[b * HH + i]);
-            }
-        }
-    }
+    // The merge: each subgroup's maxima, sums and p * min sums into ml_sh; then, one subgroup at
+    // a time, its value sums scaled to the merged maxima into o_sh [head][position].
     if (lane < GROUP) {
         let at = (w * GROUP + lane) * NM;
         ml_sh[at] = m_ref[lane];
@@ -552,6 +548,29 @@ fn main(
         }
     }
     workgroupBarrier();
+    var f: array<f32, GROUP>;
+    for (var h = 0u; h < GROUP; h++) {
+        var mx = NEG_BIG;
+        for (var v = 0u; v < NW; v++) {
+            mx = max(mx, ml_sh[(v * GROUP + h) * NM]);
+        }
+        f[h] = exp(m_ref[h] - mx);
+    }
+    for (var v = 0u; v < NW; v++) {
+        if (w == v) {
+            for (var b = 0u; b < D16; b++) {
+                for (var i = 0u; i < HH; i++) {
+                    let h = 2u * i + lane / 16u;
+                    if (h < GROUP) {
+                        let e = h * HEAD_DIM + 16u * b + lane % 16u;
+                        let val = f[h] * (o[b * HH + i] + minacc[h * NG + (16u * b) / VG]);
+                        o_sh[e] = select(o_sh[e] + val, val, v == 0u);
+                    }
+                }
+            }
+        }
+        workgroupBarrier();
+    }
     // Position 8i + 2m (+1) holds dimension 8i + m (+4).
     let stride = partial_stride(HEAD_DIM);
     for (var e = t; e < GROUP * HEAD_DIM; e += WG) {
@@ -559,19 +578,8 @@ fn main(
         let d = e % HEAD_DIM;
         let j = d % 8u;
         let pos = (d - j) + select(2u * j, 2u * (j - 4u) + 1u, j >= 4u);
-        var mx = NEG_BIG;
-        for (var v = 0u; v < NW; v++) {
-            mx = max(mx, ml_sh[(v * GROUP + h) * NM]);
-        }
-        var sum = 0.0;
-        for (var v = 0u; v < NW; v++) {
-            let at = (v * GROUP + h) * NM;
-            let f = exp(ml_sh[at] - mx);
-            let i = h * HEAD_DIM + pos;
-            sum += f * (bitcast<f32>(kv_sh[v * 16u * ROW8 + i / 4u][i % 4u]) + ml_sh[at + 2u + d / VG]);
-        }
         let o_at = partial_index(params, seq, kvh * GROUP + h, buffer, chunk) * stride + 4u + d;
-        partials[o_at] = sum;
+        partials[o_at] = o_sh[h * HEAD_DIM + pos];
     }
     if (t < GROUP) {
         var mx = NEG_BIG;

@@ -373,11 +373,13 @@ fn quant_tile_attention_matches_reference() {
 }
 
 /// The tensor-core kernel (int4 pages; wgpu's cooperative matrices, 16 x 16 x 16 f16 -> f32,
-/// subgroups of 32) over random shapes it takes: head_dim, page size, value groups, query heads
-/// per KV head (odd ones too), chunk lengths, slacks, one pool buffer or several (the raw pages
-/// always go to the raw pass), with and without scores. Against the int8-query f64 reference,
-/// with the tile kernel's tolerance (its f16 weights); the attention mass from its scores. Runs
-/// where the device offers the matrices (not lavapipe: the H200's release test binary runs it).
+/// subgroups of 32) over random shapes it takes: head_dim, page size (so 1, 2 and 4 subgroups
+/// per workgroup, one or more tiles each per page), value groups, query heads per KV head (odd
+/// ones too), chunk lengths, slacks, one pool buffer or several (the raw pages always go to the
+/// raw pass), with and without scores, with and without wgpu's runtime checks. Against the
+/// int8-query f64 reference, with the tile kernel's tolerance (its f16 weights); the attention
+/// mass from its scores. Runs where the device offers the matrices (not lavapipe: the H200's
+/// release test binary runs it).
 #[test]
 fn quant_coop_attention_matches_reference() {
     let mut worst = 0f64;
@@ -389,7 +391,7 @@ fn quant_coop_attention_matches_reference() {
         }
         let mut rng = Rng::new(seed);
         let d = [32u32, 64, 128][rng.below(3) as usize];
-        let page_size = [16u32, 32, 64, 128][rng.below(4) as usize];
+        let page_size = [16u32, 32, 64, 64][rng.below(4) as usize];
         let group = [1u32, 2, 3, 4, 4, 8][rng.below(6) as usize];
         let vgs: Vec<u32> = [16u32, 32, 64, 128].into_iter().filter(|g| d.is_multiple_of(*g)).collect();
         let vg = vgs[rng.below(vgs.len() as u32) as usize];
