@@ -270,6 +270,72 @@ fn quantised_attention_over_long_lists() {
     }
 }
 
+/// A random pool of int4 pages (values in groups of `vg`) for the int4 attention kernels' tests:
+/// 1-2 layers, KV heads and sequences, room for about `target` tokens per list, split buffers
+/// one time in three.
+fn int4_config(rng: &mut Rng, d: u32, page_size: u32, vg: u32, shards: u32, target: u32) -> PoolConfig {
+    let mut cfg = PoolConfig {
+        layers: 1 + rng.below(2),
+        kv_heads: 1 + rng.below(2),
+        head_dim: d,
+        page_size,
+        dtype: KvDtype::F16,
+        n_pages: 0,
+        max_seqs: 1 + rng.below(2),
+        n_shards: shards,
+        ring_capacity: target / page_size / shards + 6,
+        top_k: 1,
+        shard_map: ShardMap::Pikv { n_tok: shards, n_exp: shards },
+        max_buffer_bytes: None,
+        codec: Codec::Int4 { group: vg },
+        codec_pages: 0,
+    };
+    cfg.n_pages = cfg.n_keys() * 3 + 8;
+    cfg.codec_pages = cfg.n_keys() * cfg.ring_capacity;
+    if rng.below(3) == 0 {
+        cfg.max_buffer_bytes = Some(cfg.page_bytes() * u64::from(2 + rng.below(6)));
+    }
+    cfg
+}
+
+/// `cfg`'s pool and CPU model, filled through the compressing path with `target` tokens per
+/// layer, page lists gathered.
+fn int4_pool(rt: &Runtime, rng: &mut Rng, cfg: &PoolConfig, target: u32, ctx0: &str) -> (KvPool, PoolModel) {
+    let mut pool = pollster::block_on(KvPool::new(rt, cfg.clone())).unwrap_or_else(|e| panic!("{ctx0}: {e}"));
+    let mut model = PoolModel::new(cfg);
+    fill_compressing(rt, rng, &mut pool, &mut model, target * cfg.layers);
+    assert_eq!(model.ctl.error_flags, 0, "{ctx0}: the pool held the text");
+    pool.gather(rt).expect("gather");
+    (pool, model)
+}
+
+/// Every layer of an int4 attention against the int8-query f64 reference, on fresh random
+/// queries with outputs poisoned first; the attention mass from its scores where it writes
+/// them. Returns the worst |error| over what the f16 sums or weights hold.
+fn check_int4_layers(rt: &Runtime, attn: &Attention, pool: &KvPool, model: &mut PoolModel, rng: &mut Rng, ctx0: &str) -> f64 {
+    let (cfg, mut worst) = (&pool.cfg, 0f64);
+    for layer in 0..cfg.layers {
+        let sharp = [0.5f32, 1.0, 3.0][rng.below(3) as usize];
+        let q: Vec<f32> = (0..cfg.max_seqs * attn.q_heads() * cfg.head_dim).map(|_| rng.normal() as f32 * sharp).collect();
+        attn.set_queries(rt, &q).expect("queries");
+        for b in [&attn.out, &attn.partials, &attn.scores, &attn.stats] {
+            rt.fill_u32(b, POISON_F32);
+        }
+        attn.run(rt, layer, 50 + layer).unwrap_or_else(|e| panic!("{ctx0}: {e}"));
+        let got = pollster::block_on(attn.read_output(rt)).expect("out");
+        let want = attn.cpu_reference(model, layer, &q, None);
+        let cp = code_part(attn, model, layer, &q);
+        for (i, (g, w)) in got.iter().zip(&want.out).enumerate() {
+            assert!(out_close(*g, *w, cp[i]), "{ctx0}: layer {layer} out[{i}] = {g}, reference {w} (f16 sums hold {})", cp[i]);
+            worst = worst.max((f64::from(*g) - w).abs() / (1e-6 + cp[i].abs()));
+        }
+        if attn.opts.mass {
+            crate::attend::assert_mass(rt, pool, model, &want.mass, 50 + layer, &format!("{ctx0}: layer {layer}"));
+        }
+    }
+    worst
+}
+
 /// The tile kernel (int4 pages; subgroups and shader-f16) over random shapes it takes: head_dim,
 /// page size, value groups, query heads per KV head (odd and above 4 too), chunk lengths, flush
 /// periods and slacks, one raw pool buffer (the kernel reads the raw pages too) or several (the
@@ -293,33 +359,9 @@ fn quant_tile_attention_matches_reference() {
         let vg = vgs[rng.below(vgs.len() as u32) as usize];
         let shards = 1 + rng.below(2);
         let target = 100 + rng.below(300);
-        let mut cfg = PoolConfig {
-            layers: 1 + rng.below(2),
-            kv_heads: 1 + rng.below(2),
-            head_dim: d,
-            page_size,
-            dtype: KvDtype::F16,
-            n_pages: 0,
-            max_seqs: 1 + rng.below(2),
-            n_shards: shards,
-            ring_capacity: target / page_size / shards + 6,
-            top_k: 1,
-            shard_map: ShardMap::Pikv { n_tok: shards, n_exp: shards },
-            max_buffer_bytes: None,
-            codec: Codec::Int4 { group: vg },
-            codec_pages: 0,
-        };
-        cfg.n_pages = cfg.n_keys() * 3 + 8;
-        cfg.codec_pages = cfg.n_keys() * cfg.ring_capacity;
-        if rng.below(3) == 0 {
-            cfg.max_buffer_bytes = Some(cfg.page_bytes() * u64::from(2 + rng.below(6)));
-        }
+        let cfg = int4_config(&mut rng, d, page_size, vg, shards, target);
         let ctx0 = format!("seed {seed}: {cfg:?}, {group} query heads per KV head, checks {}", rt.checks.name());
-        let mut pool = pollster::block_on(KvPool::new(rt, cfg.clone())).unwrap_or_else(|e| panic!("{ctx0}: {e}"));
-        let mut model = PoolModel::new(&cfg);
-        fill_compressing(rt, &mut rng, &mut pool, &mut model, target * cfg.layers);
-        assert_eq!(model.ctl.error_flags, 0, "{ctx0}: the pool held the text");
-        pool.gather(rt).expect("gather");
+        let (pool, mut model) = int4_pool(rt, &mut rng, &cfg, target, &ctx0);
         let chunk_pages = [1u32, 2 + rng.below(6), 64][rng.below(3) as usize];
         let mass = rng.below(4) != 0;
         let wgs: Vec<u32> = [0u32, 32, 64, 128].into_iter().filter(|w| *w == 0 || *w >= page_size).collect();
@@ -346,25 +388,7 @@ fn quant_tile_attention_matches_reference() {
             assert!(pool.n_buffers() > 1, "{ctx0}");
             split += 1;
         }
-        for layer in 0..cfg.layers {
-            let sharp = [0.5f32, 1.0, 3.0][rng.below(3) as usize];
-            let q: Vec<f32> = (0..cfg.max_seqs * attn.q_heads() * d).map(|_| rng.normal() as f32 * sharp).collect();
-            attn.set_queries(rt, &q).expect("queries");
-            for b in [&attn.out, &attn.partials, &attn.scores, &attn.stats] {
-                rt.fill_u32(b, POISON_F32);
-            }
-            attn.run(rt, layer, 50 + layer).unwrap_or_else(|e| panic!("{ctx0}: {e}"));
-            let got = pollster::block_on(attn.read_output(rt)).expect("out");
-            let want = attn.cpu_reference(&model, layer, &q, None);
-            let cp = code_part(&attn, &model, layer, &q);
-            for (i, (g, w)) in got.iter().zip(&want.out).enumerate() {
-                assert!(out_close(*g, *w, cp[i]), "{ctx0}: layer {layer} out[{i}] = {g}, reference {w} (f16 sums hold {})", cp[i]);
-                worst = worst.max((f64::from(*g) - w).abs() / (1e-6 + cp[i].abs()));
-            }
-            if mass {
-                crate::attend::assert_mass(rt, &pool, &mut model, &want.mass, 50 + layer, &format!("{ctx0}: layer {layer}"));
-            }
-        }
+        worst = worst.max(check_int4_layers(rt, &attn, &pool, &mut model, &mut rng, &ctx0));
     }
     eprintln!("tile kernel: worst |error| / f16 sums' content {worst:.2e} (tolerance 4e-3)");
     if std::env::var("EXPERTKV_TEST_SEED").is_err() {
@@ -397,33 +421,9 @@ fn quant_coop_attention_matches_reference() {
         let vg = vgs[rng.below(vgs.len() as u32) as usize];
         let shards = 1 + rng.below(2);
         let target = 100 + rng.below(400);
-        let mut cfg = PoolConfig {
-            layers: 1 + rng.below(2),
-            kv_heads: 1 + rng.below(2),
-            head_dim: d,
-            page_size,
-            dtype: KvDtype::F16,
-            n_pages: 0,
-            max_seqs: 1 + rng.below(2),
-            n_shards: shards,
-            ring_capacity: target / page_size / shards + 6,
-            top_k: 1,
-            shard_map: ShardMap::Pikv { n_tok: shards, n_exp: shards },
-            max_buffer_bytes: None,
-            codec: Codec::Int4 { group: vg },
-            codec_pages: 0,
-        };
-        cfg.n_pages = cfg.n_keys() * 3 + 8;
-        cfg.codec_pages = cfg.n_keys() * cfg.ring_capacity;
-        if rng.below(3) == 0 {
-            cfg.max_buffer_bytes = Some(cfg.page_bytes() * u64::from(2 + rng.below(6)));
-        }
+        let cfg = int4_config(&mut rng, d, page_size, vg, shards, target);
         let ctx0 = format!("seed {seed}: {cfg:?}, {group} query heads per KV head, checks {}", rt.checks.name());
-        let mut pool = pollster::block_on(KvPool::new(rt, cfg.clone())).unwrap_or_else(|e| panic!("{ctx0}: {e}"));
-        let mut model = PoolModel::new(&cfg);
-        fill_compressing(rt, &mut rng, &mut pool, &mut model, target * cfg.layers);
-        assert_eq!(model.ctl.error_flags, 0, "{ctx0}: the pool held the text");
-        pool.gather(rt).expect("gather");
+        let (pool, mut model) = int4_pool(rt, &mut rng, &cfg, target, &ctx0);
         let chunk_pages = [1u32, 2 + rng.below(6), 64][rng.below(3) as usize];
         let mass = rng.below(4) != 0;
         let opts = AttendOptions {
@@ -439,25 +439,7 @@ fn quant_coop_attention_matches_reference() {
         let attn = pollster::block_on(Attention::new(rt, &pool, opts.clone())).unwrap_or_else(|e| panic!("{ctx0}: {e}"));
         let ctx0 = format!("{ctx0}, {opts:?}: {}", attn.describe());
         assert!(attn.describe().contains("quant-coop") && attn.f16_value_sums() && attn.int8_query_scores(), "{ctx0}");
-        for layer in 0..cfg.layers {
-            let sharp = [0.5f32, 1.0, 3.0][rng.below(3) as usize];
-            let q: Vec<f32> = (0..cfg.max_seqs * attn.q_heads() * d).map(|_| rng.normal() as f32 * sharp).collect();
-            attn.set_queries(rt, &q).expect("queries");
-            for b in [&attn.out, &attn.partials, &attn.scores, &attn.stats] {
-                rt.fill_u32(b, POISON_F32);
-            }
-            attn.run(rt, layer, 50 + layer).unwrap_or_else(|e| panic!("{ctx0}: {e}"));
-            let got = pollster::block_on(attn.read_output(rt)).expect("out");
-            let want = attn.cpu_reference(&model, layer, &q, None);
-            let cp = code_part(&attn, &model, layer, &q);
-            for (i, (g, w)) in got.iter().zip(&want.out).enumerate() {
-                assert!(out_close(*g, *w, cp[i]), "{ctx0}: layer {layer} out[{i}] = {g}, reference {w} (f16 sums hold {})", cp[i]);
-                worst = worst.max((f64::from(*g) - w).abs() / (1e-6 + cp[i].abs()));
-            }
-            if mass {
-                crate::attend::assert_mass(rt, &pool, &mut model, &want.mass, 50 + layer, &format!("{ctx0}: layer {layer}"));
-            }
-        }
+        worst = worst.max(check_int4_layers(rt, &attn, &pool, &mut model, &mut rng, &ctx0));
     }
     eprintln!("tensor-core kernel: worst |error| / f16 weights' content {worst:.2e} (tolerance 4e-3)");
 }
