@@ -178,11 +178,21 @@ unsafe fn stats(spv: &[u32], bindings: &[(u32, vk::DescriptorType)], label: &str
         let module = device.create_shader_module(&vk::ShaderModuleCreateInfo::default().code(spv), None)?;
         let ep = std::ffi::CString::new(entry_point)?;
         let stage = vk::PipelineShaderStageCreateInfo::default().stage(vk::ShaderStageFlags::COMPUTE).module(module).name(&ep);
-        let create =
-            [vk::ComputePipelineCreateInfo::default().stage(stage).layout(layout).flags(vk::PipelineCreateFlags::CAPTURE_STATISTICS_KHR)];
-        let pipeline = device
-            .create_compute_pipelines(vk::PipelineCache::null(), &create, None)
-            .map_err(|(_, e)| anyhow!("create_compute_pipelines: {e}"))?[0];
+        let flags = vk::PipelineCreateFlags::CAPTURE_STATISTICS_KHR | vk::PipelineCreateFlags::CAPTURE_INTERNAL_REPRESENTATIONS_KHR;
+        let create = [vk::ComputePipelineCreateInfo::default().stage(stage).layout(layout).flags(flags)];
+        let cache = device.create_pipeline_cache(&vk::PipelineCacheCreateInfo::default(), None)?;
+        let pipeline = device.create_compute_pipelines(cache, &create, None).map_err(|(_, e)| anyhow!("create_compute_pipelines: {e}"))?[0];
+        // SHADER_STATS_DUMP=DIR: the SPIR-V and the driver's pipeline-cache blob (which holds the
+        // compiled machine code on some drivers) written there, for disassembly elsewhere.
+        let dump = std::env::var_os("SHADER_STATS_DUMP").map(std::path::PathBuf::from);
+        if let Some(dir) = &dump {
+            std::fs::create_dir_all(dir)?;
+            let stem: String = label.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
+            std::fs::write(dir.join(format!("{stem}.spv")), bytemuck::cast_slice::<u32, u8>(spv))?;
+            let blob = device.get_pipeline_cache_data(cache)?;
+            std::fs::write(dir.join(format!("{stem}.vkcache")), &blob)?;
+            println!("  wrote {stem}.spv and {stem}.vkcache ({} bytes) to {}", blob.len(), dir.display());
+        }
         let pep = ash::khr::pipeline_executable_properties::Device::new(&instance, &device);
         let executables = pep.get_pipeline_executable_properties(&vk::PipelineInfoKHR::default().pipeline(pipeline))?;
         println!("{label} on {name}: {} SPIR-V words", spv.len());
@@ -200,6 +210,28 @@ unsafe fn stats(spv: &[u32], bindings: &[(u32, vk::DescriptorType)], label: &str
                     _ => "?".into(),
                 };
                 println!("    {sname}: {v}");
+            }
+            // The driver's internal representations, where it gives any (sizes first, then data).
+            let get = pep.fp().get_pipeline_executable_internal_representations_khr;
+            let mut n = 0u32;
+            if get(device.handle(), &info, &mut n, std::ptr::null_mut()) != vk::Result::SUCCESS || n == 0 {
+                println!("    (no internal representations)");
+                continue;
+            }
+            let mut reps = vec![vk::PipelineExecutableInternalRepresentationKHR::default(); n as usize];
+            let _ = get(device.handle(), &info, &mut n, reps.as_mut_ptr());
+            let mut bufs: Vec<Vec<u8>> = reps.iter().map(|r| vec![0u8; r.data_size]).collect();
+            for (r, b) in reps.iter_mut().zip(bufs.iter_mut()) {
+                r.p_data = b.as_mut_ptr().cast();
+            }
+            let res = get(device.handle(), &info, &mut n, reps.as_mut_ptr());
+            for (k, (r, b)) in reps.iter().zip(&bufs).enumerate() {
+                let rname = r.name_as_c_str().map(|c| c.to_string_lossy().into_owned()).unwrap_or_default();
+                println!("    representation {k}: {rname} ({} bytes, text {}, {res:?})", b.len(), r.is_text != 0);
+                if let Some(dir) = &dump {
+                    let stem: String = label.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
+                    std::fs::write(dir.join(format!("{stem}.rep{i}_{k}")), b)?;
+                }
             }
         }
         Ok(())
