@@ -82,13 +82,13 @@ def main():
     paths = []
     for p in sys.argv[2:]:
         if os.path.isdir(p):
-            for root, _, files in os.walk(p):
-                paths += [os.path.join(root, f) for f in sorted(files) if not f.endswith(".toc")]
+            for root, _, files in sorted(os.walk(p)):
+                paths += [(os.path.join(root, f), os.path.relpath(os.path.join(root, f), p)) for f in sorted(files) if not f.endswith(".toc")]
         else:
-            paths.append(p)
+            paths.append((p, os.path.basename(p)))
     seen = set()
-    for path in paths:
-        base = os.path.basename(path).replace(".", "_")
+    for path, rel in paths:
+        base = re.sub(r"[^A-Za-z0-9]", "_", rel)
         for k, obj in enumerate(frames(open(path, "rb").read())):
             code = code_section(obj)
             if code is None or code in seen:
