@@ -4,7 +4,12 @@
 //! and are pulled in by `//!import <path>` lines, which [`resolve`] replaces by the file's text
 //! (each file once). A line `//!define NAME default` becomes `const NAME = default;`, or the
 //! value the runtime passes: used only where WGSL needs a true constant (the size of a
-//! function-local array), everything else is a WGSL `override`. Nothing else in the workspace
+//! function-local array), everything else is a WGSL `override`. A line `//!unroll` before a
+//! `for (var i = A; i < B; i++) {` loop whose bounds are constant expressions (integer literals,
+//! module constants, + - * / % and parentheses) replaces the loop by one block per iteration
+//! (`{ let i = 3u; ... }`), so every function-local array indexed by `i` is indexed by
+//! constants: drivers keep such arrays in registers, where a loop they chose not to unroll
+//! sends them to local memory (see [`unroll`]). Nothing else in the workspace
 //! names a shader path: code asks for a [`Kernel`] and gets its resolved source, entry point and
 //! label.
 
@@ -387,7 +392,198 @@ pub fn resolve_with(source: Source, defines: &[(&str, String)]) -> Result<String
     if let Some(i) = used.iter().position(|u| !u) {
         return Err(ResolveError { file: source.path, import: format!("define {}", defines[i].0) });
     }
-    Ok(out)
+    unroll(&out).map_err(|why| ResolveError { file: source.path, import: format!("unroll: {why}") })
+}
+
+const UNROLL: &str = "//!unroll";
+
+/// Expand every `//!unroll` loop of resolved WGSL text (innermost last: a copy's own directives
+/// are expanded in later passes); `//!unroll NAME` only where the constant NAME is true. The loop must read `for (var i = A; i < B; i++) {` on the line
+/// after the directive, with A and B constant expressions over integer literals and module
+/// constants (`const N = ...;` lines, defines included), and its body may not `break` or
+/// `continue` (a copy has no loop to leave). Each iteration becomes `{ let i = Ku; body }`.
+pub fn unroll(text: &str) -> Result<String, String> {
+    let mut text = text.to_owned();
+    // Each pass expands one directive; the bound keeps a broken file from looping forever.
+    for _ in 0..10_000 {
+        // A directive is a line of its own (the name may appear in comments).
+        let mut line_at = 0;
+        let mut found = None;
+        for line in text.split_inclusive('\n') {
+            let lead = line.len() - line.trim_start().len();
+            if line.trim_start().starts_with(UNROLL) {
+                found = Some(line_at + lead);
+                break;
+            }
+            line_at += line.len();
+        }
+        let Some(at) = found else { return Ok(text) };
+        let consts = module_consts(&text);
+        let line_end = text[at..].find('\n').map_or(text.len(), |e| at + e);
+        // `//!unroll NAME`: only where the constant NAME is true (or nonzero).
+        let cond = text[at + UNROLL.len()..line_end].trim();
+        if !cond.is_empty() && eval(cond, &consts).map_err(|e| format!("`{UNROLL} {cond}`: {e}"))? == 0 {
+            let line_start = text[..at].rfind('\n').map_or(0, |s| s + 1);
+            text.replace_range(line_start..(line_end + 1).min(text.len()), "");
+            continue;
+        }
+        let header_start = line_end + 1;
+        let header_end = text[header_start..].find('\n').map_or(text.len(), |e| header_start + e);
+        let header = text[header_start.min(text.len())..header_end].trim();
+        let (var, lo, hi) = parse_for(header, &consts).map_err(|e| format!("`{header}`: {e}"))?;
+        let open = header_start + text[header_start..header_end].rfind('{').ok_or("no `{` ending the for line")?;
+        let close = matching_brace(&text, open).ok_or_else(|| format!("`{header}`: no closing brace"))?;
+        let body = &text[open + 1..close];
+        for word in ["break", "continue"] {
+            if body.split(|c: char| !c.is_ascii_alphanumeric() && c != '_').any(|w| w == word) {
+                return Err(format!("`{header}`: the body uses `{word}`"));
+            }
+        }
+        let indent: String = text[header_start..].chars().take_while(|c| c.is_whitespace() && *c != '\n').collect();
+        let mut expanded = String::new();
+        for i in lo..hi {
+            expanded.push_str(&format!("{indent}{{\n{indent}    let {var} = {i}u;{body}}}\n"));
+        }
+        let line_start = text[..at].rfind('\n').map_or(0, |s| s + 1);
+        let after = text[close + 1..].strip_prefix('\n').unwrap_or(&text[close + 1..]).to_owned();
+        text = format!("{}{}{}", &text[..line_start], expanded, after);
+    }
+    Err("too many nested unrolled loops".into())
+}
+
+/// Module constants whose values are constant integer expressions, in order of declaration.
+fn module_consts(text: &str) -> Vec<(String, i64)> {
+    let mut consts: Vec<(String, i64)> = Vec::new();
+    for line in text.lines() {
+        let code = line.split("//").next().unwrap_or("").trim_end();
+        let Some(rest) = code.strip_prefix("const ") else { continue };
+        let Some((lhs, rhs)) = rest.split_once('=') else { continue };
+        let name = lhs.split(':').next().unwrap_or("").trim();
+        let Some(expr) = rhs.trim().strip_suffix(';') else { continue };
+        if let Ok(v) = eval(expr, &consts) {
+            consts.push((name.to_owned(), v));
+        }
+    }
+    consts
+}
+
+/// `for (var i = A; i < B; i++) {`: the variable and the evaluated bounds.
+fn parse_for(header: &str, consts: &[(String, i64)]) -> Result<(String, i64, i64), String> {
+    let inner = header
+        .strip_prefix("for (var ")
+        .and_then(|r| r.strip_suffix('{'))
+        .map(str::trim)
+        .and_then(|r| r.strip_suffix(')'))
+        .ok_or("not of the form `for (var i = A; i < B; i++) {`")?;
+    let parts: Vec<&str> = inner.split(';').map(str::trim).collect();
+    let [init, cond, step] = parts[..] else { return Err("expected three clauses".into()) };
+    let (var, lo) = init.split_once('=').ok_or("no initial value")?;
+    let var = var.split(':').next().unwrap_or("").trim().to_owned();
+    let (cv, hi) = cond.split_once('<').ok_or("the condition is not `i < B`")?;
+    if cv.trim() != var || hi.starts_with('=') || step != format!("{var}++") {
+        return Err("the loop must read `i = A; i < B; i++`".into());
+    }
+    Ok((var, eval(lo, consts)?, eval(hi, consts)?))
+}
+
+/// The index of the `}` closing the `{` at `open`, skipping `//` comments.
+fn matching_brace(text: &str, open: usize) -> Option<usize> {
+    let bytes = text.as_bytes();
+    let (mut depth, mut i, mut comment) = (0i32, open, false);
+    while i < bytes.len() {
+        match bytes[i] {
+            b'\n' => comment = false,
+            b'/' if !comment && bytes.get(i + 1) == Some(&b'/') => comment = true,
+            b'{' if !comment => depth += 1,
+            b'}' if !comment => {
+                depth -= 1;
+                if depth == 0 {
+                    return Some(i);
+                }
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    None
+}
+
+/// A constant integer expression: literals (`u`/`i` suffixes allowed), names of `consts`, + - *
+/// / %, parentheses.
+fn eval(expr: &str, consts: &[(String, i64)]) -> Result<i64, String> {
+    let tokens: Vec<String> = {
+        let mut out = Vec::new();
+        let mut cur = String::new();
+        for c in expr.chars() {
+            if c.is_ascii_alphanumeric() || c == '_' {
+                cur.push(c);
+            } else {
+                if !cur.is_empty() {
+                    out.push(std::mem::take(&mut cur));
+                }
+                if !c.is_whitespace() {
+                    out.push(c.to_string());
+                }
+            }
+        }
+        if !cur.is_empty() {
+            out.push(cur);
+        }
+        out
+    };
+    let mut pos = 0;
+    let v = eval_sum(&tokens, &mut pos, consts)?;
+    if pos != tokens.len() {
+        return Err(format!("cannot evaluate `{expr}`"));
+    }
+    Ok(v)
+}
+
+fn eval_sum(t: &[String], pos: &mut usize, consts: &[(String, i64)]) -> Result<i64, String> {
+    let mut v = eval_product(t, pos, consts)?;
+    while let Some(op) = t.get(*pos).filter(|o| *o == "+" || *o == "-").cloned() {
+        *pos += 1;
+        let r = eval_product(t, pos, consts)?;
+        v = if op == "+" { v + r } else { v - r };
+    }
+    Ok(v)
+}
+
+fn eval_product(t: &[String], pos: &mut usize, consts: &[(String, i64)]) -> Result<i64, String> {
+    let mut v = eval_atom(t, pos, consts)?;
+    while let Some(op) = t.get(*pos).filter(|o| *o == "*" || *o == "/" || *o == "%").cloned() {
+        *pos += 1;
+        let r = eval_atom(t, pos, consts)?;
+        if op != "*" && r == 0 {
+            return Err("division by zero".into());
+        }
+        v = match op.as_str() {
+            "*" => v * r,
+            "/" => v / r,
+            _ => v % r,
+        };
+    }
+    Ok(v)
+}
+
+fn eval_atom(t: &[String], pos: &mut usize, consts: &[(String, i64)]) -> Result<i64, String> {
+    let tok = t.get(*pos).ok_or("expression ends early")?.clone();
+    *pos += 1;
+    if tok == "(" {
+        let v = eval_sum(t, pos, consts)?;
+        if t.get(*pos).map(String::as_str) != Some(")") {
+            return Err("unbalanced parentheses".into());
+        }
+        *pos += 1;
+        return Ok(v);
+    }
+    if tok == "true" || tok == "false" {
+        return Ok(i64::from(tok == "true"));
+    }
+    if tok.starts_with(|c: char| c.is_ascii_digit()) {
+        return tok.trim_end_matches(['u', 'i']).parse().map_err(|_| format!("not an integer: `{tok}`"));
+    }
+    consts.iter().rev().find(|(n, _)| *n == tok).map(|(_, v)| *v).ok_or_else(|| format!("`{tok}` is not a constant integer"))
 }
 
 fn resolve_into(
@@ -457,6 +653,36 @@ mod tests {
         assert!(resolve(src).unwrap().contains("const GROUP = 4u;"));
         assert!(resolve_with(src, &[("GROUP", "2u".into())]).unwrap().contains("const GROUP = 2u;"));
         assert!(resolve_with(src, &[("NOPE", "1u".into())]).is_err());
+    }
+
+    #[test]
+    fn unroll_expands_constant_loops_and_refuses_the_rest() {
+        let src = Source {
+            path: "test/u.wgsl",
+            text: "//!define P 8u\nconst J: u32 = P / 4u + 1u;  // three\nfn f() -> u32 {\n    var s = 0u;\n    //!unroll\n    for (var j = 0u; j < J; j++) {\n        //!unroll\n        for (var k = 1u; k < 3u; k++) {\n            s += j * k; // {\n        }\n    }\n    return s;\n}\n",
+        };
+        let text = resolve(src).unwrap();
+        assert!(!text.contains("for (") && !text.contains(UNROLL), "{text}");
+        for j in 0..3 {
+            assert!(text.contains(&format!("let j = {j}u;")), "{text}");
+        }
+        assert!(!text.contains("let j = 3u;"), "{text}");
+        assert_eq!(text.matches("let k = 1u;").count(), 3, "{text}");
+        assert_eq!(text.matches("let k = 2u;").count(), 3, "{text}");
+        assert_eq!(text.matches("s += j * k;").count(), 6, "{text}");
+        let cond = "//!define U false\n//!unroll U\nfor (var j = 0u; j < 2u; j++) {\n}\n";
+        let text = resolve(Source { path: "test/c.wgsl", text: cond }).unwrap();
+        assert!(text.contains("for (var j") && !text.contains(UNROLL), "{text}");
+        let text = resolve_with(Source { path: "test/c.wgsl", text: cond }, &[("U", "true".into())]).unwrap();
+        assert!(!text.contains("for (var j") && text.contains("let j = 1u;"), "{text}");
+        for bad in [
+            "//!unroll\nfor (var j = 0u; j < n; j++) {\n}\n",
+            "//!unroll\nfor (var j = 0u; j < 4u; j++) {\n    break;\n}\n",
+            "//!unroll\nfor (var j = 0u; j <= 4u; j++) {\n}\n",
+            "//!unroll\nwhile (true) {\n}\n",
+        ] {
+            assert!(resolve(Source { path: "test/bad.wgsl", text: bad }).is_err(), "{bad}");
+        }
     }
 
     #[test]
