@@ -232,6 +232,11 @@ struct QuantTile {
     ablate: u32,
     /// Invocations per workgroup (`WG`): a tile is this many tokens.
     wg: u32,
+    /// The value loop expanded by the resolver (`VUNROLL`; a probe knob, on by default).
+    vunroll: bool,
+    /// Channels per fold item (`FC`): 8 where the subgroups span the d / 8 lanes of a page's
+    /// fold reduction, else 16.
+    fold_ch: u32,
 }
 
 /// Workgroup memory of the tile kernel at this shape (mirrors its declarations).
@@ -306,7 +311,11 @@ fn quant_tile_path(rt: &Runtime, pool: &KvPool, opts: &AttendOptions) -> Result<
             let fits = quant_tile_shared_bytes(opts.group, cfg.head_dim, cfg.page_size, cfg.head_dim / vg, true, wg)
                 <= rt.caps.max_workgroup_storage_bytes;
             let acc_shared = fits && env("EXPERTKV_TILE_ACC_SHARED") == Some(1);
-            Ok(Some(QuantTile { ng: cfg.head_dim / vg, raw, slack, flush, k, acc_shared, ablate, wg }))
+            // EXPERTKV_TILE_VUNROLL=0 (hidden, for the H200 probes): the value loop left to the driver.
+            let vunroll = env("EXPERTKV_TILE_VUNROLL") != Some(0);
+            // EXPERTKV_TILE_FC=16 (hidden, for the H200 probes): 16 channels per fold item anyway.
+            let fold_ch = if rt.caps.subgroup_min_size >= cfg.head_dim / 8 && env("EXPERTKV_TILE_FC") != Some(16) { 8 } else { 16 };
+            Ok(Some(QuantTile { ng: cfg.head_dim / vg, raw, slack, flush, k, acc_shared, ablate, wg, vunroll, fold_ch }))
         }
     }
 }
@@ -594,7 +603,7 @@ impl Attention {
                 &[&pool.geometry, &params, page_list, page_counts, &pool.page_meta, &pool.codec_kv, &queries, &partials, &scores],
             );
             Some((p, bg))
-        } else if let Some(QuantTile { ng, raw, slack, flush, k, acc_shared, ablate, wg }) = quant_tile {
+        } else if let Some(QuantTile { ng, raw, slack, flush, k, acc_shared, ablate, wg, vunroll, fold_ch }) = quant_tile {
             let p = rt
                 .pipeline_with(
                     Kernel::AttendSplitQuantTile,
@@ -610,6 +619,8 @@ impl Attention {
                         ("ACC_SHARED", acc_shared.to_string()),
                         ("ABLATE", format!("{ablate}u")),
                         ("WG", format!("{wg}u")),
+                        ("VUNROLL", vunroll.to_string()),
+                        ("FC", format!("{fold_ch}u")),
                     ],
                     &[],
                 )
@@ -679,14 +690,16 @@ impl Attention {
             ))
         } else if let Some(t) = quant_tile {
             Some(format!(
-                "quant-tile wg={} flush={} slack={} k={}{}{}{}",
+                "quant-tile wg={} fold={} flush={} slack={} k={}{}{}{}{}",
                 t.wg,
+                t.fold_ch,
                 t.flush,
                 t.slack,
                 t.k,
                 if t.acc_shared { " acc-shared" } else { "" },
                 if t.raw { ", raw pages too" } else { "" },
-                if t.ablate != 0 { format!(" ABLATE={}", t.ablate) } else { String::new() }
+                if t.ablate != 0 { format!(" ABLATE={}", t.ablate) } else { String::new() },
+                if t.vunroll { "" } else { " loop" }
             ))
         } else if let Some(f) = quant_fast {
             Some(format!("quant-subgroup u={} pf={}", f.u, f.prefetch))

@@ -3,7 +3,7 @@
 // pages) in three phases, each laid out for its own reduction:
 //   fold (per page): the page's per-channel key parameters are folded into the queries once,
 //     q * scale quantised to int8 (exactly as `reference::attend_decode_int8_query`) with the
-//     bias q . min, by GROUP * HEAD_DIM / 16 invocations per page (16 channels of one head each,
+//     bias q . min, by GROUP * HEAD_DIM / FC invocations per page (FC channels of one head each,
 //     reduced over NSL neighbouring lanes), into workgroup memory;
 //   scores (one invocation per token): the token's whole key row, dot4I8Packed against the
 //     folded query of every head (no cross-lane sums at all), then the online softmax's
@@ -51,6 +51,8 @@ enable f16;
 //!define ACC_SHARED true
 //!define ABLATE 0u
 //!define WG 128u
+//!define VUNROLL true
+//!define FC 16u
 // GROUP: query heads per KV head. HEAD_DIM: d (32, 64 or 128). PAGE_SIZE: P (16..128, dividing
 // WG). NG: value groups per row (d / v_group, v_group a multiple of 8). FLUSH: tiles between
 // moves of the f16 sums into f32. RAW: also attend the raw pages of pool buffer 0 (the pool has
@@ -61,13 +63,20 @@ enable f16;
 // f16 sums move). ABLATE (H200 probes only, 0 otherwise: results are wrong): bit 0 skips the fold, 1 the score
 // dot products, 2 the value phase, 3 the value phase's raw-token path, 4 the value words'
 // prefetch (loaded in the value loop instead). WG: invocations per workgroup (32, 64 or 128, a
-// multiple of PAGE_SIZE; at least 8 per subgroup): a tile is WG tokens.
+// multiple of PAGE_SIZE; at least 8 per subgroup): a tile is WG tokens. VUNROLL: the value
+// words' loads and the value loop expanded by the resolver (`//!unroll VUNROLL`), so the words
+// stay in registers (left to the H200's compiler, the loop stays a loop and the words go to
+// local memory). FC: channels per fold item, 16 or 8 (8 halves the fold's work per invocation
+// where a page's fold has fewer items than the workgroup has invocations; its reduction spans
+// HEAD_DIM / FC lanes, at most the subgroup size).
 
 const D4: u32 = HEAD_DIM / 4u;
 const RW: u32 = HEAD_DIM / 8u;        // code words per row (8 int4 codes each)
 const RW4: u32 = RW / 4u;             // vec4 of code words per row
 const PPT: u32 = WG / PAGE_SIZE;      // pages per tile
-const NSL: u32 = HEAD_DIM / 16u;      // fold items per (page, head): 16 channels each
+const NSL: u32 = HEAD_DIM / FC;       // fold items per (page, head): FC channels each
+const FV: u32 = FC / 4u;              // fold: vec4 of channels per item
+const FW: u32 = FC / 8u;              // fold: code words per item
 const ITEMS: u32 = PPT * GROUP * NSL;
 const IPL: u32 = (ITEMS + WG - 1u) / WG;
 const LPR: u32 = HEAD_DIM / 8u;       // value phase: invocations per token row
@@ -84,6 +93,20 @@ const MAX_SLOTS: u32 = MAX_CHUNK_PAGES + 8u;  // compressed pages, padding to a 
 const NA: u32 = select(1u, GROUP * 2u * WG, ACC_SHARED);
 const QPS: u32 = RW * GP + 1u;        // q8_sh vec4 per page (padded: two pages of a subgroup read other banks)
 const KINV: f32 = 1.0 / KSCALE;
+const TPL_RUN: u32 = TPL * (1u - (ABLATE / 4u) % 2u);  // ABLATE bit 2: no value phase
+// The page layouts as constants (the geometry's runtime fields would cost an integer division
+// per load on the H200): a compressed int4 page (`Codec::page_words`, common/codec.wgsl) and,
+// with RAW, a raw f16 page of the pool (K block then V block, d / 8 vec4 words per row).
+const CPW: u32 = HEAD_DIM + 2u * PAGE_SIZE * RW + PAGE_SIZE * NG;
+const KC_OFF: u32 = HEAD_DIM;
+const VP_OFF: u32 = HEAD_DIM + PAGE_SIZE * RW;
+const VC_OFF: u32 = VP_OFF + PAGE_SIZE * NG;
+const VW4: u32 = HEAD_DIM / 8u;
+const PAGE_W4: u32 = 2u * PAGE_SIZE * VW4;
+const V_OFF4: u32 = PAGE_SIZE * VW4;
+const VPAGE: bool = PAGE_SIZE % NS == 0u;     // value tokens: JP per page, VPG pages
+const JP: u32 = (PAGE_SIZE + NS - 1u) / NS;
+const VPG: u32 = TPL / JP;
 
 var<workgroup> list_page: array<u32, 64>;
 var<workgroup> list_fill: array<u32, 64>;
@@ -122,7 +145,7 @@ fn tile_kw(c0: u32, t: u32, n_live: u32) -> array<vec4<u32>, RW4> {
     let cc = min(c, MAX_SLOTS - 1u);
     let pg = chunk_page[cc];
     let ok = c < n_live && t % PAGE_SIZE < chunk_fill[cc] && pg >= geo.n_pages;
-    let r4 = select(0u, ((pg - geo.n_pages) * geo.codec_page_words + k_codes_off(geo) + (t % PAGE_SIZE) * RW) / 4u, ok);
+    let r4 = select(0u, ((pg - geo.n_pages) * CPW + KC_OFF + (t % PAGE_SIZE) * RW) / 4u, ok);
     for (var i = 0u; i < RW4; i++) {
         kw[i] = vec4<u32>(0u);
         if (ok) {
@@ -139,7 +162,7 @@ fn tile_vprm(c0: u32, t: u32, n_live: u32) -> array<u32, NG> {
     let cc = min(c, MAX_SLOTS - 1u);
     let pg = chunk_page[cc];
     let ok = c < n_live && t % PAGE_SIZE < chunk_fill[cc] && pg >= geo.n_pages;
-    let w0 = select(0u, (pg - geo.n_pages) * geo.codec_page_words + v_params_off(geo) + (t % PAGE_SIZE) * NG, ok);
+    let w0 = select(0u, (pg - geo.n_pages) * CPW + VP_OFF + (t % PAGE_SIZE) * NG, ok);
     for (var g = 0u; g < NG; g++) {
         vp[g] = 0u;
     }
@@ -151,23 +174,53 @@ fn tile_vprm(c0: u32, t: u32, n_live: u32) -> array<u32, NG> {
     return vp;
 }
 
-// This invocation's value-phase code words (word db of TPL tokens).
+// This invocation's value-phase code words (word db of TPL tokens). A token that is not a live
+// compressed one reads word 0 instead, without a branch: its probability is 0, and any code
+// word decodes to finite f16 values, so it adds nothing. Where NS divides PAGE_SIZE (VPAGE),
+// token j lies in page j / JP of the tile, at slot ts + NS (j % JP): the page's base and fill
+// are found once per page, not once per word.
 fn tile_vw(c0: u32, t: u32, n_live: u32) -> array<u32, TPL> {
     var vw: array<u32, TPL>;
     let ts = t / LPR;
     let db = t % LPR;
-    for (var j = 0u; j < TPL; j++) {
-        let tau = ts + NS * j;
-        let c = c0 + tau / PAGE_SIZE;
-        let s = tau % PAGE_SIZE;
-        let cc = min(c, MAX_SLOTS - 1u);
-        let pg = chunk_page[cc];
-        vw[j] = 0u;
-        if (c < n_live && s < chunk_fill[cc] && pg >= geo.n_pages && (ABLATE & 16u) == 0u) {
-            vw[j] = codec_word((pg - geo.n_pages) * geo.codec_page_words + v_codes_off(geo) + s * RW + db);
+    if (VPAGE) {
+        //!unroll VUNROLL
+        for (var k = 0u; k < VPG; k++) {
+            let c = c0 + k;
+            let cc = min(c, MAX_SLOTS - 1u);
+            let pg = chunk_page[cc];
+            let live = c < n_live && pg >= geo.n_pages && (ABLATE & 16u) == 0u;
+            let fill = select(0u, chunk_fill[cc], live);
+            // vec4 index of word db of slot ts (rows and the page's V codes start on whole vec4s).
+            let b4 = select(0u, ((pg - geo.n_pages) * CPW + VC_OFF + ts * RW) / 4u, live) + db / 4u;
+            //!unroll VUNROLL
+            for (var jj = 0u; jj < JP; jj++) {
+                vw[k * JP + jj] = codec_kv[select(0u, b4 + (NS * RW / 4u) * jj, ts + NS * jj < fill)][db & 3u];
+            }
+        }
+    } else {
+        //!unroll VUNROLL
+        for (var j = 0u; j < TPL; j++) {
+            let tau = ts + NS * j;
+            let c = c0 + tau / PAGE_SIZE;
+            let s = tau % PAGE_SIZE;
+            let cc = min(c, MAX_SLOTS - 1u);
+            let pg = chunk_page[cc];
+            let ok = c < n_live && s < chunk_fill[cc] && pg >= geo.n_pages && (ABLATE & 16u) == 0u;
+            vw[j] = codec_word(select(0u, (pg - geo.n_pages) * CPW + VC_OFF + s * RW + db, ok));
         }
     }
     return vw;
+}
+
+// The entry g of per-value-group values, by selects (a dynamic index would send the array to
+// local memory).
+fn pick_g(a: array<f32, NG>, g: u32) -> f32 {
+    var r = a[0];
+    for (var i = 1u; i < NG; i++) {
+        r = select(r, a[i], g == i);
+    }
+    return r;
 }
 
 // ACC_SHARED: this invocation's f32 value sums from / to workgroup memory (by value: nothing
@@ -286,12 +339,6 @@ fn main(
     }
     workgroupBarrier();
 
-    let kc_off = k_codes_off(geo);
-    let vp_off = v_params_off(geo);
-    let vc_off = v_codes_off(geo);
-    let page_w4 = geo.page_words / 4u;
-    let vw4 = geo.vec_words / 4u;
-    let v_off4 = block_words(geo) / 4u;
     let ts = t / LPR;         // value phase: this invocation's token stream
     let db = t % LPR;         // value phase: its code word (dimensions 8 db .. 8 db + 7)
     let my_g = (8u * db) / VG;
@@ -344,7 +391,7 @@ fn main(
         var kw = tile_kw(c0, t, n_live);
         var vprm = tile_vprm(c0, t, n_live);
         var vw = tile_vw(c0, t, n_live);
-        // Fold: item = (page, head, 16-channel slice); NSL neighbouring lanes share (page, head).
+        // Fold: item = (page, head, FC-channel slice); NSL neighbouring lanes share (page, head).
         for (var k = 0u; k < select(IPL, 0u, (ABLATE & 1u) != 0u || tile_raw); k++) {
             let it = t + WG * k;
             let pi = min(it / (GROUP * NSL), PPT - 1u);
@@ -353,14 +400,14 @@ fn main(
             let cc = min(c0 + pi, MAX_SLOTS - 1u);
             let pg = chunk_page[cc];
             let live = it < ITEMS && c0 + pi < n_live && pg >= geo.n_pages;
-            let cb4 = select(0u, (pg - geo.n_pages) * geo.codec_page_words / 4u, live);
-            var qs: array<vec4<f32>, 4>;
+            let cb4 = select(0u, (pg - geo.n_pages) * (CPW / 4u), live);
+            var qs: array<vec4<f32>, FV>;
             var bias = 0.0;
             var fsum = 0.0;
             var mx = 0.0;
-            for (var v = 0u; v < 4u; v++) {
-                let kv = codec_kv[cb4 + 4u * sl + v];  // (min, scale) f16 pairs of channels 16 sl + 4 v ..
-                let qv = q_sh[h * D4 + 4u * sl + v];
+            for (var v = 0u; v < FV; v++) {
+                let kv = codec_kv[cb4 + FV * sl + v];  // (min, scale) f16 pairs of channels FC sl + 4 v ..
+                let qv = q_sh[h * D4 + FV * sl + v];
                 let p0 = unpack2x16float(kv.x);
                 let p1 = unpack2x16float(kv.y);
                 let p2 = unpack2x16float(kv.z);
@@ -380,14 +427,14 @@ fn main(
             let ex = max(i32((bitcast<u32>(mx) >> 23u) & 0xffu) - 127, -120);
             let step = ldexp(1.0, 6 - ex);
             let alpha = ldexp(1.0, ex - 6);
-            var q8e: array<u32, 2>;
-            var q8o: array<u32, 2>;
-            q8e[0] = 0u;
-            q8e[1] = 0u;
-            q8o[0] = 0u;
-            q8o[1] = 0u;
+            var q8e: array<u32, FW>;
+            var q8o: array<u32, FW>;
+            for (var w = 0u; w < FW; w++) {
+                q8e[w] = 0u;
+                q8o[w] = 0u;
+            }
             var qsum = 0;
-            for (var v = 0u; v < 4u; v++) {
+            for (var v = 0u; v < FV; v++) {
                 let x = bitcast<vec4<u32>>(round(min(qs[v] * step, vec4<f32>(127.0))) + vec4<f32>(12582912.0));
                 let b = x & vec4<u32>(0xffu);
                 // Channels 4 v .. 4 v + 3 of the slice: code word v / 2, nibbles 4 (v % 2) ..; the
@@ -405,8 +452,8 @@ fn main(
                 bias += subgroupShuffleXor(bias, mask);
             }
             if (live) {
-                for (var w = 0u; w < 2u; w++) {
-                    let idx = pi * QPS + (2u * sl + w) * GP + h / 2u;
+                for (var w = 0u; w < FW; w++) {
+                    let idx = pi * QPS + (FW * sl + w) * GP + h / 2u;
                     q8_sh[idx][2u * (h % 2u)] = q8e[w];
                     q8_sh[idx][2u * (h % 2u) + 1u] = q8o[w];
                 }
@@ -424,7 +471,7 @@ fn main(
         }
         if (valid) {
             if (RAW && raw_a) {
-                let row = (page_a - window.first_page) * page_w4 + slot * vw4;
+                let row = (page_a - window.first_page) * PAGE_W4 + slot * VW4;
                 for (var h = 0u; h < GROUP; h++) {
                     x[h] = 0.0;
                 }
@@ -514,7 +561,7 @@ fn main(
                     minacc[h * NG + g] *= corr[h];
                 }
             }
-            let fl = s_ref[my_g] * KINV;
+            let fl = pick_g(s_ref, my_g) * KINV;
             if (ACC_SHARED) {
                 acc32 = acc_get(t);
             }
@@ -578,7 +625,7 @@ fn main(
                     f = chunk_fill[cc];
                 }
                 if (s < f) {
-                    let w = pool[(chunk_page[cc] - window.first_page) * page_w4 + v_off4 + s * vw4 + db];
+                    let w = pool[(chunk_page[cc] - window.first_page) * PAGE_W4 + V_OFF4 + s * VW4 + db];
                     let v01 = unpack2x16float(w.x);
                     let v23 = unpack2x16float(w.y);
                     let v45 = unpack2x16float(w.z);
@@ -602,7 +649,8 @@ fn main(
                 acc_put(t, acc32);
             }
         } else {
-            for (var j = 0u; j < select(TPL, 0u, (ABLATE & 4u) != 0u); j++) {
+            //!unroll VUNROLL
+            for (var j = 0u; j < TPL_RUN; j++) {
                 let tau = ts + NS * j;
                 // Codes as exact f16 pairs: (w & 0x000f000f) | 0x6400 pairs is 1024 + code, and
                 // (w & 0x00f000f0) | 0x5400 pairs is 64 + code (mantissa step 1/16); nibbles (k, k + 4).
@@ -612,7 +660,7 @@ fn main(
                     let cc = min(c, MAX_SLOTS - 1u);
                     let pg = chunk_page[cc];
                     if (c < n_live && tau % PAGE_SIZE < chunk_fill[cc] && pg >= geo.n_pages) {
-                        w = codec_word((pg - geo.n_pages) * geo.codec_page_words + vc_off + (tau % PAGE_SIZE) * RW + db);
+                        w = codec_word((pg - geo.n_pages) * CPW + VC_OFF + (tau % PAGE_SIZE) * RW + db);
                     }
                 }
                 let w8 = w >> 8u;
@@ -636,7 +684,7 @@ fn main(
             }
         }
         if (tile % FLUSH == FLUSH - 1u) {
-            let fl = s_ref[my_g] * KINV;
+            let fl = pick_g(s_ref, my_g) * KINV;
             if (ACC_SHARED) {
                 acc32 = acc_get(t);
             }
@@ -653,7 +701,7 @@ fn main(
             atomicStore(&flag_sh, 0u);
         }
     }
-    let fl = s_ref[my_g] * KINV;
+    let fl = pick_g(s_ref, my_g) * KINV;
     if (ACC_SHARED) {
         acc32 = acc_get(t);
     }
@@ -715,9 +763,16 @@ fn main(
         partials[o + 3u] = a.w;
     }
     if (t < GROUP) {
+        // This head's maximum and sum, by selects (indexed by t, the arrays would go to local memory).
+        var m = m_ref[0];
+        var l = sums[0];
+        for (var h = 1u; h < GROUP; h++) {
+            m = select(m, m_ref[h], t == h);
+            l = select(l, sums[h], t == h);
+        }
         let o = partial_index(params, seq, kvh * GROUP + t, buffer, chunk) * stride;
-        partials[o] = m_ref[t];
-        partials[o + 1u] = sums[t];
+        partials[o] = m;
+        partials[o + 1u] = l;
         partials[o + 2u] = 0.0;
         partials[o + 3u] = 0.0;
     }
