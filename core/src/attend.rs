@@ -103,8 +103,9 @@ impl QuantKernel {
     }
 }
 
-/// The default [`AttendOptions::f16_flush_tiles`].
-pub const F16_FLUSH_TILES: u32 = 2;
+/// The default [`AttendOptions::f16_flush_tiles`]: every tile (on the H200, b8 x 32768 int4
+/// pages of 64: 0.202 ms against 0.216 at 2 and 4; BENCHMARKS.md).
+pub const F16_FLUSH_TILES: u32 = 1;
 
 /// The tile kernel's workgroup size where [`AttendOptions::tile_wg`] is 0.
 pub const TILE_WG: u32 = 128;
@@ -237,6 +238,8 @@ struct QuantTile {
     /// Channels per fold item (`FC`): 8 where the subgroups span the d / 8 lanes of a page's
     /// fold reduction, else 16.
     fold_ch: u32,
+    /// Probe knob (`MAGIC_UNIFORM`): the codes' f16 exponent bits read from a uniform.
+    magic_uniform: bool,
 }
 
 /// Workgroup memory of the tile kernel at this shape (mirrors its declarations).
@@ -314,8 +317,11 @@ fn quant_tile_path(rt: &Runtime, pool: &KvPool, opts: &AttendOptions) -> Result<
             // EXPERTKV_TILE_VUNROLL=0 (hidden, for the H200 probes): the value loop left to the driver.
             let vunroll = env("EXPERTKV_TILE_VUNROLL") != Some(0);
             // EXPERTKV_TILE_FC=16 (hidden, for the H200 probes): 16 channels per fold item anyway.
+            // EXPERTKV_TILE_MAGIC=1 (hidden, for the H200 probes): the value codes' f16 exponent bits
+            // from a uniform, so the driver may fuse each mask and or into one logic operation.
+            let magic_uniform = env("EXPERTKV_TILE_MAGIC") == Some(1);
             let fold_ch = if rt.caps.subgroup_min_size >= cfg.head_dim / 8 && env("EXPERTKV_TILE_FC") != Some(16) { 8 } else { 16 };
-            Ok(Some(QuantTile { ng: cfg.head_dim / vg, raw, slack, flush, k, acc_shared, ablate, wg, vunroll, fold_ch }))
+            Ok(Some(QuantTile { ng: cfg.head_dim / vg, raw, slack, flush, k, acc_shared, ablate, wg, vunroll, fold_ch, magic_uniform }))
         }
     }
 }
@@ -603,7 +609,7 @@ impl Attention {
                 &[&pool.geometry, &params, page_list, page_counts, &pool.page_meta, &pool.codec_kv, &queries, &partials, &scores],
             );
             Some((p, bg))
-        } else if let Some(QuantTile { ng, raw, slack, flush, k, acc_shared, ablate, wg, vunroll, fold_ch }) = quant_tile {
+        } else if let Some(QuantTile { ng, raw, slack, flush, k, acc_shared, ablate, wg, vunroll, fold_ch, magic_uniform }) = quant_tile {
             let p = rt
                 .pipeline_with(
                     Kernel::AttendSplitQuantTile,
@@ -621,6 +627,7 @@ impl Attention {
                         ("WG", format!("{wg}u")),
                         ("VUNROLL", vunroll.to_string()),
                         ("FC", format!("{fold_ch}u")),
+                        ("MAGIC_UNIFORM", magic_uniform.to_string()),
                     ],
                     &[],
                 )

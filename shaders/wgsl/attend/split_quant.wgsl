@@ -284,8 +284,8 @@ fn main(
                             mg = max(mg, subgroupShuffleXor(mg, mask));
                         }
                         let ex = max(i32((bitcast<u32>(mg) >> 23u) & 0xffu) - 127, -120);
-                        let step = ldexp(1.0, 6 - ex);
-                        alpha[g] = ldexp(1.0, ex - 6);
+                        let step = pow2(6 - ex);
+                        alpha[g] = pow2(ex - 6);
                         var qsum = 0;
                         var fsum = 0.0;
                         for (var n = 0u; n < NV; n++) {

@@ -350,8 +350,8 @@ fn main(
                 // As the tile kernel: alpha = 2^(E - 6), E the exponent of the page's largest
                 // |q * scale| (at least -120); q * scale / alpha rounded to nearest even.
                 let ex = max(i32((bitcast<u32>(mx) >> 23u) & 0xffu) - 127, -120);
-                let step = ldexp(1.0, 6 - ex);
-                let al = ldexp(1.0, ex - 6);
+                let step = pow2(6 - ex);
+                let al = pow2(ex - 6);
                 let q8 = round(min(qs * step, vec4<f32>(127.0)));
                 let qsum = subgroupAdd(q8.x + q8.y + q8.z + q8.w);
                 let fsum = subgroupAdd(dot(qs, vec4<f32>(1.0)));

@@ -114,3 +114,9 @@ fn quantize(geo: Geometry, x: f32, params: u32) -> u32 {
 fn dequantize(code: u32, params: u32) -> f32 {
     return f16_value(params) + f32(code) * f16_value(params >> 16u);
 }
+
+// 2^e for e in -126..=127, built from its bits: exact, as ldexp(1.0, e) is, but without the
+// general ldexp the H200's compiler emits (two exp2 and a dozen branches per call).
+fn pow2(e: i32) -> f32 {
+    return bitcast<f32>(u32(e + 127) << 23u);
+}
