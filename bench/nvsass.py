@@ -13,8 +13,8 @@ special functions, branches).
 
   python3 bench/nvsass.py OUTDIR PATH...        (PATH: files or folders, searched recursively)
 
-Needs the `zstandard` module (pip) and `nvdisasm` (CUDA, or PyPI's nvidia-cuda-nvdisasm) on
-PATH or in $NVDISASM; without nvdisasm it writes the raw code sections only.
+Needs the `zstandard` module (pip) and `nvdisasm`: $NVDISASM, on PATH (CUDA), or PyPI's
+nvidia-cuda-nvdisasm installed for this Python; without nvdisasm it writes the code sections only.
 """
 
 import os
@@ -79,6 +79,13 @@ def main():
     out = sys.argv[1]
     os.makedirs(out, exist_ok=True)
     nvdisasm = os.environ.get("NVDISASM") or shutil.which("nvdisasm")
+    if not nvdisasm:
+        # PyPI's nvidia-cuda-nvdisasm puts it under site-packages/nvidia/cu*/bin.
+        for d in sys.path:
+            for cu in ("cu13", "cu12"):
+                cand = os.path.join(d, "nvidia", cu, "bin", "nvdisasm")
+                if os.access(cand, os.X_OK) and not nvdisasm:
+                    nvdisasm = cand
     paths = []
     for p in sys.argv[2:]:
         if os.path.isdir(p):
