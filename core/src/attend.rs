@@ -238,8 +238,6 @@ struct QuantTile {
     /// Channels per fold item (`FC`): 8 where the subgroups span the d / 8 lanes of a page's
     /// fold reduction, else 16.
     fold_ch: u32,
-    /// Probe knob (`MAGIC_UNIFORM`): the codes' f16 exponent bits read from a uniform.
-    magic_uniform: bool,
 }
 
 /// Workgroup memory of the tile kernel at this shape (mirrors its declarations).
@@ -317,11 +315,8 @@ fn quant_tile_path(rt: &Runtime, pool: &KvPool, opts: &AttendOptions) -> Result<
             // EXPERTKV_TILE_VUNROLL=0 (hidden, for the H200 probes): the value loop left to the driver.
             let vunroll = env("EXPERTKV_TILE_VUNROLL") != Some(0);
             // EXPERTKV_TILE_FC=16 (hidden, for the H200 probes): 16 channels per fold item anyway.
-            // EXPERTKV_TILE_MAGIC=1 (hidden, for the H200 probes): the value codes' f16 exponent bits
-            // from a uniform, so the driver may fuse each mask and or into one logic operation.
-            let magic_uniform = env("EXPERTKV_TILE_MAGIC") == Some(1);
             let fold_ch = if rt.caps.subgroup_min_size >= cfg.head_dim / 8 && env("EXPERTKV_TILE_FC") != Some(16) { 8 } else { 16 };
-            Ok(Some(QuantTile { ng: cfg.head_dim / vg, raw, slack, flush, k, acc_shared, ablate, wg, vunroll, fold_ch, magic_uniform }))
+            Ok(Some(QuantTile { ng: cfg.head_dim / vg, raw, slack, flush, k, acc_shared, ablate, wg, vunroll, fold_ch }))
         }
     }
 }
@@ -609,7 +604,7 @@ impl Attention {
                 &[&pool.geometry, &params, page_list, page_counts, &pool.page_meta, &pool.codec_kv, &queries, &partials, &scores],
             );
             Some((p, bg))
-        } else if let Some(QuantTile { ng, raw, slack, flush, k, acc_shared, ablate, wg, vunroll, fold_ch, magic_uniform }) = quant_tile {
+        } else if let Some(QuantTile { ng, raw, slack, flush, k, acc_shared, ablate, wg, vunroll, fold_ch }) = quant_tile {
             let p = rt
                 .pipeline_with(
                     Kernel::AttendSplitQuantTile,
@@ -627,7 +622,6 @@ impl Attention {
                         ("WG", format!("{wg}u")),
                         ("VUNROLL", vunroll.to_string()),
                         ("FC", format!("{fold_ch}u")),
-                        ("MAGIC_UNIFORM", magic_uniform.to_string()),
                     ],
                     &[],
                 )

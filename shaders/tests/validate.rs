@@ -129,7 +129,6 @@ fn quantised_tile_attention_validates_for_every_shape_knob() {
             for (p, wg) in [(16u32, 128u32), (32, 128), (64, 128), (128, 128), (16, 32), (32, 32), (32, 64), (64, 64)] {
                 for (raw, flush, acc, vunroll, fc) in [(true, 1u32, true, false, 16u32), (false, 3, false, true, 8)] {
                     let defines = [
-                        ("MAGIC_UNIFORM", raw.to_string()),
                         ("FC", format!("{fc}u")),
                         ("VUNROLL", vunroll.to_string()),
                         ("WG", format!("{wg}u")),

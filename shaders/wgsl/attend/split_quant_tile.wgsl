@@ -53,7 +53,6 @@ enable f16;
 //!define WG 128u
 //!define VUNROLL true
 //!define FC 16u
-//!define MAGIC_UNIFORM false
 // GROUP: query heads per KV head. HEAD_DIM: d (32, 64 or 128). PAGE_SIZE: P (16..128, dividing
 // WG). NG: value groups per row (d / v_group, v_group a multiple of 8). FLUSH: tiles between
 // moves of the f16 sums into f32. RAW: also attend the raw pages of pool buffer 0 (the pool has
@@ -69,8 +68,7 @@ enable f16;
 // stay in registers (left to the H200's compiler, the loop stays a loop and the words go to
 // local memory). FC: channels per fold item, 16 or 8 (8 halves the fold's work per invocation
 // where a page's fold has fewer items than the workgroup has invocations; its reduction spans
-// HEAD_DIM / FC lanes, at most the subgroup size). MAGIC_UNIFORM (an H200 probe): the f16
-// exponent bits of the value codes' conversion taken from a uniform, not literals.
+// HEAD_DIM / FC lanes, at most the subgroup size).
 
 const D4: u32 = HEAD_DIM / 4u;
 const RW: u32 = HEAD_DIM / 8u;        // code words per row (8 int4 codes each)
@@ -345,12 +343,6 @@ fn main(
     let db = t % LPR;         // value phase: its code word (dimensions 8 db .. 8 db + 7)
     let my_g = (8u * db) / VG;
 
-    // The f16 exponent bits of 1024 and 64 (pairs): literals, or (MAGIC_UNIFORM) the same bits
-    // or'ed with the parameters' padding word, which the host sets to 0 and the compiler cannot
-    // fold.
-    let pad = select(0u, params._pad0, MAGIC_UNIFORM);
-    let e1024 = 0x64006400u | pad;
-    let e64 = 0x54005400u | pad;
     var m_ref: array<f32, GROUP>;
     var lsum: array<f32, GROUP>;
     var s_ref: array<f32, NG>;
@@ -673,10 +665,10 @@ fn main(
                 }
                 let w8 = w >> 8u;
                 var cw: array<vec2<f16>, 4>;
-                cw[0] = h2((w & 0x000f000fu) | e1024) - vec2<f16>(1024.0h);
-                cw[1] = h2((w & 0x00f000f0u) | e64) - vec2<f16>(64.0h);
-                cw[2] = h2((w8 & 0x000f000fu) | e1024) - vec2<f16>(1024.0h);
-                cw[3] = h2((w8 & 0x00f000f0u) | e64) - vec2<f16>(64.0h);
+                cw[0] = h2((w & 0x000f000fu) | 0x64006400u) - vec2<f16>(1024.0h);
+                cw[1] = h2((w & 0x00f000f0u) | 0x54005400u) - vec2<f16>(64.0h);
+                cw[2] = h2((w8 & 0x000f000fu) | 0x64006400u) - vec2<f16>(1024.0h);
+                cw[3] = h2((w8 & 0x00f000f0u) | 0x54005400u) - vec2<f16>(64.0h);
                 for (var q = 0u; q < GQ; q++) {
                     let pw = ps_sh[(tau * NG + my_g) * GQ + q];
                     for (var e = 0u; e < 4u; e++) {
