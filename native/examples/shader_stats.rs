@@ -185,9 +185,9 @@ unsafe fn stats(spv: &[u32], bindings: &[(u32, vk::DescriptorType)], label: &str
         // SHADER_STATS_DUMP=DIR: the SPIR-V and the driver's pipeline-cache blob (which holds the
         // compiled machine code on some drivers) written there, for disassembly elsewhere.
         let dump = std::env::var_os("SHADER_STATS_DUMP").map(std::path::PathBuf::from);
+        let stem: String = label.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
         if let Some(dir) = &dump {
             std::fs::create_dir_all(dir)?;
-            let stem: String = label.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
             std::fs::write(dir.join(format!("{stem}.spv")), bytemuck::cast_slice::<u32, u8>(spv))?;
             let blob = device.get_pipeline_cache_data(cache)?;
             std::fs::write(dir.join(format!("{stem}.vkcache")), &blob)?;
@@ -229,7 +229,6 @@ unsafe fn stats(spv: &[u32], bindings: &[(u32, vk::DescriptorType)], label: &str
                 let rname = r.name_as_c_str().map(|c| c.to_string_lossy().into_owned()).unwrap_or_default();
                 println!("    representation {k}: {rname} ({} bytes, text {}, {res:?})", b.len(), r.is_text != 0);
                 if let Some(dir) = &dump {
-                    let stem: String = label.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
                     std::fs::write(dir.join(format!("{stem}.rep{i}_{k}")), b)?;
                 }
             }
