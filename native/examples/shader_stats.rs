@@ -37,6 +37,8 @@ fn main() -> Result<()> {
         lang_version: (1, 3),
         bounds_check_policies: naga::proc::BoundsCheckPolicies::default(),
         force_loop_bounding: false,
+        // As the runtime's pipelines (`zero_initialize_workgroup_memory: false`).
+        zero_initialize_workgroup_memory: naga::back::spv::ZeroInitializeWorkgroupMemoryMode::None,
         ..Default::default()
     };
     let pipeline_options =
