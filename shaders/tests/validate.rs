@@ -148,6 +148,14 @@ fn quantised_tile_attention_validates_for_every_shape_knob() {
             }
         }
     }
+    // The H200 probes' ablation bits, each and all, at the benchmarks' shape.
+    for ablate in [1u32, 2, 4, 8, 16, 32, 39, 63] {
+        let defines = [("PAGE_SIZE", "64u".to_string()), ("NG", "2u".to_string()), ("ABLATE", format!("{ablate}u"))];
+        let text = Kernel::AttendSplitQuantTile.resolved_with(&defines).expect("defines resolve");
+        if let Err(e) = validate(&format!("attend/split_quant_tile.wgsl {defines:?}"), &text) {
+            failures.push(e);
+        }
+    }
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
 }
 
