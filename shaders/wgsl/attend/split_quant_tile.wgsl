@@ -60,11 +60,12 @@ enable f16;
 // f16 terms' scale (the host picks the largest K that keeps the sums below f16's maximum).
 // ACC_SHARED: the f32 value sums live in workgroup memory (each invocation its own), not in
 // registers (fewer registers, more workgroups per multiprocessor; they are touched only when the
-// f16 sums move). ABLATE (H200 probes only, 0 otherwise: results are wrong): bit 0 skips the fold, 1 the score
-// dot products, 2 the value phase, 3 the value phase's raw-token path, 4 the value words'
-// prefetch (loaded in the value loop instead), 5 the page loads (key rows, value parameters and
-// words, the fold's key parameters made up from indices; the arithmetic stays). WG: invocations per workgroup (32, 64 or 128, a
-// multiple of PAGE_SIZE; at least 8 per subgroup): a tile is WG tokens. VUNROLL: the value
+// f16 sums move). ABLATE (H200 probes only, 0 otherwise: results are wrong): bit 0 skips the
+// fold, 1 the score dot products, 2 the value phase, 3 the value phase's raw-token path, 4 the
+// value words' prefetch (loaded in the value loop instead), 5 the page loads (key rows, value
+// parameters and words, the fold's key parameters made up from indices; the arithmetic stays).
+// WG: invocations per workgroup (32, 64 or 128, a multiple of PAGE_SIZE; at least 8 per
+// subgroup): a tile is WG tokens. VUNROLL: the value
 // words' loads and the value loop expanded by the resolver (`//!unroll VUNROLL`), so the words
 // stay in registers (left to the H200's compiler, the loop stays a loop and the words go to
 // local memory). FC: channels per fold item, 16 or 8 (8 halves the fold's work per invocation
