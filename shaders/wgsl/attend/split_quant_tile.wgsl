@@ -149,11 +149,11 @@ fn tile_kw(c0: u32, t: u32, n_live: u32) -> array<vec4<u32>, RW4> {
     let cc = min(c, MAX_SLOTS - 1u);
     let pg = chunk_page[cc];
     let ok = c < n_live && t % PAGE_SIZE < chunk_fill[cc] && pg >= geo.n_pages;
-    // Not a live compressed token: vec4 0 of the buffer, without a branch (its score is never
-    // used).
+    // Not a live compressed token: the buffer's first vec4s, without a branch (its score is
+    // never used).
     let r4 = select(0u, ((pg - geo.n_pages) * CPW + KC_OFF + (t % PAGE_SIZE) * RW) / 4u, ok);
     for (var i = 0u; i < RW4; i++) {
-        kw[i] = codec_kv[select(0u, r4 + i, ok)];
+        kw[i] = codec_kv[r4 + i];
         if (NOLOAD) {
             kw[i] = made_up4(c0 * WG + t, i);
         }
