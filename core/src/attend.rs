@@ -55,6 +55,10 @@ pub struct AttendOptions {
     /// Tile kernel: invocations per workgroup, so tokens per tile: 32, 64 or 128, at least the
     /// page size; 0 picks [`TILE_WG`] (or the page size where that is larger).
     pub tile_wg: u32,
+    /// Tile kernel: the value codes become f16 by a mask alone, as subnormal f16, where the
+    /// device keeps f16 subnormals exactly ([`Runtime::f16_subnormals`]); false: through
+    /// exponent bits and a subtraction everywhere.
+    pub tile_subnormal_codes: bool,
 }
 
 impl Default for AttendOptions {
@@ -71,6 +75,7 @@ impl Default for AttendOptions {
             quant_kernel: QuantKernel::Auto,
             f16_flush_tiles: F16_FLUSH_TILES,
             tile_wg: 0,
+            tile_subnormal_codes: true,
         }
     }
 }
@@ -238,6 +243,8 @@ struct QuantTile {
     /// Channels per fold item (`FC`): 8 where the subgroups span the d / 8 lanes of a page's
     /// fold reduction, else 16.
     fold_ch: u32,
+    /// The value codes become subnormal f16 by a mask alone (`DENORM`).
+    denorm: bool,
 }
 
 /// Workgroup memory of the tile kernel at this shape (mirrors its declarations).
@@ -253,7 +260,7 @@ fn quant_tile_shared_bytes(group: u32, d: u32, p: u32, ng: u32, acc_shared: bool
     chunk + acc + q + q8 + ab + ps + red + 24
 }
 
-fn quant_tile_path(rt: &Runtime, pool: &KvPool, opts: &AttendOptions) -> Result<Option<QuantTile>> {
+fn quant_tile_path(rt: &Runtime, pool: &KvPool, opts: &AttendOptions, subnormals: bool) -> Result<Option<QuantTile>> {
     let cfg = &pool.cfg;
     let env = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<u32>().ok());
     let wg = if opts.tile_wg == 0 { TILE_WG.max(cfg.page_size) } else { opts.tile_wg };
@@ -302,7 +309,15 @@ fn quant_tile_path(rt: &Runtime, pool: &KvPool, opts: &AttendOptions) -> Result<
             // Each invocation sums at most flush x d / 8 terms, each below e^slack x 2^k x 15,
             // between moves into f32: the largest k that keeps that below 60000 (f16 max 65504).
             let terms = f64::from(flush * cfg.head_dim / 8) * 15.0 * f64::from(slack).exp();
-            let k = (60000.0 / terms).log2().floor().clamp(-14.0, 14.0) as i32;
+            let denorm = subnormals;
+            // With the codes as code x 2^-20 (`DENORM`) each term is that times 2^-20, so the
+            // bound is the f16 weights themselves, each below e^slack x 2^k.
+            let k = if denorm {
+                (60000.0 / f64::from(slack).exp()).log2().min((60000.0 / terms).log2() + 20.0)
+            } else {
+                (60000.0 / terms).log2()
+            };
+            let k = k.floor().clamp(-14.0, 14.0) as i32;
             // EXPERTKV_TILE_RAW=0 and EXPERTKV_TILE_ABLATE (hidden, for the H200 probes): the raw
             // pages left to the raw pass; stages of the kernel left out (wrong results).
             let raw = pool.n_buffers() == 1 && cfg.dtype == KvDtype::F16 && env("EXPERTKV_TILE_RAW") != Some(0);
@@ -316,7 +331,7 @@ fn quant_tile_path(rt: &Runtime, pool: &KvPool, opts: &AttendOptions) -> Result<
             let vunroll = env("EXPERTKV_TILE_VUNROLL") != Some(0);
             // EXPERTKV_TILE_FC=16 (hidden, for the H200 probes): 16 channels per fold item anyway.
             let fold_ch = if rt.caps.subgroup_min_size >= cfg.head_dim / 8 && env("EXPERTKV_TILE_FC") != Some(16) { 8 } else { 16 };
-            Ok(Some(QuantTile { ng: cfg.head_dim / vg, raw, slack, flush, k, acc_shared, ablate, wg, vunroll, fold_ch }))
+            Ok(Some(QuantTile { ng: cfg.head_dim / vg, raw, slack, flush, k, acc_shared, ablate, wg, vunroll, fold_ch, denorm }))
         }
     }
 }
@@ -487,7 +502,16 @@ impl Attention {
         // tile kernel reads the raw pages too).
         let has_codec = cfg.codec != crate::config::Codec::None;
         let quant_coop = if has_codec { quant_coop_path(rt, pool, &opts)? } else { None };
-        let quant_tile = if has_codec && quant_coop.is_none() { quant_tile_path(rt, pool, &opts)? } else { None };
+        let quant_tile = if has_codec && quant_coop.is_none() {
+            // EXPERTKV_TILE_DENORM=0 (hidden, for the H200 probes): the exponent-bits conversion.
+            let subnormals = opts.tile_subnormal_codes
+                && std::env::var("EXPERTKV_TILE_DENORM").as_deref() != Ok("0")
+                && matches!(cfg.codec, crate::config::Codec::Int4 { .. })
+                && rt.f16_subnormals().await?;
+            quant_tile_path(rt, pool, &opts, subnormals)?
+        } else {
+            None
+        };
         let raw_fused = quant_tile.is_some_and(|t| t.raw);
         let n_buffers = if raw_fused { 1 } else { pool.n_buffers() as u32 + u32::from(has_codec) };
         let max_tokens = cfg.max_pages_per_seq() * cfg.page_size;
@@ -604,7 +628,7 @@ impl Attention {
                 &[&pool.geometry, &params, page_list, page_counts, &pool.page_meta, &pool.codec_kv, &queries, &partials, &scores],
             );
             Some((p, bg))
-        } else if let Some(QuantTile { ng, raw, slack, flush, k, acc_shared, ablate, wg, vunroll, fold_ch }) = quant_tile {
+        } else if let Some(QuantTile { ng, raw, slack, flush, k, acc_shared, ablate, wg, vunroll, fold_ch, denorm }) = quant_tile {
             let p = rt
                 .pipeline_with(
                     Kernel::AttendSplitQuantTile,
@@ -622,6 +646,7 @@ impl Attention {
                         ("WG", format!("{wg}u")),
                         ("VUNROLL", vunroll.to_string()),
                         ("FC", format!("{fold_ch}u")),
+                        ("DENORM", denorm.to_string()),
                     ],
                     &[],
                 )
@@ -691,12 +716,13 @@ impl Attention {
             ))
         } else if let Some(t) = quant_tile {
             Some(format!(
-                "quant-tile wg={} fold={} flush={} slack={} k={}{}{}{}{}",
+                "quant-tile wg={} fold={} flush={} slack={} k={}{}{}{}{}{}",
                 t.wg,
                 t.fold_ch,
                 t.flush,
                 t.slack,
                 t.k,
+                if t.denorm { " subnormal-codes" } else { "" },
                 if t.acc_shared { " acc-shared" } else { "" },
                 if t.raw { ", raw pages too" } else { "" },
                 if t.ablate != 0 { format!(" ABLATE={}", t.ablate) } else { String::new() },

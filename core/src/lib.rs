@@ -16,6 +16,7 @@ pub mod ops;
 pub mod pipeline;
 pub mod plan;
 pub mod pool;
+pub mod probe;
 pub mod quest;
 pub mod reference;
 pub mod rng;

@@ -160,6 +160,8 @@ pub struct Runtime {
     pub tier: Tier,
     pub checks: ShaderChecks,
     health: Arc<Mutex<Health>>,
+    /// What `probe/f16_subnormal.wgsl` found, once asked ([`Runtime::f16_subnormals`]).
+    f16_subnormals: std::sync::OnceLock<bool>,
 }
 
 fn rank(t: wgpu::DeviceType) -> u32 {
@@ -319,7 +321,7 @@ impl Runtime {
         };
         let tier = if subgroups { Tier::Subgroups } else { Tier::Baseline };
         let checks = if cfg!(target_arch = "wasm32") { ShaderChecks::Checked } else { checks };
-        Ok(Runtime { instance, adapter, device, queue, info, limits, caps, tier, checks, health })
+        Ok(Runtime { instance, adapter, device, queue, info, limits, caps, tier, checks, health, f16_subnormals: Default::default() })
     }
 
     /// Err if the device was lost or an error escaped every error scope since the last check.
@@ -339,6 +341,39 @@ impl Runtime {
     /// Whether this device was lost.
     pub fn is_lost(&self) -> bool {
         self.health.lock().map(|h| h.lost.is_some()).unwrap_or(true)
+    }
+
+    /// Whether this device's f16 arithmetic keeps subnormal inputs and results exactly (false
+    /// without shader-f16): `probe/f16_subnormal.wgsl` against its CPU reference
+    /// ([`crate::probe`]), run on the first call and remembered.
+    pub async fn f16_subnormals(&self) -> Result<bool> {
+        if let Some(v) = self.f16_subnormals.get() {
+            return Ok(*v);
+        }
+        let v = self.caps.f16 && self.probe_f16_subnormals().await? == 0;
+        Ok(*self.f16_subnormals.get_or_init(|| v))
+    }
+
+    /// Run the subnormal probe: the number of its cases that missed the exact results.
+    pub async fn probe_f16_subnormals(&self) -> Result<usize> {
+        let cases = crate::probe::f16_subnormal_cases();
+        let pipeline = self.pipeline(Kernel::ProbeF16Subnormal, &[]).await?;
+        let input = self.storage_init("probe/f16_subnormal cases", &cases);
+        let out = self.storage("probe/f16_subnormal out", (cases.len() * 16) as u64);
+        self.fill_u32(&out, 0xffff_ffff);
+        let bind = self.bind(Kernel::ProbeF16Subnormal.label(), &pipeline, &[&input, &out]);
+        let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("probe/f16_subnormal") });
+        {
+            let mut pass =
+                enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("probe/f16_subnormal"), timestamp_writes: None });
+            pass.set_pipeline(&pipeline);
+            pass.set_bind_group(0, &bind, &[]);
+            pass.dispatch_workgroups((cases.len() as u32).div_ceil(64), 1, 1);
+        }
+        self.queue.submit([enc.finish()]);
+        self.check("probe/f16_subnormal")?;
+        let got: Vec<[f32; 4]> = self.read(&out, 0, cases.len() as u64).await?;
+        Ok(crate::probe::f16_subnormal_misses(&cases, &got))
     }
 
     /// Largest single storage binding (and buffer) this device allows.

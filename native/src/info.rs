@@ -24,6 +24,8 @@ pub fn run(gpu: &GpuArgs, a: &InfoArgs) -> Result<()> {
         .collect();
     let rt = gpu.runtime()?;
     let features: Vec<String> = rt.device.features().iter_names().map(|(n, _)| n.to_owned()).collect();
+    // The probe kernel's answer (a dispatch, once): whether the tile kernel's codes may be subnormal f16.
+    let subnormals = pollster::block_on(rt.f16_subnormals())?;
     if a.json {
         let out = json!({
             "adapters": listed,
@@ -34,6 +36,7 @@ pub fn run(gpu: &GpuArgs, a: &InfoArgs) -> Result<()> {
             "tier": rt.tier.name(),
             "shader_checks": rt.checks.name(),
             "capabilities": rt.caps,
+            "f16_subnormals": subnormals,
             "features": features,
             "limits": {
                 "max_storage_buffer_binding_size": rt.limits.max_storage_buffer_binding_size,
@@ -56,8 +59,18 @@ pub fn run(gpu: &GpuArgs, a: &InfoArgs) -> Result<()> {
     println!("chosen: {} ({:?}, {:?})", rt.info.name, rt.info.backend, rt.info.device_type);
     println!("tier: {}   shader checks: {}", rt.tier.name(), rt.checks.name());
     println!(
-        "capabilities: f16 {}  subgroups {} (size {}..{})  timestamps {} ({} ns/tick)",
-        c.f16, c.subgroups, c.subgroup_min_size, c.subgroup_max_size, c.timestamps, c.timestamp_period_ns
+        "capabilities: f16 {} (subnormals {})  subgroups {} (size {}..{})  timestamps {} ({} ns/tick)",
+        c.f16,
+        match (c.f16, subnormals) {
+            (false, _) => "n/a",
+            (true, true) => "kept",
+            (true, false) => "flushed",
+        },
+        c.subgroups,
+        c.subgroup_min_size,
+        c.subgroup_max_size,
+        c.timestamps,
+        c.timestamp_period_ns
     );
     println!(
         "limits: storage binding {}  buffer {}  storage buffers/stage {}  workgroup storage {}  invocations/workgroup {}",

@@ -83,6 +83,7 @@ sources! {
     ATTEND_SPLIT_QUANT_TILE => "attend/split_quant_tile.wgsl",
     ATTEND_SPLIT_QUANT_COOP => "attend/split_quant_coop.wgsl",
     ATTEND_SPLIT_CODEC => "attend/split_codec.wgsl",
+    PROBE_F16_SUBNORMAL => "probe/f16_subnormal.wgsl",
 }
 
 /// Every dispatchable kernel.
@@ -145,6 +146,7 @@ pub enum Kernel {
     AttendSplitQuantCoop,
     BenchFma,
     BenchCoop,
+    ProbeF16Subnormal,
 }
 
 impl Kernel {
@@ -206,6 +208,7 @@ impl Kernel {
         Kernel::AttendSplitQuantCoop,
         Kernel::BenchFma,
         Kernel::BenchCoop,
+        Kernel::ProbeF16Subnormal,
     ];
 
     pub fn source(self) -> Source {
@@ -252,6 +255,7 @@ impl Kernel {
             Kernel::AttendSplitQuantCoop => ATTEND_SPLIT_QUANT_COOP,
             Kernel::BenchFma => BENCH_FMA,
             Kernel::BenchCoop => BENCH_COOP,
+            Kernel::ProbeF16Subnormal => PROBE_F16_SUBNORMAL,
         }
     }
 
@@ -321,7 +325,7 @@ impl Kernel {
 
     /// Needs the SHADER_F16 feature (its text starts with `enable f16;`).
     pub fn needs_f16(self) -> bool {
-        matches!(self, Kernel::AttendSplitQuantTile | Kernel::AttendSplitQuantCoop)
+        matches!(self, Kernel::AttendSplitQuantTile | Kernel::AttendSplitQuantCoop | Kernel::ProbeF16Subnormal)
     }
 
     /// Kernels whose every index the GPU-vs-CPU tests (`tests/tests/gpu`) exercise over random

@@ -127,8 +127,9 @@ fn quantised_tile_attention_validates_for_every_shape_knob() {
                 continue;
             }
             for (p, wg) in [(16u32, 128u32), (32, 128), (64, 128), (128, 128), (16, 32), (32, 32), (32, 64), (64, 64)] {
-                for (raw, flush, acc, vunroll, fc) in [(true, 1u32, true, false, 16u32), (false, 3, false, true, 8)] {
+                for (raw, flush, acc, vunroll, fc, denorm) in [(true, 1u32, true, false, 16u32, false), (false, 3, false, true, 8, true)] {
                     let defines = [
+                        ("DENORM", denorm.to_string()),
                         ("FC", format!("{fc}u")),
                         ("VUNROLL", vunroll.to_string()),
                         ("WG", format!("{wg}u")),

@@ -10,9 +10,9 @@
 //     probability p; p times the token's value scale (per value group) goes to workgroup
 //     memory as f16 pairs, p times the group's min into the invocation's f32 sums;
 //   values (LPR = HEAD_DIM / 8 invocations per token row, 8 dimensions each): the code words
-//     become f16 pairs with two logic operations and a subtraction each, and accumulate as
-//     packed f16 fused multiply-adds (two dimensions per instruction) over a few tiles, then
-//     into f32.
+//     become f16 pairs with a logic operation and a subtraction each (with DENORM, half of them
+//     without the subtraction), and accumulate as packed f16 fused multiply-adds (two
+//     dimensions per instruction) over a few tiles, then into f32.
 // The softmax reference maximum and the value-scale reference are lazy and shared by the
 // workgroup: a tile rescales only when some token's score rises more than SLACK above its
 // head's reference or some value scale exceeds its group's reference, so the f16 sums stay
@@ -53,6 +53,7 @@ enable f16;
 //!define WG 128u
 //!define VUNROLL true
 //!define FC 16u
+//!define DENORM false
 // GROUP: query heads per KV head. HEAD_DIM: d (32, 64 or 128). PAGE_SIZE: P (16..128, dividing
 // WG). NG: value groups per row (d / v_group, v_group a multiple of 8). FLUSH: tiles between
 // moves of the f16 sums into f32. RAW: also attend the raw pages of pool buffer 0 (the pool has
@@ -70,7 +71,12 @@ enable f16;
 // stay in registers (left to the H200's compiler, the loop stays a loop and the words go to
 // local memory). FC: channels per fold item, 16 or 8 (8 halves the fold's work per invocation
 // where a page's fold has fewer items than the workgroup has invocations; its reduction spans
-// HEAD_DIM / FC lanes, at most the subgroup size).
+// HEAD_DIM / FC lanes, at most the subgroup size). DENORM: every value code becomes the f16
+// code x 2^-20, half of them by a mask alone (a nibble in mantissa bits 4..7 under a zero
+// exponent is that subnormal f16), so half the conversions need no subtraction. Only where the
+// device's f16 arithmetic keeps subnormals exactly (the runtime's probe,
+// `Runtime::f16_subnormals`), and with the scale 2^K the host picks for it (then the f16
+// weights themselves bound K).
 
 const D4: u32 = HEAD_DIM / 4u;
 const RW: u32 = HEAD_DIM / 8u;        // code words per row (8 int4 codes each)
@@ -95,6 +101,11 @@ const MAX_SLOTS: u32 = MAX_CHUNK_PAGES + 8u;  // compressed pages, padding to a 
 const NA: u32 = select(1u, GROUP * 2u * WG, ACC_SHARED);
 const QPS: u32 = RW * GP + 1u;        // q8_sh vec4 per page (padded: two pages of a subgroup read other banks)
 const KINV: f32 = 1.0 / KSCALE;
+// The f16 value sums' unit of code: 1, or with DENORM 2^-20 (each code a subnormal f16, its
+// nibble in mantissa bits 4..7), so the sums are multiplied by 2^20 when they move into f32.
+fn code_unit() -> f32 {
+    return select(1.0, 1048576.0, DENORM);
+}
 const NOLOAD: bool = (ABLATE & 32u) != 0u;
 const TPL_RUN: u32 = TPL * (1u - (ABLATE / 4u) % 2u);  // ABLATE bit 2: no value phase
 // The page layouts as constants (the geometry's runtime fields would cost an integer division
@@ -304,7 +315,7 @@ fn main(
         atomicStore(&flag_sh, 0u);
         atomicStore(&codec_sh, 0u);
         atomicStore(&raw_sh, 0u);
-        magic_sh = vec2<u32>(0x64006400u, 0x54005400u);
+        magic_sh = vec2<u32>(select(0x64006400u, 0x14001400u, DENORM), 0x54005400u);
     }
     let n_pages = workgroupUniformLoad(&count_sh);
     let first = chunk * params.chunk_pages;
@@ -610,7 +621,7 @@ fn main(
                     minacc[h * NG + g] *= corr[h];
                 }
             }
-            let fl = pick_g(s_ref, my_g) * KINV;
+            let fl = pick_g(s_ref, my_g) * KINV * code_unit();
             if (ACC_SHARED) {
                 acc32 = acc_get(t);
             }
@@ -714,10 +725,19 @@ fn main(
                 }
                 let w8 = w >> 8u;
                 var cw: array<vec2<f16>, 4>;
-                cw[0] = h2((w & 0x000f000fu) | magic.x) - vec2<f16>(1024.0h);
-                cw[1] = h2((w & 0x00f000f0u) | magic.y) - vec2<f16>(64.0h);
-                cw[2] = h2((w8 & 0x000f000fu) | magic.x) - vec2<f16>(1024.0h);
-                cw[3] = h2((w8 & 0x00f000f0u) | magic.y) - vec2<f16>(64.0h);
+                if (DENORM) {
+                    // Every code as code x 2^-20: bits 4..7 of a half are that subnormal f16 as
+                    // they lie; bits 0..3 under the exponent of 2^-10 are 2^-10 + code x 2^-20.
+                    cw[0] = h2((w & 0x000f000fu) | magic.x) - vec2<f16>(0.0009765625h);
+                    cw[1] = h2(w & 0x00f000f0u);
+                    cw[2] = h2((w8 & 0x000f000fu) | magic.x) - vec2<f16>(0.0009765625h);
+                    cw[3] = h2(w8 & 0x00f000f0u);
+                } else {
+                    cw[0] = h2((w & 0x000f000fu) | magic.x) - vec2<f16>(1024.0h);
+                    cw[1] = h2((w & 0x00f000f0u) | magic.y) - vec2<f16>(64.0h);
+                    cw[2] = h2((w8 & 0x000f000fu) | magic.x) - vec2<f16>(1024.0h);
+                    cw[3] = h2((w8 & 0x00f000f0u) | magic.y) - vec2<f16>(64.0h);
+                }
                 for (var q = 0u; q < GQ; q++) {
                     let pw = ps_sh[(tau * NG + my_g) * GQ + q];
                     for (var e = 0u; e < 4u; e++) {
@@ -733,7 +753,7 @@ fn main(
             }
         }
         if (tile % FLUSH == FLUSH - 1u) {
-            let fl = pick_g(s_ref, my_g) * KINV;
+            let fl = pick_g(s_ref, my_g) * KINV * code_unit();
             if (ACC_SHARED) {
                 acc32 = acc_get(t);
             }
@@ -750,7 +770,7 @@ fn main(
             atomicStore(&flag_sh, 0u);
         }
     }
-    let fl = pick_g(s_ref, my_g) * KINV;
+    let fl = pick_g(s_ref, my_g) * KINV * code_unit();
     if (ACC_SHARED) {
         acc32 = acc_get(t);
     }

@@ -336,6 +336,26 @@ fn check_int4_layers(rt: &Runtime, attn: &Attention, pool: &KvPool, model: &mut 
     worst
 }
 
+/// The f16 subnormal probe against its exact CPU results: where the device keeps subnormals,
+/// every case exact; elsewhere the probe says no and the tile kernel keeps the exponent-bits
+/// conversion. The adapters the tests and benchmarks run on (lavapipe, NVIDIA) keep them.
+#[test]
+fn f16_subnormal_probe_matches_reference() {
+    let rt = rt();
+    if !rt.caps.f16 {
+        eprintln!("skipped: adapter {} has no shader-f16", rt.info.name);
+        return;
+    }
+    let misses = pollster::block_on(rt.probe_f16_subnormals()).expect("probe runs");
+    let keeps = pollster::block_on(rt.f16_subnormals()).expect("probe runs");
+    eprintln!("{}: {misses} of {} subnormal cases missed", rt.info.name, expertkv_core::probe::f16_subnormal_cases().len());
+    assert_eq!(keeps, misses == 0);
+    let name = rt.info.name.to_ascii_lowercase();
+    if name.contains("llvmpipe") || name.contains("nvidia") {
+        assert_eq!(misses, 0, "{} is known to keep f16 subnormals", rt.info.name);
+    }
+}
+
 /// The tile kernel (int4 pages; subgroups and shader-f16) over random shapes it takes: head_dim,
 /// page size, value groups, query heads per KV head (odd and above 4 too), chunk lengths, flush
 /// periods and slacks, one raw pool buffer (the kernel reads the raw pages too) or several (the
@@ -376,11 +396,16 @@ fn quant_tile_attention_matches_reference() {
             f16_flush_tiles: 1 + rng.below(4),
             // Every third case the smallest workgroup the page allows (32 or 64 invocations).
             tile_wg: if seed_i % 3 == 1 { wgs[1] } else { wgs[rng.below(wgs.len() as u32) as usize] },
+            // Both code conversions where the device keeps f16 subnormals (mask alone, or
+            // exponent bits and a subtraction).
+            tile_subnormal_codes: seed_i % 2 == 0,
             ..Default::default()
         };
         let attn = pollster::block_on(Attention::new(rt, &pool, opts.clone())).unwrap_or_else(|e| panic!("{ctx0}: {e}"));
         let ctx0 = format!("{ctx0}, {opts:?}: {}", attn.describe());
         assert!(attn.f16_value_sums() && attn.int8_query_scores(), "{ctx0}");
+        let subnormal = pollster::block_on(rt.f16_subnormals()).unwrap_or_else(|e| panic!("{ctx0}: {e}"));
+        assert_eq!(attn.describe().contains("subnormal-codes"), subnormal && opts.tile_subnormal_codes, "{ctx0}");
         if attn.describe().contains("raw pages too") {
             assert_eq!(pool.n_buffers(), 1, "{ctx0}");
             fused += 1;
