@@ -55,9 +55,9 @@ pub struct AttendOptions {
     /// Tile kernel: invocations per workgroup, so tokens per tile: 32, 64 or 128, at least the
     /// page size; 0 picks [`TILE_WG`] (or the page size where that is larger).
     pub tile_wg: u32,
-    /// Tile kernel: the value codes become f16 by a mask alone, as subnormal f16, where the
-    /// device keeps f16 subnormals exactly ([`Runtime::f16_subnormals`]); false: through
-    /// exponent bits and a subtraction everywhere.
+    /// Tile kernel: where the device keeps f16 subnormals exactly ([`Runtime::f16_subnormals`]),
+    /// the value codes become the f16 code x 2^-20, half of them by a mask alone (subnormal
+    /// f16); false: 1024 + code or 64 + code through exponent bits, each minus its offset.
     pub tile_subnormal_codes: bool,
 }
 
@@ -243,7 +243,8 @@ struct QuantTile {
     /// Channels per fold item (`FC`): 8 where the subgroups span the d / 8 lanes of a page's
     /// fold reduction, else 16.
     fold_ch: u32,
-    /// The value codes become subnormal f16 by a mask alone (`DENORM`).
+    /// The value codes as the f16 code x 2^-20, half of them subnormal f16 by a mask alone
+    /// (`DENORM`).
     denorm: bool,
 }
 
