@@ -261,7 +261,7 @@ fn quant_tile_shared_bytes(group: u32, d: u32, p: u32, ng: u32, acc_shared: bool
     chunk + acc + q + q8 + ab + ps + red + 24
 }
 
-fn quant_tile_path(rt: &Runtime, pool: &KvPool, opts: &AttendOptions, subnormals: bool) -> Result<Option<QuantTile>> {
+fn quant_tile_path(rt: &Runtime, pool: &KvPool, opts: &AttendOptions, denorm: bool) -> Result<Option<QuantTile>> {
     let cfg = &pool.cfg;
     let env = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<u32>().ok());
     let wg = if opts.tile_wg == 0 { TILE_WG.max(cfg.page_size) } else { opts.tile_wg };
@@ -310,7 +310,6 @@ fn quant_tile_path(rt: &Runtime, pool: &KvPool, opts: &AttendOptions, subnormals
             // Each invocation sums at most flush x d / 8 terms, each below e^slack x 2^k x 15,
             // between moves into f32: the largest k that keeps that below 60000 (f16 max 65504).
             let terms = f64::from(flush * cfg.head_dim / 8) * 15.0 * f64::from(slack).exp();
-            let denorm = subnormals;
             // With the codes as code x 2^-20 (`DENORM`) each term is that times 2^-20, so the
             // bound is the f16 weights themselves, each below e^slack x 2^k.
             let k = if denorm {

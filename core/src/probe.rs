@@ -4,8 +4,8 @@
 //! `probe/f16_subnormal.wgsl` asks whether the device's f16 arithmetic keeps subnormals exactly
 //! (neither subnormal inputs nor subnormal results flushed to zero). WebGPU and Vulkan leave
 //! that to the implementation unless a shader asks (SPIR-V's `DenormPreserve`, which WGSL cannot
-//! express), so the tile kernel's mask-only code conversion (`DENORM`) runs only where this
-//! probe passes ([`crate::runtime::Runtime::f16_subnormals`]).
+//! express), so the tile kernel's subnormal value codes (`DENORM`: code x 2^-20, half of them
+//! by a mask alone) run only where this probe passes ([`crate::runtime::Runtime::f16_subnormals`]).
 
 use half::f16;
 
@@ -31,9 +31,13 @@ pub fn f16_subnormal_cases() -> Vec<[u32; 4]> {
 /// The exact results of one case: (low-nibble fma of half 0, of half 1, high-nibble fma of half
 /// 0, of half 1), as the kernel's masks reinterpret the code word.
 pub fn f16_subnormal_exact(c: [u32; 4]) -> [f64; 4] {
-    let h = |x: u32, half: usize| f64::from(f16::from_bits((x >> (16 * half)) as u16));
     let codes = [c[1] & 0x000f_000f, c[1] & 0x00f0_00f0];
-    std::array::from_fn(|i| h(c[0], i % 2) * h(codes[i / 2], i % 2) + h(c[2], i % 2))
+    std::array::from_fn(|i| f16_half(c[0], i % 2) * f16_half(codes[i / 2], i % 2) + f16_half(c[2], i % 2))
+}
+
+/// Half `half` (0: low bits) of a u32 as an f16's value.
+fn f16_half(x: u32, half: usize) -> f64 {
+    f64::from(f16::from_bits((x >> (16 * half)) as u16))
 }
 
 /// One unit in the last place of an f16 near `x` (2^-24 for subnormals).
@@ -73,8 +77,7 @@ mod tests {
         let round = |x: f64| f32::from(f16::from_f64(x));
         let exact: Vec<[f32; 4]> = cases.iter().map(|c| f16_subnormal_exact(*c).map(round)).collect();
         assert_eq!(f16_subnormal_misses(&cases, &exact), 0);
-        let h = |x: u32, half: usize| f64::from(f16::from_bits((x >> (16 * half)) as u16));
-        let inputs_flushed: Vec<[f32; 4]> = cases.iter().map(|c| [0, 1, 0, 1].map(|half| round(h(c[2], half as usize)))).collect();
+        let inputs_flushed: Vec<[f32; 4]> = cases.iter().map(|c| [0, 1, 0, 1].map(|half| round(f16_half(c[2], half)))).collect();
         assert_eq!(f16_subnormal_misses(&cases, &inputs_flushed), cases.len());
         let ftz = |x: f64| if x.abs() < 2f64.powi(-14) { 0.0 } else { x };
         let results_flushed: Vec<[f32; 4]> = cases.iter().map(|c| f16_subnormal_exact(*c).map(|x| round(ftz(x)))).collect();

@@ -1,10 +1,11 @@
-// Does this device's f16 arithmetic keep subnormals exactly? The tile kernel's value codes can
-// become f16 by a mask alone (`DENORM` in attend/split_quant_tile.wgsl): a 4-bit code in bits
-// 0..3 (or 4..7) of a 16-bit half is the subnormal f16 code x 2^-24 (or 2^-20), which only a
-// device that neither flushes subnormal inputs nor subnormal results computes with. Case i:
-// weights cases[i].x (two f16), a code word cases[i].y, an accumulator cases[i].z (two f16);
-// out[i] = (fma(weights, low-nibble codes, acc), fma(weights, high-nibble codes, acc)), the
-// same reinterpretation and packed multiply-add the kernel does. CPU side: `Runtime::f16_subnormals`.
+// Does this device's f16 arithmetic keep subnormals exactly? With `DENORM`
+// (attend/split_quant_tile.wgsl) the tile kernel's value codes are the f16 code x 2^-20: a
+// 4-bit code in bits 4..7 of a 16-bit half is that subnormal f16 as it lies (and one in bits
+// 0..3 is code x 2^-24), which only a device that flushes neither subnormal inputs nor
+// subnormal results computes with. Case i: weights cases[i].x (two f16), a code word
+// cases[i].y, an accumulator cases[i].z (two f16); out[i] = (fma(weights, bits 0..3 codes, acc),
+// fma(weights, bits 4..7 codes, acc)), the kernel's reinterpretation and packed multiply-add.
+// CPU side: `core::probe`, run by `Runtime::f16_subnormals`.
 enable f16;
 
 @group(0) @binding(0) var<storage, read> cases: array<vec4<u32>>;
