@@ -5,11 +5,13 @@
 //! (neither subnormal inputs nor subnormal results flushed to zero). WebGPU and Vulkan leave
 //! that to the implementation unless a shader asks (SPIR-V's `DenormPreserve`, which WGSL cannot
 //! express), so the tile kernel's subnormal value codes (`DENORM`: code x 2^-20, half of them
-//! by a mask alone) run only where this probe passes ([`crate::runtime::Runtime::f16_subnormals`]).
+//! by a mask alone, half as a subtraction's subnormal result) run only where this probe passes
+//! ([`crate::runtime::Runtime::f16_subnormals`]). The probe runs the kernel's own conversions.
 
 use half::f16;
 
-/// Cases of the probe: (two f16 weights, a code word, two f16 accumulators, unused). Weights
+/// Cases of the probe: (two f16 weights, a code word, two f16 accumulators, the exponent bits
+/// of 2^-10 in both halves, as the kernel's low-nibble conversion takes them). Weights
 /// from 2^-4 to about 2^11 and subnormal or small accumulators, so that some products are
 /// subnormal, some are normal results of subnormal inputs, and a flushed input or result moves
 /// the answer by several units in the last place.
@@ -23,16 +25,23 @@ pub fn f16_subnormal_cases() -> Vec<[u32; 4]> {
             let x = j.wrapping_mul(0x9e37_79b9) ^ 0x5a5a_5a5a;
             let codes = (0..8).fold(0u32, |acc, n| acc | ((1 + (x >> (4 * n)) % 15) << (4 * n)));
             let acc = pair(1 + (j % 7) as u16, f16::from_f64(f64::from(j % 5 + 1) * 2f64.powi(-13)).to_bits());
-            [weights, codes, acc, 0]
+            [weights, codes, acc, LOW_NIBBLE_BITS]
         })
         .collect()
 }
 
+/// The exponent bits of 2^-10 in both f16 halves: a low nibble under them is 2^-10 + code x
+/// 2^-20.
+const LOW_NIBBLE_BITS: u32 = 0x1400_1400;
+
 /// The exact results of one case: (low-nibble fma of half 0, of half 1, high-nibble fma of half
-/// 0, of half 1), as the kernel's masks reinterpret the code word.
+/// 0, of half 1), with the kernel's conversions: (low nibbles | exponent bits) - 2^-10, and the
+/// high nibbles as they lie (both code x 2^-20).
 pub fn f16_subnormal_exact(c: [u32; 4]) -> [f64; 4] {
-    let codes = [c[1] & 0x000f_000f, c[1] & 0x00f0_00f0];
-    std::array::from_fn(|i| f16_half(c[0], i % 2) * f16_half(codes[i / 2], i % 2) + f16_half(c[2], i % 2))
+    let code = |i: usize| {
+        if i < 2 { f16_half((c[1] & 0x000f_000f) | c[3], i) - 2f64.powi(-10) } else { f16_half(c[1] & 0x00f0_00f0, i % 2) }
+    };
+    std::array::from_fn(|i| f16_half(c[0], i % 2) * code(i) + f16_half(c[2], i % 2))
 }
 
 /// Half `half` (0: low bits) of a u32 as an f16's value.
@@ -70,7 +79,8 @@ mod tests {
     use super::*;
 
     /// The reference accepts exact f16 results and rejects what a flushing device computes:
-    /// subnormal inputs as zero (the sum is the accumulator), or subnormal results as zero.
+    /// subnormal inputs as zero (the sum is the accumulator), subnormal results as zero, or
+    /// only the low-nibble subtraction's subnormal result as zero.
     #[test]
     fn subnormal_reference_tells_keeping_from_flushing() {
         let cases = f16_subnormal_cases();
@@ -82,6 +92,14 @@ mod tests {
         let ftz = |x: f64| if x.abs() < 2f64.powi(-14) { 0.0 } else { x };
         let results_flushed: Vec<[f32; 4]> = cases.iter().map(|c| f16_subnormal_exact(*c).map(|x| round(ftz(x)))).collect();
         assert!(f16_subnormal_misses(&cases, &results_flushed) > cases.len() / 4);
+        let difference_flushed: Vec<[f32; 4]> = cases
+            .iter()
+            .map(|c| {
+                let e = f16_subnormal_exact(*c);
+                [round(f16_half(c[2], 0)), round(f16_half(c[2], 1)), round(e[2]), round(e[3])]
+            })
+            .collect();
+        assert_eq!(f16_subnormal_misses(&cases, &difference_flushed), cases.len());
         assert!(f16_subnormal_misses(&cases, &exact[1..]) > 0, "a short answer is a miss");
     }
 }
