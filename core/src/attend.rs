@@ -59,6 +59,10 @@ pub struct AttendOptions {
     /// the value codes become the f16 code x 2^-20, half of them by a mask alone (subnormal
     /// f16); false: 1024 + code or 64 + code through exponent bits, each minus its offset.
     pub tile_subnormal_codes: bool,
+    /// Tile kernel: the key codes' high nibbles read in place as signed bytes, 16 (code - 8)
+    /// (one logic instruction per code word instead of a shift and one), summed apart from the
+    /// low nibbles' products and joined once per token; false: shifted down like the low ones.
+    pub tile_signed_high_nibbles: bool,
 }
 
 impl Default for AttendOptions {
@@ -76,6 +80,7 @@ impl Default for AttendOptions {
             f16_flush_tiles: F16_FLUSH_TILES,
             tile_wg: 0,
             tile_subnormal_codes: true,
+            tile_signed_high_nibbles: true,
         }
     }
 }
@@ -246,6 +251,12 @@ struct QuantTile {
     /// The value codes as the f16 code x 2^-20, half of them subnormal f16 by a mask alone
     /// (`DENORM`).
     denorm: bool,
+    /// The key rows' high nibbles read in place as signed bytes (`KSIGNED`; a probe knob, on by
+    /// default).
+    ksigned: bool,
+    /// The probabilities written before the rescale's flag is read, one barrier per tile fewer
+    /// (`PS_EARLY`; a probe knob, on by default).
+    ps_early: bool,
 }
 
 /// Workgroup memory of the tile kernel at this shape (mirrors its declarations).
@@ -329,9 +340,28 @@ fn quant_tile_path(rt: &Runtime, pool: &KvPool, opts: &AttendOptions, denorm: bo
             let acc_shared = fits && env("EXPERTKV_TILE_ACC_SHARED") == Some(1);
             // EXPERTKV_TILE_VUNROLL=0 (hidden, for the H200 probes): the value loop left to the driver.
             let vunroll = env("EXPERTKV_TILE_VUNROLL") != Some(0);
+            // EXPERTKV_TILE_KSIGNED=0 (hidden, for the H200 probes): the high nibbles shifted down.
+            let ksigned = opts.tile_signed_high_nibbles && env("EXPERTKV_TILE_KSIGNED") != Some(0);
+            // EXPERTKV_TILE_PS_EARLY=0 (hidden, for the H200 probes): the probabilities behind a
+            // barrier of their own.
+            let ps_early = env("EXPERTKV_TILE_PS_EARLY") != Some(0);
             // EXPERTKV_TILE_FC=16 (hidden, for the H200 probes): 16 channels per fold item anyway.
             let fold_ch = if rt.caps.subgroup_min_size >= cfg.head_dim / 8 && env("EXPERTKV_TILE_FC") != Some(16) { 8 } else { 16 };
-            Ok(Some(QuantTile { ng: cfg.head_dim / vg, raw, slack, flush, k, acc_shared, ablate, wg, vunroll, fold_ch, denorm }))
+            Ok(Some(QuantTile {
+                ng: cfg.head_dim / vg,
+                raw,
+                slack,
+                flush,
+                k,
+                acc_shared,
+                ablate,
+                wg,
+                vunroll,
+                fold_ch,
+                denorm,
+                ksigned,
+                ps_early,
+            }))
         }
     }
 }
@@ -628,7 +658,9 @@ impl Attention {
                 &[&pool.geometry, &params, page_list, page_counts, &pool.page_meta, &pool.codec_kv, &queries, &partials, &scores],
             );
             Some((p, bg))
-        } else if let Some(QuantTile { ng, raw, slack, flush, k, acc_shared, ablate, wg, vunroll, fold_ch, denorm }) = quant_tile {
+        } else if let Some(QuantTile { ng, raw, slack, flush, k, acc_shared, ablate, wg, vunroll, fold_ch, denorm, ksigned, ps_early }) =
+            quant_tile
+        {
             let p = rt
                 .pipeline_with(
                     Kernel::AttendSplitQuantTile,
@@ -647,6 +679,8 @@ impl Attention {
                         ("VUNROLL", vunroll.to_string()),
                         ("FC", format!("{fold_ch}u")),
                         ("DENORM", denorm.to_string()),
+                        ("KSIGNED", ksigned.to_string()),
+                        ("PS_EARLY", ps_early.to_string()),
                     ],
                     &[],
                 )
@@ -716,13 +750,14 @@ impl Attention {
             ))
         } else if let Some(t) = quant_tile {
             Some(format!(
-                "quant-tile wg={} fold={} flush={} slack={} k={}{}{}{}{}{}",
+                "quant-tile wg={} fold={} flush={} slack={} k={}{}{}{}{}{}{}",
                 t.wg,
                 t.fold_ch,
                 t.flush,
                 t.slack,
                 t.k,
                 if t.denorm { " subnormal-codes" } else { "" },
+                if t.ksigned { " signed-high-nibbles" } else { "" },
                 if t.acc_shared { " acc-shared" } else { "" },
                 if t.raw { ", raw pages too" } else { "" },
                 if t.ablate != 0 { format!(" ABLATE={}", t.ablate) } else { String::new() },

@@ -127,9 +127,13 @@ fn quantised_tile_attention_validates_for_every_shape_knob() {
                 continue;
             }
             for (p, wg) in [(16u32, 128u32), (32, 128), (64, 128), (128, 128), (16, 32), (32, 32), (32, 64), (64, 64)] {
-                for (raw, flush, acc, vunroll, fc, denorm) in [(true, 1u32, true, false, 16u32, false), (false, 3, false, true, 8, true)] {
+                for (raw, flush, acc, vunroll, fc, denorm, ksigned) in
+                    [(true, 1u32, true, false, 16u32, false, false), (false, 3, false, true, 8, true, true)]
+                {
                     let defines = [
+                        ("PS_EARLY", ksigned.to_string()),
                         ("DENORM", denorm.to_string()),
+                        ("KSIGNED", ksigned.to_string()),
                         ("FC", format!("{fc}u")),
                         ("VUNROLL", vunroll.to_string()),
                         ("WG", format!("{wg}u")),

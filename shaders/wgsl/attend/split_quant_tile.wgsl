@@ -54,6 +54,8 @@ enable f16;
 //!define VUNROLL true
 //!define FC 16u
 //!define DENORM false
+//!define KSIGNED true
+//!define PS_EARLY true
 // GROUP: query heads per KV head. HEAD_DIM: d (32, 64 or 128). PAGE_SIZE: P (16..128, dividing
 // WG). NG: value groups per row (d / v_group, v_group a multiple of 8). FLUSH: tiles between
 // moves of the f16 sums into f32. RAW: also attend the raw pages of pool buffer 0 (the pool has
@@ -76,7 +78,14 @@ enable f16;
 // exponent is that subnormal f16), so half the conversions need no subtraction. Only where the
 // device's f16 arithmetic keeps subnormals exactly (the runtime's probe,
 // `Runtime::f16_subnormals`), and with the scale 2^K the host picks for it (then the f16
-// weights themselves bound K).
+// weights themselves bound K). KSIGNED: the key row's high nibbles (the odd channels) read in
+// place as signed bytes, (w ^ 0x80808080) & 0xf0f0f0f0 = 16 (code - 8), one logic instruction
+// where the shift down took two, summed apart from the low nibbles' and joined once per token
+// (a probe knob, on by default: off, the high nibbles are shifted down like the low ones).
+// PS_EARLY: the tile's probabilities go to workgroup memory before the rescale's flag is read,
+// so the flag's barrier also publishes them: one barrier per tile fewer. Where a reference
+// moves (rare), they are written again after the rescale, behind a barrier of their own (a
+// probe knob, on by default).
 
 const D4: u32 = HEAD_DIM / 4u;
 const RW: u32 = HEAD_DIM / 8u;        // code words per row (8 int4 codes each)
@@ -139,7 +148,7 @@ var<workgroup> codec_sh: atomic<u32>;
 var<workgroup> raw_sh: atomic<u32>;
 var<workgroup> slots_sh: u32;
 var<workgroup> raw_start_sh: u32;
-var<workgroup> magic_sh: vec2<u32>;  // the code conversions' exponent bits (see `magic`)
+var<workgroup> magic_sh: vec4<u32>;  // the code conversions' exponent bits, KSIGNED's sign bits (see `magic`)
 
 // A u32 as two f16 (low half first). WGSL's bitcast<vec2<f16>>(u32) is not in naga yet; this
 // round trip through f32 is exact, and compilers fold it to a plain reinterpretation.
@@ -289,6 +298,36 @@ fn acc_put(t: u32, a: array<vec2<f32>, GROUP * 4u>) {
     }
 }
 
+// This invocation's token's probabilities (against the references m_ref) into ps_sh: p times
+// its value scale and the f16 terms' scale, as f16 pairs per (value group, head quad); raw
+// tokens: p itself in f32, in group 0.
+fn put_probs(t: u32, p: array<f32, GROUP>, raw: bool, s_a: array<f32, NG>, sc16: array<f32, NG>) {
+    for (var g = 0u; g < NG; g++) {
+        for (var q = 0u; q < GQ; q++) {
+            var wv = vec4<u32>(0u);
+            for (var e = 0u; e < 4u; e++) {
+                let h = 4u * q + e;
+                if (h < GROUP) {
+                    if (raw) {
+                        wv[e] = select(0u, bitcast<u32>(p[h]), g == 0u);
+                    } else {
+                        wv[e] = pack2x16float(vec2<f32>(p[h] * s_a[g] * sc16[g]));
+                    }
+                }
+            }
+            ps_sh[(t * NG + g) * GQ + q] = wv;
+        }
+    }
+}
+
+fn probs(x: array<f32, GROUP>, m_ref: array<f32, GROUP>, valid: bool) -> array<f32, GROUP> {
+    var p: array<f32, GROUP>;
+    for (var h = 0u; h < GROUP; h++) {
+        p[h] = select(0.0, exp(x[h] - m_ref[h]), valid);
+    }
+    return p;
+}
+
 fn write_empty(seq: u32, kvh: u32, buffer: u32, chunk: u32, t: u32) {
     if (t < GROUP) {
         let o = partial_index(params, seq, kvh * GROUP + t, buffer, chunk) * partial_stride(HEAD_DIM);
@@ -315,7 +354,7 @@ fn main(
         atomicStore(&flag_sh, 0u);
         atomicStore(&codec_sh, 0u);
         atomicStore(&raw_sh, 0u);
-        magic_sh = vec2<u32>(select(0x64006400u, 0x14001400u, DENORM), 0x54005400u);
+        magic_sh = vec4<u32>(select(0x64006400u, 0x14001400u, DENORM), 0x54005400u, 0x80808080u, 0u);
     }
     let n_pages = workgroupUniformLoad(&count_sh);
     let first = chunk * params.chunk_pages;
@@ -391,7 +430,8 @@ fn main(
     // The exponent bits of the value codes' conversions, read from workgroup memory so that
     // they sit in a register the driver cannot see through: with both constants immediate, each
     // (w & mask) | bits took two logic instructions on an H200 (an instruction takes one
-    // immediate); from a register, one. 64 fewer instructions per tile, 2.5% of the time.
+    // immediate); from a register, one. 64 fewer instructions per tile, 2.5% of the time. The
+    // same for KSIGNED's (w ^ 0x80808080) & 0xf0f0f0f0 (magic.z).
     let magic = magic_sh;
     let ts = t / LPR;         // value phase: this invocation's token stream
     let db = t % LPR;         // value phase: its code word (dimensions 8 db .. 8 db + 7)
@@ -501,10 +541,16 @@ fn main(
                 q8e[v / 2u] |= (b.x | (b.z << 8u)) << sh;
                 q8o[v / 2u] |= (b.y | (b.w << 8u)) << sh;
                 let iv = bitcast<vec4<i32>>(x - vec4<u32>(0x4b400000u));
-                qsum += iv.x + iv.y + iv.z + iv.w;
+                if (KSIGNED) {
+                    qsum += iv.x + iv.z;
+                } else {
+                    qsum += iv.x + iv.y + iv.z + iv.w;
+                }
             }
             // Score = alpha * q8 . code + q . min + 8 (sum q * scale - alpha * sum q8), which is
-            // the reference's alpha * q8 . (code - 8) + q . min + 8 sum q * scale.
+            // the reference's alpha * q8 . (code - 8) + q . min + 8 sum q * scale. With KSIGNED
+            // the odd channels' products come as 16 q8 (code - 8): the sum is over the even
+            // channels alone, and alpha / 16 multiplies 16 times the sums.
             bias += 8.0 * (fsum - alpha * f32(qsum));
             for (var mask = 1u; mask < NSL; mask = mask * 2u) {
                 bias += subgroupShuffleXor(bias, mask);
@@ -516,7 +562,7 @@ fn main(
                     q8_sh[idx][2u * (h % 2u) + 1u] = q8o[w];
                 }
                 if (sl == 0u) {
-                    ab_sh[pi * GROUP + h] = vec2<f32>(alpha, bias);
+                    ab_sh[pi * GROUP + h] = vec2<f32>(select(alpha, alpha * 0.0625, KSIGNED), bias);
                 }
             }
         }
@@ -543,28 +589,55 @@ fn main(
                 }
             } else {
                 var isum: array<i32, GROUP>;
+                var ihi: array<i32, GROUP>;  // KSIGNED: the odd channels' 16 q8 (code - 8)
                 for (var h = 0u; h < GROUP; h++) {
                     isum[h] = 0;
+                    ihi[h] = 0;
                 }
                 for (var i = 0u; i < select(RW4, 0u, (ABLATE & 2u) != 0u); i++) {
-                    for (var e = 0u; e < 4u; e++) {
-                        let w = kw[i][e];
-                        let lo = w & 0x0f0f0f0fu;
-                        let hi = (w >> 4u) & 0x0f0f0f0fu;
-                        for (var hp = 0u; hp < GP; hp++) {
-                            let qv = q8_sh[p_in * QPS + (4u * i + e) * GP + hp];
-                            // (Each product added on its own, `s = dot4I8Packed(a, b) + s`, compiles to
-                            // the same IDP with a zero accumulator and an add on an H200.)
-                            isum[2u * hp] += dot4I8Packed(qv.x, lo) + dot4I8Packed(qv.y, hi);
-                            if (2u * hp + 1u < GROUP) {
-                                isum[2u * hp + 1u] += dot4I8Packed(qv.z, lo) + dot4I8Packed(qv.w, hi);
+                    if (KSIGNED) {
+                        // Two code words at a time, so that each sum takes one add of two products.
+                        for (var e = 0u; e < 4u; e += 2u) {
+                            let w0 = kw[i][e];
+                            let w1 = kw[i][e + 1u];
+                            let lo0 = w0 & 0x0f0f0f0fu;
+                            let lo1 = w1 & 0x0f0f0f0fu;
+                            let hi0 = (w0 ^ magic.z) & 0xf0f0f0f0u;
+                            let hi1 = (w1 ^ magic.z) & 0xf0f0f0f0u;
+                            for (var hp = 0u; hp < GP; hp++) {
+                                let q0 = q8_sh[p_in * QPS + (4u * i + e) * GP + hp];
+                                let q1 = q8_sh[p_in * QPS + (4u * i + e + 1u) * GP + hp];
+                                isum[2u * hp] += dot4I8Packed(q0.x, lo0) + dot4I8Packed(q1.x, lo1);
+                                ihi[2u * hp] += dot4I8Packed(q0.y, hi0) + dot4I8Packed(q1.y, hi1);
+                                if (2u * hp + 1u < GROUP) {
+                                    isum[2u * hp + 1u] += dot4I8Packed(q0.z, lo0) + dot4I8Packed(q1.z, lo1);
+                                    ihi[2u * hp + 1u] += dot4I8Packed(q0.w, hi0) + dot4I8Packed(q1.w, hi1);
+                                }
+                            }
+                        }
+                    } else {
+                        for (var e = 0u; e < 4u; e++) {
+                            let w = kw[i][e];
+                            let lo = w & 0x0f0f0f0fu;
+                            let hi = (w >> 4u) & 0x0f0f0f0fu;
+                            for (var hp = 0u; hp < GP; hp++) {
+                                let qv = q8_sh[p_in * QPS + (4u * i + e) * GP + hp];
+                                // (Each product added on its own, `s = dot4I8Packed(a, b) + s`, compiles to
+                                // the same IDP with a zero accumulator and an add on an H200.)
+                                isum[2u * hp] += dot4I8Packed(qv.x, lo) + dot4I8Packed(qv.y, hi);
+                                if (2u * hp + 1u < GROUP) {
+                                    isum[2u * hp + 1u] += dot4I8Packed(qv.z, lo) + dot4I8Packed(qv.w, hi);
+                                }
                             }
                         }
                     }
                 }
                 for (var h = 0u; h < GROUP; h++) {
                     let ab = ab_sh[p_in * GROUP + h];
-                    x[h] = ab.x * f32(isum[h]) + ab.y;
+                    // KSIGNED: 16 (q8 . code) over the even channels plus the odd ones' sum, exact
+                    // in i32 (below 2^21) and in f32.
+                    let s = select(isum[h], (isum[h] << 4u) + ihi[h], KSIGNED);
+                    x[h] = ab.x * f32(s) + ab.y;
                 }
             }
             if (params.write_scores != 0u) {
@@ -585,6 +658,12 @@ fn main(
         }
         if (subgroupAny(need) && sg_lane == 0u) {
             atomicOr(&flag_sh, 1u);
+        }
+        let raw_p = RAW && raw_a;
+        var p: array<f32, GROUP>;
+        if (PS_EARLY) {
+            p = probs(x, m_ref, valid);
+            put_probs(t, p, raw_p, s_a, sc16);
         }
         if (workgroupUniformLoad(&flag_sh) != 0u) {
             // Some reference moves: the tile's maxima over the workgroup, then the sums so far are
@@ -641,33 +720,35 @@ fn main(
                 }
                 sc16[g] = select(0.0, KSCALE / s_ref[g], s_ref[g] > 0.0);
             }
-        }
-
-        // Probabilities against the (possibly moved) references.
-        var p: array<f32, GROUP>;
-        for (var h = 0u; h < GROUP; h++) {
-            p[h] = select(0.0, exp(x[h] - m_ref[h]), valid);
-            lsum[h] += p[h];
-        }
-        for (var g = 0u; g < NG; g++) {
-            let mins = unpack2x16float(vprm[g]).x;
-            for (var q = 0u; q < GQ; q++) {
-                var wv = vec4<u32>(0u);
-                for (var e = 0u; e < 4u; e++) {
-                    let h = 4u * q + e;
-                    if (h < GROUP) {
-                        if (RAW && raw_a) {
-                            wv[e] = select(0u, bitcast<u32>(p[h]), g == 0u);
-                        } else {
-                            minacc[h * NG + g] += p[h] * mins;
-                            wv[e] = pack2x16float(vec2<f32>(p[h] * s_a[g] * sc16[g]));
-                        }
-                    }
-                }
-                ps_sh[(t * NG + g) * GQ + q] = wv;
+            if (PS_EARLY) {
+                // The early probabilities were against the old references: again, behind a
+                // barrier (every invocation is here).
+                p = probs(x, m_ref, valid);
+                put_probs(t, p, raw_p, s_a, sc16);
+                workgroupBarrier();
             }
         }
-        workgroupBarrier();
+
+        // Probabilities against the (possibly moved) references: into this invocation's sums,
+        // and (unless PS_EARLY wrote them already) into workgroup memory.
+        if (!PS_EARLY) {
+            p = probs(x, m_ref, valid);
+        }
+        for (var h = 0u; h < GROUP; h++) {
+            lsum[h] += p[h];
+        }
+        if (!raw_p) {
+            for (var g = 0u; g < NG; g++) {
+                let mins = unpack2x16float(vprm[g]).x;
+                for (var h = 0u; h < GROUP; h++) {
+                    minacc[h * NG + g] += p[h] * mins;
+                }
+            }
+        }
+        if (!PS_EARLY) {
+            put_probs(t, p, raw_p, s_a, sc16);
+            workgroupBarrier();
+        }
 
         // Values: this invocation's code word of TPL tokens.
         if (tile_raw) {

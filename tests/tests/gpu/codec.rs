@@ -399,6 +399,8 @@ fn quant_tile_attention_matches_reference() {
             // Both code conversions where the device keeps f16 subnormals (mask alone, or
             // exponent bits and a subtraction).
             tile_subnormal_codes: seed_i % 2 == 0,
+            // Both readings of the key codes' high nibbles, in every pairing with the above.
+            tile_signed_high_nibbles: seed_i % 4 < 2,
             ..Default::default()
         };
         let attn = pollster::block_on(Attention::new(rt, &pool, opts.clone())).unwrap_or_else(|e| panic!("{ctx0}: {e}"));
@@ -406,6 +408,7 @@ fn quant_tile_attention_matches_reference() {
         assert!(attn.f16_value_sums() && attn.int8_query_scores(), "{ctx0}");
         let subnormal = pollster::block_on(rt.f16_subnormals()).unwrap_or_else(|e| panic!("{ctx0}: {e}"));
         assert_eq!(attn.describe().contains("subnormal-codes"), subnormal && opts.tile_subnormal_codes, "{ctx0}");
+        assert_eq!(attn.describe().contains("signed-high-nibbles"), opts.tile_signed_high_nibbles, "{ctx0}");
         if attn.describe().contains("raw pages too") {
             assert_eq!(pool.n_buffers(), 1, "{ctx0}");
             fused += 1;
