@@ -63,6 +63,10 @@ pub struct AttendOptions {
     /// (one logic instruction per code word instead of a shift and one), summed apart from the
     /// low nibbles' products and joined once per token; false: shifted down like the low ones.
     pub tile_signed_high_nibbles: bool,
+    /// Tile kernel: each tile's probabilities go to workgroup memory before the rescale's flag
+    /// is read, so the flag's barrier publishes them (one barrier per tile fewer; written again
+    /// after a rescale); false: written after the rescale, behind a barrier of their own.
+    pub tile_early_probs: bool,
 }
 
 impl Default for AttendOptions {
@@ -81,6 +85,7 @@ impl Default for AttendOptions {
             tile_wg: 0,
             tile_subnormal_codes: true,
             tile_signed_high_nibbles: true,
+            tile_early_probs: true,
         }
     }
 }
@@ -255,7 +260,7 @@ struct QuantTile {
     /// default).
     ksigned: bool,
     /// The probabilities written before the rescale's flag is read, one barrier per tile fewer
-    /// (`PS_EARLY`; a probe knob, on by default).
+    /// (`PS_EARLY`).
     ps_early: bool,
 }
 
@@ -344,7 +349,7 @@ fn quant_tile_path(rt: &Runtime, pool: &KvPool, opts: &AttendOptions, denorm: bo
             let ksigned = opts.tile_signed_high_nibbles && env("EXPERTKV_TILE_KSIGNED") != Some(0);
             // EXPERTKV_TILE_PS_EARLY=0 (hidden, for the H200 probes): the probabilities behind a
             // barrier of their own.
-            let ps_early = env("EXPERTKV_TILE_PS_EARLY") != Some(0);
+            let ps_early = opts.tile_early_probs && env("EXPERTKV_TILE_PS_EARLY") != Some(0);
             // EXPERTKV_TILE_FC=16 (hidden, for the H200 probes): 16 channels per fold item anyway.
             let fold_ch = if rt.caps.subgroup_min_size >= cfg.head_dim / 8 && env("EXPERTKV_TILE_FC") != Some(16) { 8 } else { 16 };
             Ok(Some(QuantTile {
@@ -750,7 +755,7 @@ impl Attention {
             ))
         } else if let Some(t) = quant_tile {
             Some(format!(
-                "quant-tile wg={} fold={} flush={} slack={} k={}{}{}{}{}{}{}",
+                "quant-tile wg={} fold={} flush={} slack={} k={}{}{}{}{}{}{}{}",
                 t.wg,
                 t.fold_ch,
                 t.flush,
@@ -758,6 +763,7 @@ impl Attention {
                 t.k,
                 if t.denorm { " subnormal-codes" } else { "" },
                 if t.ksigned { " signed-high-nibbles" } else { "" },
+                if t.ps_early { " early-probs" } else { "" },
                 if t.acc_shared { " acc-shared" } else { "" },
                 if t.raw { ", raw pages too" } else { "" },
                 if t.ablate != 0 { format!(" ABLATE={}", t.ablate) } else { String::new() },

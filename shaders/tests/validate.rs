@@ -127,11 +127,15 @@ fn quantised_tile_attention_validates_for_every_shape_knob() {
                 continue;
             }
             for (p, wg) in [(16u32, 128u32), (32, 128), (64, 128), (128, 128), (16, 32), (32, 32), (32, 64), (64, 64)] {
-                for (raw, flush, acc, vunroll, fc, denorm, ksigned) in
-                    [(true, 1u32, true, false, 16u32, false, false), (false, 3, false, true, 8, true, true)]
-                {
+                // KSIGNED and PS_EARLY in all four pairings, the defaults (both on) among them.
+                for (raw, flush, acc, vunroll, fc, denorm, ksigned, ps_early) in [
+                    (true, 1u32, true, false, 16u32, false, false, false),
+                    (false, 3, false, true, 8, true, true, true),
+                    (true, 2, false, true, 8, true, true, false),
+                    (false, 1, true, false, 16, false, false, true),
+                ] {
                     let defines = [
-                        ("PS_EARLY", ksigned.to_string()),
+                        ("PS_EARLY", ps_early.to_string()),
                         ("DENORM", denorm.to_string()),
                         ("KSIGNED", ksigned.to_string()),
                         ("FC", format!("{fc}u")),

@@ -81,11 +81,11 @@ enable f16;
 // weights themselves bound K). KSIGNED: the key row's high nibbles (the odd channels) read in
 // place as signed bytes, (w ^ 0x80808080) & 0xf0f0f0f0 = 16 (code - 8), one logic instruction
 // where the shift down took two, summed apart from the low nibbles' and joined once per token
-// (a probe knob, on by default: off, the high nibbles are shifted down like the low ones).
+// (on by default; off, the high nibbles are shifted down like the low ones).
 // PS_EARLY: the tile's probabilities go to workgroup memory before the rescale's flag is read,
 // so the flag's barrier also publishes them: one barrier per tile fewer. Where a reference
-// moves (rare), they are written again after the rescale, behind a barrier of their own (a
-// probe knob, on by default).
+// moves (rare), they are written again after the rescale, behind a barrier of their own (on by
+// default; off, they are written once, after the rescale, behind a barrier of their own).
 
 const D4: u32 = HEAD_DIM / 4u;
 const RW: u32 = HEAD_DIM / 8u;        // code words per row (8 int4 codes each)
@@ -562,6 +562,9 @@ fn main(
                     q8_sh[idx][2u * (h % 2u) + 1u] = q8o[w];
                 }
                 if (sl == 0u) {
+                    // (With KSIGNED, alpha / 16 is an f32 subnormal for E below -116: a page whose
+                    // |q * scale| are all below 2^-116, whose code term, below 1e-33, a device
+                    // that flushes f32 subnormals drops.)
                     ab_sh[pi * GROUP + h] = vec2<f32>(select(alpha, alpha * 0.0625, KSIGNED), bias);
                 }
             }
@@ -635,7 +638,7 @@ fn main(
                 for (var h = 0u; h < GROUP; h++) {
                     let ab = ab_sh[p_in * GROUP + h];
                     // KSIGNED: 16 (q8 . code) over the even channels plus the odd ones' sum, exact
-                    // in i32 (below 2^21) and in f32.
+                    // in i32 and in f32 (below 2^22: 16 x 64 x 127 x 15 plus 64 x 127 x 128).
                     let s = select(isum[h], (isum[h] << 4u) + ihi[h], KSIGNED);
                     x[h] = ab.x * f32(s) + ab.y;
                 }
@@ -847,7 +850,9 @@ fn main(
             }
         }
         if (t == 0u) {
-            // Every invocation read the flag before the barrier above.
+            // Every invocation has read the flag: where it was set, barriers followed the read
+            // (the rescale's); elsewhere it is 0 already. The next tile's atomicOr come after its
+            // fold barrier.
             atomicStore(&flag_sh, 0u);
         }
     }

@@ -401,6 +401,9 @@ fn quant_tile_attention_matches_reference() {
             tile_subnormal_codes: seed_i % 2 == 0,
             // Both readings of the key codes' high nibbles, in every pairing with the above.
             tile_signed_high_nibbles: seed_i % 4 < 2,
+            // Both places of the probabilities' write (before the rescale flag's barrier, or
+            // after the rescale behind a barrier of their own), in every pairing with the above.
+            tile_early_probs: seed_i % 8 < 4,
             ..Default::default()
         };
         let attn = pollster::block_on(Attention::new(rt, &pool, opts.clone())).unwrap_or_else(|e| panic!("{ctx0}: {e}"));
@@ -408,7 +411,9 @@ fn quant_tile_attention_matches_reference() {
         assert!(attn.f16_value_sums() && attn.int8_query_scores(), "{ctx0}");
         let subnormal = pollster::block_on(rt.f16_subnormals()).unwrap_or_else(|e| panic!("{ctx0}: {e}"));
         assert_eq!(attn.describe().contains("subnormal-codes"), subnormal && opts.tile_subnormal_codes, "{ctx0}");
+        // (The hidden probe knobs EXPERTKV_TILE_KSIGNED / _PS_EARLY = 0 would turn these off.)
         assert_eq!(attn.describe().contains("signed-high-nibbles"), opts.tile_signed_high_nibbles, "{ctx0}");
+        assert_eq!(attn.describe().contains("early-probs"), opts.tile_early_probs, "{ctx0}");
         if attn.describe().contains("raw pages too") {
             assert_eq!(pool.n_buffers(), 1, "{ctx0}");
             fused += 1;
