@@ -256,8 +256,7 @@ struct QuantTile {
     /// The value codes as the f16 code x 2^-20, half of them subnormal f16 by a mask alone
     /// (`DENORM`).
     denorm: bool,
-    /// The key rows' high nibbles read in place as signed bytes (`KSIGNED`; a probe knob, on by
-    /// default).
+    /// The key rows' high nibbles read in place as signed bytes (`KSIGNED`).
     ksigned: bool,
     /// The probabilities written before the rescale's flag is read, one barrier per tile fewer
     /// (`PS_EARLY`).

@@ -85,7 +85,7 @@ enable f16;
 // PS_EARLY: the tile's probabilities go to workgroup memory before the rescale's flag is read,
 // so the flag's barrier also publishes them: one barrier per tile fewer. Where a reference
 // moves (rare), they are written again after the rescale, behind a barrier of their own (on by
-// default; off, they are written once, after the rescale, behind a barrier of their own).
+// default; off, once per tile, after any rescale, behind a barrier of their own).
 
 const D4: u32 = HEAD_DIM / 4u;
 const RW: u32 = HEAD_DIM / 8u;        // code words per row (8 int4 codes each)
@@ -851,8 +851,8 @@ fn main(
         }
         if (t == 0u) {
             // Every invocation has read the flag: where it was set, barriers followed the read
-            // (the rescale's); elsewhere it is 0 already. The next tile's atomicOr come after its
-            // fold barrier.
+            // (the rescale's); elsewhere it is 0 already. The next tile's atomicOr calls come after
+            // its fold barrier.
             atomicStore(&flag_sh, 0u);
         }
     }
