@@ -1,6 +1,7 @@
 //! The GPU runtime: adapter choice, device with the adapter's own limits, a capability tier,
 //! pipelines built inside error scopes, device loss as an explicit state, readbacks.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -162,6 +163,19 @@ pub struct Runtime {
     health: Arc<Mutex<Health>>,
     /// What `probe/f16_subnormal.wgsl` found, once asked ([`Runtime::f16_subnormals`]).
     f16_subnormals: std::sync::OnceLock<bool>,
+    /// Every pipeline built so far, by what built it: a kernel asked for again (another pool,
+    /// router or model on this device) is not compiled again.
+    pipelines: Mutex<HashMap<PipelineKey, wgpu::ComputePipeline>>,
+}
+
+/// What makes two pipelines the same: the kernel's resolved text (its defines included), entry
+/// point, `override` constants and whether it runs without bounds checks.
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct PipelineKey {
+    entry: &'static str,
+    text: String,
+    constants: Vec<(String, u64)>,
+    unchecked: bool,
 }
 
 fn rank(t: wgpu::DeviceType) -> u32 {
@@ -321,7 +335,20 @@ impl Runtime {
         };
         let tier = if subgroups { Tier::Subgroups } else { Tier::Baseline };
         let checks = if cfg!(target_arch = "wasm32") { ShaderChecks::Checked } else { checks };
-        Ok(Runtime { instance, adapter, device, queue, info, limits, caps, tier, checks, health, f16_subnormals: Default::default() })
+        Ok(Runtime {
+            instance,
+            adapter,
+            device,
+            queue,
+            info,
+            limits,
+            caps,
+            tier,
+            checks,
+            health,
+            f16_subnormals: Default::default(),
+            pipelines: Default::default(),
+        })
     }
 
     /// Err if the device was lost or an error escaped every error scope since the last check.
@@ -410,9 +437,19 @@ impl Runtime {
         if kernel.needs_f16() && !self.caps.f16 {
             return Err(Error::Pipeline { kernel: kernel.label(), message: "needs shader-f16, which this device lacks".into() });
         }
+        let unchecked = self.checks == ShaderChecks::TrustedTested && kernel.may_run_unchecked();
+        let key = PipelineKey {
+            entry: kernel.entry_point(),
+            text,
+            constants: constants.iter().map(|(n, v)| ((*n).to_string(), v.to_bits())).collect(),
+            unchecked,
+        };
+        if let Some(p) = self.pipelines.lock().ok().and_then(|m| m.get(&key).cloned()) {
+            return Ok(p);
+        }
         let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
-        let desc = wgpu::ShaderModuleDescriptor { label: Some(kernel.label()), source: wgpu::ShaderSource::Wgsl(text.into()) };
-        let module = if self.checks == ShaderChecks::TrustedTested && kernel.may_run_unchecked() {
+        let desc = wgpu::ShaderModuleDescriptor { label: Some(kernel.label()), source: wgpu::ShaderSource::Wgsl(key.text.as_str().into()) };
+        let module = if unchecked {
             // SAFETY: `may_run_unchecked` lists only kernels whose every index the GPU-vs-CPU
             // tests exercise (tests/tests/gpu) over random shapes, in both check modes.
             unsafe { self.device.create_shader_module_trusted(desc, wgpu::ShaderRuntimeChecks::unchecked()) }
@@ -429,6 +466,9 @@ impl Runtime {
         });
         if let Some(e) = scope.pop().await {
             return Err(Error::Pipeline { kernel: kernel.label(), message: e.to_string() });
+        }
+        if let Ok(mut m) = self.pipelines.lock() {
+            m.insert(key, pipeline.clone());
         }
         Ok(pipeline)
     }
