@@ -4,6 +4,7 @@
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
+use expertkv_core::gguf::GgmlType;
 use expertkv_core::model::SyntheticModel;
 
 #[derive(Args)]
@@ -35,6 +36,9 @@ pub struct SynthArgs {
     context: u32,
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// How the matrices are stored: f32, q8_0 or q4_1 (norms stay F32).
+    #[arg(long, default_value = "f32")]
+    weights: String,
 }
 
 pub fn run(a: &SynthArgs) -> Result<()> {
@@ -57,6 +61,12 @@ pub fn run(a: &SynthArgs) -> Result<()> {
     if floats > 1 << 30 {
         bail!("{floats} FFN weights (4 bytes each) is more than this command writes (2^30)");
     }
+    let weights = match a.weights.to_ascii_lowercase().as_str() {
+        "f32" => GgmlType::F32,
+        "q8_0" => GgmlType::Q8_0,
+        "q4_1" => GgmlType::Q4_1,
+        other => bail!("--weights {other}: expected f32, q8_0 or q4_1"),
+    };
     let m = SyntheticModel {
         layers: a.layers,
         hidden: a.hidden,
@@ -68,20 +78,21 @@ pub fn run(a: &SynthArgs) -> Result<()> {
         identical_experts: false,
         context: a.context,
         seed: a.seed,
+        weights,
     };
     let t0 = std::time::Instant::now();
     let bytes = m.gguf();
     std::fs::write(&a.out, &bytes).with_context(|| format!("writing {}", a.out.display()))?;
     let ffn = if a.experts == 0 { format!("dense FFN {}", a.ffn) } else { format!("{} experts of {}, top-{}", a.experts, a.ffn, a.top_k) };
     println!(
-        "wrote {} ({:.1} MiB, {:.2} s): {} layers, hidden {}, {}/{} heads, {ffn}, random F32 weights, byte-level vocabulary of 256",
+        "wrote {} ({:.1} MiB, {:.2} s): {} layers, hidden {}, {}/{} heads, {ffn}, random {weights} weights, byte-level vocabulary of 256",
         a.out.display(),
         bytes.len() as f64 / (1u64 << 20) as f64,
         t0.elapsed().as_secs_f64(),
         a.layers,
         a.hidden,
         a.heads,
-        a.kv_heads
+        a.kv_heads,
     );
     Ok(())
 }

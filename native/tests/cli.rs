@@ -29,10 +29,11 @@ const SMALL: &[&str] = &["--seqs", "2", "--layers", "2", "--prompt", "64", "--st
 fn sweep_prints_the_scheduler_and_codec_tables() {
     let dir = tmp("plots");
     let mut args =
-        vec!["sweep", "--schedulers", "h2o,none", "--budgets", "50%", "--codecs", "none,int4", "--plot", dir.to_str().expect("path")];
+        vec!["sweep", "--schedulers", "h2o,quest,none", "--budgets", "50%", "--codecs", "none,int4", "--plot", dir.to_str().expect("path")];
     args.extend(SMALL);
     let out = ok(&args);
     assert!(out.contains("| topk | h2o | 50% | none |"), "{out}");
+    assert!(out.contains("| topk | quest | 50% | none |"), "QUEST's row missing:\n{out}");
     assert!(out.contains("| int4:group=32 |"), "codec table missing:\n{out}");
     for name in ["quality_vs_bytes.png", "quality_vs_time.png"] {
         let png = std::fs::read(dir.join(name)).expect("plot written");
@@ -73,20 +74,20 @@ fn plan_predicts_and_chooses() {
     assert!(out.contains("plan: codec none at budget 25%"), "{out}");
 }
 
+/// `eval` per scheduler and per MoEfication on a dense file (a synthetic one in llama.cpp's
+/// layout with Q4_1 matrices; the trained model's quality is checked in the GPU tests).
 #[test]
-fn eval_scores_the_real_model_per_scheduler() {
-    let dir = std::env::var("EXPERTKV_MODELS_DIR").unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../models").into());
-    let model = std::path::Path::new(&dir).join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    if !model.exists() {
-        assert!(std::env::var("EXPERTKV_REQUIRE_MODEL").is_err(), "{} is missing (scripts/fetch_model.sh)", model.display());
-        println!("skipped: {} is missing", model.display());
-        return;
-    }
+fn eval_scores_a_model_per_scheduler() {
+    use expertkv_core::gguf::GgmlType;
+    use expertkv_core::model::SyntheticModel;
+    let path = tmp("eval-dense.gguf");
+    std::fs::write(&path, SyntheticModel::dense(9).with_weights(GgmlType::Q4_1).gguf()).expect("write the model");
+    let model = path.to_str().expect("utf-8 path");
     let plots = tmp("eval_plots");
     let out = ok(&[
         "eval",
         "--model",
-        model.to_str().expect("utf-8 path"),
+        model,
         "--tokens",
         "20",
         "--schedulers",
@@ -119,14 +120,14 @@ fn eval_scores_the_real_model_per_scheduler() {
     assert_eq!(full["scheduler"], "none");
     assert_eq!(full["greedy_agreement"], 1.0);
     let ppl = full["perplexity"].as_f64().expect("perplexity");
-    assert!(ppl > 1.0 && ppl < 1000.0, "{ppl}");
+    assert!(ppl.is_finite() && ppl > 1.0, "{ppl}");
     assert!((moe_ppl - ppl).abs() <= 0.01 * ppl, "k = E: {moe_ppl} against dense {ppl}");
     assert!(moe["greedy_agreement"].as_f64().expect("agreement") > 0.9, "{out}");
     assert!(h2o["perplexity"].as_f64().expect("perplexity").is_finite());
     assert!(h2o["kv_bytes"].as_u64() < full["kv_bytes"].as_u64(), "H2O at 16 of 20 tokens holds fewer pages: {out}");
     assert!(plots.join("perplexity_vs_bytes.png").metadata().expect("plot written").len() > 1000);
     // A MoEfication that cannot be is refused by name.
-    let o = expertkv(&["eval", "--model", model.to_str().expect("utf-8 path"), "--moe", "2:3"]);
+    let o = expertkv(&["eval", "--model", model, "--moe", "2:3"]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("--moe") && !err.contains("panicked"), "{err}");
 }

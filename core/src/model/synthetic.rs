@@ -6,7 +6,9 @@
 //! name, so two files of one seed share every tensor they both have: a dense file and a MoE file
 //! whose experts are all copies of the dense FFN ([`SyntheticModel::identical_experts`]) differ in
 //! the FFN's layout only, and since the chosen experts' weights sum to 1, in nothing they compute.
-//! All tensors are F32; the tokenizer is byte-level BPE over the 256 byte tokens, no merges.
+//! Norms are F32; the matrices are F32 or, like trained files, Q8_0 or Q4_1 blocks quantised
+//! from the same draws ([`SyntheticModel::weights`]). The tokenizer is byte-level BPE over the
+//! 256 byte tokens, no merges.
 
 use crate::digest::{FNV_OFFSET, fnv1a};
 use crate::gguf::GgmlType;
@@ -31,6 +33,9 @@ pub struct SyntheticModel {
     pub identical_experts: bool,
     pub context: u32,
     pub seed: u64,
+    /// How the matrices (embedding, attention, FFN, experts; not the router) are stored: F32,
+    /// Q8_0 or Q4_1.
+    pub weights: GgmlType,
 }
 
 impl SyntheticModel {
@@ -47,7 +52,13 @@ impl SyntheticModel {
             identical_experts: false,
             context: 256,
             seed,
+            weights: GgmlType::F32,
         }
+    }
+
+    /// The same model with its matrices stored as `weights` (F32, Q8_0 or Q4_1).
+    pub fn with_weights(self, weights: GgmlType) -> Self {
+        SyntheticModel { weights, ..self }
     }
 
     /// [`SyntheticModel::dense`]'s shape with `experts` experts of 96 neurons, `top_k` used.
@@ -87,17 +98,21 @@ impl SyntheticModel {
             let mut rng = Rng::new(seed ^ fnv1a(FNV_OFFSET, name.as_bytes()));
             (0..n).map(|_| rng.normal() as f32 * scale).collect()
         };
-        let mat = |w: &mut GgufWriter, name: &str, dims: &[u64], data: Vec<f32>| {
+        let f32s = |w: &mut GgufWriter, name: &str, dims: &[u64], data: Vec<f32>| {
             w.tensor(name, dims, GgmlType::F32, data.iter().flat_map(|v| v.to_le_bytes()).collect());
+        };
+        let format = self.weights;
+        let mat = |w: &mut GgufWriter, name: &str, dims: &[u64], data: Vec<f32>| {
+            w.tensor(name, dims, format, quantize(format, &data));
         };
         let fan = |n: u64| 1.0 / (n as f32).sqrt();
         mat(&mut w, "token_embd.weight", &[h, vocab], draw("token_embd.weight", h * vocab, 1.0));
         let gain = |name: &str| draw(name, h, 0.1).into_iter().map(|g| 1.0 + g).collect::<Vec<f32>>();
-        mat(&mut w, "output_norm.weight", &[h], gain("output_norm.weight"));
+        f32s(&mut w, "output_norm.weight", &[h], gain("output_norm.weight"));
         for l in 0..self.layers {
             let n = |s: &str| format!("blk.{l}.{s}.weight");
-            mat(&mut w, &n("attn_norm"), &[h], gain(&n("attn_norm")));
-            mat(&mut w, &n("ffn_norm"), &[h], gain(&n("ffn_norm")));
+            f32s(&mut w, &n("attn_norm"), &[h], gain(&n("attn_norm")));
+            f32s(&mut w, &n("ffn_norm"), &[h], gain(&n("ffn_norm")));
             // Larger query and key weights than 1/sqrt(fan-in), so that attention is not uniform.
             mat(&mut w, &n("attn_q"), &[h, q], draw(&n("attn_q"), h * q, 3.0 * fan(h)));
             mat(&mut w, &n("attn_k"), &[h, kv], draw(&n("attn_k"), h * kv, 3.0 * fan(h)));
@@ -110,7 +125,7 @@ impl SyntheticModel {
                 continue;
             }
             // The router's logits spread by several units, so the top k stand clear of the rest.
-            mat(&mut w, &n("ffn_gate_inp"), &[h, e], draw(&n("ffn_gate_inp"), h * e, 0.5));
+            f32s(&mut w, &n("ffn_gate_inp"), &[h, e], draw(&n("ffn_gate_inp"), h * e, 0.5));
             for (exps, dense, dims, scale) in [
                 ("ffn_gate_exps", "ffn_gate", [h, f, e], fan(h)),
                 ("ffn_up_exps", "ffn_up", [h, f, e], fan(h)),
@@ -125,5 +140,39 @@ impl SyntheticModel {
             }
         }
         w.finish()
+    }
+}
+
+/// `data` (a multiple of 32 values) as `format`'s bytes: F32 as it is; Q8_0 blocks of an f16
+/// scale and 32 signed bytes; Q4_1 blocks of an f16 scale and minimum and 32 nibbles (value `j`
+/// in the low nibble of byte `j`, value `16 + j` in its high nibble), as ggml lays them out.
+fn quantize(format: GgmlType, data: &[f32]) -> Vec<u8> {
+    let f16 = |v: f32| half::f16::from_f32(v);
+    match format {
+        GgmlType::Q8_0 => data
+            .chunks(32)
+            .flat_map(|b| {
+                let d = f16(b.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0);
+                let inv = if d.to_f32() > 0.0 { 1.0 / d.to_f32() } else { 0.0 };
+                let mut out = d.to_le_bytes().to_vec();
+                out.extend(b.iter().map(|v| (v * inv).round().clamp(-127.0, 127.0) as i8 as u8));
+                out
+            })
+            .collect(),
+        GgmlType::Q4_1 => data
+            .chunks(32)
+            .flat_map(|b| {
+                let lo = b.iter().copied().fold(f32::INFINITY, f32::min);
+                let hi = b.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let (d, m) = (f16((hi - lo) / 15.0), f16(lo));
+                let inv = if d.to_f32() > 0.0 { 1.0 / d.to_f32() } else { 0.0 };
+                let q = |v: f32| ((v - m.to_f32()) * inv).round().clamp(0.0, 15.0) as u8;
+                let mut out = d.to_le_bytes().to_vec();
+                out.extend(m.to_le_bytes());
+                out.extend((0..16).map(|j| q(b[j]) | (q(b[16 + j]) << 4)));
+                out
+            })
+            .collect(),
+        _ => data.iter().flat_map(|v| v.to_le_bytes()).collect(),
     }
 }

@@ -1,107 +1,162 @@
-//! SmolLM2-135M through the GPU forward pass with its K/V in the expertkv pool (the model file
-//! comes from scripts/fetch_model.sh; without it the test skips unless EXPERTKV_REQUIRE_MODEL).
+//! The GPU forward pass with its K/V in the expertkv pool, against the CPU reference: on small
+//! random GGUF files written in llama.cpp's layout (`SyntheticModel`: F32, Q8_0 and Q4_1
+//! matrices, dense or MoE), and on the trained SmolLM2-135M (fetched by scripts/fetch_model.sh;
+//! without it the test skips unless EXPERTKV_REQUIRE_MODEL) for what only trained weights show:
+//! greedy decoding's answer and a pinned perplexity.
+
+use std::sync::Arc;
 
 use expertkv_core::config::KvDtype;
 use expertkv_core::forward::{GpuLlama, ModelOptions};
-use expertkv_core::gguf::Gguf;
+use expertkv_core::gguf::{GgmlType, Gguf, LlamaConfig};
+use expertkv_core::model::{CpuModel, LlamaWeights, SyntheticModel};
 use expertkv_core::tokenizer::Tokenizer;
 
-use crate::common::{model_bytes, rt};
+use crate::common::{model_bytes, pick, rt, seeds};
 
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()))
+}
+
+fn max_abs(a: &[f32]) -> f32 {
+    a.iter().fold(0f32, |m, x| m.max(x.abs()))
+}
+
+/// `-ln softmax(logits)[target]` in f64.
+fn nll(logits: &[f32], target: u32) -> f64 {
+    let m = logits.iter().fold(f64::NEG_INFINITY, |a, &x| a.max(f64::from(x)));
+    let z: f64 = logits.iter().map(|&x| (f64::from(x) - m).exp()).sum();
+    m + z.ln() - f64::from(logits[target as usize])
+}
+
+/// A synthetic dense file of `seed`, its matrices in the format the seed picks, with the CPU
+/// reference over the same bytes.
+fn synthetic_dense(seed: u64) -> (SyntheticModel, Vec<u8>) {
+    let spec = SyntheticModel::dense(seed).with_weights(pick(seed, &[GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::F32]));
+    let file = spec.gguf();
+    (spec, file)
+}
+
+fn cpu_model(g: &Gguf<'_>) -> CpuModel {
+    let cfg = LlamaConfig::from_gguf(g).expect("config");
+    CpuModel::new(Arc::new(LlamaWeights::from_gguf(g, &cfg).expect("weights"))).expect("cpu model")
+}
+
+/// SmolLM2's greedy answer (" Paris.") and the perplexity of the prompt and that answer, from
+/// the GPU forward's logits at every position: pinned (the CPU f32 reference's value, a few
+/// digits) and within half a percent of the CPU reference on the same tokens. Every prompt and
+/// generated token's K/V of every layer sits in the pool.
 #[test]
-fn greedy_decoding_says_paris() {
-    let Some(bytes) = model_bytes() else { return };
+fn smollm2_says_paris_at_the_pinned_perplexity() {
+    /// `CpuModel::perplexity` of "The capital of France is Paris." as SmolLM2 tokenizes it.
+    const PINNED: f64 = 13.0327;
+    let Some(bytes) = model_bytes("smollm2_says_paris_at_the_pinned_perplexity") else { return };
     let g = Gguf::parse(&bytes).expect("gguf");
     let tok = Tokenizer::from_gguf(&g).expect("tokenizer");
     let rt = rt();
     let prompt = tok.encode("The capital of France is");
     let mut m = pollster::block_on(GpuLlama::load(rt, &g, ModelOptions::new(1, 64))).expect("load");
-    let out = pollster::block_on(m.generate_greedy(rt, &prompt, 2)).expect("generate");
-    let text = tok.decode(&out).expect("decode");
-    println!("greedy: {prompt:?} -> {out:?} = {text:?}");
+    // Teacher-forced over the prompt, then greedy for two tokens.
+    let mut ids = prompt.clone();
+    let mut nlls = Vec::new();
+    let mut logits = Vec::new();
+    for (i, &t) in prompt.iter().enumerate() {
+        logits = pollster::block_on(m.forward(rt, &[t])).expect("forward");
+        if i + 1 < prompt.len() {
+            nlls.push(nll(&logits, prompt[i + 1]));
+        }
+    }
+    for step in 0..2 {
+        let next = expertkv_core::forward::argmax(&logits);
+        nlls.push(nll(&logits, next));
+        ids.push(next);
+        if step == 0 {
+            logits = pollster::block_on(m.forward(rt, &[next])).expect("forward");
+        }
+    }
+    let text = tok.decode(&ids[prompt.len()..]).expect("decode");
+    let gpu_ppl = (nlls.iter().sum::<f64>() / nlls.len() as f64).exp();
+    let cpu_ppl = cpu_model(&g).perplexity(&ids).expect("cpu perplexity");
+    println!("greedy: {prompt:?} -> {text:?}; perplexity of {ids:?}: GPU {gpu_ppl:.5}, CPU {cpu_ppl:.5} (pinned {PINNED})");
     assert_eq!(text, " Paris.", "greedy continuation");
-    // Every prompt and generated token's K/V of every layer sits in the pool.
+    assert!((gpu_ppl / cpu_ppl - 1.0).abs() < 5e-3, "GPU perplexity {gpu_ppl} against the CPU reference's {cpu_ppl}");
+    assert!((cpu_ppl / PINNED - 1.0).abs() < 1e-4, "CPU perplexity {cpu_ppl}, pinned {PINNED}");
     let ctl = pollster::block_on(m.pool.read_ctl(rt)).expect("ctl");
     assert_eq!(ctl.tokens_appended as usize, (prompt.len() + 1) * m.cfg.block_count as usize);
 }
 
-/// The GPU forward pass against the CPU f32 reference, token by token over the prompt: logits
-/// within f16-K/V and f32-accumulation tolerance, the same top token at every position.
+/// The GPU forward pass against the CPU f32 reference, token by token, on synthetic files with
+/// F32, Q8_0 and Q4_1 matrices and both K/V precisions: logits within f16-K/V and
+/// f32-accumulation tolerance, the same top token at every position.
 #[test]
 fn gpu_forward_matches_the_cpu_reference() {
-    use expertkv_core::gguf::LlamaConfig;
-    use expertkv_core::model::{CpuModel, LlamaWeights};
-    let Some(bytes) = model_bytes() else { return };
-    let g = Gguf::parse(&bytes).expect("gguf");
-    let tok = Tokenizer::from_gguf(&g).expect("tokenizer");
-    let cfg = LlamaConfig::from_gguf(&g).expect("config");
-    let cpu = CpuModel::new(std::sync::Arc::new(LlamaWeights::from_gguf(&g, &cfg).expect("weights"))).expect("cpu model");
     let rt = rt();
-    for dtype in [KvDtype::F32, KvDtype::F16] {
+    for seed in seeds("model_forward", 6) {
+        let (spec, file) = synthetic_dense(seed);
+        let g = Gguf::parse(&file).expect("gguf");
+        let tok = Tokenizer::from_gguf(&g).expect("tokenizer");
+        let cpu = cpu_model(&g);
+        let dtype = pick(seed / 3, &[KvDtype::F32, KvDtype::F16]);
+        let ctx = format!("seed {seed}: {:?} matrices, {dtype:?} K/V", spec.weights);
         let mut m = pollster::block_on(GpuLlama::load(rt, &g, ModelOptions::new(1, 32).dtype(dtype))).expect("load");
         let mut cache_c = cpu.new_cache();
         let ids = tok.encode("Water boils at 100 degrees");
         for (pos, &t) in ids.iter().enumerate() {
             let gpu = pollster::block_on(m.forward(rt, &[t])).expect("gpu forward");
             let want = cpu.forward(t, pos as u32, &mut cache_c).expect("cpu forward");
-            let max = want.iter().fold(0f32, |a, b| a.max(b.abs()));
-            let err = gpu.iter().zip(&want).fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+            let (err, max) = (max_diff(&gpu, &want), max_abs(&want));
             let tol = if dtype == KvDtype::F32 { 2e-5 } else { 2e-3 };
-            println!("{dtype:?} position {pos}: max |logit diff| {err:.2e} (max |logit| {max:.1})");
-            assert!(err <= tol * max, "{dtype:?} position {pos}: logits differ by {err} (max {max})");
-            assert_eq!(expertkv_core::forward::argmax(&gpu), expertkv_core::forward::argmax(&want), "{dtype:?} position {pos}: top token");
+            assert!(err <= tol * max, "{ctx}: position {pos}: logits differ by {err} (max {max})");
+            assert_eq!(expertkv_core::forward::argmax(&gpu), expertkv_core::forward::argmax(&want), "{ctx}: position {pos}: top token");
         }
     }
 }
 
 /// The MoEfied forward (router on the GPU, only the chosen experts' neurons evaluated) against
 /// the CPU reference's MoEfied forward with the same experts, and all experts chosen (k = E)
-/// against the dense GPU forward.
+/// against the dense GPU forward, on synthetic dense files.
 #[test]
 fn moefied_gpu_forward_matches_the_cpu_reference() {
-    use expertkv_core::gguf::LlamaConfig;
     use expertkv_core::model::moe::{MoeConfig, Moefication};
-    use expertkv_core::model::{CpuModel, LlamaWeights};
-    use std::sync::Arc;
-    let Some(bytes) = model_bytes() else { return };
-    let g = Gguf::parse(&bytes).expect("gguf");
-    let tok = Tokenizer::from_gguf(&g).expect("tokenizer");
-    let cfg = LlamaConfig::from_gguf(&g).expect("config");
-    let weights = Arc::new(LlamaWeights::from_gguf(&g, &cfg).expect("weights"));
     let rt = rt();
-    let ids = tok.encode("Water boils at 100");
-    let max_diff = |a: &[f32], b: &[f32]| a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
-    let max_abs = |a: &[f32]| a.iter().fold(0f32, |m, x| m.max(x.abs()));
-    // E = 8, k = 2 against the CPU reference with the same experts.
-    let moe = Arc::new(Moefication::from_weights(&weights, &MoeConfig::new(8, 2)).expect("moefication"));
-    let cpu = CpuModel::new(weights.clone()).expect("cpu").with_moe(Some(moe.clone())).expect("cpu moe");
-    let mut m = pollster::block_on(GpuLlama::load(rt, &g, ModelOptions::new(1, 32).dtype(KvDtype::F32))).expect("load");
-    m.set_moe(rt, &g, &moe).expect("set_moe");
-    assert_eq!(m.moe_shape(), Some((8, 2)));
-    let mut cache = cpu.new_cache();
-    for (pos, &t) in ids.iter().enumerate() {
-        let gpu = pollster::block_on(m.forward(rt, &[t])).expect("gpu forward");
-        let want = cpu.forward(t, pos as u32, &mut cache).expect("cpu forward");
-        let (err, max) = (max_diff(&gpu, &want), max_abs(&want));
-        println!("E8k2 position {pos}: max |logit diff| {err:.2e} (max |logit| {max:.1})");
-        assert!(err <= 1e-4 * max, "E8k2 position {pos}: logits differ by {err} (max {max})");
-    }
-    // Every layer routed every token to exactly k experts.
-    let counts = m.expert_counts();
-    assert_eq!(counts.len(), cfg.block_count as usize * 8);
-    for l in 0..cfg.block_count as usize {
-        assert_eq!(counts[l * 8..(l + 1) * 8].iter().sum::<u64>(), 2 * ids.len() as u64, "layer {l}");
-    }
-    // k = E evaluates every neuron: the dense model up to summation order.
-    let all = Moefication::from_weights(&weights, &MoeConfig::new(4, 4)).expect("moefication");
-    let mut dense = pollster::block_on(GpuLlama::load(rt, &g, ModelOptions::new(1, 32).dtype(KvDtype::F32))).expect("load");
-    let mut full = pollster::block_on(GpuLlama::load(rt, &g, ModelOptions::new(1, 32).dtype(KvDtype::F32))).expect("load");
-    full.set_moe(rt, &g, &all).expect("set_moe");
-    for &t in &ids {
-        let a = pollster::block_on(dense.forward(rt, &[t])).expect("dense");
-        let b = pollster::block_on(full.forward(rt, &[t])).expect("moe k=E");
-        let (err, max) = (max_diff(&a, &b), max_abs(&a));
-        assert!(err <= 1e-4 * max, "k = E differs from dense by {err} (max {max})");
+    for seed in seeds("model_moefied", 2) {
+        let (spec, file) = synthetic_dense(seed);
+        let ctx = format!("seed {seed}: {:?} matrices", spec.weights);
+        let g = Gguf::parse(&file).expect("gguf");
+        let tok = Tokenizer::from_gguf(&g).expect("tokenizer");
+        let cfg = LlamaConfig::from_gguf(&g).expect("config");
+        let weights = Arc::new(LlamaWeights::from_gguf(&g, &cfg).expect("weights"));
+        let ids = tok.encode("Water boils at 100");
+        // E = 8, k = 2 against the CPU reference with the same experts.
+        let moe = Arc::new(Moefication::from_weights(&weights, &MoeConfig::new(8, 2)).expect("moefication"));
+        let cpu = CpuModel::new(weights.clone()).expect("cpu").with_moe(Some(moe.clone())).expect("cpu moe");
+        let mut m = pollster::block_on(GpuLlama::load(rt, &g, ModelOptions::new(1, 32).dtype(KvDtype::F32))).expect("load");
+        m.set_moe(rt, &g, &moe).expect("set_moe");
+        assert_eq!(m.moe_shape(), Some((8, 2)));
+        let mut cache = cpu.new_cache();
+        for (pos, &t) in ids.iter().enumerate() {
+            let gpu = pollster::block_on(m.forward(rt, &[t])).expect("gpu forward");
+            let want = cpu.forward(t, pos as u32, &mut cache).expect("cpu forward");
+            let (err, max) = (max_diff(&gpu, &want), max_abs(&want));
+            assert!(err <= 1e-4 * max, "{ctx}: E8k2 position {pos}: logits differ by {err} (max {max})");
+        }
+        // Every layer routed every token to exactly k experts.
+        let counts = m.expert_counts();
+        assert_eq!(counts.len(), cfg.block_count as usize * 8);
+        for l in 0..cfg.block_count as usize {
+            assert_eq!(counts[l * 8..(l + 1) * 8].iter().sum::<u64>(), 2 * ids.len() as u64, "{ctx}: layer {l}");
+        }
+        // k = E evaluates every neuron: the dense model up to summation order.
+        let all = Moefication::from_weights(&weights, &MoeConfig::new(4, 4)).expect("moefication");
+        let mut dense = pollster::block_on(GpuLlama::load(rt, &g, ModelOptions::new(1, 32).dtype(KvDtype::F32))).expect("load");
+        let mut full = pollster::block_on(GpuLlama::load(rt, &g, ModelOptions::new(1, 32).dtype(KvDtype::F32))).expect("load");
+        full.set_moe(rt, &g, &all).expect("set_moe");
+        for &t in &ids {
+            let a = pollster::block_on(dense.forward(rt, &[t])).expect("dense");
+            let b = pollster::block_on(full.forward(rt, &[t])).expect("moe k=E");
+            let (err, max) = (max_diff(&a, &b), max_abs(&a));
+            assert!(err <= 1e-4 * max, "{ctx}: k = E differs from dense by {err} (max {max})");
+        }
     }
 }
 
@@ -112,16 +167,13 @@ fn moefied_gpu_forward_matches_the_cpu_reference() {
 /// the same seed; the pipeline's top-k router in place of the file's equal to it.
 #[test]
 fn moe_file_gpu_forward_matches_the_cpu_reference() {
-    use expertkv_core::gguf::LlamaConfig;
     use expertkv_core::model::moe::{MoeConfig, Moefication, top_k};
-    use expertkv_core::model::{CpuModel, LlamaWeights, Probe, Stage, SyntheticModel};
+    use expertkv_core::model::{Probe, Stage};
     use expertkv_core::router_config::RouterConfig;
-    use std::sync::Arc;
     let rt = rt();
-    let max_diff = |a: &[f32], b: &[f32]| a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
-    let max_abs = |a: &[f32]| a.iter().fold(0f32, |m, x| m.max(x.abs()));
-    let seed = crate::common::seeds("model_moe_file", 1)[0];
-    let spec = SyntheticModel::moe(seed, 8, 2);
+    let seed = seeds("model_moe_file", 1)[0];
+    // Its expert matrices in a block format the seed picks (the router stays F32).
+    let spec = SyntheticModel::moe(seed, 8, 2).with_weights(pick(seed, &[GgmlType::Q8_0, GgmlType::Q4_1, GgmlType::F32]));
     let file = spec.gguf();
     let g = Gguf::parse(&file).expect("gguf");
     let cfg = LlamaConfig::from_gguf(&g).expect("config");
@@ -160,7 +212,7 @@ fn moe_file_gpu_forward_matches_the_cpu_reference() {
     assert!(Moefication::from_weights(&dense_w, &MoeConfig::new(2, 1)).is_err());
     // A file of identical experts is the dense file of the same seed (weights sum to 1).
     let same = SyntheticModel { identical_experts: true, ..spec.clone() }.gguf();
-    let dense = SyntheticModel::dense(seed).gguf();
+    let dense = SyntheticModel::dense(seed).with_weights(spec.weights).gguf();
     let (gs, gd) = (Gguf::parse(&same).expect("gguf"), Gguf::parse(&dense).expect("gguf"));
     let mut ms = pollster::block_on(GpuLlama::load(rt, &gs, opts.clone())).expect("load");
     let mut md = pollster::block_on(GpuLlama::load(rt, &gd, opts)).expect("load");
@@ -173,21 +225,21 @@ fn moe_file_gpu_forward_matches_the_cpu_reference() {
     }
 }
 
-/// Page codecs on the model's own K/V: full pages are compressed as the text goes in, the pool
-/// holds fewer bytes than the f16 pool, and the logits stay close to the f16 pool's.
+/// Page codecs on a model's own K/V (a synthetic file's): full pages are compressed as the text
+/// goes in, the pool holds fewer bytes than the f16 pool, and the logits stay close to the f16
+/// pool's.
 #[test]
 fn codecs_compress_the_models_own_kv() {
     use expertkv_core::config::Codec;
-    let Some(bytes) = model_bytes() else { return };
-    let g = Gguf::parse(&bytes).expect("gguf");
+    let (_, file) = synthetic_dense(seeds("model_codecs", 1)[0]);
+    let g = Gguf::parse(&file).expect("gguf");
     let tok = Tokenizer::from_gguf(&g).expect("tokenizer");
     let rt = rt();
-    // 18 tokens: one full page per list compressed, two tokens in the raw head page (lavapipe
-    // runs this model at about 3 s per token, so the text is short and int4 stands for the
-    // quantisers, whose kernels the synthetic GPU-vs-CPU tests cover bit for bit).
-    let ids = tok.encode("Water boils at 100 degrees Celsius at sea level, and at lower temperatures higher up in the");
+    // 18 tokens: one full page per list compressed, two tokens in the raw head page (int4
+    // stands for the quantisers, whose kernels the GPU-vs-CPU codec tests cover bit for bit).
+    let ids = tok.encode("Water boils at 100 degrees");
     assert!(ids.len() > 16, "the text fills a page: {}", ids.len());
-    let ids = &ids[..18.min(ids.len())];
+    let ids = &ids[..18];
     let run = |codec: Codec| {
         let mut m = pollster::block_on(GpuLlama::load(rt, &g, ModelOptions::new(1, 32).codec(codec))).expect("load");
         let logits: Vec<Vec<f32>> = ids.iter().map(|&t| pollster::block_on(m.forward(rt, &[t])).expect("forward")).collect();
@@ -234,20 +286,20 @@ fn codecs_compress_the_models_own_kv() {
     assert!(err.to_string().contains("codec"), "{err}");
 }
 
-/// H2O over the model's own attention mass: past the budget every step evicts, each page list
-/// keeps exactly the budget, and decoding goes on with finite logits.
+/// H2O over a model's own attention mass (a synthetic file's): past the budget every step
+/// evicts, each page list keeps exactly the budget, and decoding goes on with finite logits.
 #[test]
 fn h2o_evicts_the_models_own_kv_down_to_the_budget() {
     use expertkv_core::gpu_data::KEEP_ALL;
     use expertkv_core::scheduler_config::SchedulerConfig;
-    let Some(bytes) = model_bytes() else { return };
-    let g = Gguf::parse(&bytes).expect("gguf");
+    let (_, file) = synthetic_dense(seeds("model_h2o", 1)[0]);
+    let g = Gguf::parse(&file).expect("gguf");
     let tok = Tokenizer::from_gguf(&g).expect("tokenizer");
     let rt = rt();
     let budget = 16;
     let sched = SchedulerConfig::H2o { sinks: 2, window: 4 };
     let mut m = pollster::block_on(GpuLlama::load(rt, &g, ModelOptions::new(1, 64).scheduler(Some((sched, budget))))).expect("load");
-    let ids = tok.encode("The quick brown fox jumps over the lazy dog near the river bank at dawn, and then it runs away home.");
+    let ids = tok.encode("The quick brown fox jumps over the lazy dog");
     assert!(ids.len() > budget as usize + 1, "the prompt must outgrow the budget: {} tokens", ids.len());
     for &t in &ids {
         let logits = pollster::block_on(m.forward(rt, &[t])).expect("forward");
@@ -266,17 +318,16 @@ fn h2o_evicts_the_models_own_kv_down_to_the_budget() {
     assert!(m.pool.cfg.n_pages - ctl.free_top <= lists_n * budget.div_ceil(m.pool.cfg.page_size), "pages in use within the budget");
 }
 
-/// The pipeline's routers over the MoEfied model's own experts: `topk` chooses exactly what the
-/// plain top k chooses (same experts, same logits), the hash router ignores the scores, and a
-/// strong load-balance penalty spreads the slots more evenly; cache-aware is refused by name.
+/// The pipeline's routers over a MoEfied model's own experts (a synthetic dense file's): `topk`
+/// chooses exactly what the plain top k chooses (same experts, same logits), the hash router
+/// ignores the scores, and a strong load-balance penalty spreads the slots more evenly;
+/// cache-aware is refused by name.
 #[test]
 fn the_pipelines_routers_choose_the_models_experts() {
-    use expertkv_core::gguf::LlamaConfig;
-    use expertkv_core::model::LlamaWeights;
     use expertkv_core::model::moe::{MoeConfig, Moefication};
     use expertkv_core::router_config::RouterConfig;
-    let Some(bytes) = model_bytes() else { return };
-    let g = Gguf::parse(&bytes).expect("gguf");
+    let (_, file) = synthetic_dense(seeds("model_routers", 1)[0]);
+    let g = Gguf::parse(&file).expect("gguf");
     let tok = Tokenizer::from_gguf(&g).expect("tokenizer");
     let cfg = LlamaConfig::from_gguf(&g).expect("config");
     let weights = LlamaWeights::from_gguf(&g, &cfg).expect("weights");
