@@ -1,9 +1,14 @@
 //! A checksum of a run's decisions, equal wherever the run is equal: the routing (experts chosen
 //! per sequence and layer, appended and resident counts per expert), the scheduler's evictions
 //! and compactions, and the pool's placement (rings, page owners, the free stack) after every
-//! step. Floats (scores, attention outputs, the K/V bytes) stay out: they may differ in the last
-//! bit between adapters while every decision agrees. The browser test compares the page's
-//! checksum with the native run's (`expertkv demo --checksum`).
+//! step. Floats (scores, attention outputs, the K/V bytes) stay out of the hash: they may differ
+//! in the last bit between adapters while every decision agrees. They go into a fingerprint
+//! beside it instead, compared within a tolerance: three sums of each step's attention output
+//! (its last layer's), so that a broken reduce pass or corrupted K/V changes the run's result
+//! even where every decision stays the same. A rounded hash of the outputs would not do: a
+//! value near a rounding boundary rounds differently on two adapters whose outputs agree to
+//! the last few bits. The browser test compares the page's checksum and fingerprint with the
+//! native run's (`expertkv demo --checksum`).
 
 use crate::error::Result;
 use crate::pipeline::Pipeline;
@@ -19,17 +24,55 @@ pub fn fnv1a(hash: u64, bytes: &[u8]) -> u64 {
     bytes.iter().fold(hash, |h, &b| (h ^ u64::from(b)).wrapping_mul(FNV_PRIME))
 }
 
-/// FNV-1a (64-bit) over the decisions of every step absorbed so far.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// FNV-1a (64-bit) over the decisions of every step absorbed so far, and the fingerprint of the
+/// steps' attention outputs ([`DecisionDigest::fingerprint`]).
+#[derive(Clone, Debug, PartialEq)]
 pub struct DecisionDigest {
     hash: u64,
     steps: u32,
+    fingerprint: Vec<f64>,
 }
 
 impl Default for DecisionDigest {
     fn default() -> Self {
-        DecisionDigest { hash: FNV_OFFSET, steps: 0 }
+        DecisionDigest { hash: FNV_OFFSET, steps: 0, fingerprint: Vec::new() }
     }
+}
+
+/// Sums of one attention output: `[sum |x|, sum x^2, sum s_i x_i]` with fixed signs `s_i = +-1`
+/// (from the index's hash), so that a value moved from one element to another changes the third.
+pub fn output_fingerprint(out: &[f32]) -> [f64; 3] {
+    let mut f = [0f64; 3];
+    for (i, &x) in out.iter().enumerate() {
+        let x = f64::from(x);
+        f[0] += x.abs();
+        f[1] += x * x;
+        f[2] += fingerprint_sign(i) * x;
+    }
+    f
+}
+
+fn fingerprint_sign(i: usize) -> f64 {
+    if fnv1a(FNV_OFFSET, &(i as u64).to_le_bytes()) & 1 == 0 { 1.0 } else { -1.0 }
+}
+
+/// The first step and sum where two fingerprints (three sums per step) differ by more than
+/// `rtol` of the step's scale (its `sum |x|`, and `sum x^2` for the second sum): `None` when
+/// they agree everywhere. Lengths must match.
+pub fn fingerprint_difference(a: &[f64], b: &[f64], rtol: f64) -> Option<String> {
+    if a.len() != b.len() || !a.len().is_multiple_of(3) {
+        return Some(format!("fingerprints of {} and {} sums", a.len(), b.len()));
+    }
+    for (step, (x, y)) in a.chunks(3).zip(b.chunks(3)).enumerate() {
+        let scale = [x[0].abs().max(y[0].abs()), x[1].abs().max(y[1].abs()), x[0].abs().max(y[0].abs())];
+        for k in 0..3 {
+            let d = (x[k] - y[k]).abs();
+            if d.is_nan() || d > rtol * scale[k] {
+                return Some(format!("step {step}, sum {k}: {} against {} (tolerance {rtol:e} of {})", x[k], y[k], scale[k]));
+            }
+        }
+    }
+    None
 }
 
 impl DecisionDigest {
@@ -68,8 +111,15 @@ impl DecisionDigest {
         self.words(snap.free_stack[..top].iter().map(|&x| u64::from(x)));
         let c = snap.ctl;
         self.words([c.free_top, c.codec_free_top, c.tokens_appended, c.pages_released, c.pages_evicted, c.ring_overflows].map(u64::from));
+        self.fingerprint.extend(output_fingerprint(&p.attn.read_output(rt).await?));
         self.steps += 1;
         Ok(())
+    }
+
+    /// Three sums of every absorbed step's attention output ([`output_fingerprint`]), in step
+    /// order; compare two with [`fingerprint_difference`].
+    pub fn fingerprint(&self) -> &[f64] {
+        &self.fingerprint
     }
 
     pub fn value(&self) -> u64 {
@@ -109,6 +159,28 @@ mod tests {
         a2.words([]);
         assert_eq!(a.value(), a2.value());
         assert_eq!(a.hex().len(), 18);
+    }
+
+    #[test]
+    fn fingerprints_agree_within_rounding_and_differ_otherwise() {
+        let out: Vec<f32> = (0..256).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect();
+        let a = output_fingerprint(&out);
+        // The last bits moved everywhere: within the tolerance.
+        let nudged: Vec<f32> = out.iter().map(|x| x * (1.0 + 1e-6)).collect();
+        assert_eq!(fingerprint_difference(&a, &output_fingerprint(&nudged), 1e-4), None);
+        // One element dropped, one scaled, two of unequal signs swapped: each found.
+        let mut dropped = out.clone();
+        dropped[3] = 0.0;
+        let mut scaled = out.clone();
+        scaled[100] *= 1.5;
+        let j = (1..256).find(|&j| fingerprint_sign(j) != fingerprint_sign(0) && out[j] != out[0]).expect("an index of the other sign");
+        let mut swapped = out.clone();
+        swapped.swap(0, j);
+        for (name, bad) in [("dropped", dropped), ("scaled", scaled), ("swapped", swapped)] {
+            assert!(fingerprint_difference(&a, &output_fingerprint(&bad), 1e-4).is_some(), "{name}");
+        }
+        assert!(fingerprint_difference(&a, &a[..2], 1e-4).is_some(), "lengths differ");
+        assert!(fingerprint_difference(&[f64::NAN, 0.0, 0.0], &[f64::NAN, 0.0, 0.0], 1e-4).is_some(), "NaN never agrees");
     }
 
     #[test]

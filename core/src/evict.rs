@@ -55,6 +55,8 @@ pub struct Scheduler {
     /// [`SchedulerConfig::layer_budgets`].
     pub layer_budgets: Vec<u32>,
     pub threshold: Threshold,
+    /// `evict/select`'s invocations per list (the order it sums a list's mass in).
+    pub select_wg: u32,
     params: wgpu::Buffer,
     pub utility: wgpu::Buffer,
     pub lists: wgpu::Buffer,
@@ -347,6 +349,7 @@ impl Scheduler {
             budget,
             layer_budgets,
             threshold,
+            select_wg,
             params,
             utility,
             lists,

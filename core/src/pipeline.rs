@@ -14,7 +14,7 @@ use crate::config::{Codec, KvDtype, PoolConfig, ShardMap};
 use crate::error::{Error, Result};
 use crate::evict::{AllocatorSpec, Scheduler};
 use crate::flexgen::FlexGen;
-use crate::gpu_data::{ListState, PoolCtl};
+use crate::gpu_data::{ListState, PoolCtl, meta};
 use crate::pool::KvPool;
 use crate::quest::Quest;
 use crate::reference::pool::decode_words;
@@ -346,9 +346,27 @@ kept_attention,attention_error,routing_entropy,miss_rate,host_kv_bytes,tier_byte
 #[derive(Clone, Debug, Serialize)]
 pub struct VerifyReport {
     pub tokens_checked: u64,
+    /// The whole pool (rings, page tables, free lists, page and slot metadata, control words,
+    /// K/V and compressed pages) equal to the CPU reference's.
     pub placement_identical: bool,
+    /// Attention passes (layer and batch or step) checked against the f64 reference.
+    pub attention_checked: u64,
     pub attention_max_abs_err: f64,
-    pub attention_tolerance: f64,
+    /// The worst error's share of its element's tolerance
+    /// ([`crate::attend::Attention::output_tolerance`]); at most 1, or the check fails.
+    pub attention_worst_share: f64,
+}
+
+/// What the CPU lockstep has checked so far.
+#[derive(Clone, Copy, Debug, Default)]
+struct Checked {
+    attention: u64,
+    max_abs_err: f64,
+    worst_share: f64,
+}
+
+fn verify_err(message: String) -> Error {
+    Error::Gpu { during: "verification against the CPU reference".into(), message }
 }
 
 /// The full-cache pool and its attention, kept beside a budgeted pool to measure its error.
@@ -379,6 +397,7 @@ pub struct Pipeline {
     last_queries: Vec<f32>,
     /// Prompt positions per prefill batch.
     prefill_chunk: u32,
+    checked: Checked,
 }
 
 fn kv_words(tokens: &[GenToken], dtype: KvDtype) -> Vec<u32> {
@@ -540,6 +559,7 @@ impl Pipeline {
             routed_tokens: 0,
             last_queries: Vec::new(),
             prefill_chunk: positions,
+            checked: Checked::default(),
         })
     }
 
@@ -670,11 +690,153 @@ impl Pipeline {
                 let want = r.attn.read_output(rt).await?;
                 errors.push(rel_l2(&got, &want));
             }
+            if self.model.is_some() {
+                self.check_layer(rt, layer, &q).await?;
+            }
             if layer + 1 == layers {
                 self.last_queries = q;
             }
         }
         Ok((!errors.is_empty()).then(|| errors.iter().sum::<f64>() / errors.len() as f64))
+    }
+
+    /// QUEST's part of the lockstep: every page's key bounds exactly, every page's upper bound on
+    /// q.k within [`crate::reference::quest::QUEST_BOUND_RTOL`] of the f64 reference, and the
+    /// selection exactly the reference's given the GPU's keys.
+    #[allow(clippy::too_many_arguments)]
+    async fn check_quest(
+        &self,
+        rt: &Runtime,
+        qs: &Quest,
+        model: &PoolModel,
+        layer: u32,
+        q: &[f32],
+        sel: &[u32],
+        counts: &[u32],
+    ) -> Result<()> {
+        use crate::reference::quest::{QUEST_BOUND_RTOL, key_bound, page_bounds, select_pages, upper_bound};
+        let c = &self.pool.cfg;
+        let (d, step) = (c.head_dim as usize, self.step);
+        let bounds: Vec<f32> = rt.read_all(&qs.bounds).await?;
+        let keys: Vec<u32> = rt.read_all(qs.page_keys()).await?;
+        let mut refs = vec![None; c.n_pages as usize];
+        for (page, r) in refs.iter_mut().enumerate() {
+            if model.page_meta[page].owner == u32::MAX {
+                continue;
+            }
+            *r = page_bounds(model, page as u32);
+            if let Some(want) = r
+                && let Some(i) = (0..2 * d).find(|&i| f64::from(bounds[page * 2 * d + i]) != want[i])
+            {
+                return Err(verify_err(format!(
+                    "step {step}: QUEST bound {i} of page {page} is {}, the reference {}",
+                    bounds[page * 2 * d + i],
+                    want[i]
+                )));
+            }
+        }
+        let (group, maxp) = (self.attn.opts.group as usize, c.max_pages_per_seq() as usize);
+        for seq in 0..self.attn.opts.n_seqs {
+            for head in 0..c.kv_heads {
+                let li = model.list_index(layer, seq, head) as usize;
+                let list = model.page_list(layer, seq, head);
+                let heads: Vec<&[f32]> = (0..group)
+                    .map(|g| &q[((seq as usize * self.attn.q_heads() as usize) + head as usize * group + g) * d..][..d])
+                    .collect();
+                for (j, &page) in list.iter().enumerate() {
+                    let Some(b) = &refs[page as usize] else { continue };
+                    let (want, got) = (upper_bound(b, &heads), key_bound(keys[li * maxp + j]));
+                    let d = (got - want).abs();
+                    if d.is_nan() || d > QUEST_BOUND_RTOL * (1.0 + want.abs()) {
+                        return Err(verify_err(format!(
+                            "step {step}, layer {layer}: QUEST bound of list {li} page {page} is {got}, the reference {want}"
+                        )));
+                    }
+                }
+                let want = select_pages(&list, &keys[li * maxp..li * maxp + list.len()], qs.keep_pages as usize);
+                if sel[li * maxp..li * maxp + counts[li] as usize] != want[..] {
+                    return Err(verify_err(format!(
+                        "step {step}, layer {layer}: QUEST selected {:?} of list {li}, the reference {want:?}",
+                        &sel[li * maxp..li * maxp + counts[li] as usize]
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The CPU lockstep's check of one layer's attention, right after it ran: every output
+    /// within its tolerance of the f64 reference over the same pages (QUEST: the GPU's
+    /// selection), and the slot metadata equal to the reference's everywhere, with the masses
+    /// and accesses this attention recorded (masses within the attention tolerance). The model
+    /// then carries the GPU's masses, so that eviction's utilities compare exactly.
+    async fn check_layer(&mut self, rt: &Runtime, layer: u32, q: &[f32]) -> Result<()> {
+        use crate::reference::attend::{ATTENTION_ATOL, ATTENTION_RTOL};
+        let Some(model) = &self.model else { return Ok(()) };
+        let out = self.attn.read_output(rt).await?;
+        let selection = match &self.quest {
+            Some(qs) => Some((rt.read_all::<u32>(&qs.sel_list).await?, rt.read_all::<u32>(&qs.sel_counts).await?)),
+            None => None,
+        };
+        let maxp = self.pool.cfg.max_pages_per_seq() as usize;
+        let pick = |seq: u32, head: u32| -> Vec<u32> {
+            let li = model.list_index(layer, seq, head) as usize;
+            selection.as_ref().map_or_else(Vec::new, |(sel, counts)| sel[li * maxp..li * maxp + counts[li] as usize].to_vec())
+        };
+        let pages: Option<&dyn Fn(u32, u32) -> Vec<u32>> = if selection.is_some() { Some(&pick) } else { None };
+        if let (Some(qs), Some((sel, counts))) = (&self.quest, &selection) {
+            self.check_quest(rt, qs, model, layer, q, sel, counts).await?;
+        }
+        let reference = self.attn.cpu_reference(model, layer, q, pages);
+        let tol = self.attn.output_tolerance(model, layer, q, pages, &reference.out);
+        let step = self.step;
+        for (i, ((g, w), t)) in out.iter().zip(&reference.out).zip(&tol).enumerate() {
+            let err = (f64::from(*g) - w).abs();
+            if err.is_nan() || err > *t {
+                return Err(verify_err(format!(
+                    "step {step}, layer {layer}: attention output {i} is {g}, the f64 reference {w} (tolerance {t:.1e})"
+                )));
+            }
+            self.checked.max_abs_err = self.checked.max_abs_err.max(err);
+            self.checked.worst_share = self.checked.worst_share.max(err / t);
+        }
+        self.checked.attention += 1;
+        let gpu: Vec<u32> = rt.read_all(&self.pool.slot_meta).await?;
+        let cfg = &self.pool.cfg;
+        let (mw, attn_word) = (cfg.meta_words() as usize, meta::attn(cfg.top_k as usize));
+        let mut want = model.slot_meta.clone();
+        if want.len() != gpu.len() {
+            return Err(verify_err(format!("slot metadata of {} words, the reference {}", gpu.len(), want.len())));
+        }
+        if self.attn.opts.mass {
+            for &(seq, head, page, slot, w) in &reference.mass {
+                let m = (page * cfg.page_size + slot) as usize * mw;
+                let (prev, got) = (f64::from(f32::from_bits(want[m + attn_word])), f64::from(f32::from_bits(gpu[m + attn_word])));
+                let d = (got - (prev + w)).abs();
+                if d.is_nan() || d > ATTENTION_ATOL + ATTENTION_RTOL * (prev + w).abs() {
+                    return Err(verify_err(format!(
+                        "step {step}, layer {layer}: attention mass of sequence {seq}, head {head}, page {page}, slot {slot} is {got}, the reference {}",
+                        prev + w
+                    )));
+                }
+                want[m + attn_word] = gpu[m + attn_word];
+                want[m + meta::LAST_ACCESS] = step;
+                want[m + meta::ACCESS_COUNT] = want[m + meta::ACCESS_COUNT].wrapping_add(1);
+            }
+        }
+        if let Some(i) = (0..want.len()).find(|&i| want[i] != gpu[i]) {
+            return Err(verify_err(format!(
+                "step {step}, layer {layer}: slot metadata word {} of slot {} is {:#010x}, the reference {:#010x}",
+                i % mw,
+                i / mw,
+                gpu[i],
+                want[i]
+            )));
+        }
+        if let Some(m) = &mut self.model {
+            m.slot_meta = gpu;
+        }
+        Ok(())
     }
 
     /// Summarise changed pages (QUEST bounds) and read every page's bounds back.
@@ -710,9 +872,13 @@ impl Pipeline {
         };
         let lens: Vec<u32> = (0..self.cfg.workload.n_seqs).map(|q| self.workload.position(q)).collect();
         s.prepare(rt, self.step, &lens)?;
-        if let Some(m) = &mut self.model {
+        if let Some(m) = &self.model {
+            // The lockstep carries the metadata attention left (checked in `check_layer`);
+            // nothing between attention and eviction may have changed it.
             rt.wait()?;
-            m.slot_meta = rt.read_all(&self.pool.slot_meta).await?;
+            if rt.read_all::<u32>(&self.pool.slot_meta).await? != m.slot_meta {
+                return Err(verify_err(format!("step {}: slot metadata changed between attention and eviction", self.step)));
+            }
         }
         let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("evict") });
         {
@@ -1286,8 +1452,9 @@ impl Pipeline {
         Ok(out)
     }
 
-    /// Compare the GPU pool with the CPU reference (exactly) and the last layer's attention with
-    /// the f64 reference (within the storage precision's tolerance).
+    /// Compare the GPU pool with the CPU reference (exactly: rings, page tables, free lists,
+    /// page and slot metadata, control words, K/V and compressed pages) and report the
+    /// attention checks the lockstep made at every layer of every attended batch and step.
     pub async fn verify(&self, rt: &Runtime) -> Result<Option<VerifyReport>> {
         let Some(model) = &self.model else {
             return Ok(None);
@@ -1295,39 +1462,29 @@ impl Pipeline {
         let snap = self.pool.snapshot(rt).await?;
         let kv = self.pool.read_kv(rt).await?;
         let codec_kv = self.pool.read_codec_kv(rt).await?;
-        let placement_identical = snap.rings == model.rings
-            && snap.codec_free == model.codec_free
-            && (codec_kv.is_empty() || codec_kv == model.codec_kv)
-            && snap.ring_pages == model.ring_pages
-            && snap.page_meta == model.page_meta
-            && snap.free_stack == model.free_stack
-            && snap.ctl.free_top == model.ctl.free_top
-            && kv == model.kv;
-        let layer = self.pool.cfg.layers - 1;
-        let out = self.attn.read_output(rt).await?;
-        let reference = match &self.quest {
-            // QUEST attended only its selected pages: the reference reads the same pages.
-            Some(q) => {
-                let sel: Vec<u32> = rt.read_all(&q.sel_list).await?;
-                let counts: Vec<u32> = rt.read_all(&q.sel_counts).await?;
-                let maxp = self.pool.cfg.max_pages_per_seq() as usize;
-                let pick = |seq: u32, head: u32| {
-                    let li = model.list_index(layer, seq, head) as usize;
-                    sel[li * maxp..li * maxp + counts[li] as usize].to_vec()
-                };
-                self.attn.cpu_reference(model, layer, &self.last_queries, Some(&pick))
-            }
-            None => self.attn.cpu_reference(model, layer, &self.last_queries, None),
-        };
-        let max_abs = out.iter().zip(&reference.out).map(|(a, b)| (f64::from(*a) - b).abs()).fold(0.0, f64::max);
-        let tol = match self.pool.cfg.dtype {
-            KvDtype::F32 => 1e-4,
-            KvDtype::F16 => 2e-3,
-        };
-        let tokens_checked = (0..self.cfg.workload.n_seqs).map(|s| model.tokens(layer, s, 0).len() as u64).sum();
-        if !placement_identical {
-            return Err(Error::Gpu { during: "verification".into(), message: "GPU pool state differs from the CPU reference".into() });
+        let parts = [
+            ("rings", snap.rings == model.rings),
+            ("compressed free list", snap.codec_free == model.codec_free),
+            ("compressed pages", codec_kv.is_empty() || codec_kv == model.codec_kv),
+            ("ring pages", snap.ring_pages == model.ring_pages),
+            ("page metadata", snap.page_meta == model.page_meta),
+            ("slot metadata", snap.slot_meta == model.slot_meta),
+            ("free list", snap.free_stack == model.free_stack),
+            ("control words", snap.ctl == model.ctl),
+            ("K/V", kv == model.kv),
+        ];
+        if let Some((name, _)) = parts.iter().find(|(_, same)| !same) {
+            return Err(verify_err(format!("the GPU pool's {name} differ from the CPU reference's")));
         }
-        Ok(Some(VerifyReport { tokens_checked, placement_identical, attention_max_abs_err: max_abs, attention_tolerance: tol }))
+        let layer = self.pool.cfg.layers - 1;
+        let tokens_checked = (0..self.cfg.workload.n_seqs).map(|s| model.tokens(layer, s, 0).len() as u64).sum();
+        let c = self.checked;
+        Ok(Some(VerifyReport {
+            tokens_checked,
+            placement_identical: true,
+            attention_checked: c.attention,
+            attention_max_abs_err: c.max_abs_err,
+            attention_worst_share: c.worst_share,
+        }))
     }
 }

@@ -497,9 +497,13 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
     }
     if a.checksum {
         if a.json {
-            println!("{}", serde_json::json!({"checksum": digest.hex(), "steps": digest.steps()}));
+            println!("{}", serde_json::json!({"checksum": digest.hex(), "steps": digest.steps(), "fingerprint": digest.fingerprint()}));
         } else {
             println!("decision checksum over {} steps: {}", digest.steps(), digest.hex());
+            let f = digest.fingerprint();
+            if let Some(last) = f.chunks(3).last() {
+                println!("attention output fingerprint: {} sums, last step's {last:.6?}", f.len());
+            }
         }
     }
     if a.probe_attention {
@@ -570,20 +574,15 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
         }
         match &v {
             Some(v) => println!(
-                "check: GPU pool identical to the CPU reference ({} cached tokens); attention max |err| {:.1e} vs f64 reference (tolerance {:.0e})",
-                v.tokens_checked, v.attention_max_abs_err, v.attention_tolerance
+                "check: GPU pool identical to the CPU reference ({} cached tokens; rings, pages, free lists, slot metadata, control words, K/V); \
+                 attention of all {} layer passes within tolerance of the f64 reference (max |err| {:.1e}, the worst {:.0}% of its tolerance)",
+                v.tokens_checked,
+                v.attention_checked,
+                v.attention_max_abs_err,
+                100.0 * v.attention_worst_share
             ),
             None => println!("check: skipped (--no-verify)"),
         }
-    }
-    if let Some(v) = v
-        && v.attention_max_abs_err > v.attention_tolerance
-    {
-        anyhow::bail!(
-            "attention differs from the f64 reference by {:.2e} (tolerance {:.0e})",
-            v.attention_max_abs_err,
-            v.attention_tolerance
-        );
     }
     Ok(())
 }

@@ -317,3 +317,40 @@ fn controls_ask_for_pause_step_and_a_rebuilt_pipeline() {
     harness.run();
     assert_eq!(harness.state().0.heat_mode, HeatMode::MissRate);
 }
+
+/// A QUEST run (pages selected per query, nothing evicted) through the viewer: every panel
+/// renders from its snapshots, the run line says what QUEST does, and the pool keeps every token.
+#[test]
+fn a_quest_run_renders_and_says_it_attends_a_whole_cache() {
+    let cfg = DemoConfig {
+        workload: WorkloadConfig { seed: 3, n_seqs: 2, layers: 2, prompt_len: 96, ..Default::default() },
+        steps: 3,
+        scheduler: Some(SchedulerConfig::Quest),
+        budget: "32".into(),
+        verify: false,
+        ..Default::default()
+    };
+    let rt = runtime();
+    let mut p = pollster::block_on(Pipeline::new(&rt, cfg.clone())).expect("pipeline");
+    let mut s = ViewerState::default();
+    s.apply(Event::Started(Box::new(capture::run_info(&rt, &p, Source::Live))));
+    pollster::block_on(p.prefill(&rt, &mut |_, _| {})).expect("prefill");
+    for _ in 0..cfg.steps {
+        let report = pollster::block_on(p.step(&rt)).expect("step");
+        assert_eq!(report.evicted, 0, "QUEST evicts nothing");
+        s.apply(Event::Step(Box::new(pollster::block_on(capture::capture(&rt, &p, report)).expect("capture"))));
+    }
+    s.apply(Event::Finished);
+    let mut v = Viewer::new(&cfg, false);
+    v.apply(Event::Started(Box::new(s.info.clone().expect("run info"))));
+    v.state = s;
+    let mut harness = Harness::builder().with_size(WINDOW).wgpu().build_ui_state(
+        |ui, v: &mut Viewer| {
+            v.ui(ui);
+        },
+        v,
+    );
+    harness.run();
+    harness.get_by_label_contains("quest attending 32 tokens/list (32) of a whole cache");
+    harness.render().expect("the window renders");
+}

@@ -57,6 +57,8 @@ struct Published {
     steps_done: u32,
     steps: u32,
     checksum: Option<String>,
+    /// The steps' attention-output sums ([`DecisionDigest::fingerprint`]).
+    fingerprint: Vec<f64>,
     adapter: String,
     /// Whether the run is still `web/browser.toml` as shipped (controls can change it).
     shipped_config: bool,
@@ -69,6 +71,7 @@ fn publish(p: &Published) {
         "stepsDone": p.steps_done,
         "steps": p.steps,
         "checksum": p.checksum,
+        "fingerprint": p.fingerprint,
         "adapter": p.adapter,
         "shippedConfig": p.shipped_config,
         "error": p.error,
@@ -178,6 +181,7 @@ async fn drive(mut cfg: DemoConfig, mut running: bool, shared: Rc<RefCell<Shared
             }
         };
         let mut digest = DecisionDigest::new();
+        pubd.fingerprint.clear();
         let mut step = 0u32;
         if p.is_some() {
             pubd.phase = "decoding";
@@ -208,6 +212,7 @@ async fn drive(mut cfg: DemoConfig, mut running: bool, shared: Rc<RefCell<Shared
                     Shared::send(&shared, Event::Step(Box::new(snap)));
                     pubd.steps_done = step;
                     pubd.checksum = Some(digest.hex());
+                    pubd.fingerprint = digest.fingerprint().to_vec();
                     if step == cfg.steps {
                         Shared::send(&shared, Event::Finished);
                         pubd.phase = "finished";

@@ -1,17 +1,47 @@
 // The browser demo's end-to-end test, run by `scripts/web.sh test`:
-//   node e2e.mjs URL EXPECTED_CHECKSUM STEPS SCREENSHOT.png
+//   node e2e.mjs URL NATIVE.json STEPS SCREENSHOT.png
+// NATIVE.json: the native run's `expertkv demo --config web/browser.toml --checksum --json`
+// line ({"checksum", "steps", "fingerprint"}).
 // 1. Headless Chromium with WebGPU (SwiftShader, on the CPU) loads the page, which runs
 //    web/browser.toml for STEPS decode steps; the page's decision checksum (routing, evictions,
-//    pool placement of every step) must equal the native run's, and a screenshot of the viewer
-//    beside the live pipeline is saved.
+//    pool placement of every step) must equal the native run's, its attention-output
+//    fingerprint (three sums of every step's output) must agree with the native one within
+//    FINGERPRINT_RTOL, and a screenshot of the viewer beside the live pipeline is saved.
 // 2. The same page in a Chromium without WebGPU must say so in the page instead of failing.
 // Exit status 0 only when both hold.
 import { chromium } from 'playwright-core';
 
-const [url, expected, stepsArg, shot] = process.argv.slice(2);
-if (!url || !expected || !stepsArg || !shot) {
-  console.error('usage: node e2e.mjs URL EXPECTED_CHECKSUM STEPS SCREENSHOT.png');
+import { readFileSync } from 'node:fs';
+
+const [url, nativeFile, stepsArg, shot] = process.argv.slice(2);
+if (!url || !nativeFile || !stepsArg || !shot) {
+  console.error('usage: node e2e.mjs URL NATIVE.json STEPS SCREENSHOT.png');
   process.exit(2);
+}
+const native = JSON.parse(readFileSync(nativeFile, 'utf8'));
+const expected = native.checksum;
+// The two adapters run different attention kernels (summation orders): their outputs agree to
+// about 1e-6; a dropped token, a broken reduce or corrupted K/V moves a sum by far more.
+const FINGERPRINT_RTOL = 1e-4;
+
+// The first step and sum where the fingerprints differ beyond the tolerance (the same rule as
+// core::digest::fingerprint_difference), or null.
+function fingerprintDifference(a, b, rtol) {
+  if (!Array.isArray(a) || !Array.isArray(b) || a.length !== b.length || a.length % 3 !== 0) {
+    return `fingerprints of ${a && a.length} and ${b && b.length} sums`;
+  }
+  let worst = 0;
+  for (let i = 0; i < a.length; i += 3) {
+    const scale = [Math.max(Math.abs(a[i]), Math.abs(b[i])), Math.max(Math.abs(a[i + 1]), Math.abs(b[i + 1])),
+      Math.max(Math.abs(a[i]), Math.abs(b[i]))];
+    for (let k = 0; k < 3; k++) {
+      const d = Math.abs(a[i + k] - b[i + k]);
+      if (!(d <= rtol * scale[k])) return `step ${i / 3}, sum ${k}: ${a[i + k]} against ${b[i + k]} (tolerance ${rtol} of ${scale[k]})`;
+      worst = Math.max(worst, d / scale[k]);
+    }
+  }
+  console.log(`fingerprint: ${a.length / 3} steps agree, worst relative difference ${worst.toExponential(2)} (tolerance ${rtol})`);
+  return null;
 }
 const steps = Number(stepsArg);
 const executablePath = process.env.CHROMIUM || '/usr/bin/chromium';
@@ -64,6 +94,8 @@ async function withWebGpu() {
     if (r.stepsDone !== steps) fail(`the page ran ${r.stepsDone} steps, expected ${steps}`);
     if (!r.shippedConfig) fail('the page ran an edited configuration');
     if (r.checksum !== expected) fail(`decision checksum ${r.checksum} differs from the native run's ${expected}`);
+    const diff = fingerprintDifference(r.fingerprint, native.fingerprint, FINGERPRINT_RTOL);
+    if (diff) fail(`attention outputs differ from the native run's: ${diff}`);
   } finally {
     await browser.close();
   }
@@ -93,5 +125,5 @@ await withoutWebGpu();
 if (process.exitCode) {
   console.error('browser test failed');
 } else {
-  console.log('browser test passed: the page\'s decisions equal the native run\'s');
+  console.log('browser test passed: the page\'s decisions equal the native run\'s and its attention outputs agree');
 }

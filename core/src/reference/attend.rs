@@ -5,6 +5,16 @@ use super::codec::f16_value;
 use super::pool::PoolModel;
 use crate::config::Codec;
 
+/// The tolerance of one attention output against the f64 reference where both read the same
+/// stored K/V words (only f32 arithmetic differs): `ATTENTION_ATOL + ATTENTION_RTOL x |ref|`.
+pub const ATTENTION_ATOL: f64 = 2e-5;
+/// See [`ATTENTION_ATOL`].
+pub const ATTENTION_RTOL: f64 = 1e-4;
+/// Where a kernel sums values in f16 (the int4 tile and tensor-core kernels), this share of
+/// what those sums hold ([`attend_decode_int8_query_code_part_over`]) on top: f16's 2^-11 per
+/// rounding over at most a few dozen terms.
+pub const F16_SUMS_TOL: f64 = 4e-3;
+
 pub struct AttentionOutput {
     /// [seq][q_head][head_dim]
     pub out: Vec<f64>,

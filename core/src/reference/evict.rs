@@ -143,7 +143,8 @@ impl PoolModel {
 
     /// Select victims, compact rings and free pages (`evict/select`, `compact`, `move`, `free`)
     /// given every slot's utility key and every list's budget. Only the budget decides here
-    /// (no utility threshold). Returns each list's victims, (page, slot) before compaction.
+    /// (no utility threshold: [`PoolModel::evict_thresholded`]). Returns each list's victims,
+    /// (page, slot) before compaction.
     pub fn evict(&mut self, keys: &[u32], lists: &mut [ListState]) -> Vec<Vec<(u32, u32)>> {
         self.evict_grouped(keys, lists, None)
     }
@@ -314,7 +315,26 @@ impl PoolModel {
         &mut self,
         keys: &[u32],
         lists: &mut [ListState],
+        groups: Option<(&mut [GroupState], u32)>,
+    ) -> Vec<Vec<(u32, u32)>> {
+        self.evict_with(keys, lists, groups, None)
+    }
+
+    /// [`PoolModel::evict`] with `p`'s utility threshold (fixed, or each list's adaptive `tau`)
+    /// as `evict/select` applies it: a mass-based policy also evicts every unprotected token
+    /// whose mass x tokens < tau x the list's mass, the list's mass summed in the kernel's order
+    /// (`select_wg` invocations, each over every `select_wg`-th slot of the list, then a tree);
+    /// the adaptive `tau` then moves by `tau_step` x (hit rate - target), within [0, 1].
+    pub fn evict_thresholded(&mut self, keys: &[u32], lists: &mut [ListState], p: &EvictParams, select_wg: u32) -> Vec<Vec<(u32, u32)>> {
+        self.evict_with(keys, lists, None, Some((p, select_wg)))
+    }
+
+    fn evict_with(
+        &mut self,
+        keys: &[u32],
+        lists: &mut [ListState],
         mut groups: Option<(&mut [GroupState], u32)>,
+        threshold: Option<(&EvictParams, u32)>,
     ) -> Vec<Vec<(u32, u32)>> {
         let cfg = self.cfg.clone();
         let ps = cfg.page_size;
@@ -332,12 +352,42 @@ impl PoolModel {
                         }
                     }
                     let n = items.len() as u32;
+                    // The threshold's mean mass, summed as the kernel sums it (items are in list
+                    // order here).
+                    let tau = threshold.map_or(0.0, |(p, _)| if p.adaptive != 0 { lists[li].tau } else { p.threshold });
+                    let mass_based =
+                        threshold.is_some_and(|(p, _)| matches!(p.policy, policies::H2O | policies::ADAKV | policies::LRU_PLUS));
+                    let limit = match threshold {
+                        Some((_, wg)) if mass_based && tau > 0.0 && n > 0 => {
+                            let mut lane = vec![0f32; wg as usize];
+                            for it in &items {
+                                lane[(it.1 % wg) as usize] += self.slot_fields((it.2 * ps + it.3) as usize).3;
+                            }
+                            let mut off = wg as usize / 2;
+                            while off > 0 {
+                                for t in 0..off {
+                                    lane[t] += lane[t + off];
+                                }
+                                off /= 2;
+                            }
+                            Some(tau * lane[0])
+                        }
+                        _ => None,
+                    };
                     items.sort_by_key(|i| (i.0, i.1));
                     let chosen: Vec<(u32, u32)> = match groups.as_mut() {
                         None => {
                             let prot = items.iter().filter(|i| i.0 == PROTECTED).count() as u32;
                             let budget = lists[li].budget;
-                            let want = if budget != KEEP_ALL && n > budget { n - budget } else { 0 }.min(n - prot);
+                            let mut want = if budget != KEEP_ALL && n > budget { n - budget } else { 0 };
+                            if let Some(limit) = limit {
+                                let below = items
+                                    .iter()
+                                    .filter(|i| i.0 != PROTECTED && self.slot_fields((i.2 * ps + i.3) as usize).3 * (n as f32) < limit)
+                                    .count() as u32;
+                                want = want.max(below);
+                            }
+                            let want = want.min(n - prot);
                             items[..want as usize].iter().map(|i| (i.2, i.3)).collect()
                         }
                         Some((gs, ng)) => {
@@ -374,6 +424,11 @@ impl PoolModel {
                     st.evicted_total += want;
                     st.mass = mass_total as f32;
                     st.hit_rate = if mass_total > 0.0 { (1.0 - mass_evicted / mass_total) as f32 } else { 1.0 };
+                    if let Some((p, _)) = threshold
+                        && p.adaptive != 0
+                    {
+                        st.tau = (st.tau + p.tau_step * (st.hit_rate - p.hit_target)).clamp(0.0, 1.0);
+                    }
                     all.push(chosen);
                 }
             }

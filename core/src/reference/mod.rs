@@ -6,6 +6,7 @@ pub mod codec;
 pub mod evict;
 pub mod ops;
 pub mod pool;
+pub mod quest;
 pub mod route;
 
 pub use attend::{

@@ -276,13 +276,16 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
         }
         let tau = select(params.threshold, st.tau, params.adaptive != 0u);
         if (uniform_u32(t, u32(mass_based && tau > 0.0 && tokens > 0u)) != 0u) {
-            let limit = tau * total_mass / f32(tokens);
+            // mass < tau x mean mass, as products (correctly rounded everywhere, unlike a
+            // quotient), so the CPU reference decides every token the same way.
+            let limit = tau * total_mass;
+            let n_f = f32(tokens);
             var below = 0u;
             for (var j = t; j < n_slots; j += WG) {
                 let page = page_list[base + j / P];
                 if (j % P < page_meta[page].fill) {
                     let slot = page * P + j % P;
-                    if (utility[slot] != PROTECTED && bitcast<f32>(slot_meta[slot * geo.meta_words + meta_attn(geo)]) < limit) {
+                    if (utility[slot] != PROTECTED && bitcast<f32>(slot_meta[slot * geo.meta_words + meta_attn(geo)]) * n_f < limit) {
                         below += 1u;
                     }
                 }

@@ -7,7 +7,7 @@ use expertkv_core::pool::KvPool;
 use expertkv_core::reference::{NewToken, PoolModel, attend_decode};
 use expertkv_core::rng::Rng;
 
-use crate::common::{POISON_F32, rt, seeds};
+use crate::common::{POISON_F32, rt, seeds, skip};
 use crate::shard::random_kv;
 
 #[test]
@@ -34,7 +34,10 @@ fn pool_crosses_the_real_binding_limit() {
     };
     let per_buffer = (limit / cfg.page_bytes()) as u32;
     if per_buffer > 4096 {
-        eprintln!("skipped: this adapter's binding limit ({limit} bytes) would need a pool over 512 MiB to cross");
+        skip(
+            "pool_crosses_the_real_binding_limit",
+            format!("this adapter's binding limit ({limit} bytes) would need a pool over 512 MiB to cross"),
+        );
         return;
     }
     // Whole pages for every head: each token takes one slot in each of the 8 heads' rings.

@@ -1,6 +1,7 @@
 use std::sync::OnceLock;
 
 use expertkv_core::runtime::{Runtime, RuntimeOptions, ShaderChecks};
+pub use expertkv_tests::{POISON_F32, POISON_U32, pick, replaying, seeds, skip};
 
 fn open(checks: ShaderChecks) -> Runtime {
     let mut opts = RuntimeOptions::from_env().expect("EXPERTKV_* environment variables");
@@ -21,33 +22,9 @@ pub fn rt_trusted() -> &'static Runtime {
     RT.get_or_init(|| open(ShaderChecks::TrustedTested))
 }
 
-/// `n` seeds for one test: from `EXPERTKV_TEST_SEED` (one seed, to replay a failure) or derived
-/// from the test's name, so each test draws its own inputs.
-pub fn seeds(test: &str, n: u64) -> Vec<u64> {
-    if let Ok(s) = std::env::var("EXPERTKV_TEST_SEED") {
-        let seed = s.trim().parse().expect("EXPERTKV_TEST_SEED must be an integer");
-        return vec![seed];
-    }
-    let base = test.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
-    (0..n).map(|i| base.wrapping_add(i.wrapping_mul(0x9e37_79b9_7f4a_7c15))).collect()
-}
-
-/// Poison patterns: a quiet NaN as f32, and a value no index or count takes.
-pub const POISON_F32: u32 = 0x7fc0_dead;
-pub const POISON_U32: u32 = 0xdead_beef;
-
-/// The SmolLM2 GGUF's bytes (`EXPERTKV_MODELS_DIR` or `models/`, fetched by
-/// scripts/fetch_model.sh); `None` (the test skips) when it is missing, unless
-/// `EXPERTKV_REQUIRE_MODEL` is set, as scripts/test.sh does.
-pub fn model_bytes() -> Option<Vec<u8>> {
-    let dir = std::env::var("EXPERTKV_MODELS_DIR").unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../models").into());
-    let path = std::path::Path::new(&dir).join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    match std::fs::read(&path) {
-        Ok(b) => Some(b),
-        Err(_) => {
-            assert!(std::env::var("EXPERTKV_REQUIRE_MODEL").is_err(), "{} is missing (scripts/fetch_model.sh)", path.display());
-            println!("skipped: {} is missing (scripts/fetch_model.sh fetches it)", path.display());
-            None
-        }
-    }
+/// The SmolLM2 GGUF's bytes, or `None` (a skip of `test`) when the file is missing, unless
+/// `EXPERTKV_REQUIRE_MODEL` is set (see [`expertkv_tests::model_path`]).
+pub fn model_bytes(test: &str) -> Option<Vec<u8>> {
+    let path = expertkv_tests::model_path(test)?;
+    Some(std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
 }

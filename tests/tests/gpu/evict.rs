@@ -3,14 +3,14 @@
 
 use expertkv_core::config::{Codec, KvDtype, PoolConfig, ShardMap};
 use expertkv_core::evict::{AllocatorSpec, Scheduler};
-use expertkv_core::gpu_data::{ExpertStats, KEEP_ALL, ListState, duo_kinds, from_orderable, meta, policies};
+use expertkv_core::gpu_data::{ExpertStats, KEEP_ALL, ListState, PROTECTED, duo_kinds, from_orderable, meta, policies};
 use expertkv_core::pool::KvPool;
 use expertkv_core::reference::{NewToken, PoolModel};
 use expertkv_core::rng::Rng;
 use expertkv_core::runtime::Runtime;
 use expertkv_core::scheduler_config::{EkvaConfig, SchedulerConfig, Threshold};
 
-use crate::common::{POISON_U32, rt, seeds};
+use crate::common::{POISON_U32, replaying, rt, seeds};
 use crate::shard::{assert_same_state, random_kv};
 
 fn random_scheduler(rng: &mut Rng) -> SchedulerConfig {
@@ -57,7 +57,9 @@ fn config(rng: &mut Rng, long: bool) -> PoolConfig {
     }
     cfg.n_pages = cfg.n_keys() * cfg.ring_capacity;
     if rng.below(2) == 0 {
-        cfg.max_buffer_bytes = Some(cfg.page_bytes() * u64::from(3 + rng.below(8)));
+        // Several pool buffers, at most 16 (a long pool cut into buffers of a few pages would
+        // make thousands, each with its own bindings).
+        cfg.max_buffer_bytes = Some(cfg.page_bytes() * u64::from((3 + rng.below(8)).max(cfg.n_pages.div_ceil(16))));
     }
     cfg
 }
@@ -99,16 +101,27 @@ fn randomise_meta(rt: &Runtime, rng: &mut Rng, pool: &KvPool, model: &mut PoolMo
     rt.queue.write_buffer(&pool.slot_meta, 0, bytemuck::cast_slice(&model.slot_meta));
 }
 
+/// Cached tokens of list `li` whose utility key is `PROTECTED` (sinks, recent window).
+fn protected_in_list(model: &PoolModel, keys: &[u32], li: usize) -> usize {
+    let c = &model.cfg;
+    let per_layer = (c.max_seqs * c.kv_heads) as usize;
+    let (layer, seq, head) = ((li / per_layer) as u32, ((li % per_layer) as u32) / c.kv_heads, (li as u32) % c.kv_heads);
+    assert_eq!(model.list_index(layer, seq, head) as usize, li, "list order");
+    model.tokens(layer, seq, head).iter().filter(|&&(pg, s)| keys[(pg * c.page_size + s) as usize] == PROTECTED).count()
+}
+
 #[test]
 fn evict_gpu_match_cpu() {
     let rt = rt();
     let (mut evicted, mut pages_freed, mut multi, mut policies_seen, mut layered) = (0u64, 0u64, 0, Vec::new(), 0);
+    // Lists where the threshold evicted beyond the budget.
+    let mut thresholded = 0u32;
     let mut longest = 0;
     let mut wide_runs = 0;
-    for (i, seed) in seeds("evict", 28).into_iter().enumerate() {
+    for seed in seeds("evict", 28) {
         let mut rng = Rng::new(seed);
         // select's workgroup: the device's choice (256 on a CPU adapter), or 1024 every other run.
-        let wide = i % 2 == 0 && rt.caps.max_invocations_per_workgroup >= 1024;
+        let wide = seed % 2 == 0 && rt.caps.max_invocations_per_workgroup >= 1024;
         // Some lists longer than the kernels' per-round walk (4 x 256 slots).
         let long = rng.below(5) == 0;
         let cfg = config(&mut rng, long);
@@ -120,7 +133,13 @@ fn evict_gpu_match_cpu() {
         if sched.validate(budget).is_err() || sched.layer_budgets(budget, cfg.layers, pyramid, cfg.page_size).is_err() {
             continue;
         }
-        let ctx = format!("seed {seed}: {sched:?}, budget {budget}, pyramid {pyramid:?}, wide select {wide}, {cfg:?}");
+        // A utility threshold over a third of the runs each: fixed, or adapted to a hit rate.
+        let threshold = match rng.below(3) {
+            0 => Threshold::default(),
+            1 => Threshold::Fixed { tau: rng.range(0.3, 1.2) as f32 },
+            _ => Threshold::Adaptive { target: rng.range(0.5, 0.95) as f32, step: rng.range(0.1, 1.0) as f32 },
+        };
+        let ctx = format!("seed {seed}: {sched:?}, budget {budget}, pyramid {pyramid:?}, {threshold:?}, wide select {wide}, {cfg:?}");
         let mut pool = pollster::block_on(KvPool::new(rt, cfg.clone())).expect("pool");
         multi += usize::from(pool.n_buffers() > 1);
         if !policies_seen.contains(&sched.name()) {
@@ -133,14 +152,15 @@ fn evict_gpu_match_cpu() {
             sched.clone(),
             budget,
             pyramid,
-            Threshold::default(),
+            threshold,
             None,
             wide.then_some(1024),
         ))
         .unwrap_or_else(|e| panic!("{ctx}: {e}"));
         wide_runs += usize::from(wide);
         let mut lens = vec![0u32; cfg.max_seqs as usize];
-        let mut lists = vec![ListState { budget, hit_rate: 1.0, ..Default::default() }; cfg.n_lists() as usize];
+        let tau0 = if let Threshold::Fixed { tau } = threshold { tau } else { 0.0 };
+        let mut lists = vec![ListState { budget, tau: tau0, hit_rate: 1.0, ..Default::default() }; cfg.n_lists() as usize];
         for round in 0..3u32 {
             let n = if long { 1 + rng.below(budget) } else { 1 + rng.below(3 * budget / cfg.n_shards.max(1) + 4) };
             append_round(rt, &mut rng, &mut pool, &mut model, &mut lens, n, round);
@@ -187,14 +207,28 @@ fn evict_gpu_match_cpu() {
             if pyramid.is_some() || matches!(sched, SchedulerConfig::FastvTokens { .. }) {
                 layered += 1;
             }
-            // Victims, compaction and freeing: identical pools.
-            model.evict(&keys, &mut lists);
+            // Victims (the threshold's included), compaction and freeing: identical pools.
+            let model_before = model.clone();
+            model.evict_thresholded(&keys, &mut lists, &p, s.select_wg);
             assert_same_state(rt, &pool, &model, &ctx);
             for (li, (g, w)) in got_lists.iter().zip(&lists).enumerate() {
                 assert_eq!((g.tokens, g.evicted, g.evicted_total), (w.tokens, w.evicted, w.evicted_total), "{ctx}: list {li} counts");
                 assert!((g.hit_rate - w.hit_rate).abs() < 1e-4, "{ctx}: list {li} hit rate {} vs {}", g.hit_rate, w.hit_rate);
-                if w.budget != KEEP_ALL {
-                    assert!(w.tokens - w.evicted <= w.budget.max(w.tokens - w.evicted), "{ctx}");
+                assert!((g.tau - w.tau).abs() < 1e-4, "{ctx}: list {li} threshold {} vs {}", g.tau, w.tau);
+                if g.budget != KEEP_ALL && g.tokens > g.budget && g.evicted > g.tokens - g.budget {
+                    thresholded += 1;
+                }
+                // The GPU's list keeps its budget (tokens after this round's victims), or only
+                // its protected tokens where those alone are more (a deep PyramidKV layer's budget
+                // under sinks + window).
+                if g.budget != KEEP_ALL {
+                    let protected = protected_in_list(&model_before, &keys, li) as u32;
+                    assert!(
+                        g.tokens - g.evicted <= g.budget.max(protected),
+                        "{ctx}: list {li} keeps {} tokens over its budget {} ({protected} protected)",
+                        g.tokens - g.evicted,
+                        g.budget
+                    );
                 }
             }
             evicted += got_lists.iter().map(|l| u64::from(l.evicted)).sum::<u64>();
@@ -203,7 +237,7 @@ fn evict_gpu_match_cpu() {
         }
         pages_freed += u64::from(model.ctl.pages_evicted);
     }
-    if std::env::var("EXPERTKV_TEST_SEED").is_err() {
+    if !replaying() {
         assert!(
             evicted > 100
                 && pages_freed > 10
@@ -211,9 +245,11 @@ fn evict_gpu_match_cpu() {
                 && policies_seen.len() >= 5
                 && layered > 0
                 && longest > 1024
+                && thresholded > 0
                 && (wide_runs > 0 || rt.caps.max_invocations_per_workgroup < 1024),
             "coverage: {evicted} evicted, {pages_freed} pages freed, {multi} multi-buffer pools, {policies_seen:?}, {layered} per-layer \
-             budget rounds, longest list with victims {longest} tokens, {wide_runs} runs with 1024-invocation select"
+             budget rounds, longest list with victims {longest} tokens, {wide_runs} runs with 1024-invocation select, {thresholded} \
+             lists thresholded beyond their budget"
         );
     }
 }
@@ -576,10 +612,16 @@ fn ekva_gpu_match_cpu() {
         }
     }
     println!("ekva: {split_lists} lists split, {uneven} unevenly, {evicted} tokens evicted, {inexact} splits off by a token");
-    if std::env::var("EXPERTKV_TEST_SEED").is_err() {
+    if !replaying() {
         assert!(
             split_lists > 20 && uneven > 10 && evicted > 100 && folded > 0,
             "coverage: {split_lists} split, {uneven} uneven, {evicted} evicted, {folded} folded"
+        );
+        // Float division may round differently on a device (and move a token between two
+        // groups), rarely: at most one split list in 50 (lavapipe: none).
+        assert!(
+            inexact * 50 <= split_lists,
+            "{inexact} of {split_lists} splits differ from the reference by a token: more than float rounding explains"
         );
     }
 }

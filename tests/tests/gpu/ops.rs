@@ -7,7 +7,7 @@ use expertkv_core::reference::ops as cpu;
 use expertkv_core::rng::Rng;
 use expertkv_core::runtime::Runtime;
 
-use crate::common::{POISON_F32, rt, seeds};
+use crate::common::{POISON_F32, replaying, rt, seeds};
 
 /// File bytes of a random `rows x cols` matrix in `format` (finite scales, every code drawn).
 fn random_blocks(rng: &mut Rng, format: WeightFormat, rows: u32, cols: u32) -> Vec<u8> {
@@ -104,7 +104,7 @@ fn matvec_and_embed_match_cpu_in_every_weight_format() {
         let want: Vec<f32> = tokens.iter().flat_map(|&t| wf[(t * cols) as usize..((t + 1) * cols) as usize].to_vec()).collect();
         assert_eq!(got, want, "{ctx}: embedding rows are exact");
     }
-    if std::env::var("EXPERTKV_TEST_SEED").is_err() {
+    if !replaying() {
         assert!(formats_seen.iter().all(|&c| c > 0), "every format drawn: {formats_seen:?}");
     }
     // Bad shapes are refused with a message, not a panic.
@@ -205,7 +205,7 @@ fn moe_ffn_matches_cpu_in_every_weight_format() {
         let scale_acc: Vec<f64> = scale.iter().zip(&resid).map(|(s, r)| s + f64::from(r.abs())).collect();
         close(&got_acc, &want_acc, &scale_acc, 1e-4, &format!("{ctx}, added to a residual"));
     }
-    if std::env::var("EXPERTKV_TEST_SEED").is_err() {
+    if !replaying() {
         assert!(formats_seen.iter().all(|&c| c > 0), "every format drawn: {formats_seen:?}");
     }
     // A partition that is not one is refused.
@@ -266,7 +266,7 @@ fn rmsnorm_rope_swiglu_match_cpu() {
 /// A real SmolLM2 matrix (Q4_1) and the Q8_0 embedding through the kernels.
 #[test]
 fn matvec_on_real_model_weights() {
-    let Some(bytes) = crate::common::model_bytes() else { return };
+    let Some(bytes) = crate::common::model_bytes("matvec_on_real_model_weights") else { return };
     let g = expertkv_core::gguf::Gguf::parse(&bytes).expect("gguf");
     let rt = rt();
     let k = pollster::block_on(ModelKernels::new(rt)).expect("kernels");

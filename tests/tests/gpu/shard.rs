@@ -3,12 +3,12 @@
 
 use expertkv_core::config::{Codec, KvDtype, PoolConfig, ShardMap};
 use expertkv_core::gpu_data::{meta, plan_flags};
-use expertkv_core::pool::KvPool;
+use expertkv_core::pool::{KvPool, Routed};
 use expertkv_core::reference::pool::{NewToken, PoolModel, encode_values};
 use expertkv_core::rng::Rng;
 use expertkv_core::runtime::Runtime;
 
-use crate::common::{POISON_U32, rt, seeds};
+use crate::common::{POISON_U32, replaying, rt, seeds};
 
 fn pick<T: Copy>(rng: &mut Rng, items: &[T]) -> T {
     items[rng.below(items.len() as u32) as usize]
@@ -125,6 +125,36 @@ struct Coverage {
     released: u32,
     multi_buffer: u32,
     reused_after_free: u32,
+    routed: u32,
+}
+
+/// Append `tokens` with their experts and gates read from router-shaped buffers on the GPU: the
+/// batch cut into `per_layer` rows per block, block `b` starting at row `b x row_stride`, the
+/// other rows poisoned; the host's copies of the tokens carry wrong experts and NaN gates.
+fn append_routed(rt: &Runtime, rng: &mut Rng, pool: &mut KvPool, tokens: &[NewToken], kv: &[u32], step: u32, ctx: &str) {
+    let k = pool.cfg.top_k as usize;
+    let n = tokens.len() as u32;
+    // The batch is whole blocks of `per_layer` tokens (a divisor of n).
+    let divisors: Vec<u32> = (1..=n).filter(|d| n.is_multiple_of(*d)).collect();
+    let per_layer = divisors[rng.below(divisors.len() as u32) as usize];
+    let row_stride = per_layer + rng.below(4);
+    let rows = n.div_ceil(per_layer) * row_stride;
+    let mut experts = vec![POISON_U32; rows as usize * k];
+    let mut gates = vec![f32::from_bits(POISON_U32); rows as usize * k];
+    for (i, t) in tokens.iter().enumerate() {
+        let i = i as u32;
+        let row = ((i / per_layer) * row_stride + i % per_layer) as usize;
+        experts[row * k..(row + 1) * k].copy_from_slice(&t.experts);
+        gates[row * k..(row + 1) * k].copy_from_slice(&t.gates);
+    }
+    let host: Vec<NewToken> = tokens
+        .iter()
+        .map(|t| NewToken { experts: t.experts.iter().map(|e| e ^ 5).collect(), gates: vec![f32::NAN; k], ..t.clone() })
+        .collect();
+    let (eb, gb) = (rt.storage_init("routed experts", &experts), rt.storage_init("routed gates", &gates));
+    let routed = Routed { experts: &eb, gates: &gb, per_layer, row_stride };
+    pool.append_timed(rt, &host, kv, step, Some(routed), None)
+        .unwrap_or_else(|e| panic!("{ctx}: routed append ({per_layer} per block, stride {row_stride}): {e}"));
 }
 
 #[test]
@@ -163,7 +193,14 @@ fn append_release_gather_gpu_match_cpu() {
                 let n = 1 + rng.below(max_batch.min(48) as u32) as usize;
                 let tokens = random_batch(&mut rng, &cfg, &mut positions, n, op == 4);
                 let kv = random_kv(&mut rng, &cfg, n);
-                pool.append(rt, &tokens, &kv, op).unwrap_or_else(|e| panic!("{ctx}: {e}"));
+                // Every other seed's appends take their experts and gates from router output
+                // on the GPU (shard/apply_routing), the host's tokens carrying other values.
+                if seed % 2 == 1 {
+                    append_routed(rt, &mut rng, &mut pool, &tokens, &kv, op, &ctx);
+                    cov.routed += 1;
+                } else {
+                    pool.append(rt, &tokens, &kv, op).unwrap_or_else(|e| panic!("{ctx}: {e}"));
+                }
                 let want = model.append(&tokens, &kv, op).unwrap_or_else(|e| panic!("{ctx}: {e}"));
                 let got = pollster::block_on(pool.read_last_plan(rt, n as u32)).expect("plan");
                 assert_eq!(got, want, "{ctx}: placement plan");
@@ -203,14 +240,15 @@ fn append_release_gather_gpu_match_cpu() {
         }
     }
     // The random cases must reach every path, or this test proves less than it claims.
-    if std::env::var("EXPERTKV_TEST_SEED").is_err() {
+    if !replaying() {
         assert!(
             cov.recycles > 0
                 && cov.exhausted > 0
                 && cov.invalid > 0
                 && cov.released > 0
                 && cov.multi_buffer > 0
-                && cov.reused_after_free > 0,
+                && cov.reused_after_free > 0
+                && cov.routed > 0,
             "{cov:?}"
         );
     }
