@@ -13,33 +13,36 @@ with_timeout() {
     fi
 }
 
-as_root() {
+# root_cmd: nothing when root, else sudo (or an error when there is none).
+root_cmd() {
     if [ "$(id -u)" = 0 ]; then
-        "$@"
+        return 0
     elif command -v sudo >/dev/null; then
-        sudo "$@"
+        echo sudo
     else
-        echo "error: root (or sudo) is needed to run: $*" >&2
+        echo "error: root (or sudo) is needed to install packages" >&2
         return 1
     fi
 }
 
-# apt_install PKG...: apt-get update (once per script run) and install, quietly,
-# each step under a time limit, with a message that names what failed.
+# apt_install PKG...: apt-get update (once per script run) and install, quietly, each step under
+# a time limit, with a message that names what failed.
 apt_install() {
     command -v apt-get >/dev/null || {
         echo "error: apt-get not found; install $* by hand (this script knows Debian and Ubuntu)" >&2
         return 1
     }
+    local sudo
+    sudo=$(root_cmd) || return 1
     local opts=(-o Acquire::http::Timeout=30 -o Acquire::Retries=3 -o DPkg::Lock::Timeout=300)
     if [ -z "${EXPERTKV_APT_UPDATED:-}" ]; then
-        with_timeout 300 as_root apt-get "${opts[@]}" update -qq || {
+        with_timeout 300 $sudo apt-get "${opts[@]}" update -qq || {
             echo "error: apt-get update failed or timed out (is the Debian mirror reachable?)" >&2
             return 1
         }
         export EXPERTKV_APT_UPDATED=1
     fi
-    with_timeout 900 as_root env DEBIAN_FRONTEND=noninteractive apt-get "${opts[@]}" install -y -qq --no-install-recommends "$@" >/dev/null || {
+    with_timeout 900 $sudo env DEBIAN_FRONTEND=noninteractive apt-get "${opts[@]}" install -y -qq --no-install-recommends "$@" >/dev/null || {
         echo "error: apt-get install $* failed or timed out" >&2
         return 1
     }
