@@ -14,6 +14,8 @@
 # the native tests build. Each phase is timed; the summary at the end lists the phases, each test
 # binary and every test that could not run here (skipped, by name). Logs: target/test-logs/.
 set -euo pipefail
+# Background phases run in their own process groups, so a failure can stop them whole.
+set -m
 cd "$(dirname "$0")/.."
 . scripts/lib.sh
 
@@ -33,7 +35,7 @@ done
 need_cargo
 logs=$PWD/target/test-logs
 mkdir -p "$logs"
-rm -f "$logs"/*
+rm -f "$logs"/* "$logs"/.packages-ready
 export EXPERTKV_SKIPPED=$logs/skipped.txt
 : >"$EXPERTKV_SKIPPED"
 t0=$(date +%s)
@@ -46,7 +48,10 @@ phase() {
 }
 
 report() {
-    local status=$?
+    local status=$? pid
+    for pid in ${setup_pid:-} ${model_pid:-}; do
+        kill -- "-$pid" 2>/dev/null || true
+    done
     echo
     echo "== scripts/test.sh$([ $quick = 1 ] && echo " --quick") summary ($(($(date +%s) - t0)) s in all)"
     printf '  %s\n' "${summary[@]}"
@@ -64,6 +69,8 @@ report() {
         echo "FAILED: $failed (logs in $logs/)"
     elif [ $status = 0 ]; then
         echo "all passed"
+    else
+        echo "FAILED: exit status $status (logs in $logs/)"
     fi
 }
 trap report EXIT
@@ -144,12 +151,13 @@ quiet_mesa
 s=$(date +%s)
 echo "test.sh: running the tests (log: target/test-logs/tests.log)"
 set +e
-cargo test --workspace --locked ${cargo_args[@]+"${cargo_args[@]}"} 2>&1 | tee "$logs/tests.log" |
+# A hung test stops the run after 40 minutes, not CI's 90.
+with_timeout 2400 cargo test --workspace --locked ${cargo_args[@]+"${cargo_args[@]}"} 2>&1 | tee "$logs/tests.log" |
     grep --line-buffered -E '^ *(Running|Doc-tests) |^test result|^failures:|panicked at'
 status=${PIPESTATUS[0]}
 set -e
 if [ "$status" != 0 ]; then
-    failed="cargo test"
+    failed="cargo test$([ "$status" = 124 ] && echo " (timed out)")"
     grep -E -A40 '^failures:$' "$logs/tests.log" | head -120 >&2
     exit 1
 fi

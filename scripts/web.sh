@@ -124,19 +124,24 @@ run_test() {
     steps=$(awk -F' *= *' '/^steps/ { print $2; exit }' web/browser.toml)
     log "native run of web/browser.toml ($steps steps) for the expected checksum and fingerprint"
     native=$out/native.json
-    if [ -n "${EXPERTKV_BIN:-}" ]; then
-        "$EXPERTKV_BIN" demo --config web/browser.toml --checksum --json
-    else
-        cargo run -q --locked -p expertkv -- demo --config web/browser.toml --checksum --json
-    fi | grep '"checksum"' | tail -1 >"$native" || true
-    grep -q '"checksum":"0x' "$native" || die "the native run printed no checksum"
+    local run=(cargo run -q --locked -p expertkv --)
+    [ -z "${EXPERTKV_BIN:-}" ] || run=("$EXPERTKV_BIN")
+    "${run[@]}" demo --config web/browser.toml --checksum --json >"$out/native.out" || die "the native run failed (see $out/native.out)"
+    grep '"checksum"' "$out/native.out" | tail -1 >"$native" || true
+    grep -q '"checksum":"0x' "$native" || die "the native run printed no checksum (see $out/native.out)"
     log "native: $(cut -c1-80 "$native")..."
     local port
     port=$(free_port)
     start_server "$port"
     trap 'kill $server_pid 2>/dev/null || true' EXIT
-    sleep 1
-    node web/tests/e2e.mjs "http://127.0.0.1:$port/" "$native" "$steps" "$out/browser.png"
+    local i
+    for i in $(seq 50); do
+        curl -fs -o /dev/null "http://127.0.0.1:$port/" && break
+        kill -0 "$server_pid" 2>/dev/null || die "the page server did not start"
+        [ "$i" != 50 ] || die "the page server did not answer within 10 s"
+        sleep 0.2
+    done
+    with_timeout 900 node web/tests/e2e.mjs "http://127.0.0.1:$port/" "$native" "$steps" "$out/browser.png"
 }
 
 cmd=${1:-}

@@ -342,13 +342,11 @@ kept_attention,attention_error,routing_entropy,miss_rate,host_kv_bytes,tier_byte
     }
 }
 
-/// What the CPU reference check found.
+/// What the CPU reference check found ([`Pipeline::verify`] returns an error instead where the
+/// pool differs, and the lockstep where any attention, selection or eviction does).
 #[derive(Clone, Debug, Serialize)]
 pub struct VerifyReport {
     pub tokens_checked: u64,
-    /// The whole pool (rings, page tables, free lists, page and slot metadata, control words,
-    /// K/V and compressed pages) equal to the CPU reference's.
-    pub placement_identical: bool,
     /// Attention passes (layer and batch or step) checked against the f64 reference.
     pub attention_checked: u64,
     pub attention_max_abs_err: f64,
@@ -367,6 +365,66 @@ struct Checked {
 
 fn verify_err(message: String) -> Error {
     Error::Gpu { during: "verification against the CPU reference".into(), message }
+}
+
+/// The lockstep's eviction: every slot's utility key and every list's budget against the
+/// reference (exactly; LRU+'s float utility within 1e-5, AdaKV's shares within a token), then
+/// the reference evicts with the GPU's keys and budgets (and EKVA groups) and the utility
+/// threshold as the kernel applies it, and every list's counts must agree (tokens, victims
+/// exactly; kept attention and the adaptive threshold within 1e-4). The pool it leaves is
+/// compared in [`Pipeline::verify`].
+async fn check_eviction(
+    rt: &Runtime,
+    s: &Scheduler,
+    m: &mut PoolModel,
+    step: u32,
+    lens: &[u32],
+    before: &[ListState],
+    after: &[ListState],
+) -> Result<()> {
+    use crate::gpu_data::{from_orderable, policies};
+    let p = s.params(step);
+    let keys = s.read_utility(rt).await?;
+    for (slot, want) in m.evict_scores(&p, lens).iter().enumerate() {
+        let (Some(w), g) = (*want, keys[slot]) else { continue };
+        let same = if p.policy == policies::LRU_PLUS && w != u32::MAX && g != u32::MAX {
+            let (gf, wf) = (from_orderable(g), from_orderable(w));
+            (gf - wf).abs() <= 1e-5 * (1.0 + wf.abs())
+        } else {
+            g == w
+        };
+        if !same {
+            return Err(verify_err(format!("step {step}: utility key of slot {slot} is {g:#010x}, the reference {w:#010x}")));
+        }
+    }
+    for (li, (g, w)) in after.iter().zip(m.evict_budgets(&p, lens, before, &s.layer_budgets)).enumerate() {
+        let off = if p.policy == policies::ADAKV { g.budget.abs_diff(w.budget) > 1 } else { g.budget != w.budget || g.kind != w.kind };
+        if off {
+            return Err(verify_err(format!(
+                "step {step}: list {li}'s budget is {} ({}), the reference {} ({})",
+                g.budget, g.kind, w.budget, w.kind
+            )));
+        }
+    }
+    // The reference starts from the lists as they were, with the budgets the GPU set.
+    let mut lists: Vec<ListState> =
+        after.iter().zip(before).map(|(a, b)| ListState { tau: b.tau, evicted_total: b.evicted_total, ..*a }).collect();
+    match &s.ekva {
+        Some(e) => {
+            let mut groups = s.read_groups(rt).await?;
+            m.evict_grouped(&keys, &mut lists, Some((&mut groups, e.n_experts)));
+        }
+        None => {
+            m.evict_thresholded(&keys, &mut lists, &p, s.select_wg);
+        }
+    }
+    for (li, (g, w)) in after.iter().zip(&lists).enumerate() {
+        let floats = (g.hit_rate - w.hit_rate).abs() < 1e-4 && (g.tau - w.tau).abs() < 1e-4;
+        if (g.tokens, g.evicted, g.evicted_total) != (w.tokens, w.evicted, w.evicted_total) || !floats {
+            return Err(verify_err(format!("step {step}: list {li} after eviction is {g:?}, the reference {w:?}")));
+        }
+    }
+    Ok(())
 }
 
 /// The full-cache pool and its attention, kept beside a budgeted pool to measure its error.
@@ -700,7 +758,8 @@ impl Pipeline {
         Ok((!errors.is_empty()).then(|| errors.iter().sum::<f64>() / errors.len() as f64))
     }
 
-    /// QUEST's part of the lockstep: every page's key bounds exactly, every page's upper bound on
+    /// QUEST's part of the lockstep: every page's key bounds exactly (at layer 0, after they are
+    /// summarised), every page's upper bound on
     /// q.k within [`crate::reference::quest::QUEST_BOUND_RTOL`] of the f64 reference, and the
     /// selection exactly the reference's given the GPU's keys.
     #[allow(clippy::too_many_arguments)]
@@ -717,7 +776,8 @@ impl Pipeline {
         use crate::reference::quest::{QUEST_BOUND_RTOL, key_bound, page_bounds, select_pages, upper_bound};
         let c = &self.pool.cfg;
         let (d, step) = (c.head_dim as usize, self.step);
-        let bounds: Vec<f32> = rt.read_all(&qs.bounds).await?;
+        // The bounds are summarised before layer 0's selection: compared there, used everywhere.
+        let bounds: Vec<f32> = if layer == 0 { rt.read_all(&qs.bounds).await? } else { Vec::new() };
         let keys: Vec<u32> = rt.read_all(qs.page_keys()).await?;
         let mut refs = vec![None; c.n_pages as usize];
         for (page, r) in refs.iter_mut().enumerate() {
@@ -726,6 +786,7 @@ impl Pipeline {
             }
             *r = page_bounds(model, page as u32);
             if let Some(want) = r
+                && layer == 0
                 && let Some(i) = (0..2 * d).find(|&i| f64::from(bounds[page * 2 * d + i]) != want[i])
             {
                 return Err(verify_err(format!(
@@ -769,7 +830,8 @@ impl Pipeline {
     /// within its tolerance of the f64 reference over the same pages (QUEST: the GPU's
     /// selection), and the slot metadata equal to the reference's everywhere, with the masses
     /// and accesses this attention recorded (masses within the attention tolerance). The model
-    /// then carries the GPU's masses, so that eviction's utilities compare exactly.
+    /// then carries the GPU's masses (rounded as the GPU summed them), so that the utilities
+    /// eviction derives from them can be compared exactly ([`check_eviction`]).
     async fn check_layer(&mut self, rt: &Runtime, layer: u32, q: &[f32]) -> Result<()> {
         use crate::reference::attend::{ATTENTION_ATOL, ATTENTION_RTOL};
         let Some(model) = &self.model else { return Ok(()) };
@@ -872,14 +934,18 @@ impl Pipeline {
         };
         let lens: Vec<u32> = (0..self.cfg.workload.n_seqs).map(|q| self.workload.position(q)).collect();
         s.prepare(rt, self.step, &lens)?;
-        if let Some(m) = &self.model {
-            // The lockstep carries the metadata attention left (checked in `check_layer`);
-            // nothing between attention and eviction may have changed it.
-            rt.wait()?;
-            if rt.read_all::<u32>(&self.pool.slot_meta).await? != m.slot_meta {
-                return Err(verify_err(format!("step {}: slot metadata changed between attention and eviction", self.step)));
+        let before = match &self.model {
+            Some(m) => {
+                // The lockstep carries the metadata attention left (checked in `check_layer`);
+                // nothing between attention and eviction may have changed it.
+                rt.wait()?;
+                if rt.read_all::<u32>(&self.pool.slot_meta).await? != m.slot_meta {
+                    return Err(verify_err(format!("step {}: slot metadata changed between attention and eviction", self.step)));
+                }
+                Some(s.read_lists(rt).await?)
             }
-        }
+            None => None,
+        };
         let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("evict") });
         {
             let ts = if timed { self.timer.as_ref().and_then(|t| t.pass(3 + self.pool.cfg.layers)) } else { None };
@@ -888,18 +954,8 @@ impl Pipeline {
         }
         rt.queue.submit([enc.finish()]);
         let lists = s.read_lists(rt).await?;
-        if let Some(m) = &mut self.model {
-            let keys = s.read_utility(rt).await?;
-            let mut budgets = lists.clone();
-            match &s.ekva {
-                Some(e) => {
-                    let mut groups = s.read_groups(rt).await?;
-                    m.evict_grouped(&keys, &mut budgets, Some((&mut groups, e.n_experts)));
-                }
-                None => {
-                    m.evict(&keys, &mut budgets);
-                }
-            }
+        if let (Some(m), Some(before)) = (&mut self.model, before) {
+            check_eviction(rt, s, m, self.step, &lens, &before, &lists).await?;
         }
         Ok(Some(lists))
     }
@@ -1481,7 +1537,6 @@ impl Pipeline {
         let c = self.checked;
         Ok(Some(VerifyReport {
             tokens_checked,
-            placement_identical: true,
             attention_checked: c.attention,
             attention_max_abs_err: c.max_abs_err,
             attention_worst_share: c.worst_share,

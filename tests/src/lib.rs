@@ -21,7 +21,7 @@ pub fn seeds(test: &str, n: u64) -> Vec<u64> {
     (0..n)
         .map(|i| {
             let h = base.wrapping_add(i.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-            (h / CASE_PERIOD) * CASE_PERIOD + i
+            ((h / CASE_PERIOD) * CASE_PERIOD).wrapping_add(i)
         })
         .collect()
 }

@@ -30,6 +30,9 @@ function fingerprintDifference(a, b, rtol) {
   if (!Array.isArray(a) || !Array.isArray(b) || a.length !== b.length || a.length % 3 !== 0) {
     return `fingerprints of ${a && a.length} and ${b && b.length} sums`;
   }
+  // JSON carries NaN and infinities as null: anything not a finite number never agrees.
+  const bad = [...a, ...b].findIndex((x) => typeof x !== 'number' || !Number.isFinite(x));
+  if (bad >= 0) return `sum ${bad % a.length} is ${JSON.stringify([...a, ...b][bad])}, not a finite number`;
   let worst = 0;
   for (let i = 0; i < a.length; i += 3) {
     const scale = [Math.max(Math.abs(a[i]), Math.abs(b[i])), Math.max(Math.abs(a[i + 1]), Math.abs(b[i + 1])),

@@ -336,10 +336,12 @@ fn check_int4_layers(rt: &Runtime, attn: &Attention, pool: &KvPool, model: &mut 
             assert!(out_close(*g, *w, cp[i]), "{ctx0}: layer {layer} out[{i}] = {g}, reference {w} (f16 sums hold {})", cp[i]);
             worst = worst.max((f64::from(*g) - w).abs() / (1e-6 + cp[i].abs()));
         }
-        // Per output vector (one query head's head_dim outputs): f16 rounding errors are
-        // independent across dimensions and mostly cancel in the vector's norm, while a token
-        // dropped or counted twice moves every dimension by p_t (v_t - out), so the vector's
-        // error norm is held to a much tighter share of what its f16 sums hold.
+        // Per output vector (one query head's head_dim outputs): the error's norm over the norm
+        // of what the f16 sums hold, a weighted mean of the elements' relative errors, held to
+        // a quarter of the per-element bound. Rounding keeps it under 6e-4 on lavapipe over
+        // these cases; a token dropped from the sums moves every element by p_t (v_t - out),
+        // and with one token dropped per list this check fails 49 of 69 vectors where the
+        // per-element one fails 38 (the rest: tokens of negligible weight).
         if attn.f16_value_sums() {
             let d = cfg.head_dim as usize;
             for (v, ((g, w), c)) in got.chunks(d).zip(want.out.chunks(d)).zip(cp.chunks(d)).enumerate() {
@@ -403,8 +405,9 @@ fn quant_tile_attention_matches_reference() {
         let vg = vgs[rng.below(vgs.len() as u32) as usize];
         let shards = 1 + rng.below(2);
         let target = 100 + rng.below(300);
-        // Every third case over several raw pool buffers.
-        let cfg = int4_config(&mut rng, d, page_size, vg, shards, target, seed % 3 == 0);
+        // Half the cases over several raw pool buffers: cases 0-2, 6-8 (independent of
+        // `seed % 3`, which picks the check mode and the workgroup).
+        let cfg = int4_config(&mut rng, d, page_size, vg, shards, target, (seed / 3) % 2 == 0);
         let ctx0 = format!("seed {seed}: {cfg:?}, {group} query heads per KV head, checks {}", rt.checks.name());
         let (pool, mut model) = int4_pool(rt, &mut rng, &cfg, target, &ctx0);
         let chunk_pages = [1u32, 2 + rng.below(6), 64][rng.below(3) as usize];
@@ -485,8 +488,9 @@ fn quant_coop_attention_matches_reference() {
         let vg = vgs[rng.below(vgs.len() as u32) as usize];
         let shards = 1 + rng.below(2);
         let target = 100 + rng.below(400);
-        // Every third case over several raw pool buffers.
-        let cfg = int4_config(&mut rng, d, page_size, vg, shards, target, seed % 3 == 0);
+        // Half the cases over several raw pool buffers: cases 0-2, 6-8 (independent of
+        // `seed % 3`, which picks the check mode and the workgroup).
+        let cfg = int4_config(&mut rng, d, page_size, vg, shards, target, (seed / 3) % 2 == 0);
         let ctx0 = format!("seed {seed}: {cfg:?}, {group} query heads per KV head, checks {}", rt.checks.name());
         let (pool, mut model) = int4_pool(rt, &mut rng, &cfg, target, &ctx0);
         let chunk_pages = [1u32, 2 + rng.below(6), 64][rng.below(3) as usize];

@@ -87,14 +87,16 @@ fn append_round(rt: &Runtime, rng: &mut Rng, pool: &mut KvPool, model: &mut Pool
 }
 
 /// Random attention masses, access counts and last-access steps on every cached slot, on both
-/// sides (the GPU's slot metadata is overwritten with the model's).
-fn randomise_meta(rt: &Runtime, rng: &mut Rng, pool: &KvPool, model: &mut PoolModel, step: u32) {
+/// sides (the GPU's slot metadata is overwritten with the model's). `ties`: masses in eighths,
+/// so that many tie (the tie-break is exercised) and every f32 sum of them is exact; otherwise
+/// any f32, so that sums depend on their order (the threshold's mean is the kernel's sum).
+fn randomise_meta(rt: &Runtime, rng: &mut Rng, pool: &KvPool, model: &mut PoolModel, step: u32, ties: bool) {
     let mw = model.cfg.meta_words() as usize;
     let k = model.cfg.top_k as usize;
     for slot in 0..model.slot_meta.len() / mw {
         let m = slot * mw;
-        // Quantised masses: many exact ties, so the tie-break is exercised.
-        model.slot_meta[m + meta::attn(k)] = ((rng.below(20) as f32) / 8.0).to_bits();
+        let mass = if ties { (rng.below(20) as f32) / 8.0 } else { rng.range(0.0, 2.5) as f32 };
+        model.slot_meta[m + meta::attn(k)] = mass.to_bits();
         model.slot_meta[m + meta::ACCESS_COUNT] = rng.below(10);
         model.slot_meta[m + meta::LAST_ACCESS] = rng.below(step + 1);
     }
@@ -139,7 +141,11 @@ fn evict_gpu_match_cpu() {
             1 => Threshold::Fixed { tau: rng.range(0.3, 1.2) as f32 },
             _ => Threshold::Adaptive { target: rng.range(0.5, 0.95) as f32, step: rng.range(0.1, 1.0) as f32 },
         };
-        let ctx = format!("seed {seed}: {sched:?}, budget {budget}, pyramid {pyramid:?}, {threshold:?}, wide select {wide}, {cfg:?}");
+        // Tied masses in half the cases (0, 1, 4, 5, ...: independent of `wide`).
+        let ties = (seed / 2) % 2 == 0;
+        let ctx = format!(
+            "seed {seed}: {sched:?}, budget {budget}, pyramid {pyramid:?}, {threshold:?}, wide select {wide}, tied masses {ties}, {cfg:?}"
+        );
         let mut pool = pollster::block_on(KvPool::new(rt, cfg.clone())).expect("pool");
         multi += usize::from(pool.n_buffers() > 1);
         if !policies_seen.contains(&sched.name()) {
@@ -164,7 +170,7 @@ fn evict_gpu_match_cpu() {
         for round in 0..3u32 {
             let n = if long { 1 + rng.below(budget) } else { 1 + rng.below(3 * budget / cfg.n_shards.max(1) + 4) };
             append_round(rt, &mut rng, &mut pool, &mut model, &mut lens, n, round);
-            randomise_meta(rt, &mut rng, &pool, &mut model, round + 3);
+            randomise_meta(rt, &mut rng, &pool, &mut model, round + 3, ties);
             pool.gather(rt).expect("gather");
             rt.fill_u32(&s.utility, POISON_U32);
             s.run(rt, round + 3, &lens).unwrap_or_else(|e| panic!("{ctx}: round {round}: {e}"));
@@ -510,6 +516,7 @@ fn ekva_gpu_match_cpu() {
     let (mut split_lists, mut uneven, mut evicted, mut folded, mut inexact) = (0u64, 0u64, 0u64, 0, 0u64);
     for seed in seeds("ekva", 16) {
         let mut rng = Rng::new(seed);
+        let ties = seed % 2 == 0;
         let cfg = config(&mut rng, false);
         let sched = match random_scheduler(&mut rng) {
             // The allocator enforces budgets; StreamingLLM per expert group is legal but keeps
@@ -540,7 +547,7 @@ fn ekva_gpu_match_cpu() {
         for round in 0..3u32 {
             let n = 1 + rng.below(3 * budget / cfg.n_shards.max(1) + 4);
             append_round(rt, &mut rng, &mut pool, &mut model, &mut lens, n, round);
-            randomise_meta(rt, &mut rng, &pool, &mut model, round + 3);
+            randomise_meta(rt, &mut rng, &pool, &mut model, round + 3, ties);
             pool.gather(rt).expect("gather");
             rt.fill_u32(&s.utility, POISON_U32);
             rt.fill_u32(&ekva.groups, POISON_U32);
