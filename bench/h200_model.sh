@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The real-model issue's H200 numbers in one call: tokens/s of SmolLM2-135M dense and MoEfied
-# (E=8 k=2, E=16 k=4), each also as 200 steps back to back (EXPERTKV_PROBE_FORWARD, the second
+# (E=8 k=2, E=16 k=4), each also as 200 steps back to back (--time-steps, the second
 # half timed), and the eval table with codecs (the low-rank ones fitted on the text's first 64
 # tokens) and MoEfied models on the shipped text, their experts also chosen by the pipeline's
 # routers.
@@ -17,7 +17,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 sha256sum models/SmolLM2-135M-Instruct.Q4_1.gguf
 for moe in dense 8:2 16:4; do
   echo "== run --moe $moe"
-  EXPERTKV_PROBE_FORWARD=200 $B run --tokens 64 --moe "$moe" 2>&1 | grep -v '^$' | tail -5
+  $B run --time-steps 200 --tokens 64 --moe "$moe" 2>&1 | grep -v '^$' | tail -5
 done
 echo "== eval"
 $B eval --tokens 256 --schedulers none --needle-filler 128 --codecs int8,int4,int4:group=64,fastv-dims,low-rank:rank=32,lora:rank=16 --moe 8:2,16:4 --moe-routers load-balance,entropy,hash,adaptive 2>&1 | grep -v '^$' | tail -22

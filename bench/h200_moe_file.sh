@@ -14,5 +14,5 @@ $B synth --out /tmp/e8x1536.gguf $S --experts 8 --top-k 2 --ffn 1536
 $B synth --out /tmp/e8x192.gguf $S --experts 8 --top-k 2 --ffn 192
 for m in dense e8x1536 e8x192; do
   echo "== $m"
-  EXPERTKV_PROBE_FORWARD=200 $B run --model /tmp/$m.gguf --prompt "Hello" --tokens 64 2>&1 | grep -E "^model|prefill|probe|routing"
+  $B run --time-steps 200 --model /tmp/$m.gguf --prompt "Hello" --tokens 64 2>&1 | grep -E "^model|prefill|decode_steps|routing"
 done

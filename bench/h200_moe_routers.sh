@@ -12,6 +12,6 @@ B=.bin/expertkv
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 sha256sum models/SmolLM2-135M-Instruct.Q4_1.gguf
 echo "== run --moe 8:2:fitted"
-EXPERTKV_PROBE_FORWARD=200 $B run --tokens 64 --moe 8:2:fitted 2>&1 | grep -v '^$' | tail -6
+$B run --time-steps 200 --tokens 64 --moe 8:2:fitted 2>&1 | grep -v '^$' | tail -6
 echo "== eval"
 $B eval --tokens 256 --schedulers none --needle-filler 128 --moe 8:2,8:2:fitted,8:4,8:4:fitted,8:6,8:6:fitted,16:4,16:4:fitted 2>&1 | grep -v '^$' | tail -24

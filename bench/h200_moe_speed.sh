@@ -11,6 +11,6 @@ B=.bin/expertkv
 sha256sum models/SmolLM2-135M-Instruct.Q4_1.gguf
 for moe in dense 8:2 16:4; do
   echo "== run --moe $moe"
-  EXPERTKV_PROBE_FORWARD=200 $B run --tokens 64 --moe "$moe" 2>&1 | grep -E "prefill|probe"
+  $B run --time-steps 200 --tokens 64 --moe "$moe" 2>&1 | grep -E "prefill|decode_steps"
 done
 $B eval --tokens 256 --schedulers none --needle-filler 0 --moe 8:2,16:4 2>&1 | grep -E "^\|"

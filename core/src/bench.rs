@@ -4,15 +4,15 @@
 use expertkv_shaders::Kernel;
 use serde::Serialize;
 
+use crate::append::KvPool;
+use crate::append::format::{NewToken, encode_values};
 use crate::attend::{AttendOptions, Attention};
 use crate::config::{Codec, KvDtype, PoolConfig, ShardMap};
 use crate::error::{Error, Result};
 use crate::gpu_data::CopyParams;
-use crate::pool::KvPool;
-use crate::reference::pool::{NewToken, encode_values};
 use crate::rng::Rng;
 use crate::runtime::Runtime;
-use crate::timer::{GpuTimer, median};
+use crate::runtime::timer::{GpuTimer, median};
 
 #[derive(Clone, Debug, Serialize)]
 pub struct Measurement {
@@ -134,7 +134,7 @@ impl FmaKernel {
             return Err(Error::Input("the compute roofline needs at least one invocation and iteration".into()));
         }
         let wgs = invocations.div_ceil(256);
-        let groups = crate::route::split_workgroups(wgs);
+        let groups = crate::runtime::split_workgroups(wgs);
         let invocations = groups[0] * groups[1] * 256;
         let pipeline = rt.pipeline(Kernel::BenchFma, &[]).await?;
         let out = rt.storage("bench/fma out", u64::from(invocations) * 16);
@@ -369,7 +369,7 @@ pub fn fill_random(
         pool.append(rt, &toks, &kv, step)?;
         pending.clear();
         if pool.cfg.codec.is_low_rank() && !pool.calibrated {
-            pool.calibrate(rt, crate::pool::DEFAULT_BASIS_ITERS)?;
+            pool.calibrate(rt, crate::compress::DEFAULT_BASIS_ITERS)?;
         }
         pool.compress(rt)?;
         Ok(())
@@ -459,7 +459,7 @@ pub struct AttendBench {
 /// `n_experts` with `top_k`, on random logits, for one router.
 pub async fn bench_route(
     rt: &Runtime,
-    cfg: crate::router_config::RouterConfig,
+    cfg: crate::route::config::RouterConfig,
     tokens: u32,
     n_experts: u32,
     top_k: u32,

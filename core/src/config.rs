@@ -135,7 +135,7 @@ pub enum Codec {
 
 pub const CODEC_NAMES: &str = "none, int8, int4, fastv-dims, low-rank, lora";
 
-/// `Geometry::codec`; must match `CODEC_*` in `shaders/wgsl/common/codec.wgsl`.
+/// `Geometry::codec`; must match `CODEC_*` in `shaders/wgsl/common/compress.wgsl`.
 pub mod codec_ids {
     pub const NONE: u32 = 0;
     pub const INT8: u32 = 1;
@@ -266,7 +266,7 @@ pub const MAX_HEAD_DIM: u32 = 256;
 pub const MAX_PAGE_SIZE: u32 = 64;
 pub const MAX_SHARDS: u32 = 256;
 pub const MAX_TOP_K: u32 = 8;
-/// Largest rank of the low-rank codecs (`codec/basis.wgsl`, `attend/split_lowrank.wgsl`).
+/// Largest rank of the low-rank codecs (`compress/basis.wgsl`, `attend/split_lowrank.wgsl`).
 pub const MAX_RANK: u32 = 64;
 
 impl PoolConfig {

@@ -50,7 +50,7 @@ pub enum Error {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
-    pub(crate) fn config(field: &'static str, value: impl std::fmt::Display, reason: impl Into<String>) -> Self {
+    pub fn config(field: &'static str, value: impl std::fmt::Display, reason: impl Into<String>) -> Self {
         Error::Config { field, value: value.to_string(), reason: reason.into() }
     }
 }

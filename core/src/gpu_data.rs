@@ -94,7 +94,7 @@ pub struct AppendParams {
 }
 const _: () = assert!(std::mem::size_of::<AppendParams>() == 16);
 
-/// Must match `ApplyParams` in `shaders/wgsl/shard/apply_routing.wgsl`.
+/// Must match `ApplyParams` in `shaders/wgsl/append/apply_routing.wgsl`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct ApplyParams {
@@ -120,7 +120,7 @@ pub struct TokenPlan {
 }
 const _: () = assert!(std::mem::size_of::<TokenPlan>() == 32);
 
-/// Must match `GatherParams` in `shaders/wgsl/shard/gather_pages.wgsl`.
+/// Must match `GatherParams` in `shaders/wgsl/append/gather_pages.wgsl`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct GatherParams {
@@ -131,7 +131,7 @@ pub struct GatherParams {
 }
 const _: () = assert!(std::mem::size_of::<GatherParams>() == 16);
 
-/// Must match `ReleaseParams` in `shaders/wgsl/shard/release.wgsl`.
+/// Must match `ReleaseParams` in `shaders/wgsl/append/release.wgsl`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct ReleaseParams {
@@ -392,7 +392,7 @@ pub fn from_orderable(k: u32) -> f32 {
     if k & 0x8000_0000 != 0 { f32::from_bits(k & 0x7fff_ffff) } else { f32::from_bits(!k) }
 }
 
-/// Must match `QuestParams` in `shaders/wgsl/quest/select.wgsl`.
+/// Must match `QuestParams` in `shaders/wgsl/evict/quest_select.wgsl`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Pod, Zeroable)]
 pub struct QuestParams {
@@ -406,69 +406,3 @@ pub struct QuestParams {
     pub _pad1: u32,
 }
 const _: () = assert!(std::mem::size_of::<QuestParams>() == 32);
-
-/// Must match `MatVecParams` in `shaders/wgsl/model/matvec.wgsl`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Pod, Zeroable)]
-pub struct MatVecParams {
-    pub rows: u32,
-    pub cols: u32,
-    pub n_tokens: u32,
-    /// 1: y += W x (a residual in the same pass), 0: y = W x.
-    pub accumulate: u32,
-}
-
-/// Must match `MoeParams` in `shaders/wgsl/model/moe.wgsl`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
-pub struct MoeParams {
-    pub hidden: u32,
-    pub ffn: u32,
-    pub top_k: u32,
-    pub max_size: u32,
-    pub n_tokens: u32,
-    pub n_experts: u32,
-    /// 1: `y +=` the FFN's output (the residual stream), 0: `y =` it.
-    pub accumulate: u32,
-    pub _pad1: u32,
-}
-const _: () = assert!(std::mem::size_of::<MoeParams>() == 32);
-
-/// Must match `KvPackParams` in `shaders/wgsl/model/kv_pack.wgsl`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
-pub struct KvPackParams {
-    pub n_tokens: u32,
-    /// K (or V) floats per token: kv_heads x head_dim.
-    pub floats: u32,
-    /// 1: f16 pairs, 0: f32 bits.
-    pub f16: u32,
-    pub _pad: u32,
-}
-const _: () = assert!(std::mem::size_of::<KvPackParams>() == 16);
-
-/// Must match `MoeTopkParams` in `shaders/wgsl/model/router.wgsl`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
-pub struct MoeTopkParams {
-    pub n_tokens: u32,
-    pub n_experts: u32,
-    pub top_k: u32,
-    /// Where this call's choices start in the log buffer (words).
-    pub log_offset: u32,
-}
-const _: () = assert!(std::mem::size_of::<MoeTopkParams>() == 16);
-
-/// Must match `ModelOpParams` in `shaders/wgsl/model/norm_rope.wgsl`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Pod, Zeroable)]
-pub struct ModelOpParams {
-    pub n_tokens: u32,
-    pub dim: u32,
-    pub n_heads: u32,
-    pub _pad0: u32,
-    pub eps: f32,
-    pub base: f32,
-    pub _pad1: u32,
-    pub _pad2: u32,
-}

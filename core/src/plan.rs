@@ -24,8 +24,8 @@ use serde::Serialize;
 use crate::bench::Roofline;
 use crate::config::Codec;
 use crate::error::Result;
+use crate::evict::config::SchedulerConfig;
 use crate::pipeline::DemoConfig;
-use crate::scheduler_config::SchedulerConfig;
 
 /// What one decode step's attention must read and compute.
 #[derive(Clone, Copy, Debug, Serialize)]

@@ -37,6 +37,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::pipeline::DemoConfig;
+pub use crate::pipeline::LayerRecord;
 
 pub const TRACE_FORMAT: &str = "expertkv-trace";
 pub const TRACE_VERSION: u32 = 1;
@@ -56,22 +57,6 @@ impl TraceHeader {
     pub fn new(config: DemoConfig) -> TraceHeader {
         TraceHeader { format: TRACE_FORMAT.into(), version: TRACE_VERSION, steps: config.steps, config }
     }
-}
-
-/// One layer of one decode step (see the module docs for every field).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct LayerRecord {
-    pub step: u32,
-    pub layer: u32,
-    pub experts: Vec<u32>,
-    pub pages_read: u64,
-    pub bytes_read: u64,
-    pub pages_in_use: u64,
-    pub tokens_evicted: u64,
-    pub slots_moved: u64,
-    pub pages_freed: u64,
-    pub bytes_moved: u64,
 }
 
 /// A whole trace in memory.

@@ -6,8 +6,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::append::format::NewToken;
 use crate::error::{Error, Result};
-use crate::reference::pool::NewToken;
 use crate::rng::Rng;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -5,7 +5,7 @@ use clap::{Args, ValueEnum};
 use expertkv_core::attend::{AttendOptions, SplitVariant};
 use expertkv_core::bench::{AttendShape, BenchRecord, bench_attend, copy_roofline, gbps};
 use expertkv_core::config::{Codec, KvDtype};
-use expertkv_core::router_config::RouterConfig;
+use expertkv_core::route::config::RouterConfig;
 use expertkv_core::runtime::Runtime;
 use indicatif::{ProgressBar, ProgressStyle};
 

@@ -3,9 +3,9 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use clap::Args;
 use expertkv_core::config::{Codec, KvDtype, ShardMap};
+use expertkv_core::evict::config::{EkvaConfig, SchedulerConfig, Threshold};
 use expertkv_core::pipeline::{DemoConfig, Pipeline};
-use expertkv_core::router_config::RouterConfig;
-use expertkv_core::scheduler_config::{EkvaConfig, SchedulerConfig, Threshold};
+use expertkv_core::route::config::RouterConfig;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::{GpuArgs, check_positive, fmt_bytes};
@@ -60,12 +60,6 @@ pub struct DemoArgs {
     /// averaging --budget) [default: off].
     #[arg(long)]
     pyramid: Option<f32>,
-    /// After the steps, time the pipeline's own attention over its pool back to back (as `bench
-    /// attend` times its kernel) and print it: the kernel's cost apart from its place in a step.
-    /// With EXPERTKV_PROBE_BENCH_FILL=1 also over a second pool of the same configuration filled
-    /// as `bench attend` fills its own.
-    #[arg(long, hide = true)]
-    probe_attention: bool,
     /// Budget allocator over the scheduler: none, or ekva[:floor=F,alpha=A,decay=D] (EKVA: each
     /// list's budget split over expert groups by importance, routing frequency and attention mass)
     /// [default: none].
@@ -431,10 +425,7 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
     let mut gpu_totals = Vec::new();
     let mut last_split = None;
     let mut digest = expertkv_core::digest::DecisionDigest::new();
-    // EXPERTKV_PROBE_STEPS=N (hidden, for the H200 step comparison): the last N steps run back to
-    // back without reading a report between them (`Pipeline::probe_steps`).
-    let probe_steps = std::env::var("EXPERTKV_PROBE_STEPS").ok().and_then(|v| v.parse::<u32>().ok()).unwrap_or(0).min(cfg.steps);
-    for _ in 0..cfg.steps - probe_steps {
+    for _ in 0..cfg.steps {
         let r = pollster::block_on(p.step(&rt)).context("decode step")?;
         if a.checksum {
             pollster::block_on(digest.absorb_step(&rt, &p)).context("decision checksum")?;
@@ -491,10 +482,6 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
         }
         println!(" {:>6.3} {:>5.1}%  {:?}", r.routing_entropy, 100.0 * r.miss_rate, r.shard_pages);
     }
-    if probe_steps > 0 {
-        let v = pollster::block_on(p.probe_steps(&rt, probe_steps)).context("step probe")?;
-        println!("{v}");
-    }
     if a.checksum {
         if a.json {
             println!("{}", serde_json::json!({"checksum": digest.hex(), "steps": digest.steps(), "fingerprint": digest.fingerprint()}));
@@ -505,13 +492,6 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
                 println!("attention output fingerprint: {} sums, last step's {last:.6?}", f.len());
             }
         }
-    }
-    if a.probe_attention {
-        // Warm-up passes before the 20 timed ones: EXPERTKV_PROBE_WARMUP (default 5). Hundreds
-        // keep the GPU busy long enough for its clocks to leave their idle state.
-        let warmup = std::env::var("EXPERTKV_PROBE_WARMUP").ok().and_then(|v| v.parse().ok()).unwrap_or(5);
-        let v = pollster::block_on(p.probe_attention(&rt, warmup, 20)).context("attention probe")?;
-        println!("{v}");
     }
     if let Some((budget, imp)) = last_split
         && !a.json
@@ -570,7 +550,7 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
         println!("{}", serde_json::to_string(&serde_json::json!({"verify": &v, "config": cfg}))?);
     } else {
         if !gpu_totals.is_empty() {
-            println!("median GPU time per step: {:.3} ms", expertkv_core::timer::median(&gpu_totals));
+            println!("median GPU time per step: {:.3} ms", expertkv_core::runtime::timer::median(&gpu_totals));
         }
         match &v {
             Some(v) => println!(

@@ -6,13 +6,13 @@
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use expertkv_core::config::Codec;
-use expertkv_core::forward::{GpuLlama, ModelOptions, argmax};
-use expertkv_core::gguf::Gguf;
-use expertkv_core::model::Moefication;
-use expertkv_core::router_config::RouterConfig;
+use expertkv_core::evict::config::SchedulerConfig;
+use expertkv_core::route::config::RouterConfig;
 use expertkv_core::runtime::Runtime;
-use expertkv_core::scheduler_config::SchedulerConfig;
-use expertkv_core::tokenizer::Tokenizer;
+use expertkv_model::Moefication;
+use expertkv_model::forward::{GpuLlama, ModelOptions, argmax};
+use expertkv_model::gguf::Gguf;
+use expertkv_model::tokenizer::Tokenizer;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
@@ -216,7 +216,7 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
     if (a.tokens as usize) > all.len() && !a.json {
         println!("note: the text has {} tokens, fewer than --tokens {}", all.len(), a.tokens);
     }
-    let lc = expertkv_core::gguf::LlamaConfig::from_gguf(&g)?;
+    let lc = expertkv_model::LlamaConfig::from_gguf(&g)?;
     let own = (lc.expert_count > 0).then_some((lc.expert_count, lc.expert_used_count));
     let base = Config { moe: None, own, router: None, sched: None, codec: Codec::None };
     let mut configs = vec![base.clone()];

@@ -6,9 +6,9 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use expertkv_core::bench::measure_roofline;
 use expertkv_core::config::Codec;
+use expertkv_core::evict::config::SchedulerConfig;
 use expertkv_core::pipeline::{DemoConfig, Pipeline};
 use expertkv_core::plan::{Candidate, Target, attention_load, choose, pikv_buffer_size, predict};
-use expertkv_core::scheduler_config::SchedulerConfig;
 
 use crate::{GpuArgs, fmt_bytes};
 
@@ -82,7 +82,7 @@ fn measure(rt: &expertkv_core::Runtime, cfg: &DemoConfig) -> Result<f64> {
     if ms.is_empty() {
         bail!("this adapter has no GPU timestamps: nothing to measure");
     }
-    Ok(expertkv_core::timer::median(&ms))
+    Ok(expertkv_core::runtime::timer::median(&ms))
 }
 
 pub fn run(gpu: &GpuArgs, a: &PlanArgs) -> Result<()> {

@@ -7,13 +7,13 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use expertkv_core::config::{Codec, KvDtype};
 use expertkv_core::digest::{FNV_OFFSET, fnv1a};
-use expertkv_core::forward::{GpuLlama, ModelOptions, argmax};
-use expertkv_core::gguf::{Gguf, LlamaConfig};
-use expertkv_core::model::moe::{Calibration, MoeConfig, Moefication};
-use expertkv_core::model::{LlamaWeights, LoadOptions};
-use expertkv_core::router_config::RouterConfig;
-use expertkv_core::scheduler_config::SchedulerConfig;
-use expertkv_core::tokenizer::Tokenizer;
+use expertkv_core::evict::config::SchedulerConfig;
+use expertkv_core::route::config::RouterConfig;
+use expertkv_model::forward::{GpuLlama, ModelOptions, argmax};
+use expertkv_model::moe::{Calibration, MoeConfig, Moefication};
+use expertkv_model::tokenizer::Tokenizer;
+use expertkv_model::{LlamaConfig, gguf::Gguf};
+use expertkv_model::{LlamaWeights, LoadOptions};
 
 use crate::{GpuArgs, fmt_bytes};
 
@@ -25,6 +25,11 @@ pub struct RunArgs {
     /// Tokens to generate (greedy).
     #[arg(long, default_value_t = 16)]
     tokens: u32,
+    /// After generating, time this many more decode steps submitted back to back (nothing read
+    /// between them, as a serving loop runs) and print the decode speed as JSON; needs no
+    /// evicting scheduler [default: 0, off].
+    #[arg(long, default_value_t = 0)]
+    time_steps: u32,
     /// The model: a GGUF file of a Llama-architecture model [default: models/SmolLM2-135M-Instruct.Q4_1.gguf,
     /// fetched by scripts/fetch_model.sh].
     #[arg(long)]
@@ -96,7 +101,7 @@ pub struct Moefied {
 
 /// MoEfications of one model file: its f32 weights are read once, and the calibration run that
 /// fitted routers need (the dense model on the CPU over
-/// [`expertkv_core::model::moe::CALIBRATION_TEXT`], about 25 s for SmolLM2 on two cores) is
+/// [`expertkv_model::moe::CALIBRATION_TEXT`], about 25 s for SmolLM2 on two cores) is
 /// made at most once, however many specs ask for one.
 pub struct Moefier<'a> {
     g: &'a Gguf<'a>,
@@ -136,8 +141,8 @@ impl<'a> Moefier<'a> {
             let settings = format!("{}:{}:{}:{}:{}:{}", c.experts, c.top_k, c.seed, c.iterations, c.balanced, spec.fitted);
             h = fnv1a(h, settings.as_bytes());
             if spec.fitted {
-                h = fnv1a(h, expertkv_core::model::moe::CALIBRATION_TEXT.as_bytes());
-                h = fnv1a(h, &expertkv_core::model::moe::DEFAULT_RIDGE.to_le_bytes());
+                h = fnv1a(h, expertkv_model::moe::CALIBRATION_TEXT.as_bytes());
+                h = fnv1a(h, &expertkv_model::moe::DEFAULT_RIDGE.to_le_bytes());
             }
             h
         };
@@ -165,12 +170,12 @@ impl<'a> Moefier<'a> {
                 None => {
                     let tok = Tokenizer::from_gguf(g).context("the model's tokenizer, for the calibration text")?;
                     let mut ids: Vec<u32> = tok.bos().filter(|_| tok.add_bos()).into_iter().collect();
-                    ids.extend(tok.encode(expertkv_core::model::moe::CALIBRATION_TEXT));
-                    let dense = expertkv_core::model::CpuModel::new(w.clone())?;
-                    Calibration::collect(&dense, &ids).context("the calibration run")?
+                    ids.extend(tok.encode(expertkv_model::moe::CALIBRATION_TEXT));
+                    let dense = expertkv_model::CpuModel::new(w.clone())?;
+                    dense.calibration(&ids).context("the calibration run")?
                 }
             };
-            let fitted = m.fit_router(&w, &calib, expertkv_core::model::moe::DEFAULT_RIDGE);
+            let fitted = m.fit_router(&w, &calib, expertkv_model::moe::DEFAULT_RIDGE);
             self.calibration = Some(calib);
             fitted.context("fitting the routers")?;
         }
@@ -234,10 +239,7 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     };
     let rt = gpu.runtime()?;
     println!("adapter: {} ({:?})", rt.info.name, rt.info.backend);
-    // EXPERTKV_PROBE_FORWARD=N (hidden, for the GPU machine): after decoding, time N more steps
-    // submitted back to back with nothing read between them (`GpuLlama::probe_steps`).
-    let probe: u32 = std::env::var("EXPERTKV_PROBE_FORWARD").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
-    let context = prompt.len() as u32 + a.tokens + 1 + probe;
+    let context = prompt.len() as u32 + a.tokens + 1 + a.time_steps;
     let t0 = std::time::Instant::now();
     let mut m =
         pollster::block_on(GpuLlama::load(&rt, &g, ModelOptions::new(1, context).dtype(dtype).scheduler(scheduler.clone()).codec(codec)))
@@ -351,9 +353,9 @@ context: {} tokens x {} layers; K/V pages in use: {used} ({})",
         c.block_count,
         fmt_bytes(bytes)
     );
-    if probe > 0 {
+    if a.time_steps > 0 {
         let token = generated.last().copied().unwrap_or(prompt[prompt.len() - 1]);
-        let r = pollster::block_on(m.probe_steps(&rt, token, probe))?;
+        let r = pollster::block_on(m.time_steps(&rt, token, a.time_steps))?;
         println!("{r}");
     }
     Ok(())

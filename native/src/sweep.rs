@@ -1,9 +1,9 @@
 use anyhow::{Context, Result};
 use clap::Args;
 use expertkv_core::config::Codec;
+use expertkv_core::evict::config::{EkvaConfig, SchedulerConfig};
 use expertkv_core::pipeline::{DemoConfig, Pipeline};
-use expertkv_core::router_config::RouterConfig;
-use expertkv_core::scheduler_config::{EkvaConfig, SchedulerConfig};
+use expertkv_core::route::config::RouterConfig;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
@@ -159,7 +159,7 @@ pub fn run(gpu: &GpuArgs, a: &SweepArgs) -> Result<()> {
             codec: codec.spec(),
             budget,
             attention_error: (!errs.is_empty()).then(|| errs.iter().sum::<f64>() / errs.len() as f64),
-            gpu_ms: expertkv_core::timer::median(&times),
+            gpu_ms: expertkv_core::runtime::timer::median(&times),
             kv_bytes: last.kv_bytes_resident,
             kv_read_bytes: last.kv_bytes_attended,
             full_kv_bytes: last.full_kv_bytes,

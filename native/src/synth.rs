@@ -4,8 +4,8 @@
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use expertkv_core::gguf::GgmlType;
-use expertkv_core::model::SyntheticModel;
+use expertkv_model::SyntheticModel;
+use expertkv_model::gguf::GgmlType;
 
 #[derive(Args)]
 pub struct SynthArgs {

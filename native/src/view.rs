@@ -445,7 +445,7 @@ mod tests {
         assert!(d.view);
         let cfg = super::RunFlags::from_demo_matches(&d.matches).expect("flags").build_config().expect("config");
         assert_eq!(cfg.steps, 3);
-        assert_eq!(cfg.router, expertkv_core::router_config::RouterConfig::Topk);
+        assert_eq!(cfg.router, expertkv_core::route::config::RouterConfig::Topk);
         assert_eq!(cfg.budget, "10%");
         assert!(!cfg.verify);
         for (flag, value) in [("--json", None), ("--metrics", Some("m.csv")), ("--trace", Some("t.jsonl")), ("--dtype", Some("f32"))] {

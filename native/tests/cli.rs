@@ -78,8 +78,8 @@ fn plan_predicts_and_chooses() {
 /// layout with Q4_1 matrices; the trained model's quality is checked in the GPU tests).
 #[test]
 fn eval_scores_a_model_per_scheduler() {
-    use expertkv_core::gguf::GgmlType;
-    use expertkv_core::model::SyntheticModel;
+    use expertkv_model::SyntheticModel;
+    use expertkv_model::gguf::GgmlType;
     let path = tmp("eval-dense.gguf");
     std::fs::write(&path, SyntheticModel::dense(9).with_weights(GgmlType::Q4_1).gguf()).expect("write the model");
     let model = path.to_str().expect("utf-8 path");
@@ -137,7 +137,7 @@ fn eval_scores_a_model_per_scheduler() {
 /// refused by name.
 #[test]
 fn run_and_eval_a_moe_file_with_its_own_experts() {
-    use expertkv_core::model::SyntheticModel;
+    use expertkv_model::SyntheticModel;
     let path = tmp("moe.gguf");
     std::fs::write(&path, SyntheticModel::moe(3, 8, 2).gguf()).expect("write the model");
     let model = path.to_str().expect("utf-8 path");
@@ -180,7 +180,7 @@ fn run_and_eval_a_moe_file_with_its_own_experts() {
 /// with a note, and the run goes on.
 #[test]
 fn moefication_is_cached_and_a_damaged_cache_replaced() {
-    use expertkv_core::model::SyntheticModel;
+    use expertkv_model::SyntheticModel;
     let path = tmp("dense.gguf");
     std::fs::write(&path, SyntheticModel::dense(5).gguf()).expect("write the model");
     let cache = tmp("moe-cache");

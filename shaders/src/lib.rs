@@ -11,7 +11,9 @@
 //! constants: drivers keep such arrays in registers, where a loop they chose not to unroll
 //! sends them to local memory (see [`unroll`]). Nothing else in the workspace
 //! names a shader path: code asks for a [`Kernel`] and gets its resolved source, entry point and
-//! label.
+//! label. A shared piece that uses a name its importers declare (a binding, a constant) says so in
+//! an `//!expects <declaration>` line, a comment to the compiler, which the validation test puts
+//! in front of the piece.
 
 /// One embedded WGSL file: its path under `wgsl/` and its text.
 #[derive(Clone, Copy, Debug)]
@@ -33,30 +35,43 @@ macro_rules! sources {
 
 sources! {
     COMMON_POOL => "common/pool.wgsl",
-    COMMON_APPEND => "common/append.wgsl",
     COMMON_WINDOW => "common/window.wgsl",
-    SHARD_APPLY_ROUTING => "shard/apply_routing.wgsl",
-    SHARD_APPEND_PLAN => "shard/append_plan.wgsl",
-    SHARD_APPEND_ALLOC => "shard/append_alloc.wgsl",
-    SHARD_APPEND_WRITE => "shard/append_write.wgsl",
-    SHARD_GATHER_PAGES => "shard/gather_pages.wgsl",
-    SHARD_RELEASE => "shard/release.wgsl",
-    ATTEND_COMMON => "attend/common.wgsl",
-    ATTEND_SPLIT_TILED => "attend/split_tiled.wgsl",
-    ATTEND_SPLIT_SUBGROUP => "attend/split_subgroup.wgsl",
-    ATTEND_REDUCE => "attend/reduce.wgsl",
-    ATTEND_MASS => "attend/mass.wgsl",
-    BENCH_COPY => "bench/copy.wgsl",
-    BENCH_FMA => "bench/fma.wgsl",
-    BENCH_COOP => "bench/coop.wgsl",
+    COMMON_HALF => "common/half.wgsl",
+    COMMON_QUANT => "common/quant.wgsl",
+    COMMON_SCAN => "common/scan.wgsl",
+    COMMON_REDUCE => "common/reduce.wgsl",
     COMMON_ROUTE => "common/route.wgsl",
+    COMMON_APPEND => "common/append.wgsl",
+    COMMON_COMPRESS => "common/compress.wgsl",
+    COMMON_EVICT => "common/evict.wgsl",
     ROUTE_BIAS => "route/bias.wgsl",
     ROUTE_TOPK => "route/topk.wgsl",
     ROUTE_COUNT => "route/count.wgsl",
     ROUTE_STATS => "route/stats.wgsl",
     ROUTE_MISS => "route/miss.wgsl",
     ROUTE_ADAPTIVE => "route/adaptive.wgsl",
-    COMMON_EVICT => "common/evict.wgsl",
+    APPEND_APPLY_ROUTING => "append/apply_routing.wgsl",
+    APPEND_PLAN => "append/plan.wgsl",
+    APPEND_ALLOC => "append/alloc.wgsl",
+    APPEND_WRITE => "append/write.wgsl",
+    APPEND_GATHER_PAGES => "append/gather_pages.wgsl",
+    APPEND_RELEASE => "append/release.wgsl",
+    COMPRESS_PLAN => "compress/plan.wgsl",
+    COMPRESS_ENCODE => "compress/encode.wgsl",
+    COMPRESS_GRAM => "compress/gram.wgsl",
+    COMPRESS_BASIS => "compress/basis.wgsl",
+    ATTEND_COMMON => "attend/common.wgsl",
+    ATTEND_MERGE => "attend/merge.wgsl",
+    ATTEND_ONLINE_SOFTMAX => "attend/online_softmax.wgsl",
+    ATTEND_SPLIT_TILED => "attend/split_tiled.wgsl",
+    ATTEND_SPLIT_SUBGROUP => "attend/split_subgroup.wgsl",
+    ATTEND_SPLIT_CODEC => "attend/split_codec.wgsl",
+    ATTEND_SPLIT_LOWRANK => "attend/split_lowrank.wgsl",
+    ATTEND_SPLIT_QUANT => "attend/split_quant.wgsl",
+    ATTEND_SPLIT_QUANT_TILE => "attend/split_quant_tile.wgsl",
+    ATTEND_SPLIT_QUANT_COOP => "attend/split_quant_coop.wgsl",
+    ATTEND_REDUCE => "attend/reduce.wgsl",
+    ATTEND_MASS => "attend/mass.wgsl",
     EVICT_SCORE => "evict/score.wgsl",
     EVICT_BUDGET => "evict/budget.wgsl",
     EVICT_SELECT => "evict/select.wgsl",
@@ -64,284 +79,186 @@ sources! {
     EVICT_MOVE => "evict/move.wgsl",
     EVICT_FREE => "evict/free.wgsl",
     EVICT_EKVA => "evict/ekva.wgsl",
-    COMMON_QUANT => "common/quant.wgsl",
+    EVICT_QUEST_SUMMARIZE => "evict/quest_summarize.wgsl",
+    EVICT_QUEST_SELECT => "evict/quest_select.wgsl",
     MODEL_MATVEC => "model/matvec.wgsl",
     MODEL_MOE => "model/moe.wgsl",
     MODEL_NORM_ROPE => "model/norm_rope.wgsl",
-    COMMON_HALF => "common/half.wgsl",
     MODEL_KV_PACK => "model/kv_pack.wgsl",
     MODEL_ROUTER => "model/router.wgsl",
-    QUEST_SUMMARIZE => "quest/summarize.wgsl",
-    QUEST_SELECT => "quest/select.wgsl",
-    COMMON_CODEC => "common/codec.wgsl",
-    CODEC_PLAN => "codec/plan.wgsl",
-    CODEC_ENCODE => "codec/encode.wgsl",
-    CODEC_GRAM => "codec/gram.wgsl",
-    CODEC_BASIS => "codec/basis.wgsl",
-    ATTEND_SPLIT_LOWRANK => "attend/split_lowrank.wgsl",
-    ATTEND_SPLIT_QUANT => "attend/split_quant.wgsl",
-    ATTEND_SPLIT_QUANT_TILE => "attend/split_quant_tile.wgsl",
-    ATTEND_SPLIT_QUANT_COOP => "attend/split_quant_coop.wgsl",
-    ATTEND_SPLIT_CODEC => "attend/split_codec.wgsl",
+    BENCH_COPY => "bench/copy.wgsl",
+    BENCH_FMA => "bench/fma.wgsl",
+    BENCH_COOP => "bench/coop.wgsl",
     PROBE_F16_SUBNORMAL => "probe/f16_subnormal.wgsl",
 }
 
-/// Every dispatchable kernel.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Kernel {
-    ShardApplyRouting,
-    ShardAppendPlan,
-    ShardAppendAlloc,
-    ShardAppendWrite,
-    ShardGatherPages,
-    ShardRelease,
-    AttendSplitTiled,
-    AttendSplitSubgroup,
-    AttendReduce,
-    AttendMass,
-    BenchCopy,
-    RouteBias,
-    RouteTopk,
-    RouteCount,
-    RouteStats,
-    RouteMissCount,
-    RouteMissFinish,
-    RouteAdaptiveGrad,
-    RouteAdaptiveUpdate,
-    EvictScore,
-    EvictBudget,
-    EvictSelect,
-    EvictCompact,
-    EvictMoveSame,
-    EvictMoveCross,
-    EvictFree,
-    EvictEkvaExperts,
-    EvictEkvaImportance,
-    EvictEkvaSplit,
-    ModelMatVec,
-    ModelRmsNorm,
-    ModelRope,
-    ModelSwiglu,
-    ModelEmbed,
-    ModelResidual,
-    ModelMoeGateUp,
-    ModelMoeDown,
-    ModelKvPack,
-    ModelMoeTopk,
-    ModelMoeWeights,
-    QuestSummarize,
-    QuestSelect,
-    CodecPlanCount,
-    CodecPlan,
-    CodecPlanAssign,
-    CodecEncode,
-    AttendSplitCodec,
-    CodecGram,
-    CodecBasisInit,
-    CodecBasisIterate,
-    CodecBasisFinish,
-    AttendSplitLowrank,
-    AttendSplitQuant,
-    AttendSplitQuantTile,
-    AttendSplitQuantCoop,
-    BenchFma,
-    BenchCoop,
-    ProbeF16Subnormal,
+/// What a kernel needs from the device, or allows the runtime.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Need {
+    /// The SUBGROUP feature (only on the capability tier that has it).
+    Subgroups,
+    /// The SHADER_F16 feature (its text starts with `enable f16;`).
+    F16,
+    /// Every index is exercised by the GPU-vs-CPU tests over random shapes, so the runtime may
+    /// build it without wgpu's bounds checks (never in a browser).
+    Unchecked,
+}
+
+/// The embedded file at `path`, found at compile time (a kernel row naming no file does not build).
+const fn source_at(path: &str) -> Source {
+    let mut i = 0;
+    while i < ALL_SOURCES.len() {
+        let p = ALL_SOURCES[i].path.as_bytes();
+        let q = path.as_bytes();
+        if p.len() == q.len() {
+            let mut j = 0;
+            while j < p.len() && p[j] == q[j] {
+                j += 1;
+            }
+            if j == p.len() {
+                return ALL_SOURCES[i];
+            }
+        }
+        i += 1;
+    }
+    panic!("a kernel names a file that is not in `sources!`")
+}
+
+macro_rules! entry_of {
+    () => {
+        "main"
+    };
+    ($entry:literal) => {
+        $entry
+    };
+}
+
+macro_rules! label_of {
+    ($path:literal) => {
+        $path
+    };
+    ($path:literal, $entry:literal) => {
+        concat!($path, "#", $entry)
+    };
+}
+
+/// One row per kernel: `Variant => "file" [# "entry point" where the file has several] [needs]`.
+macro_rules! kernels {
+    ($($(#[$doc:meta])* $name:ident => $path:literal $(# $entry:literal)? [$($need:ident),*]),* $(,)?) => {
+        /// Every dispatchable kernel.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        pub enum Kernel {
+            $($(#[$doc])* $name),*
+        }
+
+        impl Kernel {
+            pub const ALL: &'static [Kernel] = &[$(Kernel::$name),*];
+
+            pub fn source(self) -> Source {
+                match self {
+                    $(Kernel::$name => const { source_at($path) }),*
+                }
+            }
+
+            /// Label of every pipeline, bind group and buffer of this kernel: its path, and its
+            /// entry point where the file has several.
+            pub fn label(self) -> &'static str {
+                match self {
+                    $(Kernel::$name => label_of!($path $(, $entry)?)),*
+                }
+            }
+
+            pub fn entry_point(self) -> &'static str {
+                match self {
+                    $(Kernel::$name => entry_of!($($entry)?)),*
+                }
+            }
+
+            fn needs(self) -> &'static [Need] {
+                match self {
+                    $(Kernel::$name => &[$(Need::$need),*]),*
+                }
+            }
+        }
+    };
+}
+
+kernels! {
+    RouteBias => "route/bias.wgsl" [],
+    RouteTopk => "route/topk.wgsl" [Unchecked],
+    RouteCount => "route/count.wgsl" [],
+    RouteStats => "route/stats.wgsl" [],
+    RouteMissCount => "route/miss.wgsl" # "count" [],
+    RouteMissFinish => "route/miss.wgsl" # "finish" [],
+    RouteAdaptiveGrad => "route/adaptive.wgsl" # "grad" [],
+    RouteAdaptiveUpdate => "route/adaptive.wgsl" # "update" [],
+    AppendApplyRouting => "append/apply_routing.wgsl" [],
+    AppendPlan => "append/plan.wgsl" [],
+    AppendAlloc => "append/alloc.wgsl" [],
+    AppendWrite => "append/write.wgsl" [],
+    AppendGatherPages => "append/gather_pages.wgsl" [],
+    AppendRelease => "append/release.wgsl" [],
+    CompressPlanCount => "compress/plan.wgsl" # "count" [],
+    CompressPlan => "compress/plan.wgsl" # "main" [],
+    CompressPlanAssign => "compress/plan.wgsl" # "assign" [],
+    CompressEncode => "compress/encode.wgsl" [],
+    CompressGram => "compress/gram.wgsl" [],
+    CompressBasisInit => "compress/basis.wgsl" # "init" [],
+    CompressBasisIterate => "compress/basis.wgsl" # "iterate" [],
+    CompressBasisFinish => "compress/basis.wgsl" # "finish" [],
+    AttendSplitTiled => "attend/split_tiled.wgsl" [Unchecked],
+    AttendSplitSubgroup => "attend/split_subgroup.wgsl" [Subgroups, Unchecked],
+    AttendSplitCodec => "attend/split_codec.wgsl" [],
+    AttendSplitLowrank => "attend/split_lowrank.wgsl" [],
+    AttendSplitQuant => "attend/split_quant.wgsl" [Subgroups, Unchecked],
+    AttendSplitQuantTile => "attend/split_quant_tile.wgsl" [Subgroups, F16, Unchecked],
+    AttendSplitQuantCoop => "attend/split_quant_coop.wgsl" [Subgroups, F16, Unchecked],
+    AttendReduce => "attend/reduce.wgsl" [Unchecked],
+    AttendMass => "attend/mass.wgsl" [],
+    EvictScore => "evict/score.wgsl" [],
+    EvictBudget => "evict/budget.wgsl" [],
+    EvictSelect => "evict/select.wgsl" [],
+    EvictCompact => "evict/compact.wgsl" [],
+    EvictMoveSame => "evict/move.wgsl" # "same" [],
+    EvictMoveCross => "evict/move.wgsl" # "cross" [],
+    EvictFree => "evict/free.wgsl" [],
+    EvictEkvaExperts => "evict/ekva.wgsl" # "experts" [],
+    EvictEkvaImportance => "evict/ekva.wgsl" # "update_importance" [],
+    EvictEkvaSplit => "evict/ekva.wgsl" # "split" [],
+    EvictQuestSummarize => "evict/quest_summarize.wgsl" [],
+    EvictQuestSelect => "evict/quest_select.wgsl" [],
+    ModelMatVec => "model/matvec.wgsl" [],
+    ModelRmsNorm => "model/norm_rope.wgsl" # "rmsnorm" [],
+    ModelRope => "model/norm_rope.wgsl" # "rope" [],
+    ModelSwiglu => "model/norm_rope.wgsl" # "swiglu" [],
+    ModelEmbed => "model/norm_rope.wgsl" # "embed" [],
+    ModelResidual => "model/norm_rope.wgsl" # "residual" [],
+    ModelMoeGateUp => "model/moe.wgsl" # "moe_gate_up" [],
+    ModelMoeDown => "model/moe.wgsl" # "moe_down" [],
+    ModelKvPack => "model/kv_pack.wgsl" [],
+    ModelMoeTopk => "model/router.wgsl" [],
+    ModelMoeWeights => "model/router.wgsl" # "moe_weights" [],
+    BenchCopy => "bench/copy.wgsl" [Unchecked],
+    BenchFma => "bench/fma.wgsl" [],
+    BenchCoop => "bench/coop.wgsl" [],
+    ProbeF16Subnormal => "probe/f16_subnormal.wgsl" [F16],
 }
 
 impl Kernel {
-    pub const ALL: &'static [Kernel] = &[
-        Kernel::ShardApplyRouting,
-        Kernel::ShardAppendPlan,
-        Kernel::ShardAppendAlloc,
-        Kernel::ShardAppendWrite,
-        Kernel::ShardGatherPages,
-        Kernel::ShardRelease,
-        Kernel::AttendSplitTiled,
-        Kernel::AttendSplitSubgroup,
-        Kernel::AttendReduce,
-        Kernel::AttendMass,
-        Kernel::BenchCopy,
-        Kernel::RouteBias,
-        Kernel::RouteTopk,
-        Kernel::RouteCount,
-        Kernel::RouteStats,
-        Kernel::RouteMissCount,
-        Kernel::RouteMissFinish,
-        Kernel::RouteAdaptiveGrad,
-        Kernel::RouteAdaptiveUpdate,
-        Kernel::EvictScore,
-        Kernel::EvictBudget,
-        Kernel::EvictSelect,
-        Kernel::EvictCompact,
-        Kernel::EvictMoveSame,
-        Kernel::EvictMoveCross,
-        Kernel::EvictFree,
-        Kernel::EvictEkvaExperts,
-        Kernel::EvictEkvaImportance,
-        Kernel::EvictEkvaSplit,
-        Kernel::ModelMatVec,
-        Kernel::ModelRmsNorm,
-        Kernel::ModelRope,
-        Kernel::ModelSwiglu,
-        Kernel::ModelEmbed,
-        Kernel::ModelResidual,
-        Kernel::ModelMoeGateUp,
-        Kernel::ModelMoeDown,
-        Kernel::ModelKvPack,
-        Kernel::ModelMoeTopk,
-        Kernel::ModelMoeWeights,
-        Kernel::QuestSummarize,
-        Kernel::QuestSelect,
-        Kernel::CodecPlanCount,
-        Kernel::CodecPlan,
-        Kernel::CodecPlanAssign,
-        Kernel::CodecEncode,
-        Kernel::AttendSplitCodec,
-        Kernel::CodecGram,
-        Kernel::CodecBasisInit,
-        Kernel::CodecBasisIterate,
-        Kernel::CodecBasisFinish,
-        Kernel::AttendSplitLowrank,
-        Kernel::AttendSplitQuant,
-        Kernel::AttendSplitQuantTile,
-        Kernel::AttendSplitQuantCoop,
-        Kernel::BenchFma,
-        Kernel::BenchCoop,
-        Kernel::ProbeF16Subnormal,
-    ];
-
-    pub fn source(self) -> Source {
-        match self {
-            Kernel::ShardApplyRouting => SHARD_APPLY_ROUTING,
-            Kernel::ShardAppendPlan => SHARD_APPEND_PLAN,
-            Kernel::ShardAppendAlloc => SHARD_APPEND_ALLOC,
-            Kernel::ShardAppendWrite => SHARD_APPEND_WRITE,
-            Kernel::ShardGatherPages => SHARD_GATHER_PAGES,
-            Kernel::ShardRelease => SHARD_RELEASE,
-            Kernel::AttendSplitTiled => ATTEND_SPLIT_TILED,
-            Kernel::AttendSplitSubgroup => ATTEND_SPLIT_SUBGROUP,
-            Kernel::AttendReduce => ATTEND_REDUCE,
-            Kernel::AttendMass => ATTEND_MASS,
-            Kernel::BenchCopy => BENCH_COPY,
-            Kernel::RouteBias => ROUTE_BIAS,
-            Kernel::RouteTopk => ROUTE_TOPK,
-            Kernel::RouteCount => ROUTE_COUNT,
-            Kernel::RouteStats => ROUTE_STATS,
-            Kernel::RouteMissCount | Kernel::RouteMissFinish => ROUTE_MISS,
-            Kernel::RouteAdaptiveGrad | Kernel::RouteAdaptiveUpdate => ROUTE_ADAPTIVE,
-            Kernel::EvictScore => EVICT_SCORE,
-            Kernel::EvictBudget => EVICT_BUDGET,
-            Kernel::EvictSelect => EVICT_SELECT,
-            Kernel::EvictCompact => EVICT_COMPACT,
-            Kernel::EvictMoveSame | Kernel::EvictMoveCross => EVICT_MOVE,
-            Kernel::EvictFree => EVICT_FREE,
-            Kernel::EvictEkvaExperts | Kernel::EvictEkvaImportance | Kernel::EvictEkvaSplit => EVICT_EKVA,
-            Kernel::ModelMatVec => MODEL_MATVEC,
-            Kernel::ModelMoeGateUp | Kernel::ModelMoeDown => MODEL_MOE,
-            Kernel::ModelKvPack => MODEL_KV_PACK,
-            Kernel::ModelMoeTopk | Kernel::ModelMoeWeights => MODEL_ROUTER,
-            Kernel::ModelRmsNorm | Kernel::ModelRope | Kernel::ModelSwiglu | Kernel::ModelEmbed | Kernel::ModelResidual => MODEL_NORM_ROPE,
-            Kernel::QuestSummarize => QUEST_SUMMARIZE,
-            Kernel::QuestSelect => QUEST_SELECT,
-            Kernel::CodecPlanCount | Kernel::CodecPlan | Kernel::CodecPlanAssign => CODEC_PLAN,
-            Kernel::CodecEncode => CODEC_ENCODE,
-            Kernel::AttendSplitCodec => ATTEND_SPLIT_CODEC,
-            Kernel::CodecGram => CODEC_GRAM,
-            Kernel::CodecBasisInit | Kernel::CodecBasisIterate | Kernel::CodecBasisFinish => CODEC_BASIS,
-            Kernel::AttendSplitLowrank => ATTEND_SPLIT_LOWRANK,
-            Kernel::AttendSplitQuant => ATTEND_SPLIT_QUANT,
-            Kernel::AttendSplitQuantTile => ATTEND_SPLIT_QUANT_TILE,
-            Kernel::AttendSplitQuantCoop => ATTEND_SPLIT_QUANT_COOP,
-            Kernel::BenchFma => BENCH_FMA,
-            Kernel::BenchCoop => BENCH_COOP,
-            Kernel::ProbeF16Subnormal => PROBE_F16_SUBNORMAL,
-        }
-    }
-
-    /// Label of every pipeline, bind group and buffer of this kernel: its path, and its entry
-    /// point where the file has several.
-    pub fn label(self) -> &'static str {
-        match self {
-            Kernel::RouteMissCount => "route/miss.wgsl#count",
-            Kernel::RouteMissFinish => "route/miss.wgsl#finish",
-            Kernel::RouteAdaptiveGrad => "route/adaptive.wgsl#grad",
-            Kernel::RouteAdaptiveUpdate => "route/adaptive.wgsl#update",
-            Kernel::EvictMoveSame => "evict/move.wgsl#same",
-            Kernel::EvictMoveCross => "evict/move.wgsl#cross",
-            Kernel::CodecPlanCount => "codec/plan.wgsl#count",
-            Kernel::CodecPlan => "codec/plan.wgsl#main",
-            Kernel::CodecPlanAssign => "codec/plan.wgsl#assign",
-            Kernel::CodecBasisInit => "codec/basis.wgsl#init",
-            Kernel::CodecBasisIterate => "codec/basis.wgsl#iterate",
-            Kernel::CodecBasisFinish => "codec/basis.wgsl#finish",
-            Kernel::EvictEkvaExperts => "evict/ekva.wgsl#experts",
-            Kernel::EvictEkvaImportance => "evict/ekva.wgsl#update_importance",
-            Kernel::EvictEkvaSplit => "evict/ekva.wgsl#split",
-            Kernel::ModelRmsNorm => "model/norm_rope.wgsl#rmsnorm",
-            Kernel::ModelRope => "model/norm_rope.wgsl#rope",
-            Kernel::ModelSwiglu => "model/norm_rope.wgsl#swiglu",
-            Kernel::ModelEmbed => "model/norm_rope.wgsl#embed",
-            Kernel::ModelResidual => "model/norm_rope.wgsl#residual",
-            Kernel::ModelMoeGateUp => "model/moe.wgsl#moe_gate_up",
-            Kernel::ModelMoeDown => "model/moe.wgsl#moe_down",
-            Kernel::ModelMoeWeights => "model/router.wgsl#moe_weights",
-            _ => self.source().path,
-        }
-    }
-
-    pub fn entry_point(self) -> &'static str {
-        match self {
-            Kernel::RouteMissCount => "count",
-            Kernel::RouteMissFinish => "finish",
-            Kernel::RouteAdaptiveGrad => "grad",
-            Kernel::RouteAdaptiveUpdate => "update",
-            Kernel::EvictMoveSame => "same",
-            Kernel::EvictMoveCross => "cross",
-            Kernel::CodecPlanCount => "count",
-            Kernel::CodecPlanAssign => "assign",
-            Kernel::CodecBasisInit => "init",
-            Kernel::CodecBasisIterate => "iterate",
-            Kernel::CodecBasisFinish => "finish",
-            Kernel::EvictEkvaExperts => "experts",
-            Kernel::EvictEkvaImportance => "update_importance",
-            Kernel::EvictEkvaSplit => "split",
-            Kernel::ModelRmsNorm => "rmsnorm",
-            Kernel::ModelRope => "rope",
-            Kernel::ModelSwiglu => "swiglu",
-            Kernel::ModelEmbed => "embed",
-            Kernel::ModelResidual => "residual",
-            Kernel::ModelMoeGateUp => "moe_gate_up",
-            Kernel::ModelMoeDown => "moe_down",
-            Kernel::ModelMoeWeights => "moe_weights",
-            _ => "main",
-        }
-    }
-
     /// Needs the SUBGROUP feature (only on the capability tier that has it).
     pub fn needs_subgroups(self) -> bool {
-        matches!(self, Kernel::AttendSplitSubgroup | Kernel::AttendSplitQuant | Kernel::AttendSplitQuantTile | Kernel::AttendSplitQuantCoop)
+        self.needs().contains(&Need::Subgroups)
     }
 
     /// Needs the SHADER_F16 feature (its text starts with `enable f16;`).
     pub fn needs_f16(self) -> bool {
-        matches!(self, Kernel::AttendSplitQuantTile | Kernel::AttendSplitQuantCoop | Kernel::ProbeF16Subnormal)
+        self.needs().contains(&Need::F16)
     }
 
     /// Kernels whose every index the GPU-vs-CPU tests (`tests/tests/gpu`) exercise over random
     /// shapes, so the runtime may build them without wgpu's bounds checks (never in a browser).
     pub fn may_run_unchecked(self) -> bool {
-        matches!(
-            self,
-            Kernel::AttendSplitTiled
-                | Kernel::AttendSplitSubgroup
-                | Kernel::AttendSplitQuant
-                | Kernel::AttendSplitQuantTile
-                | Kernel::AttendSplitQuantCoop
-                | Kernel::AttendReduce
-                | Kernel::BenchCopy
-                | Kernel::RouteTopk
-        )
+        self.needs().contains(&Need::Unchecked)
     }
 
     /// The source with its imports resolved and every define at its default.
@@ -353,6 +270,12 @@ impl Kernel {
     pub fn resolved_with(self, defines: &[(&str, String)]) -> Result<String, ResolveError> {
         resolve_with(self.source(), defines)
     }
+}
+
+/// What a shared piece needs its importer to declare: the text of its `//!expects` lines (a
+/// binding, a constant), so the piece can be validated on its own with them in front.
+pub fn expects(source: Source) -> Vec<&'static str> {
+    source.text.lines().filter_map(|l| l.trim_start().strip_prefix(EXPECTS)).collect()
 }
 
 /// An `//!import` that names no embedded file, or a define the file does not declare.
@@ -376,6 +299,7 @@ impl std::error::Error for ResolveError {}
 
 const IMPORT: &str = "//!import ";
 const DEFINE: &str = "//!define ";
+const EXPECTS: &str = "//!expects ";
 
 fn find(path: &str) -> Option<Source> {
     ALL_SOURCES.iter().copied().find(|s| s.path == path)
@@ -691,7 +615,7 @@ mod tests {
 
     #[test]
     fn imports_resolve_once() {
-        let text = Kernel::ShardAppendWrite.resolved().unwrap();
+        let text = Kernel::AppendWrite.resolved().unwrap();
         assert_eq!(text.matches("struct Geometry").count(), 1);
         assert!(!text.contains(IMPORT));
     }

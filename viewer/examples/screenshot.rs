@@ -9,9 +9,9 @@
 //! without the CPU lockstep, on lavapipe when it is there.
 
 use egui_kittest::Harness;
+use expertkv_core::evict::config::EkvaConfig;
 use expertkv_core::pipeline::{DemoConfig, Pipeline};
 use expertkv_core::runtime::{Runtime, RuntimeOptions};
-use expertkv_core::scheduler_config::EkvaConfig;
 use expertkv_viewer::state::Source;
 use expertkv_viewer::{Event, Viewer, capture};
 

@@ -82,7 +82,7 @@ impl Viewer {
         let w = &c.workload;
         let sched = match (&c.scheduler, info.budget_tokens) {
             // QUEST selects pages to read and evicts nothing.
-            (Some(s @ expertkv_core::scheduler_config::SchedulerConfig::Quest), Some(b)) => {
+            (Some(s @ expertkv_core::evict::config::SchedulerConfig::Quest), Some(b)) => {
                 format!("{} attending {b} tokens/list ({}) of a whole cache", s.name(), c.budget)
             }
             (Some(s), Some(b)) => format!("{} keeping {b} tokens/list ({})", s.name(), c.budget),

@@ -3,9 +3,9 @@
 //! viewer only asks ([`Request`]); the app loop that owns the pipeline acts.
 
 use expertkv_core::config::Codec;
+use expertkv_core::evict::config::{EkvaConfig, SchedulerConfig};
 use expertkv_core::pipeline::DemoConfig;
-use expertkv_core::router_config::RouterConfig;
-use expertkv_core::scheduler_config::{EkvaConfig, SchedulerConfig};
+use expertkv_core::route::config::RouterConfig;
 
 /// What the person asked the app loop to do.
 #[derive(Clone, Debug)]

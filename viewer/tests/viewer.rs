@@ -13,9 +13,9 @@ use std::sync::OnceLock;
 
 use egui_kittest::Harness;
 use egui_kittest::kittest::Queryable;
+use expertkv_core::evict::config::{EkvaConfig, SchedulerConfig};
 use expertkv_core::pipeline::{DemoConfig, Pipeline, StageTimes};
 use expertkv_core::runtime::{Runtime, RuntimeOptions};
-use expertkv_core::scheduler_config::{EkvaConfig, SchedulerConfig};
 use expertkv_core::workload::WorkloadConfig;
 use expertkv_viewer::state::{HeatMode, STAGES, Source, stage_segments};
 use expertkv_viewer::{Event, Request, RunInfo, Snapshot, Viewer, ViewerState, capture, panels};
@@ -297,7 +297,7 @@ fn controls_ask_for_pause_step_and_a_rebuilt_pipeline() {
     harness.run();
     match harness.state().1.as_slice() {
         [Request::Rebuild(cfg)] => {
-            assert_eq!(cfg.router, expertkv_core::router_config::RouterConfig::Topk);
+            assert_eq!(cfg.router, expertkv_core::route::config::RouterConfig::Topk);
             assert_eq!(cfg.budget, "40%");
             assert_eq!(cfg.workload.n_seqs, 2, "the rest of the run stays");
         }

@@ -1,8 +1,8 @@
 //! f64 reference of decode attention (q_len 1, GQA) over a pool's pages, with each cached
 //! token's attention mass summed over the query heads of its KV head.
 
-use super::codec::f16_value;
-use super::pool::PoolModel;
+use super::append::PoolModel;
+use super::compress::f16_value;
 use crate::config::Codec;
 
 /// The tolerance of one attention output against the f64 reference where both read the same

@@ -1,6 +1,6 @@
 //! CPU references of the eviction kernels (`shaders/wgsl/evict/*.wgsl`).
 
-use super::pool::PoolModel;
+use super::append::PoolModel;
 use crate::gpu_data::{
     EvictParams, GROUP_MASS_ONE, GroupState, KEEP_ALL, ListState, NO_OWNER, PROTECTED, duo_kinds, meta, orderable, policies,
 };

@@ -1,4 +1,4 @@
-//! QUEST's CPU reference (`quest/summarize.wgsl`, `quest/select.wgsl`): each page's key bounds
+//! QUEST's CPU reference (`evict/quest_summarize.wgsl`, `evict/quest_select.wgsl`): each page's key bounds
 //! (every dimension's min and max over its cached keys), each page's upper bound on q.k
 //! (`sum_i max(q_i min_i, q_i max_i)`, the largest over the KV head's query heads), and the
 //! selection (the `keep` pages of a list with the highest bound, ties to the lower list index,
@@ -8,7 +8,7 @@
 //! and contraction the driver chooses, so the reference's f64 bound is compared within a
 //! tolerance ([`QUEST_BOUND_RTOL`]) and the selection is checked exactly given the GPU's keys.
 
-use super::pool::PoolModel;
+use super::append::PoolModel;
 use crate::gpu_data::from_orderable;
 
 /// The tolerance of a page's upper bound: this share of `1 + |bound|`.

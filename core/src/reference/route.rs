@@ -1,6 +1,7 @@
 //! CPU references of the routing kernels (`shaders/wgsl/route/*.wgsl`).
 
-use crate::gpu_data::{ExpertStats, RouteParams, routers};
+use super::append::PoolModel;
+use crate::gpu_data::{ExpertStats, NO_OWNER, RouteParams, meta, routers};
 
 /// Per-expert cost the adaptive router avoids (twin of `expert_cost` in `common/route.wgsl`).
 pub fn expert_cost(p: &RouteParams, s: &ExpertStats) -> f64 {
@@ -128,4 +129,32 @@ pub fn adaptive_gradient(p: &RouteParams, stats: &[ExpertStats], logits: &[f32],
     }
     let tn = t_n as f64;
     (g.iter().map(|x| x / tn).collect(), kl_sum / tn, ec_sum / tn)
+}
+
+/// `route/miss.wgsl#count`: K/V vectors (token x KV head) still cached per (layer, expert),
+/// `[layer][expert]`, every cached slot counting once for each of its top-k experts.
+pub fn resident_counts(pool: &PoolModel, n_experts: u32) -> Vec<u32> {
+    let c = &pool.cfg;
+    let keys_per_layer = c.max_seqs * c.kv_heads * c.n_shards;
+    let mut resident = vec![0u32; (c.layers * n_experts) as usize];
+    for (page, pm) in pool.page_meta.iter().enumerate() {
+        if pm.owner == NO_OWNER {
+            continue;
+        }
+        let layer = pm.owner / keys_per_layer;
+        for s in 0..pm.fill as usize {
+            let m = (page * c.page_size as usize + s) * c.meta_words() as usize;
+            for i in 0..c.top_k as usize {
+                resident[(layer * n_experts + pool.slot_meta[m + meta::EXPERTS + i]) as usize] += 1;
+            }
+        }
+    }
+    resident
+}
+
+/// `route/miss.wgsl#finish`: the share of an expert's appended K/V vectors (`appended` tokens x
+/// `kv_heads`) no longer cached; 0 for an expert that was never routed to.
+pub fn miss_rate(appended: u32, kv_heads: u32, resident: u32) -> f32 {
+    let vectors = appended * kv_heads;
+    if vectors > 0 { 1.0 - resident.min(vectors) as f32 / vectors as f32 } else { 0.0 }
 }

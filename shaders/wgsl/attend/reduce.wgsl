@@ -4,6 +4,7 @@
 // invocations so long sequences (hundreds of chunks) merge in parallel.
 
 //!import attend/common.wgsl
+//!import common/reduce.wgsl
 
 @group(0) @binding(0) var<uniform> params: AttendParams;
 @group(0) @binding(1) var<uniform> dims: vec4<u32>;  // x: head_dim
@@ -12,36 +13,7 @@
 @group(0) @binding(4) var<storage, read_write> stats: array<vec2<f32>>;
 
 const WG: u32 = 256u;
-var<workgroup> red: array<f32, 256>;
 var<workgroup> red_v: array<vec4<f32>, 256>;
-
-fn workgroup_max(t: u32, v: f32) -> f32 {
-    red[t] = v;
-    workgroupBarrier();
-    for (var off = WG / 2u; off > 0u; off = off / 2u) {
-        if (t < off) {
-            red[t] = max(red[t], red[t + off]);
-        }
-        workgroupBarrier();
-    }
-    let r = red[0];
-    workgroupBarrier();
-    return r;
-}
-
-fn workgroup_sum(t: u32, v: f32) -> f32 {
-    red[t] = v;
-    workgroupBarrier();
-    for (var off = WG / 2u; off > 0u; off = off / 2u) {
-        if (t < off) {
-            red[t] = red[t] + red[t + off];
-        }
-        workgroupBarrier();
-    }
-    let r = red[0];
-    workgroupBarrier();
-    return r;
-}
 
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t: u32) {

@@ -6,7 +6,9 @@
 
 //!import common/pool.wgsl
 //!import attend/common.wgsl
-//!import common/codec.wgsl
+//!import common/compress.wgsl
+//!import attend/online_softmax.wgsl
+//!import attend/merge.wgsl
 
 @group(0) @binding(0) var<uniform> geo: Geometry;
 @group(0) @binding(1) var<uniform> params: AttendParams;
@@ -26,10 +28,6 @@ const MAX_SLOTS: u32 = 16u;  // ceil(MAX_GR / WG)
 
 var<workgroup> qr_sh: array<f32, 1024>;
 var<workgroup> acc_sh: array<f32, 1024>;
-var<workgroup> p_sh: array<f32, 512>;
-var<workgroup> m_sh: array<f32, 8>;
-var<workgroup> l_sh: array<f32, 8>;
-var<workgroup> f_sh: array<f32, 8>;
 var<workgroup> fill_sh: u32;
 var<workgroup> page_sh: u32;
 var<workgroup> count_sh: u32;
@@ -114,24 +112,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
         }
         workgroupBarrier();
 
-        if (t < G) {
-            var mx = NEG_BIG;
-            for (var s = 0u; s < fill; s++) {
-                mx = max(mx, p_sh[t * MAX_PAGE + s]);
-            }
-            let m_new = max(m_sh[t], mx);
-            let f = exp(m_sh[t] - m_new);
-            var sum = 0.0;
-            for (var s = 0u; s < fill; s++) {
-                let p = exp(p_sh[t * MAX_PAGE + s] - m_new);
-                p_sh[t * MAX_PAGE + s] = p;
-                sum += p;
-            }
-            l_sh[t] = l_sh[t] * f + sum;
-            m_sh[t] = m_new;
-            f_sh[t] = f;
-        }
-        workgroupBarrier();
+        online_softmax_page(t, G, fill);
 
         for (var k = 0u; k < MAX_SLOTS; k++) {
             let e = t + k * WG;
@@ -169,9 +150,6 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     }
     if (t < G) {
         let o = partial_index(params, seq, kvh * G + t, buffer, chunk) * stride;
-        partials[o] = m_sh[t];
-        partials[o + 1u] = l_sh[t];
-        partials[o + 2u] = 0.0;
-        partials[o + 3u] = 0.0;
+        write_partial_stats(o, m_sh[t], l_sh[t]);
     }
 }

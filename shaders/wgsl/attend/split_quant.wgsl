@@ -11,7 +11,8 @@
 
 //!import common/pool.wgsl
 //!import attend/common.wgsl
-//!import common/codec.wgsl
+//!import common/compress.wgsl
+//!import attend/merge.wgsl
 
 @group(0) @binding(0) var<uniform> geo: Geometry;
 @group(0) @binding(1) var<uniform> params: AttendParams;
@@ -132,8 +133,7 @@ fn main(
     if (first >= n_pages) {
         if (t < GROUP) {
             let o = partial_index(params, seq, kvh * GROUP + t, buffer, chunk) * partial_stride(HEAD_DIM);
-            partials[o] = NEG_BIG;
-            partials[o + 1u] = 0.0;
+            write_partial_empty(o);
         }
         return;
     }
@@ -163,8 +163,7 @@ fn main(
     if (workgroupUniformLoad(&live_sh) == 0u) {
         if (t < GROUP) {
             let o = partial_index(params, seq, kvh * GROUP + t, buffer, chunk) * partial_stride(HEAD_DIM);
-            partials[o] = NEG_BIG;
-            partials[o + 1u] = 0.0;
+            write_partial_empty(o);
         }
         return;
     }
@@ -469,16 +468,10 @@ fn main(
         let g = e / D4;
         let o = partial_index(params, seq, kvh * GROUP + g, buffer, chunk) * stride + 4u + 4u * (e % D4);
         let a = acc_sh[e];
-        partials[o] = a.x;
-        partials[o + 1u] = a.y;
-        partials[o + 2u] = a.z;
-        partials[o + 3u] = a.w;
+        write_partial_acc4(o, a);
     }
     if (t < GROUP) {
         let o = partial_index(params, seq, kvh * GROUP + t, buffer, chunk) * stride;
-        partials[o] = big_m[t];
-        partials[o + 1u] = big_l[t];
-        partials[o + 2u] = 0.0;
-        partials[o + 3u] = 0.0;
+        write_partial_stats(o, big_m[t], big_l[t]);
     }
 }

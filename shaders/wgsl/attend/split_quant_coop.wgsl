@@ -37,7 +37,8 @@ enable wgpu_cooperative_matrix;
 
 //!import common/pool.wgsl
 //!import attend/common.wgsl
-//!import common/codec.wgsl
+//!import common/compress.wgsl
+//!import attend/merge.wgsl
 
 @group(0) @binding(0) var<uniform> geo: Geometry;
 @group(0) @binding(1) var<uniform> params: AttendParams;
@@ -55,13 +56,10 @@ enable wgpu_cooperative_matrix;
 //!define NG 2u
 //!define NW 4u
 //!define SLACK 2.0
-//!define ABLATE 0u
 // GROUP: query heads per KV head (at most 8). HEAD_DIM: d (32, 64 or 128). PAGE_SIZE: a
 // multiple of 16 (at most 128). NG: value groups per row (d / NG a multiple of 16). NW:
 // subgroups per workgroup (1, 2 or 4, dividing PAGE_SIZE / 16). SLACK: the lazy rescale's slack
-// (natural-log units, >= 0). ABLATE (H200 probes only, 0 otherwise: results are wrong): bit 0
-// skips the fold, 1 the score products, 2 the value products, 3 the codes' conversion to f16,
-// 4 the moves of the accumulators, 5 the code loads. Subgroups must hold 32 invocations.
+// (natural-log units, >= 0). Subgroups must hold 32 invocations.
 
 const WG: u32 = 32u * NW;
 const RW: u32 = HEAD_DIM / 8u;        // code words per row
@@ -128,8 +126,8 @@ fn put_codes(w: u32, lane: u32, words: array<vec4<u32>, CPL>) {
 fn get_codes(lane: u32, base: u32, ok: bool) -> array<vec4<u32>, CPL> {
     var x: array<vec4<u32>, CPL>;
     for (var j = 0u; j < CPL; j++) {
-        x[j] = vec4<u32>(select(0u, lane, (ABLATE & 32u) != 0u));
-        if (ok && j * 32u + lane < 16u * RW4 && (ABLATE & 32u) == 0u) {
+        x[j] = vec4<u32>(0u);
+        if (ok && j * 32u + lane < 16u * RW4) {
             x[j] = codec_kv[base / 4u + j * 32u + lane];
         }
     }
@@ -193,8 +191,7 @@ fn move_block(
 fn write_empty(seq: u32, kvh: u32, buffer: u32, chunk: u32, t: u32) {
     if (t < GROUP) {
         let o = partial_index(params, seq, kvh * GROUP + t, buffer, chunk) * partial_stride(HEAD_DIM);
-        partials[o] = NEG_BIG;
-        partials[o + 1u] = 0.0;
+        write_partial_empty(o);
     }
 }
 
@@ -319,49 +316,47 @@ fn main(
         let page = chunk_page[k];
         let fill = chunk_fill[k];
         workgroupBarrier();  // the last page's score products are done with qa_sh and ab_sh
-        if ((ABLATE & 1u) == 0u) {
-            // Fold, this subgroup's heads: invocation `lane` takes position quad lane
-            // (dimensions 8i + (0, 4, 1, 5) or 8i + (2, 6, 3, 7), i = lane / 2).
-            let live = lane < D4;
-            let i = lane / 2u;
-            let odd = (lane % 2u) == 1u;
-            var prm: vec4<u32>;
-            if (odd) {
-                prm = vec4<u32>(kp[0].z, kp[1].z, kp[0].w, kp[1].w);
-            } else {
-                prm = vec4<u32>(kp[0].x, kp[1].x, kp[0].y, kp[1].y);
+        // Fold, this subgroup's heads: invocation `lane` takes position quad lane
+        // (dimensions 8i + (0, 4, 1, 5) or 8i + (2, 6, 3, 7), i = lane / 2).
+        let live = lane < D4;
+        let i = lane / 2u;
+        let odd = (lane % 2u) == 1u;
+        var prm: vec4<u32>;
+        if (odd) {
+            prm = vec4<u32>(kp[0].z, kp[1].z, kp[0].w, kp[1].w);
+        } else {
+            prm = vec4<u32>(kp[0].x, kp[1].x, kp[0].y, kp[1].y);
+        }
+        let p0 = unpack2x16float(prm.x);
+        let p1 = unpack2x16float(prm.y);
+        let p2 = unpack2x16float(prm.z);
+        let p3 = unpack2x16float(prm.w);
+        let mins = vec4<f32>(p0.x, p1.x, p2.x, p3.x);
+        let scl = vec4<f32>(p0.y, p1.y, p2.y, p3.y);
+        for (var h = w; h < GROUP; h += NW) {
+            var qv = vec4<f32>(0.0);
+            if (live) {
+                let qa = q_sh[h * D4 + 2u * i];
+                let qb = q_sh[h * D4 + 2u * i + 1u];
+                qv = select(vec4<f32>(qa.x, qb.x, qa.y, qb.y), vec4<f32>(qa.z, qb.z, qa.w, qb.w), odd);
             }
-            let p0 = unpack2x16float(prm.x);
-            let p1 = unpack2x16float(prm.y);
-            let p2 = unpack2x16float(prm.z);
-            let p3 = unpack2x16float(prm.w);
-            let mins = vec4<f32>(p0.x, p1.x, p2.x, p3.x);
-            let scl = vec4<f32>(p0.y, p1.y, p2.y, p3.y);
-            for (var h = w; h < GROUP; h += NW) {
-                var qv = vec4<f32>(0.0);
-                if (live) {
-                    let qa = q_sh[h * D4 + 2u * i];
-                    let qb = q_sh[h * D4 + 2u * i + 1u];
-                    qv = select(vec4<f32>(qa.x, qb.x, qa.y, qb.y), vec4<f32>(qa.z, qb.z, qa.w, qb.w), odd);
-                }
-                let qs = qv * scl;
-                let a = abs(qs);
-                let mx = subgroupMax(max(max(a.x, a.y), max(a.z, a.w)));
-                // As the tile kernel: alpha = 2^(E - 6), E the exponent of the page's largest
-                // |q * scale| (at least -120); q * scale / alpha rounded to nearest even.
-                let ex = max(i32((bitcast<u32>(mx) >> 23u) & 0xffu) - 127, -120);
-                let step = pow2(6 - ex);
-                let al = pow2(ex - 6);
-                let q8 = round(min(qs * step, vec4<f32>(127.0)));
-                let qsum = subgroupAdd(q8.x + q8.y + q8.z + q8.w);
-                let fsum = subgroupAdd(dot(qs, vec4<f32>(1.0)));
-                let qmin = subgroupAdd(dot(qv, mins));
-                if (live) {
-                    qa_sh[h * ROW4 + lane] = vec4<f16>(q8);
-                }
-                if (lane == 0u) {
-                    ab_sh[h] = vec4<f32>(al, qmin + 8.0 * (fsum - al * qsum), 64.0 * qsum, 0.0);
-                }
+            let qs = qv * scl;
+            let a = abs(qs);
+            let mx = subgroupMax(max(max(a.x, a.y), max(a.z, a.w)));
+            // As the tile kernel: alpha = 2^(E - 6), E the exponent of the page's largest
+            // |q * scale| (at least -120); q * scale / alpha rounded to nearest even.
+            let ex = max(i32((bitcast<u32>(mx) >> 23u) & 0xffu) - 127, -120);
+            let step = pow2(6 - ex);
+            let al = pow2(ex - 6);
+            let q8 = round(min(qs * step, vec4<f32>(127.0)));
+            let qsum = subgroupAdd(q8.x + q8.y + q8.z + q8.w);
+            let fsum = subgroupAdd(dot(qs, vec4<f32>(1.0)));
+            let qmin = subgroupAdd(dot(qv, mins));
+            if (live) {
+                qa_sh[h * ROW4 + lane] = vec4<f16>(q8);
+            }
+            if (lane == 0u) {
+                ab_sh[h] = vec4<f32>(al, qmin + 8.0 * (fsum - al * qsum), 64.0 * qsum, 0.0);
             }
         }
         // The next page's key parameters, loaded while this one is used.
@@ -377,22 +372,18 @@ fn main(
             if (s > 0u) {
                 workgroupBarrier();  // the last step's value products are done with kv_sh
             }
-            if ((ABLATE & 8u) == 0u) {
-                put_codes(w, lane, kw);
-            }
+            put_codes(w, lane, kw);
             kw = get_codes(lane, nbase + kc_off, next_ok);
             workgroupBarrier();
 
             // Scores: S = Q8 K^T into f32, stored column-major (token-major).
-            if ((ABLATE & 2u) == 0u) {
-                var sm = zero_c();
-                for (var b = 0u; b < D16; b++) {
-                    let qm = coopLoadT<coop_mat16x16<f16, A>>(&qa_sh[4u * b], ROW4);
-                    let km = coopLoad<coop_mat16x16<f16, B>>(&kv_sh[w * 16u * ROW4 + 4u * b], ROW4);
-                    sm = coopMultiplyAdd(qm, km, sm);
-                }
-                coopStore(sm, &s_sh[w * 256u], 16u);
+            var sm = zero_c();
+            for (var b = 0u; b < D16; b++) {
+                let qm = coopLoadT<coop_mat16x16<f16, A>>(&qa_sh[4u * b], ROW4);
+                let km = coopLoad<coop_mat16x16<f16, B>>(&kv_sh[w * 16u * ROW4 + 4u * b], ROW4);
+                sm = coopMultiplyAdd(qm, km, sm);
             }
+            coopStore(sm, &s_sh[w * 256u], 16u);
             workgroupBarrier();
 
             // Softmax: invocations 0..15 take a token each.
@@ -420,7 +411,7 @@ fn main(
             if (subgroupAny(need) && lane == 0u) {
                 atomicOr(&flag_sh, 1u);
             }
-            if (workgroupUniformLoad(&flag_sh) != 0u && (ABLATE & 16u) == 0u) {
+            if (workgroupUniformLoad(&flag_sh) != 0u) {
                 // Some subgroup's reference moves: each subgroup's new maxima, then its
                 // accumulators move into its f32 sums, rescaled to them.
                 var corr: array<f32, GROUP>;
@@ -480,9 +471,7 @@ fn main(
                 }
             }
             // The value codes replace the key codes (every score product is done: barrier above).
-            if ((ABLATE & 8u) == 0u) {
-                put_codes(w, lane, vw);
-            }
+            put_codes(w, lane, vw);
             // The next tile's value codes and parameters.
             vw = get_codes(lane, nbase + vc_off, next_ok);
             for (var g = 0u; g < NG; g++) {
@@ -498,19 +487,17 @@ fn main(
             }
 
             // Values: O^T += V^T W per 16-dimension block.
-            if ((ABLATE & 4u) == 0u) {
-                acc0 = value_block(acc0, w, 0u, negm);
-                acc1 = value_block(acc1, w, 1u, negm);
-                if (D16 > 2u) {
-                    acc2 = value_block(acc2, w, 2u, negm);
-                    acc3 = value_block(acc3, w, 3u, negm);
-                }
-                if (D16 > 4u) {
-                    acc4 = value_block(acc4, w, 4u, negm);
-                    acc5 = value_block(acc5, w, 5u, negm);
-                    acc6 = value_block(acc6, w, 6u, negm);
-                    acc7 = value_block(acc7, w, 7u, negm);
-                }
+            acc0 = value_block(acc0, w, 0u, negm);
+            acc1 = value_block(acc1, w, 1u, negm);
+            if (D16 > 2u) {
+                acc2 = value_block(acc2, w, 2u, negm);
+                acc3 = value_block(acc3, w, 3u, negm);
+            }
+            if (D16 > 4u) {
+                acc4 = value_block(acc4, w, 4u, negm);
+                acc5 = value_block(acc5, w, 5u, negm);
+                acc6 = value_block(acc6, w, 6u, negm);
+                acc7 = value_block(acc7, w, 7u, negm);
             }
         }
     }
@@ -592,9 +579,6 @@ fn main(
             l += exp(ml_sh[at] - mx) * ml_sh[at + 1u];
         }
         let o_at = partial_index(params, seq, kvh * GROUP + t, buffer, chunk) * stride;
-        partials[o_at] = mx;
-        partials[o_at + 1u] = l;
-        partials[o_at + 2u] = 0.0;
-        partials[o_at + 3u] = 0.0;
+        write_partial_stats(o_at, mx, l);
     }
 }

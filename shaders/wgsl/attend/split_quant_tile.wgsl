@@ -26,7 +26,8 @@ enable f16;
 //!import common/pool.wgsl
 //!import common/window.wgsl
 //!import attend/common.wgsl
-//!import common/codec.wgsl
+//!import common/compress.wgsl
+//!import attend/merge.wgsl
 
 @group(0) @binding(0) var<uniform> geo: Geometry;
 @group(0) @binding(1) var<uniform> params: AttendParams;
@@ -48,10 +49,7 @@ enable f16;
 //!define RAW true
 //!define SLACK 2.0
 //!define KSCALE 8.0
-//!define ACC_SHARED true
-//!define ABLATE 0u
 //!define WG 128u
-//!define VUNROLL true
 //!define FC 16u
 //!define DENORM false
 //!define KSIGNED true
@@ -61,16 +59,9 @@ enable f16;
 // moves of the f16 sums into f32. RAW: also attend the raw pages of pool buffer 0 (the pool has
 // one buffer, f16). SLACK: the lazy rescale's slack (natural-log units, >= 0). KSCALE: 2^K, the
 // f16 terms' scale (the host picks the largest K that keeps the sums below f16's maximum).
-// ACC_SHARED: the f32 value sums live in workgroup memory (each invocation its own), not in
-// registers (fewer registers, more workgroups per multiprocessor; they are touched only when the
-// f16 sums move). ABLATE (H200 probes only, 0 otherwise: results are wrong): bit 0 skips the
-// fold, 1 the score dot products, 2 the value phase, 3 the value phase's raw-token path, 4 the
-// value words' prefetch (loaded in the value loop instead), 5 the page loads (key rows, value
-// parameters and words, the fold's key parameters made up from indices; the arithmetic stays).
 // WG: invocations per workgroup (32, 64 or 128, a multiple of PAGE_SIZE; at least 8 per
-// subgroup): a tile is WG tokens. VUNROLL: the value
-// words' loads and the value loop expanded by the resolver (`//!unroll VUNROLL`), so the words
-// stay in registers (left to the H200's compiler, the loop stays a loop and the words go to
+// subgroup): a tile is WG tokens. The value words' loads and the value loop are expanded by
+// the resolver (`//!unroll`), so the words stay in registers (left to the H200's compiler, the loop stays a loop and the words go to
 // local memory). FC: channels per fold item, 16 or 8 (8 halves the fold's work per invocation
 // where a page's fold has fewer items than the workgroup has invocations; its reduction spans
 // HEAD_DIM / FC lanes, at most the subgroup size). DENORM: every value code becomes the f16
@@ -107,7 +98,6 @@ const NSUM: u32 = GROUP + GROUP * NG; // values of the final sums (at least NRED
 const MAX_SUBGROUPS: u32 = 16u;       // subgroups of at least 8 invocations (the tier's)
 const MAX_CHUNK_PAGES: u32 = 64u;
 const MAX_SLOTS: u32 = MAX_CHUNK_PAGES + 8u;  // compressed pages, padding to a tile, raw pages
-const NA: u32 = select(1u, GROUP * 2u * WG, ACC_SHARED);
 const QPS: u32 = RW * GP + 1u;        // q8_sh vec4 per page (padded: two pages of a subgroup read other banks)
 const KINV: f32 = 1.0 / KSCALE;
 // The f16 value sums' unit of code: 1, or with DENORM 2^-20 (each code a subnormal f16, its
@@ -115,10 +105,8 @@ const KINV: f32 = 1.0 / KSCALE;
 fn code_unit() -> f32 {
     return select(1.0, 1048576.0, DENORM);
 }
-const NOLOAD: bool = (ABLATE & 32u) != 0u;
-const TPL_RUN: u32 = TPL * (1u - (ABLATE / 4u) % 2u);  // ABLATE bit 2: no value phase
 // The page layouts as constants (the geometry's runtime fields would cost an integer division
-// per load on the H200): a compressed int4 page (`Codec::page_words`, common/codec.wgsl) and,
+// per load on the H200): a compressed int4 page (`Codec::page_words`, common/compress.wgsl) and,
 // with RAW, a raw f16 page of the pool (K block then V block, d / 8 vec4 words per row).
 const CPW: u32 = HEAD_DIM + 2u * PAGE_SIZE * RW + PAGE_SIZE * NG;
 const KC_OFF: u32 = HEAD_DIM;
@@ -136,7 +124,6 @@ var<workgroup> list_fill: array<u32, 64>;
 var<workgroup> chunk_page: array<u32, MAX_SLOTS>;
 var<workgroup> chunk_fill: array<u32, MAX_SLOTS>;
 var<workgroup> chunk_pos: array<u32, MAX_SLOTS>;  // a live page's place in the chunk
-var<workgroup> acc_sh: array<vec4<f32>, NA>;      // ACC_SHARED: [vec4 i][invocation]
 var<workgroup> q_sh: array<vec4<f32>, GROUP * D4>;  // the scaled queries; the merge at the end
 var<workgroup> q8_sh: array<vec4<u32>, PPT * QPS>;  // [page][code word][head pair]: (even, odd) x 2
 var<workgroup> ab_sh: array<vec2<f32>, PPT * GROUP>;    // [page][head]: (alpha, bias)
@@ -174,9 +161,6 @@ fn tile_kw(c0: u32, t: u32, n_live: u32) -> array<vec4<u32>, RW4> {
     let r4 = select(0u, ((pg - geo.n_pages) * CPW + KC_OFF + (t % PAGE_SIZE) * RW) / 4u, ok);
     for (var i = 0u; i < RW4; i++) {
         kw[i] = codec_kv[r4 + i];
-        if (NOLOAD) {
-            kw[i] = made_up4(c0 * WG + t, i);
-        }
     }
     return kw;
 }
@@ -197,11 +181,6 @@ fn tile_vprm(c0: u32, t: u32, n_live: u32) -> array<u32, NG> {
             vp[g] = codec_word(w0 + g);
         }
     }
-    if (NOLOAD) {
-        for (var g = 0u; g < NG; g++) {
-            vp[g] = made_up_params(made_up(c0 * WG + t + g));
-        }
-    }
     return vp;
 }
 
@@ -216,58 +195,35 @@ fn tile_vw(c0: u32, t: u32, n_live: u32) -> array<u32, TPL> {
     let ts = t / LPR;
     let db = t % LPR;
     if (VPAGE) {
-        //!unroll VUNROLL
+        //!unroll
         for (var k = 0u; k < VPG; k++) {
             let c = c0 + k;
             let cc = min(c, MAX_SLOTS - 1u);
             let pg = chunk_page[cc];
-            let live = c < n_live && pg >= geo.n_pages && (ABLATE & 16u) == 0u;
+            let live = c < n_live && pg >= geo.n_pages;
             // vec4 index of word db of slot ts (rows and the page's V codes start on whole vec4s).
             // Slots past the page's fill are read too (inside the page, so any word; their
             // probability is 0): no compare and select per word.
             let b4 = select(0u, ((pg - geo.n_pages) * CPW + VC_OFF + ts * RW) / 4u, live) + db / 4u;
             let step = select(0u, NS * RW / 4u, live);
-            //!unroll VUNROLL
+            //!unroll
             for (var jj = 0u; jj < JP; jj++) {
                 vw[k * JP + jj] = codec_kv[b4 + step * jj][db & 3u];
-                if (NOLOAD) {
-                    vw[k * JP + jj] = made_up(c0 * WG + t + 977u * (k * JP + jj));
-                }
             }
         }
     } else {
-        //!unroll VUNROLL
+        //!unroll
         for (var j = 0u; j < TPL; j++) {
             let tau = ts + NS * j;
             let c = c0 + tau / PAGE_SIZE;
             let s = tau % PAGE_SIZE;
             let cc = min(c, MAX_SLOTS - 1u);
             let pg = chunk_page[cc];
-            let ok = c < n_live && s < chunk_fill[cc] && pg >= geo.n_pages && (ABLATE & 16u) == 0u;
+            let ok = c < n_live && s < chunk_fill[cc] && pg >= geo.n_pages;
             vw[j] = codec_word(select(0u, (pg - geo.n_pages) * CPW + VC_OFF + s * RW + db, ok));
-            if (NOLOAD) {
-                vw[j] = made_up(c0 * WG + t + 977u * j);
-            }
         }
     }
     return vw;
-}
-
-// ABLATE bit 5 (NOLOAD): words made up from an index instead of the pages' (a probe of the
-// kernel's time with its arithmetic and no page loads): any bits for codes, ...
-fn made_up(i: u32) -> u32 {
-    let x = i * 0x9e3779b9u;
-    return x ^ (x >> 15u);
-}
-
-fn made_up4(i: u32, k: u32) -> vec4<u32> {
-    return vec4<u32>(made_up(i + 4u * k), made_up(i + 4u * k + 1u), made_up(i + 4u * k + 2u), made_up(i + 4u * k + 3u));
-}
-
-// ... and (min, scale) pairs of finite f16 near 1, so that the softmax and rescales run as on
-// real pages.
-fn made_up_params(r: u32) -> u32 {
-    return 0x3c003c00u | (r & 0x00ff00ffu);
 }
 
 // The entry g of per-value-group values, by selects (a dynamic index would send the array to
@@ -278,24 +234,6 @@ fn pick_g(a: array<f32, NG>, g: u32) -> f32 {
         r = select(r, a[i], g == i);
     }
     return r;
-}
-
-// ACC_SHARED: this invocation's f32 value sums from / to workgroup memory (by value: nothing
-// of the caller's is addressed).
-fn acc_get(t: u32) -> array<vec2<f32>, GROUP * 4u> {
-    var a: array<vec2<f32>, GROUP * 4u>;
-    for (var i = 0u; i < GROUP * 2u; i++) {
-        let v = acc_sh[i * WG + t];
-        a[2u * i] = v.xy;
-        a[2u * i + 1u] = v.zw;
-    }
-    return a;
-}
-
-fn acc_put(t: u32, a: array<vec2<f32>, GROUP * 4u>) {
-    for (var i = 0u; i < GROUP * 2u; i++) {
-        acc_sh[i * WG + t] = vec4<f32>(a[2u * i], a[2u * i + 1u]);
-    }
 }
 
 // This invocation's token's probabilities (against the references m_ref) into ps_sh: p times
@@ -331,8 +269,7 @@ fn probs(x: array<f32, GROUP>, m_ref: array<f32, GROUP>, valid: bool) -> array<f
 fn write_empty(seq: u32, kvh: u32, buffer: u32, chunk: u32, t: u32) {
     if (t < GROUP) {
         let o = partial_index(params, seq, kvh * GROUP + t, buffer, chunk) * partial_stride(HEAD_DIM);
-        partials[o] = NEG_BIG;
-        partials[o + 1u] = 0.0;
+        write_partial_empty(o);
     }
 }
 
@@ -459,9 +396,6 @@ fn main(
         s_ref[g] = 0.0;
         sc16[g] = 0.0;
     }
-    if (ACC_SHARED) {
-        acc_put(t, acc32);
-    }
 
     let n_tiles = (n_live + PPT - 1u) / PPT;
     for (var tile = 0u; tile < n_tiles; tile++) {
@@ -486,7 +420,7 @@ fn main(
         var vprm = tile_vprm(c0, t, n_live);
         var vw = tile_vw(c0, t, n_live);
         // Fold: item = (page, head, FC-channel slice); NSL neighbouring lanes share (page, head).
-        for (var k = 0u; k < select(IPL, 0u, (ABLATE & 1u) != 0u || tile_raw); k++) {
+        for (var k = 0u; k < select(IPL, 0u, tile_raw); k++) {
             let it = t + WG * k;
             let pi = min(it / (GROUP * NSL), PPT - 1u);
             let h = (it / NSL) % GROUP;
@@ -500,11 +434,7 @@ fn main(
             var fsum = 0.0;
             var mx = 0.0;
             for (var v = 0u; v < FV; v++) {
-                var kv = codec_kv[cb4 + FV * sl + v];  // (min, scale) f16 pairs of channels FC sl + 4 v ..
-                if (NOLOAD) {
-                    let r = made_up(c0 * WG + it + 31u * v);
-                    kv = vec4<u32>(made_up_params(r), made_up_params(r + 1u), made_up_params(r + 2u), made_up_params(r + 3u));
-                }
+                let kv = codec_kv[cb4 + FV * sl + v];  // (min, scale) f16 pairs of channels FC sl + 4 v ..
                 let qv = q_sh[h * D4 + FV * sl + v];
                 let p0 = unpack2x16float(kv.x);
                 let p1 = unpack2x16float(kv.y);
@@ -597,7 +527,7 @@ fn main(
                     isum[h] = 0;
                     ihi[h] = 0;
                 }
-                for (var i = 0u; i < select(RW4, 0u, (ABLATE & 2u) != 0u); i++) {
+                for (var i = 0u; i < RW4; i++) {
                     if (KSIGNED) {
                         // Two code words at a time, so that each sum takes one add of two products.
                         for (var e = 0u; e < 4u; e += 2u) {
@@ -704,17 +634,11 @@ fn main(
                 }
             }
             let fl = pick_g(s_ref, my_g) * KINV * code_unit();
-            if (ACC_SHARED) {
-                acc32 = acc_get(t);
-            }
             for (var h = 0u; h < GROUP; h++) {
                 for (var k = 0u; k < 4u; k++) {
                     acc32[h * 4u + k] = (acc32[h * 4u + k] + vec2<f32>(acc16[h * 4u + k]) * fl) * corr[h];
                     acc16[h * 4u + k] = vec2<f16>(0.0h);
                 }
-            }
-            if (ACC_SHARED) {
-                acc_put(t, acc32);
             }
             for (var g = 0u; g < NG; g++) {
                 // Headroom of 2: a later scale up to twice this tile's largest moves nothing.
@@ -756,9 +680,6 @@ fn main(
         // Values: this invocation's code word of TPL tokens.
         if (tile_raw) {
             // Raw tokens: their f16 values times p, in f32.
-            if (ACC_SHARED) {
-                acc32 = acc_get(t);
-            }
             for (var j = 0u; j < TPL; j++) {
                 let tau = ts + NS * j;
                 let c = c0 + tau / PAGE_SIZE;
@@ -789,24 +710,13 @@ fn main(
                     }
                 }
             }
-            if (ACC_SHARED) {
-                acc_put(t, acc32);
-            }
         } else {
-            //!unroll VUNROLL
-            for (var j = 0u; j < TPL_RUN; j++) {
+            //!unroll
+            for (var j = 0u; j < TPL; j++) {
                 let tau = ts + NS * j;
                 // Codes as exact f16 pairs: (w & 0x000f000f) | 0x6400 pairs is 1024 + code, and
                 // (w & 0x00f000f0) | 0x5400 pairs is 64 + code (mantissa step 1/16); nibbles (k, k + 4).
-                var w = vw[j];
-                if ((ABLATE & 16u) != 0u) {
-                    let c = c0 + tau / PAGE_SIZE;
-                    let cc = min(c, MAX_SLOTS - 1u);
-                    let pg = chunk_page[cc];
-                    if (c < n_live && tau % PAGE_SIZE < chunk_fill[cc] && pg >= geo.n_pages) {
-                        w = codec_word((pg - geo.n_pages) * CPW + VC_OFF + (tau % PAGE_SIZE) * RW + db);
-                    }
-                }
+                let w = vw[j];
                 let w8 = w >> 8u;
                 var cw: array<vec2<f16>, 4>;
                 if (DENORM) {
@@ -838,15 +748,9 @@ fn main(
         }
         if (tile % FLUSH == FLUSH - 1u) {
             let fl = pick_g(s_ref, my_g) * KINV * code_unit();
-            if (ACC_SHARED) {
-                acc32 = acc_get(t);
-            }
             for (var i = 0u; i < GROUP * 4u; i++) {
                 acc32[i] += vec2<f32>(acc16[i]) * fl;
                 acc16[i] = vec2<f16>(0.0h);
-            }
-            if (ACC_SHARED) {
-                acc_put(t, acc32);
             }
         }
         if (t == 0u) {
@@ -857,9 +761,6 @@ fn main(
         }
     }
     let fl = pick_g(s_ref, my_g) * KINV * code_unit();
-    if (ACC_SHARED) {
-        acc32 = acc_get(t);
-    }
     for (var i = 0u; i < GROUP * 4u; i++) {
         acc32[i] += vec2<f32>(acc16[i]) * fl;
     }
@@ -912,10 +813,7 @@ fn main(
         let g = (4u * (e % D4)) / VG;
         let o = partial_index(params, seq, kvh * GROUP + h, buffer, chunk) * stride + 4u + 4u * (e % D4);
         let a = q_sh[e] + vec4<f32>(sums[GROUP + h * NG + g]);
-        partials[o] = a.x;
-        partials[o + 1u] = a.y;
-        partials[o + 2u] = a.z;
-        partials[o + 3u] = a.w;
+        write_partial_acc4(o, a);
     }
     if (t < GROUP) {
         // This head's maximum and sum, by selects (indexed by t, the arrays would go to local memory).
@@ -926,9 +824,6 @@ fn main(
             l = select(l, sums[h], t == h);
         }
         let o = partial_index(params, seq, kvh * GROUP + t, buffer, chunk) * stride;
-        partials[o] = m;
-        partials[o + 1u] = l;
-        partials[o + 2u] = 0.0;
-        partials[o + 3u] = 0.0;
+        write_partial_stats(o, m, l);
     }
 }

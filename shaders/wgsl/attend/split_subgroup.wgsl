@@ -10,6 +10,7 @@
 //!import common/pool.wgsl
 //!import common/window.wgsl
 //!import attend/common.wgsl
+//!import attend/merge.wgsl
 
 @group(0) @binding(0) var<uniform> geo: Geometry;
 @group(0) @binding(1) var<uniform> params: AttendParams;
@@ -138,8 +139,7 @@ fn main(
         // Past the sequence's end (chunks are sized for the longest sequence): an empty partial.
         if (t < GROUP) {
             let o = partial_index(params, seq, kvh * GROUP + t, window.buffer_index, chunk) * partial_stride(D);
-            partials[o] = NEG_BIG;
-            partials[o + 1u] = 0.0;
+            write_partial_empty(o);
         }
         return;
     }
@@ -183,8 +183,7 @@ fn main(
     if (n_live == 0u) {
         if (t < GROUP) {
             let o = partial_index(params, seq, kvh * GROUP + t, window.buffer_index, chunk) * partial_stride(D);
-            partials[o] = NEG_BIG;
-            partials[o + 1u] = 0.0;
+            write_partial_empty(o);
         }
         return;
     }
@@ -378,16 +377,10 @@ fn main(
         let g = e / D4;
         let o = partial_index(params, seq, kvh * GROUP + g, window.buffer_index, chunk) * stride + 4u + 4u * (e % D4);
         let a = acc_sh[e];
-        partials[o] = a.x;
-        partials[o + 1u] = a.y;
-        partials[o + 2u] = a.z;
-        partials[o + 3u] = a.w;
+        write_partial_acc4(o, a);
     }
     if (t < GROUP) {
         let o = partial_index(params, seq, kvh * GROUP + t, window.buffer_index, chunk) * stride;
-        partials[o] = big_m[t];
-        partials[o + 1u] = big_l[t];
-        partials[o + 2u] = 0.0;
-        partials[o + 3u] = 0.0;
+        write_partial_stats(o, big_m[t], big_l[t]);
     }
 }

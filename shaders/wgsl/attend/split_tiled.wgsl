@@ -6,6 +6,8 @@
 //!import common/pool.wgsl
 //!import common/window.wgsl
 //!import attend/common.wgsl
+//!import attend/online_softmax.wgsl
+//!import attend/merge.wgsl
 
 @group(0) @binding(0) var<uniform> geo: Geometry;
 @group(0) @binding(1) var<uniform> params: AttendParams;
@@ -25,10 +27,6 @@ const MAX_PAGE: u32 = 64u;
 const MAX_PAIRS: u32 = 16u;  // MAX_GROUP * MAX_DIM / 2 / WG
 
 var<workgroup> q_sh: array<f32, 2048>;  // [group][d], pre-scaled
-var<workgroup> p_sh: array<f32, 512>;   // [group][MAX_PAGE]: scores, then probabilities
-var<workgroup> m_sh: array<f32, 8>;
-var<workgroup> l_sh: array<f32, 8>;
-var<workgroup> f_sh: array<f32, 8>;
 var<workgroup> fill_sh: u32;
 var<workgroup> page_sh: u32;
 var<workgroup> count_sh: u32;
@@ -115,24 +113,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
         workgroupBarrier();
 
         // B: online-softmax update per query head.
-        if (t < G) {
-            var mx = NEG_BIG;
-            for (var s = 0u; s < fill; s++) {
-                mx = max(mx, p_sh[t * MAX_PAGE + s]);
-            }
-            let m_new = max(m_sh[t], mx);
-            let f = exp(m_sh[t] - m_new);
-            var sum = 0.0;
-            for (var s = 0u; s < fill; s++) {
-                let p = exp(p_sh[t * MAX_PAGE + s] - m_new);
-                p_sh[t * MAX_PAGE + s] = p;
-                sum += p;
-            }
-            l_sh[t] = l_sh[t] * f + sum;
-            m_sh[t] = m_new;
-            f_sh[t] = f;
-        }
-        workgroupBarrier();
+        online_softmax_page(t, G, fill);
 
         // C: fold the page's values into the accumulators.
         for (var k = 0u; k < MAX_PAIRS; k++) {
@@ -156,15 +137,11 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
             let g = e / half_d;
             let j = e % half_d;
             let o = partial_index(params, seq, kvh * G + g, window.buffer_index, chunk) * stride + 4u + 2u * j;
-            partials[o] = acc[k].x;
-            partials[o + 1u] = acc[k].y;
+            write_partial_acc2(o, acc[k]);
         }
     }
     if (t < G) {
         let o = partial_index(params, seq, kvh * G + t, window.buffer_index, chunk) * stride;
-        partials[o] = m_sh[t];
-        partials[o + 1u] = l_sh[t];
-        partials[o + 2u] = 0.0;
-        partials[o + 3u] = 0.0;
+        write_partial_stats(o, m_sh[t], l_sh[t]);
     }
 }

@@ -24,7 +24,7 @@ struct Geometry {
     meta_words: u32,         // u32 words of metadata per slot
     max_pages_per_seq: u32,  // page list capacity per (layer, sequence, KV head) = n_shards * R
     f16_kv: u32,             // 1: K/V stored as packed f16 pairs, 0: f32
-    codec: u32,              // CODEC_*: how full pages are stored (common/codec.wgsl)
+    codec: u32,              // CODEC_*: how full pages are stored (common/compress.wgsl)
     codec_pages: u32,        // compressed pages; their ids follow the raw pages' (n_pages + i)
     codec_page_words: u32,   // u32 words of one compressed page
     codec_param: u32,        // FastV: dimensions kept; low rank: rank

@@ -13,6 +13,7 @@
 
 //!import common/pool.wgsl
 //!import common/evict.wgsl
+//!import common/reduce.wgsl
 
 @group(0) @binding(0) var<uniform> geo: Geometry;
 @group(0) @binding(1) var<uniform> params: EvictParams;
@@ -26,22 +27,7 @@
 
 const WG: u32 = 256u;
 const MAX_HEADS: u32 = 64u;
-var<workgroup> red: array<f32, 256>;
 var<workgroup> weight: array<f32, 64>;
-
-fn workgroup_sum(t: u32, v: f32) -> f32 {
-    red[t] = v;
-    workgroupBarrier();
-    for (var off = WG / 2u; off > 0u; off = off / 2u) {
-        if (t < off) {
-            red[t] += red[t + off];
-        }
-        workgroupBarrier();
-    }
-    let r = red[0];
-    workgroupBarrier();
-    return r;
-}
 
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t: u32) {

@@ -5,6 +5,7 @@
 // past the first ceil(n' / P) are listed for evict/free. Clears the victim marks.
 
 //!import common/pool.wgsl
+//!import common/scan.wgsl
 
 @group(0) @binding(0) var<uniform> geo: Geometry;
 @group(0) @binding(1) var<storage, read_write> rings: array<RingState>;
@@ -17,25 +18,7 @@
 @group(0) @binding(8) var<storage, read_write> freed: array<u32>;
 
 const WG: u32 = 256u;
-var<workgroup> scan: array<u32, 256>;
 var<workgroup> ring_sh: RingState;
-
-fn workgroup_scan(t: u32, v: u32) -> u32 {
-    scan[t] = v;
-    workgroupBarrier();
-    for (var off = 1u; off < WG; off = off * 2u) {
-        var add = 0u;
-        if (t >= off) {
-            add = scan[t - off];
-        }
-        workgroupBarrier();
-        scan[t] += add;
-        workgroupBarrier();
-    }
-    let r = scan[t];
-    workgroupBarrier();
-    return r;
-}
 
 fn slot_at(key: u32, ring: RingState, r: u32) -> u32 {
     let R = geo.ring_capacity;

@@ -16,6 +16,7 @@
 
 //!import common/pool.wgsl
 //!import common/evict.wgsl
+//!import common/reduce.wgsl
 
 @group(0) @binding(0) var<uniform> geo: Geometry;
 @group(0) @binding(1) var<uniform> params: EvictParams;
@@ -32,24 +33,9 @@
 
 const WG: u32 = 256u;
 const MAX_GROUPS: u32 = 256u;
-var<workgroup> red_f: array<f32, 256>;
 var<workgroup> tokens_wg: array<atomic<u32>, 256>;
 var<workgroup> mass_wg: array<atomic<u32>, 256>;
 var<workgroup> count_sh: u32;
-
-fn sum_f(t: u32, v: f32) -> f32 {
-    red_f[t] = v;
-    workgroupBarrier();
-    for (var off = WG / 2u; off > 0u; off = off / 2u) {
-        if (t < off) {
-            red_f[t] += red_f[t + off];
-        }
-        workgroupBarrier();
-    }
-    let r = red_f[0];
-    workgroupBarrier();
-    return r;
-}
 
 @compute @workgroup_size(256)
 fn experts(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t: u32) {
@@ -73,7 +59,7 @@ fn experts(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
             mass += bitcast<f32>(slot_meta[(page * P + j % P) * geo.meta_words + meta_attn(geo)]);
         }
     }
-    let total = sum_f(t, mass);
+    let total = workgroup_sum(t, mass);
     for (var j = t; j < n_slots; j += WG) {
         let page = page_list[base + j / P];
         if (j % P < page_meta[page].fill) {
@@ -108,7 +94,7 @@ fn update_importance(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invoca
             mass += f32(groups[(layer * per_layer + i) * G + t].mass) / GROUP_MASS_ONE;
         }
     }
-    let total = sum_f(t, mass);
+    let total = workgroup_sum(t, mass);
     if (t >= G) {
         return;
     }

@@ -2,6 +2,7 @@
 // (deterministic reuse order), and count them. One workgroup.
 
 //!import common/pool.wgsl
+//!import common/scan.wgsl
 
 @group(0) @binding(0) var<uniform> geo: Geometry;
 @group(0) @binding(1) var<storage, read> counts: array<vec2<u32>>;
@@ -11,24 +12,6 @@
 @group(0) @binding(5) var<storage, read_write> page_meta: array<PageMeta>;
 
 const WG: u32 = 256u;
-var<workgroup> scan: array<u32, 256>;
-
-fn workgroup_scan(t: u32, v: u32) -> u32 {
-    scan[t] = v;
-    workgroupBarrier();
-    for (var off = 1u; off < WG; off = off * 2u) {
-        var add = 0u;
-        if (t >= off) {
-            add = scan[t - off];
-        }
-        workgroupBarrier();
-        scan[t] += add;
-        workgroupBarrier();
-    }
-    let r = scan[t];
-    workgroupBarrier();
-    return r;
-}
 
 @compute @workgroup_size(256)
 fn main(@builtin(local_invocation_index) t: u32) {

@@ -8,6 +8,7 @@
 
 //!import common/pool.wgsl
 //!import common/evict.wgsl
+//!import common/reduce.wgsl
 
 @group(0) @binding(0) var<uniform> geo: Geometry;
 @group(0) @binding(1) var<uniform> params: EvictParams;
@@ -25,8 +26,6 @@
 // workgroup walks one list, so on a device that allows it the host picks 1024: four times the
 // loads in flight per list (on an H200 a select over 64 lists of 8K tokens is latency-bound).
 var<workgroup> hist: array<atomic<u32>, 256>;
-var<workgroup> red_u: array<u32, WG>;
-var<workgroup> red_f: array<f32, WG>;
 var<workgroup> red_lo: array<u32, WG>;
 var<workgroup> known_hi: u32;
 var<workgroup> known_lo: u32;
@@ -41,34 +40,6 @@ fn uniform_u32(t: u32, v: u32) -> u32 {
         flag_sh = v;
     }
     return workgroupUniformLoad(&flag_sh);
-}
-
-fn sum_u(t: u32, v: u32) -> u32 {
-    red_u[t] = v;
-    workgroupBarrier();
-    for (var off = WG / 2u; off > 0u; off = off / 2u) {
-        if (t < off) {
-            red_u[t] += red_u[t + off];
-        }
-        workgroupBarrier();
-    }
-    let r = red_u[0];
-    workgroupBarrier();
-    return r;
-}
-
-fn sum_f(t: u32, v: f32) -> f32 {
-    red_f[t] = v;
-    workgroupBarrier();
-    for (var off = WG / 2u; off > 0u; off = off / 2u) {
-        if (t < off) {
-            red_f[t] += red_f[t + off];
-        }
-        workgroupBarrier();
-    }
-    let r = red_f[0];
-    workgroupBarrier();
-    return r;
 }
 
 // Does key (hi, lo) agree with the digits found before pass `p` (8 bits per pass, hi first)?
@@ -211,7 +182,7 @@ fn pick(t: u32, base: u32, n_slots: u32, want: u32, g: u32) -> f32 {
             }
         }
     }
-    return sum_f(t, em);
+    return workgroup_sum(t, em);
 }
 
 // Are the first `n` digits (1..8) of key (hi, lo) at most those of (kh, kl) (whose later digits
@@ -262,9 +233,9 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
             mass += bitcast<f32>(slot_meta[slot * geo.meta_words + meta_attn(geo)]);
         }
     }
-    let tokens = uniform_u32(t, sum_u(t, n));
-    let protected_n = sum_u(t, prot);
-    let total_mass = sum_f(t, mass);
+    let tokens = uniform_u32(t, workgroup_sum_u(t, n));
+    let protected_n = workgroup_sum_u(t, prot);
+    let total_mass = workgroup_sum(t, mass);
 
     var want = 0u;
     var evicted_mass = 0.0;
@@ -290,7 +261,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
                     }
                 }
             }
-            want = max(want, sum_u(t, below));
+            want = max(want, workgroup_sum_u(t, below));
         }
         want = uniform_u32(t, min(want, tokens - protected_n));
         if (want > 0u) {
@@ -313,7 +284,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
                         prot_g += 1u;
                     }
                 }
-                want_g = uniform_u32(t, min(want_g, gs.tokens - min(sum_u(t, prot_g), gs.tokens)));
+                want_g = uniform_u32(t, min(want_g, gs.tokens - min(workgroup_sum_u(t, prot_g), gs.tokens)));
                 if (want_g > 0u) {
                     evicted_mass += pick(t, base, n_slots, want_g, g);
                 }

@@ -1,7 +1,7 @@
 // model: the K and V of a step's tokens (f32, [token][kv_heads * head_dim] each, as the
 // projections and RoPE leave them) packed into the pool's append layout: per token all of K, then
 // all of V, in storage words: f32 bits, or f16 pairs (low half first) rounded to nearest even with
-// integer operations, the bits `half::f16::from_f32` gives (core/src/reference/pool.rs,
+// integer operations, the bits `half::f16::from_f32` gives (core/src/append/format.rs,
 // `encode_values`) except beyond f16's range, which clamps to +-65504 here instead of infinity.
 // One invocation per output word. Lets a forward pass append to the pool without the K/V
 // crossing to the host.

@@ -1,16 +1,16 @@
 //! attend_decode (split over page chunks and pool buffers, reduce, attention mass) against the
 //! f64 reference, for both split variants and both shader-check modes.
 
+use expertkv_core::append::KvPool;
 use expertkv_core::attend::{AttendOptions, Attention, SplitVariant, subgroup_layout};
 use expertkv_core::config::{Codec, KvDtype, PoolConfig, ShardMap};
 use expertkv_core::gpu_data::meta;
-use expertkv_core::pool::KvPool;
 use expertkv_core::reference::{PoolModel, attend_decode};
 use expertkv_core::rng::Rng;
 use expertkv_core::runtime::Runtime;
 
+use crate::append::{random_batch, random_kv};
 use crate::common::{POISON_F32, replaying, rt, rt_trusted, seeds, skip};
-use crate::shard::{random_batch, random_kv};
 
 /// Tolerances: K/V are the same stored values on both sides, so only f32 arithmetic differs.
 const ATOL: f64 = 2e-5;

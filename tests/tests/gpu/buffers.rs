@@ -1,14 +1,17 @@
 //! A pool larger than the adapter's storage-binding limit is split over buffers; tokens placed
 //! on both sides of the boundary are stored and attended exactly as the reference says.
 
+use expertkv_core::append::KvPool;
 use expertkv_core::attend::{AttendOptions, Attention, SplitVariant};
 use expertkv_core::config::{Codec, KvDtype, PoolConfig, ShardMap};
-use expertkv_core::pool::KvPool;
-use expertkv_core::reference::{NewToken, PoolModel, attend_decode};
 use expertkv_core::rng::Rng;
+use expertkv_core::{
+    append::format::NewToken,
+    reference::{PoolModel, attend_decode},
+};
 
+use crate::append::random_kv;
 use crate::common::{POISON_F32, rt, seeds, skip};
-use crate::shard::random_kv;
 
 #[test]
 fn pool_crosses_the_real_binding_limit() {

@@ -1,14 +1,14 @@
 //! Bad input and impossible configurations give clear errors and change nothing.
 
 use expertkv_core::Error;
+use expertkv_core::append::KvPool;
 use expertkv_core::attend::{AttendOptions, Attention};
 use expertkv_core::config::{Codec, KvDtype, PoolConfig, ShardMap};
-use expertkv_core::pool::KvPool;
-use expertkv_core::reference::{NewToken, PoolModel};
 use expertkv_core::rng::Rng;
+use expertkv_core::{append::format::NewToken, reference::PoolModel};
 
+use crate::append::{assert_same_state, random_kv};
 use crate::common::rt;
-use crate::shard::{assert_same_state, random_kv};
 
 fn small() -> PoolConfig {
     PoolConfig {

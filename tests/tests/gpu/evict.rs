@@ -1,17 +1,17 @@
 //! Schedulers: utilities, budgets and victim sets against the CPU reference (victims exactly,
 //! pools identical after compaction), and tests that show each policy doing its job.
 
+use expertkv_core::append::KvPool;
 use expertkv_core::config::{Codec, KvDtype, PoolConfig, ShardMap};
+use expertkv_core::evict::config::{EkvaConfig, SchedulerConfig, Threshold};
 use expertkv_core::evict::{AllocatorSpec, Scheduler};
 use expertkv_core::gpu_data::{ExpertStats, KEEP_ALL, ListState, PROTECTED, duo_kinds, from_orderable, meta, policies};
-use expertkv_core::pool::KvPool;
-use expertkv_core::reference::{NewToken, PoolModel};
 use expertkv_core::rng::Rng;
 use expertkv_core::runtime::Runtime;
-use expertkv_core::scheduler_config::{EkvaConfig, SchedulerConfig, Threshold};
+use expertkv_core::{append::format::NewToken, reference::PoolModel};
 
+use crate::append::{assert_same_state, random_kv};
 use crate::common::{POISON_U32, replaying, rt, seeds};
-use crate::shard::{assert_same_state, random_kv};
 
 fn random_scheduler(rng: &mut Rng) -> SchedulerConfig {
     let sinks = rng.below(4);

@@ -5,16 +5,18 @@
 
 mod common;
 
-mod codec;
-
+// By stage of the decode step, as shaders/wgsl/ and core/src/reference/.
+mod append;
 mod attend;
+mod compress;
+mod evict;
+mod quest;
+mod route;
+
+// The decode step as a whole, the model's kernels and forward pass, and the runtime's edges.
 mod buffers;
 mod copy;
 mod errors;
-mod evict;
 mod model;
 mod ops;
 mod pipeline;
-mod quest;
-mod route;
-mod shard;

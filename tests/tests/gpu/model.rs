@@ -7,10 +7,13 @@
 use std::sync::Arc;
 
 use expertkv_core::config::KvDtype;
-use expertkv_core::forward::{GpuLlama, ModelOptions};
-use expertkv_core::gguf::{GgmlType, Gguf, LlamaConfig};
-use expertkv_core::model::{CpuModel, LlamaWeights, SyntheticModel};
-use expertkv_core::tokenizer::Tokenizer;
+use expertkv_model::forward::{GpuLlama, ModelOptions};
+use expertkv_model::tokenizer::Tokenizer;
+use expertkv_model::{CpuModel, LlamaWeights, SyntheticModel};
+use expertkv_model::{
+    LlamaConfig,
+    gguf::{GgmlType, Gguf},
+};
 
 use crate::common::{model_bytes, pick, rt, seeds};
 
@@ -66,7 +69,7 @@ fn smollm2_says_paris_at_the_pinned_perplexity() {
         }
     }
     for step in 0..2 {
-        let next = expertkv_core::forward::argmax(&logits);
+        let next = expertkv_model::forward::argmax(&logits);
         nlls.push(nll(&logits, next));
         ids.push(next);
         if step == 0 {
@@ -106,7 +109,7 @@ fn gpu_forward_matches_the_cpu_reference() {
             let (err, max) = (max_diff(&gpu, &want), max_abs(&want));
             let tol = if dtype == KvDtype::F32 { 2e-5 } else { 2e-3 };
             assert!(err <= tol * max, "{ctx}: position {pos}: logits differ by {err} (max {max})");
-            assert_eq!(expertkv_core::forward::argmax(&gpu), expertkv_core::forward::argmax(&want), "{ctx}: position {pos}: top token");
+            assert_eq!(expertkv_model::forward::argmax(&gpu), expertkv_model::forward::argmax(&want), "{ctx}: position {pos}: top token");
         }
     }
 }
@@ -116,7 +119,7 @@ fn gpu_forward_matches_the_cpu_reference() {
 /// against the dense GPU forward, on synthetic dense files.
 #[test]
 fn moefied_gpu_forward_matches_the_cpu_reference() {
-    use expertkv_core::model::moe::{MoeConfig, Moefication};
+    use expertkv_model::moe::{MoeConfig, Moefication};
     let rt = rt();
     for seed in seeds("model_moefied", 3) {
         let (spec, file) = synthetic_dense(seed, pick(seed, &[GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::F32]));
@@ -166,9 +169,9 @@ fn moefied_gpu_forward_matches_the_cpu_reference() {
 /// the same seed; the pipeline's top-k router in place of the file's equal to it.
 #[test]
 fn moe_file_gpu_forward_matches_the_cpu_reference() {
-    use expertkv_core::model::moe::{MoeConfig, Moefication, top_k};
-    use expertkv_core::model::{Probe, Stage};
-    use expertkv_core::router_config::RouterConfig;
+    use expertkv_core::route::config::RouterConfig;
+    use expertkv_model::moe::{MoeConfig, Moefication, top_k};
+    use expertkv_model::{Probe, Stage};
     let rt = rt();
     let seed = seeds("model_moe_file", 1)[0];
     // Its expert matrices in Q8_0 blocks (the router stays F32).
@@ -278,7 +281,7 @@ fn codecs_compress_the_models_own_kv() {
     println!("{codec:?}: {bytes} bytes of K/V ({basis} of basis) against {base_bytes} in f16; worst logit diff {worst:.2e}");
     assert!(worst > 0.0, "{codec:?}: the compressed page changes the logits");
     // A codec under a scheduler is refused by name.
-    let sched = Some((expertkv_core::scheduler_config::SchedulerConfig::parse("h2o").expect("h2o"), 32));
+    let sched = Some((expertkv_core::evict::config::SchedulerConfig::parse("h2o").expect("h2o"), 32));
     let err = pollster::block_on(GpuLlama::load(rt, &g, ModelOptions::new(1, 64).scheduler(sched).codec(Codec::Int8 { group: 32 })))
         .err()
         .expect("refused");
@@ -289,8 +292,8 @@ fn codecs_compress_the_models_own_kv() {
 /// evicts, each page list keeps exactly the budget, and decoding goes on with finite logits.
 #[test]
 fn h2o_evicts_the_models_own_kv_down_to_the_budget() {
+    use expertkv_core::evict::config::SchedulerConfig;
     use expertkv_core::gpu_data::KEEP_ALL;
-    use expertkv_core::scheduler_config::SchedulerConfig;
     let (_, file) = synthetic_dense(seeds("model_h2o", 1)[0], GgmlType::Q4_1);
     let g = Gguf::parse(&file).expect("gguf");
     let tok = Tokenizer::from_gguf(&g).expect("tokenizer");
@@ -323,8 +326,8 @@ fn h2o_evicts_the_models_own_kv_down_to_the_budget() {
 /// cache-aware is refused by name.
 #[test]
 fn the_pipelines_routers_choose_the_models_experts() {
-    use expertkv_core::model::moe::{MoeConfig, Moefication};
-    use expertkv_core::router_config::RouterConfig;
+    use expertkv_core::route::config::RouterConfig;
+    use expertkv_model::moe::{MoeConfig, Moefication};
     let (_, file) = synthetic_dense(seeds("model_routers", 1)[0], GgmlType::F32);
     let g = Gguf::parse(&file).expect("gguf");
     let tok = Tokenizer::from_gguf(&g).expect("tokenizer");

@@ -2,10 +2,10 @@
 //! RMSNorm, RoPE, SwiGLU, embedding rows) against their f64 CPU references, on random weights in
 //! every format and, when the model file is there, on a real SmolLM2 matrix.
 
-use expertkv_core::ops::{GpuMatrix, MATVEC_MAX_TOKENS, ModelKernels, MoeFfn, WeightFormat};
-use expertkv_core::reference::ops as cpu;
 use expertkv_core::rng::Rng;
 use expertkv_core::runtime::Runtime;
+use expertkv_model::ops::{GpuMatrix, MATVEC_MAX_TOKENS, ModelKernels, MoeFfn, WeightFormat};
+use expertkv_model::reference::ops as cpu;
 
 use crate::common::{POISON_F32, replaying, rt, seeds};
 
@@ -267,7 +267,7 @@ fn rmsnorm_rope_swiglu_match_cpu() {
 #[test]
 fn matvec_on_real_model_weights() {
     let Some(bytes) = crate::common::model_bytes("matvec_on_real_model_weights") else { return };
-    let g = expertkv_core::gguf::Gguf::parse(&bytes).expect("gguf");
+    let g = expertkv_model::gguf::Gguf::parse(&bytes).expect("gguf");
     let rt = rt();
     let k = pollster::block_on(ModelKernels::new(rt)).expect("kernels");
     let mut rng = Rng::new(5);
@@ -293,8 +293,8 @@ fn matvec_on_real_model_weights() {
 
 #[test]
 fn kv_pack_matches_encode_values_bit_for_bit() {
+    use expertkv_core::append::format::encode_values;
     use expertkv_core::config::KvDtype;
-    use expertkv_core::reference::pool::encode_values;
     let rt = rt();
     let k = pollster::block_on(ModelKernels::new(rt)).expect("kernels");
     for seed in seeds("model_kv_pack", 8) {
@@ -331,7 +331,7 @@ fn kv_pack_matches_encode_values_bit_for_bit() {
 
 #[test]
 fn moe_topk_and_weights_match_the_cpu_with_ties_and_signed_zeros() {
-    use expertkv_core::model::moe::{softmax_weights, top_k};
+    use expertkv_model::moe::{softmax_weights, top_k};
     let rt = rt();
     let k = pollster::block_on(ModelKernels::new(rt)).expect("kernels");
     for seed in seeds("model_moe_topk", 10) {

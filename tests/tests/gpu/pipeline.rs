@@ -2,7 +2,7 @@
 //! after prefill and decode, and attention matches the f64 reference.
 
 use expertkv_core::pipeline::{DemoConfig, Pipeline};
-use expertkv_core::router_config::RouterConfig;
+use expertkv_core::route::config::RouterConfig;
 use expertkv_core::workload::WorkloadConfig;
 
 use crate::common::{pick, rt, seeds};
@@ -42,9 +42,9 @@ fn demo_pipeline_matches_reference() {
 
 #[test]
 fn demo_pipeline_with_eviction_matches_reference_and_stays_under_budget() {
-    use expertkv_core::scheduler_config::SchedulerConfig;
+    use expertkv_core::evict::config::SchedulerConfig;
     let rt = rt();
-    use expertkv_core::scheduler_config::EkvaConfig;
+    use expertkv_core::evict::config::EkvaConfig;
     let runs = [("h2o", None), ("streaming-llm", None), ("adakv", None), ("h2o", Some(EkvaConfig::default()))];
     for seed in seeds("demo_pipeline_evict", 4) {
         let (sched, allocator) = pick(seed, &runs);
@@ -94,8 +94,8 @@ fn demo_pipeline_with_eviction_matches_reference_and_stays_under_budget() {
 
 #[test]
 fn pyramid_budgets_shrink_with_depth_and_fastv_keeps_early_layers_whole() {
+    use expertkv_core::evict::config::SchedulerConfig;
     use expertkv_core::gpu_data::KEEP_ALL;
-    use expertkv_core::scheduler_config::SchedulerConfig;
     let rt = rt();
     let seed = seeds("pyramid_fastv", 1)[0];
     let layers = 4u32;
@@ -143,7 +143,7 @@ fn pyramid_budgets_shrink_with_depth_and_fastv_keeps_early_layers_whole() {
 
 #[test]
 fn flexgen_keeps_the_gpu_tier_in_budget_and_fetches_selected_pages() {
-    use expertkv_core::scheduler_config::SchedulerConfig;
+    use expertkv_core::evict::config::SchedulerConfig;
     let rt = rt();
     let seed = seeds("flexgen_pipeline", 1)[0];
     let cfg = DemoConfig {
@@ -260,7 +260,7 @@ fn a_recorded_trace_reads_back_and_replays_identically() {
 #[test]
 fn a_fused_step_does_what_the_staged_step_does() {
     use expertkv_core::config::Codec;
-    use expertkv_core::scheduler_config::SchedulerConfig;
+    use expertkv_core::evict::config::SchedulerConfig;
     let rt = rt();
     let seeds = seeds("fused_step", 3);
     let cases = [
@@ -342,7 +342,7 @@ fn the_decision_checksum_repeats_and_tells_runs_apart() {
 /// chosen pages against the f64 reference; the bytes attended stay within the budget's pages.
 #[test]
 fn quest_selects_and_attends_as_the_reference_does() {
-    use expertkv_core::scheduler_config::SchedulerConfig;
+    use expertkv_core::evict::config::SchedulerConfig;
     let rt = rt();
     for seed in seeds("quest_pipeline", 2) {
         let cfg = DemoConfig {

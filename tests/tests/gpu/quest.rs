@@ -1,19 +1,19 @@
 //! QUEST: page key bounds exactly, page selection against the CPU (bounds within f32 tolerance,
 //! the selection exact given the GPU's keys), and the selected pages hold the top keys.
 
+use expertkv_core::append::KvPool;
+use expertkv_core::append::format::encode_values;
 use expertkv_core::attend::{AttendOptions, Attention};
 use expertkv_core::config::{Codec, KvDtype, PoolConfig, ShardMap};
+use expertkv_core::evict::quest::Quest;
 use expertkv_core::gpu_data::from_orderable;
-use expertkv_core::pool::KvPool;
-use expertkv_core::quest::Quest;
 use expertkv_core::reference::PoolModel;
-use expertkv_core::reference::pool::encode_values;
 use expertkv_core::rng::Rng;
 use expertkv_core::runtime::Runtime;
 use expertkv_core::workload::{Workload, WorkloadConfig};
 
+use crate::append::{random_batch, random_kv};
 use crate::common::{POISON_U32, rt, seeds};
-use crate::shard::{random_batch, random_kv};
 
 fn run_select(rt: &Runtime, pool: &KvPool, quest: &Quest, attn: &Attention) {
     quest.prepare(rt, 0, attn);

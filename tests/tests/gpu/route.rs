@@ -2,18 +2,18 @@
 //! tolerance), statistics, the adaptive gradient, miss rates counted from the pool, and tests that
 //! show each router doing its job.
 
+use expertkv_core::append::KvPool;
 use expertkv_core::config::{Codec, KvDtype, PoolConfig, ShardMap};
 use expertkv_core::gpu_data::{ExpertStats, RouteSummary};
-use expertkv_core::pool::KvPool;
 use expertkv_core::reference::route as reference;
-use expertkv_core::reference::{NewToken, PoolModel};
 use expertkv_core::rng::Rng;
+use expertkv_core::route::config::RouterConfig;
 use expertkv_core::route::{RouteShape, Router};
-use expertkv_core::router_config::RouterConfig;
 use expertkv_core::runtime::Runtime;
+use expertkv_core::{append::format::NewToken, reference::PoolModel};
 
+use crate::append::random_kv;
 use crate::common::{POISON_F32, POISON_U32, rt, rt_trusted, seeds};
-use crate::shard::random_kv;
 
 fn random_router(rng: &mut Rng, e: u32, k: u32) -> RouterConfig {
     loop {
@@ -378,25 +378,12 @@ fn miss_rates_come_from_the_pool() {
     model.release(&counts);
     router.update_miss(rt).expect("miss");
     let stats = pollster::block_on(router.read_stats(rt)).expect("stats");
-    // Resident tokens per (layer, expert) counted on the CPU from the reference pool.
-    let mut resident = vec![0u32; (2 * e) as usize];
-    for (page, pm) in model.page_meta.iter().enumerate() {
-        if pm.owner == u32::MAX {
-            continue;
-        }
-        let layer = pm.owner / (cfg.max_seqs * cfg.n_shards);
-        for s in 0..pm.fill as usize {
-            let m = (page * cfg.page_size as usize + s) * cfg.meta_words() as usize;
-            for i in 0..k as usize {
-                resident[(layer * e + model.slot_meta[m + 3 + i]) as usize] += 1;
-            }
-        }
-    }
+    let resident = expertkv_core::reference::route::resident_counts(&model, e);
     let mut some_missing = false;
     for i in 0..(2 * e) as usize {
         assert_eq!(stats[i].appended, appended[i], "seed {seed}: appended of (layer, expert) {i}");
         assert_eq!(stats[i].resident, resident[i], "seed {seed}: resident of (layer, expert) {i}");
-        let want = if appended[i] > 0 { 1.0 - resident[i] as f32 / appended[i] as f32 } else { 0.0 };
+        let want = expertkv_core::reference::route::miss_rate(appended[i], cfg.kv_heads, resident[i]);
         assert!((stats[i].miss - want).abs() < 1e-6, "seed {seed}: miss of {i}: {} vs {want}", stats[i].miss);
         some_missing |= resident[i] < appended[i];
     }

@@ -1,0 +1,278 @@
+//! The CPU lockstep of the staged step: a [`PoolModel`] appended, evicted and compressed beside
+//! the GPU pool, with attention, QUEST selection and eviction checked at every layer of every
+//! step, and the whole pool compared by [`Pipeline::verify`].
+
+use serde::Serialize;
+
+use super::Pipeline;
+use crate::error::{Error, Result};
+use crate::evict::Scheduler;
+use crate::evict::quest::Quest;
+use crate::gpu_data::{ListState, meta};
+use crate::reference::PoolModel;
+use crate::runtime::Runtime;
+
+/// What the CPU reference check found ([`Pipeline::verify`] returns an error instead where the
+/// pool differs, and the lockstep where any attention, selection or eviction does).
+#[derive(Clone, Debug, Serialize)]
+pub struct VerifyReport {
+    pub tokens_checked: u64,
+    /// Attention passes (layer and batch or step) checked against the f64 reference.
+    pub attention_checked: u64,
+    pub attention_max_abs_err: f64,
+    /// The worst error's share of its element's tolerance
+    /// ([`crate::attend::Attention::output_tolerance`]); at most 1, or the check fails.
+    pub attention_worst_share: f64,
+}
+
+/// What the CPU lockstep has checked so far.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Checked {
+    attention: u64,
+    max_abs_err: f64,
+    worst_share: f64,
+}
+
+pub(super) fn verify_err(message: String) -> Error {
+    Error::Gpu { during: "verification against the CPU reference".into(), message }
+}
+
+/// The lockstep's eviction: every slot's utility key and every list's budget against the
+/// reference (exactly; LRU+'s float utility within 1e-5, AdaKV's shares within a token), then
+/// the reference evicts with the GPU's keys and budgets (and EKVA groups) and the utility
+/// threshold as the kernel applies it, and every list's counts must agree (tokens, victims
+/// exactly; kept attention and the adaptive threshold within 1e-4). The pool it leaves is
+/// compared in [`Pipeline::verify`].
+pub(super) async fn check_eviction(
+    rt: &Runtime,
+    s: &Scheduler,
+    m: &mut PoolModel,
+    step: u32,
+    lens: &[u32],
+    before: &[ListState],
+    after: &[ListState],
+) -> Result<()> {
+    use crate::gpu_data::{from_orderable, policies};
+    let p = s.params(step);
+    let keys = s.read_utility(rt).await?;
+    for (slot, want) in m.evict_scores(&p, lens).iter().enumerate() {
+        let (Some(w), g) = (*want, keys[slot]) else { continue };
+        let same = if p.policy == policies::LRU_PLUS && w != u32::MAX && g != u32::MAX {
+            let (gf, wf) = (from_orderable(g), from_orderable(w));
+            (gf - wf).abs() <= 1e-5 * (1.0 + wf.abs())
+        } else {
+            g == w
+        };
+        if !same {
+            return Err(verify_err(format!("step {step}: utility key of slot {slot} is {g:#010x}, the reference {w:#010x}")));
+        }
+    }
+    for (li, (g, w)) in after.iter().zip(m.evict_budgets(&p, lens, before, &s.layer_budgets)).enumerate() {
+        let off = if p.policy == policies::ADAKV { g.budget.abs_diff(w.budget) > 1 } else { g.budget != w.budget || g.kind != w.kind };
+        if off {
+            return Err(verify_err(format!(
+                "step {step}: list {li}'s budget is {} ({}), the reference {} ({})",
+                g.budget, g.kind, w.budget, w.kind
+            )));
+        }
+    }
+    // The reference starts from the lists as they were, with the budgets the GPU set.
+    let mut lists: Vec<ListState> =
+        after.iter().zip(before).map(|(a, b)| ListState { tau: b.tau, evicted_total: b.evicted_total, ..*a }).collect();
+    match &s.ekva {
+        Some(e) => {
+            let mut groups = s.read_groups(rt).await?;
+            m.evict_grouped(&keys, &mut lists, Some((&mut groups, e.n_experts)));
+        }
+        None => {
+            m.evict_thresholded(&keys, &mut lists, &p, s.select_wg);
+        }
+    }
+    for (li, (g, w)) in after.iter().zip(&lists).enumerate() {
+        let floats = (g.hit_rate - w.hit_rate).abs() < 1e-4 && (g.tau - w.tau).abs() < 1e-4;
+        if (g.tokens, g.evicted, g.evicted_total) != (w.tokens, w.evicted, w.evicted_total) || !floats {
+            return Err(verify_err(format!("step {step}: list {li} after eviction is {g:?}, the reference {w:?}")));
+        }
+    }
+    Ok(())
+}
+
+impl Pipeline {
+    /// QUEST's part of the lockstep: every page's key bounds exactly (at layer 0, after they are
+    /// summarised), every page's upper bound on
+    /// q.k within [`crate::reference::quest::QUEST_BOUND_RTOL`] of the f64 reference, and the
+    /// selection exactly the reference's given the GPU's keys.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn check_quest(
+        &self,
+        rt: &Runtime,
+        qs: &Quest,
+        model: &PoolModel,
+        layer: u32,
+        q: &[f32],
+        sel: &[u32],
+        counts: &[u32],
+    ) -> Result<()> {
+        use crate::reference::quest::{QUEST_BOUND_RTOL, key_bound, page_bounds, select_pages, upper_bound};
+        let c = &self.pool.cfg;
+        let (d, step) = (c.head_dim as usize, self.step);
+        // The bounds are summarised before layer 0's selection: compared there, used everywhere.
+        let bounds: Vec<f32> = if layer == 0 { rt.read_all(&qs.bounds).await? } else { Vec::new() };
+        let keys: Vec<u32> = rt.read_all(qs.page_keys()).await?;
+        let mut refs = vec![None; c.n_pages as usize];
+        for (page, r) in refs.iter_mut().enumerate() {
+            if model.page_meta[page].owner == u32::MAX {
+                continue;
+            }
+            *r = page_bounds(model, page as u32);
+            if let Some(want) = r
+                && layer == 0
+                && let Some(i) = (0..2 * d).find(|&i| f64::from(bounds[page * 2 * d + i]) != want[i])
+            {
+                return Err(verify_err(format!(
+                    "step {step}: QUEST bound {i} of page {page} is {}, the reference {}",
+                    bounds[page * 2 * d + i],
+                    want[i]
+                )));
+            }
+        }
+        let (group, maxp) = (self.attn.opts.group as usize, c.max_pages_per_seq() as usize);
+        for seq in 0..self.attn.opts.n_seqs {
+            for head in 0..c.kv_heads {
+                let li = model.list_index(layer, seq, head) as usize;
+                let list = model.page_list(layer, seq, head);
+                let heads: Vec<&[f32]> = (0..group)
+                    .map(|g| &q[((seq as usize * self.attn.q_heads() as usize) + head as usize * group + g) * d..][..d])
+                    .collect();
+                for (j, &page) in list.iter().enumerate() {
+                    let Some(b) = &refs[page as usize] else { continue };
+                    let (want, got) = (upper_bound(b, &heads), key_bound(keys[li * maxp + j]));
+                    let d = (got - want).abs();
+                    if d.is_nan() || d > QUEST_BOUND_RTOL * (1.0 + want.abs()) {
+                        return Err(verify_err(format!(
+                            "step {step}, layer {layer}: QUEST bound of list {li} page {page} is {got}, the reference {want}"
+                        )));
+                    }
+                }
+                let want = select_pages(&list, &keys[li * maxp..li * maxp + list.len()], qs.keep_pages as usize);
+                if sel[li * maxp..li * maxp + counts[li] as usize] != want[..] {
+                    return Err(verify_err(format!(
+                        "step {step}, layer {layer}: QUEST selected {:?} of list {li}, the reference {want:?}",
+                        &sel[li * maxp..li * maxp + counts[li] as usize]
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The CPU lockstep's check of one layer's attention, right after it ran: every output
+    /// within its tolerance of the f64 reference over the same pages (QUEST: the GPU's
+    /// selection), and the slot metadata equal to the reference's everywhere, with the masses
+    /// and accesses this attention recorded (masses within the attention tolerance). The model
+    /// then carries the GPU's masses (rounded as the GPU summed them), so that the utilities
+    /// eviction derives from them can be compared exactly ([`check_eviction`]).
+    pub(super) async fn check_layer(&mut self, rt: &Runtime, layer: u32, q: &[f32]) -> Result<()> {
+        use crate::reference::attend::{ATTENTION_ATOL, ATTENTION_RTOL};
+        let Some(model) = &self.model else { return Ok(()) };
+        let out = self.attn.read_output(rt).await?;
+        let selection = match &self.quest {
+            Some(qs) => Some((rt.read_all::<u32>(&qs.sel_list).await?, rt.read_all::<u32>(&qs.sel_counts).await?)),
+            None => None,
+        };
+        let maxp = self.pool.cfg.max_pages_per_seq() as usize;
+        let pick = |seq: u32, head: u32| -> Vec<u32> {
+            let li = model.list_index(layer, seq, head) as usize;
+            selection.as_ref().map_or_else(Vec::new, |(sel, counts)| sel[li * maxp..li * maxp + counts[li] as usize].to_vec())
+        };
+        let pages: Option<&dyn Fn(u32, u32) -> Vec<u32>> = if selection.is_some() { Some(&pick) } else { None };
+        if let (Some(qs), Some((sel, counts))) = (&self.quest, &selection) {
+            self.check_quest(rt, qs, model, layer, q, sel, counts).await?;
+        }
+        let reference = self.attn.cpu_reference(model, layer, q, pages);
+        let tol = self.attn.output_tolerance(model, layer, q, pages, &reference.out);
+        let step = self.step;
+        for (i, ((g, w), t)) in out.iter().zip(&reference.out).zip(&tol).enumerate() {
+            let err = (f64::from(*g) - w).abs();
+            if err.is_nan() || err > *t {
+                return Err(verify_err(format!(
+                    "step {step}, layer {layer}: attention output {i} is {g}, the f64 reference {w} (tolerance {t:.1e})"
+                )));
+            }
+            self.checked.max_abs_err = self.checked.max_abs_err.max(err);
+            self.checked.worst_share = self.checked.worst_share.max(err / t);
+        }
+        self.checked.attention += 1;
+        let gpu: Vec<u32> = rt.read_all(&self.pool.slot_meta).await?;
+        let cfg = &self.pool.cfg;
+        let (mw, attn_word) = (cfg.meta_words() as usize, meta::attn(cfg.top_k as usize));
+        let mut want = model.slot_meta.clone();
+        if want.len() != gpu.len() {
+            return Err(verify_err(format!("slot metadata of {} words, the reference {}", gpu.len(), want.len())));
+        }
+        if self.attn.opts.mass {
+            for &(seq, head, page, slot, w) in &reference.mass {
+                let m = (page * cfg.page_size + slot) as usize * mw;
+                let (prev, got) = (f64::from(f32::from_bits(want[m + attn_word])), f64::from(f32::from_bits(gpu[m + attn_word])));
+                let d = (got - (prev + w)).abs();
+                if d.is_nan() || d > ATTENTION_ATOL + ATTENTION_RTOL * (prev + w).abs() {
+                    return Err(verify_err(format!(
+                        "step {step}, layer {layer}: attention mass of sequence {seq}, head {head}, page {page}, slot {slot} is {got}, the reference {}",
+                        prev + w
+                    )));
+                }
+                want[m + attn_word] = gpu[m + attn_word];
+                want[m + meta::LAST_ACCESS] = step;
+                want[m + meta::ACCESS_COUNT] = want[m + meta::ACCESS_COUNT].wrapping_add(1);
+            }
+        }
+        if let Some(i) = (0..want.len()).find(|&i| want[i] != gpu[i]) {
+            return Err(verify_err(format!(
+                "step {step}, layer {layer}: slot metadata word {} of slot {} is {:#010x}, the reference {:#010x}",
+                i % mw,
+                i / mw,
+                gpu[i],
+                want[i]
+            )));
+        }
+        if let Some(m) = &mut self.model {
+            m.slot_meta = gpu;
+        }
+        Ok(())
+    }
+
+    /// Compare the GPU pool with the CPU reference (exactly: rings, page tables, free lists,
+    /// page and slot metadata, control words, K/V and compressed pages) and report the
+    /// attention checks the lockstep made at every layer of every attended batch and step.
+    pub async fn verify(&self, rt: &Runtime) -> Result<Option<VerifyReport>> {
+        let Some(model) = &self.model else {
+            return Ok(None);
+        };
+        let snap = self.pool.snapshot(rt).await?;
+        let kv = self.pool.read_kv(rt).await?;
+        let codec_kv = self.pool.read_codec_kv(rt).await?;
+        let parts = [
+            ("rings", snap.rings == model.rings),
+            ("compressed free list", snap.codec_free == model.codec_free),
+            ("compressed pages", codec_kv.is_empty() || codec_kv == model.codec_kv),
+            ("ring pages", snap.ring_pages == model.ring_pages),
+            ("page metadata", snap.page_meta == model.page_meta),
+            ("slot metadata", snap.slot_meta == model.slot_meta),
+            ("free list", snap.free_stack == model.free_stack),
+            ("control words", snap.ctl == model.ctl),
+            ("K/V", kv == model.kv),
+        ];
+        if let Some((name, _)) = parts.iter().find(|(_, same)| !same) {
+            return Err(verify_err(format!("the GPU pool's {name} differ from the CPU reference's")));
+        }
+        let layer = self.pool.cfg.layers - 1;
+        let tokens_checked = (0..self.cfg.workload.n_seqs).map(|s| model.tokens(layer, s, 0).len() as u64).sum();
+        let c = self.checked;
+        Ok(Some(VerifyReport {
+            tokens_checked,
+            attention_checked: c.attention,
+            attention_max_abs_err: c.max_abs_err,
+            attention_worst_share: c.worst_share,
+        }))
+    }
+}

@@ -1,0 +1,756 @@
+//! The decode pipeline as it stands. Every step, on the GPU: route each sequence's new token at
+//! every layer with the configured router (its statistics live on the GPU), append the tokens
+//! into their shards with the routed experts (no host round trip), rebuild the page lists, run
+//! decode attention per layer, evict down to the budget with the configured scheduler, and
+//! recount each expert's miss rate from the pool for the next step's routing. The host reads
+//! back only counters and small statistics for the report. With a scheduler, a second pool
+//! keeps the full cache and runs the same attention, so the report carries the attention error
+//! of the budgeted cache against the full one.
+
+mod config;
+mod lockstep;
+mod report;
+
+pub use config::DemoConfig;
+pub use lockstep::VerifyReport;
+pub use report::{LayerRecord, StageTimes, StepReport};
+
+use lockstep::{Checked, check_eviction, verify_err};
+use report::Slot;
+
+use crate::append::KvPool;
+use crate::attend::{AttendOptions, Attention};
+use crate::config::{Codec, KvDtype};
+use crate::error::{Error, Result};
+use crate::evict::config::SchedulerConfig;
+use crate::evict::flexgen::FlexGen;
+use crate::evict::quest::Quest;
+use crate::evict::{AllocatorSpec, Scheduler};
+use crate::gpu_data::{ListState, PoolCtl};
+use crate::reference::append::decode_words;
+use crate::route::{RouteShape, Router};
+use crate::runtime::Runtime;
+use crate::runtime::timer::GpuTimer;
+use crate::workload::{GenToken, Workload};
+use crate::{
+    append::format::{NewToken, encode_values},
+    reference::PoolModel,
+};
+
+/// The full-cache pool and its attention, kept beside a budgeted pool to measure its error.
+struct Reference {
+    pool: KvPool,
+    attn: Attention,
+}
+
+pub struct Pipeline {
+    pub cfg: DemoConfig,
+    pub pool: KvPool,
+    pub attn: Attention,
+    pub router: Router,
+    pub scheduler: Option<Scheduler>,
+    pub quest: Option<Quest>,
+    /// FlexGen placement, with the QUEST page bounds it scores host pages by.
+    pub flexgen: Option<(FlexGen, Quest)>,
+    pub workload: Workload,
+    reference: Option<Reference>,
+    model: Option<PoolModel>,
+    timer: Option<GpuTimer>,
+    step: u32,
+    /// Tokens routed so far (the hash router numbers tokens by this).
+    routed_tokens: u32,
+    last_queries: Vec<f32>,
+    /// Prompt positions per prefill batch.
+    prefill_chunk: u32,
+    checked: Checked,
+}
+
+fn kv_words(tokens: &[GenToken], dtype: KvDtype) -> Vec<u32> {
+    let mut words = Vec::new();
+    for t in tokens {
+        encode_values(&t.k, dtype, &mut words);
+        encode_values(&t.v, dtype, &mut words);
+    }
+    words
+}
+
+/// Positions of every sequence per prefill batch: whole positions of every layer and sequence,
+/// within what one append may carry.
+fn prefill_positions(max_append: u32, n_seqs: u32, layers: u32) -> u32 {
+    (max_append / (n_seqs * layers)).clamp(1, 256)
+}
+
+fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
+    let num: f64 = a.iter().zip(b).map(|(x, y)| (f64::from(*x) - f64::from(*y)).powi(2)).sum();
+    let den: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
+    if den > 0.0 { (num / den).sqrt() } else { num.sqrt() }
+}
+
+impl Pipeline {
+    pub async fn new(rt: &Runtime, cfg: DemoConfig) -> Result<Pipeline> {
+        let budget = cfg.budget_tokens()?;
+        if cfg.codec != Codec::None && cfg.scheduler.is_some() {
+            return Err(Error::config(
+                "codec",
+                cfg.codec.name(),
+                "codecs run with the full cache for now (scheduler none): evicting a token from a compressed page would need it re-encoded",
+            ));
+        }
+        if let (Some(s), Some(b)) = (&cfg.scheduler, budget) {
+            s.validate(b)?;
+        }
+        if let Some(a) = &cfg.allocator {
+            a.validate()?;
+            if !cfg.scheduler.as_ref().is_some_and(SchedulerConfig::uses_evict_kernels) {
+                return Err(Error::config(
+                    "allocator",
+                    "ekva",
+                    format!(
+                        "the EKVA allocator splits an evicting scheduler's budgets (h2o, streaming-llm, lru, lru-plus, adakv, duo, fastv-tokens), not {}",
+                        cfg.scheduler.as_ref().map_or("none", |s| s.name())
+                    ),
+                ));
+            }
+        }
+        cfg.layer_budgets()?;
+        let pool_cfg = cfg.pool_config();
+        let workload = Workload::new(cfg.workload.clone())?;
+        let w = &cfg.workload;
+        let pool = KvPool::new(rt, pool_cfg.clone()).await?;
+        if pool.max_append_tokens(rt) < w.n_seqs * w.layers {
+            return Err(Error::config(
+                "seqs",
+                w.n_seqs,
+                format!("one decode step appends seqs x layers = {} tokens, more than an append may carry here", w.n_seqs * w.layers),
+            ));
+        }
+        let reference_pool = if (cfg.scheduler.is_some() || cfg.codec != Codec::None) && cfg.reference_attention {
+            Some(KvPool::new(rt, cfg.full_pool_config()).await?)
+        } else {
+            None
+        };
+        let max_append =
+            reference_pool.as_ref().map_or(pool.max_append_tokens(rt), |r| r.max_append_tokens(rt).min(pool.max_append_tokens(rt)));
+        let mut positions = prefill_positions(max_append, w.n_seqs, w.layers);
+        if let (Some(b), true) = (budget, cfg.scheduler.as_ref().is_some_and(SchedulerConfig::evicts)) {
+            positions = positions.min(cfg.evicting_chunk(b));
+        }
+        if cfg.codec.is_low_rank() {
+            if cfg.calibration == 0 || cfg.basis_iters == 0 {
+                return Err(Error::config(
+                    "calibration",
+                    cfg.calibration,
+                    "the low-rank fit needs calibration >= 1 position and basis_iters >= 1",
+                ));
+            }
+            positions = positions.min(cfg.calibration);
+        }
+        let shape = RouteShape { n_experts: w.n_experts, top_k: w.top_k, layers: w.layers, max_tokens: positions * w.n_seqs };
+        let mut router = Router::new(rt, cfg.router.clone(), shape, cfg.route_ema).await?;
+        router.bind_pool(rt, &pool)?;
+        let attend_opts = AttendOptions {
+            group: w.group,
+            n_seqs: w.n_seqs,
+            chunk_pages: cfg.chunk_pages,
+            // The attention-mass pass feeds the evicting and placing schedulers (utilities,
+            // kept-attention share); the full cache, QUEST and the codecs do without it.
+            mass: cfg.scheduler.as_ref().is_some_and(|s| !matches!(s, SchedulerConfig::Quest)),
+            variant: None,
+            ..Default::default()
+        };
+        let mut flexgen = None;
+        let (attn, scheduler, quest) = match (&cfg.scheduler, budget) {
+            (Some(SchedulerConfig::FlexGen), Some(b)) => {
+                flexgen = Some((FlexGen::new(&pool, b)?, Quest::new(rt, &pool, b).await?));
+                (Attention::new(rt, &pool, attend_opts.clone()).await?, None, None)
+            }
+            (Some(SchedulerConfig::Quest), Some(b)) => {
+                let mut q = Quest::new(rt, &pool, b).await?;
+                let attn = Attention::with_lists(rt, &pool, attend_opts.clone(), Some((&q.sel_list, &q.sel_counts))).await?;
+                q.bind(rt, &pool, &attn);
+                (attn, None, Some(q))
+            }
+            (Some(s), Some(b)) => (
+                Attention::new(rt, &pool, attend_opts.clone()).await?,
+                Some(
+                    Scheduler::with_allocator(
+                        rt,
+                        &pool,
+                        s.clone(),
+                        b,
+                        cfg.pyramid,
+                        cfg.threshold,
+                        cfg.allocator.map(|a| AllocatorSpec { cfg: a, n_experts: w.n_experts, route_stats: Some(&router.stats) }),
+                    )
+                    .await?,
+                ),
+                None,
+            ),
+            _ => (Attention::new(rt, &pool, attend_opts.clone()).await?, None, None),
+        };
+        let reference = match reference_pool {
+            Some(rpool) => {
+                let rattn = Attention::new(rt, &rpool, AttendOptions { mass: false, ..attend_opts }).await?;
+                Some(Reference { pool: rpool, attn: rattn })
+            }
+            None => None,
+        };
+        // Some drivers compile on first dispatch: run the kernels once over the empty pool (no
+        // page is touched) so that the first step's time is the step's.
+        pool.gather(rt)?;
+        attn.run(rt, 0, 0)?;
+        rt.wait()?;
+        let timer = GpuTimer::new(rt, Slot::pairs(w.layers));
+        let model = cfg.verify.then(|| PoolModel::new(&pool_cfg));
+        Ok(Pipeline {
+            cfg,
+            pool,
+            attn,
+            router,
+            scheduler,
+            quest,
+            flexgen,
+            workload,
+            reference,
+            model,
+            timer,
+            step: 0,
+            routed_tokens: 0,
+            last_queries: Vec::new(),
+            prefill_chunk: positions,
+            checked: Checked::default(),
+        })
+    }
+
+    /// The timestamp writes of `slot`'s pass when this step is timed.
+    fn ts(&self, timed: bool, slot: Slot) -> Option<wgpu::ComputePassTimestampWrites<'_>> {
+        let layers = self.pool.cfg.layers;
+        if timed { self.timer.as_ref().and_then(|t| t.pass(slot.index(layers))) } else { None }
+    }
+
+    /// Route `tokens` (ordered [layer][token of the layer], `per_layer` per layer) on the GPU and
+    /// append them with the routed experts (to the reference pool too). With verification on,
+    /// the routed experts are read back (outside the data path) so the CPU reference appends the
+    /// same tokens.
+    async fn route_and_append(&mut self, rt: &Runtime, tokens: &[GenToken], per_layer: u32, timed: bool) -> Result<()> {
+        let layers = self.pool.cfg.layers;
+        let e = self.cfg.workload.n_experts as usize;
+        for layer in 0..layers {
+            let rows = &tokens[(layer * per_layer) as usize..((layer + 1) * per_layer) as usize];
+            let logits: Vec<f32> = rows.iter().flat_map(|t| t.logits.iter().copied()).collect();
+            debug_assert_eq!(logits.len(), rows.len() * e);
+            self.router.set_logits(rt, layer, &logits)?;
+            self.router.prepare(rt, layer, per_layer, self.routed_tokens + layer * per_layer)?;
+        }
+        let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("route") });
+        {
+            let mut pass = enc
+                .begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("route"), timestamp_writes: self.ts(timed, Slot::Route) });
+            for layer in 0..layers {
+                self.router.encode(&mut pass, layer, per_layer);
+            }
+        }
+        rt.queue.submit([enc.finish()]);
+        self.routed_tokens = self.routed_tokens.wrapping_add(layers * per_layer);
+
+        let words = kv_words(tokens, self.pool.cfg.dtype);
+        let mut new: Vec<NewToken> = tokens.iter().map(|t| t.token.clone()).collect();
+        let routed = crate::append::Routed {
+            experts: &self.router.experts,
+            gates: &self.router.gates,
+            per_layer,
+            row_stride: self.router.shape.max_tokens,
+        };
+        let ts = if timed { self.timer.as_ref().and_then(|t| t.pass(Slot::Append.index(layers))) } else { None };
+        self.pool.append_timed(rt, &new, &words, self.step, Some(routed), ts)?;
+        // A low-rank codec fits its basis on the first batch (the calibration window).
+        if self.pool.cfg.codec.is_low_rank() && !self.pool.calibrated {
+            self.pool.calibrate(rt, self.cfg.basis_iters)?;
+            if let Some(m) = &mut self.model {
+                m.codec_basis = self.pool.read_basis(rt).await?;
+            }
+        }
+        // Pages that left their ring's head are compressed right away (no-op without a codec).
+        self.pool.compress_timed(rt, self.ts(timed, Slot::Compress))?;
+        if let Some(r) = &mut self.reference {
+            r.pool.append_timed(rt, &new, &words, self.step, Some(routed), None)?;
+        }
+        if self.model.is_some() {
+            let k = self.cfg.workload.top_k as usize;
+            for layer in 0..layers {
+                let ex = self.router.read_experts(rt, layer, per_layer).await?;
+                let ga = self.router.read_gates(rt, layer, per_layer).await?;
+                for i in 0..per_layer as usize {
+                    let t = &mut new[layer as usize * per_layer as usize + i];
+                    t.experts = ex[i * k..(i + 1) * k].to_vec();
+                    t.gates = ga[i * k..(i + 1) * k].to_vec();
+                }
+            }
+            if let Some(m) = &mut self.model {
+                m.append(&new, &words, self.step)?;
+                m.compress();
+            }
+        }
+        Ok(())
+    }
+
+    /// Gather and attend every layer with this step's queries (the reference pool too); returns
+    /// the attention error against the full cache when there is one.
+    async fn attend_all(&mut self, rt: &Runtime, timed: bool) -> Result<Option<f64>> {
+        let layers = self.pool.cfg.layers;
+        let queries: Vec<Vec<f32>> = (0..layers).map(|l| self.workload.queries(l)).collect();
+        if self.flexgen.is_some() {
+            // Fetch the host pages these queries select before attention reads the pool.
+            let bounds = self.refresh_bounds(rt).await?;
+            let group = self.cfg.workload.group;
+            if let Some((fg, _)) = &mut self.flexgen {
+                for (layer, q) in queries.iter().enumerate() {
+                    fg.fetch(rt, &self.pool, layer as u32, q, group, &bounds).await?;
+                }
+            }
+        }
+        let mut errors = Vec::new();
+        for (layer, q) in (0..layers).zip(queries) {
+            self.attn.set_queries(rt, &q)?;
+            self.attn.prepare(rt, layer, self.step);
+            let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("decode step") });
+            if layer == 0 {
+                self.pool.encode_gather(rt, &mut enc, 0, layers, self.ts(timed, Slot::Gather));
+            }
+            if let Some(q) = &self.quest {
+                q.prepare(rt, layer, &self.attn);
+            }
+            {
+                let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                    label: Some("attend"),
+                    timestamp_writes: self.ts(timed, Slot::Attend(layer)),
+                });
+                if let Some(q) = &self.quest {
+                    if layer == 0 {
+                        q.encode_summarize(&mut pass);
+                    }
+                    q.encode_select(&mut pass, layer)?;
+                }
+                self.attn.encode(&mut pass);
+            }
+            rt.queue.submit([enc.finish()]);
+            if let Some(r) = &self.reference {
+                r.attn.set_queries(rt, &q)?;
+                r.attn.prepare(rt, layer, self.step);
+                let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("reference attend") });
+                if layer == 0 {
+                    r.pool.encode_gather(rt, &mut enc, 0, layers, None);
+                }
+                {
+                    let mut pass =
+                        enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("reference attend"), timestamp_writes: None });
+                    r.attn.encode(&mut pass);
+                }
+                rt.queue.submit([enc.finish()]);
+                let got = self.attn.read_output(rt).await?;
+                let want = r.attn.read_output(rt).await?;
+                errors.push(rel_l2(&got, &want));
+            }
+            if self.model.is_some() {
+                self.check_layer(rt, layer, &q).await?;
+            }
+            if layer + 1 == layers {
+                self.last_queries = q;
+            }
+        }
+        Ok((!errors.is_empty()).then(|| errors.iter().sum::<f64>() / errors.len() as f64))
+    }
+
+    /// Summarise changed pages (QUEST bounds) and read every page's bounds back.
+    async fn refresh_bounds(&self, rt: &Runtime) -> Result<Vec<f32>> {
+        let Some((_, q)) = &self.flexgen else {
+            return Ok(Vec::new());
+        };
+        let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("evict/quest_summarize") });
+        {
+            let mut pass =
+                enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("evict/quest_summarize"), timestamp_writes: None });
+            q.encode_summarize(&mut pass);
+        }
+        rt.queue.submit([enc.finish()]);
+        rt.read_all(&q.bounds).await
+    }
+
+    /// Evict down to the budget (after attention recorded this step's masses). The CPU reference,
+    /// when kept, takes the GPU's metadata, utilities and budgets and must reach the same pool.
+    /// FlexGen instead moves its coldest pages to host memory.
+    async fn evict(&mut self, rt: &Runtime, timed: bool) -> Result<Option<Vec<ListState>>> {
+        if self.flexgen.is_some() {
+            if self.model.is_some() {
+                return Err(Error::config("verify", true, "FlexGen moves pages through the host; run it with --no-verify"));
+            }
+            let bounds = self.refresh_bounds(rt).await?;
+            if let Some((fg, _)) = &mut self.flexgen {
+                fg.offload(rt, &self.pool, &bounds).await?;
+            }
+            return Ok(None);
+        }
+        let Some(s) = &self.scheduler else {
+            return Ok(None);
+        };
+        let lens: Vec<u32> = (0..self.cfg.workload.n_seqs).map(|q| self.workload.position(q)).collect();
+        s.prepare(rt, self.step, &lens)?;
+        let before = match &self.model {
+            Some(m) => {
+                // The lockstep carries the metadata attention left (checked in `check_layer`);
+                // nothing between attention and eviction may have changed it.
+                rt.wait()?;
+                if rt.read_all::<u32>(&self.pool.slot_meta).await? != m.slot_meta {
+                    return Err(verify_err(format!("step {}: slot metadata changed between attention and eviction", self.step)));
+                }
+                Some(s.read_lists(rt).await?)
+            }
+            None => None,
+        };
+        let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("evict") });
+        {
+            let ts = self.ts(timed, Slot::Evict);
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("evict"), timestamp_writes: ts });
+            s.encode(&mut pass);
+        }
+        rt.queue.submit([enc.finish()]);
+        let lists = s.read_lists(rt).await?;
+        if let (Some(m), Some(before)) = (&mut self.model, before) {
+            check_eviction(rt, s, m, self.step, &lens, &before, &lists).await?;
+        }
+        Ok(Some(lists))
+    }
+
+    /// Append the prompt of every sequence, routed on the GPU (with a scheduler: attend and
+    /// evict after each batch). `progress(done, total)` after each batch.
+    pub async fn prefill(&mut self, rt: &Runtime, progress: &mut dyn FnMut(u64, u64)) -> Result<()> {
+        let w = self.cfg.workload.clone();
+        let total = u64::from(w.prompt_len) * u64::from(w.n_seqs * w.layers);
+        let mut done = 0;
+        let mut left = w.prompt_len;
+        while left > 0 {
+            let positions = self.prefill_chunk.min(left);
+            let tokens = self.workload.next_positions(positions);
+            self.route_and_append(rt, &tokens, positions * w.n_seqs, false).await?;
+            if self.scheduler.is_some() || self.flexgen.is_some() {
+                self.attend_all(rt, false).await?;
+                self.evict(rt, false).await?;
+            }
+            left -= positions;
+            done += tokens.len() as u64;
+            progress(done, total);
+        }
+        self.update_miss(rt, false)?;
+        rt.wait()?;
+        self.pool.check_errors(rt, 0).await?;
+        if let Some(r) = &self.reference {
+            r.pool.check_errors(rt, 0).await?;
+        }
+        Ok(())
+    }
+
+    /// Recount each expert's cached tokens and miss rate; `timed` also resolves the step's timer.
+    fn update_miss(&self, rt: &Runtime, timed: bool) -> Result<()> {
+        let layers = self.pool.cfg.layers;
+        let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("route/miss") });
+        let timer = if timed { self.timer.as_ref() } else { None };
+        {
+            let ts = timer.and_then(|t| t.pass(Slot::Miss.index(layers)));
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("route/miss"), timestamp_writes: ts });
+            self.router.encode_miss(&mut pass)?;
+        }
+        if let Some(t) = timer {
+            // Every pair is written each step (an empty evict pass when there is no scheduler).
+            t.resolve(&mut enc, Slot::pairs(layers));
+        }
+        rt.queue.submit([enc.finish()]);
+        Ok(())
+    }
+
+    /// Whether a step runs as one submission with no host round trip: nothing on the side needs
+    /// the host mid-step (no CPU lockstep, no full-cache reference, no host tier, no QUEST
+    /// selection, a low-rank basis already fitted).
+    pub fn fused(&self) -> bool {
+        self.model.is_none()
+            && self.reference.is_none()
+            && self.flexgen.is_none()
+            && self.quest.is_none()
+            && (!self.pool.cfg.codec.is_low_rank() || self.pool.calibrated)
+    }
+
+    /// This step's synthetic inputs: every layer's new tokens, then every layer's queries (the
+    /// order the generator has always drawn them in, so runs repeat).
+    fn next_inputs(&mut self) -> (Vec<GenToken>, Vec<Vec<f32>>) {
+        let tokens = self.workload.next_tokens();
+        let queries = (0..self.pool.cfg.layers).map(|l| self.workload.queries(l)).collect();
+        (tokens, queries)
+    }
+
+    /// The whole decode step in one command buffer: route, append, compress, gather, attend
+    /// every layer (each layer's queries and parameters copied into place in the stream), evict,
+    /// recount miss rates, resolve the timestamps; one submission.
+    fn encode_fused_step(&mut self, rt: &Runtime, tokens: &[GenToken], queries: Vec<Vec<f32>>) -> Result<()> {
+        let layers = self.pool.cfg.layers;
+        let w = self.cfg.workload.clone();
+        let per_layer = w.n_seqs;
+        let e = w.n_experts as usize;
+        for layer in 0..layers {
+            let rows = &tokens[(layer * per_layer) as usize..((layer + 1) * per_layer) as usize];
+            let logits: Vec<f32> = rows.iter().flat_map(|t| t.logits.iter().copied()).collect();
+            debug_assert_eq!(logits.len(), rows.len() * e);
+            self.router.set_logits(rt, layer, &logits)?;
+            self.router.prepare(rt, layer, per_layer, self.routed_tokens + layer * per_layer)?;
+        }
+        self.attn.stage_layers(rt, self.step, &queries)?;
+        if let Some(s) = &self.scheduler {
+            let lens: Vec<u32> = (0..w.n_seqs).map(|q| self.workload.position(q)).collect();
+            s.prepare(rt, self.step, &lens)?;
+        }
+        let timer = self.timer.as_ref();
+        let ts = |slot: Slot| timer.and_then(|t| t.pass(slot.index(layers)));
+        let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("decode step") });
+        {
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("route"), timestamp_writes: ts(Slot::Route) });
+            for layer in 0..layers {
+                self.router.encode(&mut pass, layer, per_layer);
+            }
+        }
+        self.routed_tokens = self.routed_tokens.wrapping_add(layers * per_layer);
+        let words = kv_words(tokens, self.pool.cfg.dtype);
+        let new: Vec<NewToken> = tokens.iter().map(|t| t.token.clone()).collect();
+        let routed = crate::append::Routed {
+            experts: &self.router.experts,
+            gates: &self.router.gates,
+            per_layer,
+            row_stride: self.router.shape.max_tokens,
+        };
+        self.pool.encode_append(rt, &mut enc, &new, &words, self.step, Some(routed), ts(Slot::Append))?;
+        {
+            let mut pass =
+                enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("compress"), timestamp_writes: ts(Slot::Compress) });
+            self.pool.encode_compress(&mut pass);
+        }
+        self.pool.encode_gather(rt, &mut enc, 0, layers, ts(Slot::Gather));
+        for layer in 0..layers {
+            self.attn.encode_layer_inputs(&mut enc, layer)?;
+            let mut pass =
+                enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("attend"), timestamp_writes: ts(Slot::Attend(layer)) });
+            self.attn.encode(&mut pass);
+        }
+        {
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("evict"), timestamp_writes: ts(Slot::Evict) });
+            if let Some(s) = &self.scheduler {
+                s.encode(&mut pass);
+            }
+        }
+        {
+            let mut pass =
+                enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("route/miss"), timestamp_writes: ts(Slot::Miss) });
+            self.router.encode_miss(&mut pass)?;
+        }
+        if let Some(t) = timer {
+            t.resolve(&mut enc, Slot::pairs(layers));
+        }
+        rt.queue.submit([enc.finish()]);
+        self.last_queries = queries.into_iter().last().unwrap_or_default();
+        rt.check("decode step")
+    }
+
+    /// One decode step: route, append, gather, attend every layer, evict, recount miss rates.
+    pub async fn step(&mut self, rt: &Runtime) -> Result<StepReport> {
+        #[cfg(not(target_arch = "wasm32"))]
+        let t0 = std::time::Instant::now();
+        let n_seqs = self.cfg.workload.n_seqs;
+        let layers = self.pool.cfg.layers;
+        let fused = self.fused();
+        let attention_error = if fused {
+            let (tokens, queries) = self.next_inputs();
+            self.encode_fused_step(rt, &tokens, queries)?;
+            None
+        } else {
+            let tokens = self.workload.next_tokens();
+            self.route_and_append(rt, &tokens, n_seqs, true).await?;
+            self.attend_all(rt, true).await?
+        };
+        let evicted = if fused {
+            match &self.scheduler {
+                Some(s) => Some(s.read_lists(rt).await?),
+                None => None,
+            }
+        } else {
+            self.evict(rt, true).await?
+        };
+        let lists = match evicted {
+            Some(l) => Some(l),
+            None if fused => None,
+            None => {
+                // Keep the timer's evict pair written.
+                let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("no evict") });
+                drop(enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                    label: Some("no evict"),
+                    timestamp_writes: self.ts(true, Slot::Evict),
+                }));
+                rt.queue.submit([enc.finish()]);
+                None
+            }
+        };
+        if !fused {
+            self.update_miss(rt, true)?;
+        }
+        rt.wait()?;
+        let ctl = self.pool.check_errors(rt, n_seqs * layers).await?;
+        let gpu = match &self.timer {
+            Some(t) => Some(StageTimes::from_pairs(&t.read_ms(rt, Slot::pairs(layers)).await?, layers)),
+            None => None,
+        };
+        #[cfg(not(target_arch = "wasm32"))]
+        let host_ms = t0.elapsed().as_secs_f64() * 1e3;
+        #[cfg(target_arch = "wasm32")]
+        let host_ms = f64::NAN;
+        let mut report = self.report(rt, ctl, gpu, host_ms).await?;
+        report.attention_error = attention_error;
+        if let Some(lists) = lists {
+            report.evicted = lists.iter().map(|l| u64::from(l.evicted)).sum();
+            report.kept_attention = lists.iter().map(|l| l.hit_rate).sum::<f32>() / lists.len().max(1) as f32;
+        }
+        if let Some((s, ekva)) = self.scheduler.as_ref().and_then(|s| s.ekva.as_ref().map(|e| (s, e))) {
+            let e = ekva.n_experts as usize;
+            let groups = s.read_groups(rt).await?;
+            let mut budget = vec![0u64; e];
+            for (i, g) in groups.iter().enumerate() {
+                if g.budget != crate::gpu_data::KEEP_ALL {
+                    budget[i % e] += u64::from(g.budget);
+                }
+            }
+            report.expert_budget = budget;
+            let imp = s.read_importance(rt).await?;
+            let mut mean = vec![0f32; e];
+            for (i, x) in imp.iter().enumerate() {
+                mean[i % e] += x / layers as f32;
+            }
+            report.expert_importance = mean;
+        }
+        if let Some((fg, _)) = &self.flexgen {
+            report.host_kv_bytes = fg.stats.host_bytes;
+            report.tier_bytes_moved = fg.stats.bytes_to_host + fg.stats.bytes_to_gpu;
+        }
+        if let Some(q) = &self.quest {
+            let sel: Vec<u32> = rt.read_all(&q.sel_counts).await?;
+            report.kv_bytes_attended = sel.iter().map(|c| u64::from(*c)).sum::<u64>() * self.pool.cfg.page_bytes();
+        }
+        if let Some(r) = &self.reference {
+            let c = r.pool.read_ctl(rt).await?;
+            report.full_kv_bytes = Some(u64::from(r.pool.cfg.n_pages - c.free_top) * r.pool.cfg.page_bytes());
+        }
+        self.step += 1;
+        Ok(report)
+    }
+    async fn report(&self, rt: &Runtime, ctl: PoolCtl, gpu: Option<StageTimes>, host_ms: f64) -> Result<StepReport> {
+        let cfg = &self.pool.cfg;
+        let rings: Vec<crate::gpu_data::RingState> = rt.read_all(&self.pool.rings).await?;
+        let mut shard_pages = vec![0u32; cfg.n_shards as usize];
+        for (key, r) in rings.iter().enumerate() {
+            shard_pages[key % cfg.n_shards as usize] += r.count;
+        }
+        let raw_pages = cfg.n_pages - ctl.free_top;
+        let codec_pages = (cfg.n_ids() - cfg.n_pages) - ctl.codec_free_top;
+        let pages_in_use = raw_pages + codec_pages;
+        let resident = u64::from(raw_pages) * cfg.page_bytes() + u64::from(codec_pages) * cfg.codec_page_bytes();
+        let context = self.workload.position(0);
+        // K/V vectors (token x KV head) held in the GPU pool.
+        let vectors: u64 = rings.iter().filter(|r| r.count > 0).map(|r| u64::from((r.count - 1) * cfg.page_size + r.fill)).sum();
+        let stats = self.router.read_stats(rt).await?;
+        let summary = self.router.read_summary(rt).await?;
+        let e = self.cfg.workload.n_experts as usize;
+        let mut expert_load = vec![0f32; e];
+        for (i, s) in stats.iter().enumerate() {
+            expert_load[i % e] += s.load / cfg.layers as f32;
+        }
+        let mut expert_hits = vec![0u64; e];
+        let mut expert_misses = vec![0u64; e];
+        for (i, s) in stats.iter().enumerate() {
+            expert_hits[i % e] += u64::from(s.resident.min(s.appended));
+            expert_misses[i % e] += u64::from(s.appended.saturating_sub(s.resident));
+        }
+        let appended: u64 = stats.iter().map(|s| u64::from(s.appended)).sum();
+        let missing: f64 = stats.iter().map(|s| f64::from(s.miss) * f64::from(s.appended)).sum();
+        Ok(StepReport {
+            routing_entropy: summary.iter().map(|s| s.entropy).sum::<f32>() / summary.len().max(1) as f32,
+            miss_rate: if appended > 0 { (missing / appended as f64) as f32 } else { 0.0 },
+            expert_load,
+            expert_hits,
+            expert_misses,
+            step: self.step,
+            context,
+            gpu,
+            host_ms,
+            kv_bytes_resident: resident,
+            kv_bytes_tokens: vectors * cfg.token_kv_bytes() / u64::from(cfg.kv_heads),
+            pages_in_use,
+            pages_total: cfg.n_ids(),
+            shard_pages,
+            ring_overflows: ctl.ring_overflows,
+            evicted: 0,
+            pages_evicted: ctl.pages_evicted,
+            kept_attention: 1.0,
+            attention_error: None,
+            full_kv_bytes: None,
+            kv_bytes_attended: resident,
+            host_kv_bytes: 0,
+            tier_bytes_moved: 0,
+            expert_budget: Vec::new(),
+            expert_importance: Vec::new(),
+        })
+    }
+
+    /// With a codec and the reference pool: the relative L2 error of the decoded keys and values of
+    /// every compressed page against the same tokens in the full f16 cache (pages pair up by
+    /// their place in the page lists, which both pools build alike). `None` without both.
+    pub async fn reconstruction_error(&self, rt: &Runtime) -> Result<Option<(f64, f64)>> {
+        let (Some(r), true) = (&self.reference, self.pool.cfg.codec != Codec::None) else {
+            return Ok(None);
+        };
+        let c = &self.pool.cfg;
+        let rc = &r.pool.cfg;
+        let (lists, counts) = self.pool.read_page_lists(rt).await?;
+        let (rlists, rcounts) = r.pool.read_page_lists(rt).await?;
+        let codec_kv = self.pool.read_codec_kv(rt).await?;
+        let basis = self.pool.read_basis(rt).await?;
+        let rkv = r.pool.read_kv(rt).await?;
+        let meta: Vec<crate::gpu_data::PageMeta> = rt.read_all(&self.pool.page_meta).await?;
+        let cw = c.codec.page_words(c.page_size, c.head_dim) as usize;
+        let (rpw, vw) = (rc.page_words() as usize, rc.vec_words() as usize);
+        let maxp = c.max_pages_per_seq() as usize;
+        let (mut num, mut den) = ([0f64; 2], [0f64; 2]);
+        for li in 0..c.n_lists() as usize {
+            if counts[li] != rcounts[li] {
+                return Err(Error::Gpu {
+                    during: "reconstruction error".into(),
+                    message: format!("page list {li} differs from the reference's"),
+                });
+            }
+            for i in 0..counts[li] as usize {
+                let page = lists[li * maxp + i];
+                if page < c.n_pages {
+                    continue;
+                }
+                let rpage = rlists[li * maxp + i] as usize;
+                let c0 = (page - c.n_pages) as usize * cw;
+                for s in 0..meta[page as usize].fill as usize {
+                    for kv in 0..2 {
+                        let basis = crate::reference::compress::basis_slice(c, &basis, meta[page as usize].owner);
+                        let got = crate::reference::compress::decode_vector(c, &codec_kv[c0..c0 + cw], basis, kv, s);
+                        let o = rpage * rpw + kv * rc.page_size as usize * vw + s * vw;
+                        let want = decode_words(&rkv[o..o + vw], rc.dtype);
+                        for (g, w) in got.iter().zip(&want) {
+                            num[kv] += (g - w).powi(2);
+                            den[kv] += w * w;
+                        }
+                    }
+                }
+            }
+        }
+        let rel = |k: usize| if den[k] > 0.0 { (num[k] / den[k]).sqrt() } else { 0.0 };
+        Ok(Some((rel(0), rel(1))))
+    }
+}

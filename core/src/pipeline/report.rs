@@ -1,0 +1,254 @@
+//! What a step reports: per-stage GPU times (and where each stage's timestamps sit in the step's
+//! timer), the step's counters, and the per-layer records a trace keeps.
+
+use serde::{Deserialize, Serialize};
+
+use super::Pipeline;
+use crate::error::Result;
+use crate::runtime::Runtime;
+
+/// A stage's timestamp pair in a step's timer: route, append, gather, one attention pass per
+/// layer, evict, miss recount, compress.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Slot {
+    Route,
+    Append,
+    Gather,
+    Attend(u32),
+    Evict,
+    Miss,
+    Compress,
+}
+
+impl Slot {
+    /// The pair's index in a timer of a `layers`-layer step.
+    pub(crate) fn index(self, layers: u32) -> u32 {
+        match self {
+            Slot::Route => 0,
+            Slot::Append => 1,
+            Slot::Gather => 2,
+            Slot::Attend(layer) => 3 + layer,
+            Slot::Evict => 3 + layers,
+            Slot::Miss => 4 + layers,
+            Slot::Compress => 5 + layers,
+        }
+    }
+
+    /// Timestamp pairs of a `layers`-layer step.
+    pub(crate) fn pairs(layers: u32) -> u32 {
+        6 + layers
+    }
+}
+
+/// GPU time of each stage of one step (milliseconds).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct StageTimes {
+    pub route_ms: f64,
+    pub append_ms: f64,
+    /// Compressing the pages that filled (a codec's plan and encode passes; empty without one).
+    pub compress_ms: f64,
+    pub gather_ms: f64,
+    pub attend_ms: f64,
+    /// Scheduling: utilities, budgets, victims, compaction, freeing.
+    pub evict_ms: f64,
+    /// Recounting each expert's tokens in the pool (miss rates for the next step's routing).
+    pub miss_ms: f64,
+}
+
+impl StageTimes {
+    /// From a step's timestamp pairs in the timer's order: route, append, gather, one attend
+    /// pass per layer, evict, miss recount, compress.
+    pub(super) fn from_pairs(ms: &[f64], layers: u32) -> StageTimes {
+        StageTimes {
+            route_ms: ms[Slot::Route.index(layers) as usize],
+            append_ms: ms[Slot::Append.index(layers) as usize],
+            compress_ms: ms[Slot::Compress.index(layers) as usize],
+            gather_ms: ms[Slot::Gather.index(layers) as usize],
+            attend_ms: (0..layers).map(|l| ms[Slot::Attend(l).index(layers) as usize]).sum(),
+            evict_ms: ms[Slot::Evict.index(layers) as usize],
+            miss_ms: ms[Slot::Miss.index(layers) as usize],
+        }
+    }
+
+    /// The step's GPU time: every stage.
+    pub fn total_ms(&self) -> f64 {
+        self.route_ms + self.append_ms + self.compress_ms + self.gather_ms + self.attend_ms + self.evict_ms + self.miss_ms
+    }
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct StepReport {
+    pub step: u32,
+    /// Tokens cached per sequence and layer after the step.
+    pub context: u32,
+    pub gpu: Option<StageTimes>,
+    pub host_ms: f64,
+    /// Bytes of the pages in use (what the cache occupies).
+    pub kv_bytes_resident: u64,
+    /// Bytes of K/V actually stored in them (tokens x bytes per token).
+    pub kv_bytes_tokens: u64,
+    pub pages_in_use: u32,
+    pub pages_total: u32,
+    /// Pages held by each shard index, summed over layers and sequences.
+    pub shard_pages: Vec<u32>,
+    pub ring_overflows: u32,
+    /// Routing entropy (nats) of the step, averaged over layers.
+    pub routing_entropy: f32,
+    /// Miss rate averaged over (layer, expert), weighted by tokens appended.
+    pub miss_rate: f32,
+    /// Moving-average load of each expert, averaged over layers.
+    pub expert_load: Vec<f32>,
+    /// Per expert, summed over layers: routed (token, expert) pairs whose K/V is still cached
+    /// (hits for the next access) and those no longer cached (misses).
+    pub expert_hits: Vec<u64>,
+    pub expert_misses: Vec<u64>,
+    /// Tokens evicted this step (all lists).
+    pub evicted: u64,
+    /// Pages returned to the free stack by eviction so far.
+    pub pages_evicted: u32,
+    /// Share of the attention mass the kept tokens held at this step's eviction (mean over lists).
+    pub kept_attention: f32,
+    /// Relative L2 error of the attention output against the full cache (mean over layers).
+    pub attention_error: Option<f64>,
+    /// Bytes the full cache would occupy now (pages of the reference pool).
+    pub full_kv_bytes: Option<u64>,
+    /// K/V bytes the step's attention read (QUEST reads only its selected pages).
+    pub kv_bytes_attended: u64,
+    /// FlexGen: K/V bytes held in host memory, and moved between the tiers so far.
+    pub host_kv_bytes: u64,
+    pub tier_bytes_moved: u64,
+    /// EKVA: per expert, the tokens its groups may keep at this step's eviction (summed over
+    /// lists; empty without the allocator or where lists keep everything).
+    pub expert_budget: Vec<u64>,
+    /// EKVA: per expert, the allocator's importance (mean over layers; empty without it).
+    pub expert_importance: Vec<f32>,
+}
+
+impl StepReport {
+    /// Column names of [`StepReport::csv_row`].
+    pub const CSV_HEADER: &'static str = "step,context,route_ms,append_ms,compress_ms,gather_ms,attend_ms,evict_ms,miss_ms,host_ms,\
+kv_bytes_resident,kv_bytes_tokens,kv_bytes_attended,full_kv_bytes,pages_in_use,pages_total,ring_overflows,evicted,pages_evicted,\
+kept_attention,attention_error,routing_entropy,miss_rate,host_kv_bytes,tier_bytes_moved,shard_pages,expert_load,expert_hits,expert_misses,expert_budget,expert_importance";
+
+    /// One CSV line (no newline): scalars as numbers, empty when absent; per-shard and
+    /// per-expert vectors as `;`-separated values in one field.
+    pub fn csv_row(&self) -> String {
+        fn join<T: std::fmt::Display>(v: &[T]) -> String {
+            v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(";")
+        }
+        let opt = |v: Option<String>| v.unwrap_or_default();
+        let g = self.gpu.as_ref();
+        let times: Vec<String> = [
+            g.map(|g| g.route_ms),
+            g.map(|g| g.append_ms),
+            g.map(|g| g.compress_ms),
+            g.map(|g| g.gather_ms),
+            g.map(|g| g.attend_ms),
+            g.map(|g| g.evict_ms),
+            g.map(|g| g.miss_ms),
+        ]
+        .iter()
+        .map(|t| opt(t.map(|x| format!("{x:.6}"))))
+        .collect();
+        format!(
+            "{},{},{},{:.3},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
+            self.step,
+            self.context,
+            times.join(","),
+            self.host_ms,
+            self.kv_bytes_resident,
+            self.kv_bytes_tokens,
+            self.kv_bytes_attended,
+            opt(self.full_kv_bytes.map(|b| b.to_string())),
+            self.pages_in_use,
+            self.pages_total,
+            self.ring_overflows,
+            self.evicted,
+            self.pages_evicted,
+            self.kept_attention,
+            opt(self.attention_error.map(|e| format!("{e:e}"))),
+            self.routing_entropy,
+            self.miss_rate,
+            self.host_kv_bytes,
+            self.tier_bytes_moved,
+            join(&self.shard_pages),
+            join(&self.expert_load),
+            join(&self.expert_hits),
+            join(&self.expert_misses),
+            join(&self.expert_budget),
+            join(&self.expert_importance),
+        )
+    }
+}
+
+/// One layer of one decode step, as a trace keeps it (see `crate::trace` for every field).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LayerRecord {
+    pub step: u32,
+    pub layer: u32,
+    pub experts: Vec<u32>,
+    pub pages_read: u64,
+    pub bytes_read: u64,
+    pub pages_in_use: u64,
+    pub tokens_evicted: u64,
+    pub slots_moved: u64,
+    pub pages_freed: u64,
+    pub bytes_moved: u64,
+}
+
+impl Pipeline {
+    /// What the last step did at every layer, for a trace (`crate::trace`): call right after
+    /// [`Pipeline::step`].
+    pub async fn trace_records(&self, rt: &Runtime) -> Result<Vec<LayerRecord>> {
+        let c = &self.pool.cfg;
+        let w = &self.cfg.workload;
+        let lists_per_layer = (c.max_seqs * c.kv_heads) as usize;
+        let maxp = c.max_pages_per_seq() as usize;
+        let (lists, counts) = match &self.quest {
+            Some(q) => (rt.read_all::<u32>(&q.sel_list).await?, rt.read_all::<u32>(&q.sel_counts).await?),
+            None => self.pool.read_page_lists(rt).await?,
+        };
+        let rings: Vec<crate::gpu_data::RingState> = rt.read_all(&self.pool.rings).await?;
+        let keys_per_layer = lists_per_layer * c.n_shards as usize;
+        let (sched_lists, ring_counts) = match &self.scheduler {
+            Some(s) => (s.read_lists(rt).await?, s.read_ring_counts(rt).await?),
+            None => (Vec::new(), Vec::new()),
+        };
+        let slot_bytes = 2 * u64::from(c.vec_words()) * 4;
+        let mut out = Vec::new();
+        for layer in 0..c.layers {
+            let l = layer as usize;
+            let mut pages_read = 0u64;
+            let mut bytes_read = 0u64;
+            for li in l * lists_per_layer..(l + 1) * lists_per_layer {
+                let n = counts[li] as usize;
+                pages_read += n as u64;
+                for &page in &lists[li * maxp..li * maxp + n.min(maxp)] {
+                    bytes_read += if page < c.n_pages { c.page_bytes() } else { c.codec_page_bytes() };
+                }
+            }
+            let keys = l * keys_per_layer..(l + 1) * keys_per_layer;
+            let pages_in_use = rings[keys.clone()].iter().map(|r| u64::from(r.count)).sum();
+            let tokens_evicted = sched_lists
+                .get(l * lists_per_layer..(l + 1) * lists_per_layer)
+                .map_or(0, |ls| ls.iter().map(|s| u64::from(s.evicted)).sum());
+            let (slots_moved, pages_freed) = ring_counts
+                .get(keys)
+                .map_or((0, 0), |rc| rc.iter().fold((0u64, 0u64), |(m, f), x| (m + u64::from(x[0]), f + u64::from(x[1]))));
+            out.push(LayerRecord {
+                step: self.step.saturating_sub(1),
+                layer,
+                experts: self.router.read_experts(rt, layer, w.n_seqs).await?,
+                pages_read,
+                bytes_read,
+                pages_in_use,
+                tokens_evicted,
+                slots_moved,
+                pages_freed,
+                bytes_moved: slots_moved * slot_bytes,
+            });
+        }
+        Ok(out)
+    }
+}

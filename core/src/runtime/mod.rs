@@ -1,0 +1,627 @@
+//! The GPU runtime: adapter choice, device with the adapter's own limits, a capability tier,
+//! pipelines built inside error scopes, device loss as an explicit state, readbacks.
+
+pub mod probe;
+pub mod timer;
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Waker};
+
+use expertkv_shaders::Kernel;
+
+use crate::error::{Error, Result};
+
+/// Which shader modules skip wgpu's runtime bounds checks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ShaderChecks {
+    /// Every kernel keeps wgpu's bounds checks (always so in the browser).
+    Checked,
+    /// Kernels whose indexing the GPU-vs-CPU tests cover ([`Kernel::may_run_unchecked`]) run
+    /// without bounds checks; all others stay checked.
+    TrustedTested,
+}
+
+impl ShaderChecks {
+    pub fn name(self) -> &'static str {
+        match self {
+            ShaderChecks::Checked => "checked",
+            ShaderChecks::TrustedTested => "unchecked-where-tested",
+        }
+    }
+}
+
+/// How to choose and open the adapter.
+#[derive(Clone, Debug)]
+pub struct RuntimeOptions {
+    /// Backends to consider (default: all compiled in).
+    pub backends: wgpu::Backends,
+    /// Keep only adapters whose name contains this (case-insensitive).
+    pub adapter: Option<String>,
+    pub checks: ShaderChecks,
+}
+
+impl Default for RuntimeOptions {
+    fn default() -> Self {
+        RuntimeOptions {
+            backends: wgpu::Backends::all(),
+            adapter: None,
+            checks: if cfg!(target_arch = "wasm32") { ShaderChecks::Checked } else { ShaderChecks::TrustedTested },
+        }
+    }
+}
+
+pub const ENV_BACKEND: &str = "EXPERTKV_BACKEND";
+pub const ENV_ADAPTER: &str = "EXPERTKV_ADAPTER";
+pub const ENV_SHADER_CHECKS: &str = "EXPERTKV_SHADER_CHECKS";
+
+impl RuntimeOptions {
+    /// Defaults overridden by `EXPERTKV_BACKEND` (vulkan, metal, dx12, gl), `EXPERTKV_ADAPTER`
+    /// (part of an adapter's name) and `EXPERTKV_SHADER_CHECKS` (checked, unchecked).
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn from_env() -> Result<Self> {
+        let mut o = RuntimeOptions::default();
+        if let Ok(b) = std::env::var(ENV_BACKEND) {
+            o.backends = parse_backends(&b)?;
+        }
+        if let Ok(a) = std::env::var(ENV_ADAPTER)
+            && !a.is_empty()
+        {
+            o.adapter = Some(a);
+        }
+        if let Ok(c) = std::env::var(ENV_SHADER_CHECKS) {
+            o.checks = parse_checks(&c)?;
+        }
+        Ok(o)
+    }
+}
+
+pub fn parse_backends(s: &str) -> Result<wgpu::Backends> {
+    let mut out = wgpu::Backends::empty();
+    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        out |= match part.to_ascii_lowercase().as_str() {
+            "vulkan" | "vk" => wgpu::Backends::VULKAN,
+            "metal" => wgpu::Backends::METAL,
+            "dx12" | "d3d12" => wgpu::Backends::DX12,
+            "gl" | "gles" | "opengl" => wgpu::Backends::GL,
+            "webgpu" | "browser" => wgpu::Backends::BROWSER_WEBGPU,
+            "all" => wgpu::Backends::all(),
+            other => {
+                return Err(Error::config("backend", other, "allowed values: vulkan, metal, dx12, gl, webgpu, all"));
+            }
+        };
+    }
+    if out.is_empty() {
+        return Err(Error::config("backend", s, "names no backend"));
+    }
+    Ok(out)
+}
+
+pub fn parse_checks(s: &str) -> Result<ShaderChecks> {
+    match s {
+        "checked" => Ok(ShaderChecks::Checked),
+        "unchecked" | "trusted" => Ok(ShaderChecks::TrustedTested),
+        other => Err(Error::config("shader_checks", other, "allowed values: checked, unchecked")),
+    }
+}
+
+/// What the opened device can do.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Capabilities {
+    pub f16: bool,
+    pub subgroups: bool,
+    pub subgroup_min_size: u32,
+    pub subgroup_max_size: u32,
+    pub timestamps: bool,
+    /// Nanoseconds per timestamp tick.
+    pub timestamp_period_ns: f32,
+    pub max_storage_binding_bytes: u64,
+    pub max_buffer_bytes: u64,
+    pub max_storage_buffers_per_stage: u32,
+    pub max_workgroup_storage_bytes: u32,
+    pub max_invocations_per_workgroup: u32,
+    /// wgpu's experimental cooperative matrices with the 16 x 16 x 16 f16 -> f32 shape (the
+    /// tensor cores), with 16-bit integers in shaders; native only, and off with
+    /// `EXPERTKV_COOP=0`.
+    pub coop_f16: bool,
+}
+
+/// The one capability switch that chooses kernel variants.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub enum Tier {
+    /// WebGPU core: no subgroups. Portable kernels only.
+    Baseline,
+    /// Subgroups of at least 8 invocations: the subgroup attention kernel.
+    Subgroups,
+}
+
+impl Tier {
+    pub fn name(self) -> &'static str {
+        match self {
+            Tier::Baseline => "baseline",
+            Tier::Subgroups => "subgroups",
+        }
+    }
+}
+
+#[derive(Default)]
+struct Health {
+    lost: Option<(String, String)>,
+    uncaptured: Vec<String>,
+}
+
+/// An opened GPU device with everything the kernels need to know about it.
+pub struct Runtime {
+    pub instance: wgpu::Instance,
+    pub adapter: wgpu::Adapter,
+    pub device: wgpu::Device,
+    pub queue: wgpu::Queue,
+    pub info: wgpu::AdapterInfo,
+    pub limits: wgpu::Limits,
+    pub caps: Capabilities,
+    pub tier: Tier,
+    pub checks: ShaderChecks,
+    health: Arc<Mutex<Health>>,
+    /// What `probe/f16_subnormal.wgsl` found, once asked ([`Runtime::f16_subnormals`]).
+    f16_subnormals: std::sync::OnceLock<bool>,
+    /// Every pipeline built so far, by what built it: a kernel asked for again (another pool,
+    /// router or model on this device) is not compiled again.
+    pipelines: Mutex<HashMap<PipelineKey, wgpu::ComputePipeline>>,
+}
+
+/// What makes two pipelines the same: the kernel's resolved text (its defines included), entry
+/// point, `override` constants and whether it runs without bounds checks.
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct PipelineKey {
+    entry: &'static str,
+    text: String,
+    constants: Vec<(String, u64)>,
+    unchecked: bool,
+}
+
+fn rank(t: wgpu::DeviceType) -> u32 {
+    match t {
+        wgpu::DeviceType::DiscreteGpu => 0,
+        wgpu::DeviceType::IntegratedGpu => 1,
+        wgpu::DeviceType::VirtualGpu => 2,
+        wgpu::DeviceType::Cpu => 3,
+        wgpu::DeviceType::Other => 4,
+    }
+}
+
+/// Every adapter the instance sees for these backends.
+pub async fn list_adapters(backends: wgpu::Backends) -> Vec<wgpu::Adapter> {
+    let instance = new_instance(backends);
+    enumerate(&instance, backends).await
+}
+
+/// Whether wgpu offers its experimental cooperative matrices here with the 16 x 16 x 16
+/// f16 -> f32 shape (and shader-f16 and 16-bit integers, which the kernel on them uses to
+/// build f16 bit patterns), unless `EXPERTKV_COOP=0`. Never in a browser.
+#[cfg(not(target_arch = "wasm32"))]
+fn coop_f16_offered(adapter: &wgpu::Adapter) -> bool {
+    let want = wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX | wgpu::Features::SHADER_F16 | wgpu::Features::SHADER_I16;
+    std::env::var("EXPERTKV_COOP").as_deref() != Ok("0")
+        && adapter.features().contains(want)
+        && adapter.cooperative_matrix_properties().iter().any(|p| {
+            (p.m_size, p.n_size, p.k_size) == (16, 16, 16)
+                && p.ab_type == wgpu::CooperativeScalarType::F16
+                && p.cr_type == wgpu::CooperativeScalarType::F32
+        })
+}
+
+#[cfg(target_arch = "wasm32")]
+fn coop_f16_offered(_adapter: &wgpu::Adapter) -> bool {
+    false
+}
+
+fn new_instance(backends: wgpu::Backends) -> wgpu::Instance {
+    wgpu::Instance::new(wgpu::InstanceDescriptor { backends, ..wgpu::InstanceDescriptor::new_without_display_handle() })
+}
+
+async fn enumerate(instance: &wgpu::Instance, backends: wgpu::Backends) -> Vec<wgpu::Adapter> {
+    #[cfg(not(target_arch = "wasm32"))]
+    {
+        instance.enumerate_adapters(backends).await
+    }
+    #[cfg(target_arch = "wasm32")]
+    {
+        let _ = backends;
+        match instance.request_adapter(&wgpu::RequestAdapterOptions::default()).await {
+            Ok(a) => vec![a],
+            Err(_) => Vec::new(),
+        }
+    }
+}
+
+impl Runtime {
+    /// Open the best adapter allowed by `opts` (discrete > integrated > virtual > CPU).
+    pub async fn new(opts: RuntimeOptions) -> Result<Runtime> {
+        let instance = new_instance(opts.backends);
+        let mut adapters = enumerate(&instance, opts.backends).await;
+        let seen: Vec<String> = adapters
+            .iter()
+            .map(|a| {
+                let i = a.get_info();
+                format!("{} ({:?}, {:?})", i.name, i.backend, i.device_type)
+            })
+            .collect();
+        if let Some(want) = &opts.adapter {
+            let want_l = want.to_ascii_lowercase();
+            adapters.retain(|a| a.get_info().name.to_ascii_lowercase().contains(&want_l));
+        }
+        adapters.sort_by_key(|a| rank(a.get_info().device_type));
+        let adapter = adapters.into_iter().next().ok_or_else(|| Error::NoAdapter {
+            wanted: match &opts.adapter {
+                Some(a) => format!("name containing `{a}` on backends {:?}", opts.backends),
+                None => format!("backends {:?}", opts.backends),
+            },
+            seen: if seen.is_empty() {
+                "none (no Vulkan/Metal/DX12 driver found; on Linux without a GPU install Mesa lavapipe: \
+                 `apt-get install mesa-vulkan-drivers libvulkan1`)"
+                    .into()
+            } else {
+                seen.join(", ")
+            },
+        })?;
+        Self::open(instance, adapter, opts.checks).await
+    }
+
+    async fn open(instance: wgpu::Instance, adapter: wgpu::Adapter, checks: ShaderChecks) -> Result<Runtime> {
+        let mut info = adapter.get_info();
+        if info.name.is_empty() {
+            // Browsers do not name their WebGPU adapter.
+            info.name = match info.backend {
+                wgpu::Backend::BrowserWebGpu => "browser WebGPU adapter".into(),
+                b => format!("unnamed {b:?} adapter"),
+            };
+        }
+        let af = adapter.features();
+        let wanted = wgpu::Features::SHADER_F16
+            | wgpu::Features::SUBGROUP
+            | wgpu::Features::TIMESTAMP_QUERY
+            | wgpu::Features::TIMESTAMP_QUERY_INSIDE_ENCODERS;
+        let mut features = af & wanted;
+        let coop_f16 = coop_f16_offered(&adapter);
+        let mut experimental = wgpu::ExperimentalFeatures::disabled();
+        if coop_f16 {
+            features |= wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX | wgpu::Features::SHADER_I16;
+            // SAFETY: wgpu's cooperative matrices are experimental (wgpu may hold bugs there);
+            // only the kernel that uses them depends on them, and its GPU-vs-CPU test checks
+            // its outputs on every device that offers them.
+            experimental = unsafe { wgpu::ExperimentalFeatures::enabled() };
+        }
+        let limits = adapter.limits();
+        let (device, queue) = adapter
+            .request_device(&wgpu::DeviceDescriptor {
+                label: Some("expertkv"),
+                required_features: features,
+                required_limits: limits.clone(),
+                experimental_features: experimental,
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| Error::RequestDevice { adapter: info.name.clone(), message: e.to_string() })?;
+
+        let health = Arc::new(Mutex::new(Health::default()));
+        {
+            let h = health.clone();
+            device.set_device_lost_callback(move |reason, message| {
+                if let Ok(mut h) = h.lock() {
+                    h.lost = Some((format!("{reason:?}"), message));
+                }
+            });
+            let h = health.clone();
+            device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
+                if let Ok(mut h) = h.lock() {
+                    h.uncaptured.push(e.to_string());
+                }
+            }));
+        }
+        let limits = device.limits();
+        let subgroups = features.contains(wgpu::Features::SUBGROUP) && info.subgroup_min_size >= 8;
+        let caps = Capabilities {
+            f16: features.contains(wgpu::Features::SHADER_F16),
+            subgroups,
+            subgroup_min_size: info.subgroup_min_size,
+            subgroup_max_size: info.subgroup_max_size,
+            timestamps: features.contains(wgpu::Features::TIMESTAMP_QUERY),
+            timestamp_period_ns: queue.get_timestamp_period(),
+            max_storage_binding_bytes: limits.max_storage_buffer_binding_size,
+            max_buffer_bytes: limits.max_buffer_size,
+            max_storage_buffers_per_stage: limits.max_storage_buffers_per_shader_stage,
+            max_workgroup_storage_bytes: limits.max_compute_workgroup_storage_size,
+            max_invocations_per_workgroup: limits.max_compute_invocations_per_workgroup,
+            coop_f16,
+        };
+        let tier = if subgroups { Tier::Subgroups } else { Tier::Baseline };
+        let checks = if cfg!(target_arch = "wasm32") { ShaderChecks::Checked } else { checks };
+        Ok(Runtime {
+            instance,
+            adapter,
+            device,
+            queue,
+            info,
+            limits,
+            caps,
+            tier,
+            checks,
+            health,
+            f16_subnormals: Default::default(),
+            pipelines: Default::default(),
+        })
+    }
+
+    /// Err if the device was lost or an error escaped every error scope since the last check.
+    pub fn check(&self, during: &str) -> Result<()> {
+        let mut h = self.health.lock().map_err(|_| Error::Gpu { during: during.into(), message: "health state poisoned".into() })?;
+        if let Some((reason, message)) = &h.lost {
+            return Err(Error::DeviceLost { reason: reason.clone(), message: message.clone() });
+        }
+        if !h.uncaptured.is_empty() {
+            let message = h.uncaptured.join("; ");
+            h.uncaptured.clear();
+            return Err(Error::Gpu { during: during.into(), message });
+        }
+        Ok(())
+    }
+
+    /// Whether this device was lost.
+    pub fn is_lost(&self) -> bool {
+        self.health.lock().map(|h| h.lost.is_some()).unwrap_or(true)
+    }
+
+    /// Whether this device's f16 arithmetic keeps subnormal inputs and results exactly (false
+    /// without shader-f16): `probe/f16_subnormal.wgsl` against its CPU reference
+    /// ([`crate::runtime::probe`]), run on the first call and remembered.
+    pub async fn f16_subnormals(&self) -> Result<bool> {
+        if let Some(v) = self.f16_subnormals.get() {
+            return Ok(*v);
+        }
+        let v = self.caps.f16 && self.probe_f16_subnormals().await? == 0;
+        Ok(*self.f16_subnormals.get_or_init(|| v))
+    }
+
+    /// Run the subnormal probe: the number of its cases that missed the exact results.
+    pub async fn probe_f16_subnormals(&self) -> Result<usize> {
+        let cases = crate::runtime::probe::f16_subnormal_cases();
+        let pipeline = self.pipeline(Kernel::ProbeF16Subnormal, &[]).await?;
+        let input = self.storage_init("probe/f16_subnormal cases", &cases);
+        let out = self.storage("probe/f16_subnormal out", (cases.len() * 16) as u64);
+        self.fill_u32(&out, 0xffff_ffff);
+        let bind = self.bind(Kernel::ProbeF16Subnormal.label(), &pipeline, &[&input, &out]);
+        let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("probe/f16_subnormal") });
+        {
+            let mut pass =
+                enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("probe/f16_subnormal"), timestamp_writes: None });
+            pass.set_pipeline(&pipeline);
+            pass.set_bind_group(0, &bind, &[]);
+            pass.dispatch_workgroups((cases.len() as u32).div_ceil(64), 1, 1);
+        }
+        self.queue.submit([enc.finish()]);
+        self.check("probe/f16_subnormal")?;
+        let got: Vec<[f32; 4]> = self.read(&out, 0, cases.len() as u64).await?;
+        Ok(crate::runtime::probe::f16_subnormal_misses(&cases, &got))
+    }
+
+    /// Largest single storage binding (and buffer) this device allows.
+    pub fn max_binding_bytes(&self) -> u64 {
+        self.caps.max_storage_binding_bytes.min(self.caps.max_buffer_bytes)
+    }
+
+    /// Build a kernel's pipeline inside an error scope; a failure names the kernel.
+    /// `constants` set the kernel's `override` values.
+    pub async fn pipeline(&self, kernel: Kernel, constants: &[(&str, f64)]) -> Result<wgpu::ComputePipeline> {
+        self.pipeline_with(kernel, &[], constants).await
+    }
+
+    /// [`Runtime::pipeline`] with `//!define` values (name, WGSL literal) for the kernel's text.
+    pub async fn pipeline_with(
+        &self,
+        kernel: Kernel,
+        defines: &[(&str, String)],
+        constants: &[(&str, f64)],
+    ) -> Result<wgpu::ComputePipeline> {
+        self.check("pipeline creation")?;
+        let mut text = kernel.resolved_with(defines).map_err(|e| Error::Pipeline { kernel: kernel.label(), message: e.to_string() })?;
+        if kernel.needs_subgroups() {
+            if !self.caps.subgroups {
+                return Err(Error::Pipeline {
+                    kernel: kernel.label(),
+                    message: "needs subgroups, which this device lacks; use the baseline variant".into(),
+                });
+            }
+            if cfg!(target_arch = "wasm32") {
+                text.insert_str(0, "enable subgroups;\n");
+            }
+        }
+        if kernel.needs_f16() && !self.caps.f16 {
+            return Err(Error::Pipeline { kernel: kernel.label(), message: "needs shader-f16, which this device lacks".into() });
+        }
+        let unchecked = self.checks == ShaderChecks::TrustedTested && kernel.may_run_unchecked();
+        let key = PipelineKey {
+            entry: kernel.entry_point(),
+            text,
+            constants: constants.iter().map(|(n, v)| ((*n).to_string(), v.to_bits())).collect(),
+            unchecked,
+        };
+        if let Some(p) = self.pipelines.lock().ok().and_then(|m| m.get(&key).cloned()) {
+            return Ok(p);
+        }
+        let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let desc = wgpu::ShaderModuleDescriptor { label: Some(kernel.label()), source: wgpu::ShaderSource::Wgsl(key.text.as_str().into()) };
+        let module = if unchecked {
+            // SAFETY: `may_run_unchecked` lists only kernels whose every index the GPU-vs-CPU
+            // tests exercise (tests/tests/gpu) over random shapes, in both check modes.
+            unsafe { self.device.create_shader_module_trusted(desc, wgpu::ShaderRuntimeChecks::unchecked()) }
+        } else {
+            self.device.create_shader_module(desc)
+        };
+        let pipeline = self.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+            label: Some(kernel.label()),
+            layout: None,
+            module: &module,
+            entry_point: Some(kernel.entry_point()),
+            compilation_options: wgpu::PipelineCompilationOptions { constants, zero_initialize_workgroup_memory: false },
+            cache: None,
+        });
+        if let Some(e) = scope.pop().await {
+            return Err(Error::Pipeline { kernel: kernel.label(), message: e.to_string() });
+        }
+        if let Ok(mut m) = self.pipelines.lock() {
+            m.insert(key, pipeline.clone());
+        }
+        Ok(pipeline)
+    }
+
+    /// A storage buffer of `size` bytes (at least 4).
+    pub fn storage(&self, label: &str, size: u64) -> wgpu::Buffer {
+        self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(label),
+            size: size.max(4).next_multiple_of(4),
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        })
+    }
+
+    /// A storage buffer holding `data`.
+    pub fn storage_init<T: bytemuck::Pod>(&self, label: &str, data: &[T]) -> wgpu::Buffer {
+        let buf = self.storage(label, std::mem::size_of_val(data) as u64);
+        if !data.is_empty() {
+            self.queue.write_buffer(&buf, 0, bytemuck::cast_slice(data));
+        }
+        buf
+    }
+
+    /// A uniform buffer holding `value`.
+    pub fn uniform<T: bytemuck::Pod>(&self, label: &str, value: &T) -> wgpu::Buffer {
+        let buf = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(label),
+            size: std::mem::size_of::<T>() as u64,
+            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        self.queue.write_buffer(&buf, 0, bytemuck::bytes_of(value));
+        buf
+    }
+
+    /// Bind group 0 of `pipeline` from buffers in binding order.
+    pub fn bind(&self, label: &str, pipeline: &wgpu::ComputePipeline, buffers: &[&wgpu::Buffer]) -> wgpu::BindGroup {
+        let layout = pipeline.get_bind_group_layout(0);
+        let entries: Vec<wgpu::BindGroupEntry> =
+            buffers.iter().enumerate().map(|(i, b)| wgpu::BindGroupEntry { binding: i as u32, resource: b.as_entire_binding() }).collect();
+        self.device.create_bind_group(&wgpu::BindGroupDescriptor { label: Some(label), layout: &layout, entries: &entries })
+    }
+
+    /// Bind group 0 of `pipeline` from (binding, buffer) pairs: for entry points of a file with
+    /// several, whose automatic layout holds only the bindings that entry point uses.
+    pub fn bind_at(&self, label: &str, pipeline: &wgpu::ComputePipeline, buffers: &[(u32, &wgpu::Buffer)]) -> wgpu::BindGroup {
+        let layout = pipeline.get_bind_group_layout(0);
+        let entries: Vec<wgpu::BindGroupEntry> =
+            buffers.iter().map(|(i, b)| wgpu::BindGroupEntry { binding: *i, resource: b.as_entire_binding() }).collect();
+        self.device.create_bind_group(&wgpu::BindGroupDescriptor { label: Some(label), layout: &layout, entries: &entries })
+    }
+
+    /// Fill a buffer with a repeated 32-bit pattern (used to poison outputs before a run).
+    pub fn fill_u32(&self, buffer: &wgpu::Buffer, value: u32) {
+        let n = (buffer.size() / 4) as usize;
+        const CHUNK: usize = 1 << 20;
+        let chunk = vec![value; n.min(CHUNK)];
+        let mut off = 0;
+        while off < n {
+            let len = (n - off).min(CHUNK);
+            self.queue.write_buffer(buffer, (off * 4) as u64, bytemuck::cast_slice(&chunk[..len]));
+            off += len;
+        }
+    }
+
+    /// Wait for all submitted work (native); a no-op on the web, where the browser drives it.
+    pub fn wait(&self) -> Result<()> {
+        #[cfg(not(target_arch = "wasm32"))]
+        self.device.poll(wgpu::PollType::wait_indefinitely()).map_err(|e| Error::Gpu { during: "wait".into(), message: e.to_string() })?;
+        self.check("wait")
+    }
+
+    /// Copy `count` elements of `T` from `buffer` (starting at element `first`) back to the host.
+    pub async fn read<T: bytemuck::Pod>(&self, buffer: &wgpu::Buffer, first: u64, count: u64) -> Result<Vec<T>> {
+        let size = std::mem::size_of::<T>() as u64;
+        let bytes = count * size;
+        if bytes == 0 {
+            return Ok(Vec::new());
+        }
+        let label = "readback".to_owned();
+        let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("expertkv readback"),
+            size: bytes.next_multiple_of(4),
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("readback") });
+        enc.copy_buffer_to_buffer(buffer, first * size, &staging, 0, bytes.next_multiple_of(4));
+        self.queue.submit([enc.finish()]);
+        let slot = Arc::new(Mutex::new(MapSlot::default()));
+        {
+            let slot = slot.clone();
+            staging.slice(..).map_async(wgpu::MapMode::Read, move |r| {
+                if let Ok(mut s) = slot.lock() {
+                    s.result = Some(r.map_err(|e| e.to_string()));
+                    if let Some(w) = s.waker.take() {
+                        w.wake();
+                    }
+                }
+            });
+        }
+        self.wait()?;
+        MapFuture { slot }.await.map_err(|message| Error::Readback { label: label.clone(), message })?;
+        let view = staging.slice(..).get_mapped_range().map_err(|e| Error::Readback { label: label.clone(), message: e.to_string() })?;
+        let out = bytemuck::pod_collect_to_vec::<u8, T>(&view[..bytes as usize]);
+        drop(view);
+        staging.unmap();
+        Ok(out)
+    }
+
+    /// The whole buffer as `T`s.
+    pub async fn read_all<T: bytemuck::Pod>(&self, buffer: &wgpu::Buffer) -> Result<Vec<T>> {
+        self.read(buffer, 0, buffer.size() / std::mem::size_of::<T>() as u64).await
+    }
+}
+
+#[derive(Default)]
+struct MapSlot {
+    result: Option<std::result::Result<(), String>>,
+    waker: Option<Waker>,
+}
+
+struct MapFuture {
+    slot: Arc<Mutex<MapSlot>>,
+}
+
+impl Future for MapFuture {
+    type Output = std::result::Result<(), String>;
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let Ok(mut s) = self.slot.lock() else {
+            return Poll::Ready(Err("map state poisoned".into()));
+        };
+        match s.result.take() {
+            Some(r) => Poll::Ready(r),
+            None => {
+                s.waker = Some(cx.waker().clone());
+                Poll::Pending
+            }
+        }
+    }
+}
+
+/// `n` workgroups as (x, y) within the per-dimension limit: (n, 1) up to 65,535, else rows of
+/// 65,535 (the kernel skips indices past `n`).
+pub fn split_workgroups(n: u32) -> [u32; 2] {
+    [n.min(65_535), n.div_ceil(65_535)]
+}
+
+/// Workgroups (x, y) covering `n` invocations in groups of 64 within the per-dimension limit.
+pub fn grid(n: u32) -> (u32, u32) {
+    let groups = n.div_ceil(64).max(1);
+    if groups <= 65_535 { (groups, 1) } else { (65_535, groups.div_ceil(65_535)) }
+}

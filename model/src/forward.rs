@@ -1,0 +1,789 @@
+//! A Llama-architecture forward pass on the GPU whose K/V live in the expertkv pool: every
+//! matrix product reads the GGUF's quantised weights in-kernel (`ops`), every token's keys and
+//! values are appended to the paged pool and attention reads them back through the same
+//! `attend_decode` kernels the pipeline uses. Prompts go in token by token (each a decode step,
+//! so prefill and decode share one path).
+//!
+//! A step is one submission ([`GpuLlama::forward`]): nothing of a layer crosses to the host;
+//! the host writes the token ids, positions and the append's records, and reads the logits (and,
+//! MoEfied, the experts chosen). Sequences decode together (one token each per step, up to
+//! [`MATVEC_MAX_TOKENS`]).
+
+use crate::moe::Moefication;
+use crate::ops::{GpuMatrix, MATVEC_MAX_TOKENS, ModelKernels, MoeFfn, Recorded, WeightFormat};
+use crate::{Error, Result};
+use crate::{config::LlamaConfig, gguf::Gguf};
+use expertkv_core::append::KvPool;
+use expertkv_core::append::format::NewToken;
+use expertkv_core::attend::{AttendOptions, Attention};
+use expertkv_core::config::{Codec, KvDtype, PoolConfig, ShardMap};
+use expertkv_core::evict::Scheduler;
+use expertkv_core::evict::config::{SchedulerConfig, Threshold};
+use expertkv_core::route::config::RouterConfig;
+use expertkv_core::route::{RouteShape, Router};
+use expertkv_core::runtime::Runtime;
+
+/// Positions per sequence the low-rank codecs' basis is fitted on (their calibration window):
+/// every (layer, KV head)'s K and V subspace from the model's own first tokens.
+pub const LOW_RANK_CALIBRATION_TOKENS: u32 = 64;
+
+struct Layer {
+    attn_norm: wgpu::Buffer,
+    wq: GpuMatrix,
+    wk: GpuMatrix,
+    wv: GpuMatrix,
+    wo: GpuMatrix,
+    ffn_norm: wgpu::Buffer,
+    /// The dense FFN: gate rows then up rows (one product gives SwiGLU's [gate; up] per token),
+    /// and the down projection. `None` in a MoE file (its experts are [`GpuMoe`]'s).
+    ffn: Option<(GpuMatrix, GpuMatrix)>,
+}
+
+/// Scratch buffers of one step (sized for `max_seqs` tokens).
+struct Scratch {
+    tokens: wgpu::Buffer,
+    positions: wgpu::Buffer,
+    h: wgpu::Buffer,
+    xn: wgpu::Buffer,
+    k: wgpu::Buffer,
+    v: wgpu::Buffer,
+    /// K then V of each token in the pool's storage words (`ModelKernels::kv_pack`).
+    kv_words: wgpu::Buffer,
+    gu: wgpu::Buffer,
+    act: wgpu::Buffer,
+    logits: wgpu::Buffer,
+}
+
+/// Every model kernel's dispatch of a step, recorded once at load (the buffers, shapes and
+/// therefore uniforms and bind groups are the same every step) and replayed by
+/// [`GpuLlama::forward`] between the pool's and attention's own passes.
+struct Recording {
+    embed: Recorded,
+    /// Per layer: RMSNorm, Q/K/V projections, RoPE, K/V packed for the append.
+    attention_inputs: Vec<Recorded>,
+    /// Per layer: output projection added to the residual, RMSNorm, the dense FFN (its down
+    /// projection added to the residual).
+    ffn: Vec<Recorded>,
+    head: Recorded,
+}
+
+/// The expert FFNs, recorded per layer: the router's weights (`[E][hidden]`, f32, scored with
+/// the matrix-vector kernel), its top-k, the chosen experts' weights, and the experts' FFN (the
+/// recorded bind groups hold the buffers). Either MoEfied ([`GpuLlama::set_moe`]: centroids,
+/// weights 1) or a MoE file's own ([`GpuLlama::load`]: `ffn_gate_inp`, softmax weights).
+struct GpuMoe {
+    top_k: u32,
+    n_experts: u32,
+    /// A MoE file's own experts: the chosen experts' weights are the softmax of their scores.
+    native: bool,
+    /// Per layer: the router's weights and the experts' FFN.
+    layers: Vec<(GpuMatrix, MoeFfn)>,
+    /// The router's scores `[seq][E]`, the chosen experts `[seq][k]`, their weights `[seq][k]`
+    /// (all 1 when MoEfied), the experts' activations.
+    scores: wgpu::Buffer,
+    sel: wgpu::Buffer,
+    wts: wgpu::Buffer,
+    act: wgpu::Buffer,
+    /// The experts every layer chose in this step, `[layer][seq][k]`, read back once per step.
+    log: wgpu::Buffer,
+    /// Tokens routed to each (layer, expert) so far, `layer * E + e`.
+    counts: Vec<u64>,
+    /// Per layer: output projection, residual, RMSNorm, router, top-k, the chosen experts,
+    /// residual (replacing [`Recording::ffn`]).
+    recorded: Vec<Recorded>,
+    /// One of the pipeline's routers over the centroid scores ([`GpuLlama::set_moe_router`]).
+    routed: Option<RoutedMoe>,
+}
+
+/// The expert FFN with the pipeline's router choosing the experts: per layer the part before
+/// the router (output projection, RMSNorm, router scores) and after it (the chosen experts'
+/// weights when native, the experts).
+struct RoutedMoe {
+    router: Router,
+    before: Vec<Recorded>,
+    after: Vec<Recorded>,
+}
+
+pub struct GpuLlama {
+    pub cfg: LlamaConfig,
+    kernels: ModelKernels,
+    /// Each layer's matrices (the MoEfied FFN's recording takes its attention output from here;
+    /// the recorded bind groups keep every other buffer alive).
+    layers: Vec<Layer>,
+    pub pool: KvPool,
+    attn: Attention,
+    /// Evicts after every step down to its budget (tokens per layer x sequence x KV head).
+    pub scheduler: Option<Scheduler>,
+    s: Scratch,
+    recorded: Recording,
+    moe: Option<GpuMoe>,
+    pub n_seqs: u32,
+    /// Next position of every sequence.
+    pub positions: Vec<u32>,
+    step: u32,
+    /// Low-rank codecs: positions per sequence before the basis is fitted, and the most the raw
+    /// pages were sized for.
+    calibration_tokens: u32,
+    calibration_max: u32,
+}
+
+fn norm_buffer(rt: &Runtime, g: &Gguf<'_>, name: &str) -> Result<wgpu::Buffer> {
+    Ok(rt.storage_init(name, &g.tensor_f32(name)?))
+}
+
+fn matrix(rt: &Runtime, g: &Gguf<'_>, names: &[&str]) -> Result<GpuMatrix> {
+    let mut bytes = Vec::new();
+    let (mut rows, mut cols, mut format) = (0u32, 0u32, None);
+    for name in names {
+        let t = g.tensor(name).ok_or_else(|| Error::Model(format!("tensor `{name}` is missing")))?;
+        let f = WeightFormat::from_ggml(t.ggml_type())?;
+        if format.is_some_and(|x| x != f) || (cols != 0 && cols as u64 != t.dims()[0]) {
+            return Err(Error::Model(format!("{names:?}: the matrices to stack differ in format or width")));
+        }
+        format = Some(f);
+        cols = t.dims()[0] as u32;
+        rows += t.dims()[1] as u32;
+        bytes.extend_from_slice(g.tensor_data(name)?);
+    }
+    let format = format.ok_or_else(|| Error::Model("no matrix named".into()))?;
+    GpuMatrix::upload(rt, names[0], format, rows, cols, &bytes)
+}
+
+/// How [`GpuLlama::load`] sets the model's K/V pool up.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelOptions {
+    /// Sequences decoded together (1 to [`MATVEC_MAX_TOKENS`]).
+    pub n_seqs: u32,
+    /// Tokens per sequence the pool holds.
+    pub max_context: u32,
+    pub dtype: KvDtype,
+    /// An evicting scheduler and its budget (tokens per layer x sequence x KV head).
+    pub scheduler: Option<(SchedulerConfig, u32)>,
+    pub codec: Codec,
+}
+
+impl ModelOptions {
+    /// `n_seqs` sequences of up to `max_context` tokens, f16 K/V, full cache, no codec.
+    pub fn new(n_seqs: u32, max_context: u32) -> Self {
+        ModelOptions { n_seqs, max_context, dtype: KvDtype::F16, scheduler: None, codec: Codec::None }
+    }
+
+    pub fn dtype(self, dtype: KvDtype) -> Self {
+        ModelOptions { dtype, ..self }
+    }
+
+    pub fn scheduler(self, scheduler: Option<(SchedulerConfig, u32)>) -> Self {
+        ModelOptions { scheduler, ..self }
+    }
+
+    pub fn codec(self, codec: Codec) -> Self {
+        ModelOptions { codec, ..self }
+    }
+}
+
+/// Record every model kernel's dispatch of a step (see [`Recording`]).
+#[allow(clippy::too_many_arguments)]
+fn record(
+    rt: &Runtime,
+    k: &ModelKernels,
+    c: &LlamaConfig,
+    layers: &[Layer],
+    (embed, output, out_norm): (&GpuMatrix, Option<&GpuMatrix>, &wgpu::Buffer),
+    s: &Scratch,
+    attn: &Attention,
+    n: u32,
+    f16: bool,
+) -> Result<Recording> {
+    let (h, hq, hkv, d) = (c.embedding_length, c.head_count, c.head_count_kv, c.head_dim);
+    let mut rec = Recording { embed: Recorded::default(), attention_inputs: Vec::new(), ffn: Vec::new(), head: Recorded::default() };
+    k.embed(rt, &mut rec.embed, embed, &s.tokens, &s.h, n);
+    for w in layers {
+        let mut p = Recorded::default();
+        k.rmsnorm(rt, &mut p, &s.h, &w.attn_norm, &s.xn, n, h, c.rms_norm_eps);
+        k.matvec(rt, &mut p, &w.wq, &s.xn, &attn.queries, n)?;
+        k.matvec(rt, &mut p, &w.wk, &s.xn, &s.k, n)?;
+        k.matvec(rt, &mut p, &w.wv, &s.xn, &s.v, n)?;
+        k.rope(rt, &mut p, &attn.queries, &s.positions, n, hq, d, c.rope_freq_base);
+        k.rope(rt, &mut p, &s.k, &s.positions, n, hkv, d, c.rope_freq_base);
+        k.kv_pack(rt, &mut p, &s.k, &s.v, &s.kv_words, n, hkv * d, f16)?;
+        rec.attention_inputs.push(p);
+        let mut p = Recorded::default();
+        // A MoE file's layer has no dense FFN: its experts are recorded by `install_moe`.
+        if let Some((gate_up, down)) = &w.ffn {
+            attention_output(rt, k, c, w, s, attn, n, &mut p)?;
+            k.matvec(rt, &mut p, gate_up, &s.xn, &s.gu, n)?;
+            k.swiglu(rt, &mut p, &s.gu, &s.act, n, c.feed_forward_length);
+            k.matvec_add(rt, &mut p, down, &s.act, &s.h, n)?;
+        }
+        rec.ffn.push(p);
+    }
+    k.rmsnorm(rt, &mut rec.head, &s.h, out_norm, &s.xn, n, h, c.rms_norm_eps);
+    k.matvec(rt, &mut rec.head, output.unwrap_or(embed), &s.xn, &s.logits, n)?;
+    Ok(rec)
+}
+
+/// The output projection added to the residual stream, and the FFN's RMSNorm (the FFN input
+/// lands in `s.xn`).
+#[allow(clippy::too_many_arguments)]
+fn attention_output(
+    rt: &Runtime,
+    k: &ModelKernels,
+    c: &LlamaConfig,
+    w: &Layer,
+    s: &Scratch,
+    attn: &Attention,
+    n: u32,
+    p: &mut Recorded,
+) -> Result<()> {
+    k.matvec_add(rt, p, &w.wo, attn.output(), &s.h, n)?;
+    k.rmsnorm(rt, p, &s.h, &w.ffn_norm, &s.xn, n, c.embedding_length, c.rms_norm_eps);
+    Ok(())
+}
+
+impl GpuLlama {
+    /// Upload the model's weights and build its K/V pool as `opts` says: `n_seqs` sequences of
+    /// up to `max_context` tokens each, K/V in `dtype`; with an evicting scheduler and its budget
+    /// (tokens per layer x sequence x KV head), which after every step evicts down to the budget
+    /// using the model's own attention mass; or with a page codec: every page that leaves its
+    /// ring's head is compressed on the GPU right after the step's append, and attention decodes
+    /// compressed pages in-kernel. The low-rank codecs first fit their basis on the model's own
+    /// K/V of the first [`LOW_RANK_CALIBRATION_TOKENS`] positions (the calibration window, kept
+    /// raw; see [`GpuLlama::set_calibration_tokens`]), then compress those pages and every later
+    /// one. Not a codec with an evicting scheduler (evicting from a compressed page would need
+    /// it re-encoded).
+    pub async fn load(rt: &Runtime, g: &Gguf<'_>, opts: ModelOptions) -> Result<GpuLlama> {
+        let ModelOptions { n_seqs, max_context, dtype, scheduler, codec } = opts;
+        if codec != Codec::None && scheduler.is_some() {
+            return Err(Error::config("codec", codec.name(), "codecs run with the full cache (no scheduler)"));
+        }
+        let cfg = LlamaConfig::from_gguf(g)?;
+        cfg.check_tensors(g)?;
+        if n_seqs == 0 || n_seqs > MATVEC_MAX_TOKENS {
+            return Err(Error::config("seqs", n_seqs, format!("the model decodes 1 to {MATVEC_MAX_TOKENS} sequences together")));
+        }
+        if max_context == 0 || max_context > cfg.context_length {
+            return Err(Error::config(
+                "context",
+                max_context,
+                format!("must be in 1..={} (the model's trained context)", cfg.context_length),
+            ));
+        }
+        let kernels = ModelKernels::new(rt).await?;
+        let mut layers = Vec::new();
+        for l in 0..cfg.block_count {
+            let n = |s: &str| format!("blk.{l}.{s}.weight");
+            layers.push(Layer {
+                attn_norm: norm_buffer(rt, g, &n("attn_norm"))?,
+                wq: matrix(rt, g, &[&n("attn_q")])?,
+                wk: matrix(rt, g, &[&n("attn_k")])?,
+                wv: matrix(rt, g, &[&n("attn_v")])?,
+                wo: matrix(rt, g, &[&n("attn_output")])?,
+                ffn_norm: norm_buffer(rt, g, &n("ffn_norm"))?,
+                ffn: if cfg.expert_count == 0 {
+                    Some((matrix(rt, g, &[&n("ffn_gate"), &n("ffn_up")])?, matrix(rt, g, &[&n("ffn_down")])?))
+                } else {
+                    None
+                },
+            });
+        }
+        let embed = matrix(rt, g, &["token_embd.weight"])?;
+        let output = if g.tensor("output.weight").is_some() { Some(matrix(rt, g, &["output.weight"])?) } else { None };
+        let out_norm = norm_buffer(rt, g, "output_norm.weight")?;
+        let page_size = 16;
+        let pages_per_list = max_context.div_ceil(page_size) + 1;
+        let mut pool_cfg = PoolConfig {
+            layers: cfg.block_count,
+            kv_heads: cfg.head_count_kv,
+            head_dim: cfg.head_dim,
+            page_size,
+            dtype,
+            n_pages: cfg.block_count * n_seqs * cfg.head_count_kv * pages_per_list,
+            max_seqs: n_seqs,
+            n_shards: 1,
+            ring_capacity: pages_per_list + 1,
+            top_k: 1,
+            shard_map: ShardMap::ByExpert,
+            max_buffer_bytes: None,
+            codec: Codec::None,
+            codec_pages: 0,
+        };
+        if codec != Codec::None {
+            // Raw pages only for every list's head page (and one to spare), plus, for the
+            // low-rank codecs, the calibration window's pages; the rest compressed.
+            let lists = cfg.block_count * n_seqs * cfg.head_count_kv;
+            let window = if codec.is_low_rank() { LOW_RANK_CALIBRATION_TOKENS.min(max_context).div_ceil(page_size) } else { 0 };
+            pool_cfg.codec_pages = pool_cfg.n_pages;
+            pool_cfg.n_pages = lists * (3 + window);
+            pool_cfg.codec = codec;
+        }
+        pool_cfg.validate()?;
+        let pool = KvPool::new(rt, pool_cfg).await?;
+        let group = cfg.head_count / cfg.head_count_kv;
+        let mass = scheduler.as_ref().is_some_and(|(s, _)| s.evicts());
+        let attn = Attention::new(rt, &pool, AttendOptions { group, n_seqs, chunk_pages: 8, mass, ..Default::default() }).await?;
+        let scheduler = match scheduler {
+            Some((s, budget)) if s.uses_evict_kernels() => Some(Scheduler::new(rt, &pool, s, budget, Threshold::default()).await?),
+            Some((s, _)) => {
+                return Err(Error::config(
+                    "scheduler",
+                    s.name(),
+                    "the model runs the evicting schedulers (h2o, streaming-llm, lru, lru-plus, adakv, duo, fastv-tokens)",
+                ));
+            }
+            None => None,
+        };
+        let (h, kv, vocab) = (cfg.embedding_length, cfg.head_count_kv * cfg.head_dim, cfg.vocab_size);
+        // A MoE file's dense-FFN scratch is never used.
+        let f = if cfg.expert_count == 0 { cfg.feed_forward_length } else { 1 };
+        let buf = |label: &str, floats: u32| rt.storage(label, u64::from(n_seqs) * u64::from(floats) * 4);
+        let s = Scratch {
+            tokens: buf("model tokens", 1),
+            positions: buf("model positions", 1),
+            h: buf("model h", h),
+            xn: buf("model xn", h),
+            k: buf("model k", kv),
+            v: buf("model v", kv),
+            kv_words: buf("model kv words", 2 * kv),
+            gu: buf("model gate_up", 2 * f),
+            act: buf("model act", f),
+            logits: buf("model logits", vocab),
+        };
+        let f16 = pool.cfg.dtype == KvDtype::F16;
+        let recorded = record(rt, &kernels, &cfg, &layers, (&embed, output.as_ref(), &out_norm), &s, &attn, n_seqs, f16)?;
+        rt.check("model upload")?;
+        let native = if cfg.expert_count > 0 { Some(native_experts(rt, g, &cfg)?) } else { None };
+        let mut model = GpuLlama {
+            cfg,
+            kernels,
+            recorded,
+            layers,
+            pool,
+            attn,
+            scheduler,
+            s,
+            moe: None,
+            n_seqs,
+            positions: vec![0; n_seqs as usize],
+            step: 0,
+            calibration_tokens: LOW_RANK_CALIBRATION_TOKENS.min(max_context),
+            calibration_max: LOW_RANK_CALIBRATION_TOKENS.min(max_context),
+        };
+        if let Some(layers) = native {
+            let (e, k) = (model.cfg.expert_count, model.cfg.expert_used_count);
+            model.install_moe(rt, layers, e, k, true)?;
+        }
+        Ok(model)
+    }
+
+    /// Replace every layer's dense FFN with `moe`'s experts (clustered from this model's weights,
+    /// [`Moefication::from_weights`]): the router scores each token's FFN input against the
+    /// centroids on the GPU, picks the top k there (as the CPU reference does), and only those
+    /// experts' neurons are read and evaluated. The dense FFN matrices stay loaded. Refused for a
+    /// MoE file (it runs its own experts from the start).
+    pub fn set_moe(&mut self, rt: &Runtime, g: &Gguf<'_>, moe: &Moefication) -> Result<()> {
+        let c = &self.cfg;
+        let (hidden, ffn) = (c.embedding_length, c.feed_forward_length);
+        if c.expert_count > 0 || moe.is_native() {
+            return Err(Error::config(
+                "experts",
+                moe.config.experts,
+                "MoEfication splits a dense model's FFNs; a MoE file runs its own experts and router",
+            ));
+        }
+        if moe.layers.len() != c.block_count as usize {
+            return Err(Error::Model(format!("{} MoEfied layers for a model of {}", moe.layers.len(), c.block_count)));
+        }
+        let e = moe.config.experts as u32;
+        let k = moe.config.top_k as u32;
+        let mut layers = Vec::new();
+        for (l, ml) in moe.layers.iter().enumerate() {
+            if ml.neurons.len() != ffn as usize || ml.centroids.len() != (e * hidden) as usize {
+                return Err(Error::Model(format!("layer {l}: the experts were made for another model shape")));
+            }
+            let n = |s: &str| format!("blk.{l}.{s}.weight");
+            let format = same_format(g, &n("ffn_gate"), &n("ffn_up"))?;
+            let down_f = g.tensor_f32(&n("ffn_down"))?;
+            let ffn_l = MoeFfn::upload(
+                rt,
+                &format!("blk.{l} moe"),
+                format,
+                hidden,
+                g.tensor_data(&n("ffn_gate"))?,
+                g.tensor_data(&n("ffn_up"))?,
+                &down_f,
+                &ml.neurons,
+                &ml.offsets,
+            )?;
+            let centroids = f32_matrix(rt, &format!("blk.{l} router"), e, hidden, &ml.centroids)?;
+            layers.push((centroids, ffn_l));
+        }
+        self.install_moe(rt, layers, e, k, false)
+    }
+
+    /// Record the expert FFN of every layer in place of the dense one (see [`GpuMoe`]).
+    fn install_moe(&mut self, rt: &Runtime, layers: Vec<(GpuMatrix, MoeFfn)>, e: u32, k: u32, native: bool) -> Result<()> {
+        let c = &self.cfg;
+        let max_size = layers.iter().map(|(_, f)| f.max_size).max().unwrap_or(1).max(1);
+        let n = self.n_seqs;
+        let scores = rt.storage("moe scores", u64::from(n * e) * 4);
+        let sel = rt.storage("moe sel", u64::from(n * k) * 4);
+        // MoEfied experts weigh 1 each; a MoE file's weights are written every layer.
+        let wts = rt.storage_init("moe weights", &vec![1f32; (n * k) as usize]);
+        let log = rt.storage("moe choices", u64::from(c.block_count * n * k) * 4);
+        let act = rt.storage("moe act", u64::from(n * k * max_size) * 4);
+        let (kern, s) = (&self.kernels, &self.s);
+        let mut recorded = Vec::new();
+        for (l, ((router, ffn_l), w)) in layers.iter().zip(&self.layers).enumerate() {
+            // Score the FFN input with the router, take the top k on the GPU, weight the chosen,
+            // then evaluate only those experts' neurons.
+            let mut p = Recorded::default();
+            attention_output(rt, kern, c, w, s, &self.attn, n, &mut p)?;
+            kern.matvec(rt, &mut p, router, &s.xn, &scores, n)?;
+            kern.moe_topk(rt, &mut p, &scores, &sel, &log, l as u32 * n * k, n, e, k)?;
+            if native {
+                kern.moe_weights(rt, &mut p, &scores, &sel, &wts, n, e, k)?;
+            }
+            kern.moe_ffn(rt, &mut p, ffn_l, &s.xn, &sel, &wts, &act, &s.h, n, k, true)?;
+            recorded.push(p);
+        }
+        self.moe = Some(GpuMoe {
+            top_k: k,
+            n_experts: e,
+            native,
+            layers,
+            scores,
+            sel,
+            wts,
+            act,
+            log,
+            counts: vec![0; (c.block_count * e) as usize],
+            recorded,
+            routed: None,
+        });
+        rt.check("moe upload")
+    }
+
+    /// Let one of the pipeline's routers (`route/bias.wgsl`, `route/topk.wgsl`, its load
+    /// statistics and, for the adaptive router, its online update) choose the experts from the
+    /// router's scores, instead of their plain top k: MoEfied experts ([`GpuLlama::set_moe`]
+    /// first) or a MoE file's own (weighted by the softmax of the chosen experts' scores). The
+    /// cache-aware router is refused: the model's pool is not sharded by expert, so there are no
+    /// per-expert cache misses for it to read.
+    pub async fn set_moe_router(&mut self, rt: &Runtime, cfg: RouterConfig) -> Result<()> {
+        let Some(moe) = &mut self.moe else {
+            return Err(Error::config("router", cfg.name(), "routes experts: MoEfy the dense model first (set_moe), or load a MoE file"));
+        };
+        if matches!(cfg, RouterConfig::CacheAware { .. }) {
+            return Err(Error::config(
+                "router",
+                cfg.name(),
+                "the model's pool is not sharded by expert, so there are no per-expert cache misses: use hash, topk, load-balance, entropy, adaptive or hierarchical",
+            ));
+        }
+        let (c, n, e, k) = (&self.cfg, self.n_seqs, moe.n_experts, moe.top_k);
+        let shape = RouteShape { n_experts: e, top_k: k, layers: c.block_count, max_tokens: n };
+        let router = Router::new(rt, cfg, shape, 0.1).await?;
+        let (kern, s) = (&self.kernels, &self.s);
+        let (mut before, mut after) = (Vec::new(), Vec::new());
+        for ((centroids, ffn_l), w) in moe.layers.iter().zip(&self.layers) {
+            let mut p = Recorded::default();
+            attention_output(rt, kern, c, w, s, &self.attn, n, &mut p)?;
+            kern.matvec(rt, &mut p, centroids, &s.xn, &moe.scores, n)?;
+            before.push(p);
+            let mut p = Recorded::default();
+            if moe.native {
+                kern.moe_weights(rt, &mut p, &moe.scores, &moe.sel, &moe.wts, n, e, k)?;
+            }
+            kern.moe_ffn(rt, &mut p, ffn_l, &s.xn, &moe.sel, &moe.wts, &moe.act, &s.h, n, k, true)?;
+            after.push(p);
+        }
+        moe.routed = Some(RoutedMoe { router, before, after });
+        rt.check("moe router")
+    }
+
+    /// The router choosing the MoEfied experts, when one was set.
+    pub fn moe_router(&self) -> Option<&RouterConfig> {
+        self.moe.as_ref().and_then(|m| m.routed.as_ref()).map(|r| &r.router.cfg)
+    }
+
+    /// Bytes of the pool's pages in use (raw pages and compressed pages), as allocated.
+    pub async fn kv_bytes_in_use(&self, rt: &Runtime) -> Result<u64> {
+        let c = &self.pool.cfg;
+        let ctl = self.pool.read_ctl(rt).await?;
+        let raw = u64::from(c.n_pages - ctl.free_top);
+        let codec = u64::from((c.n_ids() - c.n_pages) - ctl.codec_free_top);
+        Ok(raw * c.page_bytes() + codec * c.codec_page_bytes() + self.codec_basis_bytes())
+    }
+
+    /// Bytes of the low-rank codecs' basis (part of [`GpuLlama::kv_bytes_in_use`]); 0 otherwise.
+    pub fn codec_basis_bytes(&self) -> u64 {
+        if self.pool.cfg.codec.is_low_rank() { self.pool.codec_basis.size() } else { 0 }
+    }
+
+    /// Fit the low-rank basis after `tokens` positions instead of [`LOW_RANK_CALIBRATION_TOKENS`]
+    /// (at most that many: the raw pages were sized for it), before the first step.
+    pub fn set_calibration_tokens(&mut self, tokens: u32) -> Result<()> {
+        let max = self.calibration_max;
+        if tokens == 0 || tokens > max || self.step > 0 {
+            return Err(Error::config("calibration", tokens, format!("must be in 1..={max}, set before the first step")));
+        }
+        self.calibration_tokens = tokens;
+        Ok(())
+    }
+
+    /// `(E, k)` of the expert FFNs (MoEfied, or a MoE file's own), `None` for a dense FFN.
+    pub fn moe_shape(&self) -> Option<(u32, u32)> {
+        self.moe.as_ref().map(|m| (m.n_experts, m.top_k))
+    }
+
+    /// Tokens routed to each (layer, expert) so far (`layer * E + e`); empty for the dense model.
+    pub fn expert_counts(&self) -> &[u64] {
+        self.moe.as_ref().map_or(&[], |m| &m.counts)
+    }
+
+    /// One token per sequence at its next position; returns the logits, [seq][vocab].
+    ///
+    /// The whole step is one submission: per layer the projections, RoPE and the K/V packed into
+    /// the pool's layout ([`ModelKernels::kv_pack`]), the pool's append of that layer's tokens
+    /// ([`KvPool::encode_staged_append`], records staged once per step), compression of pages
+    /// that left their ring's head, the layer's page lists ([`KvPool::encode_gather_layer`]),
+    /// attention (the Q projection and RoPE write its query buffer, the output projection reads its
+    /// output buffer), and the FFN (dense, or the MoEfied router's
+    /// top-k on the GPU then only the chosen experts). The host reads the logits back, and the
+    /// experts chosen in every layer once at the end (MoEfied models).
+    pub async fn forward(&mut self, rt: &Runtime, tokens: &[u32]) -> Result<Vec<f32>> {
+        let cb = self.encode_step(rt, tokens)?;
+        rt.queue.submit([cb]);
+        rt.check("model forward")?;
+        let c = self.cfg.clone();
+        let n = self.n_seqs;
+        self.pool.check_errors(rt, n * c.block_count).await?;
+        if let Some(moe) = &mut self.moe {
+            let e = moe.n_experts as usize;
+            let per_layer = (n * moe.top_k) as usize;
+            let log = moe.routed.as_ref().map_or(&moe.log, |r| &r.router.experts);
+            let chosen: Vec<u32> = rt.read(log, 0, (per_layer * c.block_count as usize) as u64).await?;
+            for (l, sel) in chosen.chunks(per_layer).enumerate() {
+                for &x in sel {
+                    moe.counts[l * e + x as usize] += 1;
+                }
+            }
+        }
+        for p in &mut self.positions {
+            *p += 1;
+        }
+        if let Some(sch) = &self.scheduler {
+            // The page lists must be current: this step appended to every layer.
+            self.pool.gather(rt)?;
+            sch.run(rt, self.step, &self.positions)?;
+        }
+        self.step += 1;
+        rt.read(&self.s.logits, 0, u64::from(n * c.vocab_size)).await
+    }
+
+    /// Time `n` decode steps of `token` (for every sequence) submitted back to back with
+    /// nothing read between them, as a serving loop that keeps the GPU busy would run: the first
+    /// half untimed (an idle GPU takes a while to reach its serving clock), the second half
+    /// timed: wall time per step, and the host's share (staging, encoding, submitting). The
+    /// steps' K/V stay in the pool and the positions advance; the per-expert counts are not
+    /// updated. Not with an evicting scheduler (it runs between steps).
+    #[cfg(not(target_arch = "wasm32"))]
+    pub async fn time_steps(&mut self, rt: &Runtime, token: u32, n: u32) -> Result<serde_json::Value> {
+        if self.scheduler.is_some() {
+            return Err(Error::Input("timing back-to-back steps needs no evicting scheduler (it runs between steps)".into()));
+        }
+        let cap = (self.pool.cfg.ring_capacity - 1) * self.pool.cfg.page_size - self.pool.cfg.page_size;
+        let room = cap.saturating_sub(self.positions.iter().copied().max().unwrap_or(0));
+        if n < 2 || n > room {
+            return Err(Error::Input(format!("time_steps: {n} steps, the context has room for {room} (at least 2)")));
+        }
+        let tokens = vec![token; self.n_seqs as usize];
+        let warmup = n / 2;
+        let mut t0 = std::time::Instant::now();
+        let mut host = std::time::Duration::ZERO;
+        for i in 0..n {
+            if i == warmup {
+                rt.read::<f32>(&self.s.logits, 0, 1).await?;
+                t0 = std::time::Instant::now();
+                host = std::time::Duration::ZERO;
+            }
+            let h0 = std::time::Instant::now();
+            let cb = self.encode_step(rt, &tokens)?;
+            rt.queue.submit([cb]);
+            host += h0.elapsed();
+            for p in &mut self.positions {
+                *p += 1;
+            }
+            self.step += 1;
+        }
+        rt.read::<f32>(&self.s.logits, 0, 1).await?;
+        let wall = t0.elapsed();
+        rt.check("model forward")?;
+        self.pool.check_errors(rt, self.n_seqs * self.cfg.block_count).await?;
+        let timed = f64::from(n - warmup);
+        Ok(serde_json::json!({
+            "measure": "decode_steps",
+            "steps": n - warmup,
+            "warmup_steps": warmup,
+            "wall_ms_per_step": wall.as_secs_f64() * 1e3 / timed,
+            "tokens_per_s": timed * f64::from(self.n_seqs) / wall.as_secs_f64(),
+            "host_ms_per_step": host.as_secs_f64() * 1e3 / timed,
+        }))
+    }
+
+    /// Validate a step's tokens, fit a low-rank basis when its window is in, stage the step's
+    /// records and record the whole step into one command buffer (see [`GpuLlama::forward`]).
+    fn encode_step(&mut self, rt: &Runtime, tokens: &[u32]) -> Result<wgpu::CommandBuffer> {
+        let n = self.n_seqs;
+        if tokens.len() != n as usize {
+            return Err(Error::Input(format!("{} tokens for {n} sequences", tokens.len())));
+        }
+        if let Some(t) = tokens.iter().find(|&&t| t >= self.cfg.vocab_size) {
+            return Err(Error::Input(format!("token id {t} is outside the vocabulary ({})", self.cfg.vocab_size)));
+        }
+        let cap = (self.pool.cfg.ring_capacity - 1) * self.pool.cfg.page_size - self.pool.cfg.page_size;
+        if let Some(p) = self.positions.iter().find(|&&p| p >= cap) {
+            return Err(Error::Input(format!("position {p} is past the context this model was loaded for ({cap} tokens)")));
+        }
+        // A low-rank codec fits its basis once the calibration window is in (its pages stayed
+        // raw); this step then compresses them.
+        if self.pool.cfg.codec.is_low_rank() && !self.pool.calibrated && self.positions.iter().all(|&p| p >= self.calibration_tokens) {
+            self.pool.calibrate(rt, expertkv_core::compress::DEFAULT_BASIS_ITERS)?;
+        }
+        let c = self.cfg.clone();
+        rt.queue.write_buffer(&self.s.tokens, 0, bytemuck::cast_slice(tokens));
+        rt.queue.write_buffer(&self.s.positions, 0, bytemuck::cast_slice(&self.positions));
+        let new: Vec<NewToken> = (0..c.block_count)
+            .flat_map(|l| {
+                self.positions.iter().enumerate().map(move |(seq, &position)| NewToken {
+                    layer: l,
+                    seq: seq as u32,
+                    position,
+                    experts: vec![0],
+                    gates: vec![1.0],
+                })
+            })
+            .collect();
+        self.pool.stage_append(rt, &new, n, self.step)?;
+        self.attn.stage_params(rt, self.step, c.block_count);
+        if let Some(r) = self.moe.as_ref().and_then(|m| m.routed.as_ref()) {
+            // Tokens are numbered consecutively over the steps (the hash router's ids).
+            for l in 0..c.block_count {
+                r.router.prepare(rt, l, n, self.step.wrapping_mul(n))?;
+            }
+        }
+        let s = &self.s;
+        let rec = &self.recorded;
+        let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("model forward") });
+        let pass_desc = |label| wgpu::ComputePassDescriptor { label: Some(label), timestamp_writes: None };
+        rec.embed.encode(&mut enc.begin_compute_pass(&pass_desc("model embed")));
+        for l in 0..c.block_count {
+            rec.attention_inputs[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("model attention inputs")));
+            self.pool.encode_staged_append(&mut enc, l, &s.kv_words)?;
+            if self.pool.ready_to_compress() {
+                // Pages that left their ring's head are compressed now.
+                self.pool.encode_compress(&mut enc.begin_compute_pass(&pass_desc("model compress")));
+            }
+            self.pool.encode_gather_layer(&mut enc, l)?;
+            self.attn.encode_layer_params(&mut enc, l)?;
+            self.attn.encode(&mut enc.begin_compute_pass(&pass_desc("model attention")));
+            match &self.moe {
+                None => rec.ffn[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("model attention output and FFN"))),
+                Some(moe) => match &moe.routed {
+                    None => moe.recorded[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("model attention output and MoE"))),
+                    Some(r) => {
+                        let (e, k) = (u64::from(moe.n_experts), u64::from(moe.top_k));
+                        let (li, nn) = (u64::from(l), u64::from(n));
+                        r.before[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("model attention output and router scores")));
+                        enc.copy_buffer_to_buffer(&moe.scores, 0, &r.router.logits, li * nn * e * 4, nn * e * 4);
+                        r.router.encode(&mut enc.begin_compute_pass(&pass_desc("model router")), l, n);
+                        enc.copy_buffer_to_buffer(&r.router.experts, li * nn * k * 4, &moe.sel, 0, nn * k * 4);
+                        r.after[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("model MoE")));
+                    }
+                },
+            }
+        }
+        rec.head.encode(&mut enc.begin_compute_pass(&pass_desc("model head")));
+        Ok(enc.finish())
+    }
+
+    /// Greedy decoding of one sequence (the model must be loaded for one): feeds `prompt`, then
+    /// `n` tokens of its own choosing; returns those.
+    pub async fn generate_greedy(&mut self, rt: &Runtime, prompt: &[u32], n: u32) -> Result<Vec<u32>> {
+        if self.n_seqs != 1 {
+            return Err(Error::Input("generate_greedy decodes one sequence".into()));
+        }
+        if prompt.is_empty() {
+            return Err(Error::Input("an empty prompt".into()));
+        }
+        let mut logits = Vec::new();
+        for &t in prompt {
+            logits = self.forward(rt, &[t]).await?;
+        }
+        let mut out = Vec::new();
+        for i in 0..n {
+            let next = argmax(&logits);
+            out.push(next);
+            if i + 1 < n {
+                logits = self.forward(rt, &[next]).await?;
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Both tensors' weight format, which must be one the kernels read and the same for both.
+fn same_format(g: &Gguf<'_>, a: &str, b: &str) -> Result<WeightFormat> {
+    let ty = |name: &str| g.tensor(name).map(|t| t.ggml_type()).ok_or_else(|| Error::Model(format!("tensor `{name}` is missing")));
+    let format = WeightFormat::from_ggml(ty(a)?)?;
+    if WeightFormat::from_ggml(ty(b)?)? != format {
+        return Err(Error::Model(format!("`{a}` and `{b}` differ in format")));
+    }
+    Ok(format)
+}
+
+fn f32_matrix(rt: &Runtime, label: &str, rows: u32, cols: u32, v: &[f32]) -> Result<GpuMatrix> {
+    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    GpuMatrix::upload(rt, label, WeightFormat::F32, rows, cols, &bytes)
+}
+
+/// A MoE file's experts and routers (shapes checked by [`LlamaConfig::check_tensors`]): expert
+/// `e` is neurons `e * ffn .. (e + 1) * ffn` of the stacked `ffn_gate_exps` / `ffn_up_exps`
+/// (their bytes as stored), `ffn_down_exps` re-laid as `[hidden][E * ffn]` f32, and the router
+/// `ffn_gate_inp` as f32.
+fn native_experts(rt: &Runtime, g: &Gguf<'_>, c: &LlamaConfig) -> Result<Vec<(GpuMatrix, MoeFfn)>> {
+    let (e, h, f) = (c.expert_count as usize, c.embedding_length as usize, c.feed_forward_length as usize);
+    let neurons: Vec<u32> = (0..(e * f) as u32).collect();
+    let offsets: Vec<u32> = (0..=e as u32).map(|x| x * f as u32).collect();
+    let mut layers = Vec::new();
+    for l in 0..c.block_count {
+        let n = |s: &str| format!("blk.{l}.{s}.weight");
+        let format = same_format(g, &n("ffn_gate_exps"), &n("ffn_up_exps"))?;
+        let by_neuron = crate::weights::experts_down_by_neuron(&g.tensor_f32(&n("ffn_down_exps"))?, e, h, f);
+        let experts = MoeFfn::upload(
+            rt,
+            &format!("blk.{l} experts"),
+            format,
+            h as u32,
+            g.tensor_data(&n("ffn_gate_exps"))?,
+            g.tensor_data(&n("ffn_up_exps"))?,
+            &by_neuron,
+            &neurons,
+            &offsets,
+        )?;
+        let router = f32_matrix(rt, &format!("blk.{l} router"), e as u32, h as u32, &g.tensor_f32(&n("ffn_gate_inp"))?)?;
+        layers.push((router, experts));
+    }
+    Ok(layers)
+}
+
+/// Index of the largest value (the first of equals).
+pub fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, x) in v.iter().enumerate() {
+        if *x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}

@@ -1,0 +1,39 @@
+//! expertkv-model: trained models from GGUF files, feeding the KV manager of `expertkv-core`.
+//!
+//! - [`gguf`]: the GGUF container (header, metadata, tensor table), its CPU dequantisation and a
+//!   writer for test files; [`config`]: a model's hyper-parameters from its metadata;
+//!   [`tokenizer`]: the vocabulary's byte-level BPE.
+//! - [`weights`]: the weights of a Llama-architecture model ([`Matrix`] keeps the stored bytes);
+//!   [`cpu`]: the f32 reference forward pass with its own KV cache, over [`math`]'s building blocks; [`moe`]: MoEfication of its
+//!   FFNs into routed groups of neurons, or a MoE file's own experts; [`synthetic`]: small random
+//!   models written as GGUF files for tests.
+//! - [`ops`] and [`forward`]: the GPU forward pass ([`forward::GpuLlama`]), whose K/V go into
+//!   `expertkv-core`'s paged pool and whose attention is the core's; [`gpu_data`]: the host
+//!   mirrors of the model kernels' structs; [`reference`]: the model kernels' CPU references.
+//!
+//! The GPU forward pass checks itself against [`CpuModel::forward_layers`] /
+//! [`CpuModel::forward_probed`] and the building blocks ([`cpu::rms_norm`], [`cpu::rope_norm`],
+//! [`cpu::matvec`]).
+
+pub mod config;
+pub mod cpu;
+pub mod forward;
+pub mod gguf;
+pub mod gpu_data;
+pub mod math;
+pub mod moe;
+pub mod ops;
+pub mod reference;
+pub mod synthetic;
+pub mod tokenizer;
+pub mod weights;
+
+#[cfg(test)]
+mod test_fixtures;
+
+pub use config::LlamaConfig;
+pub use cpu::{CpuModel, KvCache, Probe, Stage};
+pub use expertkv_core::{Error, Result};
+pub use moe::{Gating, MoeConfig, MoeLayer, Moefication};
+pub use synthetic::SyntheticModel;
+pub use weights::{LayerWeights, LlamaWeights, LoadOptions, Matrix};

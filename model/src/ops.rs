@@ -1,0 +1,520 @@
+//! The model's per-token kernels on the GPU (`shaders/wgsl/model/*.wgsl`): matrix-vector products
+//! over weights kept in ggml's block formats and dequantised in-kernel, RMSNorm, RoPE, SwiGLU and
+//! embedding lookup. A forward pass strings them together around the KV pool's append and
+//! attention; each has a CPU reference in [`crate::reference::ops`].
+
+use expertkv_shaders::Kernel;
+
+use crate::gguf::GgmlType;
+use crate::gpu_data::{KvPackParams, MatVecParams, ModelOpParams, MoeParams, MoeTopkParams};
+use crate::{Error, Result};
+use expertkv_core::runtime::Runtime;
+
+/// Tokens one matrix-vector call takes (`MAX_TOKENS` in `model/matvec.wgsl`).
+pub const MATVEC_MAX_TOKENS: u32 = 8;
+
+/// How a matrix's weights sit in GPU memory (`common/quant.wgsl`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightFormat {
+    F32,
+    /// ggml Q8_0, each 34-byte block padded to 36 bytes on upload.
+    Q8_0,
+    /// ggml Q4_1 as is (20-byte blocks).
+    Q4_1,
+}
+
+impl WeightFormat {
+    pub fn from_ggml(ty: GgmlType) -> Result<WeightFormat> {
+        match ty {
+            GgmlType::F32 => Ok(WeightFormat::F32),
+            GgmlType::Q8_0 => Ok(WeightFormat::Q8_0),
+            GgmlType::Q4_1 => Ok(WeightFormat::Q4_1),
+            other => Err(Error::Model(format!("the GPU kernels read F32, Q8_0 and Q4_1 weights, not {}", other.name()))),
+        }
+    }
+
+    /// The `FORMAT` define of the kernels.
+    pub fn define(self) -> u32 {
+        match self {
+            WeightFormat::F32 => 0,
+            WeightFormat::Q8_0 => 1,
+            WeightFormat::Q4_1 => 2,
+        }
+    }
+
+    /// Bytes of one 32-weight block in the file.
+    pub fn file_block_bytes(self) -> usize {
+        match self {
+            WeightFormat::F32 => 128,
+            WeightFormat::Q8_0 => 34,
+            WeightFormat::Q4_1 => 20,
+        }
+    }
+
+    /// u32 words of one block on the GPU.
+    pub fn gpu_block_words(self) -> usize {
+        match self {
+            WeightFormat::F32 => 32,
+            WeightFormat::Q8_0 => 9,
+            WeightFormat::Q4_1 => 5,
+        }
+    }
+}
+
+/// A `rows x cols` matrix (row-major: row = output feature) in a block format on the GPU.
+pub struct GpuMatrix {
+    pub buffer: wgpu::Buffer,
+    pub format: WeightFormat,
+    pub rows: u32,
+    pub cols: u32,
+}
+
+/// The file's bytes of a `rows x cols` matrix as the kernels read them (Q8_0 blocks padded).
+pub fn pack_blocks(format: WeightFormat, rows: u32, cols: u32, bytes: &[u8]) -> Result<Vec<u32>> {
+    if cols == 0 || !cols.is_multiple_of(32) || rows == 0 {
+        return Err(Error::Input(format!("a {rows} x {cols} matrix: columns must be a positive multiple of 32")));
+    }
+    let blocks = rows as usize * (cols as usize / 32);
+    let want = blocks * format.file_block_bytes();
+    if bytes.len() != want {
+        return Err(Error::Input(format!("{rows} x {cols} {format:?} matrix needs {want} bytes, got {}", bytes.len())));
+    }
+    let words = |b: &[u8]| b.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect::<Vec<u32>>();
+    Ok(match format {
+        WeightFormat::F32 | WeightFormat::Q4_1 => words(bytes),
+        WeightFormat::Q8_0 => {
+            let mut out = Vec::with_capacity(blocks * 9);
+            for blk in bytes.chunks_exact(34) {
+                out.push(u32::from(u16::from_le_bytes([blk[0], blk[1]])));
+                out.extend(words(&blk[2..34]));
+            }
+            out
+        }
+    })
+}
+
+impl GpuMatrix {
+    pub fn upload(rt: &Runtime, label: &str, format: WeightFormat, rows: u32, cols: u32, bytes: &[u8]) -> Result<GpuMatrix> {
+        let words = pack_blocks(format, rows, cols, bytes)?;
+        let size = words.len() as u64 * 4;
+        if size > rt.max_binding_bytes() {
+            return Err(Error::Limit {
+                what: format!("matrix {label}"),
+                needed: size,
+                limit_name: "max_storage_buffer_binding_size",
+                limit: rt.max_binding_bytes(),
+            });
+        }
+        Ok(GpuMatrix { buffer: rt.storage_init(label, &words), format, rows, cols })
+    }
+}
+
+/// One layer's MoEfied FFN on the GPU (`model/moe.wgsl`): the FFN permuted so that every
+/// expert's neurons are contiguous. Gate and up rows are the file's block rows copied in expert
+/// order (no requantisation); Wdown is held transposed in f32 (`[ffn][hidden]`), since its
+/// neurons are columns and a column subset of a block format is not a block format.
+pub struct MoeFfn {
+    /// `[2 * ffn][hidden]`: gate rows then up rows, in expert order.
+    pub gate_up: GpuMatrix,
+    pub down_t: wgpu::Buffer,
+    pub offsets: wgpu::Buffer,
+    pub n_experts: u32,
+    pub max_size: u32,
+    pub ffn: u32,
+    pub hidden: u32,
+}
+
+impl MoeFfn {
+    /// From the file's `gate` and `up` bytes (`[ffn][hidden]` each, in `format`), Wdown as f32
+    /// (`[hidden][ffn]`, row-major as in the file) and the experts (`neurons` grouped by expert,
+    /// expert `e` = `neurons[offsets[e]..offsets[e + 1]]`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn upload(
+        rt: &Runtime,
+        label: &str,
+        format: WeightFormat,
+        hidden: u32,
+        gate: &[u8],
+        up: &[u8],
+        down: &[f32],
+        neurons: &[u32],
+        offsets: &[u32],
+    ) -> Result<MoeFfn> {
+        let ffn = neurons.len();
+        let h = hidden as usize;
+        let row_bytes = h / 32 * format.file_block_bytes();
+        if h == 0 || !h.is_multiple_of(32) || gate.len() != ffn * row_bytes || up.len() != ffn * row_bytes || down.len() != ffn * h {
+            return Err(Error::Input(format!("{label}: FFN matrices do not match {ffn} neurons x {hidden} features")));
+        }
+        let n_experts = offsets.len().saturating_sub(1);
+        let mut seen = vec![false; ffn];
+        let ok = n_experts > 0
+            && offsets[0] == 0
+            && offsets[n_experts] as usize == ffn
+            && offsets.windows(2).all(|w| w[0] <= w[1])
+            && neurons.iter().all(|&n| (n as usize) < ffn && !std::mem::replace(&mut seen[n as usize], true));
+        if !ok {
+            return Err(Error::Input(format!("{label}: the experts do not partition the {ffn} neurons")));
+        }
+        let mut permuted = Vec::with_capacity(2 * ffn * row_bytes);
+        for m in [gate, up] {
+            for &n in neurons {
+                permuted.extend_from_slice(&m[n as usize * row_bytes..(n as usize + 1) * row_bytes]);
+            }
+        }
+        let mut down_t = vec![0f32; ffn * h];
+        for (i, &n) in neurons.iter().enumerate() {
+            for o in 0..h {
+                down_t[i * h + o] = down[o * ffn + n as usize];
+            }
+        }
+        let max_size = offsets.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
+        Ok(MoeFfn {
+            gate_up: GpuMatrix::upload(rt, label, format, 2 * ffn as u32, hidden, &permuted)?,
+            down_t: rt.storage_init(label, &down_t),
+            offsets: rt.storage_init(label, offsets),
+            n_experts: n_experts as u32,
+            max_size,
+            ffn: ffn as u32,
+            hidden,
+        })
+    }
+}
+
+/// Where the model kernels put their dispatches: straight into a compute pass, or into a
+/// [`Recorded`] list built once and replayed every step (the kernels' parameters and buffers do
+/// not change between steps, so neither do their uniforms and bind groups).
+pub trait DispatchSink {
+    fn dispatch(&mut self, pipeline: &wgpu::ComputePipeline, bind_group: wgpu::BindGroup, workgroups: [u32; 3]);
+}
+
+impl DispatchSink for wgpu::ComputePass<'_> {
+    fn dispatch(&mut self, pipeline: &wgpu::ComputePipeline, bind_group: wgpu::BindGroup, [x, y, z]: [u32; 3]) {
+        self.set_pipeline(pipeline);
+        self.set_bind_group(0, &bind_group, &[]);
+        self.dispatch_workgroups(x, y, z);
+    }
+}
+
+/// Dispatches recorded once (each bind group keeps its uniform and buffers alive), encoded into
+/// any number of passes.
+#[derive(Default)]
+pub struct Recorded(Vec<(wgpu::ComputePipeline, wgpu::BindGroup, [u32; 3])>);
+
+impl DispatchSink for Recorded {
+    fn dispatch(&mut self, pipeline: &wgpu::ComputePipeline, bind_group: wgpu::BindGroup, workgroups: [u32; 3]) {
+        self.0.push((pipeline.clone(), bind_group, workgroups));
+    }
+}
+
+impl Recorded {
+    pub fn encode(&self, pass: &mut wgpu::ComputePass<'_>) {
+        for (p, bg, [x, y, z]) in &self.0 {
+            pass.set_pipeline(p);
+            pass.set_bind_group(0, bg, &[]);
+            pass.dispatch_workgroups(*x, *y, *z);
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+/// The compiled model kernels.
+pub struct ModelKernels {
+    matvec: [wgpu::ComputePipeline; 3],
+    moe_gate_up: [wgpu::ComputePipeline; 3],
+    moe_down: wgpu::ComputePipeline,
+    embed: [wgpu::ComputePipeline; 3],
+    rmsnorm: wgpu::ComputePipeline,
+    rope: wgpu::ComputePipeline,
+    swiglu: wgpu::ComputePipeline,
+    residual: wgpu::ComputePipeline,
+    kv_pack: wgpu::ComputePipeline,
+    moe_topk: wgpu::ComputePipeline,
+    moe_weights: wgpu::ComputePipeline,
+}
+
+impl ModelKernels {
+    pub async fn new(rt: &Runtime) -> Result<ModelKernels> {
+        let mut matvec = Vec::new();
+        let mut embed = Vec::new();
+        let mut moe_gate_up = Vec::new();
+        for f in 0..3u32 {
+            let d = [("FORMAT", format!("{f}u"))];
+            matvec.push(rt.pipeline_with(Kernel::ModelMatVec, &d, &[]).await?);
+            embed.push(rt.pipeline_with(Kernel::ModelEmbed, &d, &[]).await?);
+            moe_gate_up.push(rt.pipeline_with(Kernel::ModelMoeGateUp, &d, &[]).await?);
+        }
+        let arr = |v: Vec<wgpu::ComputePipeline>| -> Result<[wgpu::ComputePipeline; 3]> {
+            v.try_into().map_err(|_| Error::Input("three weight formats".into()))
+        };
+        Ok(ModelKernels {
+            matvec: arr(matvec)?,
+            embed: arr(embed)?,
+            moe_gate_up: arr(moe_gate_up)?,
+            moe_down: rt.pipeline(Kernel::ModelMoeDown, &[]).await?,
+            rmsnorm: rt.pipeline(Kernel::ModelRmsNorm, &[]).await?,
+            rope: rt.pipeline(Kernel::ModelRope, &[]).await?,
+            swiglu: rt.pipeline(Kernel::ModelSwiglu, &[]).await?,
+            residual: rt.pipeline(Kernel::ModelResidual, &[]).await?,
+            kv_pack: rt.pipeline(Kernel::ModelKvPack, &[]).await?,
+            moe_topk: rt.pipeline(Kernel::ModelMoeTopk, &[]).await?,
+            moe_weights: rt.pipeline(Kernel::ModelMoeWeights, &[]).await?,
+        })
+    }
+
+    /// Pack `n_tokens` tokens' K and V (`[n_tokens][floats]` f32 each) into the pool's append
+    /// layout in `words` (per token K then V; f16 pairs when `f16`, else f32 bits), as
+    /// [`expertkv_core::append::format::encode_values`] does on the CPU.
+    #[allow(clippy::too_many_arguments)]
+    pub fn kv_pack(
+        &self,
+        rt: &Runtime,
+        pass: &mut impl DispatchSink,
+        k: &wgpu::Buffer,
+        v: &wgpu::Buffer,
+        words: &wgpu::Buffer,
+        n_tokens: u32,
+        floats: u32,
+        f16: bool,
+    ) -> Result<()> {
+        let per = if f16 { floats / 2 } else { floats };
+        let need_in = u64::from(n_tokens) * u64::from(floats) * 4;
+        let need_out = u64::from(n_tokens) * u64::from(2 * per) * 4;
+        if n_tokens == 0 || floats == 0 || (f16 && !floats.is_multiple_of(2)) {
+            return Err(Error::Input(format!("kv_pack: {n_tokens} tokens of {floats} floats (f16 needs an even count)")));
+        }
+        if k.size() < need_in || v.size() < need_in || words.size() < need_out {
+            return Err(Error::Input("kv_pack: buffers too small".into()));
+        }
+        let p = rt.uniform("model/kv_pack params", &KvPackParams { n_tokens, floats, f16: u32::from(f16), _pad: 0 });
+        let bg = rt.bind(Kernel::ModelKvPack.label(), &self.kv_pack, &[&p, k, v, words]);
+        pass.dispatch(&self.kv_pack, bg, [(2 * per).div_ceil(256), n_tokens, 1]);
+        Ok(())
+    }
+
+    /// The router's top `top_k` of `n_experts` scores per token (`scores` `[n_tokens][E]`) into
+    /// `sel` `[n_tokens][top_k]` and into `log` from word `log_offset`, as
+    /// [`crate::moe::top_k`] picks them.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_topk(
+        &self,
+        rt: &Runtime,
+        pass: &mut impl DispatchSink,
+        scores: &wgpu::Buffer,
+        sel: &wgpu::Buffer,
+        log: &wgpu::Buffer,
+        log_offset: u32,
+        n_tokens: u32,
+        n_experts: u32,
+        top_k: u32,
+    ) -> Result<()> {
+        if n_tokens == 0 || top_k == 0 || top_k > n_experts {
+            return Err(Error::Input(format!("moe_topk: {n_tokens} tokens, top-{top_k} of {n_experts} experts")));
+        }
+        let chosen = u64::from(n_tokens * top_k) * 4;
+        if scores.size() < u64::from(n_tokens * n_experts) * 4 || sel.size() < chosen || log.size() < u64::from(log_offset) * 4 + chosen {
+            return Err(Error::Input("moe_topk: buffers too small".into()));
+        }
+        let p = rt.uniform("model/router params", &MoeTopkParams { n_tokens, n_experts, top_k, log_offset });
+        let bg = rt.bind(Kernel::ModelMoeTopk.label(), &self.moe_topk, &[&p, scores, sel, log]);
+        pass.dispatch(&self.moe_topk, bg, [n_tokens.div_ceil(64), 1, 1]);
+        Ok(())
+    }
+
+    /// The softmax of the chosen experts' scores per token (`scores` `[n_tokens][E]`, `sel`
+    /// `[n_tokens][top_k]`) into `wts` `[n_tokens][top_k]`: a MoE file's expert weights, as
+    /// [`crate::moe::softmax_weights`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_weights(
+        &self,
+        rt: &Runtime,
+        pass: &mut impl DispatchSink,
+        scores: &wgpu::Buffer,
+        sel: &wgpu::Buffer,
+        wts: &wgpu::Buffer,
+        n_tokens: u32,
+        n_experts: u32,
+        top_k: u32,
+    ) -> Result<()> {
+        if n_tokens == 0 || top_k == 0 || top_k > n_experts {
+            return Err(Error::Input(format!("moe_weights: {n_tokens} tokens, top-{top_k} of {n_experts} experts")));
+        }
+        let chosen = u64::from(n_tokens * top_k) * 4;
+        if scores.size() < u64::from(n_tokens * n_experts) * 4 || sel.size() < chosen || wts.size() < chosen {
+            return Err(Error::Input("moe_weights: buffers too small".into()));
+        }
+        let p = rt.uniform("model/router params", &MoeTopkParams { n_tokens, n_experts, top_k, log_offset: 0 });
+        let bg = rt.bind_at(Kernel::ModelMoeWeights.label(), &self.moe_weights, &[(0, &p), (1, scores), (2, sel), (4, wts)]);
+        pass.dispatch(&self.moe_weights, bg, [n_tokens.div_ceil(64), 1, 1]);
+        Ok(())
+    }
+
+    /// `y[b] = W x[b]` for `n_tokens` tokens (x: [n_tokens][cols] f32, y: [n_tokens][rows]).
+    pub fn matvec(
+        &self,
+        rt: &Runtime,
+        pass: &mut impl DispatchSink,
+        w: &GpuMatrix,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        n_tokens: u32,
+    ) -> Result<()> {
+        self.matvec_into(rt, pass, w, x, y, n_tokens, false)
+    }
+
+    /// `y[b] += W x[b]`: [`ModelKernels::matvec`] with the residual added in the same dispatch.
+    pub fn matvec_add(
+        &self,
+        rt: &Runtime,
+        pass: &mut impl DispatchSink,
+        w: &GpuMatrix,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        n_tokens: u32,
+    ) -> Result<()> {
+        self.matvec_into(rt, pass, w, x, y, n_tokens, true)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn matvec_into(
+        &self,
+        rt: &Runtime,
+        pass: &mut impl DispatchSink,
+        w: &GpuMatrix,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        n_tokens: u32,
+        accumulate: bool,
+    ) -> Result<()> {
+        if n_tokens == 0 || n_tokens > MATVEC_MAX_TOKENS {
+            return Err(Error::Input(format!("matvec takes 1 to {MATVEC_MAX_TOKENS} tokens, got {n_tokens}")));
+        }
+        let p =
+            rt.uniform("model/matvec params", &MatVecParams { rows: w.rows, cols: w.cols, n_tokens, accumulate: u32::from(accumulate) });
+        let pipe = &self.matvec[w.format.define() as usize];
+        let bg = rt.bind(Kernel::ModelMatVec.label(), pipe, &[&p, &w.buffer, x, y]);
+        let [x, y] = expertkv_core::runtime::split_workgroups(w.rows);
+        pass.dispatch(pipe, bg, [x, y, 1]);
+        Ok(())
+    }
+
+    /// The expert FFN of `n_tokens` tokens: `x` `[n_tokens][hidden]`, `sel` the chosen experts
+    /// `[n_tokens][top_k]` and `wts` their weights, `act` scratch of `n_tokens x top_k x max_size`
+    /// floats, `y` `[n_tokens][hidden]`: overwritten, or added to when `accumulate` (the residual
+    /// stream, as [`ModelKernels::matvec_add`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_ffn(
+        &self,
+        rt: &Runtime,
+        pass: &mut impl DispatchSink,
+        m: &MoeFfn,
+        x: &wgpu::Buffer,
+        sel: &wgpu::Buffer,
+        wts: &wgpu::Buffer,
+        act: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        n_tokens: u32,
+        top_k: u32,
+        accumulate: bool,
+    ) -> Result<()> {
+        if n_tokens == 0 || top_k == 0 || top_k > m.n_experts {
+            return Err(Error::Input(format!("moe_ffn: {n_tokens} tokens, top-{top_k} of {} experts", m.n_experts)));
+        }
+        let need = u64::from(n_tokens) * u64::from(top_k) * u64::from(m.max_size) * 4;
+        if act.size() < need || sel.size() < u64::from(n_tokens * top_k) * 4 || wts.size() < u64::from(n_tokens * top_k) * 4 {
+            return Err(Error::Input("moe_ffn: scratch buffers too small".into()));
+        }
+        let p = rt.uniform(
+            "model/moe params",
+            &MoeParams {
+                hidden: m.hidden,
+                ffn: m.ffn,
+                top_k,
+                max_size: m.max_size,
+                n_tokens,
+                n_experts: m.n_experts,
+                accumulate: u32::from(accumulate),
+                ..Default::default()
+            },
+        );
+        let pipe = &self.moe_gate_up[m.gate_up.format.define() as usize];
+        let bg = rt.bind_at(
+            Kernel::ModelMoeGateUp.label(),
+            pipe,
+            &[(0, &p), (1, &m.gate_up.buffer), (2, x), (3, act), (4, sel), (5, &m.offsets), (8, wts)],
+        );
+        pass.dispatch(pipe, bg, [m.max_size.div_ceil(4), top_k, n_tokens]);
+        let bg = rt.bind_at(
+            Kernel::ModelMoeDown.label(),
+            &self.moe_down,
+            &[(0, &p), (3, act), (4, sel), (5, &m.offsets), (6, &m.down_t), (7, y)],
+        );
+        pass.dispatch(&self.moe_down, bg, [m.hidden.div_ceil(32), n_tokens, 1]);
+        Ok(())
+    }
+
+    /// Rows `tokens[b]` of `w`, dequantised (y: [n_tokens][cols]).
+    pub fn embed(&self, rt: &Runtime, pass: &mut impl DispatchSink, w: &GpuMatrix, tokens: &wgpu::Buffer, y: &wgpu::Buffer, n_tokens: u32) {
+        let p = rt.uniform("model/embed params", &ModelOpParams { n_tokens, dim: w.cols, ..Default::default() });
+        let pipe = &self.embed[w.format.define() as usize];
+        let bg = rt.bind_at(Kernel::ModelEmbed.label(), pipe, &[(0, &p), (2, y), (3, &w.buffer), (4, tokens)]);
+        pass.dispatch(pipe, bg, [n_tokens, 1, 1]);
+    }
+
+    /// `y[b] = x[b] / rms(x[b]) * g` over `dim` features.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm(
+        &self,
+        rt: &Runtime,
+        pass: &mut impl DispatchSink,
+        x: &wgpu::Buffer,
+        g: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        n_tokens: u32,
+        dim: u32,
+        eps: f32,
+    ) {
+        let p = rt.uniform("model/rmsnorm params", &ModelOpParams { n_tokens, dim, eps, ..Default::default() });
+        let bg = rt.bind_at(Kernel::ModelRmsNorm.label(), &self.rmsnorm, &[(0, &p), (1, x), (2, y), (3, g)]);
+        pass.dispatch(&self.rmsnorm, bg, [n_tokens, 1, 1]);
+    }
+
+    /// Rotate `x` ([n_tokens][n_heads][head_dim]) in place by each token's position.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope(
+        &self,
+        rt: &Runtime,
+        pass: &mut impl DispatchSink,
+        x: &wgpu::Buffer,
+        positions: &wgpu::Buffer,
+        n_tokens: u32,
+        n_heads: u32,
+        head_dim: u32,
+        base: f32,
+    ) {
+        let p = rt.uniform("model/rope params", &ModelOpParams { n_tokens, dim: head_dim, n_heads, base, ..Default::default() });
+        let bg = rt.bind_at(Kernel::ModelRope.label(), &self.rope, &[(0, &p), (2, x), (3, positions)]);
+        pass.dispatch(&self.rope, bg, [(n_tokens * n_heads * head_dim / 2).div_ceil(256), 1, 1]);
+    }
+
+    /// `y[b][i] = silu(gu[b][0][i]) * gu[b][1][i]` over `n` features.
+    pub fn swiglu(&self, rt: &Runtime, pass: &mut impl DispatchSink, gu: &wgpu::Buffer, y: &wgpu::Buffer, n_tokens: u32, n: u32) {
+        let p = rt.uniform("model/swiglu params", &ModelOpParams { n_tokens, dim: n, ..Default::default() });
+        let bg = rt.bind_at(Kernel::ModelSwiglu.label(), &self.swiglu, &[(0, &p), (1, gu), (2, y)]);
+        pass.dispatch(&self.swiglu, bg, [(n_tokens * n).div_ceil(256), 1, 1]);
+    }
+
+    /// `y += x` over `n` values.
+    pub fn residual(&self, rt: &Runtime, pass: &mut impl DispatchSink, x: &wgpu::Buffer, y: &wgpu::Buffer, n: u32) {
+        let p = rt.uniform("model/residual params", &ModelOpParams { n_tokens: 1, dim: n, ..Default::default() });
+        let bg = rt.bind_at(Kernel::ModelResidual.label(), &self.residual, &[(0, &p), (1, x), (2, y)]);
+        pass.dispatch(&self.residual, bg, [n.div_ceil(256), 1, 1]);
+    }
+}

@@ -1,0 +1,178 @@
+//! Small random Llama-architecture models written as GGUF files in memory: what the tests of
+//! paths no shipped model covers run on (a Mixture-of-Experts file with llama.cpp's
+//! `ffn_gate_inp` / `ffn_*_exps` tensors; SmolLM2 is dense).
+//!
+//! Every tensor is drawn from its own generator, seeded by the model's seed and the tensor's
+//! name, so two files of one seed share every tensor they both have: a dense file and a MoE file
+//! whose experts are all copies of the dense FFN ([`SyntheticModel::identical_experts`]) differ in
+//! the FFN's layout only, and since the chosen experts' weights sum to 1, in nothing they compute.
+//! Norms are F32; the matrices are F32 or, like trained files, Q8_0 or Q4_1 blocks quantised
+//! from the same draws ([`SyntheticModel::weights`]). The tokenizer is byte-level BPE over the
+//! 256 byte tokens, no merges.
+
+use crate::gguf::GgmlType;
+use crate::gguf::writer::GgufWriter;
+use expertkv_core::digest::{FNV_OFFSET, fnv1a};
+use expertkv_core::rng::Rng;
+
+/// The shape and seed of a synthetic model.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SyntheticModel {
+    pub layers: u32,
+    /// Hidden features (a multiple of 32, as the GPU kernels read 32-weight blocks).
+    pub hidden: u32,
+    pub heads: u32,
+    pub kv_heads: u32,
+    /// Neurons of the dense FFN, or of each expert.
+    pub ffn: u32,
+    /// 0: a dense FFN; otherwise this many experts and a router per layer.
+    pub experts: u32,
+    /// `llama.expert_used_count`.
+    pub top_k: u32,
+    /// Every expert a copy of the dense FFN of the same seed.
+    pub identical_experts: bool,
+    pub context: u32,
+    pub seed: u64,
+    /// How the matrices (embedding, attention, FFN, experts; not the router) are stored: F32,
+    /// Q8_0 or Q4_1.
+    pub weights: GgmlType,
+}
+
+impl SyntheticModel {
+    /// Two layers, hidden 128, two query heads of 64 sharing one KV head, a dense FFN of 96.
+    pub fn dense(seed: u64) -> Self {
+        SyntheticModel {
+            layers: 2,
+            hidden: 128,
+            heads: 2,
+            kv_heads: 1,
+            ffn: 96,
+            experts: 0,
+            top_k: 0,
+            identical_experts: false,
+            context: 256,
+            seed,
+            weights: GgmlType::F32,
+        }
+    }
+
+    /// The same model with its matrices stored as `weights` (F32, Q8_0 or Q4_1).
+    pub fn with_weights(self, weights: GgmlType) -> Self {
+        SyntheticModel { weights, ..self }
+    }
+
+    /// [`SyntheticModel::dense`]'s shape with `experts` experts of 96 neurons, `top_k` used.
+    pub fn moe(seed: u64, experts: u32, top_k: u32) -> Self {
+        SyntheticModel { experts, top_k, ..Self::dense(seed) }
+    }
+
+    /// The file's bytes.
+    pub fn gguf(&self) -> Vec<u8> {
+        let (h, f, e) = (u64::from(self.hidden), u64::from(self.ffn), u64::from(self.experts));
+        let hd = h / u64::from(self.heads);
+        let (q, kv) = (u64::from(self.heads) * hd, u64::from(self.kv_heads) * hd);
+        let chars: Vec<String> = crate::tokenizer::byte_to_char().iter().map(char::to_string).collect();
+        let tokens: Vec<&str> = chars.iter().map(String::as_str).collect();
+        let vocab = tokens.len() as u64;
+        let mut w = GgufWriter::new();
+        w.str("general.architecture", "llama")
+            .str("general.name", "expertkv synthetic")
+            .u32("llama.block_count", self.layers)
+            .u32("llama.embedding_length", self.hidden)
+            .u32("llama.feed_forward_length", self.ffn)
+            .u32("llama.attention.head_count", self.heads)
+            .u32("llama.attention.head_count_kv", self.kv_heads)
+            .f32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+            .f32("llama.rope.freq_base", 10_000.0)
+            .u32("llama.context_length", self.context)
+            .str("tokenizer.ggml.model", "gpt2")
+            .str("tokenizer.ggml.pre", "gpt2")
+            .strs("tokenizer.ggml.tokens", &tokens)
+            .strs("tokenizer.ggml.merges", &[]);
+        if self.experts > 0 {
+            w.u32("llama.expert_count", self.experts).u32("llama.expert_used_count", self.top_k);
+        }
+        let seed = self.seed;
+        // `[rows][cols]` (ggml dims `[cols, rows]`), normal with standard deviation `scale`.
+        let draw = |name: &str, n: u64, scale: f32| -> Vec<f32> {
+            let mut rng = Rng::new(seed ^ fnv1a(FNV_OFFSET, name.as_bytes()));
+            (0..n).map(|_| rng.normal() as f32 * scale).collect()
+        };
+        let f32s = |w: &mut GgufWriter, name: &str, dims: &[u64], data: Vec<f32>| {
+            w.tensor(name, dims, GgmlType::F32, data.iter().flat_map(|v| v.to_le_bytes()).collect());
+        };
+        let format = self.weights;
+        let mat = |w: &mut GgufWriter, name: &str, dims: &[u64], data: Vec<f32>| {
+            w.tensor(name, dims, format, quantize(format, &data));
+        };
+        let fan = |n: u64| 1.0 / (n as f32).sqrt();
+        mat(&mut w, "token_embd.weight", &[h, vocab], draw("token_embd.weight", h * vocab, 1.0));
+        let gain = |name: &str| draw(name, h, 0.1).into_iter().map(|g| 1.0 + g).collect::<Vec<f32>>();
+        f32s(&mut w, "output_norm.weight", &[h], gain("output_norm.weight"));
+        for l in 0..self.layers {
+            let n = |s: &str| format!("blk.{l}.{s}.weight");
+            f32s(&mut w, &n("attn_norm"), &[h], gain(&n("attn_norm")));
+            f32s(&mut w, &n("ffn_norm"), &[h], gain(&n("ffn_norm")));
+            // Larger query and key weights than 1/sqrt(fan-in), so that attention is not uniform.
+            mat(&mut w, &n("attn_q"), &[h, q], draw(&n("attn_q"), h * q, 3.0 * fan(h)));
+            mat(&mut w, &n("attn_k"), &[h, kv], draw(&n("attn_k"), h * kv, 3.0 * fan(h)));
+            mat(&mut w, &n("attn_v"), &[h, kv], draw(&n("attn_v"), h * kv, fan(h)));
+            mat(&mut w, &n("attn_output"), &[q, h], draw(&n("attn_output"), q * h, fan(q)));
+            if self.experts == 0 {
+                mat(&mut w, &n("ffn_gate"), &[h, f], draw(&n("ffn_gate"), h * f, fan(h)));
+                mat(&mut w, &n("ffn_up"), &[h, f], draw(&n("ffn_up"), h * f, fan(h)));
+                mat(&mut w, &n("ffn_down"), &[f, h], draw(&n("ffn_down"), f * h, fan(f)));
+                continue;
+            }
+            // The router's logits spread by several units, so the top k stand clear of the rest.
+            f32s(&mut w, &n("ffn_gate_inp"), &[h, e], draw(&n("ffn_gate_inp"), h * e, 0.5));
+            for (exps, dense, dims, scale) in [
+                ("ffn_gate_exps", "ffn_gate", [h, f, e], fan(h)),
+                ("ffn_up_exps", "ffn_up", [h, f, e], fan(h)),
+                ("ffn_down_exps", "ffn_down", [f, h, e], fan(f)),
+            ] {
+                let data = if self.identical_experts {
+                    draw(&n(dense), h * f, scale).repeat(e as usize)
+                } else {
+                    draw(&n(exps), h * f * e, scale)
+                };
+                mat(&mut w, &n(exps), &dims, data);
+            }
+        }
+        w.finish()
+    }
+}
+
+/// `data` (a multiple of 32 values) as `format`'s bytes: F32 as it is; Q8_0 blocks of an f16
+/// scale and 32 signed bytes; Q4_1 blocks of an f16 scale and minimum and 32 nibbles (value `j`
+/// in the low nibble of byte `j`, value `16 + j` in its high nibble), as ggml lays them out.
+fn quantize(format: GgmlType, data: &[f32]) -> Vec<u8> {
+    let f16 = |v: f32| half::f16::from_f32(v);
+    match format {
+        GgmlType::Q8_0 => data
+            .chunks(32)
+            .flat_map(|b| {
+                let d = f16(b.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0);
+                let inv = if d.to_f32() > 0.0 { 1.0 / d.to_f32() } else { 0.0 };
+                let mut out = d.to_le_bytes().to_vec();
+                out.extend(b.iter().map(|v| (v * inv).round().clamp(-127.0, 127.0) as i8 as u8));
+                out
+            })
+            .collect(),
+        GgmlType::Q4_1 => data
+            .chunks(32)
+            .flat_map(|b| {
+                let lo = b.iter().copied().fold(f32::INFINITY, f32::min);
+                let hi = b.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let (d, m) = (f16((hi - lo) / 15.0), f16(lo));
+                let inv = if d.to_f32() > 0.0 { 1.0 / d.to_f32() } else { 0.0 };
+                let q = |v: f32| ((v - m.to_f32()) * inv).round().clamp(0.0, 15.0) as u8;
+                let mut out = d.to_le_bytes().to_vec();
+                out.extend(m.to_le_bytes());
+                out.extend((0..16).map(|j| q(b[j]) | (q(b[16 + j]) << 4)));
+                out
+            })
+            .collect(),
+        _ => data.iter().flat_map(|v| v.to_le_bytes()).collect(),
+    }
+}
