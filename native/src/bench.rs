@@ -19,6 +19,10 @@ enum Which {
     Attend,
     /// The routers' expert selection (bias + top-k).
     Route,
+    /// Every headline in one process: copy, attention (f16, int8, int4) at four shapes, routing,
+    /// the decode step, the model's decode speed; rounds in a shuffled order, PyTorch
+    /// interleaved with `--torch` (see `bench suite --help` and BENCHMARKS.md).
+    Suite,
 }
 
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
@@ -114,6 +118,18 @@ pub struct BenchArgs {
     /// Path of the PyTorch baseline script.
     #[arg(long, default_value = "bench/torch_baseline.py")]
     torch_script: String,
+    /// Suite: the PyTorch decode-step script.
+    #[arg(long, default_value = "bench/torch_pikv_step.py")]
+    torch_step_script: String,
+    /// Suite: seed of the configurations' order in each round [default: from the clock, printed].
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Suite: rounds, each measuring every configuration once [default: 5, 2 with --quick].
+    #[arg(long)]
+    rounds: Option<u32>,
+    /// Suite: the model whose decode speed it measures (skipped when missing or with --quick).
+    #[arg(long, default_value = "models/SmolLM2-135M-Instruct.Q4_1.gguf")]
+    model: std::path::PathBuf,
 }
 
 fn record(
@@ -230,6 +246,21 @@ fn run_torch(script: &str, s: &AttendShape, reps: u32) -> Result<TorchLine> {
 
 pub fn run(gpu: &GpuArgs, a: &BenchArgs) -> Result<()> {
     let rt = gpu.runtime()?;
+    if a.which == Which::Suite {
+        let o = crate::suite::SuiteOptions {
+            quick: a.quick,
+            torch: a.torch,
+            json: a.json,
+            seed: a.seed,
+            rounds: a.rounds,
+            reps: a.reps,
+            model: a.model.clone(),
+            torch_script: a.torch_script.clone(),
+            torch_step_script: a.torch_step_script.clone(),
+        };
+        crate::suite::run(&rt, &o)?;
+        return Ok(());
+    }
     let (warmup, reps) = if a.quick { (2, a.reps.unwrap_or(5)) } else { (10, a.reps.unwrap_or(50)) };
     let copy_bytes = if a.quick { 32 << 20 } else { (1u64 << 30).min(rt.max_binding_bytes()) };
     let (ck, cm) = pollster::block_on(copy_roofline(&rt, copy_bytes, warmup, reps)).context("copy roofline")?;
@@ -248,7 +279,7 @@ pub fn run(gpu: &GpuArgs, a: &BenchArgs) -> Result<()> {
     }
     drop(ck);
     match a.which {
-        Which::Copy => return Ok(()),
+        Which::Copy | Which::Suite => return Ok(()),
         Which::Route => return run_route(&rt, a, warmup, reps, copy_gbps),
         Which::Attend => {}
     }

@@ -13,6 +13,7 @@ mod plan;
 mod plot;
 mod replay;
 mod run;
+mod suite;
 mod sweep;
 mod synth;
 mod view;

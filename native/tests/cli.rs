@@ -224,3 +224,35 @@ fn synth_writes_a_model_run_decodes() {
         assert!(!o.status.success() && err.contains(needle) && !err.contains("panicked"), "{args:?}: {err}");
     }
 }
+
+#[test]
+fn bench_suite_measures_every_line_in_one_process() {
+    // Two rounds at the quick shapes: every configuration once per round, the order seeded.
+    let out = expertkv(&["bench", "suite", "--quick", "--rounds", "2", "--seed", "5", "--json"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "bench suite failed:\n{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    let lines: Vec<serde_json::Value> = text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    assert_eq!(lines[0]["seed"], 5, "{text}");
+    assert_eq!(lines[0]["rounds"], 2, "{text}");
+    let rows = &lines[1..];
+    let labels: Vec<&str> = rows.iter().filter_map(|r| r["label"].as_str()).collect();
+    for want in [
+        "copy 32 MiB",
+        "attend f16 p16 b1 x 4096",
+        "attend int8:group=32 p64 b2 x 2048",
+        "attend int4:group=64 p64 b2 x 2048",
+        "route topk t4096 e64 k4",
+        "step E8 k2 full cache f16",
+        "step E256 k8 h2o 25%",
+        "step E8 k2 full cache int8",
+    ] {
+        assert!(labels.contains(&want), "no line `{want}` in {labels:?}");
+    }
+    assert_eq!(rows.len(), 1 + 2 * 3 + 1 + 6, "{labels:?}");
+    for r in rows {
+        let (m, lo, spread) = (r["median_ms"].as_f64().unwrap(), r["min_ms"].as_f64().unwrap(), r["spread"].as_f64().unwrap());
+        assert!(m > 0.0 && lo > 0.0 && lo <= m && spread >= 0.0, "{r}");
+        assert_eq!(r["rounds"], 2, "{r}");
+        assert_eq!(r["unstable"].as_bool().unwrap(), spread > 0.05, "{r}");
+    }
+}
