@@ -304,7 +304,45 @@ impl Runtime {
             })
             .await
             .map_err(|e| Error::RequestDevice { adapter: info.name.clone(), message: e.to_string() })?;
+        Ok(Self::assemble(instance, adapter, device, queue, info, coop_f16, checks))
+    }
 
+    /// A runtime on a device the application already has (one it renders with, say): the
+    /// capability tier and limits come from what that device was created with (its features
+    /// and limits, not the adapter's), so kernels needing a feature the application did not
+    /// enable (subgroups, shader-f16, timestamps) are not chosen. The queue is shared: expertkv
+    /// submits its own command buffers on it.
+    ///
+    /// expertkv installs its device-lost and uncaptured-error callbacks on `device` (they back
+    /// [`Runtime::check`]); an application that installs its own afterwards replaces them, and
+    /// errors then reach the application instead of `check`.
+    pub fn from_device(
+        instance: wgpu::Instance,
+        adapter: wgpu::Adapter,
+        device: wgpu::Device,
+        queue: wgpu::Queue,
+        checks: ShaderChecks,
+    ) -> Result<Runtime> {
+        let mut info = adapter.get_info();
+        if info.name.is_empty() {
+            info.name = format!("unnamed {:?} adapter", info.backend);
+        }
+        let coop = wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX | wgpu::Features::SHADER_F16 | wgpu::Features::SHADER_I16;
+        let coop_f16 = device.features().contains(coop) && coop_f16_offered(&adapter);
+        Ok(Self::assemble(instance, adapter, device, queue, info, coop_f16, checks))
+    }
+
+    /// The runtime's state around an opened device: health callbacks, capabilities, tier.
+    fn assemble(
+        instance: wgpu::Instance,
+        adapter: wgpu::Adapter,
+        device: wgpu::Device,
+        queue: wgpu::Queue,
+        info: wgpu::AdapterInfo,
+        coop_f16: bool,
+        checks: ShaderChecks,
+    ) -> Runtime {
+        let features = device.features();
         let health = Arc::new(Mutex::new(Health::default()));
         {
             let h = health.clone();
@@ -338,7 +376,7 @@ impl Runtime {
         };
         let tier = if subgroups { Tier::Subgroups } else { Tier::Baseline };
         let checks = if cfg!(target_arch = "wasm32") { ShaderChecks::Checked } else { checks };
-        Ok(Runtime {
+        Runtime {
             instance,
             adapter,
             device,
@@ -351,7 +389,7 @@ impl Runtime {
             health,
             f16_subnormals: Default::default(),
             pipelines: Default::default(),
-        })
+        }
     }
 
     /// Err if the device was lost or an error escaped every error scope since the last check.

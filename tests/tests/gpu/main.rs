@@ -20,3 +20,4 @@ mod errors;
 mod model;
 mod ops;
 mod pipeline;
+mod runtime;
