@@ -6,7 +6,7 @@
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use expertkv_core::config::Codec;
-use expertkv_core::evict::config::SchedulerConfig;
+use expertkv_core::evict::config::{Budget, SchedulerConfig};
 use expertkv_core::route::config::RouterConfig;
 use expertkv_core::runtime::Runtime;
 use expertkv_model::Moefication;
@@ -36,9 +36,10 @@ pub struct EvalArgs {
     /// belongs to the spec before it); the full cache always runs first as the reference.
     #[arg(long, default_value = "h2o:sinks=4,window=16,streaming-llm:sinks=4")]
     schedulers: String,
-    /// Budgets: tokens per (layer, KV head).
+    /// Budgets: tokens per (layer, KV head), or shares of the evaluated context (`25%` of
+    /// --tokens), comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "64,32")]
-    budgets: Vec<u32>,
+    budgets: Vec<String>,
     /// Filler tokens (from the text) between the planted fact and the question; 0 skips the
     /// needle check.
     #[arg(long, default_value_t = 64)]
@@ -76,7 +77,10 @@ struct Row {
     /// The page codec (`none`: f16 pages).
     codec: String,
     scheduler: String,
+    /// Tokens kept per (layer, KV head).
     budget: Option<u32>,
+    /// The budget as given: tokens, or a share of the context (`25%`).
+    budget_spec: Option<String>,
     tokens: usize,
     perplexity: f64,
     /// Share of positions whose greedy (argmax) token equals the full cache's.
@@ -113,6 +117,8 @@ struct Config {
     /// With `moe` or `own`: the pipeline's router choosing the experts (none: the plain top k).
     router: Option<RouterConfig>,
     sched: Option<(SchedulerConfig, u32)>,
+    /// The budget as given (`64`, `25%`), with `sched`.
+    budget: Option<Budget>,
     codec: Codec,
 }
 
@@ -218,13 +224,15 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
     }
     let lc = expertkv_model::LlamaConfig::from_gguf(&g)?;
     let own = (lc.expert_count > 0).then_some((lc.expert_count, lc.expert_used_count));
-    let base = Config { moe: None, own, router: None, sched: None, codec: Codec::None };
+    let base = Config { moe: None, own, router: None, sched: None, budget: None, codec: Codec::None };
     let mut configs = vec![base.clone()];
     for s in split_specs(&a.schedulers).iter().filter(|s| s.as_str() != "none") {
         let sc = SchedulerConfig::parse(s)?;
-        for &b in &a.budgets {
+        for spec in &a.budgets {
+            let budget = Budget::parse(spec)?;
+            let b = budget.tokens(ids.len() as u32);
             sc.validate(b)?;
-            configs.push(Config { sched: Some((sc.clone(), b)), ..base.clone() });
+            configs.push(Config { sched: Some((sc.clone(), b)), budget: Some(budget), ..base.clone() });
         }
     }
     for spec in split_specs(&a.codecs).iter().filter(|s| s.as_str() != "none") {
@@ -303,6 +311,7 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
             codec: c.codec.spec(),
             scheduler: c.sched.as_ref().map_or("none".into(), |(s, _)| s.name().to_string()),
             budget: c.sched.as_ref().map(|(_, b)| *b),
+            budget_spec: c.budget.map(|b| b.to_string()),
             tokens: ids.len(),
             perplexity: o.perplexity,
             greedy_agreement: agree,
@@ -326,7 +335,11 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
                 r.ffn,
                 r.codec,
                 r.scheduler,
-                r.budget.map_or("all".into(), |b| b.to_string()),
+                match (r.budget, &r.budget_spec) {
+                    (Some(b), Some(spec)) if *spec != b.to_string() => format!("{spec} ({b})"),
+                    (Some(b), _) => b.to_string(),
+                    (None, _) => "all".into(),
+                },
                 r.perplexity,
                 100.0 * r.greedy_agreement,
                 fmt_bytes(r.kv_bytes),

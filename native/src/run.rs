@@ -7,7 +7,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use expertkv_core::config::{Codec, KvDtype};
 use expertkv_core::digest::{FNV_OFFSET, fnv1a};
-use expertkv_core::evict::config::SchedulerConfig;
+use expertkv_core::evict::config::{Budget, SchedulerConfig};
 use expertkv_core::route::config::RouterConfig;
 use expertkv_model::forward::{GpuLlama, ModelOptions, argmax};
 use expertkv_model::moe::{Calibration, MoeConfig, Moefication};
@@ -48,9 +48,10 @@ pub struct RunArgs {
     /// cache].
     #[arg(long)]
     scheduler: Option<String>,
-    /// Tokens each (layer, KV head) keeps under --scheduler.
-    #[arg(long, default_value_t = 64)]
-    budget: u32,
+    /// Tokens each (layer, KV head) keeps under --scheduler, or a share of the whole context
+    /// (`25%` of the prompt and the generated tokens).
+    #[arg(long, default_value = "64")]
+    budget: String,
     /// MoEfy the FFNs: E:K splits each layer's neurons into E experts (balanced spherical
     /// k-means of the gate rows) and evaluates only the top K per token, as ranked by the
     /// router (the token against each expert's centroid); E:K:fitted ranks them with a linear
@@ -231,7 +232,10 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     let codec = a.codec.as_deref().map_or(Ok(Codec::None), Codec::parse)?;
     let scheduler = match a.scheduler.as_deref() {
         None | Some("none") => None,
-        Some(spec) => Some((SchedulerConfig::parse(spec)?, a.budget)),
+        Some(spec) => {
+            let budget = Budget::parse(&a.budget)?.tokens(prompt.len() as u32 + a.tokens);
+            Some((SchedulerConfig::parse(spec)?, budget))
+        }
     };
     let moe = match a.moe.as_deref() {
         Some(spec) => parse_moe(spec)?,

@@ -93,7 +93,7 @@ fn eval_scores_a_model_per_scheduler() {
         "--schedulers",
         "h2o:sinks=2,window=2",
         "--budgets",
-        "16",
+        "80%",
         "--needle-filler",
         "0",
         "--moe",
@@ -124,6 +124,7 @@ fn eval_scores_a_model_per_scheduler() {
     assert!((moe_ppl - ppl).abs() <= 0.01 * ppl, "k = E: {moe_ppl} against dense {ppl}");
     assert!(moe["greedy_agreement"].as_f64().expect("agreement") > 0.9, "{out}");
     assert!(h2o["perplexity"].as_f64().expect("perplexity").is_finite());
+    assert_eq!((h2o["budget"].as_u64(), h2o["budget_spec"].as_str()), (Some(16), Some("80%")), "80% of 20 tokens: {out}");
     assert!(h2o["kv_bytes"].as_u64() < full["kv_bytes"].as_u64(), "H2O at 16 of 20 tokens holds fewer pages: {out}");
     assert!(plots.join("perplexity_vs_bytes.png").metadata().expect("plot written").len() > 1000);
     // A MoEfication that cannot be is refused by name.

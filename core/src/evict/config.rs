@@ -5,6 +5,53 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::gpu_data::{EvictParams, KEEP_ALL, policies};
 
+/// A scheduler's budget: tokens kept per (layer, sequence, KV head), or a share of the context
+/// (`25%`), which becomes tokens once the context is known.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Budget {
+    Tokens(u32),
+    /// Percent of the context, in (0, 100].
+    Share(f64),
+}
+
+impl Budget {
+    /// `64` (tokens) or `25%` (a share of the context).
+    pub fn parse(s: &str) -> Result<Budget> {
+        let b = s.trim();
+        let bad = || Error::config("budget", b, "a number of tokens or a percentage like 25%");
+        if let Some(pct) = b.strip_suffix('%') {
+            let f: f64 = pct.trim().parse().map_err(|_| bad())?;
+            if !(f > 0.0 && f <= 100.0) {
+                return Err(Error::config("budget", b, "a percentage must be in (0, 100]"));
+            }
+            Ok(Budget::Share(f))
+        } else {
+            match b.parse::<u32>() {
+                Ok(0) => Err(Error::config("budget", b, "keeping no token leaves nothing to attend")),
+                Ok(t) => Ok(Budget::Tokens(t)),
+                Err(_) => Err(bad()),
+            }
+        }
+    }
+
+    /// Tokens for a context of `context` tokens (a share rounds up, and keeps at least one).
+    pub fn tokens(self, context: u32) -> u32 {
+        match self {
+            Budget::Tokens(t) => t,
+            Budget::Share(f) => ((f64::from(context) * f / 100.0).ceil() as u32).max(1),
+        }
+    }
+}
+
+impl std::fmt::Display for Budget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Budget::Tokens(t) => write!(f, "{t}"),
+            Budget::Share(p) => write!(f, "{p}%"),
+        }
+    }
+}
+
 /// An eviction policy: a utility per cached token (or page) plus the shared budget enforcement.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "name", rename_all = "kebab-case", deny_unknown_fields)]
@@ -377,5 +424,19 @@ mod tests {
         assert_eq!(&b[..2], &[KEEP_ALL, KEEP_ALL]);
         assert_eq!(b[2..].iter().sum::<u32>(), 150);
         assert!(f.layer_budgets(50, 2, None, 8).unwrap_err().to_string().contains("from_layer"));
+    }
+
+    #[test]
+    fn budgets_are_tokens_or_shares_of_the_context() {
+        assert_eq!(Budget::parse("64").unwrap(), Budget::Tokens(64));
+        assert_eq!(Budget::parse(" 25% ").unwrap(), Budget::Share(25.0));
+        assert_eq!(Budget::parse("25%").unwrap().tokens(1000), 250);
+        assert_eq!(Budget::parse("12.5%").unwrap().tokens(1001), 126, "rounds up");
+        assert_eq!(Budget::parse("0.01%").unwrap().tokens(10), 1, "keeps a token");
+        assert_eq!(Budget::Tokens(64).tokens(10), 64);
+        assert_eq!(Budget::parse("25%").unwrap().to_string(), "25%");
+        for bad in ["", "0", "-3", "0%", "101%", "x%", "1e3", "25 %%"] {
+            assert!(Budget::parse(bad).is_err(), "{bad:?}");
+        }
     }
 }

@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::{Codec, KvDtype, PoolConfig, ShardMap};
 use crate::error::{Error, Result};
-use crate::evict::config::{EkvaConfig, SchedulerConfig, Threshold};
+use crate::evict::config::{Budget, EkvaConfig, SchedulerConfig, Threshold};
 use crate::route::config::RouterConfig;
 use crate::workload::WorkloadConfig;
 
@@ -87,15 +87,7 @@ impl DemoConfig {
         }
         let full = self.workload.prompt_len + self.steps;
         let b = self.budget.trim();
-        let tokens = if let Some(pct) = b.strip_suffix('%') {
-            let f: f64 = pct.trim().parse().map_err(|_| Error::config("budget", b, "a number of tokens or a percentage like 25%"))?;
-            if !(f > 0.0 && f <= 100.0) {
-                return Err(Error::config("budget", b, "a percentage must be in (0, 100]"));
-            }
-            (f64::from(full) * f / 100.0).ceil() as u32
-        } else {
-            b.parse::<u32>().map_err(|_| Error::config("budget", b, "a number of tokens or a percentage like 25%"))?
-        };
+        let tokens = Budget::parse(b)?.tokens(full);
         if tokens < self.page_size {
             return Err(Error::config("budget", b, format!("{tokens} tokens is below one page ({} tokens)", self.page_size)));
         }
