@@ -562,7 +562,7 @@ impl KvPool {
     }
 
     /// Release the `counts[key]` oldest pages of each shard ring back to the free stack.
-    /// Keys are `(layer * max_seqs + seq) * n_shards + shard`.
+    /// Keys are `((layer * max_seqs + seq) * kv_heads + head) * n_shards + shard`.
     pub fn release(&self, rt: &Runtime, counts: &[u32]) -> Result<()> {
         if counts.len() != self.cfg.n_keys() as usize {
             return Err(Error::Input(format!("release counts: {} entries, the pool has {} shard rings", counts.len(), self.cfg.n_keys())));

@@ -15,6 +15,7 @@ mod route;
 
 // The decode step as a whole, the model's kernels and forward pass, and the runtime's edges.
 mod buffers;
+mod churn;
 mod copy;
 mod errors;
 mod model;
