@@ -11,8 +11,8 @@
 //!   EKVA's expert budgets, QUEST page selection and FlexGen's host tier.
 //!
 //! Around them: [`runtime`] (device, capability tier, pipelines, timers), [`pipeline`] (the decode
-//! step over a [`workload`]), [`trace`] (record and replay), [`plan`] (capacity planning), [`bench`]
-//! and [`reference`] (the CPU oracle of every kernel, and nothing else).
+//! step over a [`workload`]), [`trace`] (record and replay), [`plan`] (capacity planning), [`bench`](mod@bench)
+//! and [`reference`](mod@reference) (the CPU oracle of every kernel, and nothing else).
 
 pub mod append;
 pub mod attend;

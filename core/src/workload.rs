@@ -100,8 +100,8 @@ impl WorkloadConfig {
     }
 }
 
-/// One generated token: TopK routing, its router logits ([n_experts]), K and V
-/// ([kv_heads][head_dim] each, f32).
+/// One generated token: TopK routing, its router logits (`[n_experts]`), K and V
+/// (`[kv_heads][head_dim]` each, f32).
 #[derive(Clone, Debug)]
 pub struct GenToken {
     pub token: NewToken,
@@ -214,7 +214,7 @@ impl Workload {
         GenToken { token: NewToken { layer, seq, position, experts, gates }, logits, k, v }
     }
 
-    /// The next token of every sequence at every layer (one position), ordered [layer][seq];
+    /// The next token of every sequence at every layer (one position), ordered `[layer][seq]`;
     /// every sequence's position advances by one.
     pub fn next_tokens(&mut self) -> Vec<GenToken> {
         let mut out = Vec::with_capacity((self.cfg.n_seqs * self.cfg.layers) as usize);
@@ -230,7 +230,7 @@ impl Workload {
         out
     }
 
-    /// `positions` positions of every sequence at every layer, ordered [layer][position][seq]
+    /// `positions` positions of every sequence at every layer, ordered `[layer][position][seq]`
     /// (the order the router's rows and the append batch share).
     pub fn next_positions(&mut self, positions: u32) -> Vec<GenToken> {
         let steps: Vec<Vec<GenToken>> = (0..positions).map(|_| self.next_tokens()).collect();
@@ -244,7 +244,7 @@ impl Workload {
         out
     }
 
-    /// Decode queries of one layer, [seq][q_head][head_dim]: each query head leans towards its
+    /// Decode queries of one layer, `[seq][q_head][head_dim]`: each query head leans towards its
     /// KV head's direction, so sinks and heavy hitters draw most of the attention.
     pub fn queries(&mut self, layer: u32) -> Vec<f32> {
         let d = self.cfg.head_dim as usize;

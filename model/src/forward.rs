@@ -541,7 +541,7 @@ impl GpuLlama {
         self.moe.as_ref().map_or(&[], |m| &m.counts)
     }
 
-    /// One token per sequence at its next position; returns the logits, [seq][vocab].
+    /// One token per sequence at its next position; returns the logits, `[seq][vocab]`.
     ///
     /// The whole step is one submission: per layer the projections, RoPE and the K/V packed into
     /// the pool's layout ([`ModelKernels::kv_pack`]), the pool's append of that layer's tokens

@@ -9,7 +9,7 @@
 //!   models written as GGUF files for tests.
 //! - [`ops`] and [`forward`]: the GPU forward pass ([`forward::GpuLlama`]), whose K/V go into
 //!   `expertkv-core`'s paged pool and whose attention is the core's; [`gpu_data`]: the host
-//!   mirrors of the model kernels' structs; [`reference`]: the model kernels' CPU references.
+//!   mirrors of the model kernels' structs; [`reference`](mod@reference): the model kernels' CPU references.
 //!
 //! The GPU forward pass checks itself against [`CpuModel::forward_layers`] /
 //! [`CpuModel::forward_probed`] and the building blocks ([`cpu::rms_norm`], [`cpu::rope_norm`],

@@ -356,7 +356,7 @@ impl ModelKernels {
         Ok(())
     }
 
-    /// `y[b] = W x[b]` for `n_tokens` tokens (x: [n_tokens][cols] f32, y: [n_tokens][rows]).
+    /// `y[b] = W x[b]` for `n_tokens` tokens (x: `[n_tokens][cols]` f32, y: `[n_tokens][rows]`).
     pub fn matvec(
         &self,
         rt: &Runtime,
@@ -460,7 +460,7 @@ impl ModelKernels {
         Ok(())
     }
 
-    /// Rows `tokens[b]` of `w`, dequantised (y: [n_tokens][cols]).
+    /// Rows `tokens[b]` of `w`, dequantised (y: `[n_tokens][cols]`).
     pub fn embed(&self, rt: &Runtime, pass: &mut impl DispatchSink, w: &GpuMatrix, tokens: &wgpu::Buffer, y: &wgpu::Buffer, n_tokens: u32) {
         let p = rt.uniform("model/embed params", &ModelOpParams { n_tokens, dim: w.cols, ..Default::default() });
         let pipe = &self.embed[w.format.define() as usize];
@@ -486,7 +486,7 @@ impl ModelKernels {
         pass.dispatch(&self.rmsnorm, bg, [n_tokens, 1, 1]);
     }
 
-    /// Rotate `x` ([n_tokens][n_heads][head_dim]) in place by each token's position.
+    /// Rotate `x` (`[n_tokens][n_heads][head_dim]`) in place by each token's position.
     #[allow(clippy::too_many_arguments)]
     pub fn rope(
         &self,

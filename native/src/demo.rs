@@ -66,7 +66,7 @@ pub struct DemoArgs {
     #[arg(long)]
     allocator: Option<String>,
     /// Utility threshold: fixed:TAU (evict tokens under TAU x mean mass even under budget) or
-    /// adaptive:TARGET[,STEP] (TAU follows the kept-attention share) [default: fixed:0].
+    /// adaptive:TARGET or adaptive:TARGET,STEP (TAU follows the kept-attention share) [default: fixed:0].
     #[arg(long)]
     threshold: Option<String>,
     /// Page codec: none, int8[:group=G], int4[:group=G], fastv-dims[:keep=R], low-rank[:rank=R],

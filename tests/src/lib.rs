@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 /// `seed % CASE_PERIOD` is the case's index, and every list length up to 16 divides it
 /// (720720 = lcm(1..=16)), so `seed % len` is the index modulo `len` for any such list.
-const CASE_PERIOD: u64 = 720_720;
+pub const CASE_PERIOD: u64 = 720_720;
 
 /// `n` seeds for one test: from `EXPERTKV_TEST_SEED` (one seed, to replay a failure) or derived
 /// from the test's name, so each test draws its own inputs. Seed `i` is `i` modulo

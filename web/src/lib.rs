@@ -2,7 +2,7 @@
 //! viewer (`expertkv-viewer`, eframe's wgpu renderer) beside it on one canvas.
 //!
 //! The page (`web/www/index.html`) checks for WebGPU itself and says so when the browser has
-//! none; otherwise it calls [`start`]. One async task (`wasm_bindgen_futures::spawn_local`) owns
+//! none; otherwise it calls `start()`. One async task (`wasm_bindgen_futures::spawn_local`) owns
 //! the [`Runtime`](expertkv_core::Runtime) and the [`Pipeline`](expertkv_core::pipeline::Pipeline):
 //! it prefills, steps, captures a snapshot for the viewer after every step and folds the step's
 //! decisions into a [`DecisionDigest`](expertkv_core::digest::DecisionDigest). The viewer runs in

@@ -117,7 +117,7 @@ pub struct KvPool {
 pub struct Routed<'a> {
     pub experts: &'a wgpu::Buffer,
     pub gates: &'a wgpu::Buffer,
-    /// Tokens of each layer in the batch (the batch is ordered [layer][token]).
+    /// Tokens of each layer in the batch (the batch is ordered `[layer][token]`).
     pub per_layer: u32,
     /// Router rows between the first tokens of consecutive layers (its `max_tokens`).
     pub row_stride: u32,

@@ -824,7 +824,7 @@ impl Attention {
         self.scale
     }
 
-    /// Upload queries, [seq][q_head][head_dim] f32; NaN or infinity is refused.
+    /// Upload queries, `[seq][q_head][head_dim]` f32; NaN or infinity is refused.
     pub fn set_queries(&self, rt: &Runtime, q: &[f32]) -> Result<()> {
         let want = (self.opts.n_seqs * self.q_heads * self.head_dim) as usize;
         if q.len() != want {
@@ -914,7 +914,7 @@ impl Attention {
         Ok(())
     }
 
-    /// The output buffer, [seq][q_head][head_dim] f32, which later kernels may read directly.
+    /// The output buffer, `[seq][q_head][head_dim]` f32, which later kernels may read directly.
     pub fn output(&self) -> &wgpu::Buffer {
         &self.out
     }
@@ -1010,7 +1010,7 @@ impl Attention {
         rt.check("attend_decode")
     }
 
-    /// Output, [seq][q_head][head_dim].
+    /// Output, `[seq][q_head][head_dim]`.
     pub async fn read_output(&self, rt: &Runtime) -> Result<Vec<f32>> {
         rt.read(&self.out, 0, u64::from(self.opts.n_seqs * self.q_heads * self.head_dim)).await
     }

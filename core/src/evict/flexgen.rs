@@ -137,7 +137,7 @@ impl FlexGen {
     }
 
     /// Move the coldest pages past the budget of every list to the host (after attention, so
-    /// this step's attention mass counts). `bounds` are the QUEST page bounds ([page][min|max]).
+    /// this step's attention mass counts). `bounds` are the QUEST page bounds (`[page][min|max]`).
     pub async fn offload(&mut self, rt: &Runtime, pool: &KvPool, bounds: &[f32]) -> Result<()> {
         let c = pool.cfg.clone();
         let (r, ns, d) = (c.ring_capacity as usize, c.n_shards as usize, c.head_dim as usize);
@@ -193,7 +193,7 @@ impl FlexGen {
 
     /// Before attention: bring back host pages whose bound on q.k (max over the list's query
     /// heads) beats the weakest resident page's, swapping that one out. `queries` are the
-    /// layer's [seq][q_head][d]; `bounds` the QUEST bounds of resident pages.
+    /// layer's `[seq][q_head][d]`; `bounds` the QUEST bounds of resident pages.
     pub async fn fetch(&mut self, rt: &Runtime, pool: &KvPool, layer: u32, queries: &[f32], group: u32, bounds: &[f32]) -> Result<()> {
         let c = pool.cfg.clone();
         let (r, ns, d) = (c.ring_capacity as usize, c.n_shards as usize, c.head_dim as usize);

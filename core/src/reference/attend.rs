@@ -16,14 +16,14 @@ pub const ATTENTION_RTOL: f64 = 1e-4;
 pub const F16_SUMS_TOL: f64 = 4e-3;
 
 pub struct AttentionOutput {
-    /// [seq][q_head][head_dim]
+    /// `[seq][q_head][head_dim]`
     pub out: Vec<f64>,
     /// Every attended cached vector: (seq, KV head, page, slot, attention mass summed over the
     /// query heads of that KV head).
     pub mass: Vec<(u32, u32, u32, u32, f64)>,
 }
 
-/// Decode attention for sequences `0..n_seqs` of `layer`. `queries` is [seq][q_head][head_dim]
+/// Decode attention for sequences `0..n_seqs` of `layer`. `queries` is `[seq][q_head][head_dim]`
 /// with q_heads = kv_heads * group; scores are scaled by `scale`.
 pub fn attend_decode(model: &PoolModel, layer: u32, n_seqs: u32, queries: &[f32], group: u32, scale: f64) -> AttentionOutput {
     attend_decode_over(model, layer, n_seqs, queries, group, scale, &|seq, head| model.page_list(layer, seq, head))
@@ -69,7 +69,7 @@ pub fn attend_decode_int8_query_over(
     attend_with(model, n_seqs, queries, group, pages, &int8_query_score(model, scale))
 }
 
-/// What the tile kernel (`attend/split_quant_tile.wgsl`) sums in f16, [seq][q_head][head_dim]:
+/// What the tile kernel (`attend/split_quant_tile.wgsl`) sums in f16, `[seq][q_head][head_dim]`:
 /// the attention-weighted codes times scales, `sum_t p_t (v_t - min_t)` over the int4 pages'
 /// tokens (their value minus their group's min; raw tokens, summed in f32, count 0), with the
 /// scores of [`attend_decode_int8_query_over`]. Its rounding error is relative to this.

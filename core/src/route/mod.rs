@@ -179,7 +179,7 @@ impl Router {
         p
     }
 
-    /// Upload router logits of `first_layer` and the layers after it, [layer][token][expert]
+    /// Upload router logits of `first_layer` and the layers after it, `[layer][token][expert]`
     /// with `max_tokens` tokens per layer (the last layer given may hold fewer); non-finite
     /// values are refused.
     pub fn set_logits(&self, rt: &Runtime, first_layer: u32, logits: &[f32]) -> Result<()> {
@@ -324,7 +324,7 @@ impl Router {
         rt.check("route/miss")
     }
 
-    /// Chosen experts of the first `n_tokens` tokens of `layer`, [token][k].
+    /// Chosen experts of the first `n_tokens` tokens of `layer`, `[token][k]`.
     pub async fn read_experts(&self, rt: &Runtime, layer: u32, n_tokens: u32) -> Result<Vec<u32>> {
         let k = u64::from(self.shape.top_k);
         rt.read(&self.experts, u64::from(layer * self.shape.max_tokens) * k, u64::from(n_tokens) * k).await

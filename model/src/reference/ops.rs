@@ -56,7 +56,7 @@ pub fn rope(x: &[f32], positions: &[u32], n_heads: usize, head_dim: usize, base:
     y
 }
 
-/// `silu(g) * u` with g and u side by side per token ([b][2][n]).
+/// `silu(g) * u` with g and u side by side per token (`[b][2][n]`).
 pub fn swiglu(gu: &[f32], n: usize) -> Vec<f64> {
     gu.chunks(2 * n)
         .flat_map(|c| {
