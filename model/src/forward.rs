@@ -196,7 +196,7 @@ fn record(
 ) -> Result<Recording> {
     let (h, hq, hkv, d) = (c.embedding_length, c.head_count, c.head_count_kv, c.head_dim);
     let mut rec = Recording { embed: Recorded::default(), attention_inputs: Vec::new(), ffn: Vec::new(), head: Recorded::default() };
-    k.embed(rt, &mut rec.embed, embed, &s.tokens, &s.h, n);
+    k.embed(rt, &mut rec.embed, embed, &s.tokens, &s.h, n)?;
     for w in layers {
         let mut p = Recorded::default();
         k.rmsnorm(rt, &mut p, &s.h, &w.attn_norm, &s.xn, n, h, c.rms_norm_eps);
@@ -268,7 +268,10 @@ impl GpuLlama {
                 format!("must be in 1..={} (the model's trained context)", cfg.context_length),
             ));
         }
-        let kernels = ModelKernels::new(rt).await?;
+        // The weight formats of the file's tensors (the norms and the rest are F32 or converted).
+        let mut formats = vec![WeightFormat::F32];
+        formats.extend(g.tensors().iter().filter_map(|t| WeightFormat::from_ggml(t.ggml_type()).ok()));
+        let kernels = ModelKernels::new(rt, &formats).await?;
         let mut layers = Vec::new();
         for l in 0..cfg.block_count {
             let n = |s: &str| format!("blk.{l}.{s}.weight");

@@ -21,33 +21,97 @@ pub enum WeightFormat {
     Q8_0,
     /// ggml Q4_1 as is (20-byte blocks).
     Q4_1,
+    F16,
+    BF16,
+    /// ggml Q4_0, each 18-byte block padded to 20 bytes on upload.
+    Q4_0,
+    /// ggml's K-quants: super-blocks of 256 weights (Q6_K's 210 bytes padded to 212).
+    Q4K,
+    Q5K,
+    Q6K,
 }
 
 impl WeightFormat {
+    /// Every format the kernels read.
+    pub const ALL: [WeightFormat; 9] = [
+        WeightFormat::F32,
+        WeightFormat::Q8_0,
+        WeightFormat::Q4_1,
+        WeightFormat::F16,
+        WeightFormat::BF16,
+        WeightFormat::Q4_0,
+        WeightFormat::Q4K,
+        WeightFormat::Q5K,
+        WeightFormat::Q6K,
+    ];
+
     pub fn from_ggml(ty: GgmlType) -> Result<WeightFormat> {
         match ty {
             GgmlType::F32 => Ok(WeightFormat::F32),
             GgmlType::Q8_0 => Ok(WeightFormat::Q8_0),
             GgmlType::Q4_1 => Ok(WeightFormat::Q4_1),
-            other => Err(Error::Model(format!("the GPU kernels read F32, Q8_0 and Q4_1 weights, not {}", other.name()))),
+            GgmlType::F16 => Ok(WeightFormat::F16),
+            GgmlType::Bf16 => Ok(WeightFormat::BF16),
+            GgmlType::Q4_0 => Ok(WeightFormat::Q4_0),
+            GgmlType::Q4K => Ok(WeightFormat::Q4K),
+            GgmlType::Q5K => Ok(WeightFormat::Q5K),
+            GgmlType::Q6K => Ok(WeightFormat::Q6K),
+            other => Err(Error::Model(format!(
+                "the GPU kernels read F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K weights, not {}",
+                other.name()
+            ))),
         }
     }
 
-    /// The `FORMAT` define of the kernels.
+    /// The ggml type of the file's blocks.
+    pub fn ggml(self) -> GgmlType {
+        match self {
+            WeightFormat::F32 => GgmlType::F32,
+            WeightFormat::Q8_0 => GgmlType::Q8_0,
+            WeightFormat::Q4_1 => GgmlType::Q4_1,
+            WeightFormat::F16 => GgmlType::F16,
+            WeightFormat::BF16 => GgmlType::Bf16,
+            WeightFormat::Q4_0 => GgmlType::Q4_0,
+            WeightFormat::Q4K => GgmlType::Q4K,
+            WeightFormat::Q5K => GgmlType::Q5K,
+            WeightFormat::Q6K => GgmlType::Q6K,
+        }
+    }
+
+    /// The `FORMAT` define of the kernels (`FORMAT_*` in `common/quant.wgsl`).
     pub fn define(self) -> u32 {
         match self {
             WeightFormat::F32 => 0,
             WeightFormat::Q8_0 => 1,
             WeightFormat::Q4_1 => 2,
+            WeightFormat::F16 => 3,
+            WeightFormat::BF16 => 4,
+            WeightFormat::Q4_0 => 5,
+            WeightFormat::Q4K => 6,
+            WeightFormat::Q5K => 7,
+            WeightFormat::Q6K => 8,
         }
     }
 
-    /// Bytes of one 32-weight block in the file.
+    /// Weights of one block: 32, or 256 for the K-quants. A row's length is a multiple of it.
+    pub fn block_weights(self) -> usize {
+        match self {
+            WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K => 256,
+            _ => 32,
+        }
+    }
+
+    /// Bytes of one block in the file.
     pub fn file_block_bytes(self) -> usize {
         match self {
             WeightFormat::F32 => 128,
             WeightFormat::Q8_0 => 34,
             WeightFormat::Q4_1 => 20,
+            WeightFormat::F16 | WeightFormat::BF16 => 64,
+            WeightFormat::Q4_0 => 18,
+            WeightFormat::Q4K => 144,
+            WeightFormat::Q5K => 176,
+            WeightFormat::Q6K => 210,
         }
     }
 
@@ -56,7 +120,11 @@ impl WeightFormat {
         match self {
             WeightFormat::F32 => 32,
             WeightFormat::Q8_0 => 9,
-            WeightFormat::Q4_1 => 5,
+            WeightFormat::Q4_1 | WeightFormat::Q4_0 => 5,
+            WeightFormat::F16 | WeightFormat::BF16 => 16,
+            WeightFormat::Q4K => 36,
+            WeightFormat::Q5K => 44,
+            WeightFormat::Q6K => 53,
         }
     }
 }
@@ -71,25 +139,38 @@ pub struct GpuMatrix {
 
 /// The file's bytes of a `rows x cols` matrix as the kernels read them (Q8_0 blocks padded).
 pub fn pack_blocks(format: WeightFormat, rows: u32, cols: u32, bytes: &[u8]) -> Result<Vec<u32>> {
-    if cols == 0 || !cols.is_multiple_of(32) || rows == 0 {
-        return Err(Error::Input(format!("a {rows} x {cols} matrix: columns must be a positive multiple of 32")));
+    let bw = format.block_weights();
+    if cols == 0 || !(cols as usize).is_multiple_of(bw) || rows == 0 {
+        return Err(Error::Input(format!("a {rows} x {cols} {format:?} matrix: columns must be a positive multiple of {bw}")));
     }
-    let blocks = rows as usize * (cols as usize / 32);
-    let want = blocks * format.file_block_bytes();
+    let blocks = rows as usize * (cols as usize / bw);
+    let fb = format.file_block_bytes();
+    let want = blocks * fb;
     if bytes.len() != want {
         return Err(Error::Input(format!("{rows} x {cols} {format:?} matrix needs {want} bytes, got {}", bytes.len())));
     }
     let words = |b: &[u8]| b.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect::<Vec<u32>>();
     Ok(match format {
-        WeightFormat::F32 | WeightFormat::Q4_1 => words(bytes),
-        WeightFormat::Q8_0 => {
-            let mut out = Vec::with_capacity(blocks * 9);
-            for blk in bytes.chunks_exact(34) {
+        WeightFormat::Q8_0 | WeightFormat::Q4_0 => {
+            // The f16 scale alone in the first word, so the codes start on a word.
+            let mut out = Vec::with_capacity(blocks * format.gpu_block_words());
+            for blk in bytes.chunks_exact(fb) {
                 out.push(u32::from(u16::from_le_bytes([blk[0], blk[1]])));
-                out.extend(words(&blk[2..34]));
+                out.extend(words(&blk[2..]));
             }
             out
         }
+        WeightFormat::Q6K => {
+            // 210 bytes: two zero bytes after each block's f16 d.
+            let mut out = Vec::with_capacity(blocks * format.gpu_block_words());
+            let mut padded = [0u8; 212];
+            for blk in bytes.chunks_exact(fb) {
+                padded[..210].copy_from_slice(blk);
+                out.extend(words(&padded));
+            }
+            out
+        }
+        _ => words(bytes),
     })
 }
 
@@ -142,8 +223,13 @@ impl MoeFfn {
     ) -> Result<MoeFfn> {
         let ffn = neurons.len();
         let h = hidden as usize;
-        let row_bytes = h / 32 * format.file_block_bytes();
-        if h == 0 || !h.is_multiple_of(32) || gate.len() != ffn * row_bytes || up.len() != ffn * row_bytes || down.len() != ffn * h {
+        let row_bytes = h / format.block_weights() * format.file_block_bytes();
+        if h == 0
+            || !h.is_multiple_of(format.block_weights())
+            || gate.len() != ffn * row_bytes
+            || up.len() != ffn * row_bytes
+            || down.len() != ffn * h
+        {
             return Err(Error::Input(format!("{label}: FFN matrices do not match {ffn} neurons x {hidden} features")));
         }
         let n_experts = offsets.len().saturating_sub(1);
@@ -225,12 +311,21 @@ impl Recorded {
     }
 }
 
+/// The pipeline of `format` among those built.
+fn pick(pipes: &[Option<wgpu::ComputePipeline>], format: WeightFormat) -> Result<&wgpu::ComputePipeline> {
+    pipes
+        .get(format.define() as usize)
+        .and_then(Option::as_ref)
+        .ok_or_else(|| Error::Input(format!("the model kernels were built without {format:?} weights (ModelKernels::new's formats)")))
+}
+
 /// The compiled model kernels.
 pub struct ModelKernels {
-    matvec: [wgpu::ComputePipeline; 3],
-    moe_gate_up: [wgpu::ComputePipeline; 3],
+    /// Per weight format (`WeightFormat::define`), for the formats asked for.
+    matvec: Vec<Option<wgpu::ComputePipeline>>,
+    moe_gate_up: Vec<Option<wgpu::ComputePipeline>>,
     moe_down: wgpu::ComputePipeline,
-    embed: [wgpu::ComputePipeline; 3],
+    embed: Vec<Option<wgpu::ComputePipeline>>,
     rmsnorm: wgpu::ComputePipeline,
     rope: wgpu::ComputePipeline,
     swiglu: wgpu::ComputePipeline,
@@ -241,23 +336,24 @@ pub struct ModelKernels {
 }
 
 impl ModelKernels {
-    pub async fn new(rt: &Runtime) -> Result<ModelKernels> {
-        let mut matvec = Vec::new();
-        let mut embed = Vec::new();
-        let mut moe_gate_up = Vec::new();
-        for f in 0..3u32 {
-            let d = [("FORMAT", format!("{f}u"))];
-            matvec.push(rt.pipeline_with(Kernel::ModelMatVec, &d, &[]).await?);
-            embed.push(rt.pipeline_with(Kernel::ModelEmbed, &d, &[]).await?);
-            moe_gate_up.push(rt.pipeline_with(Kernel::ModelMoeGateUp, &d, &[]).await?);
+    /// The kernels, the weight-reading ones for each of `formats`.
+    pub async fn new(rt: &Runtime, formats: &[WeightFormat]) -> Result<ModelKernels> {
+        let n = WeightFormat::ALL.len();
+        let (mut matvec, mut embed, mut moe_gate_up) = (vec![None; n], vec![None; n], vec![None; n]);
+        for f in formats {
+            let i = f.define() as usize;
+            if matvec[i].is_some() {
+                continue;
+            }
+            let d = [("FORMAT", format!("{i}u"))];
+            matvec[i] = Some(rt.pipeline_with(Kernel::ModelMatVec, &d, &[]).await?);
+            embed[i] = Some(rt.pipeline_with(Kernel::ModelEmbed, &d, &[]).await?);
+            moe_gate_up[i] = Some(rt.pipeline_with(Kernel::ModelMoeGateUp, &d, &[]).await?);
         }
-        let arr = |v: Vec<wgpu::ComputePipeline>| -> Result<[wgpu::ComputePipeline; 3]> {
-            v.try_into().map_err(|_| Error::Input("three weight formats".into()))
-        };
         Ok(ModelKernels {
-            matvec: arr(matvec)?,
-            embed: arr(embed)?,
-            moe_gate_up: arr(moe_gate_up)?,
+            matvec,
+            embed,
+            moe_gate_up,
             moe_down: rt.pipeline(Kernel::ModelMoeDown, &[]).await?,
             rmsnorm: rt.pipeline(Kernel::ModelRmsNorm, &[]).await?,
             rope: rt.pipeline(Kernel::ModelRope, &[]).await?,
@@ -398,7 +494,7 @@ impl ModelKernels {
         }
         let p =
             rt.uniform("model/matvec params", &MatVecParams { rows: w.rows, cols: w.cols, n_tokens, accumulate: u32::from(accumulate) });
-        let pipe = &self.matvec[w.format.define() as usize];
+        let pipe = pick(&self.matvec, w.format)?;
         let bg = rt.bind(Kernel::ModelMatVec.label(), pipe, &[&p, &w.buffer, x, y]);
         let [x, y] = expertkv_core::runtime::split_workgroups(w.rows);
         pass.dispatch(pipe, bg, [x, y, 1]);
@@ -444,7 +540,7 @@ impl ModelKernels {
                 ..Default::default()
             },
         );
-        let pipe = &self.moe_gate_up[m.gate_up.format.define() as usize];
+        let pipe = pick(&self.moe_gate_up, m.gate_up.format)?;
         let bg = rt.bind_at(
             Kernel::ModelMoeGateUp.label(),
             pipe,
@@ -461,11 +557,20 @@ impl ModelKernels {
     }
 
     /// Rows `tokens[b]` of `w`, dequantised (y: `[n_tokens][cols]`).
-    pub fn embed(&self, rt: &Runtime, pass: &mut impl DispatchSink, w: &GpuMatrix, tokens: &wgpu::Buffer, y: &wgpu::Buffer, n_tokens: u32) {
+    pub fn embed(
+        &self,
+        rt: &Runtime,
+        pass: &mut impl DispatchSink,
+        w: &GpuMatrix,
+        tokens: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        n_tokens: u32,
+    ) -> Result<()> {
         let p = rt.uniform("model/embed params", &ModelOpParams { n_tokens, dim: w.cols, ..Default::default() });
-        let pipe = &self.embed[w.format.define() as usize];
+        let pipe = pick(&self.embed, w.format)?;
         let bg = rt.bind_at(Kernel::ModelEmbed.label(), pipe, &[(0, &p), (2, y), (3, &w.buffer), (4, tokens)]);
         pass.dispatch(pipe, bg, [n_tokens, 1, 1]);
+        Ok(())
     }
 
     /// `y[b] = x[b] / rms(x[b]) * g` over `dim` features.

@@ -203,8 +203,9 @@ fn route_topk_validates_for_every_define() {
 #[test]
 fn model_kernels_validate_for_every_weight_format() {
     let mut failures = Vec::new();
+    // FORMAT_* of common/quant.wgsl: F32, Q8_0, Q4_1, F16, BF16, Q4_0, Q4_K, Q5_K, Q6_K.
     for kernel in [Kernel::ModelMatVec, Kernel::ModelEmbed, Kernel::ModelMoeGateUp, Kernel::ModelMoeDown] {
-        for format in 0..3u32 {
+        for format in 0..9u32 {
             let text = kernel.resolved_with(&[("FORMAT", format!("{format}u"))]).expect("defines resolve");
             if let Err(e) = validate(&format!("{} FORMAT={format}", kernel.label()), &text) {
                 failures.push(e);

@@ -1,16 +1,12 @@
 //! CPU references of the model kernels (`shaders/wgsl/model/*.wgsl`), in f64.
 
 use crate::Result;
-use crate::gguf::{GgmlType, dequantize};
+use crate::gguf::dequantize;
 use crate::ops::WeightFormat;
 
 /// The f32 weights of a `rows x cols` block-format matrix (ggml's dequantisation).
 pub fn dequant_matrix(format: WeightFormat, rows: u32, cols: u32, bytes: &[u8]) -> Result<Vec<f32>> {
-    let ty = match format {
-        WeightFormat::F32 => GgmlType::F32,
-        WeightFormat::Q8_0 => GgmlType::Q8_0,
-        WeightFormat::Q4_1 => GgmlType::Q4_1,
-    };
+    let ty = format.ggml();
     let mut out = vec![0f32; rows as usize * cols as usize];
     dequantize(ty, bytes, &mut out)?;
     Ok(out)

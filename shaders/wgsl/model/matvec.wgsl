@@ -11,7 +11,7 @@
 // must match `MatVecParams` in core/src/gpu_data.rs
 struct MatVecParams {
     rows: u32,       // output features
-    cols: u32,       // input features (a multiple of 32)
+    cols: u32,       // input features (a multiple of the format's block: 32, or 256)
     n_tokens: u32,   // tokens b (at most MAX_TOKENS)
     accumulate: u32, // 1: y += W x, 0: y = W x
 }
@@ -20,6 +20,10 @@ struct MatVecParams {
 @group(0) @binding(1) var<storage, read> w: array<u32>;
 @group(0) @binding(2) var<storage, read> x: array<f32>;       // [n_tokens][cols]
 @group(0) @binding(3) var<storage, read_write> y: array<f32>; // [n_tokens][rows]
+
+fn weight_word(i: u32) -> u32 {
+    return w[i];
+}
 
 const WG: u32 = 64u;
 var<workgroup> red: array<f32, MAX_TOKENS * WG>;  // [token][WG]
@@ -32,42 +36,12 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
         return;
     }
     let nb = params.cols / 32u;
-    let bw = block_words(FORMAT);
     var acc: array<f32, MAX_TOKENS>;
     for (var b = 0u; b < MAX_TOKENS; b++) {
         acc[b] = 0.0;
     }
     for (var blk = t; blk < nb; blk += WG) {
-        let base = (row * nb + blk) * bw;
-        var wv: array<f32, 32>;
-        switch FORMAT {
-            case 1u: {
-                let d = unpack2x16float(w[base]).x;
-                for (var k = 0u; k < 8u; k++) {
-                    let word = w[base + 1u + k];
-                    for (var j = 0u; j < 4u; j++) {
-                        let q = i32(byte_at(word, j) << 24u) >> 24u;
-                        wv[4u * k + j] = d * f32(q);
-                    }
-                }
-            }
-            case 2u: {
-                let dm = unpack2x16float(w[base]);
-                for (var k = 0u; k < 4u; k++) {
-                    let word = w[base + 1u + k];
-                    for (var j = 0u; j < 4u; j++) {
-                        let q = byte_at(word, j);
-                        wv[4u * k + j] = dm.x * f32(q & 15u) + dm.y;
-                        wv[16u + 4u * k + j] = dm.x * f32(q >> 4u) + dm.y;
-                    }
-                }
-            }
-            default: {
-                for (var k = 0u; k < 32u; k++) {
-                    wv[k] = bitcast<f32>(w[base + k]);
-                }
-            }
-        }
+        let wv = weights32(row, blk, params.cols);
         for (var b = 0u; b < MAX_TOKENS; b++) {
             if (b < params.n_tokens) {
                 let x0 = b * params.cols + blk * 32u;

@@ -41,6 +41,10 @@ struct MoeParams {
 @group(0) @binding(7) var<storage, read_write> y: array<f32>;       // [n_tokens][hidden]
 @group(0) @binding(8) var<storage, read> wts: array<f32>;           // [n_tokens][top_k]
 
+fn weight_word(i: u32) -> u32 {
+    return w[i];
+}
+
 const WG: u32 = 64u;
 var<workgroup> red_g: array<f32, WG>;
 var<workgroup> red_u: array<f32, WG>;
@@ -48,7 +52,7 @@ var<workgroup> red_u: array<f32, WG>;
 // Block `blk` of permuted row `row` of `w` against x[b][blk * 32 ..].
 fn block_dot(row: u32, blk: u32, b: u32) -> f32 {
     let nb = params.hidden / 32u;
-    let base = (row * nb + blk) * block_words(FORMAT);
+    let base = (row * nb + blk) * block_words(FORMAT);  // the 32-weight formats (0..2)
     let x0 = b * params.hidden + blk * 32u;
     var s = 0.0;
     switch FORMAT {
@@ -73,9 +77,15 @@ fn block_dot(row: u32, blk: u32, b: u32) -> f32 {
                 }
             }
         }
-        default: {
+        case 0u: {
             for (var k = 0u; k < 32u; k++) {
                 s += bitcast<f32>(w[base + k]) * x[x0 + k];
+            }
+        }
+        default: {
+            let wv = weights32(row, blk, params.hidden);
+            for (var k = 0u; k < 32u; k++) {
+                s += wv[k] * x[x0 + k];
             }
         }
     }

@@ -28,6 +28,10 @@ struct ModelOpParams {
 @group(0) @binding(3) var<storage, read> aux: array<u32>;  // rmsnorm: g (f32 bits); rope: positions; embed: matrix
 @group(0) @binding(4) var<storage, read> tokens: array<u32>; // embed
 
+fn weight_word(i: u32) -> u32 {
+    return aux[i];
+}
+
 const WG: u32 = 256u;
 var<workgroup> red: array<f32, 256>;
 
@@ -96,28 +100,12 @@ fn embed(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) 
         return;
     }
     let n = params.dim;
-    let nb = n / 32u;
-    let bw = block_words(FORMAT);
     let row = tokens[b];
-    for (var i = t; i < n; i += WG) {
-        let base = (row * nb + i / 32u) * bw;
-        let k = i % 32u;
-        var v = 0.0;
-        switch FORMAT {
-            case 1u: {
-                let q = i32(byte_at(aux[base + 1u + k / 4u], k % 4u) << 24u) >> 24u;
-                v = unpack2x16float(aux[base]).x * f32(q);
-            }
-            case 2u: {
-                let dm = unpack2x16float(aux[base]);
-                let q = byte_at(aux[base + 1u + (k % 16u) / 4u], k % 4u);
-                v = dm.x * f32(select(q & 15u, q >> 4u, k >= 16u)) + dm.y;
-            }
-            default: {
-                v = bitcast<f32>(aux[base + k]);
-            }
+    for (var blk = t; blk < n / 32u; blk += WG) {
+        let wv = weights32(row, blk, n);
+        for (var k = 0u; k < 32u; k++) {
+            dst[b * n + 32u * blk + k] = wv[k];
         }
-        dst[b * n + i] = v;
     }
 }
 

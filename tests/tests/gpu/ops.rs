@@ -7,28 +7,61 @@ use expertkv_core::runtime::Runtime;
 use expertkv_model::ops::{GpuMatrix, MATVEC_MAX_TOKENS, ModelKernels, MoeFfn, WeightFormat};
 use expertkv_model::reference::ops as cpu;
 
-use crate::common::{POISON_F32, replaying, rt, seeds};
+use crate::common::{POISON_F32, pick, replaying, rt, seeds};
 
-/// File bytes of a random `rows x cols` matrix in `format` (finite scales, every code drawn).
-fn random_blocks(rng: &mut Rng, format: WeightFormat, rows: u32, cols: u32) -> Vec<u8> {
-    let blocks = (rows * cols / 32) as usize;
+/// File bytes of a random `rows x cols` matrix in `format` (finite scales, every code drawn;
+/// one block in eight takes its format's extremes: the largest codes, and with `huge` F16's and
+/// BF16's largest magnitudes, which products through an FFN would overflow).
+fn random_blocks(rng: &mut Rng, format: WeightFormat, rows: u32, cols: u32, huge: bool) -> Vec<u8> {
+    let big = |rng: &mut Rng, max: f64| if huge { max * (rng.uniform() - 0.5) } else { 8.0 * (rng.uniform() - 0.5) };
+    let blocks = rows as usize * cols as usize / format.block_weights();
     let f16 = |v: f64| half::f16::from_f64(v).to_le_bytes();
     let mut out = Vec::with_capacity(blocks * format.file_block_bytes());
     for _ in 0..blocks {
+        let edge = rng.below(8) == 0;
+        let bytes = |n: usize, rng: &mut Rng| -> Vec<u8> { (0..n).map(|_| if edge { 255 } else { rng.below(256) as u8 }).collect() };
         match format {
             WeightFormat::F32 => {
                 for _ in 0..32 {
                     out.extend((rng.normal() as f32).to_le_bytes());
                 }
             }
+            WeightFormat::F16 => {
+                for _ in 0..32 {
+                    out.extend(f16(if edge { big(rng, 65504.0) } else { rng.normal() }));
+                }
+            }
+            WeightFormat::BF16 => {
+                for _ in 0..32 {
+                    out.extend(half::bf16::from_f64(if edge { big(rng, 1e30) } else { rng.normal() }).to_le_bytes());
+                }
+            }
             WeightFormat::Q8_0 => {
                 out.extend(f16(rng.range(0.001, 0.05)));
-                out.extend((0..32).map(|_| rng.below(256) as u8));
+                out.extend(bytes(32, rng));
             }
             WeightFormat::Q4_1 => {
                 out.extend(f16(rng.range(0.001, 0.1)));
                 out.extend(f16(rng.range(-0.5, 0.1)));
-                out.extend((0..16).map(|_| rng.below(256) as u8));
+                out.extend(bytes(16, rng));
+            }
+            WeightFormat::Q4_0 => {
+                out.extend(f16(rng.range(0.001, 0.1)));
+                out.extend(bytes(16, rng));
+            }
+            WeightFormat::Q4K | WeightFormat::Q5K => {
+                out.extend(f16(rng.range(0.0001, 0.01)));
+                out.extend(f16(rng.range(0.0001, 0.01)));
+                // 12 bytes of 6-bit scales and mins, then (Q5_K) 32 bytes of fifth bits, the codes.
+                out.extend(bytes(12, rng));
+                if format == WeightFormat::Q5K {
+                    out.extend(bytes(32, rng));
+                }
+                out.extend(bytes(128, rng));
+            }
+            WeightFormat::Q6K => {
+                out.extend(bytes(128 + 64 + 16, rng));
+                out.extend(f16(rng.range(0.0001, 0.01)));
             }
         }
     }
@@ -59,17 +92,18 @@ fn close(got: &[f32], want: &[f64], scale: &[f64], tol: f64, ctx: &str) {
 #[test]
 fn matvec_and_embed_match_cpu_in_every_weight_format() {
     let rt = rt();
-    let k = pollster::block_on(ModelKernels::new(rt)).expect("kernels");
-    let mut formats_seen = [0u32; 3];
-    for seed in seeds("model_matvec", 12) {
+    let k = pollster::block_on(ModelKernels::new(rt, &WeightFormat::ALL)).expect("kernels");
+    let mut formats_seen = [0u32; WeightFormat::ALL.len()];
+    for seed in seeds("model_matvec", 18) {
         let mut rng = Rng::new(seed);
-        let format = [WeightFormat::F32, WeightFormat::Q8_0, WeightFormat::Q4_1][rng.below(3) as usize];
+        let format = pick(seed, &WeightFormat::ALL);
         formats_seen[format.define() as usize] += 1;
         let rows = 1 + rng.below(300);
-        let cols = 32 * (1 + rng.below(12));
+        let bw = format.block_weights() as u32;
+        let cols = bw * (1 + rng.below(384 / bw + 1));
         let n = 1 + rng.below(MATVEC_MAX_TOKENS);
         let ctx = format!("seed {seed}: {format:?} {rows} x {cols}, {n} tokens");
-        let bytes = random_blocks(&mut rng, format, rows, cols);
+        let bytes = random_blocks(&mut rng, format, rows, cols, true);
         let w = GpuMatrix::upload(rt, "w", format, rows, cols, &bytes).expect("upload");
         let wf = cpu::dequant_matrix(format, rows, cols, &bytes).expect("dequant");
         let x = normals(&mut rng, (n * cols) as usize);
@@ -99,7 +133,7 @@ fn matvec_and_embed_match_cpu_in_every_weight_format() {
         let tb = rt.storage_init("tokens", &tokens);
         let e = rt.storage("e", u64::from(n * cols) * 4);
         rt.fill_u32(&e, POISON_F32);
-        run(rt, "embed", |p| k.embed(rt, p, &w, &tb, &e, n));
+        run(rt, "embed", |p| k.embed(rt, p, &w, &tb, &e, n).expect("embed"));
         let got: Vec<f32> = pollster::block_on(rt.read_all(&e)).expect("read");
         let want: Vec<f32> = tokens.iter().flat_map(|&t| wf[(t * cols) as usize..((t + 1) * cols) as usize].to_vec()).collect();
         assert_eq!(got, want, "{ctx}: embedding rows are exact");
@@ -118,14 +152,15 @@ fn matvec_and_embed_match_cpu_in_every_weight_format() {
 #[test]
 fn moe_ffn_matches_cpu_in_every_weight_format() {
     let rt = rt();
-    let k = pollster::block_on(ModelKernels::new(rt)).expect("kernels");
-    let mut formats_seen = [0u32; 3];
-    for seed in seeds("model_moe_ffn", 9) {
+    let k = pollster::block_on(ModelKernels::new(rt, &WeightFormat::ALL)).expect("kernels");
+    let mut formats_seen = [0u32; WeightFormat::ALL.len()];
+    for seed in seeds("model_moe_ffn", 18) {
         let mut rng = Rng::new(seed);
-        let format = [WeightFormat::F32, WeightFormat::Q8_0, WeightFormat::Q4_1][rng.below(3) as usize];
+        let format = pick(seed, &WeightFormat::ALL);
         formats_seen[format.define() as usize] += 1;
-        // Up to 24 blocks per row: more than one per invocation of a neuron (16).
-        let hidden = 32 * (1 + rng.below(24));
+        // Up to 24 blocks of 32 per row: more than one per invocation of a neuron (16).
+        let bw = format.block_weights() as u32;
+        let hidden = bw * (1 + rng.below(768 / bw));
         let ffn = 8 + rng.below(200);
         let experts = 1 + rng.below(ffn.min(12));
         let top_k = 1 + rng.below(experts);
@@ -139,8 +174,8 @@ fn moe_ffn_matches_cpu_in_every_weight_format() {
         let mut cuts: Vec<u32> = (0..experts - 1).map(|_| rng.below(ffn + 1)).collect();
         cuts.sort_unstable();
         let offsets: Vec<u32> = std::iter::once(0).chain(cuts).chain(std::iter::once(ffn)).collect();
-        let gate = random_blocks(&mut rng, format, ffn, hidden);
-        let up = random_blocks(&mut rng, format, ffn, hidden);
+        let gate = random_blocks(&mut rng, format, ffn, hidden, false);
+        let up = random_blocks(&mut rng, format, ffn, hidden, false);
         let down: Vec<f32> = normals(&mut rng, (hidden * ffn) as usize).iter().map(|v| v * 0.1).collect();
         let m = MoeFfn::upload(rt, "moe", format, hidden, &gate, &up, &down, &neurons, &offsets).expect("upload");
         // The reference over the same permutation, from the file's bytes.
@@ -217,7 +252,7 @@ fn moe_ffn_matches_cpu_in_every_weight_format() {
 #[test]
 fn rmsnorm_rope_swiglu_match_cpu() {
     let rt = rt();
-    let k = pollster::block_on(ModelKernels::new(rt)).expect("kernels");
+    let k = pollster::block_on(ModelKernels::new(rt, &WeightFormat::ALL)).expect("kernels");
     for seed in seeds("model_elementwise", 6) {
         let mut rng = Rng::new(seed);
         let n = 1 + rng.below(8);
@@ -269,7 +304,7 @@ fn matvec_on_real_model_weights() {
     let Some(bytes) = crate::common::model_bytes("matvec_on_real_model_weights") else { return };
     let g = expertkv_model::gguf::Gguf::parse(&bytes).expect("gguf");
     let rt = rt();
-    let k = pollster::block_on(ModelKernels::new(rt)).expect("kernels");
+    let k = pollster::block_on(ModelKernels::new(rt, &WeightFormat::ALL)).expect("kernels");
     let mut rng = Rng::new(5);
     for name in ["blk.0.attn_q.weight", "blk.7.ffn_down.weight", "token_embd.weight"] {
         let t = g.tensor(name).unwrap_or_else(|| panic!("{name} in the file"));
@@ -296,7 +331,7 @@ fn kv_pack_matches_encode_values_bit_for_bit() {
     use expertkv_core::append::format::encode_values;
     use expertkv_core::config::KvDtype;
     let rt = rt();
-    let k = pollster::block_on(ModelKernels::new(rt)).expect("kernels");
+    let k = pollster::block_on(ModelKernels::new(rt, &WeightFormat::ALL)).expect("kernels");
     for seed in seeds("model_kv_pack", 8) {
         let mut rng = Rng::new(seed);
         let f16 = seed % 2 == 0;
@@ -333,7 +368,7 @@ fn kv_pack_matches_encode_values_bit_for_bit() {
 fn moe_topk_and_weights_match_the_cpu_with_ties_and_signed_zeros() {
     use expertkv_model::moe::{softmax_weights, top_k};
     let rt = rt();
-    let k = pollster::block_on(ModelKernels::new(rt)).expect("kernels");
+    let k = pollster::block_on(ModelKernels::new(rt, &WeightFormat::ALL)).expect("kernels");
     for seed in seeds("model_moe_topk", 10) {
         let mut rng = Rng::new(seed);
         let n = 1 + rng.below(MATVEC_MAX_TOKENS);
