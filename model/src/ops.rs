@@ -178,14 +178,7 @@ impl GpuMatrix {
     pub fn upload(rt: &Runtime, label: &str, format: WeightFormat, rows: u32, cols: u32, bytes: &[u8]) -> Result<GpuMatrix> {
         let words = pack_blocks(format, rows, cols, bytes)?;
         let size = words.len() as u64 * 4;
-        if size > rt.max_binding_bytes() {
-            return Err(Error::Limit {
-                what: format!("matrix {label}"),
-                needed: size,
-                limit_name: "max_storage_buffer_binding_size",
-                limit: rt.max_binding_bytes(),
-            });
-        }
+        rt.fits_binding(format!("matrix {label}"), size)?;
         Ok(GpuMatrix { buffer: rt.storage_init(label, &words), format, rows, cols })
     }
 }

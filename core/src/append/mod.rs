@@ -140,13 +140,7 @@ impl KvPool {
             });
         }
         let geo = cfg.geometry(ppb);
-        let check = |what: &str, bytes: u64| -> Result<()> {
-            if bytes > max_binding {
-                Err(Error::Limit { what: what.into(), needed: bytes, limit_name: "max_storage_buffer_binding_size", limit: max_binding })
-            } else {
-                Ok(())
-            }
-        };
+        let check = |what: &str, bytes: u64| rt.fits_binding(what, bytes);
         let slots = u64::from(cfg.n_ids()) * u64::from(cfg.page_size);
         check("slot metadata", slots * u64::from(cfg.meta_words()) * 4)?;
         let codec_pages = cfg.n_ids() - cfg.n_pages;

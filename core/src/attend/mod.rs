@@ -531,14 +531,7 @@ impl Attention {
         let partial_floats = seqs * qh * u64::from(n_buffers) * u64::from(n_chunks) * u64::from(d + 4);
         let score_floats = if opts.mass { seqs * qh * u64::from(max_tokens) } else { 1 };
         for (what, bytes) in [("attention partials", partial_floats * 4), ("attention scores", score_floats * 4)] {
-            if bytes > rt.max_binding_bytes() {
-                return Err(Error::Limit {
-                    what: what.into(),
-                    needed: bytes,
-                    limit_name: "max_storage_buffer_binding_size",
-                    limit: rt.max_binding_bytes(),
-                });
-            }
+            rt.fits_binding(what, bytes)?;
         }
         let params = rt.uniform("attend params", &AttendParams::default());
         let queries = rt.storage("attend queries", seqs * qh * u64::from(d) * 4);

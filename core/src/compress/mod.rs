@@ -14,15 +14,6 @@ use crate::runtime::Runtime;
 /// Subspace iterations of the low-rank fit unless told otherwise.
 pub const DEFAULT_BASIS_ITERS: u32 = 24;
 
-/// `bytes` within the adapter's largest storage binding.
-fn within_binding(rt: &Runtime, what: &str, bytes: u64) -> Result<()> {
-    let limit = rt.max_binding_bytes();
-    if bytes > limit {
-        return Err(Error::Limit { what: what.into(), needed: bytes, limit_name: "max_storage_buffer_binding_size", limit });
-    }
-    Ok(())
-}
-
 impl LowRankFit {
     /// The fit's buffers and passes for a low-rank pool; `None` for the other codecs.
     pub(crate) async fn new(rt: &Runtime, pool: &KvPool) -> Result<Option<LowRankFit>> {
@@ -31,7 +22,7 @@ impl LowRankFit {
         let fits = cfg.layers * cfg.basis_heads();
         let d = u64::from(cfg.head_dim);
         let gram_bytes = u64::from(fits) * 2 * d * d * 4;
-        within_binding(rt, "low-rank Gram matrices", gram_bytes)?;
+        rt.fits_binding("low-rank Gram matrices", gram_bytes)?;
         let gram = rt.storage("codec gram", gram_bytes);
         let work = rt.storage("codec basis work", u64::from(fits) * 4 * d * u64::from(rank) * 4);
         let gram_p = rt.pipeline(Kernel::CompressGram, &[]).await?;

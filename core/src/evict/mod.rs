@@ -209,14 +209,7 @@ impl Scheduler {
         let counts = rt.storage("evict counts", u64::from(n_keys) * 8);
         let freed = rt.storage("evict freed", u64::from(n_keys) * u64::from(c.ring_capacity) * 4);
         for (what, b) in [("evict move lists", &move_src), ("evict utility", &utility)] {
-            if b.size() > rt.max_binding_bytes() {
-                return Err(Error::Limit {
-                    what: what.into(),
-                    needed: b.size(),
-                    limit_name: "max_storage_buffer_binding_size",
-                    limit: rt.max_binding_bytes(),
-                });
-            }
+            rt.fits_binding(what, b.size())?;
         }
 
         let score_p = rt.pipeline(Kernel::EvictScore, &[]).await?;
@@ -245,14 +238,7 @@ impl Scheduler {
             Some(a) => rt.storage("evict ekva groups", u64::from(n_lists) * u64::from(a.n_experts) * 16),
             None => rt.storage("evict ekva groups (off)", 16),
         };
-        if groups.size() > rt.max_binding_bytes() {
-            return Err(Error::Limit {
-                what: "EKVA groups".into(),
-                needed: groups.size(),
-                limit_name: "max_storage_buffer_binding_size",
-                limit: rt.max_binding_bytes(),
-            });
-        }
+        rt.fits_binding("EKVA groups", groups.size())?;
         // One workgroup walks each list (`select_wg` invocations: three reduction arrays of that
         // size in workgroup memory, and the 256-bin histogram).
         let select_p = rt.pipeline_with(Kernel::EvictSelect, &[("WG", format!("{select_wg}u"))], &[]).await?;

@@ -32,14 +32,7 @@ impl Quest {
         }
         let d = u64::from(c.head_dim);
         let bounds = rt.storage("quest bounds", u64::from(c.n_pages) * 2 * d * 4);
-        if bounds.size() > rt.max_binding_bytes() {
-            return Err(Error::Limit {
-                what: "QUEST page bounds".into(),
-                needed: bounds.size(),
-                limit_name: "max_storage_buffer_binding_size",
-                limit: rt.max_binding_bytes(),
-            });
-        }
+        rt.fits_binding("QUEST page bounds", bounds.size())?;
         let tags = rt.storage("quest tags", u64::from(c.n_pages) * 16);
         let list_len = u64::from(c.n_lists()) * u64::from(c.max_pages_per_seq());
         let sel_list = rt.storage("quest selected pages", list_len * 4);

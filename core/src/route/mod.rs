@@ -74,14 +74,7 @@ impl Router {
         let (e, k, l) = (u64::from(shape.n_experts), u64::from(shape.top_k), u64::from(shape.layers));
         // Logits, experts and gates hold every layer's tokens: layer l's start at l * max_tokens.
         let t = u64::from(shape.max_tokens) * l;
-        if t * e * 4 > rt.max_binding_bytes() {
-            return Err(Error::Limit {
-                what: "router logits".into(),
-                needed: t * e * 4,
-                limit_name: "max_storage_buffer_binding_size",
-                limit: rt.max_binding_bytes(),
-            });
-        }
+        rt.fits_binding("router logits", t * e * 4)?;
         let adaptive = matches!(cfg, RouterConfig::Adaptive { .. });
         let bias_pipe = rt.pipeline(Kernel::RouteBias, &[]).await?;
         let topk_groups = match cfg {

@@ -449,6 +449,16 @@ impl Runtime {
         self.caps.max_storage_binding_bytes.min(self.caps.max_buffer_bytes)
     }
 
+    /// `Ok` if `bytes` of `what` fit one storage binding ([`Runtime::max_binding_bytes`]), else
+    /// the [`Error::Limit`] that names them.
+    pub fn fits_binding(&self, what: impl Into<String>, bytes: u64) -> Result<()> {
+        let limit = self.max_binding_bytes();
+        if bytes > limit {
+            return Err(Error::Limit { what: what.into(), needed: bytes, limit_name: "max_storage_buffer_binding_size", limit });
+        }
+        Ok(())
+    }
+
     /// Build a kernel's pipeline inside an error scope; a failure names the kernel.
     /// `constants` set the kernel's `override` values.
     pub async fn pipeline(&self, kernel: Kernel, constants: &[(&str, f64)]) -> Result<wgpu::ComputePipeline> {
