@@ -290,7 +290,7 @@ fn measure(rt: &Runtime, o: &SuiteOptions, item: &Item, warmup: u32, reps: u32) 
                 &["--batch", &s.batch.to_string(), "--tokens", &s.tokens.to_string(), "--reps", &reps.to_string()],
             )?;
             let line = t.first().context("no JSON line from the PyTorch baseline")?;
-            one(num(line, "median_ms")?, Some(s.kv_bytes()), "F.scaled_dot_product_attention, enable_gqa".into())
+            one(num(line, "median_ms")?, Some(s.kv_bytes()), String::new())
         }
         Item::TorchRoute { tokens, experts, top_k } => {
             let t = torch_json(
@@ -431,15 +431,14 @@ pub fn run(rt: &Runtime, o: &SuiteOptions) -> Result<Vec<Line>> {
         Item::Copy { bytes } => summary(&i.label()).map(|(m, ..)| gbps(2 * bytes, m)),
         _ => None,
     });
+    // expertkv's lines, then PyTorch's (a PyTorch line is compared with nothing).
+    let (ours, torch): (Vec<&String>, Vec<&String>) = order.iter().partition(|l| !l.starts_with("torch"));
     let mut lines = Vec::new();
-    for label in order.iter().filter(|l| !l.starts_with("torch")) {
+    for label in ours.into_iter().chain(torch) {
         let Some((m, lo, spread, n)) = summary(label) else { continue };
         let v = &samples[label];
-        let bytes = v[0].bytes;
-        let g = bytes.map(|b| gbps(b, m));
-        let torch_label = torch_label_for(label, &items);
-        let torch_ms = torch_label.as_deref().and_then(summary).map(|t| t.0);
-        let torch_unstable = torch_label.as_deref().and_then(summary).is_some_and(|t| t.2 > UNSTABLE_SPREAD);
+        let g = v[0].bytes.map(|b| gbps(b, m));
+        let vs_torch = torch_label_for(label, &items).as_deref().and_then(summary);
         let mut tps: Vec<f64> = v.iter().filter_map(|s| s.tokens_per_s).collect();
         lines.push(Line {
             label: label.clone(),
@@ -450,29 +449,10 @@ pub fn run(rt: &Runtime, o: &SuiteOptions) -> Result<Vec<Line>> {
             gbps: g,
             tokens_per_s: (!tps.is_empty()).then(|| median(&mut tps)),
             ratio_to_copy: g.zip(copy_gbps).filter(|_| !label.starts_with("copy")).map(|(a, c)| a / c),
-            speedup_vs_torch: torch_ms.map(|t| t / m),
-            torch_ms,
-            unstable: spread > UNSTABLE_SPREAD || torch_unstable,
+            speedup_vs_torch: vs_torch.map(|t| t.0 / m),
+            torch_ms: vs_torch.map(|t| t.0),
+            unstable: spread > UNSTABLE_SPREAD || vs_torch.is_some_and(|t| t.2 > UNSTABLE_SPREAD),
             note: v.last().map(|s| s.note.clone()).unwrap_or_default(),
-        });
-    }
-    for label in order.iter().filter(|l| l.starts_with("torch")) {
-        let Some((m, lo, spread, n)) = summary(label) else { continue };
-        let v = &samples[label];
-        let g = v[0].bytes.map(|b| gbps(b, m));
-        lines.push(Line {
-            label: label.clone(),
-            median_ms: m,
-            min_ms: lo,
-            spread,
-            rounds: n,
-            gbps: g,
-            tokens_per_s: None,
-            ratio_to_copy: g.zip(copy_gbps).map(|(a, c)| a / c),
-            speedup_vs_torch: None,
-            torch_ms: None,
-            unstable: spread > UNSTABLE_SPREAD,
-            note: String::new(),
         });
     }
     for l in &lines {
