@@ -102,8 +102,11 @@ pub struct ApplyParams {
     pub token_words: u32,
     pub per_layer: u32,
     pub row_stride: u32,
+    /// Router row of the batch's first token (its layer's first row for a staged batch).
+    pub first_row: u32,
+    pub _pad: [u32; 3],
 }
-const _: () = assert!(std::mem::size_of::<ApplyParams>() == 16);
+const _: () = assert!(std::mem::size_of::<ApplyParams>() == 32);
 
 /// Must match `TokenPlan` in `shaders/wgsl/common/append.wgsl`.
 #[repr(C)]

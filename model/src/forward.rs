@@ -9,6 +9,7 @@
 //! MoEfied, the experts chosen). Sequences decode together (one token each per step, up to
 //! [`MATVEC_MAX_TOKENS`]).
 
+use crate::labels::{KvLabels, KvRouting, LabelSource, ScoreInputs};
 use crate::moe::Moefication;
 use crate::ops::{GpuMatrix, MATVEC_MAX_TOKENS, ModelKernels, MoeFfn, Recorded, WeightFormat};
 use crate::{Error, Result};
@@ -17,7 +18,8 @@ use expertkv_core::append::KvPool;
 use expertkv_core::append::format::NewToken;
 use expertkv_core::attend::{AttendOptions, Attention};
 use expertkv_core::config::{Codec, KvDtype, PoolConfig, ShardMap};
-use expertkv_core::evict::Scheduler;
+use expertkv_core::evict::{AllocatorSpec, Scheduler};
+use expertkv_core::gpu_data::ExpertStats;
 use expertkv_core::evict::config::{SchedulerConfig, Threshold};
 use expertkv_core::route::config::RouterConfig;
 use expertkv_core::route::{RouteShape, Router};
@@ -114,6 +116,12 @@ pub struct GpuLlama {
     attn: Attention,
     /// Evicts after every step down to its budget (tokens per layer x sequence x KV head).
     pub scheduler: Option<Scheduler>,
+    /// The route stage: every layer's tokens routed to experts before their append
+    /// ([`ModelOptions::routing`]).
+    labels: Option<KvLabels>,
+    /// Tokens whose first label matched the FFN's first expert, and tokens compared (a sparse
+    /// FFN with labels: see [`GpuLlama::label_agreement`]).
+    agreement: (u64, u64),
     s: Scratch,
     recorded: Recording,
     moe: Option<GpuMoe>,
@@ -160,12 +168,16 @@ pub struct ModelOptions {
     /// An evicting scheduler and its budget (tokens per layer x sequence x KV head).
     pub scheduler: Option<(SchedulerConfig, u32)>,
     pub codec: Codec,
+    /// Route every layer's tokens to experts before their append (the slot metadata keeps them,
+    /// the shard map places them): the route stage's router, shards and allocator. The routing
+    /// source is a MoE file's router, else [`GpuLlama::set_moe`] or [`GpuLlama::set_labels`].
+    pub routing: Option<KvRouting>,
 }
 
 impl ModelOptions {
     /// `n_seqs` sequences of up to `max_context` tokens, f16 K/V, full cache, no codec.
     pub fn new(n_seqs: u32, max_context: u32) -> Self {
-        ModelOptions { n_seqs, max_context, dtype: KvDtype::F16, scheduler: None, codec: Codec::None }
+        ModelOptions { n_seqs, max_context, dtype: KvDtype::F16, scheduler: None, codec: Codec::None, routing: None }
     }
 
     pub fn dtype(self, dtype: KvDtype) -> Self {
@@ -178,6 +190,10 @@ impl ModelOptions {
 
     pub fn codec(self, codec: Codec) -> Self {
         ModelOptions { codec, ..self }
+    }
+
+    pub fn routing(self, routing: Option<KvRouting>) -> Self {
+        ModelOptions { routing, ..self }
     }
 }
 
@@ -252,12 +268,30 @@ impl GpuLlama {
     /// one. Not a codec with an evicting scheduler (evicting from a compressed page would need
     /// it re-encoded).
     pub async fn load(rt: &Runtime, g: &Gguf<'_>, opts: ModelOptions) -> Result<GpuLlama> {
-        let ModelOptions { n_seqs, max_context, dtype, scheduler, codec } = opts;
+        let ModelOptions { n_seqs, max_context, dtype, scheduler, codec, routing } = opts;
         if codec != Codec::None && scheduler.is_some() {
             return Err(Error::config("codec", codec.name(), "codecs run with the full cache (no scheduler)"));
         }
         let cfg = LlamaConfig::from_gguf(g)?;
         cfg.check_tensors(g)?;
+        if let Some(r) = &routing {
+            r.validate()?;
+            if cfg.expert_count > 0 && (r.n_experts, r.top_k) != (cfg.expert_count, cfg.expert_used_count) {
+                return Err(Error::config(
+                    "routing",
+                    format!("E{} k{}", r.n_experts, r.top_k),
+                    format!("a MoE file routes with its own {} experts, top {}", cfg.expert_count, cfg.expert_used_count),
+                ));
+            }
+            if r.allocator.is_some() && !scheduler.as_ref().is_some_and(|(s, _)| s.uses_evict_kernels()) {
+                return Err(Error::config(
+                    "allocator",
+                    "ekva",
+                    "splits an evicting scheduler's budget (h2o, streaming-llm, lru, lru-plus, adakv, duo, fastv-tokens): give one",
+                ));
+            }
+        }
+        let (n_shards, top_k, shard_map) = routing.as_ref().map_or((1, 1, ShardMap::ByExpert), |r| (r.n_shards, r.top_k, r.shard_map));
         if n_seqs == 0 || n_seqs > MATVEC_MAX_TOKENS {
             return Err(Error::config("seqs", n_seqs, format!("the model decodes 1 to {MATVEC_MAX_TOKENS} sequences together")));
         }
@@ -293,7 +327,9 @@ impl GpuLlama {
         let output = if g.tensor("output.weight").is_some() { Some(matrix(rt, g, &["output.weight"])?) } else { None };
         let out_norm = norm_buffer(rt, g, "output_norm.weight")?;
         let page_size = 16;
-        let pages_per_list = max_context.div_ceil(page_size) + 1;
+        // A ring may hold every page of its list (maps need not spread tokens evenly); every
+        // shard has its own newest page.
+        let pages_per_list = max_context.div_ceil(page_size) + n_shards;
         let mut pool_cfg = PoolConfig {
             layers: cfg.block_count,
             kv_heads: cfg.head_count_kv,
@@ -302,10 +338,10 @@ impl GpuLlama {
             dtype,
             n_pages: cfg.block_count * n_seqs * cfg.head_count_kv * pages_per_list,
             max_seqs: n_seqs,
-            n_shards: 1,
+            n_shards,
             ring_capacity: pages_per_list + 1,
-            top_k: 1,
-            shard_map: ShardMap::ByExpert,
+            top_k,
+            shard_map,
             max_buffer_bytes: None,
             codec: Codec::None,
             codec_pages: 0,
@@ -316,16 +352,27 @@ impl GpuLlama {
             let lists = cfg.block_count * n_seqs * cfg.head_count_kv;
             let window = if codec.is_low_rank() { LOW_RANK_CALIBRATION_TOKENS.min(max_context).div_ceil(page_size) } else { 0 };
             pool_cfg.codec_pages = pool_cfg.n_pages;
-            pool_cfg.n_pages = lists * (3 + window);
+            pool_cfg.n_pages = lists * (2 + n_shards + window);
             pool_cfg.codec = codec;
         }
         pool_cfg.validate()?;
-        let pool = KvPool::new(rt, pool_cfg).await?;
+        let mut pool = KvPool::new(rt, pool_cfg).await?;
+        let labels = match &routing {
+            Some(r) => Some(KvLabels::new(rt, &mut pool, r, n_seqs, cfg.embedding_length).await?),
+            None => None,
+        };
         let group = cfg.head_count / cfg.head_count_kv;
         let mass = scheduler.as_ref().is_some_and(|(s, _)| s.evicts());
         let attn = Attention::new(rt, &pool, AttendOptions { group, n_seqs, chunk_pages: 8, mass, ..Default::default() }).await?;
         let scheduler = match scheduler {
-            Some((s, budget)) if s.uses_evict_kernels() => Some(Scheduler::new(rt, &pool, s, budget, Threshold::default()).await?),
+            Some((s, budget)) if s.uses_evict_kernels() => {
+                let allocator = routing.as_ref().and_then(|r| r.allocator).map(|cfg| AllocatorSpec {
+                    cfg,
+                    n_experts: routing.as_ref().map_or(1, |r| r.n_experts),
+                    route_stats: labels.as_ref().map(|l| &l.router.stats),
+                });
+                Some(Scheduler::with_allocator(rt, &pool, s, budget, None, Threshold::default(), allocator).await?)
+            }
             Some((s, _)) => {
                 return Err(Error::config(
                     "scheduler",
@@ -363,6 +410,8 @@ impl GpuLlama {
             pool,
             attn,
             scheduler,
+            labels,
+            agreement: (0, 0),
             s,
             moe: None,
             n_seqs,
@@ -374,6 +423,12 @@ impl GpuLlama {
         if let Some(layers) = native {
             let (e, k) = (model.cfg.expert_count, model.cfg.expert_used_count);
             model.install_moe(rt, layers, e, k, true)?;
+            if model.labels.is_some() {
+                let routers = (0..model.cfg.block_count)
+                    .map(|l| g.tensor_f32(&format!("blk.{l}.ffn_gate_inp.weight")))
+                    .collect::<Result<Vec<_>>>()?;
+                model.install_labels(rt, LabelSource::MoeFile, &routers)?;
+            }
         }
         Ok(model)
     }
@@ -420,7 +475,100 @@ impl GpuLlama {
             let centroids = f32_matrix(rt, &format!("blk.{l} router"), e, hidden, &ml.centroids)?;
             layers.push((centroids, ffn_l));
         }
-        self.install_moe(rt, layers, e, k, false)
+        self.install_moe(rt, layers, e, k, false)?;
+        if self.labels.is_some() {
+            self.check_label_shape(moe)?;
+            let routers: Vec<Vec<f32>> = moe.layers.iter().map(|ml| ml.centroids.clone()).collect();
+            self.install_labels(rt, LabelSource::Moefied, &routers)?;
+        }
+        Ok(())
+    }
+
+    /// Label every layer's tokens with `moe`'s router (its centroids, or fitted router) while the
+    /// FFN stays dense: the K/V carry a trained routing structure and quality stays the dense
+    /// model's. Needs [`ModelOptions::routing`] with `moe`'s experts and top k; refused for a MoE
+    /// file (its own router labels its tokens) and after [`GpuLlama::set_moe`].
+    pub fn set_labels(&mut self, rt: &Runtime, moe: &Moefication) -> Result<()> {
+        if self.cfg.expert_count > 0 || moe.is_native() {
+            return Err(Error::config("labels", moe.config.experts, "a MoE file's own router labels its tokens"));
+        }
+        if self.moe.is_some() {
+            return Err(Error::config("labels", moe.config.experts, "the FFN is MoEfied: its router already labels the tokens"));
+        }
+        if moe.layers.len() != self.cfg.block_count as usize
+            || moe.layers.iter().any(|ml| ml.centroids.len() != (moe.config.experts as u32 * self.cfg.embedding_length) as usize)
+        {
+            return Err(Error::Model("the MoEfication was made for another model shape".into()));
+        }
+        self.check_label_shape(moe)?;
+        let routers: Vec<Vec<f32>> = moe.layers.iter().map(|ml| ml.centroids.clone()).collect();
+        self.install_labels(rt, LabelSource::LabelsOnly, &routers)
+    }
+
+    /// The route stage was set up for `moe`'s experts and top k.
+    fn check_label_shape(&self, moe: &Moefication) -> Result<()> {
+        let Some(l) = &self.labels else {
+            return Err(Error::config("labels", moe.config.experts, "load the model with ModelOptions::routing to route its tokens"));
+        };
+        let (e, k) = (l.router.shape.n_experts, l.router.shape.top_k);
+        if (e, k) != (moe.config.experts as u32, moe.config.top_k as u32) {
+            return Err(Error::config(
+                "routing",
+                format!("E{e} k{k}"),
+                format!("the MoEfication has {} experts, top {}", moe.config.experts, moe.config.top_k),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Install the route stage's scoring over `routers` (per layer `[E][hidden]` f32).
+    fn install_labels(&mut self, rt: &Runtime, source: LabelSource, routers: &[Vec<f32>]) -> Result<()> {
+        let Some(labels) = &mut self.labels else { return Ok(()) };
+        let inputs = ScoreInputs {
+            h: &self.s.h,
+            ffn_norms: self.layers.iter().map(|w| &w.ffn_norm).collect(),
+            hidden: self.cfg.embedding_length,
+            eps: self.cfg.rms_norm_eps,
+        };
+        labels.install(rt, &self.kernels, source, routers, inputs)
+    }
+
+    /// Where the tokens' routing labels come from, once a source is installed.
+    pub fn label_source(&self) -> Option<LabelSource> {
+        self.labels.as_ref().and_then(|l| l.source)
+    }
+
+    /// The route stage's router configuration.
+    pub fn label_router(&self) -> Option<&RouterConfig> {
+        self.labels.as_ref().map(|l| &l.router.cfg)
+    }
+
+    /// The route stage's statistics per (layer, expert), `layer * E + e`: tokens routed (ever
+    /// appended), resident in the pool, load and miss rate.
+    pub async fn label_stats(&self, rt: &Runtime) -> Result<Vec<ExpertStats>> {
+        match &self.labels {
+            Some(l) => Ok(l.router.read_stats(rt).await?),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// The experts the route stage chose for the last step's tokens and their gates, both
+    /// `[layer][seq][k]` (empty without the route stage).
+    pub async fn step_labels(&self, rt: &Runtime) -> Result<(Vec<u32>, Vec<f32>)> {
+        let Some(l) = &self.labels else { return Ok((Vec::new(), Vec::new())) };
+        let (mut experts, mut gates) = (Vec::new(), Vec::new());
+        for layer in 0..self.cfg.block_count {
+            experts.extend(l.router.read_experts(rt, layer, self.n_seqs).await?);
+            gates.extend(l.router.read_gates(rt, layer, self.n_seqs).await?);
+        }
+        Ok((experts, gates))
+    }
+
+    /// With a sparse FFN and the route stage: (tokens whose first label is the FFN's first
+    /// expert, tokens compared) over every layer and step so far. The labels are chosen one
+    /// attention block before the FFN routes (pre-gating), so they can differ.
+    pub fn label_agreement(&self) -> (u64, u64) {
+        self.agreement
     }
 
     /// Record the expert FFN of every layer in place of the dense one (see [`GpuMoe`]).
@@ -571,6 +719,16 @@ impl GpuLlama {
                     moe.counts[l * e + x as usize] += 1;
                 }
             }
+            if let Some(labels) = &self.labels {
+                let k = moe.top_k as usize;
+                let mut routed = Vec::new();
+                for layer in 0..c.block_count {
+                    routed.extend(labels.router.read_experts(rt, layer, n).await?);
+                }
+                let same = routed.chunks(k).zip(chosen.chunks(k)).filter(|(a, b)| a[0] == b[0]).count();
+                self.agreement.0 += same as u64;
+                self.agreement.1 += (routed.len() / k) as u64;
+            }
         }
         for p in &mut self.positions {
             *p += 1;
@@ -579,6 +737,10 @@ impl GpuLlama {
             // The page lists must be current: this step appended to every layer.
             self.pool.gather(rt)?;
             sch.run(rt, self.step, &self.positions)?;
+        }
+        if let Some(l) = &self.labels {
+            // Each (layer, expert)'s tokens still resident: the cache-aware router's misses.
+            l.router.update_miss(rt)?;
         }
         self.step += 1;
         rt.read(&self.s.logits, 0, u64::from(n * c.vocab_size)).await
@@ -653,7 +815,16 @@ impl GpuLlama {
         if self.pool.cfg.codec.is_low_rank() && !self.pool.calibrated && self.positions.iter().all(|&p| p >= self.calibration_tokens) {
             self.pool.calibrate(rt, expertkv_core::compress::DEFAULT_BASIS_ITERS)?;
         }
+        if let Some(l) = &self.labels {
+            if l.source.is_none() {
+                return Err(Error::Input(
+                    "the model was loaded to route its tokens (ModelOptions::routing) but has no routing source: a MoE file, set_moe or set_labels".into(),
+                ));
+            }
+            l.prepare(rt, self.step)?;
+        }
         let c = self.cfg.clone();
+        let k = self.pool.cfg.top_k as usize;
         rt.queue.write_buffer(&self.s.tokens, 0, bytemuck::cast_slice(tokens));
         rt.queue.write_buffer(&self.s.positions, 0, bytemuck::cast_slice(&self.positions));
         let new: Vec<NewToken> = (0..c.block_count)
@@ -662,8 +833,9 @@ impl GpuLlama {
                     layer: l,
                     seq: seq as u32,
                     position,
-                    experts: vec![0],
-                    gates: vec![1.0],
+                    // The route stage's choice replaces these on the GPU when it runs.
+                    experts: (0..k as u32).collect(),
+                    gates: vec![1.0; k],
                 })
             })
             .collect();
@@ -682,7 +854,10 @@ impl GpuLlama {
         rec.embed.encode(&mut enc.begin_compute_pass(&pass_desc("model embed")));
         for l in 0..c.block_count {
             rec.attention_inputs[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("model attention inputs")));
-            self.pool.encode_staged_append(&mut enc, l, &s.kv_words)?;
+            if let Some(labels) = &self.labels {
+                labels.encode(&mut enc, l);
+            }
+            self.pool.encode_staged_append(&mut enc, l, &s.kv_words, self.labels.as_ref().map(|x| x.staged(l)))?;
             if self.pool.ready_to_compress() {
                 // Pages that left their ring's head are compressed now.
                 self.pool.encode_compress(&mut enc.begin_compute_pass(&pass_desc("model compress")));

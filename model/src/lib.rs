@@ -20,6 +20,7 @@ pub mod cpu;
 pub mod forward;
 pub mod gguf;
 pub mod gpu_data;
+pub mod labels;
 pub mod math;
 pub mod moe;
 pub mod ops;

@@ -123,6 +123,14 @@ pub struct Routed<'a> {
     pub row_stride: u32,
 }
 
+/// The routing pass of one staged batch ([`KvPool::bind_staged_routing`]).
+pub struct StagedRouting {
+    bind: wgpu::BindGroup,
+    per_batch: u32,
+    /// The scratch it writes into (a larger append reallocates the scratch).
+    scratch_capacity: u32,
+}
+
 /// Most tokens one append may carry: workgroup dispatch limit of the write pass (y).
 pub const MAX_APPEND_TOKENS: u32 = 65_535;
 
@@ -397,8 +405,13 @@ impl KvPool {
             )));
         }
         let apply_bg = routed.map(|r| {
-            let ap =
-                ApplyParams { n_tokens: n, token_words: token_words(self.cfg.top_k), per_layer: r.per_layer, row_stride: r.row_stride };
+            let ap = ApplyParams {
+                n_tokens: n,
+                token_words: token_words(self.cfg.top_k),
+                per_layer: r.per_layer,
+                row_stride: r.row_stride,
+                ..Default::default()
+            };
             let u = rt.uniform("append/apply_routing params", &ap);
             rt.bind(Kernel::AppendApplyRouting.label(), &self.apply_pipe, &[&self.geometry, &u, r.experts, r.gates, &s.new_tokens])
         });
@@ -489,7 +502,16 @@ impl KvPool {
     /// Append staged batch `batch` ([`KvPool::stage_append`]) with its K/V taken from `kv` on the
     /// GPU (per token K then V of every KV head in storage words, as [`KvPool::append`] takes
     /// them), recorded into `enc`: nothing crosses to the host.
-    pub fn encode_staged_append(&self, enc: &mut wgpu::CommandEncoder, batch: u32, kv: &wgpu::Buffer) -> Result<()> {
+    ///
+    /// With `routing` ([`KvPool::bind_staged_routing`] for this batch), the tokens' experts and
+    /// gates are first copied from the router's output on the GPU, replacing the staged ones.
+    pub fn encode_staged_append(
+        &self,
+        enc: &mut wgpu::CommandEncoder,
+        batch: u32,
+        kv: &wgpu::Buffer,
+        routing: Option<&StagedRouting>,
+    ) -> Result<()> {
         let (Some((buf, per_batch, batches)), Some(s)) = (self.staged.as_ref(), self.scratch.as_ref()) else {
             return Err(Error::Input("no staged append: call stage_append first".into()));
         };
@@ -507,8 +529,41 @@ impl KvPool {
         let rec = tw * u64::from(*per_batch);
         enc.copy_buffer_to_buffer(buf, rec * u64::from(batch), &s.new_tokens, 0, rec);
         enc.copy_buffer_to_buffer(kv, 0, &s.new_kv, 0, kv_bytes);
-        self.encode_append_passes(enc, *per_batch, None, None);
+        if let Some(r) = routing
+            && (r.per_batch != *per_batch || r.scratch_capacity != s.capacity)
+        {
+            return Err(Error::Input(format!(
+                "staged append: routing bound for batches of {} over an older scratch, staged {per_batch}: bind it again",
+                r.per_batch
+            )));
+        }
+        self.encode_append_passes(enc, *per_batch, routing.map(|r| &r.bind), None);
         Ok(())
+    }
+
+    /// The routing pass of a staged batch of `per_batch` tokens that is router layer `layer`
+    /// (rows `layer * row_stride ..` of `routed`): for [`KvPool::encode_staged_append`]. Made
+    /// once; valid while the staged batches keep that size.
+    pub fn bind_staged_routing(&mut self, rt: &Runtime, routed: Routed<'_>, layer: u32, per_batch: u32) -> Result<StagedRouting> {
+        if per_batch == 0 || per_batch != routed.per_layer || per_batch > routed.row_stride {
+            return Err(Error::Input(format!(
+                "staged routing: batches of {per_batch} tokens, router layers of {} within rows of {}",
+                routed.per_layer, routed.row_stride
+            )));
+        }
+        self.ensure_scratch(rt, per_batch);
+        let Some(s) = self.scratch.as_ref() else { unreachable!("scratch ensured above") };
+        let ap = ApplyParams {
+            n_tokens: per_batch,
+            token_words: token_words(self.cfg.top_k),
+            per_layer: per_batch,
+            row_stride: routed.row_stride,
+            first_row: layer * routed.row_stride,
+            _pad: [0; 3],
+        };
+        let u = rt.uniform("append/apply_routing params", &ap);
+        let bind = rt.bind(Kernel::AppendApplyRouting.label(), &self.apply_pipe, &[&self.geometry, &u, routed.experts, routed.gates, &s.new_tokens]);
+        Ok(StagedRouting { bind, per_batch, scratch_capacity: s.capacity })
     }
 
     /// Rebuild the page lists of `layers` (all sequences) from the rings.

@@ -326,14 +326,15 @@ impl SchedulerConfig {
             left -= 1;
         }
         if let Some((i, &b)) = alloc.iter().enumerate().find(|&(_, &b)| b < page_size) {
-            return Err(Error::config(
-                "pyramid",
-                r,
-                format!(
-                    "layer {} would keep {b} tokens, below one page ({page_size}); raise the budget or lower the ratio",
-                    first as usize + i
+            let layer = first as usize + i;
+            return Err(match pyramid {
+                Some(r) => Error::config(
+                    "pyramid",
+                    r,
+                    format!("layer {layer} would keep {b} tokens, below one page ({page_size}); raise the budget or lower the ratio"),
                 ),
-            ));
+                None => Error::config("budget", budget, format!("{budget} tokens is below one page ({page_size} tokens)")),
+            });
         }
         out.extend(alloc);
         Ok(out)

@@ -1,7 +1,8 @@
 // shard_append, pass 0 (when routing ran on the GPU): copy each new token's experts and gates
 // from the router's output into its token record, so the batch needs no host round trip.
 // The batch is ordered [layer][token of the layer]: token i is the (i % per_layer)-th of layer
-// i / per_layer and takes router row (i / per_layer) * row_stride + i % per_layer.
+// i / per_layer and takes router row first_row + (i / per_layer) * row_stride + i % per_layer
+// (first_row: the first layer's rows, when a staged batch is one layer of a forward pass).
 
 // must match `ApplyParams` in core/src/gpu_data.rs
 struct ApplyParams {
@@ -9,6 +10,10 @@ struct ApplyParams {
     token_words: u32,
     per_layer: u32,
     row_stride: u32,
+    first_row: u32,
+    _pad0: u32,
+    _pad1: u32,
+    _pad2: u32,
 }
 
 //!import common/pool.wgsl
@@ -27,7 +32,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
         return;
     }
     let k = geo.top_k;
-    let row = (t / params.per_layer) * params.row_stride + t % params.per_layer;
+    let row = params.first_row + (t / params.per_layer) * params.row_stride + t % params.per_layer;
     let base = t * params.token_words + TOKEN_EXPERTS;
     for (var i = 0u; i < k; i++) {
         new_tokens[base + i] = experts[row * k + i];
