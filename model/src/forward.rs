@@ -18,12 +18,15 @@ use expertkv_core::append::KvPool;
 use expertkv_core::append::format::NewToken;
 use expertkv_core::attend::{AttendOptions, Attention};
 use expertkv_core::config::{Codec, KvDtype, PoolConfig, ShardMap};
+use expertkv_core::evict::config::{SchedulerConfig, Threshold};
 use expertkv_core::evict::{AllocatorSpec, Scheduler};
 use expertkv_core::gpu_data::ExpertStats;
-use expertkv_core::evict::config::{SchedulerConfig, Threshold};
 use expertkv_core::route::config::RouterConfig;
 use expertkv_core::route::{RouteShape, Router};
 use expertkv_core::runtime::Runtime;
+
+/// Slots per page of the model's K/V pool.
+pub const MODEL_PAGE_SIZE: u32 = 16;
 
 /// Positions per sequence the low-rank codecs' basis is fitted on (their calibration window):
 /// every (layer, KV head)'s K and V subspace from the model's own first tokens.
@@ -326,7 +329,7 @@ impl GpuLlama {
         let embed = matrix(rt, g, &["token_embd.weight"])?;
         let output = if g.tensor("output.weight").is_some() { Some(matrix(rt, g, &["output.weight"])?) } else { None };
         let out_norm = norm_buffer(rt, g, "output_norm.weight")?;
-        let page_size = 16;
+        let page_size = MODEL_PAGE_SIZE;
         // A ring may hold every page of its list (maps need not spread tokens evenly); every
         // shard has its own newest page.
         let pages_per_list = max_context.div_ceil(page_size) + n_shards;

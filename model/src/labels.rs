@@ -131,9 +131,16 @@ impl KvLabels {
         let ScoreInputs { h, ffn_norms, hidden, eps } = inputs;
         let RouteShape { n_experts: e, layers, max_tokens: n, .. } = self.router.shape;
         if self.source.is_some() {
-            return Err(Error::config("labels", source.name(), format!("the tokens are already routed by {}", self.source.map_or("", |s| s.name()))));
+            return Err(Error::config(
+                "labels",
+                source.name(),
+                format!("the tokens are already routed by {}", self.source.map_or("", |s| s.name())),
+            ));
         }
-        if weights.len() != layers as usize || ffn_norms.len() != layers as usize || weights.iter().any(|w| w.len() != (e * hidden) as usize) {
+        if weights.len() != layers as usize
+            || ffn_norms.len() != layers as usize
+            || weights.iter().any(|w| w.len() != (e * hidden) as usize)
+        {
             return Err(Error::Model(format!("the routing labels need {layers} routers of {e} experts x {hidden}")));
         }
         let mut mats = Vec::new();

@@ -5,13 +5,14 @@
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use expertkv_core::config::Codec;
+use expertkv_core::config::{Codec, ShardMap};
 use expertkv_core::evict::config::{Budget, SchedulerConfig};
 use expertkv_core::route::config::RouterConfig;
 use expertkv_core::runtime::Runtime;
 use expertkv_model::Moefication;
-use expertkv_model::forward::{GpuLlama, ModelOptions, argmax};
+use expertkv_model::forward::{GpuLlama, MODEL_PAGE_SIZE, ModelOptions, argmax};
 use expertkv_model::gguf::Gguf;
+use expertkv_model::labels::{KvRouting, LabelSource};
 use expertkv_model::tokenizer::Tokenizer;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
@@ -40,6 +41,12 @@ pub struct EvalArgs {
     /// --tokens), comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "64,32")]
     budgets: Vec<String>,
+    /// Hold the K/V bytes equal instead of the token count: shares of the full cache's pages
+    /// (`25%`), comma-separated; each configuration's budget is the most tokens whose pages fit
+    /// that share with its shards (every shard ring keeps a partly filled page). Replaces
+    /// --budgets.
+    #[arg(long, value_delimiter = ',', conflicts_with = "budgets")]
+    bytes: Vec<String>,
     /// Filler tokens (from the text) between the planted fact and the question; 0 skips the
     /// needle check.
     #[arg(long, default_value_t = 64)]
@@ -58,6 +65,25 @@ pub struct EvalArgs {
     /// adaptive, hierarchical; comma-separated) [default: the router scores' plain top k only].
     #[arg(long, value_delimiter = ',')]
     moe_routers: Vec<String>,
+    /// Dense FFNs whose tokens a MoEfication's router labels (E:K or E:K:fitted specs,
+    /// comma-separated; see `run --labels`) [default: none].
+    #[arg(long, value_delimiter = ',')]
+    labels: Vec<String>,
+    /// The route stage's routers, crossed with every source that routes (a MoE file, --moe,
+    /// --labels): hash, topk, load-balance, entropy, cache-aware, adaptive, hierarchical
+    /// (comma-separated) [default: topk].
+    #[arg(long)]
+    kv_routers: Option<String>,
+    /// Shards per (layer, sequence) when the tokens are routed, a power of two.
+    #[arg(long, default_value_t = 1)]
+    shards: u32,
+    /// Shard maps, crossed: pikv, expert, token-block (comma-separated) [default: expert].
+    #[arg(long, value_delimiter = ',')]
+    shard_maps: Vec<String>,
+    /// Allocators, crossed with the evicting schedulers when the tokens are routed: none, ekva
+    /// or ekva:floor=F,alpha=A,decay=D (`;`-free specs, comma-separated) [default: none].
+    #[arg(long)]
+    allocators: Option<String>,
     /// The model [default: models/SmolLM2-135M-Instruct.Q4_1.gguf].
     #[arg(long)]
     model: Option<std::path::PathBuf>,
@@ -72,8 +98,15 @@ pub struct EvalArgs {
 #[derive(Serialize)]
 struct Row {
     /// `dense`, `E8 k2` (MoEfied) or `own E8 k2` (a MoE file's experts), then the pipeline's
-    /// router when one chooses the experts.
+    /// router when one chooses the experts; `dense, labels E8 k2` when a MoEfication's router
+    /// labels a dense FFN's tokens.
     ffn: String,
+    /// The route stage: its router, shards and map, allocator (`-`: the tokens are not routed).
+    routing: String,
+    /// Where the routing labels come from.
+    label_source: Option<String>,
+    /// With --bytes: the share of the full cache's pages the budget was chosen for.
+    bytes_share: Option<String>,
     /// The page codec (`none`: f16 pages).
     codec: String,
     scheduler: String,
@@ -92,6 +125,9 @@ struct Row {
     /// MoEfied: the share of a layer's routing slots its busiest expert took, averaged over the
     /// layers (an even spread is 1 / E).
     busiest_expert: Option<f64>,
+    /// With the route stage and an evicting scheduler: the mean over (layer, expert) of the
+    /// share of the expert's labelled tokens no longer resident.
+    label_miss_rate: Option<f64>,
 }
 
 fn nll(logits: &[f32], target: u32) -> f64 {
@@ -105,6 +141,7 @@ struct Outcome {
     greedy: Vec<u32>,
     kv_bytes: u64,
     busiest_expert: Option<f64>,
+    label_miss_rate: Option<f64>,
 }
 
 /// One evaluated configuration: the FFN (dense, MoEfied, or a MoE file's own experts) and the
@@ -119,7 +156,13 @@ struct Config {
     sched: Option<(SchedulerConfig, u32)>,
     /// The budget as given (`64`, `25%`), with `sched`.
     budget: Option<Budget>,
+    /// With --bytes: the share of the full cache's pages `sched`'s budget was chosen for.
+    bytes_share: Option<Budget>,
     codec: Codec,
+    /// A MoEfication whose router labels the dense FFN's tokens.
+    labels: Option<std::sync::Arc<Moefication>>,
+    /// The route stage.
+    routing: Option<KvRouting>,
 }
 
 impl Config {
@@ -128,20 +171,185 @@ impl Config {
         match (&self.moe, self.own) {
             (Some(m), _) => format!("E{} k{}{}{router}", m.config.experts, m.config.top_k, if m.fitted.is_some() { " fitted" } else { "" }),
             (None, Some((e, k))) => format!("own E{e} k{k}{router}"),
-            (None, None) => "dense".into(),
+            (None, None) => match &self.labels {
+                Some(m) => {
+                    format!("dense, labels E{} k{}{}", m.config.experts, m.config.top_k, if m.fitted.is_some() { " fitted" } else { "" })
+                }
+                None => "dense".into(),
+            },
         }
     }
 
+    /// Where the route stage's labels come from, when the tokens are routed.
+    fn label_source(&self) -> Option<LabelSource> {
+        self.routing.as_ref()?;
+        Some(if self.labels.is_some() {
+            LabelSource::LabelsOnly
+        } else if self.moe.is_some() {
+            LabelSource::Moefied
+        } else {
+            LabelSource::MoeFile
+        })
+    }
+
+    fn routing(&self) -> String {
+        self.routing.as_ref().map_or("-".into(), |r| {
+            let shards = if r.n_shards > 1 { format!(", {} shards by {}", r.n_shards, r.shard_map.name()) } else { String::new() };
+            let alloc = if r.allocator.is_some() { ", ekva" } else { "" };
+            format!("{}{shards}{alloc}", r.router.name())
+        })
+    }
+
     fn load(&self, rt: &Runtime, g: &Gguf<'_>, context: u32) -> Result<GpuLlama> {
-        let mut m =
-            pollster::block_on(GpuLlama::load(rt, g, ModelOptions::new(1, context).scheduler(self.sched.clone()).codec(self.codec)))?;
+        let mut m = pollster::block_on(GpuLlama::load(
+            rt,
+            g,
+            ModelOptions::new(1, context).scheduler(self.sched.clone()).codec(self.codec).routing(self.routing.clone()),
+        ))?;
         if let Some(moe) = &self.moe {
             m.set_moe(rt, g, moe)?;
+        }
+        if let Some(moe) = &self.labels {
+            m.set_labels(rt, moe)?;
         }
         if let Some(r) = &self.router {
             pollster::block_on(m.set_moe_router(rt, r.clone()))?;
         }
         Ok(m)
+    }
+}
+
+/// The cache policies of a run: the full cache, every scheduler at every budget (tokens or a
+/// share of the context; with --bytes, a share of the full cache's pages), every codec.
+struct Policies {
+    scheds: Vec<SchedulerConfig>,
+    budgets: Vec<Budget>,
+    /// --bytes: shares of the full cache's pages.
+    bytes: Vec<f64>,
+    codecs: Vec<Codec>,
+}
+
+impl Policies {
+    fn parse(a: &EvalArgs, tokens: u32) -> Result<Policies> {
+        let scheds = split_specs(&a.schedulers)
+            .iter()
+            .filter(|s| s.as_str() != "none")
+            .map(|s| SchedulerConfig::parse(s))
+            .collect::<Result<Vec<_>, _>>()?;
+        let budgets = a.budgets.iter().map(|b| Budget::parse(b)).collect::<Result<Vec<_>, _>>()?;
+        let mut bytes = Vec::new();
+        for spec in a.bytes.iter().filter(|s| !s.trim().is_empty()) {
+            match Budget::parse(spec)? {
+                Budget::Share(f) => bytes.push(f),
+                Budget::Tokens(_) => bail!("--bytes: give shares of the full cache's K/V bytes such as 25%, not `{spec}`"),
+            }
+        }
+        for sc in &scheds {
+            for b in &budgets {
+                sc.validate(b.tokens(tokens))?;
+            }
+        }
+        let codecs =
+            split_specs(&a.codecs).iter().filter(|s| s.as_str() != "none").map(|s| Codec::parse(s)).collect::<Result<Vec<_>, _>>()?;
+        Ok(Policies { scheds, budgets, bytes, codecs })
+    }
+
+    /// `src` under every policy; where it routes, every route variant under every scheduler
+    /// (an allocator only under an evicting one), the first variant for the full cache and the
+    /// codecs (placement alone changes no attention over the whole cache).
+    fn cross(&self, src: &Config, routings: Option<Vec<KvRouting>>, tokens: u32) -> Result<Vec<Config>> {
+        let first = routings.as_ref().and_then(|r| r.first()).map(|r| KvRouting { allocator: None, ..r.clone() });
+        let mut out = vec![Config { routing: first.clone(), ..src.clone() }];
+        for sc in &self.scheds {
+            let variants: Vec<Option<KvRouting>> = match &routings {
+                None => vec![None],
+                Some(v) => v.iter().filter(|r| r.allocator.is_none() || sc.uses_evict_kernels()).cloned().map(Some).collect(),
+            };
+            for routing in variants {
+                if self.bytes.is_empty() {
+                    for &budget in &self.budgets {
+                        let b = budget.tokens(tokens);
+                        out.push(Config { sched: Some((sc.clone(), b)), budget: Some(budget), routing: routing.clone(), ..src.clone() });
+                    }
+                }
+                for &share in &self.bytes {
+                    let shards = routing.as_ref().map_or(1, |r| r.n_shards);
+                    let b = budget_for_bytes(share, tokens, shards)?;
+                    sc.validate(b)?;
+                    let (budget, bytes_share) = (Some(Budget::Tokens(b)), Some(Budget::Share(share)));
+                    out.push(Config { sched: Some((sc.clone(), b)), budget, bytes_share, routing: routing.clone(), ..src.clone() });
+                }
+            }
+        }
+        for &codec in &self.codecs {
+            out.push(Config { codec, routing: first.clone(), ..src.clone() });
+        }
+        Ok(out)
+    }
+}
+
+/// The most tokens per (layer, KV head) whose pages fit `share` percent of the full cache's
+/// pages of a `tokens`-token context, when the list is spread over `shards` rings (each keeps a
+/// partly filled page, so all but one may hold a page beyond the budget's).
+fn budget_for_bytes(share: f64, tokens: u32, shards: u32) -> Result<u32> {
+    let page = MODEL_PAGE_SIZE;
+    let target = (f64::from(tokens.div_ceil(page)) * share / 100.0).floor() as u32;
+    let pages = target.saturating_sub(shards - 1);
+    if pages == 0 {
+        bail!(
+            "--bytes {share}%: {target} of the full cache's {} pages per (layer, KV head) leave none for tokens with {shards} shards (each keeps a partly filled page): raise --bytes or --tokens, or lower --shards",
+            tokens.div_ceil(page)
+        );
+    }
+    Ok(pages * page)
+}
+
+/// The route stage's variants to cross: routers x shard maps x allocators.
+struct RouteVariants {
+    routers: Vec<RouterConfig>,
+    maps: Vec<String>,
+    allocators: Vec<Option<expertkv_core::evict::config::EkvaConfig>>,
+    shards: u32,
+    /// Whether any route-stage option was given.
+    given: bool,
+}
+
+impl RouteVariants {
+    fn parse(a: &EvalArgs) -> Result<RouteVariants> {
+        let routers = match &a.kv_routers {
+            Some(list) => split_specs(list).iter().map(|s| RouterConfig::parse(s)).collect::<Result<Vec<_>, _>>()?,
+            None => vec![RouterConfig::Topk],
+        };
+        let maps: Vec<String> = a.shard_maps.iter().map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
+        let maps = if maps.is_empty() { vec!["expert".to_string()] } else { maps };
+        for m in &maps {
+            ShardMap::parse(m, a.shards)?;
+        }
+        let allocators = match &a.allocators {
+            Some(list) => {
+                split_specs(list).iter().map(|s| expertkv_core::evict::config::EkvaConfig::parse(s)).collect::<Result<Vec<_>, _>>()?
+            }
+            None => vec![None],
+        };
+        if routers.is_empty() || allocators.is_empty() {
+            bail!("--kv-routers and --allocators need at least one entry each");
+        }
+        let given = a.kv_routers.is_some() || !a.shard_maps.is_empty() || a.allocators.is_some() || a.shards != 1;
+        Ok(RouteVariants { routers, maps, allocators, shards: a.shards, given })
+    }
+
+    /// Every variant for a source of `shape` (E, k).
+    fn routings(&self, (e, k): (u32, u32)) -> Vec<KvRouting> {
+        let mut out = Vec::new();
+        for r in &self.routers {
+            for m in &self.maps {
+                for al in &self.allocators {
+                    let shard_map = ShardMap::parse(m, self.shards).unwrap_or(ShardMap::ByExpert);
+                    out.push(KvRouting { router: r.clone(), n_shards: self.shards, shard_map, allocator: *al, ..KvRouting::new(e, k) });
+                }
+            }
+        }
+        out
     }
 }
 
@@ -166,7 +374,10 @@ fn score(rt: &Runtime, g: &Gguf<'_>, ids: &[u32], c: &Config, bar: &ProgressBar)
             .collect();
         shares.iter().sum::<f64>() / shares.len().max(1) as f64
     });
-    Ok(Outcome { perplexity: (total / (ids.len() - 1) as f64).exp(), greedy, kv_bytes, busiest_expert })
+    let stats = pollster::block_on(m.label_stats(rt))?;
+    let label_miss_rate =
+        (m.scheduler.is_some() && !stats.is_empty()).then(|| stats.iter().map(|s| f64::from(s.miss)).sum::<f64>() / stats.len() as f64);
+    Ok(Outcome { perplexity: (total / (ids.len() - 1) as f64).exp(), greedy, kv_bytes, busiest_expert, label_miss_rate })
 }
 
 fn needle(rt: &Runtime, g: &Gguf<'_>, prompt: &[u32], tok: &Tokenizer, c: &Config, bar: &ProgressBar) -> Result<String> {
@@ -224,49 +435,71 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
     }
     let lc = expertkv_model::LlamaConfig::from_gguf(&g)?;
     let own = (lc.expert_count > 0).then_some((lc.expert_count, lc.expert_used_count));
-    let base = Config { moe: None, own, router: None, sched: None, budget: None, codec: Codec::None };
-    let mut configs = vec![base.clone()];
-    for s in split_specs(&a.schedulers).iter().filter(|s| s.as_str() != "none") {
-        let sc = SchedulerConfig::parse(s)?;
-        for spec in &a.budgets {
-            let budget = Budget::parse(spec)?;
-            let b = budget.tokens(ids.len() as u32);
-            sc.validate(b)?;
-            configs.push(Config { sched: Some((sc.clone(), b)), budget: Some(budget), ..base.clone() });
-        }
-    }
-    for spec in split_specs(&a.codecs).iter().filter(|s| s.as_str() != "none") {
-        let codec = Codec::parse(spec)?;
-        configs.push(Config { codec, ..base.clone() });
-    }
+    let base = Config {
+        moe: None,
+        own,
+        router: None,
+        sched: None,
+        budget: None,
+        bytes_share: None,
+        codec: Codec::None,
+        labels: None,
+        routing: None,
+    };
+    let policies = Policies::parse(a, ids.len() as u32)?;
+    let variants = RouteVariants::parse(a)?;
     let mut moes = Vec::new();
     for spec in &a.moe {
         if let Some(mc) = crate::run::parse_moe(spec)? {
             moes.push(mc);
         }
     }
-    if let Some((e, _)) = own {
-        if !moes.is_empty() {
-            bail!("--moe MoEfies a dense model's FFNs; {} is a MoE file with {e} experts per layer and its own router", path.display());
+    let mut labels = Vec::new();
+    for spec in a.labels.iter().filter(|s| !s.trim().is_empty()) {
+        match crate::run::parse_moe(spec)? {
+            Some(mc) => labels.push(mc),
+            None => bail!("--labels: give E:K or E:K:fitted specs (the MoEfications whose routers label the tokens)"),
         }
-        for spec in a.moe_routers.iter().map(|s| s.trim()).filter(|s| !s.is_empty()) {
-            configs.push(Config { router: Some(RouterConfig::parse(spec)?), ..base.clone() });
+    }
+    if let Some((e, _)) = own {
+        if !moes.is_empty() || !labels.is_empty() {
+            bail!(
+                "--moe and --labels MoEfy a dense model's FFNs; {} is a MoE file with {e} experts per layer and its own router",
+                path.display()
+            );
         }
     } else if moes.is_empty() && a.moe_routers.iter().any(|s| !s.trim().is_empty()) {
         bail!("--moe-routers choose experts: give --moe E:K too (or a MoE file)");
     }
+    if own.is_none() && moes.is_empty() && labels.is_empty() && variants.given {
+        bail!(
+            "--kv-routers, --shard-maps, --allocators and --shards route the tokens: give a routing source (a MoE file, --moe or --labels)"
+        );
+    }
+    // The sources, each crossed with the policies (and, where it routes, the route stage's
+    // variants); the full cache of the first source is the reference.
+    let mut sources = vec![base.clone()];
     {
         // The f32 weights and the calibration are dropped before the GPU runs.
         let mut moefier = crate::run::Moefier::new(&g, &bytes, &path);
-        for spec in &moes {
+        for (spec, as_labels) in moes.iter().map(|s| (s, false)).chain(labels.iter().map(|s| (s, true))) {
             let crate::run::Moefied { moe: m, how } = moefier.moefy(spec)?;
             if !a.json {
                 println!("moefied E={} k={}: {how}", spec.config.experts, spec.config.top_k);
             }
             let m = std::sync::Arc::new(m);
-            configs.push(Config { moe: Some(m.clone()), ..base.clone() });
+            sources.push(if as_labels { Config { labels: Some(m), ..base.clone() } } else { Config { moe: Some(m), ..base.clone() } });
+        }
+    }
+    let mut configs = Vec::new();
+    for src in &sources {
+        let shape = src.own.or_else(|| src.moe.as_ref().or(src.labels.as_ref()).map(|m| (m.config.experts as u32, m.config.top_k as u32)));
+        configs.extend(policies.cross(src, shape.map(|s| variants.routings(s)), ids.len() as u32)?);
+        // The pipeline's routers choosing the FFN's experts, full cache.
+        if src.moe.is_some() || (src.own.is_some() && src.labels.is_none()) {
             for spec in a.moe_routers.iter().map(|s| s.trim()).filter(|s| !s.is_empty()) {
-                configs.push(Config { moe: Some(m.clone()), router: Some(RouterConfig::parse(spec)?), ..base.clone() });
+                let routing = shape.and_then(|s| variants.routings(s).into_iter().next()).map(|r| KvRouting { allocator: None, ..r });
+                configs.push(Config { router: Some(RouterConfig::parse(spec)?), routing, ..src.clone() });
             }
         }
     }
@@ -295,8 +528,12 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
     let mut rows = Vec::new();
     let mut reference: Option<Vec<u32>> = None;
     for c in &configs {
-        let name =
-            format!("{}, {}", c.ffn(), c.sched.as_ref().map_or("none (full cache)".to_string(), |(s, b)| format!("{} @ {b}", s.name())));
+        let name = format!(
+            "{}, {}, routing {}",
+            c.ffn(),
+            c.sched.as_ref().map_or("none (full cache)".to_string(), |(s, b)| format!("{} @ {b}", s.name())),
+            c.routing()
+        );
         bar.set_message(name.clone());
         let o = score(&rt, &g, &ids, c, &bar).with_context(|| format!("scoring {name}"))?;
         let reference_greedy = reference.get_or_insert_with(|| o.greedy.clone());
@@ -308,6 +545,10 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
         };
         let row = Row {
             ffn: c.ffn(),
+            routing: c.routing(),
+            label_source: c.label_source().map(|s| s.name().to_string()),
+            bytes_share: c.bytes_share.map(|b| b.to_string()),
+            label_miss_rate: o.label_miss_rate,
             codec: c.codec.spec(),
             scheduler: c.sched.as_ref().map_or("none".into(), |(s, _)| s.name().to_string()),
             budget: c.sched.as_ref().map(|(_, b)| *b),
@@ -327,18 +568,22 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
     }
     bar.finish_and_clear();
     if !a.json {
-        println!("| FFN | codec | scheduler | budget | perplexity | greedy agreement | K/V in use | needle | busiest expert |");
-        println!("|---|---|---|---|---|---|---|---|---|");
+        println!(
+            "| FFN | routing | codec | scheduler | budget | perplexity | greedy agreement | K/V in use | needle | busiest expert | label misses |"
+        );
+        println!("|---|---|---|---|---|---|---|---|---|---|---|");
         for r in &rows {
             println!(
-                "| {} | {} | {} | {} | {:.2} | {:.1}% | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {:.2} | {:.1}% | {} | {} | {} | {} |",
                 r.ffn,
+                r.routing,
                 r.codec,
                 r.scheduler,
-                match (r.budget, &r.budget_spec) {
-                    (Some(b), Some(spec)) if *spec != b.to_string() => format!("{spec} ({b})"),
-                    (Some(b), _) => b.to_string(),
-                    (None, _) => "all".into(),
+                match (r.budget, &r.budget_spec, &r.bytes_share) {
+                    (Some(b), _, Some(share)) => format!("{b} ({share} of the bytes)"),
+                    (Some(b), Some(spec), _) if *spec != b.to_string() => format!("{spec} ({b})"),
+                    (Some(b), _, _) => b.to_string(),
+                    (None, _, _) => "all".into(),
                 },
                 r.perplexity,
                 100.0 * r.greedy_agreement,
@@ -347,7 +592,8 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
                     (Some(f), Some(s)) => format!("{} ({s:?})", if *f { "found" } else { "missed" }),
                     _ => "-".into(),
                 },
-                r.busiest_expert.map_or("-".into(), |b| format!("{:.0}%", 100.0 * b))
+                r.busiest_expert.map_or("-".into(), |b| format!("{:.0}%", 100.0 * b)),
+                r.label_miss_rate.map_or("-".into(), |m| format!("{:.1}%", 100.0 * m))
             );
         }
     }
@@ -356,12 +602,22 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
             .iter()
             .map(|r| crate::plot::Point {
                 label: format!("{} {}", r.scheduler, r.budget.map_or("all".into(), |b| b.to_string())),
-                series: if r.ffn != configs[0].ffn() {
-                    r.ffn.clone()
-                } else if r.codec != "none" {
-                    format!("codec {}", r.codec)
-                } else {
-                    r.scheduler.clone()
+                series: {
+                    // What sets the row apart from the reference: FFN, routing, codec, scheduler.
+                    let mut parts = Vec::new();
+                    if r.ffn != configs[0].ffn() {
+                        parts.push(r.ffn.clone());
+                    }
+                    if r.routing != "-" {
+                        parts.push(r.routing.clone());
+                    }
+                    if r.codec != "none" {
+                        parts.push(format!("codec {}", r.codec));
+                    }
+                    if r.scheduler != "none" || parts.is_empty() {
+                        parts.push(r.scheduler.clone());
+                    }
+                    parts.join(" / ")
                 },
                 kv_bytes: r.kv_bytes as f64,
                 gpu_ms: 0.0,

@@ -12,6 +12,7 @@ mod info;
 mod plan;
 mod plot;
 mod replay;
+mod routing;
 mod run;
 mod suite;
 mod sweep;

@@ -64,6 +64,8 @@ pub struct RunArgs {
     /// name:key=value,...) [default: the scores' plain top K].
     #[arg(long)]
     router: Option<String>,
+    #[command(flatten)]
+    routing: crate::routing::RoutingArgs,
 }
 
 /// A MoEfication to make: its experts, and whether to fit the routers.
@@ -241,13 +243,28 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
         Some(spec) => parse_moe(spec)?,
         None => None,
     };
+    let labels = a.routing.labels_spec()?;
+    if moe.is_some() && labels.is_some() {
+        bail!("--labels labels a dense FFN's tokens; with --moe the MoEfied FFN's own router labels them (give one)");
+    }
+    // The route stage's source: a MoE file's router, else --moe's or --labels'.
+    let lc = LlamaConfig::from_gguf(&g)?;
+    let shape = if lc.expert_count > 0 {
+        Some((lc.expert_count, lc.expert_used_count))
+    } else {
+        moe.as_ref().or(labels.as_ref()).map(|s| (s.config.experts as u32, s.config.top_k as u32))
+    };
+    let routing = a.routing.routing(shape)?;
     let rt = gpu.runtime()?;
     println!("adapter: {} ({:?})", rt.info.name, rt.info.backend);
     let context = prompt.len() as u32 + a.tokens + 1 + a.time_steps;
     let t0 = std::time::Instant::now();
-    let mut m =
-        pollster::block_on(GpuLlama::load(&rt, &g, ModelOptions::new(1, context).dtype(dtype).scheduler(scheduler.clone()).codec(codec)))
-            .context("loading the model onto the GPU")?;
+    let mut m = pollster::block_on(GpuLlama::load(
+        &rt,
+        &g,
+        ModelOptions::new(1, context).dtype(dtype).scheduler(scheduler.clone()).codec(codec).routing(routing),
+    ))
+    .context("loading the model onto the GPU")?;
     let c = m.cfg.clone();
     let ffn = if c.expert_count > 0 {
         format!("{} experts of {}, top-{} softmax-weighted", c.expert_count, c.feed_forward_length, c.expert_used_count)
@@ -298,6 +315,11 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
         pollster::block_on(m.set_moe_router(&rt, RouterConfig::parse(spec)?))?;
         println!("router: {} over the file's own experts", spec);
     }
+    if let Some(spec) = &labels {
+        let Moefied { moe: experts, how } = Moefier::new(&g, &bytes, &path).moefy(spec)?;
+        m.set_labels(&rt, &experts).context("the labelling router")?;
+        println!("labels: {} experts per layer, top-{} per token, the FFN dense; {how}", spec.config.experts, spec.config.top_k);
+    }
     print!("{}", a.prompt);
     std::io::stdout().flush()?;
     let t1 = std::time::Instant::now();
@@ -326,6 +348,9 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
         let lists = pollster::block_on(s.read_lists(&rt))?;
         let evicted: u64 = lists.iter().map(|l| u64::from(l.evicted_total)).sum();
         println!("scheduler {}: {budget} tokens per (layer, KV head); {evicted} token K/V evicted over the run", cfg.name());
+    }
+    if let Some(line) = crate::routing::summary(&rt, &m)? {
+        println!("{line}");
     }
     if let Some((e, _)) = m.moe_shape() {
         // How evenly the router spread the tokens: per layer, the busiest expert's share.

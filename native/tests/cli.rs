@@ -257,3 +257,91 @@ fn bench_suite_measures_every_line_in_one_process() {
         assert_eq!(r["unstable"].as_bool().unwrap(), spread > 0.05, "{r}");
     }
 }
+
+/// The route stage on a model through `run` and `eval`: a dense file's tokens labelled by a
+/// MoEfication's router (the FFN dense), crossed with the route stage's routers under H2O at
+/// equal K/V bytes (`--bytes`); each row names its routing source and router; options that
+/// need a routing source, or a bytes share too small for the shards, are refused by name.
+#[test]
+fn eval_crosses_routing_sources_and_routers_at_equal_bytes() {
+    use expertkv_model::SyntheticModel;
+    let path = tmp("labels.gguf");
+    std::fs::write(&path, SyntheticModel::dense(11).gguf()).expect("write the model");
+    let model = path.to_str().expect("utf-8 path");
+    let out = ok(&[
+        "run",
+        "--model",
+        model,
+        "--prompt",
+        "Hello there",
+        "--tokens",
+        "3",
+        "--labels",
+        "4:2",
+        "--shards",
+        "2",
+        "--kv-router",
+        "hash",
+    ]);
+    assert!(
+        out.contains("routing labels: the MoEfication router, labels only (dense FFN)") && out.contains("router hash, 2 shards by expert"),
+        "{out}"
+    );
+    let out = ok(&[
+        "eval",
+        "--model",
+        model,
+        "--tokens",
+        "64",
+        "--needle-filler",
+        "0",
+        "--schedulers",
+        "h2o:sinks=2,window=4",
+        "--bytes",
+        "50%",
+        "--labels",
+        "4:2",
+        "--kv-routers",
+        "topk,hash",
+        "--json",
+    ]);
+    let rows: Vec<serde_json::Value> =
+        out.lines().filter(|l| l.starts_with('{')).map(|l| serde_json::from_str(l).expect("json row")).collect();
+    let names: Vec<(String, String, String)> = rows
+        .iter()
+        .map(|r| {
+            (
+                r["ffn"].as_str().unwrap_or("").into(),
+                r["routing"].as_str().unwrap_or("").into(),
+                r["scheduler"].as_str().unwrap_or("").into(),
+            )
+        })
+        .collect();
+    let want = [
+        ("dense", "-", "none"),
+        ("dense", "-", "h2o"),
+        ("dense, labels E4 k2", "topk", "none"),
+        ("dense, labels E4 k2", "topk", "h2o"),
+        ("dense, labels E4 k2", "hash", "h2o"),
+    ];
+    assert_eq!(names.iter().map(|(a, b, c)| (a.as_str(), b.as_str(), c.as_str())).collect::<Vec<_>>(), want, "{out}");
+    // 64 tokens are 4 pages per (layer, KV head): half of them is 2 pages, 32 tokens.
+    for r in &rows[1..] {
+        if r["scheduler"] == "h2o" {
+            assert_eq!((r["budget"].as_u64(), r["bytes_share"].as_str()), (Some(32), Some("50%")), "{out}");
+            assert!(r["kv_bytes"].as_u64() <= rows[0]["kv_bytes"].as_u64().map(|b| b / 2), "{out}");
+        }
+    }
+    assert_eq!(rows[2]["label_source"], "the MoEfication router, labels only (dense FFN)");
+    // Labels alone leave the dense model's logits: the same perplexity as the dense full cache.
+    assert_eq!(rows[2]["perplexity"], rows[0]["perplexity"], "{out}");
+    for (args, needle) in [
+        (&["eval", "--model", model, "--kv-routers", "hash"][..], "routing source"),
+        (&["run", "--model", model, "--shards", "2"][..], "routing source"),
+        (&["eval", "--model", model, "--tokens", "64", "--labels", "4:2", "--shards", "4", "--bytes", "50%"][..], "--bytes 50%"),
+    ] {
+        let o = expertkv(args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(needle) && !err.contains("panicked"), "{args:?}: {err}");
+    }
+}

@@ -562,7 +562,11 @@ impl KvPool {
             _pad: [0; 3],
         };
         let u = rt.uniform("append/apply_routing params", &ap);
-        let bind = rt.bind(Kernel::AppendApplyRouting.label(), &self.apply_pipe, &[&self.geometry, &u, routed.experts, routed.gates, &s.new_tokens]);
+        let bind = rt.bind(
+            Kernel::AppendApplyRouting.label(),
+            &self.apply_pipe,
+            &[&self.geometry, &u, routed.experts, routed.gates, &s.new_tokens],
+        );
         Ok(StagedRouting { bind, per_batch, scratch_capacity: s.capacity })
     }
 

@@ -89,7 +89,8 @@ fn route_stage_labels_and_pool_match_the_cpu_reference() {
             let cfg = cpu.config().clone();
             // Every seed runs each map once, with shard counts that vary by seed.
             let n_shards = [2u32, 4, 8][(seed as usize + i) % 3];
-            let shard_map = [ShardMap::ByExpert, ShardMap::Pikv { n_tok: 2, n_exp: 2 }, ShardMap::ByTokenBlock { block: 4 }][(seed as usize / 3 + i) % 3];
+            let shard_map = [ShardMap::ByExpert, ShardMap::Pikv { n_tok: 2, n_exp: 2 }, ShardMap::ByTokenBlock { block: 4 }]
+                [(seed as usize / 3 + i) % 3];
             let ctx = format!("seed {seed}, {}: {n_shards} shards by {}", source.name(), shard_map.name());
             let routing = KvRouting { n_shards, shard_map, ..KvRouting::new(c.e, c.k) };
             let opts = ModelOptions::new(2, 48).dtype(KvDtype::F32).routing(Some(routing));
@@ -137,12 +138,22 @@ fn route_stage_labels_and_pool_match_the_cpu_reference() {
                             let ex: Vec<f64> = want.iter().map(|&e| (f64::from(scores[e as usize]) - mx).exp()).collect();
                             let sum: f64 = ex.iter().sum();
                             for (gg, x) in got_g.iter().zip(&ex) {
-                                assert!((f64::from(*gg) - x / sum).abs() < 2e-3, "{ctx}: position {pos}, layer {l}: gate {gg} against {}", x / sum);
+                                assert!(
+                                    (f64::from(*gg) - x / sum).abs() < 2e-3,
+                                    "{ctx}: position {pos}, layer {l}: gate {gg} against {}",
+                                    x / sum
+                                );
                             }
                         } else {
                             close += 1;
                         }
-                        batch.push(NewToken { layer: l as u32, seq: seq as u32, position: pos as u32, experts: got.to_vec(), gates: got_g.to_vec() });
+                        batch.push(NewToken {
+                            layer: l as u32,
+                            seq: seq as u32,
+                            position: pos as u32,
+                            experts: got.to_vec(),
+                            gates: got_g.to_vec(),
+                        });
                         encode_values(&kv[l][seq].0, KvDtype::F32, &mut words);
                         encode_values(&kv[l][seq].1, KvDtype::F32, &mut words);
                     }
