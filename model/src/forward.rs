@@ -175,12 +175,26 @@ pub struct ModelOptions {
     /// the shard map places them): the route stage's router, shards and allocator. The routing
     /// source is a MoE file's router, else [`GpuLlama::set_moe`] or [`GpuLlama::set_labels`].
     pub routing: Option<KvRouting>,
+    /// PyramidKV over the scheduler: the first layer's budget over the last's (linear in depth,
+    /// averaging the budget).
+    pub pyramid: Option<f32>,
+    /// The scheduler's utility threshold (fixed, or adapted to the kept attention share).
+    pub threshold: Threshold,
 }
 
 impl ModelOptions {
     /// `n_seqs` sequences of up to `max_context` tokens, f16 K/V, full cache, no codec.
     pub fn new(n_seqs: u32, max_context: u32) -> Self {
-        ModelOptions { n_seqs, max_context, dtype: KvDtype::F16, scheduler: None, codec: Codec::None, routing: None }
+        ModelOptions {
+            n_seqs,
+            max_context,
+            dtype: KvDtype::F16,
+            scheduler: None,
+            codec: Codec::None,
+            routing: None,
+            pyramid: None,
+            threshold: Threshold::default(),
+        }
     }
 
     pub fn dtype(self, dtype: KvDtype) -> Self {
@@ -197,6 +211,14 @@ impl ModelOptions {
 
     pub fn routing(self, routing: Option<KvRouting>) -> Self {
         ModelOptions { routing, ..self }
+    }
+
+    pub fn pyramid(self, pyramid: Option<f32>) -> Self {
+        ModelOptions { pyramid, ..self }
+    }
+
+    pub fn threshold(self, threshold: Threshold) -> Self {
+        ModelOptions { threshold, ..self }
     }
 }
 
@@ -271,7 +293,14 @@ impl GpuLlama {
     /// one. Not a codec with an evicting scheduler (evicting from a compressed page would need
     /// it re-encoded).
     pub async fn load(rt: &Runtime, g: &Gguf<'_>, opts: ModelOptions) -> Result<GpuLlama> {
-        let ModelOptions { n_seqs, max_context, dtype, scheduler, codec, routing } = opts;
+        let ModelOptions { n_seqs, max_context, dtype, scheduler, codec, routing, pyramid, threshold } = opts;
+        if scheduler.is_none() && (pyramid.is_some() || threshold != Threshold::default()) {
+            return Err(Error::config(
+                if pyramid.is_some() { "pyramid" } else { "threshold" },
+                "set",
+                "shapes an evicting scheduler's budget: give a scheduler",
+            ));
+        }
         if codec != Codec::None && scheduler.is_some() {
             return Err(Error::config("codec", codec.name(), "codecs run with the full cache (no scheduler)"));
         }
@@ -374,7 +403,7 @@ impl GpuLlama {
                     n_experts: routing.as_ref().map_or(1, |r| r.n_experts),
                     route_stats: labels.as_ref().map(|l| &l.router.stats),
                 });
-                Some(Scheduler::with_allocator(rt, &pool, s, budget, None, Threshold::default(), allocator).await?)
+                Some(Scheduler::with_allocator(rt, &pool, s, budget, pyramid, threshold, allocator).await?)
             }
             Some((s, _)) => {
                 return Err(Error::config(

@@ -154,7 +154,7 @@ impl MetricsSink {
     }
 }
 
-fn parse_threshold(s: &str) -> Result<Threshold> {
+pub(crate) fn parse_threshold(s: &str) -> Result<Threshold> {
     let (kind, rest) = s.split_once(':').unwrap_or((s, ""));
     let nums: Vec<f32> = rest
         .split(',')

@@ -6,7 +6,7 @@
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use expertkv_core::config::{Codec, ShardMap};
-use expertkv_core::evict::config::{Budget, SchedulerConfig};
+use expertkv_core::evict::config::{Budget, SchedulerConfig, Threshold};
 use expertkv_core::route::config::RouterConfig;
 use expertkv_core::runtime::Runtime;
 use expertkv_model::Moefication;
@@ -35,8 +35,16 @@ pub struct EvalArgs {
     tokens: u32,
     /// Schedulers: comma-separated names or name:key=value,... specs (a `key=value` after a comma
     /// belongs to the spec before it); the full cache always runs first as the reference.
-    #[arg(long, default_value = "h2o:sinks=4,window=16,streaming-llm:sinks=4")]
+    /// Parameters follow each method's paper unless given: H2O's recent window is half the
+    /// budget.
+    #[arg(long, default_value = "h2o:sinks=4,streaming-llm:sinks=4")]
     schedulers: String,
+    /// PyramidKV over every scheduler: the first layer's budget over the last's [default: off].
+    #[arg(long)]
+    pyramid: Option<f32>,
+    /// Every scheduler's utility threshold: fixed:TAU or adaptive:TARGET[,STEP] [default: fixed:0].
+    #[arg(long)]
+    threshold: Option<String>,
     /// Budgets: tokens per (layer, KV head), or shares of the evaluated context (`25%` of
     /// --tokens), comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "64,32")]
@@ -163,6 +171,9 @@ struct Config {
     labels: Option<std::sync::Arc<Moefication>>,
     /// The route stage.
     routing: Option<KvRouting>,
+    /// PyramidKV's ratio and the utility threshold, with `sched`.
+    pyramid: Option<f32>,
+    threshold: Threshold,
 }
 
 impl Config {
@@ -204,7 +215,12 @@ impl Config {
         let mut m = pollster::block_on(GpuLlama::load(
             rt,
             g,
-            ModelOptions::new(1, context).scheduler(self.sched.clone()).codec(self.codec).routing(self.routing.clone()),
+            ModelOptions::new(1, context)
+                .scheduler(self.sched.clone())
+                .codec(self.codec)
+                .routing(self.routing.clone())
+                .pyramid(self.sched.as_ref().and(self.pyramid))
+                .threshold(if self.sched.is_some() { self.threshold } else { Threshold::default() }),
         ))?;
         if let Some(moe) = &self.moe {
             m.set_moe(rt, g, moe)?;
@@ -222,7 +238,8 @@ impl Config {
 /// The cache policies of a run: the full cache, every scheduler at every budget (tokens or a
 /// share of the context; with --bytes, a share of the full cache's pages), every codec.
 struct Policies {
-    scheds: Vec<SchedulerConfig>,
+    /// The schedulers' specs (parsed per budget: some parameters follow it).
+    scheds: Vec<String>,
     budgets: Vec<Budget>,
     /// --bytes: shares of the full cache's pages.
     bytes: Vec<f64>,
@@ -231,11 +248,7 @@ struct Policies {
 
 impl Policies {
     fn parse(a: &EvalArgs, tokens: u32) -> Result<Policies> {
-        let scheds = split_specs(&a.schedulers)
-            .iter()
-            .filter(|s| s.as_str() != "none")
-            .map(|s| SchedulerConfig::parse(s))
-            .collect::<Result<Vec<_>, _>>()?;
+        let scheds: Vec<String> = split_specs(&a.schedulers).into_iter().filter(|s| s.as_str() != "none").collect();
         let budgets = a.budgets.iter().map(|b| Budget::parse(b)).collect::<Result<Vec<_>, _>>()?;
         let mut bytes = Vec::new();
         for spec in a.bytes.iter().filter(|s| !s.trim().is_empty()) {
@@ -246,7 +259,7 @@ impl Policies {
         }
         for sc in &scheds {
             for b in &budgets {
-                sc.validate(b.tokens(tokens))?;
+                SchedulerConfig::parse_for_budget(sc, b.tokens(tokens))?.validate(b.tokens(tokens))?;
             }
         }
         let codecs =
@@ -260,24 +273,27 @@ impl Policies {
     fn cross(&self, src: &Config, routings: Option<Vec<KvRouting>>, tokens: u32) -> Result<Vec<Config>> {
         let first = routings.as_ref().and_then(|r| r.first()).map(|r| KvRouting { allocator: None, ..r.clone() });
         let mut out = vec![Config { routing: first.clone(), ..src.clone() }];
-        for sc in &self.scheds {
+        for spec in &self.scheds {
+            let evicting = SchedulerConfig::parse(spec)?.uses_evict_kernels();
             let variants: Vec<Option<KvRouting>> = match &routings {
                 None => vec![None],
-                Some(v) => v.iter().filter(|r| r.allocator.is_none() || sc.uses_evict_kernels()).cloned().map(Some).collect(),
+                Some(v) => v.iter().filter(|r| r.allocator.is_none() || evicting).cloned().map(Some).collect(),
             };
             for routing in variants {
                 if self.bytes.is_empty() {
                     for &budget in &self.budgets {
                         let b = budget.tokens(tokens);
-                        out.push(Config { sched: Some((sc.clone(), b)), budget: Some(budget), routing: routing.clone(), ..src.clone() });
+                        let sc = SchedulerConfig::parse_for_budget(spec, b)?;
+                        out.push(Config { sched: Some((sc, b)), budget: Some(budget), routing: routing.clone(), ..src.clone() });
                     }
                 }
                 for &share in &self.bytes {
                     let shards = routing.as_ref().map_or(1, |r| r.n_shards);
                     let b = budget_for_bytes(share, tokens, shards)?;
+                    let sc = SchedulerConfig::parse_for_budget(spec, b)?;
                     sc.validate(b)?;
                     let (budget, bytes_share) = (Some(Budget::Tokens(b)), Some(Budget::Share(share)));
-                    out.push(Config { sched: Some((sc.clone(), b)), budget, bytes_share, routing: routing.clone(), ..src.clone() });
+                    out.push(Config { sched: Some((sc, b)), budget, bytes_share, routing: routing.clone(), ..src.clone() });
                 }
             }
         }
@@ -445,6 +461,8 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
         codec: Codec::None,
         labels: None,
         routing: None,
+        pyramid: a.pyramid,
+        threshold: a.threshold.as_deref().map_or(Ok(Threshold::default()), crate::demo::parse_threshold)?,
     };
     let policies = Policies::parse(a, ids.len() as u32)?;
     let variants = RouteVariants::parse(a)?;
@@ -501,6 +519,13 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
                 let routing = shape.and_then(|s| variants.routings(s).into_iter().next()).map(|r| KvRouting { allocator: None, ..r });
                 configs.push(Config { router: Some(RouterConfig::parse(spec)?), routing, ..src.clone() });
             }
+        }
+    }
+    // Budgets a layer cannot keep (PyramidKV's shallow or deep end below one page) are refused
+    // before any GPU work.
+    for c in &configs {
+        if let Some((s, b)) = &c.sched {
+            s.layer_budgets(*b, lc.block_count, c.pyramid, MODEL_PAGE_SIZE)?;
         }
     }
     let needle_prompt: Vec<u32> = if a.needle_filler > 0 {

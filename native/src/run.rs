@@ -52,6 +52,14 @@ pub struct RunArgs {
     /// (`25%` of the prompt and the generated tokens).
     #[arg(long, default_value = "64")]
     budget: String,
+    /// PyramidKV over --scheduler: the first layer's budget over the last's (linear in depth,
+    /// averaging --budget) [default: off].
+    #[arg(long)]
+    pyramid: Option<f32>,
+    /// The scheduler's utility threshold: fixed:TAU (evict tokens under TAU x the mean mass even
+    /// under budget) or adaptive:TARGET[,STEP] [default: fixed:0].
+    #[arg(long)]
+    threshold: Option<String>,
     /// MoEfy the FFNs: E:K splits each layer's neurons into E experts (balanced spherical
     /// k-means of the gate rows) and evaluates only the top K per token, as ranked by the
     /// router (the token against each expert's centroid); E:K:fitted ranks them with a linear
@@ -236,13 +244,14 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
         None | Some("none") => None,
         Some(spec) => {
             let budget = Budget::parse(&a.budget)?.tokens(prompt.len() as u32 + a.tokens);
-            Some((SchedulerConfig::parse(spec)?, budget))
+            Some((SchedulerConfig::parse_for_budget(spec, budget)?, budget))
         }
     };
     let moe = match a.moe.as_deref() {
         Some(spec) => parse_moe(spec)?,
         None => None,
     };
+    let threshold = a.threshold.as_deref().map_or(Ok(Default::default()), crate::demo::parse_threshold)?;
     let labels = a.routing.labels_spec()?;
     if moe.is_some() && labels.is_some() {
         bail!("--labels labels a dense FFN's tokens; with --moe the MoEfied FFN's own router labels them (give one)");
@@ -262,7 +271,13 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     let mut m = pollster::block_on(GpuLlama::load(
         &rt,
         &g,
-        ModelOptions::new(1, context).dtype(dtype).scheduler(scheduler.clone()).codec(codec).routing(routing),
+        ModelOptions::new(1, context)
+            .dtype(dtype)
+            .scheduler(scheduler.clone())
+            .codec(codec)
+            .routing(routing)
+            .pyramid(a.pyramid)
+            .threshold(threshold),
     ))
     .context("loading the model onto the GPU")?;
     let c = m.cfg.clone();

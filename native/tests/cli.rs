@@ -106,8 +106,12 @@ fn eval_scores_a_model_per_scheduler() {
     ]);
     let rows: Vec<serde_json::Value> =
         out.lines().filter(|l| l.starts_with('{')).map(|l| serde_json::from_str(l).expect("json row")).collect();
-    assert_eq!(rows.len(), 4, "{out}");
-    let (full, h2o, moe, routed) = (&rows[0], &rows[1], &rows[2], &rows[3]);
+    // Every source crossed with every policy: dense and E4 k4, each full and under H2O; then
+    // the pipeline's router choosing the MoEfied FFN's experts.
+    assert_eq!(rows.len(), 5, "{out}");
+    let (full, h2o, moe, moe_h2o, routed) = (&rows[0], &rows[1], &rows[2], &rows[3], &rows[4]);
+    assert_eq!((moe_h2o["ffn"].as_str(), moe_h2o["scheduler"].as_str()), (Some("E4 k4"), Some("h2o")), "{out}");
+    assert!(moe_h2o["label_miss_rate"].as_f64().is_some_and(|m| m > 0.0), "H2O evicted labelled tokens: {out}");
     // The pipeline's topk router over all four experts chooses what the plain top k does.
     assert_eq!(routed["ffn"], "E4 k4 topk");
     assert_eq!(routed["perplexity"], moe["perplexity"], "{out}");

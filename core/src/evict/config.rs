@@ -257,6 +257,22 @@ impl SchedulerConfig {
         Ok(cfg)
     }
 
+    /// [`SchedulerConfig::parse`] for a known budget: where the spec leaves a parameter to the
+    /// method's paper and the paper sets it from the budget, it is set so. H2O's heavy hitters
+    /// and recent window split the budget evenly (window = budget / 2) unless `window=` is given.
+    pub fn parse_for_budget(spec: &str, budget: u32) -> Result<SchedulerConfig> {
+        let mut cfg = SchedulerConfig::parse(spec)?;
+        let given = |key: &str| {
+            spec.split_once(':').is_some_and(|(_, rest)| rest.split(',').any(|kv| kv.split_once('=').is_some_and(|(k, _)| k.trim() == key)))
+        };
+        if let SchedulerConfig::H2o { window, .. } = &mut cfg
+            && !given("window")
+        {
+            *window = budget / 2;
+        }
+        Ok(cfg)
+    }
+
     pub fn validate(&self, budget: u32) -> Result<()> {
         let fin = |field: &'static str, v: f32| if v.is_finite() { Ok(()) } else { Err(Error::config(field, v, "must be finite")) };
         match *self {
@@ -393,6 +409,14 @@ mod tests {
             let e = EkvaConfig::parse(bad).unwrap_err().to_string();
             assert!(e.contains("allocator"), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn h2o_splits_the_budget_as_its_paper_unless_told() {
+        assert_eq!(SchedulerConfig::parse_for_budget("h2o", 512).unwrap(), SchedulerConfig::H2o { sinks: 4, window: 256 });
+        assert_eq!(SchedulerConfig::parse_for_budget("h2o:sinks=2", 64).unwrap(), SchedulerConfig::H2o { sinks: 2, window: 32 });
+        assert_eq!(SchedulerConfig::parse_for_budget("h2o:window=16", 512).unwrap(), SchedulerConfig::H2o { sinks: 4, window: 16 });
+        assert_eq!(SchedulerConfig::parse_for_budget("lru-plus", 512).unwrap(), SchedulerConfig::parse("lru-plus").unwrap());
     }
 
     #[test]

@@ -320,6 +320,40 @@ fn h2o_evicts_the_models_own_kv_down_to_the_budget() {
     assert!(m.pool.cfg.n_pages - ctl.free_top <= lists_n * budget.div_ceil(m.pool.cfg.page_size), "pages in use within the budget");
 }
 
+/// PyramidKV and the utility thresholds over the model's own attention (a synthetic file's):
+/// PyramidKV gives the first layer more of the budget than the last, the budgets averaging the
+/// budget, each list kept to its own; an adaptive threshold moves its tau off zero; both are
+/// refused without a scheduler.
+#[test]
+fn pyramid_and_thresholds_shape_the_models_budgets() {
+    use expertkv_core::evict::config::{SchedulerConfig, Threshold};
+    let (_, file) = synthetic_dense(seeds("model_pyramid", 1)[0], GgmlType::Q8_0);
+    let g = Gguf::parse(&file).expect("gguf");
+    let rt = rt();
+    let ids: Vec<u32> = (0..56u32).map(|i| (i * 29 + 3) % 256).collect();
+    let sched = Some((SchedulerConfig::H2o { sinks: 2, window: 8 }, 24));
+    let run = |opts: ModelOptions| {
+        let mut m = pollster::block_on(GpuLlama::load(rt, &g, opts)).expect("load");
+        for &t in &ids {
+            let logits = pollster::block_on(m.forward(rt, &[t])).expect("forward");
+            assert!(logits.iter().all(|x| x.is_finite()));
+        }
+        pollster::block_on(m.scheduler.as_ref().expect("scheduler").read_lists(rt)).expect("lists")
+    };
+    let lists = run(ModelOptions::new(1, 64).scheduler(sched.clone()).pyramid(Some(2.0)));
+    // Two layers of one KV head: budgets 32 and 16 average 24.
+    assert_eq!(lists.iter().map(|l| l.budget).collect::<Vec<_>>(), vec![32, 16], "{lists:?}");
+    for l in &lists {
+        assert_eq!(l.tokens - l.evicted, l.budget, "{l:?}");
+    }
+    let lists = run(ModelOptions::new(1, 64).scheduler(sched).threshold(Threshold::Adaptive { target: 0.99, step: 0.5 }));
+    assert!(lists.iter().all(|l| l.tau != 0.0 && l.tokens - l.evicted <= l.budget), "the adaptive threshold moved: {lists:?}");
+    for opts in [ModelOptions::new(1, 64).pyramid(Some(2.0)), ModelOptions::new(1, 64).threshold(Threshold::Fixed { tau: 0.5 })] {
+        let err = pollster::block_on(GpuLlama::load(rt, &g, opts)).err().expect("no scheduler");
+        assert!(err.to_string().contains("scheduler"), "{err}");
+    }
+}
+
 /// The pipeline's routers over a MoEfied model's own experts (a synthetic dense file's): `topk`
 /// chooses exactly what the plain top k chooses (same experts, same logits), the hash router
 /// ignores the scores, and a strong load-balance penalty spreads the slots more evenly;
