@@ -19,6 +19,7 @@ use expertkv_core::append::format::NewToken;
 use expertkv_core::attend::{AttendOptions, Attention};
 use expertkv_core::config::{Codec, KvDtype, PoolConfig, ShardMap};
 use expertkv_core::evict::config::{SchedulerConfig, Threshold};
+use expertkv_core::evict::quest::Quest;
 use expertkv_core::evict::{AllocatorSpec, Scheduler};
 use expertkv_core::gpu_data::ExpertStats;
 use expertkv_core::route::config::RouterConfig;
@@ -119,6 +120,9 @@ pub struct GpuLlama {
     attn: Attention,
     /// Evicts after every step down to its budget (tokens per layer x sequence x KV head).
     pub scheduler: Option<Scheduler>,
+    /// QUEST: every layer's attention reads only the pages whose key bounds score highest for
+    /// its queries (the cache stays whole).
+    pub quest: Option<Quest>,
     /// The route stage: every layer's tokens routed to experts before their append
     /// ([`ModelOptions::routing`]).
     labels: Option<KvLabels>,
@@ -294,11 +298,11 @@ impl GpuLlama {
     /// it re-encoded).
     pub async fn load(rt: &Runtime, g: &Gguf<'_>, opts: ModelOptions) -> Result<GpuLlama> {
         let ModelOptions { n_seqs, max_context, dtype, scheduler, codec, routing, pyramid, threshold } = opts;
-        if scheduler.is_none() && (pyramid.is_some() || threshold != Threshold::default()) {
+        if !scheduler.as_ref().is_some_and(|(s, _)| s.uses_evict_kernels()) && (pyramid.is_some() || threshold != Threshold::default()) {
             return Err(Error::config(
                 if pyramid.is_some() { "pyramid" } else { "threshold" },
-                "set",
-                "shapes an evicting scheduler's budget: give a scheduler",
+                scheduler.as_ref().map_or("none", |(s, _)| s.name()),
+                "shapes an evicting scheduler's budget: give one (h2o, streaming-llm, lru, lru-plus, adakv, duo, fastv-tokens)",
             ));
         }
         if codec != Codec::None && scheduler.is_some() {
@@ -395,7 +399,16 @@ impl GpuLlama {
         };
         let group = cfg.head_count / cfg.head_count_kv;
         let mass = scheduler.as_ref().is_some_and(|(s, _)| s.evicts());
-        let attn = Attention::new(rt, &pool, AttendOptions { group, n_seqs, chunk_pages: 8, mass, ..Default::default() }).await?;
+        let attend_opts = AttendOptions { group, n_seqs, chunk_pages: 8, mass, ..Default::default() };
+        let (attn, quest) = match &scheduler {
+            Some((SchedulerConfig::Quest, budget)) => {
+                let mut q = Quest::new(rt, &pool, *budget).await?;
+                let attn = Attention::with_lists(rt, &pool, attend_opts, Some((&q.sel_list, &q.sel_counts))).await?;
+                q.bind(rt, &pool, &attn);
+                (attn, Some(q))
+            }
+            _ => (Attention::new(rt, &pool, attend_opts).await?, None),
+        };
         let scheduler = match scheduler {
             Some((s, budget)) if s.uses_evict_kernels() => {
                 let allocator = routing.as_ref().and_then(|r| r.allocator).map(|cfg| AllocatorSpec {
@@ -405,11 +418,12 @@ impl GpuLlama {
                 });
                 Some(Scheduler::with_allocator(rt, &pool, s, budget, pyramid, threshold, allocator).await?)
             }
+            Some((SchedulerConfig::Quest, _)) => None,
             Some((s, _)) => {
                 return Err(Error::config(
                     "scheduler",
                     s.name(),
-                    "the model runs the evicting schedulers (h2o, streaming-llm, lru, lru-plus, adakv, duo, fastv-tokens)",
+                    "the model runs QUEST and the evicting schedulers (h2o, streaming-llm, lru, lru-plus, adakv, duo, fastv-tokens); FlexGen's host tier is the synthetic pipeline's",
                 ));
             }
             None => None,
@@ -442,6 +456,7 @@ impl GpuLlama {
             pool,
             attn,
             scheduler,
+            quest,
             labels,
             agreement: (0, 0),
             s,
@@ -873,6 +888,11 @@ impl GpuLlama {
             .collect();
         self.pool.stage_append(rt, &new, n, self.step)?;
         self.attn.stage_params(rt, self.step, c.block_count);
+        if let Some(q) = &self.quest {
+            for l in 0..c.block_count {
+                q.prepare(rt, l, &self.attn);
+            }
+        }
         if let Some(r) = self.moe.as_ref().and_then(|m| m.routed.as_ref()) {
             // Tokens are numbered consecutively over the steps (the hash router's ids).
             for l in 0..c.block_count {
@@ -896,7 +916,16 @@ impl GpuLlama {
             }
             self.pool.encode_gather_layer(&mut enc, l)?;
             self.attn.encode_layer_params(&mut enc, l)?;
-            self.attn.encode(&mut enc.begin_compute_pass(&pass_desc("model attention")));
+            {
+                let mut pass = enc.begin_compute_pass(&pass_desc("model attention"));
+                if let Some(q) = &self.quest {
+                    // This layer's pages are all appended: refresh the bounds of those that
+                    // changed, then select for the layer's queries.
+                    q.encode_summarize(&mut pass);
+                    q.encode_select(&mut pass, l)?;
+                }
+                self.attn.encode(&mut pass);
+            }
             match &self.moe {
                 None => rec.ffn[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("model attention output and FFN"))),
                 Some(moe) => match &moe.routed {

@@ -43,12 +43,13 @@ pub struct RunArgs {
     /// [default: none, f16 pages].
     #[arg(long)]
     codec: Option<String>,
-    /// Evict over the model's own attention: an evicting scheduler (h2o, streaming-llm, lru,
-    /// lru-plus, adakv, duo, fastv-tokens), name or name:key=value,... [default: none, the full
-    /// cache].
+    /// Evict over the model's own attention with an evicting scheduler (h2o, streaming-llm, lru,
+    /// lru-plus, adakv, duo, fastv-tokens), or select pages for its queries with quest; name or
+    /// name:key=value,... H2O's recent window is half the budget unless given [default: none,
+    /// the full cache].
     #[arg(long)]
     scheduler: Option<String>,
-    /// Tokens each (layer, KV head) keeps under --scheduler, or a share of the whole context
+    /// Tokens each (layer, KV head) keeps (or QUEST attends) under --scheduler, or a share of the whole context
     /// (`25%` of the prompt and the generated tokens).
     #[arg(long, default_value = "64")]
     budget: String,

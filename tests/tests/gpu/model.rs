@@ -354,6 +354,38 @@ fn pyramid_and_thresholds_shape_the_models_budgets() {
     }
 }
 
+/// QUEST on the model's own queries (a synthetic file's): with a budget of every page it reads
+/// what the full cache reads (the same logits, bit for bit); with two pages per list each list
+/// attends exactly two pages of the whole cache (nothing evicted) and the logits move.
+#[test]
+fn quest_selects_the_models_pages() {
+    use expertkv_core::evict::config::SchedulerConfig;
+    let (_, file) = synthetic_dense(seeds("model_quest", 1)[0], GgmlType::Q4_1);
+    let g = Gguf::parse(&file).expect("gguf");
+    let rt = rt();
+    let ids: Vec<u32> = (0..60u32).map(|i| (i * 41 + 9) % 256).collect();
+    let run = |budget: Option<u32>| {
+        let mut m =
+            pollster::block_on(GpuLlama::load(rt, &g, ModelOptions::new(1, 64).scheduler(budget.map(|b| (SchedulerConfig::Quest, b)))))
+                .expect("load");
+        let logits: Vec<Vec<f32>> = ids.iter().map(|&t| pollster::block_on(m.forward(rt, &[t])).expect("forward")).collect();
+        (m, logits)
+    };
+    let (_, full) = run(None);
+    let (_, all) = run(Some(64));
+    assert_eq!(all, full, "QUEST over every page is the full cache");
+    let (m, two) = run(Some(32));
+    assert_ne!(two.last(), full.last(), "two of four pages: other logits");
+    assert!(two.iter().flatten().all(|x| x.is_finite()));
+    let q = m.quest.as_ref().expect("quest");
+    let counts: Vec<u32> =
+        pollster::block_on(rt.read(&q.sel_counts, 0, u64::from(m.cfg.block_count * m.cfg.head_count_kv))).expect("counts");
+    assert!(counts.iter().all(|&c| c == 2), "each list attends its two best pages: {counts:?}");
+    let ctl = pollster::block_on(m.pool.read_ctl(rt)).expect("ctl");
+    let lists = m.cfg.block_count * m.cfg.head_count_kv;
+    assert_eq!(m.pool.cfg.n_pages - ctl.free_top, lists * 60u32.div_ceil(16), "QUEST keeps the whole cache");
+}
+
 /// The pipeline's routers over a MoEfied model's own experts (a synthetic dense file's): `topk`
 /// chooses exactly what the plain top k chooses (same experts, same logits), the hash router
 /// ignores the scores, and a strong load-balance penalty spreads the slots more evenly;
