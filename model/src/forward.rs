@@ -22,6 +22,7 @@ use expertkv_core::evict::config::{SchedulerConfig, Threshold};
 use expertkv_core::evict::quest::Quest;
 use expertkv_core::evict::{AllocatorSpec, Scheduler};
 use expertkv_core::gpu_data::ExpertStats;
+use expertkv_core::pipeline::{ReportParts, StepReport};
 use expertkv_core::route::config::RouterConfig;
 use expertkv_core::route::{RouteShape, Router};
 use expertkv_core::runtime::Runtime;
@@ -609,6 +610,21 @@ impl GpuLlama {
             gates.extend(l.router.read_gates(rt, layer, self.n_seqs).await?);
         }
         Ok((experts, gates))
+    }
+
+    /// The last step's report, as the synthetic pipeline's ([`StepReport::collect`]): pool
+    /// occupancy by tier and shard, the route stage's per-expert statistics, evictions and kept
+    /// attention, EKVA's split, QUEST's bytes read. No GPU times (`gpu: None`).
+    pub async fn step_report(&self, rt: &Runtime) -> Result<StepReport> {
+        let parts = ReportParts {
+            pool: &self.pool,
+            router: self.labels.as_ref().map(|l| &l.router),
+            scheduler: self.scheduler.as_ref(),
+            quest: self.quest.as_ref(),
+        };
+        let ctl = self.pool.read_ctl(rt).await?;
+        let context = self.positions.first().copied().unwrap_or(0);
+        StepReport::collect(rt, parts, ctl, (self.step.saturating_sub(1), context), None, f64::NAN).await
     }
 
     /// With a sparse FFN and the route stage: (tokens whose first label is the FFN's first

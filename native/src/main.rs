@@ -18,6 +18,7 @@ mod suite;
 mod sweep;
 mod synth;
 mod view;
+mod view_model;
 
 #[derive(Parser)]
 #[command(name = "expertkv", version, about = "Expert-aware KV cache management for MoE decoding, on wgpu")]

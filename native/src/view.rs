@@ -175,6 +175,8 @@ pub struct ViewArgs {
     /// Open paused (Step and Run in the window).
     #[arg(long)]
     pub paused: bool,
+    #[command(flatten)]
+    pub model: crate::view_model::ModelFlags,
 }
 
 /// `expertkv demo`'s arguments plus `--view`; keeps the parsed matches so that `--view` can read
@@ -225,7 +227,7 @@ impl DemoCmd {
 /// `expertkv demo --view`.
 pub fn demo(gpu: &GpuArgs, d: &DemoCmd) -> Result<()> {
     let run = RunFlags::from_demo_matches(&d.matches)?;
-    open(gpu, &ViewArgs { run, trace: None, paused: false })
+    open(gpu, &ViewArgs { run, trace: None, paused: false, model: Default::default() })
 }
 
 /// `expertkv view`.
@@ -257,6 +259,14 @@ fn check_display() -> Result<()> {
 }
 
 fn open(gpu: &GpuArgs, a: &ViewArgs) -> Result<()> {
+    if a.model.model.is_some() {
+        if a.trace.is_some() {
+            bail!("--model decodes a model and --trace replays a synthetic run: give one");
+        }
+        let driver = crate::view_model::ModelDriver::prepare(&a.model, &a.run)?;
+        let cfg = driver.config().clone();
+        return window(gpu, cfg, !a.paused, Box::new(driver));
+    }
     let (cfg, trace) = match &a.trace {
         Some(path) => {
             let f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
@@ -268,9 +278,14 @@ fn open(gpu: &GpuArgs, a: &ViewArgs) -> Result<()> {
     if a.trace.is_some() && a.run != RunFlags::default() {
         eprintln!("note: --trace replays the trace's own configuration; the run flags are ignored");
     }
+    let driver = PipelineDriver { cfg: cfg.clone(), trace, p: None };
+    window(gpu, cfg, !a.paused, Box::new(driver))
+}
+
+/// The viewer window over `driver`, which runs on a worker thread.
+fn window(gpu: &GpuArgs, cfg: DemoConfig, running: bool, driver: Box<dyn Driver>) -> Result<()> {
     let opts = gpu.options()?;
     check_display()?;
-    let running = !a.paused;
     let viewer = Viewer::new(&cfg, running);
     let native = eframe::NativeOptions {
         viewport: egui::ViewportBuilder::default().with_title("expertkv viewer").with_inner_size([1320.0, 900.0]),
@@ -286,7 +301,7 @@ fn open(gpu: &GpuArgs, a: &ViewArgs) -> Result<()> {
             let ctx = cc.egui_ctx.clone();
             std::thread::Builder::new()
                 .name("expertkv pipeline".into())
-                .spawn(move || worker(opts, cfg, trace, running, &cmd_rx, &ev_tx, &ctx))
+                .spawn(move || worker(opts, driver, running, &cmd_rx, &ev_tx, &ctx))
                 .map_err(|e| anyhow!("starting the pipeline thread: {e}"))?;
             Ok(Box::new(ViewApp { viewer, events: ev_rx, cmds: cmd_tx }))
         }),
@@ -325,11 +340,22 @@ impl eframe::App for ViewApp {
     }
 }
 
-/// The pipeline thread: build, prefill, step while running; rebuild on request.
+/// What the worker thread drives: the synthetic pipeline (live or replaying a trace) or a model.
+pub(crate) trait Driver: Send {
+    /// Decode steps of a run.
+    fn steps(&self) -> u32;
+    /// (Re)build and prefill, sending `Started`, `Prefill` progress and `Ready`.
+    fn build(&mut self, rt: &Runtime, send: &dyn Fn(Event)) -> Result<()>;
+    /// Decode step `step`.
+    fn step(&mut self, rt: &Runtime, step: u32) -> Result<expertkv_viewer::Snapshot>;
+    /// Take a configuration edited in the window; `false` where the run's configuration is fixed.
+    fn reconfigure(&mut self, cfg: DemoConfig) -> bool;
+}
+
+/// The worker thread: build, prefill, step while running; rebuild on request.
 fn worker(
     opts: expertkv_core::RuntimeOptions,
-    mut cfg: DemoConfig,
-    trace: Option<(String, Trace)>,
+    mut driver: Box<dyn Driver>,
     mut running: bool,
     cmds: &Receiver<Cmd>,
     events: &Sender<Event>,
@@ -346,19 +372,17 @@ fn worker(
             return;
         }
     };
-    let source = trace.as_ref().map_or(Source::Live, |(path, _)| Source::Trace(path.clone()));
     'build: loop {
-        let built = build(&rt, &cfg, &source, &send);
-        let mut p = match built {
-            Ok(p) => Some(p),
+        let mut built = match driver.build(&rt, &send) {
+            Ok(()) => true,
             Err(e) => {
                 send(Event::Error(format!("{e:#}")));
-                None
+                false
             }
         };
         let mut step = 0u32;
         loop {
-            let active = p.is_some() && step < cfg.steps;
+            let active = built && step < driver.steps();
             let cmd = if running && active {
                 match cmds.try_recv() {
                     Ok(c) => Some(c),
@@ -376,59 +400,75 @@ fn worker(
                 Some(Cmd::SetRunning(b)) => running = b,
                 Some(Cmd::Step) => one = true,
                 Some(Cmd::Restart) => continue 'build,
-                Some(Cmd::Rebuild(c)) => {
-                    cfg = *c;
-                    continue 'build;
-                }
+                Some(Cmd::Rebuild(c)) if driver.reconfigure((*c).clone()) => continue 'build,
+                Some(Cmd::Rebuild(_)) => {}
                 None => {}
             }
-            if !(running || one) || step >= cfg.steps {
+            if !(running || one) || step >= driver.steps() || !built {
                 continue;
             }
-            let Some(pipe) = p.as_mut() else {
-                continue;
-            };
-            match step_once(&rt, pipe, trace.as_ref().map(|t| &t.1), step) {
+            match driver.step(&rt, step) {
                 Ok(snap) => {
                     step += 1;
                     send(Event::Step(Box::new(snap)));
-                    if step == cfg.steps {
+                    if step == driver.steps() {
                         send(Event::Finished);
                     }
                 }
                 Err(e) => {
                     send(Event::Error(format!("step {step}: {e:#}")));
-                    p = None;
+                    built = false;
                 }
             }
         }
     }
 }
 
-fn build(rt: &Runtime, cfg: &DemoConfig, source: &Source, send: &dyn Fn(Event)) -> Result<Pipeline> {
-    let p = pollster::block_on(Pipeline::new(rt, cfg.clone())).context("building the pipeline")?;
-    send(Event::Started(Box::new(capture::run_info(rt, &p, source.clone()))));
-    let mut p = p;
-    let mut last = 0u64;
-    pollster::block_on(p.prefill(rt, &mut |done, total| {
-        // A few dozen updates are enough for a progress bar.
-        if done == total || done >= last + total / 40 {
-            last = done;
-            send(Event::Prefill { done, total });
-        }
-    }))
-    .context("prefill")?;
-    send(Event::Ready);
-    Ok(p)
+/// The synthetic pipeline, live or re-running a recorded trace.
+struct PipelineDriver {
+    cfg: DemoConfig,
+    trace: Option<(String, Trace)>,
+    p: Option<Pipeline>,
 }
 
-fn step_once(rt: &Runtime, p: &mut Pipeline, trace: Option<&Trace>, step: u32) -> Result<expertkv_viewer::Snapshot> {
-    let report = pollster::block_on(p.step(rt)).context("decode step")?;
-    let mut snap = pollster::block_on(capture::capture(rt, p, report)).context("reading the pipeline's state")?;
-    if let Some(t) = trace {
-        snap.trace = Some(pollster::block_on(capture::trace_step(rt, p, t, step)).context("comparing with the trace")?);
+impl Driver for PipelineDriver {
+    fn steps(&self) -> u32 {
+        self.cfg.steps
     }
-    Ok(snap)
+
+    fn build(&mut self, rt: &Runtime, send: &dyn Fn(Event)) -> Result<()> {
+        self.p = None;
+        let source = self.trace.as_ref().map_or(Source::Live, |(path, _)| Source::Trace(path.clone()));
+        let mut p = pollster::block_on(Pipeline::new(rt, self.cfg.clone())).context("building the pipeline")?;
+        send(Event::Started(Box::new(capture::run_info(rt, &p, source))));
+        let mut last = 0u64;
+        pollster::block_on(p.prefill(rt, &mut |done, total| {
+            // A few dozen updates are enough for a progress bar.
+            if done == total || done >= last + total / 40 {
+                last = done;
+                send(Event::Prefill { done, total });
+            }
+        }))
+        .context("prefill")?;
+        send(Event::Ready);
+        self.p = Some(p);
+        Ok(())
+    }
+
+    fn step(&mut self, rt: &Runtime, step: u32) -> Result<expertkv_viewer::Snapshot> {
+        let p = self.p.as_mut().ok_or_else(|| anyhow!("no pipeline"))?;
+        let report = pollster::block_on(p.step(rt)).context("decode step")?;
+        let mut snap = pollster::block_on(capture::capture(rt, p, report)).context("reading the pipeline's state")?;
+        if let Some((_, t)) = &self.trace {
+            snap.trace = Some(pollster::block_on(capture::trace_step(rt, p, t, step)).context("comparing with the trace")?);
+        }
+        Ok(snap)
+    }
+
+    fn reconfigure(&mut self, cfg: DemoConfig) -> bool {
+        self.cfg = cfg;
+        true
+    }
 }
 
 #[cfg(test)]

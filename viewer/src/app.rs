@@ -27,6 +27,7 @@ impl Viewer {
             self.controls.locked = match &info.source {
                 Source::Live => None,
                 Source::Trace(path) => Some(format!("replaying {path}: the trace fixes the configuration")),
+                Source::Model { path, .. } => Some(format!("decoding {path}: restart the command to change its configuration")),
             };
         }
         self.state.apply(ev);
@@ -51,6 +52,10 @@ impl Viewer {
                     let [left, right] = cols else {
                         return;
                     };
+                    if self.state.latest.as_ref().is_some_and(|s| s.text.is_some()) {
+                        panels::text_panel(left, &self.state);
+                        left.separator();
+                    }
                     panels::step_summary(left, &self.state);
                     left.separator();
                     panels::heat_panel(left, &self.state, &mut self.heat_mode);
@@ -92,6 +97,7 @@ impl Viewer {
         let source = match &info.source {
             Source::Live => "live".to_string(),
             Source::Trace(p) => format!("trace {p}"),
+            Source::Model { path, labels } => format!("model {path} (experts: {labels})"),
         };
         ui.label(format!(
             "{source}: {} seqs x {} layers, prompt {}, {} experts top-{}; router {}; {sched}; codec {}; {}",

@@ -2,7 +2,8 @@
 //! give per (layer, expert) and per shard ring. Reads small buffers back; call between steps.
 
 use expertkv_core::Runtime;
-use expertkv_core::gpu_data::RingState;
+use expertkv_core::append::KvPool;
+use expertkv_core::gpu_data::{ExpertStats, RingState};
 use expertkv_core::pipeline::{Pipeline, StepReport};
 use expertkv_core::trace::{Trace, first_difference};
 
@@ -21,20 +22,34 @@ pub fn run_info(rt: &Runtime, p: &Pipeline, source: Source) -> RunInfo {
 
 /// Everything the panels need after `p.step()` returned `report`.
 pub async fn capture(rt: &Runtime, p: &Pipeline, report: StepReport) -> expertkv_core::Result<Snapshot> {
-    let c = &p.pool.cfg;
     let stats = p.router.read_stats(rt).await?;
-    let experts = ExpertGrid::from_stats(&stats, c.layers as usize, p.cfg.workload.n_experts as usize);
-    let rings: Vec<RingState> = rt.read_all(&p.pool.rings).await?;
-    let ctl = p.pool.read_ctl(rt).await?;
+    let host = p.flexgen.as_ref().map_or(0, |(fg, _)| fg.stats.host_pages);
+    capture_pool(rt, &p.pool, (&stats, p.cfg.workload.n_experts as usize), host, report).await
+}
+
+/// A snapshot of any engine's pool (the synthetic pipeline's or a model's): `stats` are the
+/// route stage's per-(layer, expert) statistics of `experts` experts (empty: none), `host_pages`
+/// the pages in host memory.
+pub async fn capture_pool(
+    rt: &Runtime,
+    pool: &KvPool,
+    (stats, experts): (&[ExpertStats], usize),
+    host_pages: u64,
+    report: StepReport,
+) -> expertkv_core::Result<Snapshot> {
+    let c = &pool.cfg;
+    let experts = if stats.is_empty() { ExpertGrid::default() } else { ExpertGrid::from_stats(stats, c.layers as usize, experts) };
+    let rings: Vec<RingState> = rt.read_all(&pool.rings).await?;
+    let ctl = pool.read_ctl(rt).await?;
     let codec_capacity = u64::from(c.n_ids() - c.n_pages);
     let tiers = Tiers {
         gpu_raw: u64::from(c.n_pages.saturating_sub(ctl.free_top)),
         gpu_raw_capacity: u64::from(c.n_pages),
         gpu_codec: codec_capacity.saturating_sub(u64::from(ctl.codec_free_top)),
         gpu_codec_capacity: codec_capacity,
-        host: p.flexgen.as_ref().map_or(0, |(fg, _)| fg.stats.host_pages),
+        host: host_pages,
     };
-    Ok(Snapshot { report, experts, ring_pages: rings.iter().map(|r| r.count).collect(), tiers, trace: None })
+    Ok(Snapshot { report, experts, ring_pages: rings.iter().map(|r| r.count).collect(), tiers, trace: None, text: None })
 }
 
 /// The last step of a pipeline re-running `trace`, compared with the recording (call right after

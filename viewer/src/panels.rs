@@ -49,6 +49,15 @@ pub fn fmt_bytes(b: u64) -> String {
     if i == 0 { format!("{b} B") } else { format!("{v:.1} {}", U[i]) }
 }
 
+/// A model's prompt and the text it generated so far.
+pub fn text_panel(ui: &mut Ui, state: &ViewerState) {
+    let Some(text) = state.latest.as_ref().and_then(|s| s.text.as_deref()) else { return };
+    ui.strong("generated text");
+    egui::ScrollArea::vertical().id_salt("generated_text").max_height(120.0).stick_to_bottom(true).show(ui, |ui| {
+        ui.add(egui::Label::new(egui::RichText::new(text).monospace()).wrap());
+    });
+}
+
 /// The latest step's scalars.
 pub fn step_summary(ui: &mut Ui, state: &ViewerState) {
     let Some(s) = &state.latest else {

@@ -30,6 +30,9 @@ pub enum Source {
     Live,
     /// A recorded trace (its path), re-run and compared step by step.
     Trace(String),
+    /// A GGUF model (its path and where its routing labels come from) decoding a prompt: the
+    /// configuration describes the model's pool and policies, a step is one generated token.
+    Model { path: String, labels: String },
 }
 
 /// Per-(layer, expert) router statistics after a step, layer-major (`layer * experts + expert`).
@@ -92,6 +95,8 @@ pub struct Snapshot {
     pub ring_pages: Vec<u32>,
     pub tiers: Tiers,
     pub trace: Option<TraceStep>,
+    /// A model's run: the prompt and the text generated so far.
+    pub text: Option<String>,
 }
 
 /// What a pipeline driver tells the viewer.
@@ -341,7 +346,14 @@ mod tests {
     }
 
     fn snap(step: u32) -> Snapshot {
-        Snapshot { report: report(step), experts: ExpertGrid::default(), ring_pages: Vec::new(), tiers: Tiers::default(), trace: None }
+        Snapshot {
+            report: report(step),
+            experts: ExpertGrid::default(),
+            ring_pages: Vec::new(),
+            tiers: Tiers::default(),
+            trace: None,
+            text: None,
+        }
     }
 
     #[test]

@@ -354,3 +354,31 @@ fn a_quest_run_renders_and_says_it_attends_a_whole_cache() {
     harness.get_by_label_contains("quest attending 32 tokens/list (32) of a whole cache");
     harness.render().expect("the window renders");
 }
+
+/// A model's run as the viewer shows it (`expertkv view --model`; the driver's data path is
+/// tested in the CLI crate): the header names the model and where its experts come from, the
+/// generated text has its panel, and the controls say the configuration is fixed.
+#[test]
+fn a_model_run_shows_its_source_and_text() {
+    let mut s = state(true);
+    if let Some(info) = &mut s.info {
+        info.source = Source::Model { path: "models/m.gguf".into(), labels: "the MoE file's router".into() };
+    }
+    if let Some(latest) = &mut s.latest {
+        latest.text = Some("The capital of France is Paris.".into());
+    }
+    let mut v = Viewer::new(&config(), false);
+    v.apply(Event::Started(Box::new(s.info.clone().expect("run info"))));
+    assert!(v.controls.locked.as_deref().is_some_and(|l| l.contains("models/m.gguf")), "{:?}", v.controls.locked);
+    v.state = s;
+    let mut harness = Harness::builder().with_size(WINDOW).wgpu().build_ui_state(
+        |ui, v: &mut Viewer| {
+            v.ui(ui);
+        },
+        v,
+    );
+    harness.run();
+    harness.get_by_label_contains("model models/m.gguf (experts: the MoE file's router)");
+    harness.get_by_label_contains("The capital of France is Paris.");
+    harness.render().expect("the window renders");
+}

@@ -13,7 +13,7 @@ mod report;
 
 pub use config::DemoConfig;
 pub use lockstep::VerifyReport;
-pub use report::{LayerRecord, StageTimes, StepReport};
+pub use report::{LayerRecord, ReportParts, StageTimes, StepReport};
 
 use lockstep::{Checked, check_eviction, verify_err};
 use report::Slot;
@@ -26,7 +26,7 @@ use crate::evict::config::SchedulerConfig;
 use crate::evict::flexgen::FlexGen;
 use crate::evict::quest::Quest;
 use crate::evict::{AllocatorSpec, Scheduler};
-use crate::gpu_data::{ListState, PoolCtl};
+use crate::gpu_data::ListState;
 use crate::reference::append::decode_words;
 use crate::route::{RouteShape, Router};
 use crate::runtime::Runtime;
@@ -572,28 +572,17 @@ impl Pipeline {
             self.route_and_append(rt, &tokens, n_seqs, true).await?;
             self.attend_all(rt, true).await?
         };
-        let evicted = if fused {
-            match &self.scheduler {
-                Some(s) => Some(s.read_lists(rt).await?),
-                None => None,
-            }
-        } else {
-            self.evict(rt, true).await?
-        };
-        let lists = match evicted {
-            Some(l) => Some(l),
-            None if fused => None,
-            None => {
-                // Keep the timer's evict pair written.
-                let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("no evict") });
-                drop(enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                    label: Some("no evict"),
-                    timestamp_writes: self.ts(true, Slot::Evict),
-                }));
-                rt.queue.submit([enc.finish()]);
-                None
-            }
-        };
+        // The fused step evicted in its submission; the staged one evicts now (the report reads
+        // the lists either way).
+        if !fused && self.evict(rt, true).await?.is_none() {
+            // Keep the timer's evict pair written.
+            let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("no evict") });
+            drop(enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: Some("no evict"),
+                timestamp_writes: self.ts(true, Slot::Evict),
+            }));
+            rt.queue.submit([enc.finish()]);
+        }
         if !fused {
             self.update_miss(rt, true)?;
         }
@@ -607,36 +596,13 @@ impl Pipeline {
         let host_ms = t0.elapsed().as_secs_f64() * 1e3;
         #[cfg(target_arch = "wasm32")]
         let host_ms = f64::NAN;
-        let mut report = self.report(rt, ctl, gpu, host_ms).await?;
+        let parts =
+            ReportParts { pool: &self.pool, router: Some(&self.router), scheduler: self.scheduler.as_ref(), quest: self.quest.as_ref() };
+        let mut report = StepReport::collect(rt, parts, ctl, (self.step, self.workload.position(0)), gpu, host_ms).await?;
         report.attention_error = attention_error;
-        if let Some(lists) = lists {
-            report.evicted = lists.iter().map(|l| u64::from(l.evicted)).sum();
-            report.kept_attention = lists.iter().map(|l| l.hit_rate).sum::<f32>() / lists.len().max(1) as f32;
-        }
-        if let Some((s, ekva)) = self.scheduler.as_ref().and_then(|s| s.ekva.as_ref().map(|e| (s, e))) {
-            let e = ekva.n_experts as usize;
-            let groups = s.read_groups(rt).await?;
-            let mut budget = vec![0u64; e];
-            for (i, g) in groups.iter().enumerate() {
-                if g.budget != crate::gpu_data::KEEP_ALL {
-                    budget[i % e] += u64::from(g.budget);
-                }
-            }
-            report.expert_budget = budget;
-            let imp = s.read_importance(rt).await?;
-            let mut mean = vec![0f32; e];
-            for (i, x) in imp.iter().enumerate() {
-                mean[i % e] += x / layers as f32;
-            }
-            report.expert_importance = mean;
-        }
         if let Some((fg, _)) = &self.flexgen {
             report.host_kv_bytes = fg.stats.host_bytes;
             report.tier_bytes_moved = fg.stats.bytes_to_host + fg.stats.bytes_to_gpu;
-        }
-        if let Some(q) = &self.quest {
-            let sel: Vec<u32> = rt.read_all(&q.sel_counts).await?;
-            report.kv_bytes_attended = sel.iter().map(|c| u64::from(*c)).sum::<u64>() * self.pool.cfg.page_bytes();
         }
         if let Some(r) = &self.reference {
             let c = r.pool.read_ctl(rt).await?;
@@ -645,64 +611,6 @@ impl Pipeline {
         self.step += 1;
         Ok(report)
     }
-    async fn report(&self, rt: &Runtime, ctl: PoolCtl, gpu: Option<StageTimes>, host_ms: f64) -> Result<StepReport> {
-        let cfg = &self.pool.cfg;
-        let rings: Vec<crate::gpu_data::RingState> = rt.read_all(&self.pool.rings).await?;
-        let mut shard_pages = vec![0u32; cfg.n_shards as usize];
-        for (key, r) in rings.iter().enumerate() {
-            shard_pages[key % cfg.n_shards as usize] += r.count;
-        }
-        let raw_pages = cfg.n_pages - ctl.free_top;
-        let codec_pages = (cfg.n_ids() - cfg.n_pages) - ctl.codec_free_top;
-        let pages_in_use = raw_pages + codec_pages;
-        let resident = u64::from(raw_pages) * cfg.page_bytes() + u64::from(codec_pages) * cfg.codec_page_bytes();
-        let context = self.workload.position(0);
-        // K/V vectors (token x KV head) held in the GPU pool.
-        let vectors: u64 = rings.iter().filter(|r| r.count > 0).map(|r| u64::from((r.count - 1) * cfg.page_size + r.fill)).sum();
-        let stats = self.router.read_stats(rt).await?;
-        let summary = self.router.read_summary(rt).await?;
-        let e = self.cfg.workload.n_experts as usize;
-        let mut expert_load = vec![0f32; e];
-        for (i, s) in stats.iter().enumerate() {
-            expert_load[i % e] += s.load / cfg.layers as f32;
-        }
-        let mut expert_hits = vec![0u64; e];
-        let mut expert_misses = vec![0u64; e];
-        for (i, s) in stats.iter().enumerate() {
-            expert_hits[i % e] += u64::from(s.resident.min(s.appended));
-            expert_misses[i % e] += u64::from(s.appended.saturating_sub(s.resident));
-        }
-        let appended: u64 = stats.iter().map(|s| u64::from(s.appended)).sum();
-        let missing: f64 = stats.iter().map(|s| f64::from(s.miss) * f64::from(s.appended)).sum();
-        Ok(StepReport {
-            routing_entropy: summary.iter().map(|s| s.entropy).sum::<f32>() / summary.len().max(1) as f32,
-            miss_rate: if appended > 0 { (missing / appended as f64) as f32 } else { 0.0 },
-            expert_load,
-            expert_hits,
-            expert_misses,
-            step: self.step,
-            context,
-            gpu,
-            host_ms,
-            kv_bytes_resident: resident,
-            kv_bytes_tokens: vectors * cfg.token_kv_bytes() / u64::from(cfg.kv_heads),
-            pages_in_use,
-            pages_total: cfg.n_ids(),
-            shard_pages,
-            ring_overflows: ctl.ring_overflows,
-            evicted: 0,
-            pages_evicted: ctl.pages_evicted,
-            kept_attention: 1.0,
-            attention_error: None,
-            full_kv_bytes: None,
-            kv_bytes_attended: resident,
-            host_kv_bytes: 0,
-            tier_bytes_moved: 0,
-            expert_budget: Vec::new(),
-            expert_importance: Vec::new(),
-        })
-    }
-
     /// With a codec and the reference pool: the relative L2 error of the decoded keys and values of
     /// every compressed page against the same tokens in the full f16 cache (pages pair up by
     /// their place in the page lists, which both pools build alike). `None` without both.

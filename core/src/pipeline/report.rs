@@ -124,6 +124,112 @@ pub struct StepReport {
     pub expert_importance: Vec<f32>,
 }
 
+/// The parts of an engine a step report reads: its pool, and the route stage, scheduler and
+/// QUEST selection where it has them (the synthetic pipeline and the model both report
+/// through [`StepReport::collect`]).
+#[derive(Clone, Copy)]
+pub struct ReportParts<'a> {
+    pub pool: &'a crate::append::KvPool,
+    pub router: Option<&'a crate::route::Router>,
+    pub scheduler: Option<&'a crate::evict::Scheduler>,
+    pub quest: Option<&'a crate::evict::quest::Quest>,
+}
+
+impl StepReport {
+    /// The counters of the step just run: pool occupancy by tier and shard, the route stage's
+    /// statistics per expert, the scheduler's evictions and kept attention, EKVA's budgets and
+    /// importance, QUEST's bytes read. `ctl` is the pool's control block after the step;
+    /// `context` the tokens cached per sequence and layer.
+    pub async fn collect(
+        rt: &Runtime,
+        parts: ReportParts<'_>,
+        ctl: crate::gpu_data::PoolCtl,
+        (step, context): (u32, u32),
+        gpu: Option<StageTimes>,
+        host_ms: f64,
+    ) -> Result<StepReport> {
+        let cfg = &parts.pool.cfg;
+        let rings: Vec<crate::gpu_data::RingState> = rt.read_all(&parts.pool.rings).await?;
+        let mut shard_pages = vec![0u32; cfg.n_shards as usize];
+        for (key, r) in rings.iter().enumerate() {
+            shard_pages[key % cfg.n_shards as usize] += r.count;
+        }
+        let raw_pages = cfg.n_pages - ctl.free_top;
+        let codec_pages = (cfg.n_ids() - cfg.n_pages) - ctl.codec_free_top;
+        let pages_in_use = raw_pages + codec_pages;
+        let resident = u64::from(raw_pages) * cfg.page_bytes() + u64::from(codec_pages) * cfg.codec_page_bytes();
+        // K/V vectors (token x KV head) held in the GPU pool.
+        let vectors: u64 = rings.iter().filter(|r| r.count > 0).map(|r| u64::from((r.count - 1) * cfg.page_size + r.fill)).sum();
+        let mut report = StepReport {
+            routing_entropy: 0.0,
+            miss_rate: 0.0,
+            expert_load: Vec::new(),
+            expert_hits: Vec::new(),
+            expert_misses: Vec::new(),
+            step,
+            context,
+            gpu,
+            host_ms,
+            kv_bytes_resident: resident,
+            kv_bytes_tokens: vectors * cfg.token_kv_bytes() / u64::from(cfg.kv_heads),
+            pages_in_use,
+            pages_total: cfg.n_ids(),
+            shard_pages,
+            ring_overflows: ctl.ring_overflows,
+            evicted: 0,
+            pages_evicted: ctl.pages_evicted,
+            kept_attention: 1.0,
+            attention_error: None,
+            full_kv_bytes: None,
+            kv_bytes_attended: resident,
+            host_kv_bytes: 0,
+            tier_bytes_moved: 0,
+            expert_budget: Vec::new(),
+            expert_importance: Vec::new(),
+        };
+        if let Some(router) = parts.router {
+            let stats = router.read_stats(rt).await?;
+            let summary = router.read_summary(rt).await?;
+            let e = router.shape.n_experts as usize;
+            let (mut load, mut hits, mut misses) = (vec![0f32; e], vec![0u64; e], vec![0u64; e]);
+            for (i, s) in stats.iter().enumerate() {
+                load[i % e] += s.load / cfg.layers as f32;
+                hits[i % e] += u64::from(s.resident.min(s.appended));
+                misses[i % e] += u64::from(s.appended.saturating_sub(s.resident));
+            }
+            let appended: u64 = stats.iter().map(|s| u64::from(s.appended)).sum();
+            let missing: f64 = stats.iter().map(|s| f64::from(s.miss) * f64::from(s.appended)).sum();
+            report.routing_entropy = summary.iter().map(|s| s.entropy).sum::<f32>() / summary.len().max(1) as f32;
+            report.miss_rate = if appended > 0 { (missing / appended as f64) as f32 } else { 0.0 };
+            (report.expert_load, report.expert_hits, report.expert_misses) = (load, hits, misses);
+        }
+        if let Some(s) = parts.scheduler {
+            let lists = s.read_lists(rt).await?;
+            report.evicted = lists.iter().map(|l| u64::from(l.evicted)).sum();
+            report.kept_attention = lists.iter().map(|l| l.hit_rate).sum::<f32>() / lists.len().max(1) as f32;
+            if let Some(ekva) = &s.ekva {
+                let e = ekva.n_experts as usize;
+                let mut budget = vec![0u64; e];
+                for (i, g) in s.read_groups(rt).await?.iter().enumerate() {
+                    if g.budget != crate::gpu_data::KEEP_ALL {
+                        budget[i % e] += u64::from(g.budget);
+                    }
+                }
+                let mut mean = vec![0f32; e];
+                for (i, x) in s.read_importance(rt).await?.iter().enumerate() {
+                    mean[i % e] += x / cfg.layers as f32;
+                }
+                (report.expert_budget, report.expert_importance) = (budget, mean);
+            }
+        }
+        if let Some(q) = parts.quest {
+            let sel: Vec<u32> = rt.read_all(&q.sel_counts).await?;
+            report.kv_bytes_attended = sel.iter().map(|c| u64::from(*c)).sum::<u64>() * cfg.page_bytes();
+        }
+        Ok(report)
+    }
+}
+
 impl StepReport {
     /// Column names of [`StepReport::csv_row`].
     pub const CSV_HEADER: &'static str = "step,context,route_ms,append_ms,compress_ms,gather_ms,attend_ms,evict_ms,miss_ms,host_ms,\
