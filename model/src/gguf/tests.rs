@@ -345,35 +345,6 @@ fn sample_file() -> Vec<u8> {
     w.finish()
 }
 
-/// Everything a consumer might do with a parsed file; results are ignored, only panics and
-/// allocations matter to the fuzz test.
-fn exercise(bytes: &[u8]) -> bool {
-    let Ok(g) = Gguf::parse(bytes) else { return false };
-    for (_, v) in g.metadata() {
-        let _ = v.to_string();
-        if let Some(a) = v.as_array() {
-            let _ = (a.to_strs(), a.to_i64s(), a.to_f32s());
-            for e in a.iter() {
-                if let Ok(Value::Array(inner)) = e {
-                    let _ = (inner.to_strs(), inner.iter().count());
-                }
-            }
-        }
-    }
-    for t in g.tensors() {
-        let _ = g.data(t);
-        let _ = g.tensor_f32(t.name());
-    }
-    if let Ok(c) = LlamaConfig::from_gguf(&g) {
-        let _ = c.check_tensors(&g);
-    }
-    if let Ok(t) = crate::tokenizer::Tokenizer::from_gguf(&g) {
-        let ids = t.encode_with_special("ab 12 <|endoftext|> é");
-        let _ = t.decode(&ids);
-    }
-    true
-}
-
 /// Mutates a valid file at many random places (truncation, byte flips, extreme counts and
 /// lengths written over fields, deleted and duplicated ranges) and requires a clean `Ok` or
 /// `Err` every time: no panic, and no single allocation beyond a small multiple of the input.
@@ -381,7 +352,7 @@ fn exercise(bytes: &[u8]) -> bool {
 fn gguf_malformed_files_never_panic_cpu() {
     let base = sample_file();
     let header_end = Gguf::parse(&base).unwrap().data_offset() as usize;
-    assert!(exercise(&base));
+    assert!(super::exercise(&base));
     let g = Gguf::parse(&base).unwrap();
     assert!(
         LlamaConfig::from_gguf(&g).is_ok() && crate::tokenizer::Tokenizer::from_gguf(&g).is_ok(),
@@ -437,7 +408,7 @@ fn gguf_malformed_files_never_panic_cpu() {
             }
         }
         alloc_track::reset();
-        let outcome = std::panic::catch_unwind(|| exercise(&v));
+        let outcome = std::panic::catch_unwind(|| super::exercise(&v));
         let largest = alloc_track::largest();
         match outcome {
             Ok(true) => parsed += 1,
