@@ -14,6 +14,7 @@ mod plot;
 mod replay;
 mod routing;
 mod run;
+mod soak;
 mod suite;
 mod sweep;
 mod synth;
@@ -89,6 +90,9 @@ enum Command {
     /// Write a random Llama GGUF, dense or with experts in llama.cpp's MoE layout, to try `run`
     /// and `eval` on shapes no shipped model has.
     Synth(synth::SynthArgs),
+    /// Decode for many steps with sequences finishing and joining, checking the pool's
+    /// invariants every few hundred steps and recording host RSS and steps per second.
+    Soak(soak::SoakArgs),
     /// Watch the pipeline in a window (cache heat, shards, evictions, budget split, step time), live or replaying a trace.
     View(view::ViewArgs),
 }
@@ -120,6 +124,7 @@ fn main() -> ExitCode {
         Command::Run(a) => run::run(&cli.gpu, a),
         Command::Eval(a) => eval::run(&cli.gpu, a),
         Command::Synth(a) => synth::run(a),
+        Command::Soak(a) => soak::run(&cli.gpu, a),
         Command::View(a) => view::run(&cli.gpu, a),
     };
     match r {

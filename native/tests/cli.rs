@@ -349,3 +349,22 @@ fn eval_crosses_routing_sources_and_routers_at_equal_bytes() {
         assert!(!o.status.success() && err.contains(needle) && !err.contains("panicked"), "{args:?}: {err}");
     }
 }
+
+/// `soak` with churn (sequences finishing and joining) under H2O and under a page codec: the
+/// pool's invariants checked at every window, and combinations that cannot run refused by name.
+#[test]
+fn soak_checks_the_pool_under_churn() {
+    for extra in [&["--scheduler", "h2o"][..], &["--scheduler", "none", "--codec", "int4"][..]] {
+        let mut args = vec!["soak", "--steps", "240", "--check-every", "80", "--lengths", "8:60", "--layers", "1", "--json"];
+        args.extend(extra);
+        let out = ok(&args);
+        let rows: Vec<serde_json::Value> =
+            out.lines().filter(|l| l.starts_with('{')).map(|l| serde_json::from_str(l).expect("json")).collect();
+        assert_eq!(rows.len(), 4, "three windows and the summary: {out}");
+        assert!(rows[2]["finished"].as_u64().is_some_and(|f| f >= 8), "sequences finished and were replaced: {out}");
+        assert!(rows[3]["summary"].as_str().is_some_and(|s| s.contains("the invariants held at every check")), "{out}");
+    }
+    let o = expertkv(&["soak", "--steps", "10", "--codec", "int4"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("--codec int4 with --scheduler h2o") && !err.contains("panicked"), "{err}");
+}

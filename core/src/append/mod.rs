@@ -6,6 +6,7 @@
 //! mirror of the state: it reads snapshots when it wants to look.
 
 pub mod format;
+pub mod invariants;
 
 use expertkv_shaders::Kernel;
 
@@ -211,7 +212,7 @@ impl KvPool {
         let release_bg = rt.bind(
             Kernel::AppendRelease.label(),
             &release_pipe,
-            &[&geometry, &release_params, &release_counts, &rings, &ring_pages, &free_stack, &ctl, &page_meta],
+            &[&geometry, &release_params, &release_counts, &rings, &ring_pages, &free_stack, &ctl, &page_meta, &codec_free],
         );
         check("low-rank basis", cfg.basis_words() * 4)?;
         let codec_basis = rt.storage("expertkv pool codec_basis", (cfg.basis_words() * 4).max(4));

@@ -206,19 +206,24 @@ impl PoolModel {
         Ok(plan)
     }
 
-    /// Release the `counts[key]` oldest pages of each ring (at most what it holds). Mirrors
-    /// `append/release.wgsl`.
+    /// Release the `counts[key]` oldest pages of each ring (at most what it holds): raw pages to
+    /// the raw free stack, compressed ones to theirs. Mirrors `append/release.wgsl`.
     pub fn release(&mut self, counts: &[u32]) {
         let r = self.cfg.ring_capacity;
-        let mut top = self.ctl.free_top;
+        let (mut top, mut codec_top) = (self.ctl.free_top, self.ctl.codec_free_top);
         let mut released = 0;
         for (key, &want) in counts.iter().enumerate().take(self.rings.len()) {
             let ring = &mut self.rings[key];
             let n = want.min(ring.count);
             for k in 0..n {
                 let page = self.ring_pages[key * r as usize + ((ring.head + k) % r) as usize];
-                self.free_stack[top as usize] = page;
-                top += 1;
+                if page >= self.cfg.n_pages {
+                    self.codec_free[codec_top as usize] = page;
+                    codec_top += 1;
+                } else {
+                    self.free_stack[top as usize] = page;
+                    top += 1;
+                }
                 self.page_meta[page as usize] = PageMeta { owner: NO_OWNER, fill: 0 };
             }
             released += n;
@@ -230,7 +235,7 @@ impl PoolModel {
                 }
             }
         }
-        self.ctl.free_top = top;
+        (self.ctl.free_top, self.ctl.codec_free_top) = (top, codec_top);
         self.ctl.pages_released += released;
     }
 

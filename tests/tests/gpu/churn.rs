@@ -12,72 +12,14 @@
 
 use std::collections::HashSet;
 
-use expertkv_core::append::{KvPool, PoolSnapshot};
+use expertkv_core::append::KvPool;
 use expertkv_core::config::{Codec, KvDtype, PoolConfig, ShardMap};
 use expertkv_core::evict::Scheduler;
 use expertkv_core::evict::config::{SchedulerConfig, Threshold};
-use expertkv_core::gpu_data::{NO_OWNER, meta};
 use expertkv_core::rng::Rng;
 
 use crate::append::{random_batch, random_kv};
 use crate::common::{replaying, rt, seeds};
-
-/// A token's identity in the pool: (layer, sequence, KV head, position).
-type TokenId = (u32, u32, u32, u32);
-
-/// Check the invariants on `snap`; `appended` holds every token appended so far. Returns the
-/// tokens cached now.
-fn check(cfg: &PoolConfig, snap: &PoolSnapshot, appended: &HashSet<TokenId>, compacted: &HashSet<usize>, ctx: &str) -> usize {
-    let n = cfg.n_pages as usize;
-    let free_top = snap.ctl.free_top as usize;
-    assert!(free_top <= n, "{ctx}: free top {free_top} over {n} pages");
-    // Where each page is: the free stack or one ring.
-    let mut seen = vec![false; n];
-    for &p in &snap.free_stack[..free_top] {
-        assert!((p as usize) < n, "{ctx}: free stack holds page {p}");
-        assert!(!seen[p as usize], "{ctx}: page {p} is on the free stack twice");
-        seen[p as usize] = true;
-        assert_eq!(snap.page_meta[p as usize].owner, NO_OWNER, "{ctx}: free page {p} has an owner");
-    }
-    let cap = cfg.ring_capacity as usize;
-    let mut live = HashSet::new();
-    let mut slots_in_use = 0usize;
-    let mut used = 0usize;
-    for (key, ring) in snap.rings.iter().enumerate() {
-        assert!(ring.count as usize <= cap, "{ctx}: ring {key} holds {} pages, capacity {cap}", ring.count);
-        let shard_of = key as u32 % cfg.n_shards;
-        let list = key as u32 / cfg.n_shards;
-        let (head, seq, layer) = (list % cfg.kv_heads, (list / cfg.kv_heads) % cfg.max_seqs, list / (cfg.kv_heads * cfg.max_seqs));
-        let _ = shard_of;
-        let mut last_position = None;
-        for i in 0..ring.count as usize {
-            let p = snap.ring_pages[key * cap + (ring.head as usize + i) % cap];
-            assert!((p as usize) < n, "{ctx}: ring {key} holds page {p}");
-            assert!(!seen[p as usize], "{ctx}: page {p} is in two places (ring {key})");
-            seen[p as usize] = true;
-            used += 1;
-            let pm = snap.page_meta[p as usize];
-            assert_eq!(pm.owner, key as u32, "{ctx}: page {p} of ring {key} names owner {}", pm.owner);
-            assert!(pm.fill <= cfg.page_size, "{ctx}: page {p} filled {} of {}", pm.fill, cfg.page_size);
-            slots_in_use += pm.fill as usize;
-            for s in 0..pm.fill {
-                let m = ((p * cfg.page_size + s) * cfg.meta_words()) as usize;
-                let position = snap.slot_meta[m + meta::POSITION];
-                let id = (layer, seq, head, position);
-                assert!(appended.contains(&id), "{ctx}: page {p} slot {s} holds {id:?}, never appended");
-                assert!(live.insert(id), "{ctx}: {id:?} is cached twice");
-                if let Some(prev) = last_position.filter(|_| !compacted.contains(&key)) {
-                    assert!(position > prev, "{ctx}: ring {key} holds position {position} after {prev}");
-                }
-                last_position = Some(position);
-            }
-        }
-    }
-    assert_eq!(free_top + used, n, "{ctx}: {free_top} free + {used} in rings is not the {n} pages");
-    assert!(seen.iter().all(|&s| s), "{ctx}: a page is neither free nor in a ring");
-    assert_eq!(live.len(), slots_in_use, "{ctx}: cached tokens against the pages' fills");
-    live.len()
-}
 
 #[test]
 fn pool_invariants_hold_under_churn() {
@@ -159,7 +101,9 @@ fn pool_invariants_hold_under_churn() {
             let snap = pollster::block_on(pool.snapshot(rt)).expect("snapshot");
             // An emptied ring starts over in order.
             compacted.retain(|&k| snap.rings[k].count > 0);
-            peak = peak.max(check(&cfg, &snap, &appended, &compacted, &format!("{ctx} ({op})")));
+            let cached =
+                snap.check_invariants(&cfg, &|id| appended.contains(&id), &compacted).unwrap_or_else(|e| panic!("{ctx} ({op}): {e}"));
+            peak = peak.max(cached);
             ops += 1;
         }
     }
@@ -169,5 +113,89 @@ fn pool_invariants_hold_under_churn() {
             "coverage: {ops} operations, {evictions} evictions, {releases} ring releases, {sequence_releases} sequence releases, \
              at most {peak} tokens cached"
         );
+    }
+}
+
+/// The same invariants on a compressed pool (int8 or int4 pages): appends, the codec's
+/// compression of full pages, ring releases and whole-sequence releases, every page raw or
+/// compressed on its own free stack or in exactly one ring after every operation, and the
+/// pool's state equal to the CPU pool model's. (Found by `expertkv soak --codec int4`: a
+/// release once pushed compressed pages onto the raw free stack.)
+#[test]
+fn compressed_pool_invariants_hold_under_churn() {
+    use expertkv_core::reference::PoolModel;
+    let rt = rt();
+    for seed in seeds("compressed_pool_invariants_hold_under_churn", 3) {
+        let mut rng = Rng::new(seed);
+        let cfg = PoolConfig {
+            layers: 1 + rng.below(2),
+            kv_heads: 1 + rng.below(2),
+            head_dim: 8,
+            page_size: 8,
+            dtype: KvDtype::F16,
+            n_pages: 48,
+            max_seqs: 2 + rng.below(2),
+            n_shards: 1,
+            ring_capacity: 24,
+            top_k: 1,
+            shard_map: ShardMap::ByExpert,
+            max_buffer_bytes: None,
+            codec: if rng.below(2) == 0 { Codec::Int8 { group: 8 } } else { Codec::Int4 { group: 8 } },
+            codec_pages: 160,
+        };
+        let ctx0 = format!("seed {seed}: {cfg:?}");
+        let mut pool = pollster::block_on(KvPool::new(rt, cfg.clone())).unwrap_or_else(|e| panic!("{ctx0}: {e}"));
+        let mut model = PoolModel::new(&cfg);
+        let mut positions = vec![0u32; cfg.max_seqs as usize];
+        let mut appended = HashSet::new();
+        let (mut compressed_peak, mut sequence_releases) = (0u32, 0);
+        for step in 0..40u32 {
+            let ctx = format!("{ctx0}, operation {step}");
+            match rng.below(10) {
+                0..=6 => {
+                    let n = 1 + rng.below(6 * cfg.page_size) as usize;
+                    let toks = random_batch(&mut rng, &cfg, &mut positions, n, false);
+                    let kv = random_kv(&mut rng, &cfg, toks.len());
+                    match pool.append(rt, &toks, &kv, step) {
+                        Ok(()) => {
+                            model.append(&toks, &kv, step).unwrap_or_else(|e| panic!("{ctx}: model append: {e}"));
+                            appended.extend(toks.iter().flat_map(|t| (0..cfg.kv_heads).map(move |h| (t.layer, t.seq, h, t.position))));
+                            pool.compress(rt).unwrap_or_else(|e| panic!("{ctx}: compress: {e}"));
+                            model.compress();
+                        }
+                        Err(expertkv_core::Error::PoolExhausted { .. }) => {}
+                        Err(e) => panic!("{ctx}: append: {e}"),
+                    }
+                }
+                7..=8 => {
+                    let counts: Vec<u32> = (0..cfg.n_keys()).map(|_| rng.below(3)).collect();
+                    pool.release(rt, &counts).unwrap_or_else(|e| panic!("{ctx}: release: {e}"));
+                    model.release(&counts);
+                }
+                _ => {
+                    let seq = rng.below(cfg.max_seqs);
+                    pool.release_sequence(rt, seq).unwrap_or_else(|e| panic!("{ctx}: release sequence: {e}"));
+                    let counts: Vec<u32> = (0..cfg.n_keys())
+                        .map(|k| if (k / cfg.n_shards / cfg.kv_heads) % cfg.max_seqs == seq { u32::MAX } else { 0 })
+                        .collect();
+                    model.release(&counts);
+                    sequence_releases += 1;
+                }
+            }
+            let snap = pollster::block_on(pool.snapshot(rt)).expect("snapshot");
+            snap.check_invariants(&cfg, &|id| appended.contains(&id), &HashSet::new()).unwrap_or_else(|e| panic!("{ctx}: {e}"));
+            assert_eq!(
+                (&snap.rings, &snap.ring_pages, &snap.free_stack, &snap.codec_free, snap.ctl),
+                (&model.rings, &model.ring_pages, &model.free_stack, &model.codec_free, model.ctl),
+                "{ctx}: the pool against the CPU pool model"
+            );
+            compressed_peak = compressed_peak.max(cfg.codec_pages - snap.ctl.codec_free_top);
+        }
+        if !replaying() {
+            assert!(
+                compressed_peak > 4 && sequence_releases > 0,
+                "{ctx0}: {compressed_peak} compressed pages at most, {sequence_releases} sequence releases"
+            );
+        }
     }
 }
