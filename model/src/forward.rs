@@ -22,7 +22,7 @@ use expertkv_core::evict::config::{SchedulerConfig, Threshold};
 use expertkv_core::evict::quest::Quest;
 use expertkv_core::evict::{AllocatorSpec, Scheduler};
 use expertkv_core::gpu_data::ExpertStats;
-use expertkv_core::pipeline::{ReportParts, StepReport};
+use expertkv_core::pipeline::{ReportParts, StepReport, check_eviction, compare_pool, pool_model_of};
 use expertkv_core::route::config::RouterConfig;
 use expertkv_core::route::{RouteShape, Router};
 use expertkv_core::runtime::Runtime;
@@ -130,6 +130,11 @@ pub struct GpuLlama {
     /// Tokens whose first label matched the FFN's first expert, and tokens compared (a sparse
     /// FFN with labels: see [`GpuLlama::label_agreement`]).
     agreement: (u64, u64),
+    /// Check every eviction against the CPU reference: the pool is read back before the
+    /// scheduler runs (a CPU pool model starts from it), the utilities, budgets, victims and
+    /// list counts are compared, and the whole pool after. Slow (the pool crosses to the host
+    /// twice a step); for tests and audits.
+    pub verify_evictions: bool,
     s: Scratch,
     recorded: Recording,
     moe: Option<GpuMoe>,
@@ -460,6 +465,7 @@ impl GpuLlama {
             quest,
             labels,
             agreement: (0, 0),
+            verify_evictions: false,
             s,
             moe: None,
             n_seqs,
@@ -799,7 +805,17 @@ impl GpuLlama {
         if let Some(sch) = &self.scheduler {
             // The page lists must be current: this step appended to every layer.
             self.pool.gather(rt)?;
-            sch.run(rt, self.step, &self.positions)?;
+            if self.verify_evictions {
+                rt.wait()?;
+                let mut reference = pool_model_of(rt, &self.pool).await?;
+                let before = sch.read_lists(rt).await?;
+                sch.run(rt, self.step, &self.positions)?;
+                let after = sch.read_lists(rt).await?;
+                check_eviction(rt, sch, &mut reference, self.step, &self.positions, &before, &after).await?;
+                compare_pool(rt, &self.pool, &reference).await?;
+            } else {
+                sch.run(rt, self.step, &self.positions)?;
+            }
         }
         if let Some(l) = &self.labels {
             // Each (layer, expert)'s tokens still resident: the cache-aware router's misses.

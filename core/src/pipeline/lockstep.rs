@@ -5,6 +5,7 @@
 use serde::Serialize;
 
 use super::Pipeline;
+use crate::append::KvPool;
 use crate::error::{Error, Result};
 use crate::evict::Scheduler;
 use crate::evict::quest::Quest;
@@ -43,7 +44,7 @@ pub(super) fn verify_err(message: String) -> Error {
 /// threshold as the kernel applies it, and every list's counts must agree (tokens, victims
 /// exactly; kept attention and the adaptive threshold within 1e-4). The pool it leaves is
 /// compared in [`Pipeline::verify`].
-pub(super) async fn check_eviction(
+pub async fn check_eviction(
     rt: &Runtime,
     s: &Scheduler,
     m: &mut PoolModel,
@@ -95,6 +96,45 @@ pub(super) async fn check_eviction(
         }
     }
     Ok(())
+}
+
+/// A CPU pool model holding exactly what `pool` holds on the GPU now: a lockstep that starts
+/// from the GPU's state (the model's eviction check, whose K/V come from the model's own
+/// forward pass, not from the host).
+pub async fn pool_model_of(rt: &Runtime, pool: &KvPool) -> Result<PoolModel> {
+    let snap = pool.snapshot(rt).await?;
+    let mut m = PoolModel::new(&pool.cfg);
+    (m.rings, m.ring_pages, m.page_meta, m.free_stack, m.ctl, m.slot_meta) =
+        (snap.rings, snap.ring_pages, snap.page_meta, snap.free_stack, snap.ctl, snap.slot_meta);
+    m.kv = pool.read_kv(rt).await?;
+    if pool.cfg.codec != crate::config::Codec::None {
+        (m.codec_free, m.codec_kv) = (snap.codec_free, pool.read_codec_kv(rt).await?);
+        m.codec_basis = pool.read_basis(rt).await?;
+    }
+    Ok(m)
+}
+
+/// The whole GPU pool against the CPU model, part by part: rings, free lists, compressed
+/// pages, page tables, page and slot metadata, control words, K/V.
+pub async fn compare_pool(rt: &Runtime, pool: &KvPool, model: &PoolModel) -> Result<()> {
+    let snap = pool.snapshot(rt).await?;
+    let kv = pool.read_kv(rt).await?;
+    let codec_kv = pool.read_codec_kv(rt).await?;
+    let parts = [
+        ("rings", snap.rings == model.rings),
+        ("compressed free list", snap.codec_free == model.codec_free),
+        ("compressed pages", codec_kv.is_empty() || codec_kv == model.codec_kv),
+        ("ring pages", snap.ring_pages == model.ring_pages),
+        ("page metadata", snap.page_meta == model.page_meta),
+        ("slot metadata", snap.slot_meta == model.slot_meta),
+        ("free list", snap.free_stack == model.free_stack),
+        ("control words", snap.ctl == model.ctl),
+        ("K/V", kv == model.kv),
+    ];
+    match parts.iter().find(|(_, same)| !same) {
+        Some((name, _)) => Err(verify_err(format!("the GPU pool's {name} differ from the CPU reference's"))),
+        None => Ok(()),
+    }
 }
 
 impl Pipeline {
@@ -248,23 +288,7 @@ impl Pipeline {
         let Some(model) = &self.model else {
             return Ok(None);
         };
-        let snap = self.pool.snapshot(rt).await?;
-        let kv = self.pool.read_kv(rt).await?;
-        let codec_kv = self.pool.read_codec_kv(rt).await?;
-        let parts = [
-            ("rings", snap.rings == model.rings),
-            ("compressed free list", snap.codec_free == model.codec_free),
-            ("compressed pages", codec_kv.is_empty() || codec_kv == model.codec_kv),
-            ("ring pages", snap.ring_pages == model.ring_pages),
-            ("page metadata", snap.page_meta == model.page_meta),
-            ("slot metadata", snap.slot_meta == model.slot_meta),
-            ("free list", snap.free_stack == model.free_stack),
-            ("control words", snap.ctl == model.ctl),
-            ("K/V", kv == model.kv),
-        ];
-        if let Some((name, _)) = parts.iter().find(|(_, same)| !same) {
-            return Err(verify_err(format!("the GPU pool's {name} differ from the CPU reference's")));
-        }
+        compare_pool(rt, &self.pool, model).await?;
         let layer = self.pool.cfg.layers - 1;
         let tokens_checked = (0..self.cfg.workload.n_seqs).map(|s| model.tokens(layer, s, 0).len() as u64).sum();
         let c = self.checked;

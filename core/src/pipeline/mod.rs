@@ -12,10 +12,10 @@ mod lockstep;
 mod report;
 
 pub use config::DemoConfig;
-pub use lockstep::VerifyReport;
+pub use lockstep::{VerifyReport, check_eviction, compare_pool, pool_model_of};
 pub use report::{LayerRecord, ReportParts, StageTimes, StepReport};
 
-use lockstep::{Checked, check_eviction, verify_err};
+use lockstep::{Checked, verify_err};
 use report::Slot;
 
 use crate::append::KvPool;

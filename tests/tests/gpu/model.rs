@@ -439,3 +439,60 @@ fn the_pipelines_routers_choose_the_models_experts() {
     let err = pollster::block_on(m.set_moe_router(rt, RouterConfig::CacheAware { lambda: 2.0 })).expect_err("refused");
     assert!(err.to_string().contains("cache-aware"), "{err}");
 }
+
+/// Every evicting scheduler over the model's own attention (synthetic files), each eviction
+/// checked against the CPU reference (`GpuLlama::verify_evictions`: a CPU pool model started
+/// from the GPU's pool before the scheduler runs; utilities, budgets, victims and list counts
+/// compared, then the whole pool): H2O, StreamingLLM, LRU, LRU+, AdaKV, DuoAttention, FastV
+/// tokens, PyramidKV over H2O, and EKVA splitting H2O's budget over a MoE file's routed experts
+/// in four shards.
+#[test]
+fn every_evicting_scheduler_evicts_the_models_kv_as_the_reference_does() {
+    use expertkv_core::evict::config::{EkvaConfig, SchedulerConfig};
+    use expertkv_model::labels::KvRouting;
+    let rt = rt();
+    let seed = seeds("model_evictions", 1)[0];
+    let (_, dense) = synthetic_dense(seed, GgmlType::Q8_0);
+    let moe = SyntheticModel::moe(seed, 8, 2).with_weights(GgmlType::Q8_0).gguf();
+    let h2o = SchedulerConfig::H2o { sinks: 2, window: 8 };
+    let cases: Vec<(&str, &[u8], ModelOptions)> = vec![
+        ("h2o", &dense, ModelOptions::new(1, 64).scheduler(Some((h2o.clone(), 24)))),
+        ("streaming-llm", &dense, ModelOptions::new(1, 64).scheduler(Some((SchedulerConfig::StreamingLlm { sinks: 2 }, 24)))),
+        ("lru", &dense, ModelOptions::new(1, 64).scheduler(Some((SchedulerConfig::Lru, 24)))),
+        (
+            "lru-plus",
+            &dense,
+            ModelOptions::new(1, 64).scheduler(Some((SchedulerConfig::parse("lru-plus:sinks=2,window=8").expect("spec"), 24))),
+        ),
+        ("adakv", &dense, ModelOptions::new(1, 64).scheduler(Some((SchedulerConfig::parse("adakv:sinks=2,window=8").expect("spec"), 24)))),
+        (
+            "duo",
+            &dense,
+            ModelOptions::new(1, 64).scheduler(Some((SchedulerConfig::parse("duo:sinks=2,window=8,tau=0.2").expect("spec"), 24))),
+        ),
+        ("fastv-tokens", &dense, ModelOptions::new(1, 64).scheduler(Some((SchedulerConfig::FastvTokens { from_layer: 1 }, 24)))),
+        ("pyramid h2o", &dense, ModelOptions::new(1, 64).scheduler(Some((h2o.clone(), 24))).pyramid(Some(2.0))),
+        (
+            "ekva h2o, 4 shards",
+            &moe,
+            ModelOptions::new(1, 64).scheduler(Some((h2o, 24))).routing(Some(KvRouting {
+                n_shards: 4,
+                allocator: Some(EkvaConfig::default()),
+                ..KvRouting::new(8, 2)
+            })),
+        ),
+    ];
+    let ids: Vec<u32> = (0..44u32).map(|i| (i * 37 + seed as u32) % 256).collect();
+    for (name, file, opts) in cases {
+        let g = Gguf::parse(file).expect("gguf");
+        let mut m = pollster::block_on(GpuLlama::load(rt, &g, opts)).unwrap_or_else(|e| panic!("{name}: load: {e}"));
+        m.verify_evictions = true;
+        for (i, &t) in ids.iter().enumerate() {
+            let logits = pollster::block_on(m.forward(rt, &[t])).unwrap_or_else(|e| panic!("seed {seed}: {name}: token {i}: {e}"));
+            assert!(logits.iter().all(|x| x.is_finite()), "seed {seed}: {name}");
+        }
+        let lists = pollster::block_on(m.scheduler.as_ref().expect("scheduler").read_lists(rt)).expect("lists");
+        let evicted: u32 = lists.iter().map(|l| l.evicted_total).sum();
+        assert!(evicted > 0, "seed {seed}: {name}: the scheduler evicted ({lists:?})");
+    }
+}
