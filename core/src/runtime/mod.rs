@@ -348,6 +348,7 @@ impl Runtime {
             let h = health.clone();
             device.set_device_lost_callback(move |reason, message| {
                 if let Ok(mut h) = h.lock() {
+                    let message = if message.is_empty() { "the driver gave no message".into() } else { message };
                     h.lost = Some((format!("{reason:?}"), message));
                 }
             });
@@ -394,7 +395,14 @@ impl Runtime {
 
     /// Err if the device was lost or an error escaped every error scope since the last check.
     pub fn check(&self, during: &str) -> Result<()> {
-        let mut h = self.health.lock().map_err(|_| Error::Gpu { during: during.into(), message: "health state poisoned".into() })?;
+        let poisoned = || Error::Gpu { during: during.into(), message: "health state poisoned".into() };
+        // Errors on a destroyed or removed device come before its lost callback: let the device
+        // deliver its callbacks (outside the lock they take) so a lost device is named as such.
+        #[cfg(not(target_arch = "wasm32"))]
+        if !self.health.lock().map_err(|_| poisoned())?.uncaptured.is_empty() {
+            let _ = self.device.poll(wgpu::PollType::Poll);
+        }
+        let mut h = self.health.lock().map_err(|_| poisoned())?;
         if let Some((reason, message)) = &h.lost {
             return Err(Error::DeviceLost { reason: reason.clone(), message: message.clone() });
         }

@@ -18,6 +18,7 @@ mod buffers;
 mod churn;
 mod copy;
 mod errors;
+mod faults;
 mod labels;
 mod model;
 mod ops;
