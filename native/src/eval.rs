@@ -465,6 +465,12 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
         threshold: a.threshold.as_deref().map_or(Ok(Threshold::default()), crate::demo::parse_threshold)?,
     };
     let policies = Policies::parse(a, ids.len() as u32)?;
+    if !policies.codecs.is_empty() && !policies.scheds.is_empty() {
+        // Said, not silently dropped: the codec rows are full-cache rows.
+        eprintln!(
+            "note: codecs run at the full cache (a codec under an evicting scheduler is not built yet), so --codecs is not crossed with --schedulers"
+        );
+    }
     let variants = RouteVariants::parse(a)?;
     let mut moes = Vec::new();
     for spec in &a.moe {
