@@ -136,6 +136,9 @@ struct Row {
     /// With the route stage and an evicting scheduler: the mean over (layer, expert) of the
     /// share of the expert's labelled tokens no longer resident.
     label_miss_rate: Option<f64>,
+    /// With the route stage and a sparse FFN: the share of (token, layer) pairs whose first
+    /// (pre-gated) label is the FFN's own first expert.
+    label_agreement: Option<f64>,
 }
 
 fn nll(logits: &[f32], target: u32) -> f64 {
@@ -150,6 +153,7 @@ struct Outcome {
     kv_bytes: u64,
     busiest_expert: Option<f64>,
     label_miss_rate: Option<f64>,
+    label_agreement: Option<f64>,
 }
 
 /// One evaluated configuration: the FFN (dense, MoEfied, or a MoE file's own experts) and the
@@ -393,7 +397,9 @@ fn score(rt: &Runtime, g: &Gguf<'_>, ids: &[u32], c: &Config, bar: &ProgressBar)
     let stats = pollster::block_on(m.label_stats(rt))?;
     let label_miss_rate =
         (m.scheduler.is_some() && !stats.is_empty()).then(|| stats.iter().map(|s| f64::from(s.miss)).sum::<f64>() / stats.len() as f64);
-    Ok(Outcome { perplexity: (total / (ids.len() - 1) as f64).exp(), greedy, kv_bytes, busiest_expert, label_miss_rate })
+    let (same, of) = m.label_agreement();
+    let label_agreement = (of > 0).then(|| same as f64 / of as f64);
+    Ok(Outcome { perplexity: (total / (ids.len() - 1) as f64).exp(), greedy, kv_bytes, busiest_expert, label_miss_rate, label_agreement })
 }
 
 fn needle(rt: &Runtime, g: &Gguf<'_>, prompt: &[u32], tok: &Tokenizer, c: &Config, bar: &ProgressBar) -> Result<String> {
@@ -580,6 +586,7 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
             label_source: c.label_source().map(|s| s.name().to_string()),
             bytes_share: c.bytes_share.map(|b| b.to_string()),
             label_miss_rate: o.label_miss_rate,
+            label_agreement: o.label_agreement,
             codec: c.codec.spec(),
             scheduler: c.sched.as_ref().map_or("none".into(), |(s, _)| s.name().to_string()),
             budget: c.sched.as_ref().map(|(_, b)| *b),

@@ -75,6 +75,10 @@ pub struct RunArgs {
     router: Option<String>,
     #[command(flatten)]
     routing: crate::routing::RoutingArgs,
+    /// Check every eviction against the CPU reference (utilities, budgets, victims, list
+    /// counts, then the whole pool); slow: the pool crosses to the host twice a token.
+    #[arg(long)]
+    verify_evictions: bool,
 }
 
 /// A MoEfication to make: its experts, and whether to fit the routers.
@@ -281,6 +285,14 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
             .threshold(threshold),
     ))
     .context("loading the model onto the GPU")?;
+    if a.verify_evictions {
+        if m.scheduler.is_none() {
+            bail!(
+                "--verify-evictions checks an evicting scheduler's evictions: give --scheduler (h2o, streaming-llm, lru, lru-plus, adakv, duo, fastv-tokens)"
+            );
+        }
+        m.verify_evictions = true;
+    }
     let c = m.cfg.clone();
     let ffn = if c.expert_count > 0 {
         format!("{} experts of {}, top-{} softmax-weighted", c.expert_count, c.feed_forward_length, c.expert_used_count)
@@ -363,7 +375,8 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     if let (Some(s), Some((cfg, budget))) = (&m.scheduler, &scheduler) {
         let lists = pollster::block_on(s.read_lists(&rt))?;
         let evicted: u64 = lists.iter().map(|l| u64::from(l.evicted_total)).sum();
-        println!("scheduler {}: {budget} tokens per (layer, KV head); {evicted} token K/V evicted over the run", cfg.name());
+        let checked = if a.verify_evictions { "; every eviction equal to the CPU reference's" } else { "" };
+        println!("scheduler {}: {budget} tokens per (layer, KV head); {evicted} token K/V evicted over the run{checked}", cfg.name());
     }
     if let Some(line) = crate::routing::summary(&rt, &m)? {
         println!("{line}");

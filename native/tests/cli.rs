@@ -291,6 +291,25 @@ fn eval_crosses_routing_sources_and_routers_at_equal_bytes() {
         out.contains("routing labels: the MoEfication router, labels only (dense FFN)") && out.contains("router hash, 2 shards by expert"),
         "{out}"
     );
+    let checked = ok(&[
+        "run",
+        "--model",
+        model,
+        "--prompt",
+        "Hello there, general",
+        "--tokens",
+        "8",
+        "--labels",
+        "4:2",
+        "--scheduler",
+        "h2o",
+        "--budget",
+        "16",
+        "--allocator",
+        "ekva",
+        "--verify-evictions",
+    ]);
+    assert!(checked.contains("every eviction equal to the CPU reference's") && !checked.contains(" 0 token K/V evicted"), "{checked}");
     let out = ok(&[
         "eval",
         "--model",
