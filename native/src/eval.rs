@@ -42,7 +42,7 @@ pub struct EvalArgs {
     /// PyramidKV over every scheduler: the first layer's budget over the last's [default: off].
     #[arg(long)]
     pyramid: Option<f32>,
-    /// Every scheduler's utility threshold: fixed:TAU or adaptive:TARGET[,STEP] [default: fixed:0].
+    /// Every scheduler's utility threshold: fixed:TAU, adaptive:TARGET or adaptive:TARGET,STEP [default: fixed:0].
     #[arg(long)]
     threshold: Option<String>,
     /// Budgets: tokens per (layer, KV head), or shares of the evaluated context (`25%` of

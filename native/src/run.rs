@@ -58,7 +58,7 @@ pub struct RunArgs {
     #[arg(long)]
     pyramid: Option<f32>,
     /// The scheduler's utility threshold: fixed:TAU (evict tokens under TAU x the mean mass even
-    /// under budget) or adaptive:TARGET[,STEP] [default: fixed:0].
+    /// under budget), adaptive:TARGET or adaptive:TARGET,STEP [default: fixed:0].
     #[arg(long)]
     threshold: Option<String>,
     /// MoEfy the FFNs: E:K splits each layer's neurons into E experts (balanced spherical
