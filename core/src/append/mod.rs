@@ -405,17 +405,7 @@ impl KvPool {
                 r.per_layer, r.row_stride
             )));
         }
-        let apply_bg = routed.map(|r| {
-            let ap = ApplyParams {
-                n_tokens: n,
-                token_words: token_words(self.cfg.top_k),
-                per_layer: r.per_layer,
-                row_stride: r.row_stride,
-                ..Default::default()
-            };
-            let u = rt.uniform("append/apply_routing params", &ap);
-            rt.bind(Kernel::AppendApplyRouting.label(), &self.apply_pipe, &[&self.geometry, &u, r.experts, r.gates, &s.new_tokens])
-        });
+        let apply_bg = routed.map(|r| self.apply_routing_bind(rt, &s.new_tokens, r, n, 0));
         self.encode_append_passes(enc, n, apply_bg.as_ref(), timestamps);
         Ok(())
     }
@@ -554,21 +544,30 @@ impl KvPool {
         }
         self.ensure_scratch(rt, per_batch);
         let Some(s) = self.scratch.as_ref() else { unreachable!("scratch ensured above") };
+        let bind = self.apply_routing_bind(rt, &s.new_tokens, routed, per_batch, layer * routed.row_stride);
+        Ok(StagedRouting { bind, per_batch, scratch_capacity: s.capacity })
+    }
+
+    /// `append/apply_routing`'s bind group: `n_tokens` token records in `new_tokens` take their
+    /// experts and gates from `routed`, the first from router row `first_row`.
+    fn apply_routing_bind(
+        &self,
+        rt: &Runtime,
+        new_tokens: &wgpu::Buffer,
+        routed: Routed<'_>,
+        n_tokens: u32,
+        first_row: u32,
+    ) -> wgpu::BindGroup {
         let ap = ApplyParams {
-            n_tokens: per_batch,
+            n_tokens,
             token_words: token_words(self.cfg.top_k),
-            per_layer: per_batch,
+            per_layer: routed.per_layer,
             row_stride: routed.row_stride,
-            first_row: layer * routed.row_stride,
+            first_row,
             _pad: [0; 3],
         };
         let u = rt.uniform("append/apply_routing params", &ap);
-        let bind = rt.bind(
-            Kernel::AppendApplyRouting.label(),
-            &self.apply_pipe,
-            &[&self.geometry, &u, routed.experts, routed.gates, &s.new_tokens],
-        );
-        Ok(StagedRouting { bind, per_batch, scratch_capacity: s.capacity })
+        rt.bind(Kernel::AppendApplyRouting.label(), &self.apply_pipe, &[&self.geometry, &u, routed.experts, routed.gates, new_tokens])
     }
 
     /// Rebuild the page lists of `layers` (all sequences) from the rings.
