@@ -610,12 +610,7 @@ impl GpuLlama {
     /// `[layer][seq][k]` (empty without the route stage).
     pub async fn step_labels(&self, rt: &Runtime) -> Result<(Vec<u32>, Vec<f32>)> {
         let Some(l) = &self.labels else { return Ok((Vec::new(), Vec::new())) };
-        let (mut experts, mut gates) = (Vec::new(), Vec::new());
-        for layer in 0..self.cfg.block_count {
-            experts.extend(l.router.read_experts(rt, layer, self.n_seqs).await?);
-            gates.extend(l.router.read_gates(rt, layer, self.n_seqs).await?);
-        }
-        Ok((experts, gates))
+        Ok((l.experts(rt).await?, l.gates(rt).await?))
     }
 
     /// The last step's report, as the synthetic pipeline's ([`StepReport::collect`]): pool
@@ -790,10 +785,7 @@ impl GpuLlama {
             }
             if let Some(labels) = &self.labels {
                 let k = moe.top_k as usize;
-                let mut routed = Vec::new();
-                for layer in 0..c.block_count {
-                    routed.extend(labels.router.read_experts(rt, layer, n).await?);
-                }
+                let routed = labels.experts(rt).await?;
                 let same = routed.chunks(k).zip(chosen.chunks(k)).filter(|(a, b)| a[0] == b[0]).count();
                 self.agreement.0 += same as u64;
                 self.agreement.1 += (routed.len() / k) as u64;

@@ -178,6 +178,19 @@ impl KvLabels {
         self.router.encode(&mut enc.begin_compute_pass(&pass("model route")), l, n);
     }
 
+    /// The experts the route stage chose in the last step, `[layer][token][k]`, in one read
+    /// (the router's rows per layer are exactly the step's tokens).
+    pub(crate) async fn experts(&self, rt: &Runtime) -> Result<Vec<u32>> {
+        let RouteShape { layers, max_tokens, top_k, .. } = self.router.shape;
+        rt.read(&self.router.experts, 0, u64::from(layers * max_tokens * top_k)).await
+    }
+
+    /// Their gates, laid out as [`KvLabels::experts`].
+    pub(crate) async fn gates(&self, rt: &Runtime) -> Result<Vec<f32>> {
+        let RouteShape { layers, max_tokens, top_k, .. } = self.router.shape;
+        rt.read(&self.router.gates, 0, u64::from(layers * max_tokens * top_k)).await
+    }
+
     /// The append's routing pass of layer `l`.
     pub(crate) fn staged(&self, l: u32) -> &StagedRouting {
         &self.staged[l as usize]
