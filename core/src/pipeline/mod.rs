@@ -26,7 +26,6 @@ use crate::evict::config::SchedulerConfig;
 use crate::evict::flexgen::FlexGen;
 use crate::evict::quest::Quest;
 use crate::evict::{AllocatorSpec, Scheduler};
-use crate::gpu_data::ListState;
 use crate::reference::append::decode_words;
 use crate::route::{RouteShape, Router};
 use crate::runtime::Runtime;
@@ -378,8 +377,9 @@ impl Pipeline {
 
     /// Evict down to the budget (after attention recorded this step's masses). The CPU reference,
     /// when kept, takes the GPU's metadata, utilities and budgets and must reach the same pool.
-    /// FlexGen instead moves its coldest pages to host memory.
-    async fn evict(&mut self, rt: &Runtime, timed: bool) -> Result<Option<Vec<ListState>>> {
+    /// FlexGen instead moves its coldest pages to host memory. Returns whether the scheduler's
+    /// pass ran (the step's report reads its lists).
+    async fn evict(&mut self, rt: &Runtime, timed: bool) -> Result<bool> {
         if self.flexgen.is_some() {
             if self.model.is_some() {
                 return Err(Error::config("verify", true, "FlexGen moves pages through the host; run it with --no-verify"));
@@ -388,10 +388,10 @@ impl Pipeline {
             if let Some((fg, _)) = &mut self.flexgen {
                 fg.offload(rt, &self.pool, &bounds).await?;
             }
-            return Ok(None);
+            return Ok(false);
         }
         let Some(s) = &self.scheduler else {
-            return Ok(None);
+            return Ok(false);
         };
         let lens: Vec<u32> = (0..self.cfg.workload.n_seqs).map(|q| self.workload.position(q)).collect();
         s.prepare(rt, self.step, &lens)?;
@@ -414,11 +414,11 @@ impl Pipeline {
             s.encode(&mut pass);
         }
         rt.queue.submit([enc.finish()]);
-        let lists = s.read_lists(rt).await?;
         if let (Some(m), Some(before)) = (&mut self.model, before) {
+            let lists = s.read_lists(rt).await?;
             check_eviction(rt, s, m, self.step, &lens, &before, &lists).await?;
         }
-        Ok(Some(lists))
+        Ok(true)
     }
 
     /// Append the prompt of every sequence, routed on the GPU (with a scheduler: attend and
@@ -574,7 +574,7 @@ impl Pipeline {
         };
         // The fused step evicted in its submission; the staged one evicts now (the report reads
         // the lists either way).
-        if !fused && self.evict(rt, true).await?.is_none() {
+        if !fused && !self.evict(rt, true).await? {
             // Keep the timer's evict pair written.
             let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("no evict") });
             drop(enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
