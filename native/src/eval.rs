@@ -327,7 +327,7 @@ fn budget_for_bytes(share: f64, tokens: u32, shards: u32) -> Result<u32> {
 /// The route stage's variants to cross: routers x shard maps x allocators.
 struct RouteVariants {
     routers: Vec<RouterConfig>,
-    maps: Vec<String>,
+    maps: Vec<ShardMap>,
     allocators: Vec<Option<expertkv_core::evict::config::EkvaConfig>>,
     shards: u32,
     /// Whether any route-stage option was given.
@@ -340,10 +340,15 @@ impl RouteVariants {
             Some(list) => split_specs(list).iter().map(|s| RouterConfig::parse(s)).collect::<Result<Vec<_>, _>>()?,
             None => vec![RouterConfig::Topk],
         };
-        let maps: Vec<String> = a.shard_maps.iter().map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
-        let maps = if maps.is_empty() { vec!["expert".to_string()] } else { maps };
-        for m in &maps {
-            ShardMap::parse(m, a.shards)?;
+        let mut maps = a
+            .shard_maps
+            .iter()
+            .map(|s| s.trim())
+            .filter(|s| !s.is_empty())
+            .map(|m| ShardMap::parse(m, a.shards))
+            .collect::<Result<Vec<_>, _>>()?;
+        if maps.is_empty() {
+            maps.push(ShardMap::ByExpert);
         }
         let allocators = match &a.allocators {
             Some(list) => {
@@ -362,9 +367,8 @@ impl RouteVariants {
     fn routings(&self, (e, k): (u32, u32)) -> Vec<KvRouting> {
         let mut out = Vec::new();
         for r in &self.routers {
-            for m in &self.maps {
+            for &shard_map in &self.maps {
                 for al in &self.allocators {
-                    let shard_map = ShardMap::parse(m, self.shards).unwrap_or(ShardMap::ByExpert);
                     out.push(KvRouting { router: r.clone(), n_shards: self.shards, shard_map, allocator: *al, ..KvRouting::new(e, k) });
                 }
             }
