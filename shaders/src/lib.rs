@@ -39,6 +39,7 @@ sources! {
     COMMON_HALF => "common/half.wgsl",
     COMMON_QUANT => "common/quant.wgsl",
     COMMON_SCAN => "common/scan.wgsl",
+    COMMON_RADIX => "common/radix.wgsl",
     COMMON_REDUCE => "common/reduce.wgsl",
     COMMON_ROUTE => "common/route.wgsl",
     COMMON_APPEND => "common/append.wgsl",

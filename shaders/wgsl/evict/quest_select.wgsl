@@ -5,6 +5,7 @@
 
 //!import common/pool.wgsl
 //!import common/scan.wgsl
+//!import common/radix.wgsl
 
 // must match `QuestParams` in core/src/gpu_data.rs
 struct QuestParams {
@@ -29,7 +30,6 @@ struct QuestParams {
 @group(0) @binding(8) var<storage, read_write> page_key: array<u32>;  // scratch: [list slot] orderable bound
 
 const WG: u32 = 256u;
-var<workgroup> hist: array<atomic<u32>, 256>;
 var<workgroup> known: u32;
 var<workgroup> known_lo: u32;
 var<workgroup> rank_sh: u32;
@@ -108,17 +108,9 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
             }
             workgroupBarrier();
             if (t == 0u) {
-                var r = rank_sh;
-                var d = 0u;
-                loop {
-                    let c = atomicLoad(&hist[d]);
-                    if (r <= c || d == 255u) {
-                        break;
-                    }
-                    r -= c;
-                    d += 1u;
-                }
-                rank_sh = r;
+                let pick = radix_pick(rank_sh);
+                let d = pick.x;
+                rank_sh = pick.y;
                 if (p < 4u) {
                     known |= d << (24u - 8u * p);
                 } else {

@@ -9,6 +9,7 @@
 //!import common/pool.wgsl
 //!import common/evict.wgsl
 //!import common/reduce.wgsl
+//!import common/radix.wgsl
 
 @group(0) @binding(0) var<uniform> geo: Geometry;
 @group(0) @binding(1) var<uniform> params: EvictParams;
@@ -25,7 +26,6 @@
 // WG: invocations per workgroup, a power of two of at least 256 (the histogram's bins). A
 // workgroup walks one list, so on a device that allows it the host picks 1024: four times the
 // loads in flight per list (on an H200 a select over 64 lists of 8K tokens is latency-bound).
-var<workgroup> hist: array<atomic<u32>, 256>;
 var<workgroup> red_lo: array<u32, WG>;
 var<workgroup> known_hi: u32;
 var<workgroup> known_lo: u32;
@@ -145,16 +145,9 @@ fn pick(t: u32, base: u32, n_slots: u32, want: u32, g: u32) -> f32 {
         }
         workgroupBarrier();
         if (t == 0u) {
-            var r = rank_sh;
-            var d = 0u;
-            loop {
-                let c = atomicLoad(&hist[d]);
-                if (r <= c || d == 255u) {
-                    break;
-                }
-                r -= c;
-                d += 1u;
-            }
+            let pick = radix_pick(rank_sh);
+            let d = pick.x;
+            let r = pick.y;
             rank_sh = r;
             if (p < 4u) {
                 known_hi |= d << (24u - 8u * p);
