@@ -127,6 +127,10 @@ pub struct BenchArgs {
     /// Suite: rounds, each measuring every configuration once [default: 5, 2 with --quick].
     #[arg(long)]
     rounds: Option<u32>,
+    /// Suite: stop starting new rounds once another would end past this many minutes (the
+    /// report covers the rounds done; at least one round always runs).
+    #[arg(long)]
+    max_minutes: Option<f64>,
     /// Suite: the model whose decode speed it measures (skipped when missing or with --quick).
     #[arg(long, default_value = "models/SmolLM2-135M-Instruct.Q4_1.gguf")]
     model: std::path::PathBuf,
@@ -253,6 +257,7 @@ pub fn run(gpu: &GpuArgs, a: &BenchArgs) -> Result<()> {
             json: a.json,
             seed: a.seed,
             rounds: a.rounds,
+            max_minutes: a.max_minutes,
             reps: a.reps,
             model: a.model.clone(),
             torch_script: a.torch_script.clone(),

@@ -32,6 +32,8 @@ pub struct SuiteOptions {
     pub json: bool,
     pub seed: Option<u64>,
     pub rounds: Option<u32>,
+    /// Start no round that would end (at the mean round's length) past this many minutes.
+    pub max_minutes: Option<f64>,
     pub reps: Option<u32>,
     pub model: PathBuf,
     pub torch_script: String,
@@ -394,7 +396,20 @@ pub fn run(rt: &Runtime, o: &SuiteOptions) -> Result<Vec<Line>> {
     }
     let mut samples: BTreeMap<String, Vec<Sample>> = BTreeMap::new();
     let mut order: Vec<(usize, String)> = Vec::new();
+    let started = std::time::Instant::now();
+    let mut rounds_done = 0;
     for round in 0..rounds {
+        if let (Some(limit), true) = (o.max_minutes, round > 0) {
+            let per_round = started.elapsed().as_secs_f64() / f64::from(round);
+            if started.elapsed().as_secs_f64() + per_round > limit * 60.0 {
+                eprintln!(
+                    "bench suite: stopping after {round} of {rounds} rounds ({:.0} s each; --max-minutes {limit})",
+                    per_round
+                );
+                break;
+            }
+        }
+        let round_start = std::time::Instant::now();
         let mut idx: Vec<usize> = (0..items.len()).collect();
         let mut rng = Rng::new(seed ^ (u64::from(round) + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
         for i in (1..idx.len()).rev() {
@@ -413,6 +428,13 @@ pub fn run(rt: &Runtime, o: &SuiteOptions) -> Result<Vec<Line>> {
                 samples.entry(s.label.clone()).or_default().push(s);
             }
         }
+        rounds_done += 1;
+        if !o.json {
+            eprintln!("\rround {}/{rounds} done in {:.1} s{:<40}", round + 1, round_start.elapsed().as_secs_f64(), "");
+        }
+    }
+    if o.json {
+        println!("{}", serde_json::json!({"suite_rounds_done": rounds_done, "seconds": started.elapsed().as_secs_f64()}));
     }
     if !o.json {
         eprintln!("\r{:<80}", "");
