@@ -300,8 +300,8 @@ impl GpuLlama {
     /// compressed pages in-kernel. The low-rank codecs first fit their basis on the model's own
     /// K/V of the first [`LOW_RANK_CALIBRATION_TOKENS`] positions (the calibration window, kept
     /// raw; see [`GpuLlama::set_calibration_tokens`]), then compress those pages and every later
-    /// one. Not a codec with an evicting scheduler (evicting from a compressed page would need
-    /// it re-encoded).
+    /// one. With both, an eviction first decodes the compressed pages it touches into raw ones
+    /// (`compress::Thaw`), and the next step's compress pass re-encodes them.
     pub async fn load(rt: &Runtime, g: &Gguf<'_>, opts: ModelOptions) -> Result<GpuLlama> {
         let ModelOptions { n_seqs, max_context, dtype, scheduler, codec, routing, pyramid, threshold } = opts;
         if !scheduler.as_ref().is_some_and(|(s, _)| s.uses_evict_kernels()) && (pyramid.is_some() || threshold != Threshold::default()) {
@@ -311,8 +311,17 @@ impl GpuLlama {
                 "shapes an evicting scheduler's budget: give one (h2o, streaming-llm, lru, lru-plus, adakv, duo, fastv-tokens)",
             ));
         }
-        if codec != Codec::None && scheduler.is_some() {
-            return Err(Error::config("codec", codec.name(), "codecs run with the full cache (no scheduler)"));
+        if codec != Codec::None
+            && let Some((s, _)) = scheduler.as_ref().filter(|(s, _)| !s.uses_evict_kernels())
+        {
+            return Err(Error::config(
+                "codec",
+                codec.name(),
+                format!(
+                    "codecs combine with the evicting schedulers (h2o, streaming-llm, lru, lru-plus, adakv, duo, fastv-tokens), not {}: it bounds each page from its raw keys",
+                    s.name()
+                ),
+            ));
         }
         let cfg = LlamaConfig::from_gguf(g)?;
         cfg.check_tensors(g)?;
@@ -390,11 +399,15 @@ impl GpuLlama {
         };
         if codec != Codec::None {
             // Raw pages only for every list's head page (and one to spare), plus, for the
-            // low-rank codecs, the calibration window's pages; the rest compressed.
+            // low-rank codecs, the calibration window's pages; the rest compressed. Under an
+            // evicting scheduler also the pages an eviction thaws: a token evicted a step
+            // touches at most one compressed page of its list (see `compress::Thaw`); a list
+            // that needs more than the raw pages free waits a step.
             let lists = cfg.block_count * n_seqs * cfg.head_count_kv;
             let window = if codec.is_low_rank() { LOW_RANK_CALIBRATION_TOKENS.min(max_context).div_ceil(page_size) } else { 0 };
+            let thaw = if scheduler.is_some() { n_shards + 2 } else { 0 };
             pool_cfg.codec_pages = pool_cfg.n_pages;
-            pool_cfg.n_pages = lists * (2 + n_shards + window);
+            pool_cfg.n_pages = lists * (2 + n_shards + window + thaw);
             pool_cfg.codec = codec;
         }
         pool_cfg.validate()?;

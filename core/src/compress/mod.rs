@@ -230,3 +230,132 @@ impl KvPool {
         rt.read_all(&self.codec_kv).await
     }
 }
+
+/// Thawing compressed pages under eviction (`compress/thaw_plan.wgsl`, `compress/thaw.wgsl`):
+/// between victim selection and compaction, every compressed page a ring's compaction would
+/// touch is decoded into a raw page, so compaction and freeing see only raw pages; the next
+/// compress pass re-encodes the pages that are full again. A ring whose pages do not fit in the
+/// raw pages free keeps its tokens this step (its eviction is deferred, and counted). Built by
+/// the scheduler of a pool with a codec, bound to its victim marks. CPU reference:
+/// `PoolModel::thaw`.
+pub(crate) struct Thaw {
+    /// count, main, assign.
+    plan: [(wgpu::ComputePipeline, wgpu::BindGroup); 3],
+    /// The decode, one bind group per raw pool buffer.
+    decode: (wgpu::ComputePipeline, Vec<wgpu::BindGroup>),
+    dispatch: wgpu::Buffer,
+    /// Raw and codec free tops before the last thaw, pages thawed and rings deferred by it, and
+    /// both summed over every thaw so far.
+    pub(crate) state: wgpu::Buffer,
+    n_keys: u32,
+    _buffers: [wgpu::Buffer; 2],
+}
+
+/// What [`Thaw`] has done: in the last eviction and in all so far.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ThawCounts {
+    pub pages: u32,
+    pub deferred_rings: u32,
+    pub pages_total: u32,
+    pub deferred_rings_total: u32,
+}
+
+impl ThawCounts {
+    pub(crate) fn from_state(s: &[u32]) -> ThawCounts {
+        ThawCounts { pages: s[2], deferred_rings: s[3], pages_total: s[4], deferred_rings_total: s[5] }
+    }
+}
+
+impl Thaw {
+    /// The thaw passes of `pool` (which must have a codec), marking through `victim`.
+    pub(crate) async fn new(rt: &Runtime, pool: &KvPool, victim: &wgpu::Buffer) -> Result<Thaw> {
+        let KvPool {
+            cfg,
+            geometry,
+            kv_buffers,
+            window_bufs,
+            rings,
+            ring_pages,
+            page_meta,
+            free_stack,
+            ctl,
+            codec_kv,
+            codec_free,
+            slot_meta,
+            codec_basis,
+            ..
+        } = pool;
+        if cfg.codec == Codec::None {
+            return Err(Error::Input("thawing needs a pool with a codec".into()));
+        }
+        let n_keys = cfg.n_keys();
+        let codec_pages = cfg.n_ids() - cfg.n_pages;
+        let jobs = rt.storage("thaw jobs", u64::from(codec_pages.max(1)) * 8);
+        let dispatch = rt.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("thaw dispatch"),
+            size: 16,
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::INDIRECT | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        });
+        let counts = rt.storage("thaw counts", u64::from(n_keys.max(1)) * 4);
+        let state = rt.storage_init("thaw state", &[0u32; 8]);
+        let mut plan = Vec::new();
+        for (k, used) in [
+            (Kernel::CompressThawCount, vec![(0, geometry), (1, rings), (2, ring_pages), (9, &counts), (11, victim)]),
+            (Kernel::CompressThawPlan, vec![(0, geometry), (6, ctl), (8, &dispatch), (9, &counts), (10, &state)]),
+            (
+                Kernel::CompressThawAssign,
+                vec![
+                    (0, geometry),
+                    (1, rings),
+                    (2, ring_pages),
+                    (3, page_meta),
+                    (4, free_stack),
+                    (5, codec_free),
+                    (7, &jobs),
+                    (9, &counts),
+                    (10, &state),
+                    (11, victim),
+                ],
+            ),
+        ] {
+            let p = rt.pipeline(k, &[]).await?;
+            let bg = rt.bind_at(k.label(), &p, &used);
+            plan.push((p, bg));
+        }
+        let plan: [(wgpu::ComputePipeline, wgpu::BindGroup); 3] = plan.try_into().map_err(|_| Error::Input("thaw plan passes".into()))?;
+        let dec_p = rt.pipeline(Kernel::CompressThaw, &[]).await?;
+        let dec_bgs = kv_buffers
+            .iter()
+            .zip(window_bufs)
+            .map(|(kv, w)| {
+                rt.bind(
+                    Kernel::CompressThaw.label(),
+                    &dec_p,
+                    &[geometry, w, &jobs, kv, codec_kv, slot_meta, victim, page_meta, codec_basis],
+                )
+            })
+            .collect();
+        Ok(Thaw { plan, decode: (dec_p, dec_bgs), dispatch, state, n_keys, _buffers: [jobs, counts] })
+    }
+
+    /// Encode the thaw: plan (count, main, assign), then the decode per pool buffer.
+    pub(crate) fn encode(&self, pass: &mut wgpu::ComputePass<'_>) {
+        let rings = crate::runtime::split_workgroups(self.n_keys);
+        for ((p, bg), [x, y]) in self.plan.iter().zip([rings, [1, 1], rings]) {
+            pass.set_pipeline(p);
+            pass.set_bind_group(0, bg, &[]);
+            pass.dispatch_workgroups(x, y, 1);
+        }
+        pass.set_pipeline(&self.decode.0);
+        for bg in &self.decode.1 {
+            pass.set_bind_group(0, bg, &[]);
+            pass.dispatch_workgroups_indirect(&self.dispatch, 0);
+        }
+    }
+
+    /// What the thaw has done.
+    pub(crate) async fn read_counts(&self, rt: &Runtime) -> Result<ThawCounts> {
+        Ok(ThawCounts::from_state(&rt.read_all::<u32>(&self.state).await?))
+    }
+}

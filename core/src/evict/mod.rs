@@ -9,6 +9,8 @@ pub mod quest;
 use expertkv_shaders::Kernel;
 
 use crate::append::KvPool;
+use crate::compress::{Thaw, ThawCounts};
+use crate::config::Codec;
 use crate::error::{Error, Result};
 use crate::evict::config::{EKVA_MAX_GROUPS, EkvaConfig, SchedulerConfig, Threshold};
 use crate::gpu_data::{EvictParams, ExpertStats, GroupState, ListState};
@@ -40,14 +42,26 @@ pub struct AllocatorSpec<'a> {
     pub route_stats: Option<&'a wgpu::Buffer>,
 }
 
-/// One eviction stage's dispatches: (pipeline, bind group, workgroups x and y).
-type Dispatches<'a> = Vec<(&'a wgpu::ComputePipeline, &'a wgpu::BindGroup, [u32; 2])>;
+/// One dispatch of an eviction stage: (pipeline, bind group, workgroups x and y), or the thaw
+/// of a pool with a codec (its decode sized on the GPU).
+enum Work<'a> {
+    Direct(&'a wgpu::ComputePipeline, &'a wgpu::BindGroup, [u32; 2]),
+    Thaw(&'a Thaw),
+}
+
+/// One eviction stage's dispatches.
+type Dispatches<'a> = Vec<Work<'a>>;
 
 fn dispatch_all(pass: &mut wgpu::ComputePass<'_>, dispatches: &Dispatches<'_>) {
-    for &(p, bg, [x, y]) in dispatches {
-        pass.set_pipeline(p);
-        pass.set_bind_group(0, bg, &[]);
-        pass.dispatch_workgroups(x, y, 1);
+    for w in dispatches {
+        match *w {
+            Work::Direct(p, bg, [x, y]) => {
+                pass.set_pipeline(p);
+                pass.set_bind_group(0, bg, &[]);
+                pass.dispatch_workgroups(x, y, 1);
+            }
+            Work::Thaw(t) => t.encode(pass),
+        }
     }
 }
 
@@ -74,6 +88,8 @@ pub struct Scheduler {
     compact: (wgpu::ComputePipeline, wgpu::BindGroup),
     moves: Vec<(wgpu::ComputePipeline, wgpu::BindGroup)>,
     free: (wgpu::ComputePipeline, wgpu::BindGroup),
+    /// With a page codec: the compressed pages compaction touches, decoded first.
+    thaw: Option<Thaw>,
     pub ekva: Option<Ekva>,
     n_lists: u32,
     n_keys: u32,
@@ -330,6 +346,7 @@ impl Scheduler {
                 }
             }
         }
+        let thaw = if pool.cfg.codec == Codec::None { None } else { Some(Thaw::new(rt, pool, &victim).await?) };
         let free_p = rt.pipeline(Kernel::EvictFree, &[]).await?;
         let free_bg =
             rt.bind(Kernel::EvictFree.label(), &free_p, &[&pool.geometry, &counts, &freed, &pool.free_stack, &pool.ctl, &pool.page_meta]);
@@ -352,6 +369,7 @@ impl Scheduler {
             compact: (compact_p, compact_bg),
             moves,
             free: (free_p, free_bg),
+            thaw,
             ekva,
             n_lists,
             n_keys,
@@ -416,29 +434,41 @@ impl Scheduler {
     fn stages(&self) -> Vec<(&'static str, Dispatches<'_>)> {
         let (x, y) = grid(self.slots);
         let lists = split_workgroups(self.n_lists);
-        let mut out = vec![("score", vec![(&self.score.0, &self.score.1, [x, y])])];
-        out.push(("budget", vec![(&self.budget_pass.0, &self.budget_pass.1, [self.max_seqs, self.layers])]));
+        let mut out = vec![("score", vec![Work::Direct(&self.score.0, &self.score.1, [x, y])])];
+        out.push(("budget", vec![Work::Direct(&self.budget_pass.0, &self.budget_pass.1, [self.max_seqs, self.layers])]));
         if let Some(e) = &self.ekva {
             let groups = self.n_lists.div_ceil(64);
             out.push((
                 "ekva",
                 vec![
-                    (&e.experts.0, &e.experts.1, lists),
-                    (&e.update.0, &e.update.1, [self.layers, 1]),
-                    (&e.split.0, &e.split.1, split_workgroups(groups)),
+                    Work::Direct(&e.experts.0, &e.experts.1, lists),
+                    Work::Direct(&e.update.0, &e.update.1, [self.layers, 1]),
+                    Work::Direct(&e.split.0, &e.split.1, split_workgroups(groups)),
                 ],
             ));
         }
-        out.push(("select", vec![(&self.select.0, &self.select.1, lists)]));
-        out.push(("compact", vec![(&self.compact.0, &self.compact.1, split_workgroups(self.n_keys))]));
+        out.push(("select", vec![Work::Direct(&self.select.0, &self.select.1, lists)]));
+        if let Some(t) = &self.thaw {
+            out.push(("thaw", vec![Work::Thaw(t)]));
+        }
+        out.push(("compact", vec![Work::Direct(&self.compact.0, &self.compact.1, split_workgroups(self.n_keys))]));
         let (mx, my) = grid(self.max_moves);
-        out.push(("move", self.moves.iter().map(|(p, bg)| (p, bg, [mx, my])).collect()));
-        out.push(("free", vec![(&self.free.0, &self.free.1, [1, 1])]));
+        out.push(("move", self.moves.iter().map(|(p, bg)| Work::Direct(p, bg, [mx, my])).collect()));
+        out.push(("free", vec![Work::Direct(&self.free.0, &self.free.1, [1, 1])]));
         out
     }
 
     /// Stages [`Scheduler::encode_timed`] times at most.
-    pub const TIMED_STAGES: u32 = 7;
+    pub const TIMED_STAGES: u32 = 8;
+
+    /// With a page codec: the compressed pages thawed (and the rings whose eviction was deferred
+    /// for want of raw pages) by the last eviction and by all so far; `None` without a codec.
+    pub async fn read_thaw(&self, rt: &Runtime) -> Result<Option<ThawCounts>> {
+        match &self.thaw {
+            Some(t) => Ok(Some(t.read_counts(rt).await?)),
+            None => Ok(None),
+        }
+    }
 
     /// Evict in its own submission (the pool's page lists must be current).
     pub fn run(&self, rt: &Runtime, step: u32, seq_lens: &[u32]) -> Result<()> {

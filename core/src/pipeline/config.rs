@@ -131,6 +131,14 @@ impl DemoConfig {
                 c.n_pages = self.pool_pages.unwrap_or(w.n_seqs * w.kv_heads * list_pages.iter().sum::<u32>());
                 // A ring may hold every page of its list (maps need not spread tokens evenly).
                 c.ring_capacity = list_pages.iter().max().copied().unwrap_or(1) + 1;
+                if self.codec != Codec::None {
+                    // As many compressed pages as raw ones: a prefill chunk's eviction can touch
+                    // (thaw) most of a list's compressed pages at once, so the raw pages stay
+                    // sized for the budget here (the model, which evicts a token at a time, keeps
+                    // only a few raw pages per list).
+                    c.codec = self.codec;
+                    c.codec_pages = c.n_pages;
+                }
                 c
             }
             _ if self.codec != Codec::None => {

@@ -89,6 +89,14 @@ pub async fn check_eviction(
             m.evict_thresholded(&keys, &mut lists, &p, s.select_wg);
         }
     }
+    if let Some(t) = s.read_thaw(rt).await?
+        && (t.pages, t.deferred_rings) != (m.thaw.pages, m.thaw.deferred_rings)
+    {
+        return Err(verify_err(format!(
+            "step {step}: the eviction thawed {} compressed pages and deferred {} rings, the reference {} and {}",
+            t.pages, t.deferred_rings, m.thaw.pages, m.thaw.deferred_rings
+        )));
+    }
     for (li, (g, w)) in after.iter().zip(&lists).enumerate() {
         let floats = (g.hit_rate - w.hit_rate).abs() < 1e-4 && (g.tau - w.tau).abs() < 1e-4;
         if (g.tokens, g.evicted, g.evicted_total) != (w.tokens, w.evicted, w.evicted_total) || !floats {

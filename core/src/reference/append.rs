@@ -25,6 +25,8 @@ pub struct PoolModel {
     pub codec_free: Vec<u32>,
     /// The low-rank codecs' basis as the GPU fitted it (`KvPool::read_basis`); empty until then.
     pub codec_basis: Vec<f32>,
+    /// Compressed pages thawed under eviction (see [`PoolModel::thaw`]).
+    pub thaw: crate::compress::ThawCounts,
 }
 
 impl PoolModel {
@@ -45,6 +47,7 @@ impl PoolModel {
             codec_kv: vec![0; codec_pages * cfg.codec_page_bytes() as usize / 4],
             codec_free: (cfg.n_pages..cfg.n_ids()).rev().collect(),
             codec_basis: Vec::new(),
+            thaw: Default::default(),
         }
     }
 

@@ -310,6 +310,142 @@ impl PoolModel {
     }
 }
 
+/// Value `i` of K (kv = 0) or V (kv = 1) of slot `s` of an encoded page in f32, as
+/// `compress/thaw.wgsl` computes it before rounding to f16 (low rank: the sum over j ascending of
+/// basis row j times coefficient j, each product exact in f32).
+pub fn decode_value(cfg: &PoolConfig, page: &[u32], basis: &[f32], kv: usize, s: usize, i: usize) -> f32 {
+    let (p, d, vw) = (cfg.page_size as usize, cfg.head_dim as usize, cfg.vec_words() as usize);
+    let half = |w: u32, i: usize| f16_value(if i & 1 == 1 { w >> 16 } else { w & 0xffff });
+    match cfg.codec {
+        Codec::LowRank { rank } | Codec::Lora { rank } => {
+            let r = rank as usize;
+            let c0 = (kv * p + s) * (r / 2);
+            let mut x = 0f32;
+            for j in 0..r {
+                x += basis[(kv * r + j) * d + i] * half(page[c0 + j / 2], j);
+            }
+            x
+        }
+        Codec::FastvDims { keep } => {
+            let kw = keep as usize / 2;
+            if kv == 0 {
+                if i >= keep as usize { 0.0 } else { half(page[s * kw + i / 2], i) }
+            } else {
+                half(page[p * kw + s * vw + i / 2], i)
+            }
+        }
+        Codec::Int8 { group } | Codec::Int4 { group } => {
+            let group = group as usize;
+            let (kc, vp, vc) = offsets(cfg);
+            let b = bits(cfg.codec) as usize;
+            let per = 32 / b;
+            let row = d * b / 32;
+            let (word, prm) = if kv == 0 {
+                (page[kc + s * row + i / per], page[i])
+            } else {
+                (page[vc + s * row + i / per], page[vp + s * (d / group) + i / group])
+            };
+            dequantize((word >> ((i % per) * b)) & ((1 << b) - 1), prm)
+        }
+        Codec::None => 0.0,
+    }
+}
+
+impl PoolModel {
+    /// `compress/thaw_plan` + `compress/thaw`, between victim selection and compaction: every
+    /// compressed page that compaction would touch (a victim in it, or a slot at or past the
+    /// ring's new length) is decoded into a raw page popped from the raw free stack, taking its
+    /// slot metadata and victim marks along; its compressed id returns to the codec free stack.
+    /// Rings in key order, pages oldest first. A ring whose pages do not fit in the raw pages free
+    /// keeps its tokens (its victim marks are cleared) and is counted as deferred.
+    pub fn thaw(&mut self, victim: &mut [bool]) {
+        let cfg = self.cfg.clone();
+        if cfg.codec == Codec::None {
+            return;
+        }
+        let (ps, r) = (cfg.page_size, cfg.ring_capacity as usize);
+        let avail = self.ctl.free_top;
+        let codec_top = self.ctl.codec_free_top;
+        let (mut first, mut taken, mut deferred) = (0u32, 0u32, 0u32);
+        let mut jobs = Vec::new();
+        for key in 0..cfg.n_keys() as usize {
+            let ring = self.rings[key];
+            if ring.count == 0 {
+                continue;
+            }
+            let n = (ring.count - 1) * ps + ring.fill;
+            let page_at = |k: u32| self.ring_pages[key * r + ((ring.head + k) as usize % r)];
+            let v = (0..n).filter(|&i| victim[(page_at(i / ps) * ps + i % ps) as usize]).count() as u32;
+            if v == 0 {
+                continue;
+            }
+            let keep = n - v;
+            let touched: Vec<u32> = (0..ring.count)
+                .filter(|&k| {
+                    let page = page_at(k);
+                    page >= cfg.n_pages && ((k + 1) * ps > keep || (0..ps).any(|s| victim[(page * ps + s) as usize]))
+                })
+                .collect();
+            let nt = touched.len() as u32;
+            if nt == 0 {
+                continue;
+            }
+            if first + nt <= avail {
+                for (rank, &k) in touched.iter().enumerate() {
+                    let idx = first + rank as u32;
+                    let entry = key * r + ((ring.head + k) as usize % r);
+                    let cid = self.ring_pages[entry];
+                    let raw = self.free_stack[(avail - 1 - idx) as usize];
+                    self.ring_pages[entry] = raw;
+                    self.page_meta[raw as usize] = PageMeta { owner: key as u32, fill: ps };
+                    self.page_meta[cid as usize] = PageMeta { owner: NO_OWNER, fill: 0 };
+                    self.codec_free[(codec_top + idx) as usize] = cid;
+                    jobs.push((cid, raw, key as u32));
+                }
+                taken = first + nt;
+            } else {
+                deferred += 1;
+                for i in 0..n {
+                    victim[(page_at(i / ps) * ps + i % ps) as usize] = false;
+                }
+            }
+            first += nt;
+        }
+        self.ctl.free_top = avail - taken;
+        self.ctl.codec_free_top = codec_top + taken;
+        let (p, vw, pw, mw) = (ps as usize, cfg.vec_words() as usize, cfg.page_words() as usize, cfg.meta_words() as usize);
+        let cw = cfg.codec.page_words(cfg.page_size, cfg.head_dim) as usize;
+        for (cid, raw, key) in jobs {
+            let (cid, raw) = (cid as usize, raw as usize);
+            let m = self.slot_meta[cid * p * mw..(cid + 1) * p * mw].to_vec();
+            self.slot_meta[raw * p * mw..(raw + 1) * p * mw].copy_from_slice(&m);
+            for s in 0..p {
+                victim[raw * p + s] = victim[cid * p + s];
+                victim[cid * p + s] = false;
+            }
+            let c0 = (cid - cfg.n_pages as usize) * cw;
+            let page = self.codec_kv[c0..c0 + cw].to_vec();
+            let basis = self.basis_of(key).to_vec();
+            for kv in 0..2 {
+                for s in 0..p {
+                    for j in 0..vw {
+                        let x0 = decode_value(&cfg, &page, &basis, kv, s, 2 * j);
+                        let x1 = decode_value(&cfg, &page, &basis, kv, s, 2 * j + 1);
+                        self.kv[raw * pw + kv * p * vw + s * vw + j] = f16_bits_rne(x0) | (f16_bits_rne(x1) << 16);
+                    }
+                }
+            }
+        }
+        let t = &mut self.thaw;
+        *t = crate::compress::ThawCounts {
+            pages: taken,
+            deferred_rings: deferred,
+            pages_total: t.pages_total + taken,
+            deferred_rings_total: t.deferred_rings_total + deferred,
+        };
+    }
+}
+
 impl PoolModel {
     /// The low-rank basis of the (layer, KV head) that owns ring `key` (K then V), or an empty
     /// slice for the other codecs or before calibration.

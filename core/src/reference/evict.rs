@@ -433,6 +433,8 @@ impl PoolModel {
                 }
             }
         }
+        // Compressed pages compaction touches are decoded into raw pages first.
+        self.thaw(&mut victim);
         // Compaction per ring, then free in key order.
         let r = cfg.ring_capacity;
         let vw = cfg.vec_words() as usize;

@@ -280,12 +280,12 @@ fn codecs_compress_the_models_own_kv() {
     }
     println!("{codec:?}: {bytes} bytes of K/V ({basis} of basis) against {base_bytes} in f16; worst logit diff {worst:.2e}");
     assert!(worst > 0.0, "{codec:?}: the compressed page changes the logits");
-    // A codec under a scheduler is refused by name.
-    let sched = Some((expertkv_core::evict::config::SchedulerConfig::parse("h2o").expect("h2o"), 32));
+    // A codec under QUEST (which bounds pages from their raw keys) is refused by name.
+    let sched = Some((expertkv_core::evict::config::SchedulerConfig::Quest, 32));
     let err = pollster::block_on(GpuLlama::load(rt, &g, ModelOptions::new(1, 64).scheduler(sched).codec(Codec::Int8 { group: 32 })))
         .err()
         .expect("refused");
-    assert!(err.to_string().contains("codec"), "{err}");
+    assert!(err.to_string().contains("codec") && err.to_string().contains("quest"), "{err}");
 }
 
 /// H2O over a model's own attention mass (a synthetic file's): past the budget every step
@@ -448,6 +448,7 @@ fn the_pipelines_routers_choose_the_models_experts() {
 /// in four shards.
 #[test]
 fn every_evicting_scheduler_evicts_the_models_kv_as_the_reference_does() {
+    use expertkv_core::config::Codec;
     use expertkv_core::evict::config::{EkvaConfig, SchedulerConfig};
     use expertkv_model::labels::KvRouting;
     let rt = rt();
@@ -475,8 +476,39 @@ fn every_evicting_scheduler_evicts_the_models_kv_as_the_reference_does() {
         (
             "ekva h2o, 4 shards",
             &moe,
-            ModelOptions::new(1, 64).scheduler(Some((h2o, 24))).routing(Some(KvRouting {
+            ModelOptions::new(1, 64).scheduler(Some((h2o.clone(), 24))).routing(Some(KvRouting {
                 n_shards: 4,
+                allocator: Some(EkvaConfig::default()),
+                ..KvRouting::new(8, 2)
+            })),
+        ),
+        // Page codecs under eviction: the pages an eviction touches are thawed first.
+        ("int8 h2o", &dense, ModelOptions::new(1, 64).scheduler(Some((h2o.clone(), 24))).codec(Codec::Int8 { group: 16 })),
+        (
+            "int4 streaming-llm",
+            &dense,
+            ModelOptions::new(1, 64).scheduler(Some((SchedulerConfig::StreamingLlm { sinks: 2 }, 24))).codec(Codec::Int4 { group: 32 }),
+        ),
+        (
+            "fastv-dims adakv",
+            &dense,
+            ModelOptions::new(1, 64)
+                .scheduler(Some((SchedulerConfig::parse("adakv:sinks=2,window=8").expect("spec"), 24)))
+                .codec(Codec::FastvDims { keep: 16 }),
+        ),
+        ("low-rank lru", &dense, ModelOptions::new(1, 64).scheduler(Some((SchedulerConfig::Lru, 24))).codec(Codec::LowRank { rank: 8 })),
+        (
+            "lora duo",
+            &dense,
+            ModelOptions::new(1, 64)
+                .scheduler(Some((SchedulerConfig::parse("duo:sinks=2,window=8,tau=0.2").expect("spec"), 24)))
+                .codec(Codec::Lora { rank: 8 }),
+        ),
+        (
+            "int4 ekva h2o, 2 shards",
+            &moe,
+            ModelOptions::new(1, 64).scheduler(Some((h2o, 32))).codec(Codec::Int4 { group: 32 }).routing(Some(KvRouting {
+                n_shards: 2,
                 allocator: Some(EkvaConfig::default()),
                 ..KvRouting::new(8, 2)
             })),
@@ -485,8 +517,12 @@ fn every_evicting_scheduler_evicts_the_models_kv_as_the_reference_does() {
     let ids: Vec<u32> = (0..44u32).map(|i| (i * 37 + seed as u32) % 256).collect();
     for (name, file, opts) in cases {
         let g = Gguf::parse(file).expect("gguf");
+        let codec = opts.codec;
         let mut m = pollster::block_on(GpuLlama::load(rt, &g, opts)).unwrap_or_else(|e| panic!("{name}: load: {e}"));
         m.verify_evictions = true;
+        if codec.is_low_rank() {
+            m.set_calibration_tokens(16).expect("calibration window");
+        }
         for (i, &t) in ids.iter().enumerate() {
             let logits = pollster::block_on(m.forward(rt, &[t])).unwrap_or_else(|e| panic!("seed {seed}: {name}: token {i}: {e}"));
             assert!(logits.iter().all(|x| x.is_finite()), "seed {seed}: {name}");
@@ -494,5 +530,10 @@ fn every_evicting_scheduler_evicts_the_models_kv_as_the_reference_does() {
         let lists = pollster::block_on(m.scheduler.as_ref().expect("scheduler").read_lists(rt)).expect("lists");
         let evicted: u32 = lists.iter().map(|l| l.evicted_total).sum();
         assert!(evicted > 0, "seed {seed}: {name}: the scheduler evicted ({lists:?})");
+        let thaw = pollster::block_on(m.scheduler.as_ref().expect("scheduler").read_thaw(rt)).expect("thaw");
+        if codec != Codec::None {
+            let t = thaw.expect("a codec thaws");
+            assert!(t.pages_total > 0 && t.deferred_rings_total == 0, "seed {seed}: {name}: {t:?}");
+        }
     }
 }

@@ -217,6 +217,53 @@ fn demo_pipeline_with_a_codec_compresses_and_matches_reference() {
     }
 }
 
+/// Every codec under the evicting schedulers: the pages an eviction touches are thawed (decoded
+/// into raw pages) before compaction, the lockstep's CPU pool model does the same, and the
+/// pools, attention and thaw counts agree at every step.
+#[test]
+fn codec_pages_under_eviction_thaw_and_match_the_reference() {
+    use expertkv_core::config::Codec;
+    use expertkv_core::evict::config::SchedulerConfig;
+    let rt = rt();
+    let codecs = [
+        Codec::Int4 { group: 32 },
+        Codec::Int8 { group: 16 },
+        Codec::FastvDims { keep: 32 },
+        Codec::LowRank { rank: 32 },
+        Codec::Lora { rank: 16 },
+    ];
+    let schedulers = ["h2o", "streaming-llm", "lru", "lru-plus", "adakv", "duo", "fastv-tokens:from_layer=1"];
+    for seed in seeds("codec_under_eviction", 5) {
+        let codec = pick(seed, &codecs);
+        let sched = pick(seed.rotate_left(17), &schedulers);
+        let cfg = DemoConfig {
+            workload: WorkloadConfig { seed, n_seqs: 2, layers: 2, prompt_len: 160, ..Default::default() },
+            steps: 4,
+            scheduler: Some(SchedulerConfig::parse(sched).expect("scheduler")),
+            budget: "64".into(),
+            codec,
+            ..Default::default()
+        };
+        let mut p = pollster::block_on(Pipeline::new(rt, cfg)).expect("pipeline");
+        pollster::block_on(p.prefill(rt, &mut |_, _| {})).expect("prefill");
+        let mut evicted = 0;
+        for _ in 0..4 {
+            let r = pollster::block_on(p.step(rt)).expect("step");
+            evicted += r.evicted;
+            // Some of the pages in use are compressed ones.
+            let raw_page = u64::from(p.pool.cfg.page_words()) * 4;
+            assert!(r.kv_bytes_resident < u64::from(r.pages_in_use) * raw_page, "seed {seed} {sched} {codec:?}: {r:?}");
+        }
+        assert!(evicted > 0, "seed {seed} {sched} {codec:?}: the budget evicts");
+        let s = p.scheduler.as_ref().expect("scheduler");
+        let thaw = pollster::block_on(s.read_thaw(rt)).expect("thaw").expect("a codec thaws");
+        assert!(thaw.pages_total > 0, "seed {seed} {sched} {codec:?}: evictions touched compressed pages: {thaw:?}");
+        assert_eq!(thaw.deferred_rings_total, 0, "seed {seed} {sched} {codec:?}: the raw pages sufficed");
+        let v = pollster::block_on(p.verify(rt)).expect("verify").expect("verification enabled");
+        assert!(v.attention_checked > 0, "seed {seed} {sched} {codec:?}: {v:?}");
+    }
+}
+
 #[test]
 fn a_recorded_trace_reads_back_and_replays_identically() {
     use expertkv_core::trace::{TraceHeader, TraceWriter, first_difference, read_trace};
