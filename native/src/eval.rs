@@ -59,9 +59,10 @@ pub struct EvalArgs {
     /// needle check.
     #[arg(long, default_value_t = 64)]
     needle_filler: u32,
-    /// Page codecs to add, full cache each: int8, int4 (with :group=G), fastv-dims (with
-    /// :keep=D), low-rank or lora (with :rank=R; the basis is fitted on the text's first 64
-    /// tokens, which stay raw until then), comma-separated [default: none].
+    /// Page codecs to add, at the full cache and under every evicting scheduler: int8, int4
+    /// (with :group=G), fastv-dims (with :keep=D), low-rank or lora (with :rank=R; the basis is
+    /// fitted on the text's first 64 tokens, which stay raw until then), comma-separated; with
+    /// --bytes a codec's budget counts its compressed pages' bytes [default: none].
     #[arg(long, default_value = "")]
     codecs: String,
     /// MoEfied models to add, full cache each: E:K or E:K:fitted specs, comma-separated (for
@@ -274,53 +275,71 @@ impl Policies {
     /// `src` under every policy; where it routes, every route variant under every scheduler
     /// (an allocator only under an evicting one), the first variant for the full cache and the
     /// codecs (placement alone changes no attention over the whole cache).
-    fn cross(&self, src: &Config, routings: Option<Vec<KvRouting>>, tokens: u32) -> Result<Vec<Config>> {
+    fn cross(&self, src: &Config, routings: Option<Vec<KvRouting>>, tokens: u32, head_dim: u32) -> Result<Vec<Config>> {
         let first = routings.as_ref().and_then(|r| r.first()).map(|r| KvRouting { allocator: None, ..r.clone() });
         let mut out = vec![Config { routing: first.clone(), ..src.clone() }];
-        for spec in &self.scheds {
-            let evicting = SchedulerConfig::parse(spec)?.uses_evict_kernels();
-            let variants: Vec<Option<KvRouting>> = match &routings {
-                None => vec![None],
-                Some(v) => v.iter().filter(|r| r.allocator.is_none() || evicting).cloned().map(Some).collect(),
-            };
-            for routing in variants {
-                if self.bytes.is_empty() {
-                    for &budget in &self.budgets {
-                        let b = budget.tokens(tokens);
+        for &codec in std::iter::once(&Codec::None).chain(&self.codecs) {
+            for spec in &self.scheds {
+                let evicting = SchedulerConfig::parse(spec)?.uses_evict_kernels();
+                if codec != Codec::None && !evicting {
+                    // QUEST bounds pages from their raw keys: no codec under it (said once, below).
+                    continue;
+                }
+                let variants: Vec<Option<KvRouting>> = match &routings {
+                    None => vec![None],
+                    Some(v) => v.iter().filter(|r| r.allocator.is_none() || evicting).cloned().map(Some).collect(),
+                };
+                for routing in variants {
+                    if self.bytes.is_empty() {
+                        for &budget in &self.budgets {
+                            let b = budget.tokens(tokens);
+                            let sc = SchedulerConfig::parse_for_budget(spec, b)?;
+                            out.push(Config { sched: Some((sc, b)), budget: Some(budget), routing: routing.clone(), codec, ..src.clone() });
+                        }
+                    }
+                    for &share in &self.bytes {
+                        let shards = routing.as_ref().map_or(1, |r| r.n_shards);
+                        let b = budget_for_bytes(share, tokens, shards, codec_page_ratio(codec, head_dim))?;
                         let sc = SchedulerConfig::parse_for_budget(spec, b)?;
-                        out.push(Config { sched: Some((sc, b)), budget: Some(budget), routing: routing.clone(), ..src.clone() });
+                        sc.validate(b)?;
+                        let (budget, bytes_share) = (Some(Budget::Tokens(b)), Some(Budget::Share(share)));
+                        out.push(Config { sched: Some((sc, b)), budget, bytes_share, routing: routing.clone(), codec, ..src.clone() });
                     }
                 }
-                for &share in &self.bytes {
-                    let shards = routing.as_ref().map_or(1, |r| r.n_shards);
-                    let b = budget_for_bytes(share, tokens, shards)?;
-                    let sc = SchedulerConfig::parse_for_budget(spec, b)?;
-                    sc.validate(b)?;
-                    let (budget, bytes_share) = (Some(Budget::Tokens(b)), Some(Budget::Share(share)));
-                    out.push(Config { sched: Some((sc, b)), budget, bytes_share, routing: routing.clone(), ..src.clone() });
-                }
             }
-        }
-        for &codec in &self.codecs {
-            out.push(Config { codec, routing: first.clone(), ..src.clone() });
+            if codec != Codec::None {
+                out.push(Config { codec, routing: first.clone(), ..src.clone() });
+            }
         }
         Ok(out)
     }
 }
 
+/// A compressed page's bytes over a raw f16 page's (1 without a codec).
+fn codec_page_ratio(codec: Codec, head_dim: u32) -> f64 {
+    if codec == Codec::None {
+        return 1.0;
+    }
+    let page = MODEL_PAGE_SIZE;
+    f64::from(codec.page_words(page, head_dim)) / f64::from(page * head_dim)
+}
+
 /// The most tokens per (layer, KV head) whose pages fit `share` percent of the full cache's
-/// pages of a `tokens`-token context, when the list is spread over `shards` rings (each keeps a
-/// partly filled page, so all but one may hold a page beyond the budget's).
-fn budget_for_bytes(share: f64, tokens: u32, shards: u32) -> Result<u32> {
+/// K/V bytes of a `tokens`-token context, when the list is spread over `shards` rings and a
+/// compressed page takes `ratio` of a raw page's bytes. Every ring keeps its newest page raw (and
+/// partly filled), so a budget of b tokens holds at most `shards` raw pages and
+/// `ceil(b / P) - 1` others: (target - shards) x (1 / ratio) + 1 pages of the budget (without a
+/// codec: target - (shards - 1)).
+fn budget_for_bytes(share: f64, tokens: u32, shards: u32, ratio: f64) -> Result<u32> {
     let page = MODEL_PAGE_SIZE;
     let target = (f64::from(tokens.div_ceil(page)) * share / 100.0).floor() as u32;
-    let pages = target.saturating_sub(shards - 1);
-    if pages == 0 {
+    if target < shards {
         bail!(
             "--bytes {share}%: {target} of the full cache's {} pages per (layer, KV head) leave none for tokens with {shards} shards (each keeps a partly filled page): raise --bytes or --tokens, or lower --shards",
             tokens.div_ceil(page)
         );
     }
+    let pages = (f64::from(target - shards) / ratio).floor() as u32 + 1;
     Ok(pages * page)
 }
 
@@ -475,11 +494,9 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
         threshold: a.threshold.as_deref().map_or(Ok(Threshold::default()), crate::demo::parse_threshold)?,
     };
     let policies = Policies::parse(a, ids.len() as u32)?;
-    if !policies.codecs.is_empty() && !policies.scheds.is_empty() {
-        // Said, not silently dropped: the codec rows are full-cache rows.
-        eprintln!(
-            "note: codecs run at the full cache (a codec under an evicting scheduler is not built yet), so --codecs is not crossed with --schedulers"
-        );
+    if !policies.codecs.is_empty() && policies.scheds.iter().any(|s| SchedulerConfig::parse(s).is_ok_and(|s| !s.uses_evict_kernels())) {
+        // Said, not silently dropped.
+        eprintln!("note: QUEST bounds pages from their raw keys, so --codecs is crossed with the evicting schedulers only");
     }
     let variants = RouteVariants::parse(a)?;
     let mut moes = Vec::new();
@@ -528,7 +545,7 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
     let mut configs = Vec::new();
     for src in &sources {
         let shape = src.own.or_else(|| src.moe.as_ref().or(src.labels.as_ref()).map(|m| (m.config.experts as u32, m.config.top_k as u32)));
-        configs.extend(policies.cross(src, shape.map(|s| variants.routings(s)), ids.len() as u32)?);
+        configs.extend(policies.cross(src, shape.map(|s| variants.routings(s)), ids.len() as u32, lc.head_dim)?);
         // The pipeline's routers choosing the FFN's experts, full cache.
         if src.moe.is_some() || (src.own.is_some() && src.labels.is_none()) {
             for spec in a.moe_routers.iter().map(|s| s.trim()).filter(|s| !s.is_empty()) {

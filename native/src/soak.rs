@@ -1,5 +1,5 @@
-//! `expertkv soak`: the pool, attention and an evicting scheduler (or a page codec) decoding for
-//! many steps with continuous churn: every sequence finishes at a random length and frees its
+//! `expertkv soak`: the pool, attention, an evicting scheduler and a page codec (either or both)
+//! decoding for many steps with continuous churn: every sequence finishes at a random length and frees its
 //! pages, and a new one takes its slot at position 0. Every `--check-every` steps the pool is
 //! read back and its invariants checked (`PoolSnapshot::check_invariants`: every page free or in
 //! one ring, free + used = total, no token lost or duplicated, fills consistent); host RSS, the
@@ -46,7 +46,7 @@ pub struct SoakArgs {
     /// Tokens each (layer, sequence, KV head) keeps under the scheduler.
     #[arg(long, default_value_t = 64)]
     budget: u32,
-    /// A page codec (int8, int4, fastv-dims) with --scheduler none [default: none].
+    /// A page codec (int8, int4, fastv-dims), alone or under the scheduler [default: none].
     #[arg(long)]
     codec: Option<String>,
     /// Steps between invariant checks (and report lines).
@@ -99,9 +99,6 @@ pub fn run(gpu: &GpuArgs, a: &SoakArgs) -> Result<()> {
         if !s.uses_evict_kernels() {
             bail!("--scheduler {}: the soak runs the evicting schedulers (h2o, streaming-llm, lru, lru-plus, adakv, duo)", s.name());
         }
-        if codec != Codec::None {
-            bail!("--codec {} with --scheduler {}: a codec under an evicting scheduler is not built yet; give one", codec.name(), s.name());
-        }
         s.validate(a.budget)?;
     }
     if codec.is_low_rank() {
@@ -127,7 +124,10 @@ pub fn run(gpu: &GpuArgs, a: &SoakArgs) -> Result<()> {
         codec_pages: 0,
     };
     if codec != Codec::None {
-        (cfg.codec, cfg.codec_pages, cfg.n_pages) = (codec, lists * ring, lists * 3);
+        // Raw pages for each list's newest page, one to spare, and (under eviction) the pages
+        // an eviction thaws.
+        let thaw = if sched.is_some() { 3 } else { 0 };
+        (cfg.codec, cfg.codec_pages, cfg.n_pages) = (codec, lists * ring, lists * (3 + thaw));
     }
     cfg.validate()?;
     let rt = gpu.runtime()?;

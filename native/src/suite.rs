@@ -402,10 +402,7 @@ pub fn run(rt: &Runtime, o: &SuiteOptions) -> Result<Vec<Line>> {
         if let (Some(limit), true) = (o.max_minutes, round > 0) {
             let per_round = started.elapsed().as_secs_f64() / f64::from(round);
             if started.elapsed().as_secs_f64() + per_round > limit * 60.0 {
-                eprintln!(
-                    "bench suite: stopping after {round} of {rounds} rounds ({:.0} s each; --max-minutes {limit})",
-                    per_round
-                );
+                eprintln!("bench suite: stopping after {round} of {rounds} rounds ({:.0} s each; --max-minutes {limit})", per_round);
                 break;
             }
         }

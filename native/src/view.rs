@@ -70,7 +70,7 @@ pub struct RunFlags {
     /// Budget allocator: none or ekva[:floor=F,alpha=A,decay=D] [default: none].
     #[arg(long)]
     pub allocator: Option<String>,
-    /// Page codec (with --scheduler none): none, int8, int4, fastv-dims, low-rank, lora [default: none].
+    /// Page codec: none, int8, int4, fastv-dims, low-rank, lora; under an evicting scheduler too [default: none].
     #[arg(long)]
     pub codec: Option<String>,
     /// Slots per page [default: 16].

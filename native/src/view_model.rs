@@ -151,13 +151,6 @@ impl ModelDriver {
             ..Default::default()
         }
         .build()?;
-        if let (Some(s), true) = (&cfg.scheduler, cfg.codec != expertkv_core::config::Codec::None) {
-            bail!(
-                "--codec {} with --scheduler {}: a codec under an evicting scheduler is not built yet; give --scheduler none or no codec",
-                cfg.codec.name(),
-                s.name()
-            );
-        }
         let budget = cfg.budget_tokens()?;
         let scheduler = match (&cfg.scheduler, budget) {
             (Some(s), Some(b)) => {
