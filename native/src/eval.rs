@@ -59,6 +59,10 @@ pub struct EvalArgs {
     /// needle check.
     #[arg(long, default_value_t = 64)]
     needle_filler: u32,
+    /// Where the fact sits in the needle's context: the share of the filler placed before it
+    /// (`20%`: a fifth of the filler, then the fact, then the rest and the question).
+    #[arg(long, default_value = "0%")]
+    needle_depth: String,
     /// Page codecs to add, at the full cache and under every evicting scheduler: int8, int4
     /// (with :group=G), fastv-dims (with :keep=D), low-rank or lora (with :rank=R; the basis is
     /// fitted on the text's first 64 tokens, which stay raw until then), comma-separated; with
@@ -561,9 +565,19 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
             s.layer_budgets(*b, lc.block_count, c.pyramid, MODEL_PAGE_SIZE)?;
         }
     }
+    let depth = match a.needle_depth.trim().strip_suffix('%').map(|p| p.trim().parse::<f64>()) {
+        Some(Ok(f)) if (0.0..=100.0).contains(&f) => f,
+        _ => bail!("--needle-depth: a share of the filler from 0% to 100%, not `{}`", a.needle_depth),
+    };
+    if a.needle_filler as usize > all.len() {
+        bail!("--needle-filler {}: the text has {} tokens of filler", a.needle_filler, all.len());
+    }
     let needle_prompt: Vec<u32> = if a.needle_filler > 0 {
-        let mut p = tok.encode(NEEDLE);
-        p.extend(all.iter().copied().take(a.needle_filler as usize));
+        let filler = &all[..a.needle_filler as usize];
+        let before = (filler.len() as f64 * depth / 100.0).round() as usize;
+        let mut p = filler[..before].to_vec();
+        p.extend(tok.encode(NEEDLE));
+        p.extend(&filler[before..]);
         p.extend(tok.encode(NEEDLE_QUESTION));
         p
     } else {
@@ -572,7 +586,7 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
     let rt = gpu.runtime()?;
     if !a.json {
         println!(
-            "adapter: {} ({:?}); model {}; {} text tokens, needle after {} filler tokens",
+            "adapter: {} ({:?}); model {}; {} text tokens, needle in {} filler tokens at {depth}% depth",
             rt.info.name,
             rt.info.backend,
             path.display(),
