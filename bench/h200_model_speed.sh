@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The model's decode speed on the H200 with and without the route stage (#29's "not below
-# today's model path"): SmolLM2-135M, 64 tokens generated, then 200 steps back to back (the
-# second half timed), each configuration in a fresh process, twice. Needs .bin/expertkv and the
+# today's model path"): SmolLM2-135M, 64 tokens generated one submission each, then (without a
+# scheduler) 200 steps back to back, the second half timed; each configuration in a fresh
+# process, twice. Needs .bin/expertkv and the
 # model in models/ (see bench/h200_model.sh for carrying it in two parts).
 set -u
 . bench/lib.sh
@@ -11,17 +12,21 @@ P="The capital of France is Paris. The capital of Germany is Berlin. The capital
 for rep in 1 2; do
   while IFS='|' read -r label args; do
     # shellcheck disable=SC2086
-    out=$($B run --tokens 64 --time-steps 200 --prompt "$P" $args 2>&1)
+    # Back-to-back timing needs no evicting scheduler (it runs between steps).
+    steps="--time-steps 200"; case "$args" in *--scheduler*) steps="";; esac
+    out=$($B run --tokens 64 $steps --prompt "$P" $args 2>&1)
     python3 -c '
 import json, re, sys
 label, out = sys.argv[1], sys.argv[2]
 lines = out.strip().splitlines()
+m = re.search(r"\(([0-9.]+) tokens/s, one submission per token\)", out)
+if not m:
+    print(f"{label:<48} failed: {out[-300:]}"); sys.exit()
+gen = float(m.group(1))
 try:
     back = json.loads(lines[-1])["tokens_per_s"]
 except Exception:
-    print(f"{label:<48} failed: {out[-300:]}"); sys.exit()
-m = re.search(r"\(([0-9.]+) tokens/s, one submission per token\)", out)
-gen = float(m.group(1)) if m else float("nan")
+    back = float("nan")
 print(f"{label:<48} {back:8.1f} tokens/s back to back  {gen:8.1f} tokens/s one submission per token")
 ' "$label" "$out"
   done <<'CASES'
