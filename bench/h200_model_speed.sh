@@ -32,6 +32,8 @@ print(f"{label:<48} {back:8.1f} tokens/s back to back  {gen:8.1f} tokens/s one s
   done <<'CASES'
 dense, no route stage|
 labels 8:2 (route stage, topk)|--labels 8:2
+dense, H2O 50%|--scheduler h2o --budget 50%
+int4 pages under H2O 50%|--codec int4 --scheduler h2o --budget 50%
 labels 8:2, 4 expert shards, H2O 50%|--labels 8:2 --shards 4 --scheduler h2o --budget 50%
 labels 8:2, cache-aware, EKVA, H2O 50%|--labels 8:2 --kv-router cache-aware --shards 4 --scheduler h2o --budget 50% --allocator ekva
 moe 8:2 (sparse FFN, route stage)|--moe 8:2
