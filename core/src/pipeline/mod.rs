@@ -10,13 +10,15 @@
 mod config;
 mod lockstep;
 mod report;
+mod stages;
 
 pub use config::DemoConfig;
 pub use lockstep::{VerifyReport, check_eviction, compare_pool, pool_model_of};
 pub use report::{LayerRecord, ReportParts, StageTimes, StepReport};
 
-use lockstep::{Checked, verify_err};
+use lockstep::Checked;
 use report::Slot;
+use stages::Stages;
 
 use crate::append::KvPool;
 use crate::attend::{AttendOptions, Attention};
@@ -31,10 +33,7 @@ use crate::route::{RouteShape, Router};
 use crate::runtime::Runtime;
 use crate::runtime::timer::GpuTimer;
 use crate::workload::{GenToken, Workload};
-use crate::{
-    append::format::{NewToken, encode_values},
-    reference::PoolModel,
-};
+use crate::{append::format::encode_values, reference::PoolModel};
 
 /// The full-cache pool and its attention, kept beside a budgeted pool to measure its error.
 struct Reference {
@@ -231,145 +230,6 @@ impl Pipeline {
         })
     }
 
-    /// The timestamp writes of `slot`'s pass when this step is timed.
-    fn ts(&self, timed: bool, slot: Slot) -> Option<wgpu::ComputePassTimestampWrites<'_>> {
-        let layers = self.pool.cfg.layers;
-        if timed { self.timer.as_ref().and_then(|t| t.pass(slot.index(layers))) } else { None }
-    }
-
-    /// Route `tokens` (ordered [layer][token of the layer], `per_layer` per layer) on the GPU and
-    /// append them with the routed experts (to the reference pool too). With verification on,
-    /// the routed experts are read back (outside the data path) so the CPU reference appends the
-    /// same tokens.
-    async fn route_and_append(&mut self, rt: &Runtime, tokens: &[GenToken], per_layer: u32, timed: bool) -> Result<()> {
-        let layers = self.pool.cfg.layers;
-        let e = self.cfg.workload.n_experts as usize;
-        for layer in 0..layers {
-            let rows = &tokens[(layer * per_layer) as usize..((layer + 1) * per_layer) as usize];
-            let logits: Vec<f32> = rows.iter().flat_map(|t| t.logits.iter().copied()).collect();
-            debug_assert_eq!(logits.len(), rows.len() * e);
-            self.router.set_logits(rt, layer, &logits)?;
-            self.router.prepare(rt, layer, per_layer, self.routed_tokens + layer * per_layer)?;
-        }
-        let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("route") });
-        {
-            let mut pass = enc
-                .begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("route"), timestamp_writes: self.ts(timed, Slot::Route) });
-            for layer in 0..layers {
-                self.router.encode(&mut pass, layer, per_layer);
-            }
-        }
-        rt.queue.submit([enc.finish()]);
-        self.routed_tokens = self.routed_tokens.wrapping_add(layers * per_layer);
-
-        let words = kv_words(tokens, self.pool.cfg.dtype);
-        let mut new: Vec<NewToken> = tokens.iter().map(|t| t.token.clone()).collect();
-        let routed = crate::append::Routed {
-            experts: &self.router.experts,
-            gates: &self.router.gates,
-            per_layer,
-            row_stride: self.router.shape.max_tokens,
-        };
-        let ts = if timed { self.timer.as_ref().and_then(|t| t.pass(Slot::Append.index(layers))) } else { None };
-        self.pool.append_timed(rt, &new, &words, self.step, Some(routed), ts)?;
-        // A low-rank codec fits its basis on the first batch (the calibration window).
-        if self.pool.cfg.codec.is_low_rank() && !self.pool.calibrated {
-            self.pool.calibrate(rt, self.cfg.basis_iters)?;
-            if let Some(m) = &mut self.model {
-                m.codec_basis = self.pool.read_basis(rt).await?;
-            }
-        }
-        // Pages that left their ring's head are compressed right away (no-op without a codec).
-        self.pool.compress_timed(rt, self.ts(timed, Slot::Compress))?;
-        if let Some(r) = &mut self.reference {
-            r.pool.append_timed(rt, &new, &words, self.step, Some(routed), None)?;
-        }
-        if self.model.is_some() {
-            let k = self.cfg.workload.top_k as usize;
-            for layer in 0..layers {
-                let ex = self.router.read_experts(rt, layer, per_layer).await?;
-                let ga = self.router.read_gates(rt, layer, per_layer).await?;
-                for i in 0..per_layer as usize {
-                    let t = &mut new[layer as usize * per_layer as usize + i];
-                    t.experts = ex[i * k..(i + 1) * k].to_vec();
-                    t.gates = ga[i * k..(i + 1) * k].to_vec();
-                }
-            }
-            if let Some(m) = &mut self.model {
-                m.append(&new, &words, self.step)?;
-                m.compress();
-            }
-        }
-        Ok(())
-    }
-
-    /// Gather and attend every layer with this step's queries (the reference pool too); returns
-    /// the attention error against the full cache when there is one.
-    async fn attend_all(&mut self, rt: &Runtime, timed: bool) -> Result<Option<f64>> {
-        let layers = self.pool.cfg.layers;
-        let queries: Vec<Vec<f32>> = (0..layers).map(|l| self.workload.queries(l)).collect();
-        if self.flexgen.is_some() {
-            // Fetch the host pages these queries select before attention reads the pool.
-            let bounds = self.refresh_bounds(rt).await?;
-            let group = self.cfg.workload.group;
-            if let Some((fg, _)) = &mut self.flexgen {
-                for (layer, q) in queries.iter().enumerate() {
-                    fg.fetch(rt, &self.pool, layer as u32, q, group, &bounds).await?;
-                }
-            }
-        }
-        let mut errors = Vec::new();
-        for (layer, q) in (0..layers).zip(queries) {
-            self.attn.set_queries(rt, &q)?;
-            self.attn.prepare(rt, layer, self.step);
-            let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("decode step") });
-            if layer == 0 {
-                self.pool.encode_gather(rt, &mut enc, 0, layers, self.ts(timed, Slot::Gather));
-            }
-            if let Some(q) = &self.quest {
-                q.prepare(rt, layer, &self.attn);
-            }
-            {
-                let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                    label: Some("attend"),
-                    timestamp_writes: self.ts(timed, Slot::Attend(layer)),
-                });
-                if let Some(q) = &self.quest {
-                    if layer == 0 {
-                        q.encode_summarize(&mut pass);
-                    }
-                    q.encode_select(&mut pass, layer)?;
-                }
-                self.attn.encode(&mut pass);
-            }
-            rt.queue.submit([enc.finish()]);
-            if let Some(r) = &self.reference {
-                r.attn.set_queries(rt, &q)?;
-                r.attn.prepare(rt, layer, self.step);
-                let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("reference attend") });
-                if layer == 0 {
-                    r.pool.encode_gather(rt, &mut enc, 0, layers, None);
-                }
-                {
-                    let mut pass =
-                        enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("reference attend"), timestamp_writes: None });
-                    r.attn.encode(&mut pass);
-                }
-                rt.queue.submit([enc.finish()]);
-                let got = self.attn.read_output(rt).await?;
-                let want = r.attn.read_output(rt).await?;
-                errors.push(rel_l2(&got, &want));
-            }
-            if self.model.is_some() {
-                self.check_layer(rt, layer, &q).await?;
-            }
-            if layer + 1 == layers {
-                self.last_queries = q;
-            }
-        }
-        Ok((!errors.is_empty()).then(|| errors.iter().sum::<f64>() / errors.len() as f64))
-    }
-
     /// Summarise changed pages (QUEST bounds) and read every page's bounds back.
     async fn refresh_bounds(&self, rt: &Runtime) -> Result<Vec<f32>> {
         let Some((_, q)) = &self.flexgen else {
@@ -385,52 +245,6 @@ impl Pipeline {
         rt.read_all(&q.bounds).await
     }
 
-    /// Evict down to the budget (after attention recorded this step's masses). The CPU reference,
-    /// when kept, takes the GPU's metadata, utilities and budgets and must reach the same pool.
-    /// FlexGen instead moves its coldest pages to host memory. Returns whether the scheduler's
-    /// pass ran (the step's report reads its lists).
-    async fn evict(&mut self, rt: &Runtime, timed: bool) -> Result<bool> {
-        if self.flexgen.is_some() {
-            if self.model.is_some() {
-                return Err(Error::config("verify", true, "FlexGen moves pages through the host; run it with --no-verify"));
-            }
-            let bounds = self.refresh_bounds(rt).await?;
-            if let Some((fg, _)) = &mut self.flexgen {
-                fg.offload(rt, &self.pool, &bounds).await?;
-            }
-            return Ok(false);
-        }
-        let Some(s) = &self.scheduler else {
-            return Ok(false);
-        };
-        let lens: Vec<u32> = (0..self.cfg.workload.n_seqs).map(|q| self.workload.position(q)).collect();
-        s.prepare(rt, self.step, &lens)?;
-        let before = match &self.model {
-            Some(m) => {
-                // The lockstep carries the metadata attention left (checked in `check_layer`);
-                // nothing between attention and eviction may have changed it.
-                rt.wait()?;
-                if rt.read_all::<u32>(&self.pool.slot_meta).await? != m.slot_meta {
-                    return Err(verify_err(format!("step {}: slot metadata changed between attention and eviction", self.step)));
-                }
-                Some(s.read_lists(rt).await?)
-            }
-            None => None,
-        };
-        let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("evict") });
-        {
-            let ts = self.ts(timed, Slot::Evict);
-            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("evict"), timestamp_writes: ts });
-            s.encode(&mut pass);
-        }
-        rt.queue.submit([enc.finish()]);
-        if let (Some(m), Some(before)) = (&mut self.model, before) {
-            let lists = s.read_lists(rt).await?;
-            check_eviction(rt, s, m, self.step, &lens, &before, &lists).await?;
-        }
-        Ok(true)
-    }
-
     /// Append the prompt of every sequence, routed on the GPU (with a scheduler: attend and
     /// evict after each batch). `progress(done, total)` after each batch.
     pub async fn prefill(&mut self, rt: &Runtime, progress: &mut dyn FnMut(u64, u64)) -> Result<()> {
@@ -438,19 +252,18 @@ impl Pipeline {
         let total = u64::from(w.prompt_len) * u64::from(w.n_seqs * w.layers);
         let mut done = 0;
         let mut left = w.prompt_len;
+        let attend = self.scheduler.is_some() || self.flexgen.is_some();
         while left > 0 {
             let positions = self.prefill_chunk.min(left);
             let tokens = self.workload.next_positions(positions);
-            self.route_and_append(rt, &tokens, positions * w.n_seqs, false).await?;
-            if self.scheduler.is_some() || self.flexgen.is_some() {
-                self.attend_all(rt, false).await?;
-                self.evict(rt, false).await?;
-            }
+            let queries = if attend { (0..w.layers).map(|l| self.workload.queries(l)).collect() } else { Vec::new() };
+            let st = Stages { per_layer: positions * w.n_seqs, timed: false, fused: self.fused(), attend, miss: false };
+            self.run_stages(rt, &tokens, queries, st).await?;
             left -= positions;
             done += tokens.len() as u64;
             progress(done, total);
         }
-        self.update_miss(rt, false)?;
+        self.update_miss(rt)?;
         rt.wait()?;
         self.pool.check_errors(rt, 0).await?;
         if let Some(r) = &self.reference {
@@ -459,20 +272,11 @@ impl Pipeline {
         Ok(())
     }
 
-    /// Recount each expert's cached tokens and miss rate; `timed` also resolves the step's timer.
-    fn update_miss(&self, rt: &Runtime, timed: bool) -> Result<()> {
-        let layers = self.pool.cfg.layers;
+    /// Recount each expert's cached tokens and miss rate (after the prefill).
+    fn update_miss(&self, rt: &Runtime) -> Result<()> {
         let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("route/miss") });
-        let timer = if timed { self.timer.as_ref() } else { None };
-        {
-            let ts = timer.and_then(|t| t.pass(Slot::Miss.index(layers)));
-            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("route/miss"), timestamp_writes: ts });
-            self.router.encode_miss(&mut pass)?;
-        }
-        if let Some(t) = timer {
-            // Every pair is written each step (an empty evict pass when there is no scheduler).
-            t.resolve(&mut enc, Slot::pairs(layers));
-        }
+        self.router
+            .encode_miss(&mut enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("route/miss"), timestamp_writes: None }))?;
         rt.queue.submit([enc.finish()]);
         Ok(())
     }
@@ -496,106 +300,15 @@ impl Pipeline {
         (tokens, queries)
     }
 
-    /// The whole decode step in one command buffer: route, append, compress, gather, attend
-    /// every layer (each layer's queries and parameters copied into place in the stream), evict,
-    /// recount miss rates, resolve the timestamps; one submission.
-    fn encode_fused_step(&mut self, rt: &Runtime, tokens: &[GenToken], queries: Vec<Vec<f32>>) -> Result<()> {
-        let layers = self.pool.cfg.layers;
-        let w = self.cfg.workload.clone();
-        let per_layer = w.n_seqs;
-        let e = w.n_experts as usize;
-        for layer in 0..layers {
-            let rows = &tokens[(layer * per_layer) as usize..((layer + 1) * per_layer) as usize];
-            let logits: Vec<f32> = rows.iter().flat_map(|t| t.logits.iter().copied()).collect();
-            debug_assert_eq!(logits.len(), rows.len() * e);
-            self.router.set_logits(rt, layer, &logits)?;
-            self.router.prepare(rt, layer, per_layer, self.routed_tokens + layer * per_layer)?;
-        }
-        self.attn.stage_layers(rt, self.step, &queries)?;
-        if let Some(s) = &self.scheduler {
-            let lens: Vec<u32> = (0..w.n_seqs).map(|q| self.workload.position(q)).collect();
-            s.prepare(rt, self.step, &lens)?;
-        }
-        let timer = self.timer.as_ref();
-        let ts = |slot: Slot| timer.and_then(|t| t.pass(slot.index(layers)));
-        let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("decode step") });
-        {
-            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("route"), timestamp_writes: ts(Slot::Route) });
-            for layer in 0..layers {
-                self.router.encode(&mut pass, layer, per_layer);
-            }
-        }
-        self.routed_tokens = self.routed_tokens.wrapping_add(layers * per_layer);
-        let words = kv_words(tokens, self.pool.cfg.dtype);
-        let new: Vec<NewToken> = tokens.iter().map(|t| t.token.clone()).collect();
-        let routed = crate::append::Routed {
-            experts: &self.router.experts,
-            gates: &self.router.gates,
-            per_layer,
-            row_stride: self.router.shape.max_tokens,
-        };
-        self.pool.encode_append(rt, &mut enc, &new, &words, self.step, Some(routed), ts(Slot::Append))?;
-        {
-            let mut pass =
-                enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("compress"), timestamp_writes: ts(Slot::Compress) });
-            self.pool.encode_compress(&mut pass);
-        }
-        self.pool.encode_gather(rt, &mut enc, 0, layers, ts(Slot::Gather));
-        for layer in 0..layers {
-            self.attn.encode_layer_inputs(&mut enc, layer)?;
-            let mut pass =
-                enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("attend"), timestamp_writes: ts(Slot::Attend(layer)) });
-            self.attn.encode(&mut pass);
-        }
-        {
-            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("evict"), timestamp_writes: ts(Slot::Evict) });
-            if let Some(s) = &self.scheduler {
-                s.encode(&mut pass);
-            }
-        }
-        {
-            let mut pass =
-                enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("route/miss"), timestamp_writes: ts(Slot::Miss) });
-            self.router.encode_miss(&mut pass)?;
-        }
-        if let Some(t) = timer {
-            t.resolve(&mut enc, Slot::pairs(layers));
-        }
-        rt.queue.submit([enc.finish()]);
-        self.last_queries = queries.into_iter().last().unwrap_or_default();
-        rt.check("decode step")
-    }
-
     /// One decode step: route, append, gather, attend every layer, evict, recount miss rates.
     pub async fn step(&mut self, rt: &Runtime) -> Result<StepReport> {
         #[cfg(not(target_arch = "wasm32"))]
         let t0 = std::time::Instant::now();
         let n_seqs = self.cfg.workload.n_seqs;
         let layers = self.pool.cfg.layers;
-        let fused = self.fused();
-        let attention_error = if fused {
-            let (tokens, queries) = self.next_inputs();
-            self.encode_fused_step(rt, &tokens, queries)?;
-            None
-        } else {
-            let tokens = self.workload.next_tokens();
-            self.route_and_append(rt, &tokens, n_seqs, true).await?;
-            self.attend_all(rt, true).await?
-        };
-        // The fused step evicted in its submission; the staged one evicts now (the report reads
-        // the lists either way).
-        if !fused && !self.evict(rt, true).await? {
-            // Keep the timer's evict pair written.
-            let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("no evict") });
-            drop(enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                label: Some("no evict"),
-                timestamp_writes: self.ts(true, Slot::Evict),
-            }));
-            rt.queue.submit([enc.finish()]);
-        }
-        if !fused {
-            self.update_miss(rt, true)?;
-        }
+        let (tokens, queries) = self.next_inputs();
+        let st = Stages { per_layer: n_seqs, timed: true, fused: self.fused(), attend: true, miss: true };
+        let attention_error = self.run_stages(rt, &tokens, queries, st).await?;
         rt.wait()?;
         let ctl = self.pool.check_errors(rt, n_seqs * layers).await?;
         let gpu = match &self.timer {
