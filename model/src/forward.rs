@@ -19,6 +19,7 @@ use expertkv_core::append::format::NewToken;
 use expertkv_core::attend::{AttendOptions, Attention};
 use expertkv_core::config::{Codec, KvDtype, PoolConfig, ShardMap};
 use expertkv_core::evict::config::{SchedulerConfig, Threshold};
+use expertkv_core::evict::flexgen::FlexGen;
 use expertkv_core::evict::quest::Quest;
 use expertkv_core::evict::{AllocatorSpec, Scheduler};
 use expertkv_core::gpu_data::ExpertStats;
@@ -124,6 +125,10 @@ pub struct GpuLlama {
     /// QUEST: every layer's attention reads only the pages whose key bounds score highest for
     /// its queries (the cache stays whole).
     pub quest: Option<Quest>,
+    /// FlexGen's host tier: each layer's step is submitted up to its page lists, its queries
+    /// read back, and the host pages whose QUEST bound beats the weakest resident page's fetched
+    /// in; after the step the coldest pages past the budget move to host memory.
+    pub flexgen: Option<(FlexGen, Quest)>,
     /// The route stage: every layer's tokens routed to experts before their append
     /// ([`ModelOptions::routing`]).
     labels: Option<KvLabels>,
@@ -318,8 +323,13 @@ impl GpuLlama {
                 "codec",
                 codec.name(),
                 format!(
-                    "codecs combine with the evicting schedulers (h2o, streaming-llm, lru, lru-plus, adakv, duo, fastv-tokens), not {}: it bounds each page from its raw keys",
-                    s.name()
+                    "codecs combine with the evicting schedulers (h2o, streaming-llm, lru, lru-plus, adakv, duo, fastv-tokens), not {}: it {}",
+                    s.name(),
+                    if matches!(s, SchedulerConfig::Quest) {
+                        "bounds each page from its raw keys"
+                    } else {
+                        "moves raw pages to the host tier"
+                    }
                 ),
             ));
         }
@@ -397,6 +407,12 @@ impl GpuLlama {
             codec: Codec::None,
             codec_pages: 0,
         };
+        if let Some((SchedulerConfig::FlexGen, budget)) = &scheduler {
+            // FlexGen's GPU tier: the budget's pages and every ring's newest, with room for a
+            // fetch's swap; the rest of the context lives in host memory.
+            let lists = cfg.block_count * n_seqs * cfg.head_count_kv;
+            pool_cfg.n_pages = pool_cfg.n_pages.min(lists * (budget.div_ceil(page_size) + 2 * n_shards + 2));
+        }
         if codec != Codec::None {
             // Raw pages only for every list's head page (and one to spare), plus, for the
             // low-rank codecs, the calibration window's pages; the rest compressed. Under an
@@ -428,7 +444,12 @@ impl GpuLlama {
             }
             _ => (Attention::new(rt, &pool, attend_opts).await?, None),
         };
+        let mut flexgen = None;
         let scheduler = match scheduler {
+            Some((SchedulerConfig::FlexGen, budget)) => {
+                flexgen = Some((FlexGen::new(&pool, budget)?, Quest::new(rt, &pool, budget).await?));
+                None
+            }
             Some((s, budget)) if s.uses_evict_kernels() => {
                 let allocator = routing.as_ref().and_then(|r| r.allocator).map(|cfg| AllocatorSpec {
                     cfg,
@@ -437,15 +458,7 @@ impl GpuLlama {
                 });
                 Some(Scheduler::with_allocator(rt, &pool, s, budget, pyramid, threshold, allocator).await?)
             }
-            Some((SchedulerConfig::Quest, _)) => None,
-            Some((s, _)) => {
-                return Err(Error::config(
-                    "scheduler",
-                    s.name(),
-                    "the model runs QUEST and the evicting schedulers (h2o, streaming-llm, lru, lru-plus, adakv, duo, fastv-tokens); FlexGen's host tier is the synthetic pipeline's",
-                ));
-            }
-            None => None,
+            _ => None,
         };
         let (h, kv, vocab) = (cfg.embedding_length, cfg.head_count_kv * cfg.head_dim, cfg.vocab_size);
         // A MoE file's dense-FFN scratch is never used.
@@ -476,6 +489,7 @@ impl GpuLlama {
             attn,
             scheduler,
             quest,
+            flexgen,
             labels,
             agreement: (0, 0),
             verify_evictions: false,
@@ -638,7 +652,12 @@ impl GpuLlama {
         };
         let ctl = self.pool.read_ctl(rt).await?;
         let context = self.positions.first().copied().unwrap_or(0);
-        StepReport::collect(rt, parts, ctl, (self.step.saturating_sub(1), context), None, f64::NAN).await
+        let mut report = StepReport::collect(rt, parts, ctl, (self.step.saturating_sub(1), context), None, f64::NAN).await?;
+        if let Some((fg, _)) = &self.flexgen {
+            report.host_kv_bytes = fg.stats.host_bytes;
+            report.tier_bytes_moved = fg.stats.bytes_to_host + fg.stats.bytes_to_gpu;
+        }
+        Ok(report)
     }
 
     /// With a sparse FFN and the route stage: (tokens whose first label is the FFN's first
@@ -769,6 +788,17 @@ impl GpuLlama {
         self.moe.as_ref().map_or(&[], |m| &m.counts)
     }
 
+    /// FlexGen: summarise the pages that changed (QUEST bounds) and read every page's bounds.
+    async fn flexgen_bounds(&self, rt: &Runtime) -> Result<Vec<f32>> {
+        let Some((_, q)) = &self.flexgen else { return Ok(Vec::new()) };
+        let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("flexgen bounds") });
+        q.encode_summarize(
+            &mut enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("flexgen bounds"), timestamp_writes: None }),
+        );
+        rt.queue.submit([enc.finish()]);
+        rt.read_all(&q.bounds).await
+    }
+
     /// One token per sequence at its next position; returns the logits, `[seq][vocab]`.
     ///
     /// The whole step is one submission: per layer the projections, RoPE and the K/V packed into
@@ -780,8 +810,24 @@ impl GpuLlama {
     /// top-k on the GPU then only the chosen experts). The host reads the logits back, and the
     /// experts chosen in every layer once at the end (MoEfied models).
     pub async fn forward(&mut self, rt: &Runtime, tokens: &[u32]) -> Result<Vec<f32>> {
-        let cb = self.encode_step(rt, tokens)?;
-        rt.queue.submit([cb]);
+        let segments = self.encode_step(rt, tokens)?;
+        if self.flexgen.is_some() {
+            // A segment per layer up to its page lists (then the layer's fetch), and the rest.
+            let group = self.cfg.head_count / self.cfg.head_count_kv;
+            let last = segments.len() - 1;
+            for (l, cb) in segments.into_iter().enumerate() {
+                rt.queue.submit([cb]);
+                if l < last {
+                    let queries: Vec<f32> = rt.read_all(&self.attn.queries).await?;
+                    let bounds = self.flexgen_bounds(rt).await?;
+                    if let Some((fg, _)) = &mut self.flexgen {
+                        fg.fetch(rt, &self.pool, l as u32, &queries, group, &bounds).await?;
+                    }
+                }
+            }
+        } else {
+            rt.queue.submit(segments);
+        }
         rt.check("model forward")?;
         let c = self.cfg.clone();
         let n = self.n_seqs;
@@ -822,6 +868,13 @@ impl GpuLlama {
                 sch.run(rt, self.step, &self.positions)?;
             }
         }
+        if self.flexgen.is_some() {
+            // This step's attention mass counts: the coldest pages past the budget go to host.
+            let bounds = self.flexgen_bounds(rt).await?;
+            if let Some((fg, _)) = &mut self.flexgen {
+                fg.offload(rt, &self.pool, &bounds).await?;
+            }
+        }
         if let Some(l) = &self.labels {
             // Each (layer, expert)'s tokens still resident: the cache-aware router's misses.
             l.router.update_miss(rt)?;
@@ -838,8 +891,8 @@ impl GpuLlama {
     /// updated. Not with an evicting scheduler (it runs between steps).
     #[cfg(not(target_arch = "wasm32"))]
     pub async fn time_steps(&mut self, rt: &Runtime, token: u32, n: u32) -> Result<serde_json::Value> {
-        if self.scheduler.is_some() {
-            return Err(Error::Input("timing back-to-back steps needs no evicting scheduler (it runs between steps)".into()));
+        if self.scheduler.is_some() || self.flexgen.is_some() {
+            return Err(Error::Input("timing back-to-back steps needs no evicting scheduler or host tier (they run between steps)".into()));
         }
         let cap = (self.pool.cfg.ring_capacity - 1) * self.pool.cfg.page_size - self.pool.cfg.page_size;
         let room = cap.saturating_sub(self.positions.iter().copied().max().unwrap_or(0));
@@ -857,8 +910,8 @@ impl GpuLlama {
                 host = std::time::Duration::ZERO;
             }
             let h0 = std::time::Instant::now();
-            let cb = self.encode_step(rt, &tokens)?;
-            rt.queue.submit([cb]);
+            let cbs = self.encode_step(rt, &tokens)?;
+            rt.queue.submit(cbs);
             host += h0.elapsed();
             for p in &mut self.positions {
                 *p += 1;
@@ -882,7 +935,7 @@ impl GpuLlama {
 
     /// Validate a step's tokens, fit a low-rank basis when its window is in, stage the step's
     /// records and record the whole step into one command buffer (see [`GpuLlama::forward`]).
-    fn encode_step(&mut self, rt: &Runtime, tokens: &[u32]) -> Result<wgpu::CommandBuffer> {
+    fn encode_step(&mut self, rt: &Runtime, tokens: &[u32]) -> Result<Vec<wgpu::CommandBuffer>> {
         let n = self.n_seqs;
         if tokens.len() != n as usize {
             return Err(Error::Input(format!("{} tokens for {n} sequences", tokens.len())));
@@ -939,6 +992,7 @@ impl GpuLlama {
         let s = &self.s;
         let rec = &self.recorded;
         let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("model forward") });
+        let mut segments = Vec::new();
         let pass_desc = |label| wgpu::ComputePassDescriptor { label: Some(label), timestamp_writes: None };
         rec.embed.encode(&mut enc.begin_compute_pass(&pass_desc("model embed")));
         for l in 0..c.block_count {
@@ -950,6 +1004,11 @@ impl GpuLlama {
             if self.pool.ready_to_compress() {
                 // Pages that left their ring's head are compressed now.
                 self.pool.encode_compress(&mut enc.begin_compute_pass(&pass_desc("model compress")));
+            }
+            if self.flexgen.is_some() {
+                // FlexGen fetches the layer's host pages between here and its page lists.
+                let next = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("model forward") });
+                segments.push(std::mem::replace(&mut enc, next).finish());
             }
             self.pool.encode_gather_layer(&mut enc, l)?;
             self.attn.encode_layer_params(&mut enc, l)?;
@@ -980,7 +1039,8 @@ impl GpuLlama {
             }
         }
         rec.head.encode(&mut enc.begin_compute_pass(&pass_desc("model head")));
-        Ok(enc.finish())
+        segments.push(enc.finish());
+        Ok(segments)
     }
 
     /// Greedy decoding of one sequence (the model must be loaded for one): feeds `prompt`, then

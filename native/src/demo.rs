@@ -508,16 +508,7 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
     if let Some((fg, _)) = &p.flexgen
         && !a.json
     {
-        let s = &fg.stats;
-        println!(
-            "flexgen: {} in host memory ({} pages); {} pages offloaded, {} fetched back; {} moved to the host, {} to the GPU",
-            fmt_bytes(s.host_bytes),
-            s.host_pages,
-            s.offloaded_pages,
-            s.fetched_pages,
-            fmt_bytes(s.bytes_to_host),
-            fmt_bytes(s.bytes_to_gpu)
-        );
+        println!("{}", flexgen_line(&fg.stats));
     }
     if let Some(t) = trace {
         t.finish()?;
@@ -565,4 +556,17 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// FlexGen's tier traffic in one line (`demo` and `run`).
+pub fn flexgen_line(s: &expertkv_core::evict::flexgen::TierStats) -> String {
+    format!(
+        "flexgen: {} in host memory ({} pages); {} pages offloaded, {} fetched back; {} moved to the host, {} to the GPU",
+        fmt_bytes(s.host_bytes),
+        s.host_pages,
+        s.offloaded_pages,
+        s.fetched_pages,
+        fmt_bytes(s.bytes_to_host),
+        fmt_bytes(s.bytes_to_gpu)
+    )
 }

@@ -378,6 +378,9 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
         let checked = if a.verify_evictions { "; every eviction equal to the CPU reference's" } else { "" };
         println!("scheduler {}: {budget} tokens per (layer, KV head); {evicted} token K/V evicted over the run{checked}", cfg.name());
     }
+    if let Some((fg, _)) = &m.flexgen {
+        println!("{}", crate::demo::flexgen_line(&fg.stats));
+    }
     if let Some(line) = crate::routing::summary(&rt, &m)? {
         println!("{line}");
     }

@@ -537,3 +537,42 @@ fn every_evicting_scheduler_evicts_the_models_kv_as_the_reference_does() {
         }
     }
 }
+
+/// FlexGen on the model: each layer's host pages are fetched between its append and its
+/// attention (from the layer's own queries), the coldest pages past the budget go to host
+/// memory after each step. The GPU tier keeps the budget, every token is in one tier, and with
+/// a budget above the context nothing moves and the logits are the full cache's bit for bit.
+#[test]
+fn flexgen_moves_the_models_pages_between_tiers() {
+    use expertkv_core::evict::config::SchedulerConfig;
+    let rt = rt();
+    let seed = seeds("model_flexgen", 1)[0];
+    let (_, file) = synthetic_dense(seed, GgmlType::Q8_0);
+    let g = Gguf::parse(&file).expect("gguf");
+    let ids: Vec<u32> = (0..60u32).map(|i| (i * 53 + seed as u32) % 256).collect();
+    let run = |budget: Option<u32>| {
+        let opts = ModelOptions::new(1, 64).scheduler(budget.map(|b| (SchedulerConfig::FlexGen, b)));
+        let mut m = pollster::block_on(GpuLlama::load(rt, &g, opts)).expect("load");
+        let mut logits = Vec::new();
+        for &t in &ids {
+            logits.push(pollster::block_on(m.forward(rt, &[t])).expect("forward"));
+        }
+        (m, logits)
+    };
+    let (_, full) = run(None);
+    let (_, roomy) = run(Some(64));
+    assert_eq!(roomy, full, "seed {seed}: FlexGen with room for the whole context is the full cache");
+    let (m, tight) = run(Some(16));
+    let (fg, _) = m.flexgen.as_ref().expect("flexgen");
+    assert!(fg.stats.offloaded_pages > 0 && fg.stats.fetched_pages > 0, "seed {seed}: {:?}", fg.stats);
+    let c = &m.pool.cfg;
+    let r = pollster::block_on(m.step_report(rt)).expect("report");
+    let lists = c.layers * c.kv_heads;
+    assert!(r.pages_in_use <= lists * (1 + c.n_shards), "seed {seed}: {} GPU pages for {lists} lists", r.pages_in_use);
+    let gpu_tokens = r.kv_bytes_tokens / (c.token_kv_bytes() / u64::from(c.kv_heads));
+    let host_tokens: u64 = (0..c.n_lists()).map(|l| u64::from(fg.host_tokens(l))).sum();
+    assert_eq!(gpu_tokens + host_tokens, u64::from(lists) * ids.len() as u64, "seed {seed}: tokens lost between the tiers");
+    assert!(r.host_kv_bytes > 0 && r.tier_bytes_moved > 0, "{r:?}");
+    assert!(tight.iter().flatten().all(|x| x.is_finite()));
+    assert_ne!(tight, full, "seed {seed}: a 16-token GPU tier changes the logits");
+}
