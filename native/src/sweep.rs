@@ -20,7 +20,8 @@ pub struct SweepArgs {
     /// Budgets: tokens per (layer, sequence, KV head) or shares of the context.
     #[arg(long, value_delimiter = ',', default_value = "50%,25%,10%")]
     budgets: Vec<String>,
-    /// Codecs (names or specs); each non-`none` codec runs with the full cache (no scheduler).
+    /// Codecs (names or specs), crossed with the schedulers (a codec under the evicting ones and
+    /// the full cache, not QUEST or FlexGen).
     #[arg(long, value_delimiter = ',', default_value = "none")]
     codecs: Vec<String>,
     /// PyramidKV ratio applied to every evicting scheduler (first layer's budget over the last's).
@@ -88,18 +89,16 @@ pub fn run(gpu: &GpuArgs, a: &SweepArgs) -> Result<()> {
     let mut grid = Vec::new();
     for r in &routers {
         for c in &codecs {
-            if *c != Codec::None {
-                grid.push((r.clone(), None, "100%".to_string(), *c, None));
-                continue;
-            }
             for s in &schedulers {
                 match s {
-                    None => grid.push((r.clone(), None, "100%".to_string(), Codec::None, None)),
+                    None => grid.push((r.clone(), None, "100%".to_string(), *c, None)),
+                    // A codec runs under the evicting schedulers (not QUEST or FlexGen).
+                    Some(s) if *c != Codec::None && !s.uses_evict_kernels() => {}
                     Some(s) => {
                         for b in &a.budgets {
                             for al in &allocators {
                                 if al.is_none() || s.uses_evict_kernels() {
-                                    grid.push((r.clone(), Some(s.clone()), b.clone(), Codec::None, *al));
+                                    grid.push((r.clone(), Some(s.clone()), b.clone(), *c, *al));
                                 }
                             }
                         }
@@ -151,7 +150,12 @@ pub fn run(gpu: &GpuArgs, a: &SweepArgs) -> Result<()> {
             last = Some(r);
         }
         let Some(last) = last else { continue };
-        let reconstruction = pollster::block_on(p.reconstruction_error(&rt)).with_context(|| format!("reconstruction of {label}"))?;
+        // Against the full cache token for token: only where nothing was evicted.
+        let reconstruction = if sched.is_none() {
+            pollster::block_on(p.reconstruction_error(&rt)).with_context(|| format!("reconstruction of {label}"))?
+        } else {
+            None
+        };
         let pc = &p.pool.cfg;
         let row = Row {
             router: router.name().into(),
