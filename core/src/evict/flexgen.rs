@@ -296,4 +296,24 @@ impl FlexGen {
     pub fn host_tokens(&self, list: u32) -> u32 {
         self.host.get(&list).map_or(0, |v| v.iter().map(|p| p.fill).sum())
     }
+
+    /// Every token held in host memory as (layer, sequence, KV head, position).
+    pub fn host_token_ids(&self, c: &crate::config::PoolConfig) -> Vec<(u32, u32, u32, u32)> {
+        let mw = c.meta_words() as usize;
+        let mut out = Vec::new();
+        for (&li, pages) in &self.host {
+            let (layer, seq, head) = (li / (c.max_seqs * c.kv_heads), (li / c.kv_heads) % c.max_seqs, li % c.kv_heads);
+            for p in pages {
+                out.extend((0..p.fill as usize).map(|s| (layer, seq, head, p.meta[s * mw + meta::POSITION])));
+            }
+        }
+        out
+    }
+
+    /// Drop a finished sequence's host pages (call with [`KvPool::release_sequence`], which
+    /// frees its GPU pages).
+    pub fn release_sequence(&mut self, c: &crate::config::PoolConfig, seq: u32) {
+        self.host.retain(|&li, _| (li / c.kv_heads) % c.max_seqs != seq);
+        self.update_host_stats(c);
+    }
 }

@@ -117,9 +117,10 @@ fn pool_invariants_hold_under_churn() {
 }
 
 /// The same invariants on a compressed pool (int8 or int4 pages): appends, the codec's
-/// compression of full pages, ring releases and whole-sequence releases, every page raw or
-/// compressed on its own free stack or in exactly one ring after every operation, and the
-/// pool's state equal to the CPU pool model's. (Found by `expertkv soak --codec int4`: a
+/// compression of full pages, H2O or StreamingLLM evictions (which thaw the compressed pages
+/// they touch), ring releases and whole-sequence releases, every page raw or compressed on its
+/// own free stack or in exactly one ring after every operation, and the pool's state (K/V and
+/// compressed pages included) equal to the CPU pool model's. (Found by `expertkv soak --codec int4`: a
 /// release once pushed compressed pages onto the raw free stack.)
 #[test]
 fn compressed_pool_invariants_hold_under_churn() {
@@ -143,15 +144,35 @@ fn compressed_pool_invariants_hold_under_churn() {
             codec: if rng.below(2) == 0 { Codec::Int8 { group: 8 } } else { Codec::Int4 { group: 8 } },
             codec_pages: 160,
         };
-        let ctx0 = format!("seed {seed}: {cfg:?}");
+        let sched =
+            if rng.below(2) == 0 { SchedulerConfig::H2o { sinks: 2, window: 4 } } else { SchedulerConfig::StreamingLlm { sinks: 2 } };
+        let budget = cfg.page_size * (3 + rng.below(3));
+        let ctx0 = format!("seed {seed}: {sched:?}, budget {budget}, {cfg:?}");
         let mut pool = pollster::block_on(KvPool::new(rt, cfg.clone())).unwrap_or_else(|e| panic!("{ctx0}: {e}"));
+        let s =
+            pollster::block_on(Scheduler::new(rt, &pool, sched, budget, Threshold::default())).unwrap_or_else(|e| panic!("{ctx0}: {e}"));
         let mut model = PoolModel::new(&cfg);
         let mut positions = vec![0u32; cfg.max_seqs as usize];
         let mut appended = HashSet::new();
-        let (mut compressed_peak, mut sequence_releases) = (0u32, 0);
-        for step in 0..40u32 {
+        let (mut compressed_peak, mut sequence_releases, mut thawed) = (0u32, 0, 0u32);
+        let mut compacted = HashSet::new();
+        for step in 0..48u32 {
             let ctx = format!("{ctx0}, operation {step}");
-            match rng.below(10) {
+            match rng.below(12) {
+                9..=10 => {
+                    // Evict, checked against the CPU reference (utilities, budgets, victims,
+                    // the thaw's counts), starting from the lockstep model.
+                    pool.gather(rt).expect("gather");
+                    let lens = positions.clone();
+                    let before = pollster::block_on(s.read_lists(rt)).expect("lists");
+                    s.run(rt, step, &lens).unwrap_or_else(|e| panic!("{ctx}: evict: {e}"));
+                    let after = pollster::block_on(s.read_lists(rt)).expect("lists");
+                    pollster::block_on(expertkv_core::pipeline::check_eviction(rt, &s, &mut model, step, &lens, &before, &after))
+                        .unwrap_or_else(|e| panic!("{ctx}: {e}"));
+                    thawed += pollster::block_on(s.read_thaw(rt)).expect("thaw").map_or(0, |t| t.pages);
+                    let moved = pollster::block_on(s.read_ring_counts(rt)).expect("ring counts");
+                    compacted.extend(moved.iter().enumerate().filter(|(_, c)| c[0] > 0).map(|(k, _)| k));
+                }
                 0..=6 => {
                     let n = 1 + rng.below(6 * cfg.page_size) as usize;
                     let toks = random_batch(&mut rng, &cfg, &mut positions, n, false);
@@ -183,19 +204,119 @@ fn compressed_pool_invariants_hold_under_churn() {
                 }
             }
             let snap = pollster::block_on(pool.snapshot(rt)).expect("snapshot");
-            snap.check_invariants(&cfg, &|id| appended.contains(&id), &HashSet::new()).unwrap_or_else(|e| panic!("{ctx}: {e}"));
-            assert_eq!(
-                (&snap.rings, &snap.ring_pages, &snap.free_stack, &snap.codec_free, snap.ctl),
-                (&model.rings, &model.ring_pages, &model.free_stack, &model.codec_free, model.ctl),
-                "{ctx}: the pool against the CPU pool model"
-            );
+            compacted.retain(|&k| snap.rings[k].count > 0);
+            snap.check_invariants(&cfg, &|id| appended.contains(&id), &compacted).unwrap_or_else(|e| panic!("{ctx}: {e}"));
+            pollster::block_on(expertkv_core::pipeline::compare_pool(rt, &pool, &model)).unwrap_or_else(|e| panic!("{ctx}: {e}"));
             compressed_peak = compressed_peak.max(cfg.codec_pages - snap.ctl.codec_free_top);
         }
         if !replaying() {
             assert!(
-                compressed_peak > 4 && sequence_releases > 0,
-                "{ctx0}: {compressed_peak} compressed pages at most, {sequence_releases} sequence releases"
+                compressed_peak > 4 && sequence_releases > 0 && thawed > 0,
+                "{ctx0}: {compressed_peak} compressed pages at most, {sequence_releases} sequence releases, {thawed} pages thawed"
             );
         }
+    }
+}
+
+/// The host tier under churn: random appends, FlexGen offloads (the coldest pages past the
+/// budget to host memory) and fetches (host pages whose QUEST bound for random queries beats the
+/// weakest resident page's), and whole-sequence releases, with the pool's invariants checked
+/// after every operation and every token of a live sequence in exactly one tier, GPU or host.
+#[test]
+fn host_tier_keeps_every_token_once_under_churn() {
+    use expertkv_core::evict::flexgen::FlexGen;
+    use expertkv_core::evict::quest::Quest;
+    let rt = rt();
+    let (mut offloads, mut fetched) = (0u32, 0u64);
+    for seed in seeds("host_tier_keeps_every_token_once_under_churn", 3) {
+        let mut rng = Rng::new(seed);
+        let cfg = PoolConfig {
+            layers: 1 + rng.below(2),
+            kv_heads: 1 + rng.below(2),
+            head_dim: 8,
+            page_size: 4,
+            dtype: KvDtype::F16,
+            n_pages: 160,
+            max_seqs: 2,
+            n_shards: 1,
+            ring_capacity: 48,
+            top_k: 1,
+            shard_map: ShardMap::ByExpert,
+            max_buffer_bytes: None,
+            codec: Codec::None,
+            codec_pages: 0,
+        };
+        let budget = cfg.page_size * (2 + rng.below(3));
+        let group = 2;
+        let ctx0 = format!("seed {seed}: budget {budget}, {cfg:?}");
+        let mut pool = pollster::block_on(KvPool::new(rt, cfg.clone())).unwrap_or_else(|e| panic!("{ctx0}: {e}"));
+        let mut fg = FlexGen::new(&pool, budget).unwrap_or_else(|e| panic!("{ctx0}: {e}"));
+        let quest = pollster::block_on(Quest::new(rt, &pool, budget)).unwrap_or_else(|e| panic!("{ctx0}: {e}"));
+        let bounds = |pool: &KvPool| -> Vec<f32> {
+            pool.gather(rt).expect("gather");
+            let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("bounds") });
+            quest.encode_summarize(&mut enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None }));
+            rt.queue.submit([enc.finish()]);
+            pollster::block_on(rt.read_all(&quest.bounds)).expect("bounds")
+        };
+        let mut positions = vec![0u32; cfg.max_seqs as usize];
+        let mut live = HashSet::new();
+        for step in 0..40u32 {
+            let ctx = format!("{ctx0}, operation {step}");
+            match rng.below(10) {
+                0..=4 => {
+                    let n = 1 + rng.below(4 * cfg.page_size) as usize;
+                    let toks = random_batch(&mut rng, &cfg, &mut positions, n, false);
+                    let kv = random_kv(&mut rng, &cfg, toks.len());
+                    match pool.append(rt, &toks, &kv, step) {
+                        Ok(()) => live.extend(toks.iter().flat_map(|t| (0..cfg.kv_heads).map(move |h| (t.layer, t.seq, h, t.position)))),
+                        Err(expertkv_core::Error::PoolExhausted { .. }) => {}
+                        Err(e) => panic!("{ctx}: append: {e}"),
+                    }
+                }
+                5..=6 => {
+                    let b = bounds(&pool);
+                    pollster::block_on(fg.offload(rt, &pool, &b)).unwrap_or_else(|e| panic!("{ctx}: offload: {e}"));
+                    offloads += 1;
+                }
+                7..=8 => {
+                    let b = bounds(&pool);
+                    let q_len = (cfg.max_seqs * cfg.kv_heads * group * cfg.head_dim) as usize;
+                    for layer in 0..cfg.layers {
+                        let q: Vec<f32> = (0..q_len).map(|_| rng.normal() as f32).collect();
+                        pollster::block_on(fg.fetch(rt, &pool, layer, &q, group, &b)).unwrap_or_else(|e| panic!("{ctx}: fetch: {e}"));
+                    }
+                }
+                _ => {
+                    let seq = rng.below(cfg.max_seqs);
+                    pool.release_sequence(rt, seq).unwrap_or_else(|e| panic!("{ctx}: release sequence: {e}"));
+                    fg.release_sequence(&cfg, seq);
+                    live.retain(|id| id.1 != seq);
+                }
+            }
+            let snap = pollster::block_on(pool.snapshot(rt)).expect("snapshot");
+            let on_gpu = std::cell::RefCell::new(Vec::new());
+            // Offloads take pages out of a ring's middle: ring order is not checked here.
+            let all: HashSet<usize> = (0..cfg.n_keys() as usize).collect();
+            snap.check_invariants(
+                &cfg,
+                &|id| {
+                    on_gpu.borrow_mut().push(id);
+                    live.contains(&id)
+                },
+                &all,
+            )
+            .unwrap_or_else(|e| panic!("{ctx}: {e}"));
+            let mut tiers: Vec<_> = on_gpu.into_inner();
+            tiers.extend(fg.host_token_ids(&cfg));
+            let n = tiers.len();
+            let tiers: HashSet<_> = tiers.into_iter().collect();
+            assert_eq!(n, tiers.len(), "{ctx}: a token in both tiers or twice");
+            assert_eq!(tiers, live, "{ctx}: the tiers hold exactly the live sequences' tokens");
+        }
+        fetched += fg.stats.fetched_pages;
+    }
+    if !replaying() {
+        assert!(offloads > 5 && fetched > 0, "coverage: {offloads} offloads, {fetched} pages fetched");
     }
 }
