@@ -153,7 +153,8 @@ pub fn run(gpu: &GpuArgs, a: &SoakArgs) -> Result<()> {
             a.kv_heads,
             a.head_dim,
             match (&sched, codec) {
-                (Some(s), _) => format!("{} keeping {} tokens", s.name(), a.budget),
+                (Some(s), Codec::None) => format!("{} keeping {} tokens", s.name(), a.budget),
+                (Some(s), c) => format!("{} keeping {} tokens in {} pages", s.name(), a.budget, c.spec()),
                 (None, Codec::None) => "full cache".into(),
                 (None, c) => format!("codec {}", c.spec()),
             },
