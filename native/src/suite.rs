@@ -223,7 +223,7 @@ fn step_config(c: &StepCase, quick: bool) -> Result<DemoConfig> {
     })
 }
 
-fn measure(rt: &Runtime, o: &SuiteOptions, item: &Item, warmup: u32, reps: u32) -> Result<Vec<Sample>> {
+fn measure(rt: &Runtime, o: &SuiteOptions, model: Option<&[u8]>, item: &Item, warmup: u32, reps: u32) -> Result<Vec<Sample>> {
     let label = item.label();
     let one =
         |ms: f64, bytes: Option<u64>, note: String| Ok(vec![Sample { item: 0, label: label.clone(), ms, bytes, tokens_per_s: None, note }]);
@@ -273,8 +273,8 @@ fn measure(rt: &Runtime, o: &SuiteOptions, item: &Item, warmup: u32, reps: u32) 
             one(median(&mut wall), None, g)
         }
         Item::Model { steps } => {
-            let bytes = std::fs::read(&o.model).with_context(|| format!("reading {}", o.model.display()))?;
-            let g = expertkv_model::gguf::Gguf::parse(&bytes)?;
+            let bytes = model.context("the model's bytes were not read")?;
+            let g = expertkv_model::gguf::Gguf::parse(bytes)?;
             let mut m = pollster::block_on(expertkv_model::forward::GpuLlama::load(
                 rt,
                 &g,
@@ -372,6 +372,12 @@ pub fn run(rt: &Runtime, o: &SuiteOptions) -> Result<Vec<Line>> {
     let rounds = o.rounds.unwrap_or(if o.quick { 2 } else { 5 }).max(1);
     let (warmup, reps) = if o.quick { (2, o.reps.unwrap_or(5)) } else { (10, o.reps.unwrap_or(30)) };
     let items = items(o, rt)?;
+    // The model is read once: every round measures the same bytes.
+    let model = if items.iter().any(|i| matches!(i, Item::Model { .. })) {
+        Some(std::fs::read(&o.model).with_context(|| format!("reading {}", o.model.display()))?)
+    } else {
+        None
+    };
     if !o.quick && !o.model.exists() {
         eprintln!("bench suite: no {} (scripts/fetch_model.sh fetches it): the model's line is left out", o.model.display());
     }
@@ -417,7 +423,7 @@ pub fn run(rt: &Runtime, o: &SuiteOptions) -> Result<Vec<Line>> {
             if !o.json {
                 eprint!("\rround {}/{rounds}: {:<48}", round + 1, item.label());
             }
-            for mut s in measure(rt, o, item, warmup, reps).with_context(|| format!("round {}: {}", round + 1, item.label()))? {
+            for mut s in measure(rt, o, model.as_deref(), item, warmup, reps).with_context(|| format!("round {}: {}", round + 1, item.label()))? {
                 s.item = i;
                 if !order.iter().any(|(_, l)| *l == s.label) {
                     order.push((i, s.label.clone()));
