@@ -12,7 +12,7 @@ CODECS=${CODECS:-none,int8,int4,int4:group=64,fastv-dims,low-rank:rank=32,lora:r
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 # The codec kernels' GPU-vs-CPU tests on this GPU first, when the release test binary is there.
 if [ -x .bin/gpu-tests ] && [ "${TESTS:-1}" = 1 ]; then
-  .bin/gpu-tests --test-threads 1 codec:: 2>&1 | grep -E "^test |test result" | tee "$OUT/tests.txt"
+  .bin/gpu-tests --test-threads 1 compress:: 2>&1 | grep -E "^test |test result" | tee "$OUT/tests.txt"
 fi
 for shape in "--batch 8 --tokens 32768" "--batch 1 --tokens 131072"; do
   $B bench attend --json --torch $shape --codecs "$CODECS" >> "$OUT/codec.jsonl" 2>> "$OUT/codec.err"

@@ -12,6 +12,6 @@ while IFS= read -r line; do
     $X $line 2>&1 | grep -E "Register|Binary|Local|Stack|Shared|executable"
 done <<< "${KERNELS:-attend/split_subgroup.wgsl GROUP=4u LANES=16u VPL=1u F16=true PAGE_SIZE=16u U=4u TRANSPOSE=true
 attend/split_quant.wgsl GROUP=4u LANES=16u BITS=4u HEAD_DIM=128u PAGE_SIZE=16u U=2u PF=4u VP_PER_WORD=true TRANSPOSE=true
-attend/split_quant_tile.wgsl GROUP=4u HEAD_DIM=128u PAGE_SIZE=64u NG=2u FLUSH=2u RAW=true ACC_SHARED=false WG=128u
+attend/split_quant_tile.wgsl GROUP=4u HEAD_DIM=128u PAGE_SIZE=64u NG=2u FLUSH=2u RAW=true WG=128u
 attend/split_tiled.wgsl
 attend/reduce.wgsl}"

@@ -13,7 +13,7 @@ export __GL_SHADER_DISK_CACHE=1 __GL_SHADER_DISK_CACHE_PATH=/tmp/sass/glcache __
 export SHADER_STATS_DUMP=/tmp/sass/dump
 mkdir -p /tmp/sass/glcache /tmp/sass/dump
 if [ -x .bin/gpu-tests ] && [ "${TESTS:-1}" = 1 ]; then
-    .bin/gpu-tests --test-threads 1 --nocapture ${TEST_FILTER:-codec::quant_tile} 2>&1 \
+    .bin/gpu-tests --test-threads 1 --nocapture ${TEST_FILTER:-compress::quant_tile} 2>&1 \
         | grep -E "^test |test result|worst|panicked" | tee "$OUT/tests.txt"
 fi
 while IFS= read -r line; do
