@@ -121,7 +121,20 @@ fn next_line(r: &mut impl BufRead, n: usize, buf: &mut Vec<u8>) -> Result<Option
 }
 
 /// Parse and validate a whole trace.
-pub fn read_trace(mut r: impl BufRead) -> Result<Trace> {
+pub fn read_trace(r: impl BufRead) -> Result<Trace> {
+    read_trace_with(r, false).map(|(t, _)| t)
+}
+
+/// A trace whose run stopped early (an error, a lost device, a killed process): the whole steps
+/// it holds, the header's step count cut to them (its config keeps the run's own, which budgets
+/// given as a share of the context depend on), and the steps the header promised when fewer are
+/// there (`None`: complete). A last line torn mid-write ends the trace; anything malformed
+/// before it is still an error.
+pub fn read_trace_partial(r: impl BufRead) -> Result<(Trace, Option<u32>)> {
+    read_trace_with(r, true)
+}
+
+fn read_trace_with(mut r: impl BufRead, partial: bool) -> Result<(Trace, Option<u32>)> {
     let mut buf = Vec::new();
     let first = next_line(&mut r, 1, &mut buf)?.ok_or_else(|| bad(1, "empty file: no trace header"))?;
     // Format and version first, so that another file or version says so plainly.
@@ -158,7 +171,18 @@ pub fn read_trace(mut r: impl BufRead) -> Result<Trace> {
         if i >= expected {
             return Err(bad(n, format!("more records than steps x layers = {expected}")));
         }
-        let rec: LayerRecord = serde_json::from_str(&line).map_err(|e| bad(n, e))?;
+        let rec: LayerRecord = match serde_json::from_str(&line) {
+            Ok(rec) => rec,
+            Err(e) => {
+                // A torn last line: what follows it decides (nothing may).
+                let last = next_line(&mut r, n + 1, &mut buf)?.is_none();
+                if partial && last {
+                    break;
+                }
+                let hint = if last { " (the last line, torn? `replay --partial` reads the whole steps before it)" } else { "" };
+                return Err(bad(n, format!("{e}{hint}")));
+            }
+        };
         let (want_step, want_layer) = ((i / u64::from(w.layers)) as u32, (i % u64::from(w.layers)) as u32);
         if (rec.step, rec.layer) != (want_step, want_layer) {
             return Err(bad(n, format!("record for step {} layer {}, expected step {want_step} layer {want_layer}", rec.step, rec.layer)));
@@ -180,9 +204,23 @@ pub fn read_trace(mut r: impl BufRead) -> Result<Trace> {
         records.push(rec);
     }
     if records.len() as u64 != expected {
-        return Err(bad(n, format!("{} records, the header promises steps x layers = {expected} (truncated?)", records.len())));
+        if !partial {
+            return Err(bad(
+                n,
+                format!(
+                    "{} records, the header promises steps x layers = {expected} (truncated? `replay --partial` reads the whole steps there are)",
+                    records.len()
+                ),
+            ));
+        }
+        let promised = header.steps;
+        let steps = (records.len() / w.layers as usize) as u32;
+        records.truncate(steps as usize * w.layers as usize);
+        let mut header = header;
+        header.steps = steps;
+        return Ok((Trace { header, records }, Some(promised)));
     }
-    Ok(Trace { header, records })
+    Ok((Trace { header, records }, None))
 }
 
 /// Where a replay first departs from its trace.
@@ -270,6 +308,23 @@ mod tests {
         assert!(err(&bad_expert).contains("line 2"));
         let unknown = text.replacen("\"pages_read\"", "\"pages_reed\"", 1);
         assert!(err(&unknown).contains("line 2"));
+    }
+
+    #[test]
+    fn a_stopped_runs_trace_reads_to_its_last_whole_step() {
+        let text = sample(4);
+        let lines: Vec<&str> = text.lines().collect();
+        // Header, 3 whole steps (2 layers each), one layer of the 4th, and a torn line.
+        let cut = format!("{}\n{}", lines[..8].join("\n"), &lines[8][..lines[8].len() / 2]);
+        assert!(read_trace(cut.as_bytes()).unwrap_err().to_string().contains("--partial"));
+        let (t, promised) = read_trace_partial(cut.as_bytes()).unwrap();
+        assert_eq!((t.header.steps, t.header.config.steps, t.records.len(), promised), (3, 4, 6, Some(4)));
+        assert_eq!(t.step(2)[1].layer, 1);
+        // A complete trace reads the same either way; a malformed line before the end is still an error.
+        let (whole, none) = read_trace_partial(text.as_bytes()).unwrap();
+        assert_eq!((whole.records.len(), none), (8, None));
+        let broken = text.replacen("\"pages_read\"", "\"pages_reed\"", 1);
+        assert!(read_trace_partial(broken.as_bytes()).unwrap_err().to_string().contains("line 2"));
     }
 
     #[test]

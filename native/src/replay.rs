@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use expertkv_core::pipeline::Pipeline;
-use expertkv_core::trace::{first_difference, read_trace};
+use expertkv_core::trace::{first_difference, read_trace, read_trace_partial};
 
 use crate::{GpuArgs, demo, fmt_bytes};
 
@@ -34,11 +34,28 @@ pub struct ReplayArgs {
     /// Print the trace's per-step totals without running anything.
     #[arg(long)]
     summary: bool,
+    /// Read a trace whose run stopped early (an error, a lost device, a killed process): its
+    /// whole steps, replayed or summarised as a shorter run.
+    #[arg(long)]
+    partial: bool,
 }
 
 pub fn run(gpu: &GpuArgs, a: &ReplayArgs) -> Result<()> {
     let f = std::fs::File::open(&a.file).with_context(|| format!("opening {}", a.file.display()))?;
-    let trace = read_trace(std::io::BufReader::new(f)).with_context(|| format!("reading {}", a.file.display()))?;
+    let reader = std::io::BufReader::new(f);
+    let trace = if a.partial {
+        let (t, promised) = read_trace_partial(reader).with_context(|| format!("reading {}", a.file.display()))?;
+        if let Some(p) = promised {
+            let n = t.header.steps;
+            println!(
+                "note: the run stopped early: the trace holds {n} whole step{} of its {p}; replaying those",
+                if n == 1 { "" } else { "s" }
+            );
+        }
+        t
+    } else {
+        read_trace(reader).with_context(|| format!("reading {}", a.file.display()))?
+    };
     let cfg = trace.header.config.clone();
     let w = &cfg.workload;
     println!(

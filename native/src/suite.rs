@@ -423,7 +423,9 @@ pub fn run(rt: &Runtime, o: &SuiteOptions) -> Result<Vec<Line>> {
             if !o.json {
                 eprint!("\rround {}/{rounds}: {:<48}", round + 1, item.label());
             }
-            for mut s in measure(rt, o, model.as_deref(), item, warmup, reps).with_context(|| format!("round {}: {}", round + 1, item.label()))? {
+            for mut s in
+                measure(rt, o, model.as_deref(), item, warmup, reps).with_context(|| format!("round {}: {}", round + 1, item.label()))?
+            {
                 s.item = i;
                 if !order.iter().any(|(_, l)| *l == s.label) {
                     order.push((i, s.label.clone()));

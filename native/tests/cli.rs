@@ -62,6 +62,16 @@ fn demo_writes_metrics_and_a_trace_that_replays() {
     let o = expertkv(&["replay", damaged.to_str().expect("path")]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("trace line 3") && !err.contains("panicked"), "{err}");
+    // A run that stopped mid-step (its last record torn): refused as it is, replayed up to its
+    // last whole step with --partial.
+    let cut = tmp("cut.ekv");
+    let lines: Vec<&str> = text.lines().collect();
+    std::fs::write(&cut, format!("{}\n{}", lines[..4].join("\n"), &lines[4][..lines[4].len() / 2])).expect("write");
+    let o = expertkv(&["replay", cut.to_str().expect("path")]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("--partial") && !err.contains("panicked"), "{err}");
+    let out = ok(&["replay", "--partial", cut.to_str().expect("path")]);
+    assert!(out.contains("holds 1 whole step of its 2") && out.contains("all 1 steps x 2 layers match the trace"), "{out}");
 }
 
 #[test]
