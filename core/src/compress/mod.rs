@@ -251,7 +251,8 @@ pub(crate) struct Thaw {
     _buffers: [wgpu::Buffer; 2],
 }
 
-/// What [`Thaw`] has done: in the last eviction and in all so far.
+/// What the thaw under eviction (`compress/thaw_plan.wgsl`, `compress/thaw.wgsl`) has done: in the
+/// last eviction and in all so far (see [`crate::evict::Scheduler::read_thaw`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct ThawCounts {
     pub pages: u32,
