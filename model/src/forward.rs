@@ -316,22 +316,8 @@ impl GpuLlama {
                 "shapes an evicting scheduler's budget: give one (h2o, streaming-llm, lru, lru-plus, adakv, duo, fastv-tokens)",
             ));
         }
-        if codec != Codec::None
-            && let Some((s, _)) = scheduler.as_ref().filter(|(s, _)| !s.uses_evict_kernels())
-        {
-            return Err(Error::config(
-                "codec",
-                codec.name(),
-                format!(
-                    "codecs combine with the evicting schedulers (h2o, streaming-llm, lru, lru-plus, adakv, duo, fastv-tokens), not {}: it {}",
-                    s.name(),
-                    if matches!(s, SchedulerConfig::Quest) {
-                        "bounds each page from its raw keys"
-                    } else {
-                        "moves raw pages to the host tier"
-                    }
-                ),
-            ));
+        if let Some((s, _)) = &scheduler {
+            s.check_codec(codec)?;
         }
         let cfg = LlamaConfig::from_gguf(g)?;
         cfg.check_tensors(g)?;

@@ -72,12 +72,7 @@ impl CodecPasses {
         }
         let codec_pages = cfg.n_ids() - cfg.n_pages;
         let jobs = rt.storage("codec jobs", u64::from(codec_pages) * 8);
-        let dispatch = rt.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("codec dispatch"),
-            size: 16,
-            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::INDIRECT | wgpu::BufferUsages::COPY_SRC,
-            mapped_at_creation: false,
-        });
+        let dispatch = rt.indirect_args("codec dispatch");
         let n_keys = cfg.n_keys();
         let plan_counts = rt.storage("codec plan counts", u64::from(n_keys.max(1)) * 4);
         let plan_state = rt.storage("codec plan state", 16);
@@ -292,12 +287,7 @@ impl Thaw {
         let n_keys = cfg.n_keys();
         let codec_pages = cfg.n_ids() - cfg.n_pages;
         let jobs = rt.storage("thaw jobs", u64::from(codec_pages.max(1)) * 8);
-        let dispatch = rt.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("thaw dispatch"),
-            size: 16,
-            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::INDIRECT | wgpu::BufferUsages::COPY_SRC,
-            mapped_at_creation: false,
-        });
+        let dispatch = rt.indirect_args("thaw dispatch");
         let counts = rt.storage("thaw counts", u64::from(n_keys.max(1)) * 4);
         let state = rt.storage_init("thaw state", &[0u32; 8]);
         let mut plan = Vec::new();

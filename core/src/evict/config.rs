@@ -199,6 +199,25 @@ impl SchedulerConfig {
         !matches!(self, SchedulerConfig::Quest)
     }
 
+    /// Whether `codec` runs under this scheduler: under the evicting ones (an eviction thaws the
+    /// compressed pages it touches, see `compress::Thaw`), not under QUEST (it bounds each page
+    /// from its raw keys) or FlexGen (it moves raw pages to the host tier).
+    pub fn check_codec(&self, codec: crate::config::Codec) -> Result<()> {
+        if codec == crate::config::Codec::None || self.uses_evict_kernels() {
+            return Ok(());
+        }
+        let why =
+            if matches!(self, SchedulerConfig::Quest) { "bounds each page from its raw keys" } else { "moves raw pages to the host tier" };
+        Err(Error::config(
+            "codec",
+            codec.name(),
+            format!(
+                "codecs combine with the evicting schedulers (h2o, streaming-llm, lru, lru-plus, adakv, duo, fastv-tokens), not {}: it {why}",
+                self.name()
+            ),
+        ))
+    }
+
     /// Whether the policy runs on the shared GPU eviction kernels (`evict/*`).
     pub fn uses_evict_kernels(&self) -> bool {
         !matches!(self, SchedulerConfig::Quest | SchedulerConfig::FlexGen)

@@ -87,22 +87,8 @@ fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
 impl Pipeline {
     pub async fn new(rt: &Runtime, cfg: DemoConfig) -> Result<Pipeline> {
         let budget = cfg.budget_tokens()?;
-        if cfg.codec != Codec::None
-            && let Some(s) = cfg.scheduler.as_ref().filter(|s| !s.uses_evict_kernels())
-        {
-            return Err(Error::config(
-                "codec",
-                cfg.codec.name(),
-                format!(
-                    "codecs combine with the evicting schedulers (h2o, streaming-llm, lru, lru-plus, adakv, duo, fastv-tokens), not {}: it {}",
-                    s.name(),
-                    if matches!(s, SchedulerConfig::Quest) {
-                        "bounds each page from its raw keys"
-                    } else {
-                        "moves raw pages to the host tier"
-                    }
-                ),
-            ));
+        if let Some(s) = &cfg.scheduler {
+            s.check_codec(cfg.codec)?;
         }
         if let (Some(s), Some(b)) = (&cfg.scheduler, budget) {
             s.validate(b)?;

@@ -217,7 +217,7 @@ pub fn encode_page(cfg: &PoolConfig, raw: &[u32], basis: &[f32]) -> Vec<u32> {
 /// Decode K (kv = 0) or V (kv = 1) of slot `s` of an encoded page, as the attention kernel does
 /// (low-rank: U^T c in f64, with the page's basis as in [`encode_page`]).
 pub fn decode_vector(cfg: &PoolConfig, page: &[u32], basis: &[f32], kv: usize, s: usize) -> Vec<f64> {
-    let (p, d, vw) = (cfg.page_size as usize, cfg.head_dim as usize, cfg.vec_words() as usize);
+    let (p, d) = (cfg.page_size as usize, cfg.head_dim as usize);
     match cfg.codec {
         Codec::LowRank { rank } | Codec::Lora { rank } => {
             let (r, half_r) = (rank as usize, rank as usize / 2);
@@ -229,41 +229,9 @@ pub fn decode_vector(cfg: &PoolConfig, page: &[u32], basis: &[f32], kv: usize, s
                 .collect();
             (0..d).map(|i| (0..r).map(|j| f64::from(basis[(kv * r + j) * d + i]) * coef[j]).sum()).collect()
         }
-        Codec::FastvDims { keep } => {
-            let kw = keep as usize / 2;
-            (0..d)
-                .map(|i| {
-                    let w = if kv == 0 {
-                        if i >= keep as usize {
-                            return 0.0;
-                        }
-                        page[s * kw + i / 2]
-                    } else {
-                        page[p * kw + s * vw + i / 2]
-                    };
-                    f64::from(f16_value(if i & 1 == 1 { w >> 16 } else { w & 0xffff }))
-                })
-                .collect()
-        }
-        Codec::Int8 { group } | Codec::Int4 { group } => {
-            let group = group as usize;
-            let (kc, vp, vc) = offsets(cfg);
-            let b = bits(cfg.codec) as usize;
-            let per = 32 / b;
-            let row = d * b / 32;
-            (0..d)
-                .map(|i| {
-                    let (word, prm) = if kv == 0 {
-                        (page[kc + s * row + i / per], page[i])
-                    } else {
-                        (page[vc + s * row + i / per], page[vp + s * (d / group) + i / group])
-                    };
-                    let code = (word >> ((i % per) * b)) & ((1 << b) - 1);
-                    f64::from(dequantize(code, prm))
-                })
-                .collect()
-        }
         Codec::None => Vec::new(),
+        // The other codecs decode to f32 exactly (as attention and the thaw do).
+        _ => (0..d).map(|i| f64::from(decode_value(cfg, page, basis, kv, s, i))).collect(),
     }
 }
 

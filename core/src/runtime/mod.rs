@@ -542,6 +542,16 @@ impl Runtime {
         })
     }
 
+    /// The arguments of an indirect dispatch (x, y, z), written by a kernel as storage.
+    pub fn indirect_args(&self, label: &str) -> wgpu::Buffer {
+        self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(label),
+            size: 16,
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::INDIRECT | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        })
+    }
+
     /// A storage buffer holding `data`.
     pub fn storage_init<T: bytemuck::Pod>(&self, label: &str, data: &[T]) -> wgpu::Buffer {
         let buf = self.storage(label, std::mem::size_of_val(data) as u64);
