@@ -320,3 +320,66 @@ fn host_tier_keeps_every_token_once_under_churn() {
         assert!(offloads > 5 && fetched > 0, "coverage: {offloads} offloads, {fetched} pages fetched");
     }
 }
+
+/// A thaw short of raw pages: the rings whose touched compressed pages still fit are thawed and
+/// compacted, the rest (a prefix rule, key order) keep every token this eviction, and the GPU
+/// and the CPU pool model agree on both, the counts and the whole pool.
+#[test]
+fn a_thaw_short_of_raw_pages_defers_whole_rings() {
+    use expertkv_core::append::format::NewToken;
+    use expertkv_core::reference::PoolModel;
+    let rt = rt();
+    let seed = seeds("thaw_defers", 1)[0];
+    let mut rng = Rng::new(seed);
+    let cfg = PoolConfig {
+        layers: 1,
+        kv_heads: 2,
+        head_dim: 8,
+        page_size: 8,
+        dtype: KvDtype::F16,
+        // Every ring's newest page and four to spare.
+        n_pages: 8,
+        max_seqs: 2,
+        n_shards: 1,
+        ring_capacity: 24,
+        top_k: 1,
+        shard_map: ShardMap::ByExpert,
+        max_buffer_bytes: None,
+        codec: Codec::Int8 { group: 8 },
+        codec_pages: 64,
+    };
+    let mut pool = pollster::block_on(KvPool::new(rt, cfg.clone())).expect("pool");
+    let s = pollster::block_on(Scheduler::new(rt, &pool, SchedulerConfig::H2o { sinks: 2, window: 4 }, 16, Threshold::default()))
+        .expect("scheduler");
+    let mut model = PoolModel::new(&cfg);
+    // Sequence 0 holds 24 tokens (its rings need few thaws), sequence 1 holds 80 (more than the
+    // raw pages free), appended 8 positions at a time and compressed as they go.
+    let mut positions = [0u32; 2];
+    for (step, (seq, n)) in [(0u32, 24u32), (1, 80)].into_iter().flat_map(|(q, n)| (0..n / 8).map(move |_| (q, 8))).enumerate() {
+        let toks: Vec<NewToken> = (0..n)
+            .map(|i| NewToken { layer: 0, seq, position: positions[seq as usize] + i, experts: vec![rng.below(8)], gates: vec![1.0] })
+            .collect();
+        positions[seq as usize] += n;
+        let kv = random_kv(&mut rng, &cfg, toks.len());
+        pool.append(rt, &toks, &kv, step as u32).expect("append");
+        model.append(&toks, &kv, step as u32).expect("model append");
+        pool.compress(rt).expect("compress");
+        model.compress();
+    }
+    pollster::block_on(expertkv_core::pipeline::compare_pool(rt, &pool, &model)).expect("before the eviction");
+    pool.gather(rt).expect("gather");
+    let lens = positions.to_vec();
+    let before = pollster::block_on(s.read_lists(rt)).expect("lists");
+    s.run(rt, 0, &lens).expect("evict");
+    let after = pollster::block_on(s.read_lists(rt)).expect("lists");
+    pollster::block_on(expertkv_core::pipeline::check_eviction(rt, &s, &mut model, 0, &lens, &before, &after))
+        .unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+    pollster::block_on(expertkv_core::pipeline::compare_pool(rt, &pool, &model)).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+    let t = pollster::block_on(s.read_thaw(rt)).expect("thaw").expect("a codec thaws");
+    assert!(t.pages > 0 && t.deferred_rings == 2, "seed {seed}: sequence 0's rings thawed, sequence 1's deferred: {t:?}");
+    // Sequence 0 kept its budget; sequence 1 kept everything.
+    let snap = pollster::block_on(pool.snapshot(rt)).expect("snapshot");
+    let tokens = |key: usize| snap.rings[key].count.saturating_sub(1) * cfg.page_size + snap.rings[key].fill;
+    assert_eq!([tokens(0), tokens(1), tokens(2), tokens(3)], [16, 16, 80, 80], "seed {seed}: {:?}", snap.rings);
+    snap.check_invariants(&cfg, &|_| true, &(0..4).collect()).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+}
