@@ -376,7 +376,19 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
         let lists = pollster::block_on(s.read_lists(&rt))?;
         let evicted: u64 = lists.iter().map(|l| u64::from(l.evicted_total)).sum();
         let checked = if a.verify_evictions { "; every eviction equal to the CPU reference's" } else { "" };
-        println!("scheduler {}: {budget} tokens per (layer, KV head); {evicted} token K/V evicted over the run{checked}", cfg.name());
+        let thaw = match pollster::block_on(s.read_thaw(&rt))? {
+            Some(t) => format!(
+                "; {} compressed pages thawed for evictions{}",
+                t.pages_total,
+                if t.deferred_rings_total > 0 {
+                    format!(", {} ring evictions deferred for want of raw pages", t.deferred_rings_total)
+                } else {
+                    String::new()
+                }
+            ),
+            None => String::new(),
+        };
+        println!("scheduler {}: {budget} tokens per (layer, KV head); {evicted} token K/V evicted over the run{thaw}{checked}", cfg.name());
     }
     if let Some((fg, _)) = &m.flexgen {
         println!("{}", crate::demo::flexgen_line(&fg.stats));
