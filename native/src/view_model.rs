@@ -261,7 +261,14 @@ mod tests {
         let path = dir.join("dense.gguf");
         std::fs::write(&path, expertkv_model::SyntheticModel::dense(4).gguf()).expect("write");
         let flags = ModelFlags { model: Some(path), text: "Hello there, general Kenobi".into(), tokens: 3, ..Default::default() };
-        let run = RunFlags { scheduler: Some("h2o".into()), budget: Some("16".into()), shards: Some(2), ..Default::default() };
+        // H2O over int4 pages: the model's evictions thaw the compressed pages they touch.
+        let run = RunFlags {
+            scheduler: Some("h2o".into()),
+            budget: Some("16".into()),
+            shards: Some(2),
+            codec: Some("int4".into()),
+            ..Default::default()
+        };
         let mut d = ModelDriver::prepare(&flags, &run).expect("prepare");
         assert_eq!((d.config().workload.n_experts, d.config().workload.top_k, d.config().steps), (8, 2, 3));
         let rt = pollster::block_on(Runtime::new(expertkv_core::RuntimeOptions::from_env().expect("options"))).expect("runtime");
