@@ -146,6 +146,8 @@ pub struct GpuLlama {
     pub n_seqs: u32,
     /// Next position of every sequence.
     pub positions: Vec<u32>,
+    /// Tokens per sequence the pool was sized for ([`ModelOptions::max_context`]).
+    max_context: u32,
     step: u32,
     /// Low-rank codecs: positions per sequence before the basis is fitted, and the most the raw
     /// pages were sized for.
@@ -483,6 +485,7 @@ impl GpuLlama {
             moe: None,
             n_seqs,
             positions: vec![0; n_seqs as usize],
+            max_context,
             step: 0,
             calibration_tokens: LOW_RANK_CALIBRATION_TOKENS.min(max_context),
             calibration_max: LOW_RANK_CALIBRATION_TOKENS.min(max_context),
@@ -737,6 +740,11 @@ impl GpuLlama {
     /// The router choosing the MoEfied experts, when one was set.
     pub fn moe_router(&self) -> Option<&RouterConfig> {
         self.moe.as_ref().and_then(|m| m.routed.as_ref()).map(|r| &r.router.cfg)
+    }
+
+    /// Tokens per sequence the pool was sized for ([`ModelOptions::max_context`]).
+    pub fn max_context(&self) -> u32 {
+        self.max_context
     }
 
     /// Bytes of the pool's pages in use (raw pages and compressed pages), as allocated.

@@ -26,6 +26,7 @@ pub mod moe;
 pub mod ops;
 pub mod reference;
 pub mod synthetic;
+pub mod text;
 pub mod tokenizer;
 pub mod weights;
 

@@ -525,6 +525,23 @@ impl Tokenizer {
         }
     }
 
+    /// A prompt's token ids, with the beginning-of-sequence token first when `starts_sequence`
+    /// and the vocabulary adds one. A character the vocabulary cannot spell is an error naming
+    /// it and its byte offset (never dropped).
+    pub fn encode_prompt(&self, text: &str, starts_sequence: bool) -> Result<Vec<u32>> {
+        if let Some((at, c)) = self.unencodable(text) {
+            return Err(Error::Input(format!("character {c:?} at byte {at} has no token in this model's vocabulary")));
+        }
+        let mut ids = self.encode(text);
+        if starts_sequence
+            && self.add_bos
+            && let Some(b) = self.bos
+        {
+            ids.insert(0, b);
+        }
+        Ok(ids)
+    }
+
     /// The bytes the tokens stand for (control tokens as their spelling). A sequence cut inside a
     /// multi-byte character gives a partial character: stream with this, not [`Tokenizer::decode`].
     pub fn decode_bytes(&self, ids: &[u32]) -> Result<Vec<u8>> {

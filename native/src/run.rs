@@ -9,8 +9,9 @@ use expertkv_core::config::{Codec, KvDtype};
 use expertkv_core::digest::{FNV_OFFSET, fnv1a};
 use expertkv_core::evict::config::{Budget, SchedulerConfig};
 use expertkv_core::route::config::RouterConfig;
-use expertkv_model::forward::{GpuLlama, ModelOptions, argmax};
+use expertkv_model::forward::{GpuLlama, ModelOptions};
 use expertkv_model::moe::{Calibration, MoeConfig, Moefication};
+use expertkv_model::text::{GenerateOptions, TextModel};
 use expertkv_model::tokenizer::Tokenizer;
 use expertkv_model::{LlamaConfig, gguf::Gguf};
 use expertkv_model::{LlamaWeights, LoadOptions};
@@ -75,6 +76,10 @@ pub struct RunArgs {
     router: Option<String>,
     #[command(flatten)]
     routing: crate::routing::RoutingArgs,
+    /// End with one JSON line: the prompt's and the generated token ids, the text, the timings
+    /// and the K/V in use (what scripts and the browser test compare).
+    #[arg(long)]
+    json: bool,
     /// Check every eviction against the CPU reference (utilities, budgets, victims, list
     /// counts, then the whole pool); slow: the pool crosses to the host twice a token.
     #[arg(long)]
@@ -231,15 +236,7 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     let (path, bytes) = read_model(a.model.as_deref())?;
     let g = Gguf::parse(&bytes).with_context(|| format!("{} is not a readable GGUF file", path.display()))?;
     let tok = Tokenizer::from_gguf(&g).context("the model's tokenizer")?;
-    if let Some((at, c)) = tok.unencodable(&a.prompt) {
-        bail!("--prompt: character {c:?} at byte {at} has no token in this model's vocabulary");
-    }
-    let mut prompt = tok.encode(&a.prompt);
-    if tok.add_bos()
-        && let Some(b) = tok.bos()
-    {
-        prompt.insert(0, b);
-    }
+    let prompt = tok.encode_prompt(&a.prompt, true).map_err(|e| anyhow::anyhow!("--prompt: {e}"))?;
     if prompt.is_empty() {
         bail!("--prompt is empty");
     }
@@ -350,26 +347,19 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     }
     print!("{}", a.prompt);
     std::io::stdout().flush()?;
+    let mut tm = TextModel::new(m, tok)?;
     let t1 = std::time::Instant::now();
-    let mut logits = Vec::new();
-    for &t in &prompt {
-        logits = pollster::block_on(m.forward(&rt, &[t]))?;
-    }
-    let prefill_s = t1.elapsed().as_secs_f64();
-    let t2 = std::time::Instant::now();
-    let mut generated = Vec::new();
-    for i in 0..a.tokens {
-        let next = argmax(&logits);
-        generated.push(next);
-        print!("{}", String::from_utf8_lossy(&tok.decode_bytes(&[next])?));
-        std::io::stdout().flush()?;
-        if tok.eos() == Some(next) {
-            break;
-        }
-        if i + 1 < a.tokens {
-            logits = pollster::block_on(m.forward(&rt, &[next]))?;
-        }
-    }
+    let mut first_piece = None;
+    let out = pollster::block_on(tm.generate(&rt, &a.prompt, &GenerateOptions { max_tokens: a.tokens, stop_at_eos: true }, |p| {
+        first_piece.get_or_insert_with(std::time::Instant::now);
+        print!("{}", p.text);
+        std::io::stdout().flush().is_ok()
+    }))?;
+    let m = tm.llama();
+    let generated = out.tokens;
+    // The first token comes straight from the prompt's last logits: prefill ends there.
+    let t2 = first_piece.unwrap_or_else(std::time::Instant::now);
+    let prefill_s = (t2 - t1).as_secs_f64();
     let decode_s = t2.elapsed().as_secs_f64();
     println!();
     if let (Some(s), Some((cfg, budget))) = (&m.scheduler, &scheduler) {
@@ -393,7 +383,7 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     if let Some((fg, _)) = &m.flexgen {
         println!("{}", crate::demo::flexgen_line(&fg.stats));
     }
-    if let Some(line) = crate::routing::summary(&rt, &m)? {
+    if let Some(line) = crate::routing::summary(&rt, m)? {
         println!("{line}");
     }
     if let Some((e, _)) = m.moe_shape() {
@@ -426,9 +416,24 @@ context: {} tokens x {} layers; K/V pages in use: {used} ({})",
         c.block_count,
         fmt_bytes(bytes)
     );
+    if a.json {
+        let line = serde_json::json!({
+            "prompt_ids": prompt,
+            "generated_ids": generated,
+            "text": out.text,
+            "stop": format!("{:?}", out.stop),
+            "prefill_s": prefill_s,
+            "decode_s": decode_s,
+            "tokens_per_s": generated.len() as f64 / decode_s.max(1e-9),
+            "kv_pages_in_use": used,
+            "kv_bytes_in_use": bytes,
+            "adapter": rt.info.name,
+        });
+        println!("{line}");
+    }
     if a.time_steps > 0 {
         let token = generated.last().copied().unwrap_or(prompt[prompt.len() - 1]);
-        let r = pollster::block_on(m.time_steps(&rt, token, a.time_steps))?;
+        let r = pollster::block_on(tm.llama_mut().time_steps(&rt, token, a.time_steps))?;
         println!("{r}");
     }
     Ok(())

@@ -156,9 +156,14 @@ fn run_and_eval_a_moe_file_with_its_own_experts() {
     let path = tmp("moe.gguf");
     std::fs::write(&path, SyntheticModel::moe(3, 8, 2).gguf()).expect("write the model");
     let model = path.to_str().expect("utf-8 path");
-    let out = ok(&["run", "--model", model, "--prompt", "Hello", "--tokens", "4", "--dtype", "f32"]);
+    let out = ok(&["run", "--model", model, "--prompt", "Hello", "--tokens", "4", "--dtype", "f32", "--json"]);
     assert!(out.contains("8 experts of 96, top-2 softmax-weighted"), "{out}");
     assert!(out.contains("routing: the busiest expert"), "{out}");
+    // --json: the last line, with the prompt's and the generated ids (byte tokens here).
+    let j: serde_json::Value = serde_json::from_str(out.lines().last().unwrap_or_default()).expect("a JSON last line");
+    assert_eq!(j["prompt_ids"], serde_json::json!([72, 101, 108, 108, 111]), "{j}");
+    assert_eq!(j["generated_ids"].as_array().map(Vec::len), Some(4), "{j}");
+    assert!(j["kv_bytes_in_use"].as_u64().is_some_and(|b| b > 0), "{j}");
     let out = ok(&["run", "--model", model, "--prompt", "Hello", "--tokens", "4", "--router", "load-balance"]);
     assert!(out.contains("router: load-balance over the file's own experts"), "{out}");
     let out = ok(&[

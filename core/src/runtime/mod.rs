@@ -278,12 +278,7 @@ impl Runtime {
                 b => format!("unnamed {b:?} adapter"),
             };
         }
-        let af = adapter.features();
-        let wanted = wgpu::Features::SHADER_F16
-            | wgpu::Features::SUBGROUP
-            | wgpu::Features::TIMESTAMP_QUERY
-            | wgpu::Features::TIMESTAMP_QUERY_INSIDE_ENCODERS;
-        let mut features = af & wanted;
+        let mut features = Self::device_descriptor(&adapter).required_features;
         let coop_f16 = coop_f16_offered(&adapter);
         let mut experimental = wgpu::ExperimentalFeatures::disabled();
         if coop_f16 {
@@ -305,6 +300,23 @@ impl Runtime {
             .await
             .map_err(|e| Error::RequestDevice { adapter: info.name.clone(), message: e.to_string() })?;
         Ok(Self::assemble(instance, adapter, device, queue, info, coop_f16, checks))
+    }
+
+    /// What to ask `adapter` for when an application creates the device it will share with
+    /// expertkv ([`Runtime::from_device`]): the optional features the kernels use where the
+    /// adapter has them (shader-f16, subgroups, timestamps) and the adapter's own limits (the
+    /// pool's buffers grow to them). A device made without them still works, on slower kernels.
+    pub fn device_descriptor(adapter: &wgpu::Adapter) -> wgpu::DeviceDescriptor<'static> {
+        let wanted = wgpu::Features::SHADER_F16
+            | wgpu::Features::SUBGROUP
+            | wgpu::Features::TIMESTAMP_QUERY
+            | wgpu::Features::TIMESTAMP_QUERY_INSIDE_ENCODERS;
+        wgpu::DeviceDescriptor {
+            label: Some("expertkv"),
+            required_features: adapter.features() & wanted,
+            required_limits: adapter.limits(),
+            ..Default::default()
+        }
     }
 
     /// A runtime on a device the application already has (one it renders with, say): the
