@@ -214,3 +214,49 @@ fn model_kernels_validate_for_every_weight_format() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
 }
+
+/// Decimal float literals of every WGSL file, as written.
+fn float_literals(text: &str) -> Vec<String> {
+    let b = text.as_bytes();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < b.len() {
+        let starts = b[i].is_ascii_digit() && (i == 0 || !(b[i - 1].is_ascii_alphanumeric() || b[i - 1] == b'_' || b[i - 1] == b'.'));
+        if !starts {
+            i += 1;
+            continue;
+        }
+        let start = i;
+        while i < b.len()
+            && (b[i].is_ascii_alphanumeric() || b[i] == b'.' || ((b[i] == b'-' || b[i] == b'+') && matches!(b[i - 1], b'e' | b'E')))
+        {
+            i += 1;
+        }
+        let lit = &text[start..i];
+        if (lit.contains('.') || lit.contains(['e', 'E'])) && !lit.starts_with("0x") {
+            out.push(lit.trim_end_matches(['f', 'h']).to_string());
+        }
+    }
+    out
+}
+
+/// Browsers' WGSL compilers (Tint, Naga in Firefox) refuse a literal beyond f32's range even
+/// where it would round to f32::MAX (naga here accepts it): `-3.4028235e38` broke a kernel in
+/// Chromium. Every literal must lie within the range as written.
+#[test]
+fn every_float_literal_lies_in_f32_range() {
+    let mut bad = Vec::new();
+    let mut seen = 0;
+    for source in ALL_SOURCES {
+        for lit in float_literals(source.text) {
+            let Ok(v) = lit.parse::<f64>() else { continue };
+            seen += 1;
+            if v.abs() > f64::from(f32::MAX) {
+                bad.push(format!("{}: {lit}", source.path));
+            }
+        }
+    }
+    assert!(seen > 50, "only {seen} float literals found: the scan is broken");
+    assert!(bad.is_empty(), "literals beyond f32's range: {bad:?}");
+    assert_eq!(float_literals("let a = 1.5e-3; let b = x2.0; let c = 3.4028235e38f;"), ["1.5e-3", "3.4028235e38"]);
+}

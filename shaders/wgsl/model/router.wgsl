@@ -63,7 +63,7 @@ fn moe_weights(@builtin(global_invocation_id) gid: vec3<u32>) {
     }
     let k = params.top_k;
     let e_n = params.n_experts;
-    var m = -3.4028235e38;
+    var m = bitcast<f32>(0xff7fffffu); // -f32::MAX (a decimal literal of it rounds past the range in Tint)
     for (var j = 0u; j < k; j++) {
         m = max(m, scores[b * e_n + min(sel[b * k + j], e_n - 1u)]);
     }
