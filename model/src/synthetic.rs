@@ -36,6 +36,11 @@ pub struct SyntheticModel {
     /// How the matrices (embedding, attention, FFN, experts; not the router) are stored: F32,
     /// Q8_0 or Q4_1.
     pub weights: GgmlType,
+    /// An LM head of its own (`output.weight`) instead of the token embeddings: with tied
+    /// embeddings a random model's residual stream is dominated by the last token's embedding,
+    /// so greedy decoding repeats that token; an untied head makes each next token a different
+    /// function of the whole forward pass.
+    pub untied_output: bool,
 }
 
 impl SyntheticModel {
@@ -53,6 +58,7 @@ impl SyntheticModel {
             context: 256,
             seed,
             weights: GgmlType::F32,
+            untied_output: false,
         }
     }
 
@@ -109,6 +115,9 @@ impl SyntheticModel {
         mat(&mut w, "token_embd.weight", &[h, vocab], draw("token_embd.weight", h * vocab, 1.0));
         let gain = |name: &str| draw(name, h, 0.1).into_iter().map(|g| 1.0 + g).collect::<Vec<f32>>();
         f32s(&mut w, "output_norm.weight", &[h], gain("output_norm.weight"));
+        if self.untied_output {
+            mat(&mut w, "output.weight", &[h, vocab], draw("output.weight", h * vocab, fan(h)));
+        }
         for l in 0..self.layers {
             let n = |s: &str| format!("blk.{l}.{s}.weight");
             f32s(&mut w, &n("attn_norm"), &[h], gain(&n("attn_norm")));

@@ -39,6 +39,10 @@ pub struct SynthArgs {
     /// How the matrices are stored: f32, q8_0 or q4_1 (norms stay F32).
     #[arg(long, default_value = "f32")]
     weights: String,
+    /// Give the model an LM head of its own (`output.weight`) instead of reusing the token
+    /// embeddings: greedy decoding then varies its tokens instead of repeating the last one.
+    #[arg(long)]
+    untied_output: bool,
 }
 
 pub fn run(a: &SynthArgs) -> Result<()> {
@@ -79,6 +83,7 @@ pub fn run(a: &SynthArgs) -> Result<()> {
         context: a.context,
         seed: a.seed,
         weights,
+        untied_output: a.untied_output,
     };
     let t0 = std::time::Instant::now();
     let bytes = m.gguf();
