@@ -91,14 +91,23 @@ build() {
     glue
 }
 
-# A static server on 127.0.0.1; prints its port. Serves .wasm as application/wasm.
+# A static server on 127.0.0.1; prints its port. Serves .wasm as application/wasm; web/www at
+# /, the JS API example page (examples/web) at /examples/, and the test's files ($out) at /data/.
 start_server() {
     local port=$1
-    python3 - "$www" "$port" <<'EOF' &
-import functools, http.server, socketserver, sys
-root, port = sys.argv[1], int(sys.argv[2])
+    mkdir -p "$out"
+    python3 - "$www" "$port" "$root/examples/web" "$out" <<'EOF' &
+import functools, http.server, os, socketserver, sys
+root, port, examples, data = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 class H(http.server.SimpleHTTPRequestHandler):
     extensions_map = {**http.server.SimpleHTTPRequestHandler.extensions_map, ".wasm": "application/wasm", ".js": "text/javascript"}
+    def translate_path(self, path):
+        for prefix, folder in (("/examples/", examples), ("/data/", data)):
+            if path.startswith(prefix):
+                rel = path[len(prefix):].split("?", 1)[0].split("#", 1)[0]
+                full = os.path.normpath(os.path.join(folder, rel))
+                return full if full.startswith(os.path.normpath(folder)) else folder
+        return super().translate_path(path)
     def log_message(self, *a):
         pass
 socketserver.TCPServer.allow_reuse_address = True
@@ -130,6 +139,19 @@ run_test() {
     grep '"checksum"' "$out/native.out" | tail -1 >"$native" || true
     grep -q '"checksum":"0x' "$native" || die "the native run printed no checksum (see $out/native.out)"
     log "native: $(cut -c1-80 "$native")..."
+    # The JS API's check: a small synthetic model decoded natively, its token ids expected.
+    local api=$out/api.json prompt="The capital of France is" n=12
+    # An LM head of its own, so the tokens depend on the whole forward pass (a tied random model
+    # repeats its last token); H2O keeping 16 tokens, so the policy reaches the page too.
+    "${run[@]}" synth --out "$out/model.gguf" --experts 0 --seed 4 --untied-output >/dev/null || die "writing the synthetic model failed"
+    "${run[@]}" run --model "$out/model.gguf" --prompt "$prompt" --tokens "$n" --scheduler h2o --budget 16 --json >"$out/api-native.out" ||
+        die "the native run of the synthetic model failed (see $out/api-native.out)"
+    tail -1 "$out/api-native.out" | python3 -c '
+import json, sys
+r = json.loads(sys.stdin.read())
+json.dump({"prompt": sys.argv[1], "tokens": int(sys.argv[2]), "policy": {"scheduler": "h2o", "budget": "16"},
+           "generated_ids": r["generated_ids"]}, sys.stdout)' "$prompt" "$n" >"$api" ||
+        die "the native run printed no JSON (see $out/api-native.out)"
     local port
     port=$(free_port)
     start_server "$port"
@@ -141,7 +163,7 @@ run_test() {
         [ "$i" != 50 ] || die "the page server did not answer within 10 s"
         sleep 0.2
     done
-    with_timeout 900 node web/tests/e2e.mjs "http://127.0.0.1:$port/" "$native" "$steps" "$out/browser.png"
+    with_timeout 900 node web/tests/e2e.mjs "http://127.0.0.1:$port/" "$native" "$steps" "$out/browser.png" "$api"
 }
 
 cmd=${1:-}
@@ -157,7 +179,7 @@ serve)
     build release
     port=${2:-8088}
     start_server "$port"
-    log "open http://127.0.0.1:$port/ in a browser with WebGPU (Ctrl-C stops)"
+    log "open http://127.0.0.1:$port/ (the demo) or http://127.0.0.1:$port/examples/ (a GGUF model through the JS API) in a browser with WebGPU (Ctrl-C stops)"
     wait "$server_pid"
     ;;
 test-build)

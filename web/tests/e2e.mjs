@@ -8,14 +8,20 @@
 //    fingerprint (three sums of every step's output) must agree with the native one within
 //    FINGERPRINT_RTOL, and a screenshot of the viewer beside the live pipeline is saved.
 // 2. The same page in a Chromium without WebGPU must say so in the page instead of failing.
-// Exit status 0 only when both hold.
+// 3. The JS API (examples/web/index.html's page, served at /examples/): init(), loadModel() of
+//    a small synthetic GGUF file served at /data/model.gguf under H2O, generate() streaming
+//    through its callback, stats(); the generated token ids must equal the native `expertkv run
+//    --json` of the same file, prompt and policy (API.json: {prompt, tokens, policy,
+//    generated_ids}), and bad options must be refused with a message naming them. Skipped when
+//    API.json is not given.
+// Exit status 0 only when all hold.
 import { chromium } from 'playwright-core';
 
 import { readFileSync } from 'node:fs';
 
-const [url, nativeFile, stepsArg, shot] = process.argv.slice(2);
+const [url, nativeFile, stepsArg, shot, apiFile] = process.argv.slice(2);
 if (!url || !nativeFile || !stepsArg || !shot) {
-  console.error('usage: node e2e.mjs URL NATIVE.json STEPS SCREENSHOT.png');
+  console.error('usage: node e2e.mjs URL NATIVE.json STEPS SCREENSHOT.png [API.json]');
   process.exit(2);
 }
 const native = JSON.parse(readFileSync(nativeFile, 'utf8'));
@@ -123,10 +129,58 @@ async function withoutWebGpu() {
   }
 }
 
+async function withApi() {
+  const want = JSON.parse(readFileSync(apiFile, 'utf8'));
+  const browser = await chromium.launch({ executablePath, headless: true, args: [...common, '--enable-unsafe-webgpu'] });
+  try {
+    const page = await browser.newPage();
+    page.on('pageerror', (e) => console.log(`[api page error] ${e.message}`));
+    const base = new URL(url);
+    await page.goto(new URL('/examples/', base).href);
+    await page.waitForFunction(() => /WebGPU:|cannot start/.test(document.getElementById('status').textContent), null, { timeout: 120000 });
+    const r = await page.evaluate(async (want) => {
+      try {
+      const api = await import('/pkg/expertkv_web.js');
+      const refused = async (f) => { try { await f(); return null; } catch (e) { return String(e); } };
+      const adapter = await api.init();
+      const bytes = new Uint8Array(await (await fetch('/data/model.gguf')).arrayBuffer());
+      const early = await refused(() => api.generate('x', {}, null));
+      const misspelt = await refused(() => api.loadModel(bytes, { sheduler: 'h2o' }));
+      const info = await api.loadModel(bytes, want.policy);
+      const streamed = [];
+      const out = await api.generate(want.prompt, { maxTokens: want.tokens }, (text, id) => { streamed.push(id); });
+      const stats = await api.stats();
+      const badOption = await refused(() => api.generate('x', { maxTokenz: 3 }, null));
+      return { adapter, info, out, streamed, stats, early, misspelt, badOption };
+      } catch (e) {
+        return { error: String(e) };
+      }
+    }, want);
+    if (r.error) {
+      fail(`the JS API failed: ${r.error}`);
+      return;
+    }
+    console.log(`API on ${r.adapter}: ${r.info.layers} layers, generated ${JSON.stringify(r.out.tokens)}; native ${JSON.stringify(want.generated_ids)}`);
+    console.log(`API stats: ${JSON.stringify(r.stats).slice(0, 160)}`);
+    if (JSON.stringify(r.out.tokens) !== JSON.stringify(want.generated_ids)) fail('the API\'s tokens differ from the native run\'s');
+    if (JSON.stringify(r.streamed) !== JSON.stringify(r.out.tokens)) fail(`onToken saw ${JSON.stringify(r.streamed)}`);
+    if (r.stats.contextTokens !== r.out.promptTokens + r.out.tokens.length - 1) fail(`stats: ${JSON.stringify(r.stats)}`);
+    if (r.info.scheduler !== 'h2o' || !(r.stats.evicted > 0)) fail(`the policy did not reach the model: ${JSON.stringify(r.info)}, ${JSON.stringify(r.stats)}`);
+    if (new Set(r.out.tokens).size < 4) fail(`a degenerate model: ${JSON.stringify(r.out.tokens)}`);
+    if (!/loadModel first/.test(r.early || '')) fail(`generate before loadModel: ${r.early}`);
+    if (!/sheduler/.test(r.misspelt || '')) fail(`a misspelt option: ${r.misspelt}`);
+    if (!/maxTokenz/.test(r.badOption || '')) fail(`an unknown generate option: ${r.badOption}`);
+  } finally {
+    await browser.close();
+  }
+}
+
 await withWebGpu();
 await withoutWebGpu();
+if (apiFile) await withApi();
 if (process.exitCode) {
   console.error('browser test failed');
 } else {
-  console.log('browser test passed: the page\'s decisions equal the native run\'s and its attention outputs agree');
+  console.log('browser test passed: the page\'s decisions equal the native run\'s and its attention outputs agree' +
+    (apiFile ? '; the JS API generates the native run\'s tokens' : ''));
 }
