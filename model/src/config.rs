@@ -30,6 +30,8 @@ pub struct LlamaConfig {
     pub vocab_size: u32,
     /// `llama.expert_count` / `llama.expert_used_count` (0 for a dense model).
     pub expert_count: u32,
+    /// `llama.expert_used_count`: experts each token is routed to (the top k), in
+    /// 1..=`expert_count` for a MoE file; 0 for a dense model.
     pub expert_used_count: u32,
 }
 

@@ -28,7 +28,10 @@ fn input_err(what: impl Into<String>) -> Error {
 /// One layer's cached keys and values, each `[pos][kv_head][head_dim]` (keys after RoPE).
 #[derive(Clone, Debug, Default)]
 pub struct LayerKv {
+    /// Keys after RoPE, `[pos][kv_head][head_dim]` flattened: `kv_heads * head_dim` floats per
+    /// cached position.
     pub k: Vec<f32>,
+    /// Values (`Wv xn`, no RoPE), laid out as `k`: `[pos][kv_head][head_dim]`.
     pub v: Vec<f32>,
 }
 
@@ -42,6 +45,8 @@ pub struct KvCache {
 }
 
 impl KvCache {
+    /// An empty cache for `config`: one [`LayerKv`] per layer, `head_count_kv * head_dim` floats
+    /// per position.
     pub fn new(config: &LlamaConfig) -> Self {
         KvCache { layers: vec![LayerKv::default(); config.block_count as usize], kv_dim: (config.head_count_kv * config.head_dim) as usize }
     }
@@ -51,6 +56,7 @@ impl KvCache {
         self.layer_len(0)
     }
 
+    /// Whether layer 0 holds no position (see [`KvCache::len`]).
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -79,6 +85,7 @@ impl KvCache {
         }
     }
 
+    /// Drops every cached position of every layer; the layers and `kv_dim` stay.
     pub fn clear(&mut self) {
         self.truncate(0);
     }
@@ -123,8 +130,14 @@ pub enum Stage {
 /// One intermediate vector of a forward step.
 #[derive(Clone, Copy, Debug)]
 pub struct Probe<'a> {
+    /// The layer, from 0; [`Stage::Embedding`] reports 0, [`Stage::FinalNorm`] and
+    /// [`Stage::Logits`] the number of layers.
     pub layer: usize,
+    /// Where in the step `values` was taken.
     pub stage: Stage,
+    /// The vector, borrowed for the probe call only: `[hidden]` for the residual stream and the
+    /// norms, `[heads * head_dim]` for `QProj`, `Q` and `Attention`, `[kv_heads * head_dim]` for
+    /// `KProj`, `K` and `V`, `[E]` for the router scores, `[vocab]` for the logits.
     pub values: &'a [f32],
 }
 
@@ -197,10 +210,13 @@ impl CpuModel {
         self
     }
 
+    /// The model's hyper-parameters (those of its weights).
     pub fn config(&self) -> &LlamaConfig {
         &self.weights.config
     }
 
+    /// The weights, shared (one `Arc`) with every model made from this one by
+    /// [`CpuModel::with_moe`].
     pub fn weights(&self) -> &Arc<LlamaWeights> {
         &self.weights
     }
@@ -224,10 +240,13 @@ impl CpuModel {
         Ok(Calibration::from_layers(xs, ids.len()))
     }
 
+    /// The experts in place of the dense FFN (a MoEfication, or a MoE file's own,
+    /// [`Moefication::native`]); `None` when the FFN is dense.
     pub fn moe(&self) -> Option<&Arc<Moefication>> {
         self.moe.as_ref()
     }
 
+    /// An empty [`KvCache`] shaped for this model.
     pub fn new_cache(&self) -> KvCache {
         KvCache::new(self.config())
     }

@@ -112,12 +112,19 @@ struct RoutedMoe {
     after: Vec<Recorded>,
 }
 
+/// A Llama-architecture model on the GPU whose K/V live in an expertkv [`KvPool`]: the weights as
+/// stored in the GGUF file, the model kernels with every step's dispatches recorded at load, and
+/// the pool's scheduler, codec and route stage as [`ModelOptions`] set them up. It decodes
+/// [`GpuLlama::n_seqs`] sequences together, one token each per [`GpuLlama::forward`].
 pub struct GpuLlama {
+    /// The model's hyper-parameters, read from the GGUF metadata at load.
     pub cfg: LlamaConfig,
     kernels: ModelKernels,
     /// Each layer's matrices (the MoEfied FFN's recording takes its attention output from here;
     /// the recorded bind groups keep every other buffer alive).
     layers: Vec<Layer>,
+    /// The paged K/V pool: pages of [`MODEL_PAGE_SIZE`] slots, held by a page list per (layer,
+    /// sequence, KV head), K/V in [`ModelOptions::dtype`] (and compressed pages under a codec).
     pub pool: KvPool,
     attn: Attention,
     /// Evicts after every step down to its budget (tokens per layer x sequence x KV head).
@@ -143,6 +150,8 @@ pub struct GpuLlama {
     s: Scratch,
     recorded: Recording,
     moe: Option<GpuMoe>,
+    /// Sequences decoded together (1 to [`MATVEC_MAX_TOKENS`]): [`GpuLlama::forward`] takes exactly
+    /// this many tokens, one per sequence.
     pub n_seqs: u32,
     /// Next position of every sequence.
     pub positions: Vec<u32>,
@@ -184,9 +193,13 @@ pub struct ModelOptions {
     pub n_seqs: u32,
     /// Tokens per sequence the pool holds.
     pub max_context: u32,
+    /// How the pool stores K and V: [`KvDtype::F16`] (the default, packed pairs) or
+    /// [`KvDtype::F32`].
     pub dtype: KvDtype,
     /// An evicting scheduler and its budget (tokens per layer x sequence x KV head).
     pub scheduler: Option<(SchedulerConfig, u32)>,
+    /// The page codec that compresses every page leaving its ring's head; [`Codec::None`] (the
+    /// default) keeps every page raw.
     pub codec: Codec,
     /// Route every layer's tokens to experts before their append (the slot metadata keeps them,
     /// the shard map places them): the route stage's router, shards and allocator. The routing
@@ -214,26 +227,35 @@ impl ModelOptions {
         }
     }
 
+    /// The same options with K/V stored as `dtype`.
     pub fn dtype(self, dtype: KvDtype) -> Self {
         ModelOptions { dtype, ..self }
     }
 
+    /// The same options with `scheduler`: a scheduler and its budget in tokens per layer x sequence
+    /// x KV head, or `None` for the full cache.
     pub fn scheduler(self, scheduler: Option<(SchedulerConfig, u32)>) -> Self {
         ModelOptions { scheduler, ..self }
     }
 
+    /// The same options with the page codec `codec`.
     pub fn codec(self, codec: Codec) -> Self {
         ModelOptions { codec, ..self }
     }
 
+    /// The same options with the route stage `routing` (`None`: no routing labels, one shard).
     pub fn routing(self, routing: Option<KvRouting>) -> Self {
         ModelOptions { routing, ..self }
     }
 
+    /// The same options with PyramidKV's ratio of the first layer's budget to the last's (needs an
+    /// evicting scheduler).
     pub fn pyramid(self, pyramid: Option<f32>) -> Self {
         ModelOptions { pyramid, ..self }
     }
 
+    /// The same options with the scheduler's utility threshold (anything but the default needs an
+    /// evicting scheduler).
     pub fn threshold(self, threshold: Threshold) -> Self {
         ModelOptions { threshold, ..self }
     }
@@ -343,6 +365,12 @@ impl GpuLlama {
         let (n_shards, top_k, shard_map) = routing.as_ref().map_or((1, 1, ShardMap::ByExpert), |r| (r.n_shards, r.top_k, r.shard_map));
         if n_seqs == 0 || n_seqs > MATVEC_MAX_TOKENS {
             return Err(Error::config("seqs", n_seqs, format!("the model decodes 1 to {MATVEC_MAX_TOKENS} sequences together")));
+        }
+        if cfg.rope_dimension_count != cfg.head_dim {
+            return Err(Error::Model(format!(
+                "llama.rope.dimension_count is {} of head_dim {}: partial rotary embeddings are implemented in the CPU reference only, not on the GPU",
+                cfg.rope_dimension_count, cfg.head_dim
+            )));
         }
         if max_context == 0 || max_context > cfg.context_length {
             return Err(Error::config(
@@ -1107,13 +1135,8 @@ fn native_experts(rt: &Runtime, g: &Gguf<'_>, c: &LlamaConfig) -> Result<Vec<(Gp
     Ok(layers)
 }
 
-/// Index of the largest value (the first of equals).
+/// Index of the largest value (the first of equals; NaNs lose to any number), as the CPU
+/// reference's [`crate::math::argmax`].
 pub fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, x) in v.iter().enumerate() {
-        if *x > v[best] {
-            best = i;
-        }
-    }
-    best as u32
+    crate::math::argmax(v)
 }

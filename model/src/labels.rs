@@ -35,6 +35,7 @@ pub enum LabelSource {
 }
 
 impl LabelSource {
+    /// The source in words, for reports and logs ("the MoE file's router", ...).
     pub fn name(self) -> &'static str {
         match self {
             LabelSource::MoeFile => "the MoE file's router",
@@ -55,6 +56,8 @@ pub struct KvRouting {
     pub router: RouterConfig,
     /// Shards per (layer, sequence), and how tokens map onto them.
     pub n_shards: u32,
+    /// Which of its (layer, sequence)'s shards a token goes to ([`ShardMap::ByExpert`] from
+    /// [`KvRouting::new`]).
     pub shard_map: ShardMap,
     /// EKVA: split an evicting scheduler's budget across experts by importance.
     pub allocator: Option<EkvaConfig>,

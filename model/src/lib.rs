@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! expertkv-model: trained models from GGUF files, feeding the KV manager of `expertkv-core`.
 //!
 //! - [`gguf`]: the GGUF container (header, metadata, tensor table), its CPU dequantisation and a

@@ -71,7 +71,11 @@ pub struct MoeConfig {
     pub experts: usize,
     /// Groups evaluated per token, `k` (1 ..= `experts`).
     pub top_k: usize,
+    /// Seed of the k-means++ initialisation, mixed with the layer index ([`DEFAULT_SEED`]; 0 for a
+    /// MoE file's own experts, which are not clustered).
     pub seed: u64,
+    /// Assign / recompute rounds after the initialisation ([`DEFAULT_ITERATIONS`]; 0 for a MoE
+    /// file's own experts).
     pub iterations: usize,
     /// Equal group sizes (see the module docs).
     pub balanced: bool,
@@ -109,6 +113,8 @@ pub enum Gating {
 #[derive(Clone, Debug)]
 pub struct MoeLayer {
     hidden: usize,
+    /// How the router scores a token and weights the chosen experts: [`Gating::Unit`] when MoEfied,
+    /// [`Gating::Softmax`] for a MoE file.
     pub gating: Gating,
     /// `[E][hidden]`: the router's weights (MoEfication: unit-length centroids; a MoE file: its
     /// `ffn_gate_inp`).
@@ -126,6 +132,7 @@ pub struct MoeLayer {
 }
 
 impl MoeLayer {
+    /// Experts `E` of this layer (`offsets.len() - 1`).
     pub fn experts(&self) -> usize {
         self.offsets.len() - 1
     }
@@ -265,7 +272,10 @@ pub fn softmax_weights(scores: &[f32], experts: &[usize]) -> Vec<f32> {
 /// A MoEfied model: one [`MoeLayer`] per transformer layer.
 #[derive(Clone, Debug)]
 pub struct Moefication {
+    /// The settings it was made with (a MoE file's own experts: `llama.expert_count`,
+    /// `llama.expert_used_count`, seed and iterations 0).
     pub config: MoeConfig,
+    /// The experts and router of each transformer layer, in order.
     pub layers: Vec<MoeLayer>,
     /// Calibration tokens the routers were fitted on ([`Moefication::fit_router`]); `None`: the
     /// centroid routers (or a MoE file's own).

@@ -16,18 +16,23 @@ pub const MATVEC_MAX_TOKENS: u32 = 8;
 /// How a matrix's weights sit in GPU memory (`common/quant.wgsl`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WeightFormat {
+    /// Plain f32 as stored, handled in blocks of 32 (128 bytes, 32 words).
     F32,
     /// ggml Q8_0, each 34-byte block padded to 36 bytes on upload.
     Q8_0,
     /// ggml Q4_1 as is (20-byte blocks).
     Q4_1,
+    /// IEEE halves as stored, blocks of 32 (64 bytes, 16 words).
     F16,
+    /// bfloat16 as stored, blocks of 32 (64 bytes, 16 words).
     BF16,
     /// ggml Q4_0, each 18-byte block padded to 20 bytes on upload.
     Q4_0,
     /// ggml's K-quants: super-blocks of 256 weights (Q6_K's 210 bytes padded to 212).
     Q4K,
+    /// ggml Q5_K as is (176-byte super-blocks, 44 words).
     Q5K,
+    /// ggml Q6_K, each 210-byte super-block padded to 212 bytes (53 words) on upload.
     Q6K,
 }
 
@@ -45,6 +50,8 @@ impl WeightFormat {
         WeightFormat::Q6K,
     ];
 
+    /// The format of tensors stored as `ty`; an error listing the formats the kernels read for any
+    /// other type.
     pub fn from_ggml(ty: GgmlType) -> Result<WeightFormat> {
         match ty {
             GgmlType::F32 => Ok(WeightFormat::F32),
@@ -131,9 +138,14 @@ impl WeightFormat {
 
 /// A `rows x cols` matrix (row-major: row = output feature) in a block format on the GPU.
 pub struct GpuMatrix {
+    /// The blocks row after row as [`pack_blocks`] lays them out, [`WeightFormat::gpu_block_words`]
+    /// words each.
     pub buffer: wgpu::Buffer,
+    /// The block format the kernels dequantise.
     pub format: WeightFormat,
+    /// Output features.
     pub rows: u32,
+    /// Input features (a multiple of [`WeightFormat::block_weights`]).
     pub cols: u32,
 }
 
@@ -175,6 +187,9 @@ pub fn pack_blocks(format: WeightFormat, rows: u32, cols: u32, bytes: &[u8]) -> 
 }
 
 impl GpuMatrix {
+    /// Packs the file's bytes of a `rows x cols` matrix ([`pack_blocks`]) into a new storage buffer
+    /// labelled `label`; an error when the bytes do not match the shape or the buffer is larger
+    /// than the device can bind.
     pub fn upload(rt: &Runtime, label: &str, format: WeightFormat, rows: u32, cols: u32, bytes: &[u8]) -> Result<GpuMatrix> {
         let words = pack_blocks(format, rows, cols, bytes)?;
         let size = words.len() as u64 * 4;
@@ -190,11 +205,17 @@ impl GpuMatrix {
 pub struct MoeFfn {
     /// `[2 * ffn][hidden]`: gate rows then up rows, in expert order.
     pub gate_up: GpuMatrix,
+    /// `[ffn][hidden]` f32: Wdown transposed, rows in expert order (the permutation of `gate_up`).
     pub down_t: wgpu::Buffer,
+    /// `[n_experts + 1]` u32: expert `e` owns permuted neurons `offsets[e]..offsets[e + 1]`.
     pub offsets: wgpu::Buffer,
+    /// Experts in the layer.
     pub n_experts: u32,
+    /// Neurons of the largest expert (slots per choice in the activation scratch).
     pub max_size: u32,
+    /// Neurons of all experts together.
     pub ffn: u32,
+    /// FFN input and output features.
     pub hidden: u32,
 }
 
@@ -264,6 +285,7 @@ impl MoeFfn {
 /// [`Recorded`] list built once and replayed every step (the kernels' parameters and buffers do
 /// not change between steps, so neither do their uniforms and bind groups).
 pub trait DispatchSink {
+    /// One dispatch of `pipeline` with `bind_group` at group 0, `workgroups` as (x, y, z) counts.
     fn dispatch(&mut self, pipeline: &wgpu::ComputePipeline, bind_group: wgpu::BindGroup, workgroups: [u32; 3]);
 }
 
@@ -287,6 +309,7 @@ impl DispatchSink for Recorded {
 }
 
 impl Recorded {
+    /// Encodes every recorded dispatch into `pass`, in recording order.
     pub fn encode(&self, pass: &mut wgpu::ComputePass<'_>) {
         for (p, bg, [x, y, z]) in &self.0 {
             pass.set_pipeline(p);
@@ -295,10 +318,12 @@ impl Recorded {
         }
     }
 
+    /// Dispatches recorded.
     pub fn len(&self) -> usize {
         self.0.len()
     }
 
+    /// Whether nothing was recorded.
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }

@@ -18,10 +18,13 @@ use expertkv_core::rng::Rng;
 /// The shape and seed of a synthetic model.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SyntheticModel {
+    /// Transformer blocks (`llama.block_count`).
     pub layers: u32,
     /// Hidden features (a multiple of 32, as the GPU kernels read 32-weight blocks).
     pub hidden: u32,
+    /// Query heads; the head dimension is `hidden / heads`.
     pub heads: u32,
+    /// KV heads (grouped-query attention: a divisor of `heads`).
     pub kv_heads: u32,
     /// Neurons of the dense FFN, or of each expert.
     pub ffn: u32,
@@ -31,7 +34,9 @@ pub struct SyntheticModel {
     pub top_k: u32,
     /// Every expert a copy of the dense FFN of the same seed.
     pub identical_experts: bool,
+    /// `llama.context_length`: the most tokens per sequence the model may be loaded for.
     pub context: u32,
+    /// Seed of every tensor's generator (each mixed with the tensor's name).
     pub seed: u64,
     /// How the matrices (embedding, attention, FFN, experts; not the router) are stored: F32,
     /// Q8_0 or Q4_1.

@@ -100,7 +100,10 @@ impl Default for GenerateOptions {
 /// several tokens arrives whole with the token that ends it (`text` is empty for the others).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Piece {
+    /// The generated token's id in the vocabulary.
     pub id: u32,
+    /// The text this token completes, whole UTF-8 characters only: a character split over tokens
+    /// comes whole with the token that finishes it, so this can be empty.
     pub text: String,
 }
 
@@ -124,6 +127,7 @@ pub struct Generation {
     pub tokens: Vec<u32>,
     /// Their text (bytes that never completed a character at the end show as U+FFFD).
     pub text: String,
+    /// Why generation ended.
     pub stop: Stop,
 }
 
@@ -193,6 +197,7 @@ impl TextModel {
         Ok(TextModel { llama, tokenizer, unfed: None })
     }
 
+    /// The file's tokenizer, for encoding and decoding outside [`TextModel::generate`].
     pub fn tokenizer(&self) -> &Tokenizer {
         &self.tokenizer
     }
@@ -202,6 +207,8 @@ impl TextModel {
         &self.llama
     }
 
+    /// The forward pass, mutably: for setting it up after load ([`GpuLlama::set_moe`],
+    /// [`GpuLlama::set_labels`], [`GpuLlama::set_moe_router`]).
     pub fn llama_mut(&mut self) -> &mut GpuLlama {
         &mut self.llama
     }

@@ -39,13 +39,20 @@ fn model_err(what: impl Into<String>) -> Error {
 /// A token's role (`tokenizer.ggml.token_type`, llama.cpp's `llama_token_type`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum TokenType {
+    /// An ordinary token (type 1, or 0 for undefined): its spelling maps back to bytes through
+    /// GPT-2's byte-to-unicode table.
     Normal,
+    /// The unknown token (`<unk>`, type 2): decodes to its spelling verbatim, matched in text only
+    /// by `encode_with_special`.
     Unknown,
     /// `<|im_start|>`, `<|endoftext|>`: matched in text only by `encode_with_special`.
     Control,
     /// Added tokens matched verbatim in any text.
     UserDefined,
+    /// A reserved slot (type 5), handled as a normal token.
     Unused,
+    /// A byte token of SentencePiece vocabularies (`<0x0A>`, type 6), handled as a normal token: it
+    /// decodes to its spelling, not to the byte.
     Byte,
 }
 
@@ -72,7 +79,10 @@ impl TokenType {
 /// How text is split into pieces before BPE (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PreTokenizer {
+    /// GPT-2's pattern over the whole text (`gpt2`).
     Gpt2,
+    /// Every `\p{N}` character a piece of its own, then GPT-2's pattern over the rest (`smollm`,
+    /// `starcoder` and the others of the module docs).
     DigitsThenGpt2,
 }
 
@@ -375,15 +385,19 @@ impl Tokenizer {
         Ok(self)
     }
 
+    /// Tokens in the vocabulary; ids are `0..vocab_size`.
     pub fn vocab_size(&self) -> usize {
         self.texts.len()
     }
+    /// The pre-tokenizer `tokenizer.ggml.pre` names.
     pub fn pre_tokenizer(&self) -> PreTokenizer {
         self.pre
     }
+    /// The beginning-of-sequence token (`tokenizer.ggml.bos_token_id`), when there is one.
     pub fn bos(&self) -> Option<u32> {
         self.bos
     }
+    /// The end-of-sequence token (`tokenizer.ggml.eos_token_id`), when there is one.
     pub fn eos(&self) -> Option<u32> {
         self.eos
     }
@@ -400,6 +414,8 @@ impl Tokenizer {
     pub fn token_bytes(&self, id: u32) -> Option<&[u8]> {
         self.bytes.get(id as usize).map(|b| &b[..])
     }
+    /// The token's type (all normal when the file has no `tokenizer.ggml.token_type`); `None`
+    /// outside the vocabulary.
     pub fn token_type(&self, id: u32) -> Option<TokenType> {
         self.types.get(id as usize).copied()
     }

@@ -147,9 +147,11 @@ pub struct LayerWeights {
 /// Every weight of a dense Llama model.
 #[derive(Clone, Debug)]
 pub struct LlamaWeights {
+    /// The hyper-parameters the tensors were checked against.
     pub config: LlamaConfig,
     /// `[vocab][hidden]`: row `t` is token `t`'s embedding.
     pub token_embd: Matrix,
+    /// The transformer blocks, `block_count` of them, in order.
     pub layers: Vec<LayerWeights>,
     /// The final RMSNorm gain, `[hidden]`.
     pub output_norm: Vec<f32>,

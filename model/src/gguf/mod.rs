@@ -118,22 +118,36 @@ fn utf8_at<'a>(bytes: &'a [u8], offset: u64, what: &str) -> Result<&'a str> {
 /// The type tag of a metadata value.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ValueType {
+    /// Type id 0: an unsigned 8-bit integer.
     U8,
+    /// Type id 1: a signed 8-bit integer.
     I8,
+    /// Type id 2: an unsigned 16-bit integer.
     U16,
+    /// Type id 3: a signed 16-bit integer.
     I16,
+    /// Type id 4: an unsigned 32-bit integer.
     U32,
+    /// Type id 5: a signed 32-bit integer.
     I32,
+    /// Type id 6: an IEEE single-precision float.
     F32,
+    /// Type id 7: one byte, 0 or 1 (any other byte is a format error).
     Bool,
+    /// Type id 8: a u64 byte length, then the bytes (UTF-8 by the spec).
     String,
+    /// Type id 9: a u32 element type, a u64 element count, then the elements, all of that type.
     Array,
+    /// Type id 10: an unsigned 64-bit integer.
     U64,
+    /// Type id 11: a signed 64-bit integer.
     I64,
+    /// Type id 12: an IEEE double-precision float.
     F64,
 }
 
 impl ValueType {
+    /// The type of GGUF's value type id (`gguf_type`, 0..=12); `None` for any other id.
     pub fn from_id(id: u32) -> Option<Self> {
         use ValueType::*;
         Some(match id {
@@ -154,6 +168,8 @@ impl ValueType {
         })
     }
 
+    /// GGUF's id of the type, as written before a metadata value and in an array header (the
+    /// inverse of [`ValueType::from_id`]).
     pub fn id(self) -> u32 {
         use ValueType::*;
         match self {
@@ -204,23 +220,36 @@ impl fmt::Display for ValueType {
 /// One metadata value, borrowing strings and arrays from the file.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Value<'a> {
+    /// An unsigned 8-bit integer ([`ValueType::U8`]).
     U8(u8),
+    /// A signed 8-bit integer ([`ValueType::I8`]).
     I8(i8),
+    /// An unsigned 16-bit integer ([`ValueType::U16`]).
     U16(u16),
+    /// A signed 16-bit integer ([`ValueType::I16`]).
     I16(i16),
+    /// An unsigned 32-bit integer ([`ValueType::U32`]): most of llama.cpp's counts and sizes.
     U32(u32),
+    /// A signed 32-bit integer ([`ValueType::I32`]).
     I32(i32),
+    /// An unsigned 64-bit integer ([`ValueType::U64`]).
     U64(u64),
+    /// A signed 64-bit integer ([`ValueType::I64`]).
     I64(i64),
+    /// A single-precision float ([`ValueType::F32`]): epsilons, RoPE bases.
     F32(f32),
+    /// A double-precision float ([`ValueType::F64`]).
     F64(f64),
+    /// A boolean ([`ValueType::Bool`]), stored as one byte 0 or 1.
     Bool(bool),
     /// The raw bytes: GGUF says UTF-8 but nothing enforces it; [`Value::as_str`] checks.
     String(&'a [u8]),
+    /// An array ([`ValueType::Array`]), its elements left encoded in the file until read.
     Array(Array<'a>),
 }
 
 impl<'a> Value<'a> {
+    /// The type tag this value was read with.
     pub fn value_type(&self) -> ValueType {
         match self {
             Value::U8(_) => ValueType::U8,
@@ -271,6 +300,7 @@ impl<'a> Value<'a> {
         }
     }
 
+    /// A bool value; `None` for every other type (integers are not converted).
     pub fn as_bool(&self) -> Option<bool> {
         match *self {
             Value::Bool(b) => Some(b),
@@ -286,6 +316,7 @@ impl<'a> Value<'a> {
         }
     }
 
+    /// An array value; `None` for every other type.
     pub fn as_array(&self) -> Option<&Array<'a>> {
         match self {
             Value::Array(a) => Some(a),
@@ -326,14 +357,17 @@ pub struct Array<'a> {
 }
 
 impl<'a> Array<'a> {
+    /// The type of every element (a GGUF array holds one type).
     pub fn elem_type(&self) -> ValueType {
         self.elem
     }
 
+    /// Elements in the array (not bytes).
     pub fn len(&self) -> u64 {
         self.len
     }
 
+    /// Whether the array has no elements.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -343,6 +377,7 @@ impl<'a> Array<'a> {
         self.offset
     }
 
+    /// The elements, decoded one by one (strings and nested arrays borrowed from the file).
     pub fn iter(&self) -> ArrayIter<'a> {
         ArrayIter { cur: Cursor::new(self.bytes, self.offset), elem: self.elem, left: self.len, depth: self.depth }
     }
@@ -503,39 +538,103 @@ fn read_array<'a>(cur: &mut Cursor<'a>, depth: u32) -> Result<Array<'a>> {
 /// A ggml tensor type. Sizes are those of ggml's blocks (`ggml-common.h`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum GgmlType {
+    /// Id 0: 32-bit IEEE floats, 32 bits per weight.
     F32,
+    /// Id 1: IEEE halves, 16 bits per weight.
     F16,
+    /// Id 2: blocks of 32 weights in 18 bytes, an f16 scale `d` and 32 4-bit codes `q` (weight
+    /// `(q - 8) * d`); 4.5 bits per weight.
     Q4_0,
+    /// Id 3: blocks of 32 weights in 20 bytes, an f16 scale `d` and minimum `m` and 32 4-bit codes
+    /// (weight `d * q + m`); 5 bits per weight.
     Q4_1,
+    /// Id 6: blocks of 32 weights in 22 bytes, an f16 scale `d`, 4 bytes of fifth bits and 16 of
+    /// low nibbles (weight `(q - 16) * d`); 5.5 bits per weight.
     Q5_0,
+    /// Id 7: blocks of 32 weights in 24 bytes, an f16 scale `d` and minimum `m`, 4 bytes of fifth
+    /// bits and 16 of low nibbles (weight `d * q + m`); 6 bits per weight.
     Q5_1,
+    /// Id 8: blocks of 32 weights in 34 bytes, an f16 scale `d` and 32 signed bytes `q` (weight
+    /// `q * d`); 8.5 bits per weight.
     Q8_0,
+    /// Id 9: blocks of 32 in 36 bytes, an f16 scale, an f16 of the scale times the codes' sum, and
+    /// 32 signed bytes; 9 bits per value (ggml's activation format for Q4_1/Q5_1 dot products; not
+    /// dequantised here).
     Q8_1,
+    /// Id 10: super-blocks of 256 weights in 84 bytes: 16 sub-blocks of 16 with 4-bit scales and
+    /// mins, 2-bit codes, an f16 super-block scale and min; 2.625 bits per weight.
     Q2K,
+    /// Id 11: super-blocks of 256 weights in 110 bytes: 3-bit codes (a mask of high bits and 2 low
+    /// bits), 16 sub-blocks of 16 with 6-bit scales, an f16 scale; 3.4375 bits per weight.
     Q3K,
+    /// Id 12: super-blocks of 256 weights in 144 bytes: an f16 scale and min, 8 sub-blocks of 32
+    /// with 6-bit scales and mins (12 bytes), 4-bit codes; 4.5 bits per weight.
     Q4K,
+    /// Id 13: super-blocks of 256 weights in 176 bytes: Q4_K's layout plus a fifth bit per weight
+    /// (32 bytes); 5.5 bits per weight.
     Q5K,
+    /// Id 14: super-blocks of 256 weights in 210 bytes: 6-bit codes (128 bytes of low nibbles, 64
+    /// of high bit pairs), 16 sub-blocks of 16 with signed 8-bit scales, an f16 scale last; 6.5625
+    /// bits per weight.
     Q6K,
+    /// Id 15: super-blocks of 256 in 292 bytes: an f32 scale, 256 signed bytes and 16 i16 sums of
+    /// 16 codes; 9.125 bits per value (ggml's activation format for the K-quants' dot products).
     Q8K,
+    /// Id 16: i-quant, super-blocks of 256 weights in 66 bytes (an f16 scale, groups of 8 weights
+    /// as indices into a lattice codebook with sign and scale bits); 2.0625 bits per weight; not
+    /// dequantised here.
     Iq2Xxs,
+    /// Id 17: i-quant, super-blocks of 256 weights in 74 bytes (IQ2_XXS with a larger codebook and
+    /// 4-bit scales per 16 weights); 2.3125 bits per weight; not dequantised here.
     Iq2Xs,
+    /// Id 18: i-quant, super-blocks of 256 weights in 98 bytes (groups of 4 weights from a
+    /// codebook, signs and scales packed alongside); 3.0625 bits per weight; not dequantised here.
     Iq3Xxs,
+    /// Id 19: i-quant, super-blocks of 256 weights in 50 bytes (groups of 8 from a ternary
+    /// codebook, 3-bit scales, a shift); 1.5625 bits per weight; not dequantised here.
     Iq1S,
+    /// Id 20: blocks of 32 weights in 18 bytes, an f16 scale and 32 4-bit indices into a fixed
+    /// non-linear table of 16 values; 4.5 bits per weight; not dequantised here.
     Iq4Nl,
+    /// Id 21: i-quant, super-blocks of 256 weights in 110 bytes (codebook indices with high bits,
+    /// explicit signs, 4-bit scales); 3.4375 bits per weight; not dequantised here.
     Iq3S,
+    /// Id 22: i-quant, super-blocks of 256 weights in 82 bytes (codebook indices with high bits,
+    /// 4-bit scales); 2.5625 bits per weight; not dequantised here.
     Iq2S,
+    /// Id 23: super-blocks of 256 weights in 136 bytes, IQ4_NL's table with 6-bit scales per 32
+    /// weights under an f16 scale; 4.25 bits per weight; not dequantised here.
     Iq4Xs,
+    /// Id 24: signed 8-bit integers; not dequantised here.
     I8,
+    /// Id 25: signed 16-bit integers; not dequantised here.
     I16,
+    /// Id 26: signed 32-bit integers; not dequantised here.
     I32,
+    /// Id 27: signed 64-bit integers; not dequantised here.
     I64,
+    /// Id 28: 64-bit IEEE floats (narrowed to f32 when dequantised).
     F64,
+    /// Id 29: i-quant, super-blocks of 256 weights in 56 bytes (ternary codebook groups, 3-bit
+    /// scales with the f16 super-scale packed among them); 1.75 bits per weight; not dequantised
+    /// here.
     Iq1M,
+    /// Id 30: bfloat16 (f32's upper 16 bits), 16 bits per weight.
     Bf16,
+    /// Id 34: ternary (-1, 0, 1 times an f16 scale), super-blocks of 256 in 54 bytes, codes packed
+    /// five (or four) per byte in base 3; 1.6875 bits per weight; not dequantised here.
     Tq1_0,
+    /// Id 35: ternary (-1, 0, 1 times an f16 scale), super-blocks of 256 in 66 bytes, 2 bits per
+    /// code; 2.0625 bits per weight; not dequantised here.
     Tq2_0,
+    /// Id 39: OCP microscaling FP4, blocks of 32 in 17 bytes: an E8M0 (power-of-two) scale and 32
+    /// E2M1 4-bit floats; 4.25 bits per weight; not dequantised here.
     Mxfp4,
+    /// Id 40: NVIDIA FP4, blocks of 64 in 36 bytes: four UE4M3 scales (one per 16 weights) and 64
+    /// E2M1 4-bit floats; 4.5 bits per weight; not dequantised here.
     Nvfp4,
+    /// Id 41: blocks of 128 weights in 18 bytes, an f16 scale `d` and one sign bit per weight
+    /// (weight `+d` or `-d`); 1.125 bits per weight; not dequantised here.
     Q1_0,
 }
 
@@ -626,6 +725,8 @@ impl GgmlType {
         }
     }
 
+    /// ggml's id of the type (`enum ggml_type`), as stored in a tensor info (the inverse of
+    /// [`GgmlType::from_id`]).
     pub fn id(self) -> u32 {
         self.traits().0
     }
@@ -673,12 +774,16 @@ pub struct TensorInfo<'a> {
 }
 
 impl<'a> TensorInfo<'a> {
+    /// The tensor's name (`blk.0.attn_q.weight`), borrowed from the file.
     pub fn name(&self) -> &'a str {
         self.name
     }
+    /// The dimensions, 0 to [`MAX_DIMS`] of them, contiguous first (`[in, out]` for a weight
+    /// matrix).
     pub fn dims(&self) -> &[u64] {
         self.dims.get(..self.n_dims).unwrap_or_default()
     }
+    /// The type the tensor's bytes are stored in.
     pub fn ggml_type(&self) -> GgmlType {
         self.ggml_type
     }
@@ -686,9 +791,11 @@ impl<'a> TensorInfo<'a> {
     pub fn offset(&self) -> u64 {
         self.offset
     }
+    /// Elements: the product of the dimensions (1 for a 0-dimensional tensor).
     pub fn n_elements(&self) -> u64 {
         self.n_elements
     }
+    /// Bytes of the tensor's data: `n_elements / block_size * type_size` of its type.
     pub fn n_bytes(&self) -> u64 {
         self.n_bytes
     }
@@ -835,6 +942,7 @@ impl<'a> Gguf<'a> {
         Ok(Gguf { bytes, version, metadata, metadata_index, tensors, tensor_index, alignment, data_offset })
     }
 
+    /// The file's GGUF version: 2 or 3, the only ones parsed.
     pub fn version(&self) -> u32 {
         self.version
     }
@@ -854,6 +962,7 @@ impl<'a> Gguf<'a> {
         self.metadata.iter().map(|(k, v)| (*k, v))
     }
 
+    /// The value of metadata key `key`; `None` when the file does not have it.
     pub fn get(&self, key: &str) -> Option<&Value<'a>> {
         self.metadata_index.get(key).and_then(|&i| self.metadata.get(i)).map(|(_, v)| v)
     }
@@ -884,16 +993,20 @@ impl<'a> Gguf<'a> {
         v.as_f64().map(|x| x as f32).ok_or_else(|| Self::mistyped(key, v, "a number"))
     }
 
+    /// A bool; an error when the key is missing or holds another type.
     pub fn get_bool(&self, key: &str) -> Result<bool> {
         let v = self.require(key)?;
         v.as_bool().ok_or_else(|| Self::mistyped(key, v, "a bool"))
     }
 
+    /// A string, borrowed from the file; an error when the key is missing, holds another type or is
+    /// not UTF-8.
     pub fn get_str(&self, key: &str) -> Result<&'a str> {
         let v = self.require(key)?;
         v.as_str().ok_or_else(|| Self::mistyped(key, v, "a UTF-8 string"))
     }
 
+    /// An array of any element type; an error when the key is missing or holds another type.
     pub fn get_array(&self, key: &str) -> Result<&Array<'a>> {
         let v = self.require(key)?;
         v.as_array().ok_or_else(|| Self::mistyped(key, v, "an array"))
@@ -904,10 +1017,12 @@ impl<'a> Gguf<'a> {
         if self.get(key).is_some() { get(self, key).map(Some) } else { Ok(None) }
     }
 
+    /// The tensor table, in file order.
     pub fn tensors(&self) -> &[TensorInfo<'a>] {
         &self.tensors
     }
 
+    /// The tensor named `name`; `None` when the file has none of that name.
     pub fn tensor(&self, name: &str) -> Option<&TensorInfo<'a>> {
         self.tensor_index.get(name).and_then(|&i| self.tensors.get(i))
     }
@@ -926,6 +1041,8 @@ impl<'a> Gguf<'a> {
         range.and_then(|r| self.bytes.get(r)).ok_or_else(|| format_err(t.info_offset, format!("tensor `{}` lies outside the file", t.name)))
     }
 
+    /// The named tensor's bytes as stored ([`Gguf::data`]); an error when the file has no such
+    /// tensor.
     pub fn tensor_data(&self, name: &str) -> Result<&'a [u8]> {
         self.data(self.require_tensor(name)?)
     }

@@ -23,6 +23,8 @@ pub fn array(elem: ValueType, items: &[Vec<u8>]) -> Vec<u8> {
 
 /// Metadata and tensors, in the order given.
 pub struct GgufWriter {
+    /// The version written in the header: 3 from [`GgufWriter::new`]; the layout written is also
+    /// version 2's, so setting 2 makes a valid v2 file.
     pub version: u32,
     alignment: u64,
     kv: Vec<u8>,
@@ -50,22 +52,28 @@ impl GgufWriter {
         self.n_kv += 1;
         self
     }
+    /// Adds `key` = `v` as a u32 value.
     pub fn u32(&mut self, key: &str, v: u32) -> &mut Self {
         self.raw(key, ValueType::U32, &v.to_le_bytes())
     }
+    /// Adds `key` = `v` as an f32 value.
     pub fn f32(&mut self, key: &str, v: f32) -> &mut Self {
         self.raw(key, ValueType::F32, &v.to_le_bytes())
     }
+    /// Adds `key` = `v` as a bool value (one byte, 0 or 1).
     pub fn bool(&mut self, key: &str, v: bool) -> &mut Self {
         self.raw(key, ValueType::Bool, &[u8::from(v)])
     }
+    /// Adds `key` = `v` as a string value.
     pub fn str(&mut self, key: &str, v: &str) -> &mut Self {
         self.raw(key, ValueType::String, &string(v.as_bytes()))
     }
+    /// Adds `key` as an array of strings (a vocabulary, the merges).
     pub fn strs(&mut self, key: &str, v: &[&str]) -> &mut Self {
         let items: Vec<Vec<u8>> = v.iter().map(|s| string(s.as_bytes())).collect();
         self.raw(key, ValueType::Array, &array(ValueType::String, &items))
     }
+    /// Adds `key` as an array of i32 values (token types).
     pub fn i32s(&mut self, key: &str, v: &[i32]) -> &mut Self {
         let items: Vec<Vec<u8>> = v.iter().map(|x| x.to_le_bytes().to_vec()).collect();
         self.raw(key, ValueType::Array, &array(ValueType::I32, &items))

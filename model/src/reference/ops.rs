@@ -23,6 +23,8 @@ pub fn matvec(w: &[f32], rows: usize, cols: usize, x: &[f32], n_tokens: usize) -
     y
 }
 
+/// `y[b][i] = x[b][i] / sqrt(mean_i x[b][i]^2 + eps) * g[i]` over each token's `dim` features (`x`
+/// is `[n_tokens][dim]`).
 pub fn rmsnorm(x: &[f32], g: &[f32], dim: usize, eps: f32) -> Vec<f64> {
     let mut y = vec![0f64; x.len()];
     for (xb, yb) in x.chunks(dim).zip(y.chunks_mut(dim)) {

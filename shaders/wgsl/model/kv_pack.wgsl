@@ -8,7 +8,7 @@
 
 //!import common/half.wgsl
 
-// must match `KvPackParams` in core/src/gpu_data.rs
+// must match `KvPackParams` in model/src/gpu_data.rs
 struct KvPackParams {
     n_tokens: u32,
     floats: u32,  // K (or V) floats per token: kv_heads * head_dim

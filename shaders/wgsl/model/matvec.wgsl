@@ -8,7 +8,7 @@
 //!define FORMAT 0u
 //!define MAX_TOKENS 8u
 
-// must match `MatVecParams` in core/src/gpu_data.rs
+// must match `MatVecParams` in model/src/gpu_data.rs
 struct MatVecParams {
     rows: u32,       // output features
     cols: u32,       // input features (a multiple of the format's block: 32, or 256)

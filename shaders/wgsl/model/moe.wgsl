@@ -19,7 +19,7 @@
 //!import common/quant.wgsl
 //!define FORMAT 0u
 
-// must match `MoeParams` in core/src/gpu_data.rs
+// must match `MoeParams` in model/src/gpu_data.rs
 struct MoeParams {
     hidden: u32,     // FFN input and output features (a multiple of 32)
     ffn: u32,        // neurons

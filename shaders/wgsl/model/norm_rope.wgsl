@@ -10,7 +10,7 @@
 //!import common/quant.wgsl
 //!define FORMAT 0u
 
-// must match `ModelOpParams` in core/src/gpu_data.rs
+// must match `ModelOpParams` in model/src/gpu_data.rs
 struct ModelOpParams {
     n_tokens: u32,
     dim: u32,        // rmsnorm/embed: features per token; swiglu: n; rope: head_dim

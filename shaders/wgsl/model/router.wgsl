@@ -1,14 +1,14 @@
 // model: the MoEfied router's choice on the GPU: per token the top_k of its n_experts scores,
-// highest first, ties to the lower index, in f32's total order (as core::model::moe::top_k, which
+// highest first, ties to the lower index, in f32's total order (as expertkv_model::moe::top_k, which
 // sorts with f32::total_cmp). Written to `sel` (read by model/moe.wgsl) and to `log` at
 // `log_offset` (a step's choices of every layer, read back once per step). One invocation per
 // token; top_k * n_experts * top_k steps, small next to the experts it chooses.
 //
 // moe_weights: a MoE file's weights of the chosen experts (whoever chose them), the softmax of
 // their scores: wts[b][j] = exp(s_j - m) / sum_i exp(s_i - m), s_j = scores[b][sel[b][j]], m the
-// largest (as core::model::moe::softmax_weights).
+// largest (as expertkv_model::moe::softmax_weights).
 
-// must match `MoeTopkParams` in core/src/gpu_data.rs
+// must match `MoeTopkParams` in model/src/gpu_data.rs
 struct MoeTopkParams {
     n_tokens: u32,
     n_experts: u32,
