@@ -22,12 +22,22 @@ use crate::runtime::Runtime;
 /// Everything of the pool state, read back (for tests, stats and the viewer).
 #[derive(Clone, Debug)]
 pub struct PoolSnapshot {
+    /// One ring per shard key (layer, sequence, KV head, shard): oldest entry, page count, fill.
     pub rings: Vec<RingState>,
+    /// `ring_capacity` page ids per shard key, a circular array whose oldest entry sits at the
+    /// ring's `head`; entry `k` of a ring is at `key * ring_capacity + (head + k) % ring_capacity`.
     pub ring_pages: Vec<u32>,
+    /// Per page id (raw, then compressed): owning shard key or `NO_OWNER`, and valid slots.
     pub page_meta: Vec<PageMeta>,
+    /// The raw pages' free stack (`n_pages` entries; the first `ctl.free_top` are free).
     pub free_stack: Vec<u32>,
+    /// Free-stack tops, sticky error flags and counters.
     pub ctl: PoolCtl,
+    /// `meta_words` u32 per slot of every page id: position, last access, access count,
+    /// experts, gates (f32 bits), attention mass (f32 bits).
     pub slot_meta: Vec<u32>,
+    /// The compressed pages' free stack (the first `ctl.codec_free_top` are free); empty when
+    /// the pool has no codec.
     pub codec_free: Vec<u32>,
 }
 
@@ -66,22 +76,39 @@ struct AppendScratch {
     write_bgs: Vec<wgpu::BindGroup>,
 }
 
+/// The paged, sharded KV pool on one device: its K/V buffers, the ring and page-table state the
+/// kernels keep, and the append, gather and release passes.
 pub struct KvPool {
+    /// The validated configuration the pool was built from.
     pub cfg: PoolConfig,
+    /// The runtime it was made with (calls with another are refused).
+    owner: crate::runtime::RuntimeId,
+    /// The pool's shape as the kernels see it.
     pub geo: Geometry,
+    /// `geo` as a uniform buffer, bound by every pool kernel.
     pub geometry: wgpu::Buffer,
     /// K/V pages, `geo.pages_per_buffer` per buffer.
     pub kv_buffers: Vec<wgpu::Buffer>,
+    /// Per K/V buffer: its index and the global ids of the pages it holds.
     pub windows: Vec<PoolWindow>,
+    /// `windows` as uniform buffers, one per K/V buffer.
     pub window_bufs: Vec<wgpu::Buffer>,
+    /// A [`RingState`] per shard key (layer, sequence, KV head, shard).
     pub rings: wgpu::Buffer,
+    /// `ring_capacity` page ids (u32) per shard key, circular from each ring's head (entries
+    /// past a ring's count are stale; `NO_OWNER` before first use).
     pub ring_pages: wgpu::Buffer,
+    /// A [`PageMeta`] per page id, raw then compressed.
     pub page_meta: wgpu::Buffer,
+    /// Free raw page ids (u32), popped from the top (`PoolCtl::free_top`).
     pub free_stack: wgpu::Buffer,
+    /// The pool's [`PoolCtl`]: free-stack tops, error flags, counters.
     pub ctl: wgpu::Buffer,
+    /// Slot metadata, `meta_words` u32 per slot of every page id ([`PoolSnapshot::slot_meta`]).
     pub slot_meta: wgpu::Buffer,
     /// Per (layer, seq, KV head): `max_pages_per_seq` page ids, built by `append/gather_pages`.
     pub page_list: wgpu::Buffer,
+    /// Per (layer, seq, KV head): the length of its page list in pages (u32), as of the last gather.
     pub page_counts: wgpu::Buffer,
     apply_pipe: wgpu::ComputePipeline,
     plan_pipe: wgpu::ComputePipeline,
@@ -102,6 +129,7 @@ pub struct KvPool {
     staged: Option<(wgpu::Buffer, u32, u32)>,
     /// Compressed pages (ids `n_pages..n_ids`), their free stack, and the compression passes.
     pub codec_kv: wgpu::Buffer,
+    /// Free compressed page ids (u32), popped from the top (`PoolCtl::codec_free_top`).
     pub codec_free: wgpu::Buffer,
     pub(crate) codec: Option<CodecPasses>,
     /// Low-rank codecs: per (layer, KV head), K then V, `rank` basis rows of `head_dim` f32
@@ -116,7 +144,9 @@ pub struct KvPool {
 /// of the host's `NewToken::experts` / `gates`.
 #[derive(Clone, Copy)]
 pub struct Routed<'a> {
+    /// The router's chosen experts, top_k u32 per row ([`crate::route::Router::experts`]).
     pub experts: &'a wgpu::Buffer,
+    /// The router's gate weights, top_k f32 per row ([`crate::route::Router::gates`]).
     pub gates: &'a wgpu::Buffer,
     /// Tokens of each layer in the batch (the batch is ordered `[layer][token]`).
     pub per_layer: u32,
@@ -136,6 +166,8 @@ pub struct StagedRouting {
 pub const MAX_APPEND_TOKENS: u32 = 65_535;
 
 impl KvPool {
+    /// Validate `cfg` and allocate the pool on `rt`'s device: K/V split over as many buffers as
+    /// its binding limit needs, every page free, every ring empty. Errors name a field or limit.
     pub async fn new(rt: &Runtime, cfg: PoolConfig) -> Result<KvPool> {
         cfg.validate()?;
         let max_binding = rt.max_binding_bytes();
@@ -218,6 +250,7 @@ impl KvPool {
         let codec_basis = rt.storage("expertkv pool codec_basis", (cfg.basis_words() * 4).max(4));
         let mut pool = KvPool {
             cfg,
+            owner: rt.id(),
             geo,
             geometry,
             kv_buffers,
@@ -266,6 +299,7 @@ impl KvPool {
         ((self.cfg.ring_capacity - 1) * self.cfg.page_size).min(fits)
     }
 
+    /// Storage buffers the raw K/V pages are split over.
     pub fn n_buffers(&self) -> usize {
         self.kv_buffers.len()
     }
@@ -370,6 +404,7 @@ impl KvPool {
         routed: Option<Routed<'_>>,
         timestamps: Option<wgpu::ComputePassTimestampWrites<'_>>,
     ) -> Result<()> {
+        rt.check_owner(self.owner, "this pool")?;
         let n = tokens.len() as u32;
         if n == 0 {
             return Ok(());
@@ -606,8 +641,14 @@ impl KvPool {
         Ok(())
     }
 
+    /// The runtime the pool was made with.
+    pub fn owner(&self) -> crate::runtime::RuntimeId {
+        self.owner
+    }
+
     /// Gather the page lists of every layer, in its own submission.
     pub fn gather(&self, rt: &Runtime) -> Result<()> {
+        rt.check_owner(self.owner, "this pool")?;
         let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("append/gather") });
         self.encode_gather(rt, &mut enc, 0, self.cfg.layers, None);
         rt.queue.submit([enc.finish()]);
@@ -617,6 +658,7 @@ impl KvPool {
     /// Release the `counts[key]` oldest pages of each shard ring back to the free stack.
     /// Keys are `((layer * max_seqs + seq) * kv_heads + head) * n_shards + shard`.
     pub fn release(&self, rt: &Runtime, counts: &[u32]) -> Result<()> {
+        rt.check_owner(self.owner, "this pool")?;
         if counts.len() != self.cfg.n_keys() as usize {
             return Err(Error::Input(format!("release counts: {} entries, the pool has {} shard rings", counts.len(), self.cfg.n_keys())));
         }
@@ -649,7 +691,9 @@ impl KvPool {
         self.release(rt, &counts)
     }
 
+    /// Read the pool's control block (free-stack tops, error flags, counters) back.
     pub async fn read_ctl(&self, rt: &Runtime) -> Result<PoolCtl> {
+        rt.check_owner(self.owner, "this pool")?;
         Ok(rt.read::<PoolCtl>(&self.ctl, 0, 1).await?[0])
     }
 
@@ -681,6 +725,7 @@ impl KvPool {
         }
     }
 
+    /// Read the whole pool state but the K/V words back ([`KvPool::read_kv`] reads those).
     pub async fn snapshot(&self, rt: &Runtime) -> Result<PoolSnapshot> {
         Ok(PoolSnapshot {
             rings: rt.read_all(&self.rings).await?,

@@ -15,10 +15,18 @@ pub enum SplitVariant {
     /// Workgroup-memory tiles; runs everywhere (WebGPU core).
     Tiled,
     /// `lanes` invocations of a subgroup per token, `vpl` 16-byte loads each per row.
-    Subgroup { lanes: u32, vpl: u32 },
+    Subgroup {
+        /// Subgroup invocations that share a token's row: 16 or 8, at most the device's
+        /// smallest subgroup.
+        lanes: u32,
+        /// 16-byte words each lane loads per K or V row, 1..=4 (head_dim / (values per 16 bytes x
+        /// lanes)).
+        vpl: u32,
+    },
 }
 
 impl SplitVariant {
+    /// The variant as reports and error messages show it: `tiled` or `subgroup(lanes=16,vpl=1)`.
     pub fn name(self) -> String {
         match self {
             SplitVariant::Tiled => "tiled".into(),
@@ -27,6 +35,8 @@ impl SplitVariant {
     }
 }
 
+/// How decode attention runs: query heads per KV head, sequences, chunking, the mass pass and the
+/// kernels' knobs (defaults: [`AttendOptions::default`]).
 #[derive(Clone, Debug)]
 pub struct AttendOptions {
     /// Query heads per KV head.
@@ -39,7 +49,7 @@ pub struct AttendOptions {
     pub mass: bool,
     /// `None`: the best variant the device's tier allows.
     pub variant: Option<SplitVariant>,
-    /// Subgroup variant: tokens in flight per token group (1..=4).
+    /// Subgroup variant: tokens in flight per token group (1..=`MAX_TOKENS_IN_FLIGHT`).
     pub tokens_in_flight: u32,
     /// Subgroup variant: reduce-scatter scores over lanes when the group allows it.
     pub transpose: bool,
@@ -107,6 +117,7 @@ pub enum QuantKernel {
 }
 
 impl QuantKernel {
+    /// `auto`, `slot` (or `slot-block`), `tile` or `coop`; anything else is an [`Error::Config`].
     pub fn parse(s: &str) -> Result<QuantKernel> {
         match s {
             "auto" => Ok(QuantKernel::Auto),
@@ -145,8 +156,12 @@ fn wgsl_f32(x: f32) -> String {
     if s.contains(['.', 'e']) { s } else { format!("{s}.0") }
 }
 
+/// The most query heads per KV head ([`AttendOptions::group`]).
 pub const MAX_GROUP: u32 = 8;
+/// The most pages per split chunk ([`AttendOptions::chunk_pages`]); the split kernels size
+/// their per-chunk workgroup arrays by it.
 pub const MAX_CHUNK_PAGES: u32 = 64;
+/// The most [`AttendOptions::tokens_in_flight`] accepted.
 pub const MAX_TOKENS_IN_FLIGHT: u32 = 8;
 
 /// The best subgroup layout for this shape and device, if any: 16 lanes when subgroups are that
@@ -405,10 +420,19 @@ fn quant_coop_path(rt: &Runtime, pool: &KvPool, opts: &AttendOptions) -> Result<
     }
 }
 
+/// Split-K decode attention over a pool's page lists, one layer per call: the kernels chosen for
+/// the device and pool, and their buffers.
 pub struct Attention {
+    /// The options it was built with.
     pub opts: AttendOptions,
+    /// The runtime it was made with (calls with another are refused).
+    owner: crate::runtime::RuntimeId,
+    /// The split kernel that reads the raw pages.
     pub variant: SplitVariant,
+    /// Chunks per page list: `max_pages_per_seq / chunk_pages`, rounded up.
     pub n_chunks: u32,
+    /// Tokens of the longest page list, `max_pages_per_seq * page_size`: the row length of
+    /// `scores`.
     pub max_tokens: u32,
     q_heads: u32,
     head_dim: u32,
@@ -416,10 +440,19 @@ pub struct Attention {
     reduce: wgpu::ComputePipeline,
     mass: Option<wgpu::ComputePipeline>,
     params: wgpu::Buffer,
+    /// Queries, f32 `[seq][q_head][head_dim]` ([`Attention::set_queries`], or written on the GPU).
     pub queries: wgpu::Buffer,
+    /// The split pass's partial results, per (seq, q_head, buffer, chunk) a record of
+    /// `head_dim + 4` f32: running max, sum of exponentials, two zeros, the unnormalised
+    /// output. Buffers are the pool's K/V buffers, plus one for compressed pages.
     pub partials: wgpu::Buffer,
+    /// Scaled scores q.k, f32 `[seq][q_head][max_tokens]` by slot of the page list, for the
+    /// mass pass (4 bytes when `opts.mass` is off).
     pub scores: wgpu::Buffer,
+    /// Attention output, f32 `[seq][q_head][head_dim]` ([`Attention::output`]).
     pub out: wgpu::Buffer,
+    /// The reduce pass's final (max, sum of exponentials) per (seq, q_head), two f32 each, for
+    /// the mass pass.
     pub stats: wgpu::Buffer,
     split_bgs: Vec<wgpu::BindGroup>,
     codec_split: Option<(wgpu::ComputePipeline, wgpu::BindGroup)>,
@@ -441,6 +474,8 @@ pub struct Attention {
 }
 
 impl Attention {
+    /// Attention over the pool's own page lists: checks `opts` against the pool and device and
+    /// builds the fastest kernels they allow ([`Attention::with_lists`] for other lists).
     pub async fn new(rt: &Runtime, pool: &KvPool, opts: AttendOptions) -> Result<Attention> {
         Self::with_lists(rt, pool, opts, None).await
     }
@@ -453,6 +488,7 @@ impl Attention {
         opts: AttendOptions,
         lists: Option<(&wgpu::Buffer, &wgpu::Buffer)>,
     ) -> Result<Attention> {
+        rt.check_owner(pool.owner(), "the pool")?;
         let (page_list, page_counts) = lists.unwrap_or((&pool.page_list, &pool.page_counts));
         let cfg = &pool.cfg;
         if opts.group == 0 || opts.group > MAX_GROUP {
@@ -718,6 +754,7 @@ impl Attention {
         });
         rt.check("attention setup")?;
         Ok(Attention {
+            owner: rt.id(),
             variant,
             n_chunks,
             max_tokens,
@@ -748,6 +785,7 @@ impl Attention {
         })
     }
 
+    /// Query heads per sequence: the pool's `kv_heads` x `opts.group`.
     pub fn q_heads(&self) -> u32 {
         self.q_heads
     }
@@ -819,6 +857,7 @@ impl Attention {
 
     /// Upload queries, `[seq][q_head][head_dim]` f32; NaN or infinity is refused.
     pub fn set_queries(&self, rt: &Runtime, q: &[f32]) -> Result<()> {
+        rt.check_owner(self.owner, "this attention")?;
         let want = (self.opts.n_seqs * self.q_heads * self.head_dim) as usize;
         if q.len() != want {
             return Err(Error::Input(format!("queries: {} values, expected n_seqs x q_heads x head_dim = {want}", q.len())));
@@ -991,8 +1030,9 @@ impl Attention {
         }
     }
 
-    /// Encode, submit and wait for one call on `layer`.
+    /// Encode and submit one call on `layer` (it does not wait; [`Runtime::check`] reports errors).
     pub fn run(&self, rt: &Runtime, layer: u32, step: u32) -> Result<()> {
+        rt.check_owner(self.owner, "this attention")?;
         self.prepare(rt, layer, step);
         let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("attend") });
         {
@@ -1005,6 +1045,7 @@ impl Attention {
 
     /// Output, `[seq][q_head][head_dim]`.
     pub async fn read_output(&self, rt: &Runtime) -> Result<Vec<f32>> {
+        rt.check_owner(self.owner, "this attention")?;
         rt.read(&self.out, 0, u64::from(self.opts.n_seqs * self.q_heads * self.head_dim)).await
     }
 

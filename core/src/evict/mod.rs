@@ -19,7 +19,9 @@ use crate::runtime::{grid, split_workgroups};
 
 /// The EKVA allocator's state on the GPU (see `evict/ekva.wgsl`).
 pub struct Ekva {
+    /// The allocator's floor, importance mix and decay.
     pub cfg: EkvaConfig,
+    /// Experts per layer: expert groups per page list (1..=[`EKVA_MAX_GROUPS`]).
     pub n_experts: u32,
     /// Per (list, expert): `GroupState`.
     pub groups: wgpu::Buffer,
@@ -37,8 +39,12 @@ pub struct Ekva {
 /// router's statistics buffer (`None`: a zeroed buffer of its own, see
 /// [`Scheduler::write_route_stats`]).
 pub struct AllocatorSpec<'a> {
+    /// The allocator's parameters.
     pub cfg: EkvaConfig,
+    /// Experts per layer, 1..=[`EKVA_MAX_GROUPS`].
     pub n_experts: u32,
+    /// The router's `ExpertStats` per (layer, expert), at least layers x `n_experts` entries
+    /// ([`crate::route::Router::stats`]); `None`: a zeroed buffer of the allocator's own.
     pub route_stats: Option<&'a wgpu::Buffer>,
 }
 
@@ -65,18 +71,28 @@ fn dispatch_all(pass: &mut wgpu::ComputePass<'_>, dispatches: &Dispatches<'_>) {
     }
 }
 
+/// An eviction scheduler over one pool on the GPU: score, budget, select, compact and free in
+/// one compute pass (with the thaw of compressed pages and the EKVA allocator where configured).
 pub struct Scheduler {
+    /// The runtime it was made with (calls with another are refused).
+    owner: crate::runtime::RuntimeId,
+    /// The policy and its parameters.
     pub cfg: SchedulerConfig,
     /// Tokens each (layer, sequence, KV head) list keeps (AdaKV: on average over the heads).
     pub budget: u32,
     /// Every layer's base budget (`KEEP_ALL`: the layer keeps everything), see
     /// [`SchedulerConfig::layer_budgets`].
     pub layer_budgets: Vec<u32>,
+    /// The utility threshold that evicts low-mass tokens under the budget.
     pub threshold: Threshold,
     /// `evict/select`'s invocations per list (the order it sums a list's mass in).
     pub select_wg: u32,
     params: wgpu::Buffer,
+    /// Per pool slot (raw and compressed page ids): the policy's utility as an orderable u32
+    /// key, higher kept longer; meaningful for cached slots only.
     pub utility: wgpu::Buffer,
+    /// A [`ListState`] per (layer, seq, KV head) list: budget, tokens and evictions, threshold,
+    /// hit rate, mass, Duo head kind.
     pub lists: wgpu::Buffer,
     seq_lens: wgpu::Buffer,
     /// Per shard ring, from the last eviction: (slots moved by compaction, pages freed).
@@ -90,6 +106,7 @@ pub struct Scheduler {
     free: (wgpu::ComputePipeline, wgpu::BindGroup),
     /// With a page codec: the compressed pages compaction touches, decoded first.
     thaw: Option<Thaw>,
+    /// The EKVA allocator, when the scheduler was built with one.
     pub ekva: Option<Ekva>,
     n_lists: u32,
     n_keys: u32,
@@ -148,6 +165,7 @@ impl Scheduler {
         allocator: Option<AllocatorSpec<'_>>,
         select_workgroup: Option<u32>,
     ) -> Result<Scheduler> {
+        rt.check_owner(pool.owner(), "the pool")?;
         let fits = |w: u32| w <= rt.caps.max_invocations_per_workgroup && (3 * w + 256) * 4 + 64 <= rt.caps.max_workgroup_storage_bytes;
         let select_wg = match select_workgroup {
             Some(w) if [256, 512, 1024].contains(&w) && fits(w) => w,
@@ -199,8 +217,11 @@ impl Scheduler {
             Threshold::Fixed { tau } if !(tau.is_finite() && tau >= 0.0) => {
                 return Err(Error::config("threshold", tau, "must be finite and >= 0"));
             }
-            Threshold::Adaptive { target, step } if !((0.0..=1.0).contains(&target) && step.is_finite() && step >= 0.0) => {
-                return Err(Error::config("threshold.target", target, "target in [0, 1], step finite and >= 0"));
+            Threshold::Adaptive { target, .. } if !(0.0..=1.0).contains(&target) => {
+                return Err(Error::config("threshold.target", target, "must be in [0, 1]"));
+            }
+            Threshold::Adaptive { step, .. } if !(step.is_finite() && step >= 0.0) => {
+                return Err(Error::config("threshold.step", step, "must be finite and >= 0"));
             }
             _ => {}
         }
@@ -352,6 +373,7 @@ impl Scheduler {
             rt.bind(Kernel::EvictFree.label(), &free_p, &[&pool.geometry, &counts, &freed, &pool.free_stack, &pool.ctl, &pool.page_meta]);
         rt.check("scheduler setup")?;
         Ok(Scheduler {
+            owner: rt.id(),
             cfg,
             budget,
             layer_budgets,
@@ -472,6 +494,7 @@ impl Scheduler {
 
     /// Evict in its own submission (the pool's page lists must be current).
     pub fn run(&self, rt: &Runtime, step: u32, seq_lens: &[u32]) -> Result<()> {
+        rt.check_owner(self.owner, "this scheduler")?;
         self.prepare(rt, step, seq_lens)?;
         let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("evict") });
         {
@@ -487,6 +510,7 @@ impl Scheduler {
         rt.read_all(&self.counts).await
     }
 
+    /// Every list's [`ListState`] after the last eviction, list-major (layer, seq, KV head).
     pub async fn read_lists(&self, rt: &Runtime) -> Result<Vec<ListState>> {
         rt.read_all(&self.lists).await
     }

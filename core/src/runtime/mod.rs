@@ -25,6 +25,7 @@ pub enum ShaderChecks {
 }
 
 impl ShaderChecks {
+    /// The mode's name in reports: `checked` or `unchecked-where-tested`.
     pub fn name(self) -> &'static str {
         match self {
             ShaderChecks::Checked => "checked",
@@ -40,6 +41,8 @@ pub struct RuntimeOptions {
     pub backends: wgpu::Backends,
     /// Keep only adapters whose name contains this (case-insensitive).
     pub adapter: Option<String>,
+    /// Which kernels skip bounds checks (default: [`ShaderChecks::TrustedTested`] natively,
+    /// [`ShaderChecks::Checked`] in the browser, which always checks).
     pub checks: ShaderChecks,
 }
 
@@ -53,8 +56,11 @@ impl Default for RuntimeOptions {
     }
 }
 
+/// Environment variable naming the backends to consider, comma-separated ([`parse_backends`]).
 pub const ENV_BACKEND: &str = "EXPERTKV_BACKEND";
+/// Environment variable holding part of the wanted adapter's name (case-insensitive).
 pub const ENV_ADAPTER: &str = "EXPERTKV_ADAPTER";
+/// Environment variable choosing the shader bounds-check mode ([`parse_checks`]).
 pub const ENV_SHADER_CHECKS: &str = "EXPERTKV_SHADER_CHECKS";
 
 impl RuntimeOptions {
@@ -78,6 +84,9 @@ impl RuntimeOptions {
     }
 }
 
+/// Backends from a comma-separated list of names (case-insensitive): vulkan (vk), metal, dx12
+/// (d3d12), gl (gles, opengl), webgpu (browser), all. An unknown or empty list is an
+/// [`Error::Config`].
 pub fn parse_backends(s: &str) -> Result<wgpu::Backends> {
     let mut out = wgpu::Backends::empty();
     for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
@@ -99,6 +108,8 @@ pub fn parse_backends(s: &str) -> Result<wgpu::Backends> {
     Ok(out)
 }
 
+/// `checked` gives [`ShaderChecks::Checked`]; `unchecked` (or `trusted`) gives
+/// [`ShaderChecks::TrustedTested`].
 pub fn parse_checks(s: &str) -> Result<ShaderChecks> {
     match s {
         "checked" => Ok(ShaderChecks::Checked),
@@ -110,17 +121,27 @@ pub fn parse_checks(s: &str) -> Result<ShaderChecks> {
 /// What the opened device can do.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct Capabilities {
+    /// The device has shader-f16 (f16 arithmetic in WGSL).
     pub f16: bool,
+    /// The device has subgroups of at least 8 invocations: [`Tier::Subgroups`].
     pub subgroups: bool,
+    /// Smallest subgroup size the adapter reports, in invocations.
     pub subgroup_min_size: u32,
+    /// Largest subgroup size the adapter reports, in invocations.
     pub subgroup_max_size: u32,
+    /// The device has timestamp queries ([`timer::GpuTimer`]).
     pub timestamps: bool,
     /// Nanoseconds per timestamp tick.
     pub timestamp_period_ns: f32,
+    /// The device's `max_storage_buffer_binding_size`, in bytes.
     pub max_storage_binding_bytes: u64,
+    /// The device's `max_buffer_size`, in bytes.
     pub max_buffer_bytes: u64,
+    /// The device's `max_storage_buffers_per_shader_stage`.
     pub max_storage_buffers_per_stage: u32,
+    /// The device's `max_compute_workgroup_storage_size`, in bytes.
     pub max_workgroup_storage_bytes: u32,
+    /// The device's `max_compute_invocations_per_workgroup`.
     pub max_invocations_per_workgroup: u32,
     /// wgpu's experimental cooperative matrices with the 16 x 16 x 16 f16 -> f32 shape (the
     /// tensor cores), with 16-bit integers in shaders; native only, and off with
@@ -138,6 +159,7 @@ pub enum Tier {
 }
 
 impl Tier {
+    /// The tier's name in reports: `baseline` or `subgroups`.
     pub fn name(self) -> &'static str {
         match self {
             Tier::Baseline => "baseline",
@@ -152,16 +174,31 @@ struct Health {
     uncaptured: Vec<String>,
 }
 
+/// Identifies a [`Runtime`] within the process ([`Runtime::id`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RuntimeId(u64);
+
 /// An opened GPU device with everything the kernels need to know about it.
 pub struct Runtime {
+    /// This runtime among the process's runtimes: what the objects made with it remember.
+    id: RuntimeId,
+    /// The wgpu instance the adapter came from.
     pub instance: wgpu::Instance,
+    /// The adapter the device was opened on.
     pub adapter: wgpu::Adapter,
+    /// The device every pool, router and kernel of this runtime lives on.
     pub device: wgpu::Device,
+    /// The device's queue (shared with the application under [`Runtime::from_device`]).
     pub queue: wgpu::Queue,
+    /// The adapter's name, backend and device type; an unnamed adapter is given a descriptive name.
     pub info: wgpu::AdapterInfo,
+    /// The limits the device was created with (the adapter's own under [`Runtime::new`]).
     pub limits: wgpu::Limits,
+    /// What the device can do, from its features and limits.
     pub caps: Capabilities,
+    /// The capability tier that chooses kernel variants.
     pub tier: Tier,
+    /// Which kernels run without bounds checks (always [`ShaderChecks::Checked`] in the browser).
     pub checks: ShaderChecks,
     health: Arc<Mutex<Health>>,
     /// What `probe/f16_subnormal.wgsl` found, once asked ([`Runtime::f16_subnormals`]).
@@ -319,6 +356,26 @@ impl Runtime {
         }
     }
 
+    /// Which runtime this is: pools, attentions and schedulers remember the runtime they were
+    /// made with and refuse any other (wgpu would reject their buffers mid-encode).
+    pub fn id(&self) -> RuntimeId {
+        self.id
+    }
+
+    /// Refuse an object (`what`: "this pool", "this attention") made with another runtime.
+    /// (Two runtimes on the same wgpu device are two runtimes here: wgpu's device handles of
+    /// separate instances can compare equal, so the runtime, not the device, is the owner.)
+    pub fn check_owner(&self, owner: RuntimeId, what: &str) -> Result<()> {
+        if owner == self.id {
+            Ok(())
+        } else {
+            Err(Error::Input(format!(
+                "{what} was made with another runtime (another device) than this one ({}): use the runtime it was made with",
+                self.info.name
+            )))
+        }
+    }
+
     /// A runtime on a device the application already has (one it renders with, say): the
     /// capability tier and limits come from what that device was created with (its features
     /// and limits, not the adapter's), so kernels needing a feature the application did not
@@ -389,7 +446,9 @@ impl Runtime {
         };
         let tier = if subgroups { Tier::Subgroups } else { Tier::Baseline };
         let checks = if cfg!(target_arch = "wasm32") { ShaderChecks::Checked } else { checks };
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         Runtime {
+            id: RuntimeId(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)),
             instance,
             adapter,
             device,

@@ -143,3 +143,29 @@ fn lost_device_is_an_error_not_a_panic() {
     let e = pool.append(&rt, &[tok(0, 0)], &kv, 0).expect_err("lost device");
     assert!(matches!(e, Error::DeviceLost { .. }), "{e}");
 }
+
+/// Objects made on one device and handed another runtime are refused by name before anything
+/// reaches wgpu (which would otherwise report a validation error, or abort, mid-encode).
+#[test]
+fn objects_of_another_device_are_refused() {
+    let a = rt();
+    let b =
+        pollster::block_on(expertkv_core::Runtime::new(expertkv_core::RuntimeOptions::from_env().expect("env"))).expect("a second device");
+    let cfg = small();
+    let mut pool = pollster::block_on(KvPool::new(a, cfg.clone())).expect("pool");
+    let kv = random_kv(&mut Rng::new(5), &cfg, 1);
+    let e = pool.append(&b, &[tok(0, 0)], &kv, 0).expect_err("append on another device");
+    assert!(e.to_string().contains("another runtime"), "{e}");
+    assert!(pool.gather(&b).expect_err("gather").to_string().contains("another runtime"));
+    let e = pollster::block_on(Attention::new(&b, &pool, AttendOptions { group: 2, n_seqs: 1, ..Default::default() }))
+        .err()
+        .expect("attention");
+    assert!(e.to_string().contains("another runtime"), "{e}");
+    let attn = pollster::block_on(Attention::new(a, &pool, AttendOptions { group: 2, n_seqs: 1, ..Default::default() })).expect("attn");
+    let q = vec![0.5f32; (attn.q_heads() * 16) as usize];
+    assert!(attn.set_queries(&b, &q).expect_err("queries").to_string().contains("another runtime"));
+    assert!(attn.run(&b, 0, 0).expect_err("run").to_string().contains("another runtime"));
+    // Nothing was harmed on the right device.
+    pool.append(a, &[tok(0, 0)], &kv, 0).expect("append on its own device");
+    a.check("after the refusals").expect("device a healthy");
+}
