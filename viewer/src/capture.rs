@@ -38,7 +38,8 @@ pub async fn capture_pool(
     report: StepReport,
 ) -> expertkv_core::Result<Snapshot> {
     let c = &pool.cfg;
-    let experts = if stats.is_empty() { ExpertGrid::default() } else { ExpertGrid::from_stats(stats, c.layers as usize, experts) };
+    let experts =
+        if stats.is_empty() { ExpertGrid::default() } else { ExpertGrid::from_stats(stats, c.layers as usize, experts, c.kv_heads) };
     let rings: Vec<RingState> = rt.read_all(&pool.rings).await?;
     let ctl = pool.read_ctl(rt).await?;
     let codec_capacity = u64::from(c.n_ids() - c.n_pages);

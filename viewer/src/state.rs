@@ -15,16 +15,20 @@ pub const HISTORY: usize = 128;
 /// The run a viewer shows: its configuration and where the steps come from.
 #[derive(Clone, Debug)]
 pub struct RunInfo {
+    /// The run's configuration (for a model, its pool and policies).
     pub config: DemoConfig,
+    /// The pool geometry the pipeline was built with.
     pub pool: PoolConfig,
     /// Tokens each (layer, sequence, KV head) list keeps under the scheduler.
     pub budget_tokens: Option<u32>,
+    /// The GPU adapter: its name and, in brackets, its backend.
     pub adapter: String,
     /// `live` or the trace file being replayed.
     pub source: Source,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
+/// Where a run's steps come from.
 pub enum Source {
     /// The synthetic workload, run as the viewer watches.
     Live,
@@ -32,13 +36,21 @@ pub enum Source {
     Trace(String),
     /// A GGUF model (its path and where its routing labels come from) decoding a prompt: the
     /// configuration describes the model's pool and policies, a step is one generated token.
-    Model { path: String, labels: String },
+    Model {
+        /// Path of the GGUF file.
+        path: String,
+        /// What labels the tokens with experts, as `LabelSource::name` gives it (e.g. the MoE
+        /// file's router).
+        labels: String,
+    },
 }
 
 /// Per-(layer, expert) router statistics after a step, layer-major (`layer * experts + expert`).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct ExpertGrid {
+    /// Layers: the grid's rows.
     pub layers: usize,
+    /// Experts per layer: the grid's columns.
     pub experts: usize,
     /// Moving-average share of routing slots (routing frequency).
     pub load: Vec<f32>,
@@ -52,14 +64,15 @@ pub struct ExpertGrid {
 
 impl ExpertGrid {
     /// From the router's statistics buffer (`Router::read_stats`), laid out `layer * experts + e`.
-    pub fn from_stats(stats: &[ExpertStats], layers: usize, experts: usize) -> ExpertGrid {
+    /// `kv_heads`: the pool's KV heads (`resident` counts one K/V vector per token and head).
+    pub fn from_stats(stats: &[ExpertStats], layers: usize, experts: usize, kv_heads: u32) -> ExpertGrid {
         let n = (layers * experts).min(stats.len());
         let s = &stats[..n];
         ExpertGrid {
             layers,
             experts,
             load: s.iter().map(|x| x.load).collect(),
-            resident: s.iter().map(|x| x.resident.min(x.appended)).collect(),
+            resident: s.iter().map(|x| (x.resident / kv_heads.max(1)).min(x.appended)).collect(),
             appended: s.iter().map(|x| x.appended).collect(),
             miss: s.iter().map(|x| x.miss).collect(),
         }
@@ -69,10 +82,15 @@ impl ExpertGrid {
 /// Pages by where they live: raw and compressed pages on the GPU, pages in host memory (FlexGen).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Tiers {
+    /// Raw pages in use on the GPU.
     pub gpu_raw: u64,
+    /// Raw pages in the pool.
     pub gpu_raw_capacity: u64,
+    /// Compressed pages in use on the GPU.
     pub gpu_codec: u64,
+    /// Compressed pages in the pool (0 without a codec).
     pub gpu_codec_capacity: u64,
+    /// Pages held in host memory (FlexGen; 0 otherwise).
     pub host: u64,
 }
 
@@ -88,12 +106,15 @@ pub struct TraceStep {
 /// Everything the panels draw of one step.
 #[derive(Clone, Debug)]
 pub struct Snapshot {
+    /// The step's report.
     pub report: StepReport,
     /// Empty (`layers == 0`) where the router's statistics were not read.
     pub experts: ExpertGrid,
     /// Pages held by each shard ring, in pool key order: `((layer * seqs + seq) * kv_heads + head) * shards + shard`.
     pub ring_pages: Vec<u32>,
+    /// Pages in use and in the pool, by tier.
     pub tiers: Tiers,
+    /// When replaying a trace: the recorded step and where the re-run departed from it.
     pub trace: Option<TraceStep>,
     /// A model's run: the prompt and the text generated so far.
     pub text: Option<String>,
@@ -105,7 +126,12 @@ pub enum Event {
     /// A pipeline was (re)built; the history starts over.
     Started(Box<RunInfo>),
     /// Prefill progress, in tokens.
-    Prefill { done: u64, total: u64 },
+    Prefill {
+        /// Tokens appended so far.
+        done: u64,
+        /// Tokens the prefill appends in all.
+        total: u64,
+    },
     /// Prefill is done; decode steps may follow.
     Ready,
     /// One decode step.
@@ -119,23 +145,33 @@ pub enum Event {
 /// Where the run is.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Phase {
+    /// Waiting for a pipeline to be built.
     Idle,
+    /// Prefilling the prompt.
     Prefill {
+        /// Tokens appended so far.
         done: u64,
+        /// Tokens the prefill appends in all.
         total: u64,
     },
     /// Prefilled; decode steps run (or wait for Run or Step).
     Decoding,
+    /// The run reached its last step.
     Finished,
+    /// Building or stepping failed, with the error; the run has stopped.
     Failed(String),
 }
 
 /// The viewer's data: the run, the latest snapshot and a ring of recent step reports.
 #[derive(Clone, Debug)]
 pub struct ViewerState {
+    /// The run being shown; `None` until a pipeline starts.
     pub info: Option<RunInfo>,
+    /// The latest step's snapshot; `None` before the first step.
     pub latest: Option<Snapshot>,
+    /// Reports of the latest steps, at most [`HISTORY`], oldest first.
     pub history: VecDeque<StepReport>,
+    /// Where the run is.
     pub phase: Phase,
     /// Replayed steps that departed from their recording, first one first.
     pub departures: Vec<(u32, String)>,
@@ -151,14 +187,19 @@ impl Default for ViewerState {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum HeatMode {
     #[default]
+    /// Moving-average share of routing slots per (layer, expert).
     Routing,
+    /// Routed tokens still in the KV cache per (layer, expert).
     Occupancy,
+    /// Share of routed tokens no longer in the KV cache per (layer, expert).
     MissRate,
 }
 
 impl HeatMode {
+    /// Every mode, in the order of the selector.
     pub const ALL: [HeatMode; 3] = [HeatMode::Routing, HeatMode::Occupancy, HeatMode::MissRate];
 
+    /// The mode's name in the heat panel, e.g. `routing frequency`.
     pub fn label(self) -> &'static str {
         match self {
             HeatMode::Routing => "routing frequency",
@@ -171,12 +212,18 @@ impl HeatMode {
 /// A heat grid: `rows x cols` values, row-major, and the value the colour scale tops out at.
 #[derive(Clone, Debug, PartialEq)]
 pub struct HeatGrid {
+    /// Rows: layers, or 1 where only per-expert data exists.
     pub rows: usize,
+    /// Columns: experts.
     pub cols: usize,
     /// Row labels (`L0`, `L1`, ..., or `all layers` where only per-expert data exists).
     pub row_labels: Vec<String>,
+    /// `rows x cols` values, row-major, in `unit`.
     pub values: Vec<f32>,
+    /// The value the colour scale tops out at: the largest value (1 for miss rates, and where every
+    /// value is 0).
     pub max: f32,
+    /// What the values measure, for the panel's caption.
     pub unit: &'static str,
 }
 
@@ -187,7 +234,9 @@ pub struct BudgetSplit {
     pub tokens: Vec<u64>,
     /// `tokens` over their total.
     pub shares: Vec<f64>,
+    /// Each expert's importance under the allocator, averaged over layers.
     pub importance: Vec<f32>,
+    /// The sum of `tokens`.
     pub total: u64,
 }
 
@@ -200,6 +249,8 @@ pub fn stage_segments(t: &StageTimes) -> [f64; 7] {
 }
 
 impl ViewerState {
+    /// Take in an event: a started run clears the history, a step is [`ViewerState::push`]ed, the
+    /// others set the phase.
     pub fn apply(&mut self, ev: Event) {
         match ev {
             Event::Started(info) => {

@@ -43,11 +43,16 @@ impl Slot {
 /// GPU time of each stage of one step (milliseconds).
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct StageTimes {
+    /// Routing every layer's new tokens.
     pub route_ms: f64,
+    /// Appending the step's tokens: routed experts copied in, placement planned, pages taken, K/V
+    /// written.
     pub append_ms: f64,
     /// Compressing the pages that filled (a codec's plan and encode passes; empty without one).
     pub compress_ms: f64,
+    /// Rebuilding every layer's page lists from the shard rings.
     pub gather_ms: f64,
+    /// Decode attention, summed over layers (with QUEST's page selection where it runs).
     pub attend_ms: f64,
     /// Scheduling: utilities, budgets, victims, compaction, freeing.
     pub evict_ms: f64,
@@ -76,21 +81,30 @@ impl StageTimes {
     }
 }
 
+/// What one decode step did: stage times, pool occupancy, and the routing and eviction counters
+/// ([`StepReport::collect`]); one CSV line per step with [`StepReport::csv_row`].
 #[derive(Clone, Debug, Serialize)]
 pub struct StepReport {
+    /// The decode step, counted from 0.
     pub step: u32,
     /// Tokens cached per sequence and layer after the step.
     pub context: u32,
+    /// GPU time of each stage; `None` where the device has no timestamp queries.
     pub gpu: Option<StageTimes>,
+    /// Host wall-clock time of the step until the GPU finished it and its timestamps were read, in
+    /// milliseconds; NaN in the browser.
     pub host_ms: f64,
     /// Bytes of the pages in use (what the cache occupies).
     pub kv_bytes_resident: u64,
     /// Bytes of K/V actually stored in them (tokens x bytes per token).
     pub kv_bytes_tokens: u64,
+    /// Pages in use, raw and compressed.
     pub pages_in_use: u32,
+    /// Pages in the pool, raw and compressed.
     pub pages_total: u32,
     /// Pages held by each shard index, summed over layers and sequences.
     pub shard_pages: Vec<u32>,
+    /// Pages recycled because their ring was full, their tokens dropped; cumulative.
     pub ring_overflows: u32,
     /// Routing entropy (nats) of the step, averaged over layers.
     pub routing_entropy: f32,
@@ -99,8 +113,10 @@ pub struct StepReport {
     /// Moving-average load of each expert, averaged over layers.
     pub expert_load: Vec<f32>,
     /// Per expert, summed over layers: routed (token, expert) pairs whose K/V is still cached
-    /// (hits for the next access) and those no longer cached (misses).
+    /// (hits for the next access): the route stage's resident K/V vectors over the KV heads
+    /// ([`ExpertStats`](crate::gpu_data::ExpertStats) counts one per token and head).
     pub expert_hits: Vec<u64>,
+    /// Per expert, summed over layers: routed pairs no longer cached, `appended - hits`.
     pub expert_misses: Vec<u64>,
     /// Tokens evicted this step (all lists).
     pub evicted: u64,
@@ -116,6 +132,7 @@ pub struct StepReport {
     pub kv_bytes_attended: u64,
     /// FlexGen: K/V bytes held in host memory, and moved between the tiers so far.
     pub host_kv_bytes: u64,
+    /// FlexGen: K/V bytes moved between GPU and host memory so far, both ways; 0 without it.
     pub tier_bytes_moved: u64,
     /// EKVA: per expert, the tokens its groups may keep at this step's eviction (summed over
     /// lists; empty without the allocator or where lists keep everything).
@@ -129,9 +146,14 @@ pub struct StepReport {
 /// through [`StepReport::collect`]).
 #[derive(Clone, Copy)]
 pub struct ReportParts<'a> {
+    /// The pool whose occupancy and counters the report gives.
     pub pool: &'a crate::append::KvPool,
+    /// The route stage, for routing entropy, miss rate and per-expert statistics (left empty
+    /// without it).
     pub router: Option<&'a crate::route::Router>,
+    /// The evicting scheduler, for evictions, kept attention and EKVA's budgets and importance.
     pub scheduler: Option<&'a crate::evict::Scheduler>,
+    /// QUEST's selection, for the K/V bytes attention read.
     pub quest: Option<&'a crate::evict::quest::Quest>,
 }
 
@@ -194,8 +216,10 @@ impl StepReport {
             let (mut load, mut hits, mut misses) = (vec![0f32; e], vec![0u64; e], vec![0u64; e]);
             for (i, s) in stats.iter().enumerate() {
                 load[i % e] += s.load / cfg.layers as f32;
-                hits[i % e] += u64::from(s.resident.min(s.appended));
-                misses[i % e] += u64::from(s.appended.saturating_sub(s.resident));
+                // `resident` counts K/V vectors (a token's, one per KV head); `appended` tokens.
+                let resident_tokens = (s.resident / cfg.kv_heads.max(1)).min(s.appended);
+                hits[i % e] += u64::from(resident_tokens);
+                misses[i % e] += u64::from(s.appended - resident_tokens);
             }
             let appended: u64 = stats.iter().map(|s| u64::from(s.appended)).sum();
             let missing: f64 = stats.iter().map(|s| f64::from(s.miss) * f64::from(s.appended)).sum();
@@ -291,15 +315,26 @@ kept_attention,attention_error,routing_entropy,miss_rate,host_kv_bytes,tier_byte
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LayerRecord {
+    /// The decode step, counted from 0.
     pub step: u32,
+    /// The layer, counted from 0.
     pub layer: u32,
+    /// The routed experts of the step's tokens at this layer, `n_seqs x top_k`, sequence-major.
     pub experts: Vec<u32>,
+    /// Page-list entries the layer's attention read (QUEST: its selected pages).
     pub pages_read: u64,
+    /// Bytes of those pages, raw and compressed pages at their own sizes.
     pub bytes_read: u64,
+    /// Pages held by the layer's shard rings after the step.
     pub pages_in_use: u64,
+    /// Tokens the step's eviction took from the layer, summed over its page lists (one per sequence
+    /// and KV head); 0 without a scheduler.
     pub tokens_evicted: u64,
+    /// Slots compaction copied into holes at this layer; 0 without a scheduler.
     pub slots_moved: u64,
+    /// Pages compaction returned to the free stack at this layer; 0 without a scheduler.
     pub pages_freed: u64,
+    /// K/V bytes compaction copied: `slots_moved` x one head's K and V.
     pub bytes_moved: u64,
 }
 

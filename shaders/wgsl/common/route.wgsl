@@ -34,7 +34,7 @@ struct ExpertStats {
     grad: f32,       // adaptive router: last gradient of its cost
     count: u32,      // routing slots this step (reset by the stats pass)
     appended: u32,   // tokens routed to the expert since the start (all k choices)
-    resident: u32,   // of those, tokens still in the KV cache (recounted by route/miss)
+    resident: u32,   // of those, K/V vectors (one per token and KV head) still cached (recounted by route/miss)
     _pad: u32,
 }
 

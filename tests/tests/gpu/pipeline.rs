@@ -76,6 +76,13 @@ fn demo_pipeline_with_eviction_matches_reference_and_stays_under_budget() {
             let (hits, misses): (u64, u64) = (r.expert_hits.iter().sum(), r.expert_misses.iter().sum());
             assert_eq!(hits + misses, pairs, "seed {seed} {sched}: hits {hits} + misses {misses}");
             assert!(misses > 0 && hits > 0, "seed {seed} {sched}");
+            // ... and agree with the miss rate (resident K/V vectors are per KV head: 4 here).
+            let share = misses as f64 / pairs as f64;
+            assert!(
+                (share - f64::from(r.miss_rate)).abs() < 0.02,
+                "seed {seed} {sched}: misses {share:.3} vs miss rate {:.3}",
+                r.miss_rate
+            );
             // EKVA: the expert groups of every list together keep exactly the list's budget.
             if allocator.is_some() {
                 assert_eq!(r.expert_budget.len(), cfg.workload.n_experts as usize);
