@@ -14,10 +14,14 @@ use crate::rng::Rng;
 use crate::runtime::Runtime;
 use crate::runtime::timer::{GpuTimer, median};
 
+/// Times of one benchmarked pass over repeated runs, in milliseconds.
 #[derive(Clone, Debug, Serialize)]
 pub struct Measurement {
+    /// Median time of one run, in milliseconds.
     pub median_ms: f64,
+    /// Fastest run, in milliseconds.
     pub min_ms: f64,
+    /// Timed runs the median and minimum are taken over.
     pub samples: usize,
     /// "gpu-timestamps" or "host-clock".
     pub timing: &'static str,
@@ -66,12 +70,17 @@ pub struct CopyKernel {
     pipeline: wgpu::ComputePipeline,
     bind: wgpu::BindGroup,
     groups: u32,
+    /// Bytes copied per run: the size asked for, capped at the adapter's largest storage binding
+    /// and rounded down to a multiple of 16.
     pub bytes: u64,
     _src: wgpu::Buffer,
+    /// Destination buffer, `bytes` long.
     pub dst: wgpu::Buffer,
 }
 
 impl CopyKernel {
+    /// Build the copy of `bytes` (capped and rounded as [`CopyKernel::bytes`] says), its source filled
+    /// with random words from `seed`; fails below 16 bytes.
     pub async fn new(rt: &Runtime, bytes: u64, seed: u64) -> Result<CopyKernel> {
         let bytes = bytes.min(rt.max_binding_bytes()) / 16 * 16;
         if bytes == 0 {
@@ -99,10 +108,12 @@ impl CopyKernel {
         Ok(CopyKernel { pipeline, bind, groups, bytes, _src: src, dst })
     }
 
+    /// Source buffer, `bytes` of random words.
     pub fn src(&self) -> &wgpu::Buffer {
         &self._src
     }
 
+    /// Record one run, a single dispatch, into `pass`.
     pub fn encode(&self, pass: &mut wgpu::ComputePass<'_>) {
         pass.set_pipeline(&self.pipeline);
         pass.set_bind_group(0, &self.bind, &[]);
@@ -120,8 +131,12 @@ pub struct FmaKernel {
     pipeline: wgpu::ComputePipeline,
     bind: wgpu::BindGroup,
     groups: [u32; 2],
+    /// Invocations per run: the number asked for, rounded up to whole workgroups of 256 laid out
+    /// within the per-dimension limit.
     pub invocations: u32,
+    /// Iterations of each invocation's eight FMA chains.
     pub iters: u32,
+    /// One `vec4<f32>` per invocation, the sum of its chains (see [`fma_reference`]).
     pub out: wgpu::Buffer,
 }
 
@@ -129,6 +144,8 @@ pub struct FmaKernel {
 pub const FMA_FLOPS_PER_ITER: u64 = 64;
 
 impl FmaKernel {
+    /// Build the compute roofline for at least `invocations` invocations of `iters` iterations each;
+    /// fails if either is 0.
     pub async fn new(rt: &Runtime, invocations: u32, iters: u32) -> Result<FmaKernel> {
         if invocations == 0 || iters == 0 {
             return Err(Error::Input("the compute roofline needs at least one invocation and iteration".into()));
@@ -143,12 +160,14 @@ impl FmaKernel {
         Ok(FmaKernel { pipeline, bind, groups, invocations, iters, out })
     }
 
+    /// Record one run, a single dispatch, into `pass`.
     pub fn encode(&self, pass: &mut wgpu::ComputePass<'_>) {
         pass.set_pipeline(&self.pipeline);
         pass.set_bind_group(0, &self.bind, &[]);
         pass.dispatch_workgroups(self.groups[0], self.groups[1], 1);
     }
 
+    /// Flops per run: `invocations * iters * FMA_FLOPS_PER_ITER`.
     pub fn flops(&self) -> u64 {
         u64::from(self.invocations) * u64::from(self.iters) * FMA_FLOPS_PER_ITER
     }
@@ -197,22 +216,39 @@ pub async fn measure_roofline(rt: &Runtime, quick: bool) -> Result<Roofline> {
 /// One benchmark line, as `expertkv bench --json` prints it.
 #[derive(Clone, Debug, Serialize)]
 pub struct BenchRecord {
+    /// What was timed: `copy`, `attend_decode` or `route`.
     pub kernel: String,
+    /// The problem size as a label (for attention [`AttendShape::label`]).
     pub shape: String,
+    /// Median time of one run, in milliseconds.
     pub median_ms: f64,
+    /// Fastest run, in milliseconds.
     pub min_ms: f64,
+    /// Bytes one run moves, from which `gbps` is computed (for attention, the K/V bytes the pool
+    /// holds for the context).
     pub bytes: u64,
+    /// Achieved bandwidth: `bytes` per median run, in GB/s (1e9 bytes per second).
     pub gbps: f64,
+    /// The copy roofline measured in the same run, in GB/s.
     pub copy_gbps: f64,
+    /// `gbps / copy_gbps`: the share of the copy roofline reached.
     pub ratio_to_copy: f64,
+    /// The adapter's name.
     pub adapter: String,
+    /// The wgpu backend, as `Debug` prints it (`Vulkan`, `Metal`, ...).
     pub backend: String,
+    /// Which variant ran: for attention [`Attention::describe`] (with the codec's pages), for routing
+    /// the router's name, for the copy `vec4`.
     pub variant: String,
+    /// The kernels' bounds-check mode, as [`crate::runtime::ShaderChecks::name`] names it.
     pub shader_checks: String,
+    /// How runs were timed: `gpu-timestamps` or `host-clock`.
     pub timing: String,
+    /// Timed runs the median and minimum are taken over.
     pub samples: usize,
 }
 
+/// Bandwidth in GB/s (1e9 bytes per second) of moving `bytes` in `ms` milliseconds.
 pub fn gbps(bytes: u64, ms: f64) -> f64 {
     bytes as f64 / (ms * 1e-3) / 1e9
 }
@@ -227,12 +263,19 @@ pub async fn copy_roofline(rt: &Runtime, bytes: u64, warmup: u32, reps: u32) -> 
 /// Shape of one attention benchmark.
 #[derive(Clone, Debug, Serialize)]
 pub struct AttendShape {
+    /// Sequences attended together, each a query for every query head.
     pub batch: u32,
+    /// Query heads; a multiple of `kv_heads`.
     pub q_heads: u32,
+    /// KV heads.
     pub kv_heads: u32,
+    /// Dimensions per head.
     pub head_dim: u32,
+    /// Context length of every sequence, in tokens.
     pub tokens: u32,
+    /// Storage type of raw K and V.
     pub dtype: KvDtype,
+    /// Slots per page.
     pub page_size: u32,
     /// How full pages are stored; `Codec::None`: raw pages.
     pub codec: Codec,
@@ -247,6 +290,8 @@ pub struct AttendShape {
 pub const CODEC_FILL_BATCH: u32 = 8192;
 
 impl AttendShape {
+    /// The shape as a report label, e.g. `b8_hq32_hkv8_d128_t4096_f16_p16`, with the codec and
+    /// `_i{interleave}` appended when set.
     pub fn label(&self) -> String {
         let codec = match self.codec {
             Codec::None => String::new(),
@@ -446,10 +491,14 @@ pub async fn bench_attend(
 
 /// Decode attention timed whole (split + reduce) and split pass alone.
 pub struct AttendBench {
+    /// Decode attention whole: split and reduce passes.
     pub total: Measurement,
+    /// The split pass alone.
     pub split: Measurement,
     /// The compressed pages' split kernel alone.
     pub codec_split: Option<Measurement>,
+    /// Which attention kernel ran and its knobs ([`Attention::describe`]), with the codec and the
+    /// pages in use when there is one.
     pub variant: String,
     /// K/V bytes the pool holds for the context (what attention reads).
     pub resident_bytes: u64,

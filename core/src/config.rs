@@ -9,12 +9,14 @@ use crate::gpu_data::{Geometry, meta, shard_maps};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum KvDtype {
+    /// IEEE single, one value per u32 word.
     F32,
     /// IEEE half, stored as packed pairs in u32 words (read with `unpack2x16float`, no feature needed).
     F16,
 }
 
 impl KvDtype {
+    /// Bytes per stored value: 4 or 2.
     pub fn bytes(self) -> u32 {
         match self {
             KvDtype::F32 => 4,
@@ -22,6 +24,7 @@ impl KvDtype {
         }
     }
 
+    /// The name `parse` reads: `f32` or `f16`.
     pub fn name(self) -> &'static str {
         match self {
             KvDtype::F32 => "f32",
@@ -29,6 +32,7 @@ impl KvDtype {
         }
     }
 
+    /// `f32` or `f16`; anything else is an [`Error::Config`].
     pub fn parse(s: &str) -> Result<Self> {
         match s {
             "f32" => Ok(KvDtype::F32),
@@ -38,19 +42,29 @@ impl KvDtype {
     }
 }
 
-/// Which shard of a (layer, sequence) receives a token.
+/// Which shard of a (layer, sequence) receives a token (each (layer, sequence, KV head) has
+/// one ring per shard).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ShardMap {
     /// PiKV: s(t, e) = (t mod n_tok) XOR (e mod n_exp), e the token's top-1 expert.
-    Pikv { n_tok: u32, n_exp: u32 },
+    Pikv {
+        /// Token-position modulus; a power of two, at most `n_shards`.
+        n_tok: u32,
+        /// Expert-id modulus; a power of two, at most `n_shards`.
+        n_exp: u32,
+    },
     /// s = e mod N: every expert's tokens together.
     ByExpert,
     /// s = (t / block) mod N: runs of consecutive tokens together.
-    ByTokenBlock { block: u32 },
+    ByTokenBlock {
+        /// Consecutive token positions per block (at least 1; 64 from `parse`).
+        block: u32,
+    },
 }
 
 impl ShardMap {
+    /// The name `parse` reads: `pikv`, `expert` or `token-block`.
     pub fn name(self) -> &'static str {
         match self {
             ShardMap::Pikv { .. } => "pikv",
@@ -82,21 +96,28 @@ impl ShardMap {
 /// Shape and capacity of a KV pool.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PoolConfig {
+    /// Transformer layers the pool holds K/V for (default 1).
     pub layers: u32,
+    /// K/V heads per layer (default 8); query heads share them in groups.
     pub kv_heads: u32,
+    /// Dimensions per head (default 128): at most [`MAX_HEAD_DIM`], a multiple of 8 for f16
+    /// storage and of 4 for f32.
     pub head_dim: u32,
     /// Slots (tokens) per page.
     pub page_size: u32,
+    /// How raw pages store K and V (default f16; the codecs need f16).
     pub dtype: KvDtype,
     /// Pages in the whole pool (all layers, sequences and shards draw from it).
     pub n_pages: u32,
+    /// Sequences the pool has page lists and rings for (default 8); sequence ids are `0..max_seqs`.
     pub max_seqs: u32,
-    /// Shards per (layer, sequence).
+    /// Shards per (layer, sequence): one ring each per KV head.
     pub n_shards: u32,
     /// Page entries per shard ring; a full ring recycles its oldest page.
     pub ring_capacity: u32,
     /// Experts and gates kept per slot.
     pub top_k: u32,
+    /// Which shard of its (layer, sequence, KV head) each token goes to.
     pub shard_map: ShardMap,
     /// Cap on one pool buffer's size; `None` uses the adapter's storage-binding limit.
     pub max_buffer_bytes: Option<u64>,
@@ -113,39 +134,65 @@ pub struct PoolConfig {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "name", rename_all = "kebab-case", deny_unknown_fields)]
 pub enum Codec {
+    /// No compression: full pages stay raw.
     #[default]
     None,
     /// KIVI 8-bit: keys per channel (over the page's slots), values per token in groups of
     /// `group` dimensions; min and scale as f16.
-    Int8 { group: u32 },
+    Int8 {
+        /// Value dimensions per (min, scale) group; must divide `head_dim` (32 from `parse`).
+        group: u32,
+    },
     /// KIVI 4-bit, same layout with 4-bit codes.
-    Int4 { group: u32 },
+    Int4 {
+        /// Value dimensions per (min, scale) group; must divide `head_dim` (32 from `parse`).
+        group: u32,
+    },
     /// FastV as the PiKV article describes it: keys keep their first `keep` dimensions.
-    FastvDims { keep: u32 },
+    FastvDims {
+        /// Key dimensions kept: even, in 2..=`head_dim` (32 from `parse`).
+        keep: u32,
+    },
     /// Truncated SVD: a rank-`rank` orthonormal basis U of each (layer, KV head)'s key and value
     /// subspace, computed on the GPU from a calibration window (the d x d Gram matrix and
     /// subspace iteration); pages keep the coefficients U^T x as f16. Attention scores against
     /// U^T q and reconstructs values with U, in-kernel.
-    LowRank { rank: u32 },
+    LowRank {
+        /// Basis vectors per (layer, KV head), for K and for V: even, at most `head_dim - 2` and
+        /// [`MAX_RANK`] (32 from `parse`).
+        rank: u32,
+    },
     /// LoRA-style: one down/up projection pair per layer (shared by its KV heads), fitted once
     /// from the layer's pooled calibration window. With an orthonormal down projection the
     /// least-squares up projection is its transpose, so the pair is (U^T, U).
-    Lora { rank: u32 },
+    Lora {
+        /// Rank of each layer's projection pair, for K and for V: even, at most `head_dim - 2`
+        /// and [`MAX_RANK`] (32 from `parse`).
+        rank: u32,
+    },
 }
 
+/// The codec names [`Codec::parse`] accepts, for help and error messages.
 pub const CODEC_NAMES: &str = "none, int8, int4, fastv-dims, low-rank, lora";
 
 /// `Geometry::codec`; must match `CODEC_*` in `shaders/wgsl/common/compress.wgsl`.
 pub mod codec_ids {
+    /// [`super::Codec::None`]: no compressed pages.
     pub const NONE: u32 = 0;
+    /// [`super::Codec::Int8`].
     pub const INT8: u32 = 1;
+    /// [`super::Codec::Int4`].
     pub const INT4: u32 = 2;
+    /// [`super::Codec::FastvDims`].
     pub const FASTV_DIMS: u32 = 3;
+    /// [`super::Codec::LowRank`].
     pub const LOW_RANK: u32 = 4;
+    /// [`super::Codec::Lora`].
     pub const LORA: u32 = 5;
 }
 
 impl Codec {
+    /// The codec's name as `parse` reads it (`int8`, `low-rank`, ...), without parameters.
     pub fn name(&self) -> &'static str {
         match self {
             Codec::None => "none",
@@ -157,6 +204,7 @@ impl Codec {
         }
     }
 
+    /// The codec's id in [`codec_ids`], as kernels see it in `Geometry::codec`.
     pub fn id(&self) -> u32 {
         match self {
             Codec::None => codec_ids::NONE,
@@ -262,9 +310,13 @@ impl Default for PoolConfig {
     }
 }
 
+/// Largest `head_dim`: the attention kernels keep a query group's head in workgroup memory.
 pub const MAX_HEAD_DIM: u32 = 256;
+/// Largest `page_size` in slots: the attention kernels keep a page's scores in workgroup memory.
 pub const MAX_PAGE_SIZE: u32 = 64;
+/// Largest `n_shards`: `append/gather_pages.wgsl` keeps one offset per shard in workgroup memory.
 pub const MAX_SHARDS: u32 = 256;
+/// Largest `top_k`: experts and gates kept per slot.
 pub const MAX_TOP_K: u32 = 8;
 /// Largest rank of the low-rank codecs (`compress/basis.wgsl`, `attend/split_lowrank.wgsl`).
 pub const MAX_RANK: u32 = 64;
@@ -288,6 +340,8 @@ impl PoolConfig {
         2 * u64::from(self.kv_heads) * u64::from(self.head_dim) * u64::from(self.dtype.bytes())
     }
 
+    /// u32 words of metadata per slot: position, last access, access count, `top_k` experts,
+    /// `top_k` gates and the attention mass.
     pub fn meta_words(&self) -> u32 {
         meta::words(self.top_k as usize) as u32
     }
@@ -302,6 +356,8 @@ impl PoolConfig {
         self.layers * self.max_seqs * self.kv_heads
     }
 
+    /// Longest page list of one (layer, sequence, KV head): every shard ring full,
+    /// `n_shards * ring_capacity` pages.
     pub fn max_pages_per_seq(&self) -> u32 {
         self.n_shards * self.ring_capacity
     }
@@ -445,10 +501,14 @@ impl PoolConfig {
         by_bytes.min(by_index).min(u64::from(self.n_pages)) as u32
     }
 
+    /// u32 words of one raw page: K then V of one KV head for `page_size` slots
+    /// ([`PoolConfig::page_bytes`] / 4).
     pub fn page_words(&self) -> u32 {
         2 * self.page_size * self.vec_words()
     }
 
+    /// The uniform the kernels read the pool's shape from, for pool buffers of
+    /// `pages_per_buffer` pages ([`PoolConfig::pages_per_buffer`]).
     pub fn geometry(&self, pages_per_buffer: u32) -> Geometry {
         let (shard_map, n_tok, n_exp, token_block) = match self.shard_map {
             ShardMap::Pikv { n_tok, n_exp } => (shard_maps::PIKV, n_tok, n_exp, 1),

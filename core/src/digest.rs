@@ -76,6 +76,7 @@ pub fn fingerprint_difference(a: &[f64], b: &[f64], rtol: f64) -> Option<String>
 }
 
 impl DecisionDigest {
+    /// An empty digest: the hash at [`FNV_OFFSET`], no steps, no fingerprint.
     pub fn new() -> Self {
         Self::default()
     }
@@ -122,6 +123,7 @@ impl DecisionDigest {
         &self.fingerprint
     }
 
+    /// The 64-bit hash of every decision absorbed so far.
     pub fn value(&self) -> u64 {
         self.hash
     }

@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! expertkv-core: the KV manager of MoE decoding on wgpu. The folders follow the decode step, and
 //! each names its kernels (`shaders/wgsl/<stage>/`), its CPU reference (`reference/<stage>.rs`)
 //! and its tests (`tests/tests/gpu/<stage>.rs`):

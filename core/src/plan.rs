@@ -30,7 +30,9 @@ use crate::pipeline::DemoConfig;
 /// What one decode step's attention must read and compute.
 #[derive(Clone, Copy, Debug, Serialize)]
 pub struct AttentionLoad {
+    /// K/V bytes attention reads in the step, all layers: kept tokens x bytes per token and head.
     pub kv_bytes_read: u64,
+    /// Floating-point operations of the step's attention: 4 x head_dim x query heads x kept tokens.
     pub flops: u64,
     /// K/V elements of the full cache (no budget, no codec).
     pub full_elements: u64,
@@ -79,7 +81,9 @@ pub fn attention_load(cfg: &DemoConfig) -> Result<AttentionLoad> {
 /// Predicted attention time of one step.
 #[derive(Clone, Copy, Debug, Serialize)]
 pub struct StepPrediction {
+    /// Milliseconds to read `kv_bytes_read` at the measured bandwidth.
     pub memory_ms: f64,
+    /// Milliseconds for `flops` at the measured compute rate.
     pub compute_ms: f64,
     /// max(memory, compute).
     pub roofline_ms: f64,
@@ -87,6 +91,8 @@ pub struct StepPrediction {
     pub pikv_ms: f64,
 }
 
+/// The roofline and PiKV predictions of `load` on a device measured as `r`; `group` is the query
+/// heads per KV head (PiKV's eta = 2 x group).
 pub fn predict(load: &AttentionLoad, r: &Roofline, group: u32) -> StepPrediction {
     let beta = r.bandwidth_gbps * 1e9;
     let gamma = r.compute_gflops * 1e9;
@@ -105,9 +111,13 @@ pub fn pikv_buffer_size(context: u64, kept_pages: u64, gpus: u64) -> f64 {
 /// A configuration the planner weighs.
 #[derive(Clone, Debug, Serialize)]
 pub struct Candidate {
+    /// The page codec.
     pub codec: Codec,
+    /// The budget as given: tokens (`256`) or a share of the context (`25%`).
     pub budget: String,
+    /// What its last decode step's attention reads and computes.
     pub load: AttentionLoad,
+    /// That step's predicted time.
     pub prediction: StepPrediction,
 }
 

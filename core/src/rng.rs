@@ -1,16 +1,19 @@
 //! A small deterministic random generator (SplitMix64), identical on every platform and on wasm,
 //! so that a seed names the same workload everywhere.
 
+/// A SplitMix64 generator; the same seed gives the same stream everywhere.
 #[derive(Clone, Debug)]
 pub struct Rng {
     state: u64,
 }
 
 impl Rng {
+    /// A generator seeded with `seed`.
     pub fn new(seed: u64) -> Self {
         Rng { state: seed ^ 0x9e37_79b9_7f4a_7c15 }
     }
 
+    /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
         self.state = self.state.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.state;
@@ -19,6 +22,7 @@ impl Rng {
         z ^ (z >> 31)
     }
 
+    /// The high 32 bits of the next draw.
     pub fn next_u32(&mut self) -> u32 {
         (self.next_u64() >> 32) as u32
     }

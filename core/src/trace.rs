@@ -39,21 +39,29 @@ use crate::error::{Error, Result};
 use crate::pipeline::DemoConfig;
 pub use crate::pipeline::LayerRecord;
 
+/// The header's `format` value, which marks a file as an expertkv trace.
 pub const TRACE_FORMAT: &str = "expertkv-trace";
+/// The format version this crate writes and reads.
 pub const TRACE_VERSION: u32 = 1;
 /// Longest line a reader accepts.
 pub const MAX_LINE_BYTES: usize = 16 << 20;
 
+/// A trace's first line.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TraceHeader {
+    /// [`TRACE_FORMAT`].
     pub format: String,
+    /// [`TRACE_VERSION`] for traces this crate writes.
     pub version: u32,
+    /// Decode steps recorded: the trace holds `steps x layers` records.
     pub steps: u32,
+    /// The whole run configuration, so that `expertkv replay` can run it again.
     pub config: DemoConfig,
 }
 
 impl TraceHeader {
+    /// The header of a trace of `config`'s run (its `steps` steps).
     pub fn new(config: DemoConfig) -> TraceHeader {
         TraceHeader { format: TRACE_FORMAT.into(), version: TRACE_VERSION, steps: config.steps, config }
     }
@@ -62,7 +70,9 @@ impl TraceHeader {
 /// A whole trace in memory.
 #[derive(Clone, Debug)]
 pub struct Trace {
+    /// The header line.
     pub header: TraceHeader,
+    /// Every record, step by step and within a step layer by layer.
     pub records: Vec<LayerRecord>,
 }
 
@@ -81,17 +91,20 @@ pub struct TraceWriter<W: Write> {
 }
 
 impl<W: Write> TraceWriter<W> {
+    /// Write `header` as the first line of `out`.
     pub fn new(mut out: W, header: &TraceHeader) -> Result<Self> {
         let line = serde_json::to_string(header).map_err(|e| Error::Input(format!("trace header: {e}")))?;
         writeln!(out, "{line}").map_err(io_err)?;
         Ok(TraceWriter { out })
     }
 
+    /// Write one record as a line (in step, then layer order; the writer does not check).
     pub fn write(&mut self, r: &LayerRecord) -> Result<()> {
         let line = serde_json::to_string(r).map_err(|e| Error::Input(format!("trace record: {e}")))?;
         writeln!(self.out, "{line}").map_err(io_err)
     }
 
+    /// Flush and hand the writer back.
     pub fn finish(mut self) -> Result<W> {
         self.out.flush().map_err(io_err)?;
         Ok(self.out)

@@ -10,17 +10,25 @@ use crate::append::format::NewToken;
 use crate::error::{Error, Result};
 use crate::rng::Rng;
 
+/// The synthetic workload's shape and statistics; every field has a default.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct WorkloadConfig {
+    /// Seed of every draw: keys, values, queries, routing and heavy-hitter positions (default 42).
     pub seed: u64,
+    /// Sequences decoded side by side (default 4).
     pub n_seqs: u32,
+    /// Layers generated (default 2).
     pub layers: u32,
+    /// KV heads per layer (default 4).
     pub kv_heads: u32,
     /// Query heads per KV head.
     pub group: u32,
+    /// Dimensions per head (default 64).
     pub head_dim: u32,
+    /// Experts per layer (default 16).
     pub n_experts: u32,
+    /// Experts routed per token, at most `n_experts` (default 2).
     pub top_k: u32,
     /// Tokens per sequence before decoding starts.
     pub prompt_len: u32,
@@ -38,6 +46,7 @@ pub struct WorkloadConfig {
     pub heavy_fraction: f64,
     /// Dot-product boost (in units of sqrt(head_dim)) of sinks and heavy hitters.
     pub sink_boost: f64,
+    /// Dot-product boost of heavy hitters, in the same units (default 2; sinks' default is 3).
     pub heavy_boost: f64,
 }
 
@@ -66,6 +75,8 @@ impl Default for WorkloadConfig {
 }
 
 impl WorkloadConfig {
+    /// Check the counts (at least 1, top_k at most n_experts), `locality`, `heavy_fraction` and
+    /// `zipf_s`; the error names the field.
     pub fn validate(&self) -> Result<()> {
         for (f, v) in [
             ("n_seqs", self.n_seqs),
@@ -95,6 +106,7 @@ impl WorkloadConfig {
         Ok(())
     }
 
+    /// Query heads per sequence and layer: `kv_heads x group`.
     pub fn q_heads(&self) -> u32 {
         self.kv_heads * self.group
     }
@@ -104,13 +116,20 @@ impl WorkloadConfig {
 /// (`[kv_heads][head_dim]` each, f32).
 #[derive(Clone, Debug)]
 pub struct GenToken {
+    /// The token's record for the pool: layer, sequence, position, TopK experts and gates.
     pub token: NewToken,
+    /// Router logits, one per expert.
     pub logits: Vec<f32>,
+    /// Keys, `[kv_heads][head_dim]`: noise plus the boost along the head's direction.
     pub k: Vec<f32>,
+    /// Values, `[kv_heads][head_dim]`: standard normal noise.
     pub v: Vec<f32>,
 }
 
+/// The generator: a [`WorkloadConfig`] and its random state. Each call draws the next tokens or
+/// queries, so the same sequence of calls gives the same data for the same seed.
 pub struct Workload {
+    /// The configuration it was built from.
     pub cfg: WorkloadConfig,
     rng: Rng,
     /// Per (layer, seq, kv head): the unit direction queries lean towards.
@@ -124,6 +143,8 @@ pub struct Workload {
 }
 
 impl Workload {
+    /// Validate `cfg` and draw the fixed parts: the query direction of every (layer, seq, KV
+    /// head) and every layer's expert popularity.
     pub fn new(cfg: WorkloadConfig) -> Result<Workload> {
         cfg.validate()?;
         let mut rng = Rng::new(cfg.seed);
@@ -262,6 +283,7 @@ impl Workload {
         q
     }
 
+    /// The position the next token of `seq` gets: positions generated for it so far.
     pub fn position(&self, seq: u32) -> u32 {
         self.positions[seq as usize]
     }

@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! Every WGSL kernel of expertkv, embedded as text.
 //!
 //! Files live under `wgsl/`, grouped by pipeline stage; shared definitions are in `wgsl/common/`
@@ -18,7 +19,9 @@
 /// One embedded WGSL file: its path under `wgsl/` and its text.
 #[derive(Clone, Copy, Debug)]
 pub struct Source {
+    /// Path under `wgsl/`, e.g. `common/pool.wgsl`; how `//!import` lines name the file.
     pub path: &'static str,
+    /// The file's WGSL text as written, imports and defines unresolved.
     pub text: &'static str,
 }
 
@@ -155,8 +158,10 @@ macro_rules! kernels {
         }
 
         impl Kernel {
+            /// Every kernel, in the order of the table.
             pub const ALL: &'static [Kernel] = &[$(Kernel::$name),*];
 
+            /// The embedded file holding the kernel (imports unresolved; see [`Kernel::resolved`]).
             pub fn source(self) -> Source {
                 match self {
                     $(Kernel::$name => const { source_at($path) }),*
@@ -171,6 +176,7 @@ macro_rules! kernels {
                 }
             }
 
+            /// The kernel's entry point in its file (`main` where the file has only one).
             pub fn entry_point(self) -> &'static str {
                 match self {
                     $(Kernel::$name => entry_of!($($entry)?)),*
@@ -187,67 +193,141 @@ macro_rules! kernels {
 }
 
 kernels! {
+    /// Route, pass 1: each expert's score bias under the configured router, from the statistics.
     RouteBias => "route/bias.wgsl" [],
+    /// Route, pass 2: each token's top-k experts by logit plus bias, and their renormalised gates.
     RouteTopk => "route/topk.wgsl" [Unchecked],
+    /// Route, pass 3: routing slots each expert received this step.
     RouteCount => "route/count.wgsl" [],
+    /// Route, pass 4: fold the step's counts into the per-(layer, expert) statistics and the
+    /// layer's summary; resets the counts.
     RouteStats => "route/stats.wgsl" [],
+    /// Route miss recount, pass 1: K/V vectors of each (layer, expert) still cached, one workgroup
+    /// per shard ring.
     RouteMissCount => "route/miss.wgsl" # "count" [],
+    /// Route miss recount, pass 2: each (layer, expert)'s resident count and miss rate.
     RouteMissFinish => "route/miss.wgsl" # "finish" [],
+    /// Adaptive router, pass 1: partial gradients of its cost, one workgroup per 64 tokens.
     RouteAdaptiveGrad => "route/adaptive.wgsl" # "grad" [],
+    /// Adaptive router, pass 2: sum the partial gradients in order and step the score bias.
     RouteAdaptiveUpdate => "route/adaptive.wgsl" # "update" [],
+    /// Append, pass 0: copy each new token's experts and gates from the router's output into its
+    /// token record.
     AppendApplyRouting => "append/apply_routing.wgsl" [],
+    /// Append, pass 1: each (token, KV head)'s shard ring, page and slot.
     AppendPlan => "append/plan.wgsl" [],
+    /// Append, pass 2: take pages from the free stack and advance the rings, or refuse the whole
+    /// batch.
     AppendAlloc => "append/alloc.wgsl" [],
+    /// Append, pass 3: write each token's K, V and slot metadata into its pages, once per pool buffer.
     AppendWrite => "append/write.wgsl" [],
+    /// Build each (layer, sequence, KV head)'s page list from its shard rings, oldest page first.
     AppendGatherPages => "append/gather_pages.wgsl" [],
+    /// Pop the oldest pages of shard rings back onto the raw and compressed free stacks.
     AppendRelease => "append/release.wgsl" [],
+    /// Compression plan, pass 1: full raw pages per ring that are no longer its newest.
     CompressPlanCount => "compress/plan.wgsl" # "count" [],
+    /// Compression plan, pass 2: each ring's first job, compressed pages taken, `CompressEncode`'s
+    /// dispatch size.
     CompressPlan => "compress/plan.wgsl" # "main" [],
+    /// Compression plan, pass 3: move ring entries and page metadata to compressed ids, free the raw
+    /// pages and write the jobs.
     CompressPlanAssign => "compress/plan.wgsl" # "assign" [],
+    /// Encode each job's raw page into its compressed page, once per raw pool buffer.
     CompressEncode => "compress/encode.wgsl" [],
+    /// Low-rank fit, pass 1: the Gram matrix of the cached keys and values of every (layer, KV head),
+    /// or every layer under LoRA.
     CompressGram => "compress/gram.wgsl" [],
+    /// Low-rank fit, pass 2: the subspace iteration's fixed pseudo-random start.
     CompressBasisInit => "compress/basis.wgsl" # "init" [],
+    /// Low-rank fit, pass 2: one subspace iteration, `Q <- orth(G Q)`.
     CompressBasisIterate => "compress/basis.wgsl" # "iterate" [],
+    /// Low-rank fit, pass 2: write the basis, rounded to f16 values.
     CompressBasisFinish => "compress/basis.wgsl" # "finish" [],
+    /// Thaw plan, pass 1: compressed pages of each ring that the coming compaction touches.
     CompressThawCount => "compress/thaw_plan.wgsl" # "count" [],
+    /// Thaw plan, pass 2: each ring's first job, the rings that fit in the free raw pages, and
+    /// `CompressThaw`'s dispatch size.
     CompressThawPlan => "compress/thaw_plan.wgsl" # "main" [],
+    /// Thaw plan, pass 3: move the fitting rings' pages to raw pages; clear the victim marks of the
+    /// rings deferred.
     CompressThawAssign => "compress/thaw_plan.wgsl" # "assign" [],
+    /// Decode each job's compressed page into its raw page, with its slot metadata and victim marks.
     CompressThaw => "compress/thaw.wgsl" [],
+    /// Decode attention, split pass, portable: one workgroup per (chunk of pages, KV head, sequence).
     AttendSplitTiled => "attend/split_tiled.wgsl" [Unchecked],
+    /// Decode attention, split pass, fast variant: token groups sharing a subgroup.
     AttendSplitSubgroup => "attend/split_subgroup.wgsl" [Subgroups, Unchecked],
+    /// Decode attention, split pass over compressed pages (KIVI int8 / int4, FastV dims), decoded in
+    /// the kernel.
     AttendSplitCodec => "attend/split_codec.wgsl" [],
+    /// Decode attention, split pass over low-rank or LoRA pages, in the reduced space.
     AttendSplitLowrank => "attend/split_lowrank.wgsl" [],
+    /// Decode attention, split pass over KIVI int8 / int4 pages, subgroup variant.
     AttendSplitQuant => "attend/split_quant.wgsl" [Subgroups, Unchecked],
+    /// Decode attention, split pass over KIVI int4 pages, tile kernel (subgroups and shader-f16).
     AttendSplitQuantTile => "attend/split_quant_tile.wgsl" [Subgroups, F16, Unchecked],
+    /// Decode attention, split pass over KIVI int4 pages on cooperative matrices (native only).
     AttendSplitQuantCoop => "attend/split_quant_coop.wgsl" [Subgroups, F16, Unchecked],
+    /// Decode attention, reduce pass: merge every chunk's partials into each query head's output.
     AttendReduce => "attend/reduce.wgsl" [Unchecked],
+    /// Decode attention, mass pass: add each attended slot's attention to its metadata and record
+    /// the access.
     AttendMass => "attend/mass.wgsl" [],
+    /// Evict, pass 1: every cached slot's utility key under the configured policy.
     EvictScore => "evict/score.wgsl" [],
+    /// Evict, pass 2: each page list's token budget (AdaKV and Duo share it out over the heads).
     EvictBudget => "evict/budget.wgsl" [],
+    /// Evict, pass 3: each page list's victims, exactly, by radix select.
     EvictSelect => "evict/select.wgsl" [],
+    /// Evict, pass 4: plan each ring's compaction: movers into holes, emptied pages listed.
     EvictCompact => "evict/compact.wgsl" [],
+    /// Evict, pass 5: copy movers into holes within one pool buffer.
     EvictMoveSame => "evict/move.wgsl" # "same" [],
+    /// Evict, pass 5: copy movers into holes from one pool buffer to another.
     EvictMoveCross => "evict/move.wgsl" # "cross" [],
+    /// Evict, pass 6: push the pages compaction emptied onto the free stack.
     EvictFree => "evict/free.wgsl" [],
+    /// EKVA allocator: tokens and attention-mass share of each expert group of each page list.
     EvictEkvaExperts => "evict/ekva.wgsl" # "experts" [],
+    /// EKVA allocator: update each expert's importance, a moving average of routing and mass shares.
     EvictEkvaImportance => "evict/ekva.wgsl" # "update_importance" [],
+    /// EKVA allocator: split each page list's budget over its expert groups.
     EvictEkvaSplit => "evict/ekva.wgsl" # "split" [],
+    /// QUEST, pass 1: per-page minimum and maximum of every key dimension, for pages that changed.
     EvictQuestSummarize => "evict/quest_summarize.wgsl" [],
+    /// QUEST, pass 2: keep each page list's `keep_pages` pages with the highest bound on q.k.
     EvictQuestSelect => "evict/quest_select.wgsl" [],
+    /// Model: matrix-vector products with block-format weights dequantised as read.
     ModelMatVec => "model/matvec.wgsl" [],
+    /// Model: RMS normalisation of each token, times the gain.
     ModelRmsNorm => "model/norm_rope.wgsl" # "rmsnorm" [],
+    /// Model: rotary position embedding of every head of every token, in place.
     ModelRope => "model/norm_rope.wgsl" # "rope" [],
+    /// Model: `silu(gate) * up`, elementwise.
     ModelSwiglu => "model/norm_rope.wgsl" # "swiglu" [],
+    /// Model: each token's row of the block-format embedding matrix, dequantised.
     ModelEmbed => "model/norm_rope.wgsl" # "embed" [],
+    /// Model: add a residual, elementwise.
     ModelResidual => "model/norm_rope.wgsl" # "residual" [],
+    /// Model, MoE FFN: gate and up products of the chosen experts' neurons, activated and weighted.
     ModelMoeGateUp => "model/moe.wgsl" # "moe_gate_up" [],
+    /// Model, MoE FFN: down projection of the chosen experts' activations, in a fixed order.
     ModelMoeDown => "model/moe.wgsl" # "moe_down" [],
+    /// Model: pack a step's K and V into the pool's append layout (f32 or f16 words).
     ModelKvPack => "model/kv_pack.wgsl" [],
+    /// Model: each token's top-k experts by router score, highest first.
     ModelMoeTopk => "model/router.wgsl" [],
+    /// Model: softmax of the chosen experts' scores, the weights of a MoE file's own experts.
     ModelMoeWeights => "model/router.wgsl" # "moe_weights" [],
+    /// Benchmark: the bandwidth roofline, a device-to-device copy in 16-byte words.
     BenchCopy => "bench/copy.wgsl" [Unchecked],
+    /// Benchmark: the compute roofline, eight independent vec4 FMA chains per invocation.
     BenchFma => "bench/fma.wgsl" [],
+    /// Tensor-core probe on cooperative matrices (native only): exact f16 products into f32.
     BenchCoop => "bench/coop.wgsl" [],
+    /// Probe: whether the device's f16 arithmetic keeps subnormals exactly (the int4 tile kernel's
+    /// `DENORM` mode relies on it).
     ProbeF16Subnormal => "probe/f16_subnormal.wgsl" [F16],
 }
 
@@ -288,7 +368,10 @@ pub fn expects(source: Source) -> Vec<&'static str> {
 /// An `//!import` that names no embedded file, or a define the file does not declare.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ResolveError {
+    /// Path under `wgsl/` of the file at fault.
     pub file: &'static str,
+    /// What failed: the path an `//!import` names; `define NAME` for a define the file does not
+    /// declare (or a malformed `//!define` line); `unroll: why` for an `//!unroll` not expanded.
     pub import: String,
 }
 

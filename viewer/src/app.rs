@@ -9,9 +9,13 @@ use crate::controls::{Controls, Request};
 use crate::panels;
 use crate::state::{Event, HeatMode, Phase, Source, ViewerState};
 
+/// The whole viewer window: the run's data, the heat grid's mode and the run controls.
 pub struct Viewer {
+    /// What the panels draw: the run, its latest snapshot and recent step reports.
     pub state: ViewerState,
+    /// The statistic the expert heat grid shows (routing frequency at first).
     pub heat_mode: HeatMode,
+    /// The run controls and the text of their spec fields.
     pub controls: Controls,
 }
 
@@ -21,6 +25,8 @@ impl Viewer {
         Viewer { state: ViewerState::default(), heat_mode: HeatMode::default(), controls: Controls::new(cfg, running) }
     }
 
+    /// Take in an event from whatever drives the pipeline. A started run also loads its
+    /// configuration into the controls, and locks them for a replayed trace or a model.
     pub fn apply(&mut self, ev: Event) {
         if let Event::Started(info) = &ev {
             self.controls.load(&info.config);

@@ -23,10 +23,16 @@ pub enum Request {
 /// A parsed change of router, scheduler, codec, budget and allocator.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ConfigEdit {
+    /// The router the rebuilt pipeline routes with.
     pub router: RouterConfig,
+    /// The scheduler; `None` (spec `none`): the full cache.
     pub scheduler: Option<SchedulerConfig>,
+    /// How full pages are stored; [`Codec::None`]: raw.
     pub codec: Codec,
+    /// Tokens each page list keeps, as [`DemoConfig::budget`] reads it: a number or a share of the
+    /// final context such as `25%`.
     pub budget: String,
+    /// The EKVA allocator; `None` (spec `none`): expert-blind budgets.
     pub allocator: Option<EkvaConfig>,
 }
 
@@ -73,14 +79,18 @@ fn spec_of(name: &str, v: Option<serde_json::Value>) -> String {
     if params.is_empty() { name.to_string() } else { format!("{name}:{}", params.join(",")) }
 }
 
+/// `r` as its command-line spec, `name:key=value,...`, which [`RouterConfig::parse`] reads back.
 pub fn router_spec(r: &RouterConfig) -> String {
     spec_of(r.name(), serde_json::to_value(r).ok())
 }
 
+/// `s` as its command-line spec (`none` without a scheduler), which [`SchedulerConfig::parse`]
+/// reads back.
 pub fn scheduler_spec(s: Option<&SchedulerConfig>) -> String {
     s.map_or_else(|| "none".into(), |s| spec_of(s.name(), serde_json::to_value(s).ok()))
 }
 
+/// `a` as its command-line spec ([`EkvaConfig::spec`]; `none` without the allocator).
 pub fn allocator_spec(a: Option<&EkvaConfig>) -> String {
     a.map_or_else(|| "none".into(), EkvaConfig::spec)
 }
@@ -88,11 +98,17 @@ pub fn allocator_spec(a: Option<&EkvaConfig>) -> String {
 /// The controls' own state: whether steps run, and the text of each spec field.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Controls {
+    /// Whether steps run continuously; otherwise they wait for Step or Run.
     pub running: bool,
+    /// Text of the router field: a router spec such as `cache-aware:lambda=2.0`.
     pub router: String,
+    /// Text of the scheduler field: a scheduler spec, or `none`.
     pub scheduler: String,
+    /// Text of the codec field: a codec spec, or `none`.
     pub codec: String,
+    /// Text of the budget field: tokens per page list, or a share such as `25%`.
     pub budget: String,
+    /// Text of the allocator field: an EKVA spec, or `none`.
     pub allocator: String,
     /// Why the last Apply was refused.
     pub error: Option<String>,
@@ -101,6 +117,7 @@ pub struct Controls {
 }
 
 impl Controls {
+    /// Controls showing `cfg`'s specs, with steps running from the start when `running`.
     pub fn new(cfg: &DemoConfig, running: bool) -> Controls {
         let mut c = Controls {
             running,

@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! egui panels that draw expertkv pipeline state from snapshots of `expertkv-core` data.
 //!
 //! - [`state`]: the plain data the panels draw ([`Snapshot`] of one step, [`ViewerState`] with a

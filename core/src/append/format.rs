@@ -7,11 +7,16 @@ use crate::config::KvDtype;
 /// One token to append: where it belongs and its routing.
 #[derive(Clone, Debug, PartialEq)]
 pub struct NewToken {
+    /// Layer whose cache receives the token, below the pool's `layers`.
     pub layer: u32,
+    /// Sequence (slot of the pool), below the pool's `max_seqs`.
     pub seq: u32,
+    /// The token's position in its sequence: chooses its shard (PiKV and token-block maps) and is
+    /// kept in its slot's metadata.
     pub position: u32,
     /// Top-k experts, most preferred first (length = the pool's top_k).
     pub experts: Vec<u32>,
+    /// Gate weights of `experts`, in the same order (length = top_k, finite).
     pub gates: Vec<f32>,
 }
 

@@ -250,9 +250,14 @@ pub(crate) struct Thaw {
 /// last eviction and in all so far (see [`crate::evict::Scheduler::read_thaw`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct ThawCounts {
+    /// Compressed pages decoded back into raw pages by the last thaw.
     pub pages: u32,
+    /// Shard rings whose eviction the last thaw deferred (their pages did not fit in the free
+    /// raw pages, so they kept their tokens).
     pub deferred_rings: u32,
+    /// `pages` summed over every thaw so far.
     pub pages_total: u32,
+    /// `deferred_rings` summed over every thaw so far.
     pub deferred_rings_total: u32,
 }
 

@@ -9,6 +9,7 @@ use crate::gpu_data::{EvictParams, KEEP_ALL, policies};
 /// (`25%`), which becomes tokens once the context is known.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Budget {
+    /// A number of tokens, at least 1.
     Tokens(u32),
     /// Percent of the context, in (0, 100].
     Share(f64),
@@ -57,19 +58,56 @@ impl std::fmt::Display for Budget {
 #[serde(tag = "name", rename_all = "kebab-case", deny_unknown_fields)]
 pub enum SchedulerConfig {
     /// H2O: keep the heavy hitters (accumulated attention mass), plus sinks and a recent window.
-    H2o { sinks: u32, window: u32 },
+    H2o {
+        /// First positions of the sequence always kept (attention sinks; default 4).
+        sinks: u32,
+        /// Most recent positions always kept (default 32; [`SchedulerConfig::parse_for_budget`]
+        /// makes it half the budget).
+        window: u32,
+    },
     /// StreamingLLM: keep the attention sinks and the most recent tokens.
-    StreamingLlm { sinks: u32 },
+    StreamingLlm {
+        /// First positions of the sequence always kept (default 4); the budget must exceed it.
+        sinks: u32,
+    },
     /// LRU: evict the least recently attended tokens.
     Lru,
     /// LRU+: recency, frequency and importance (attention mass), weighted.
-    LruPlus { w_recency: f32, w_freq: f32, w_attn: f32, sinks: u32, window: u32 },
+    LruPlus {
+        /// Weight of recency, the step of last access over the current step (default 1).
+        w_recency: f32,
+        /// Weight of frequency, ln(1 + accesses) (default 0.1).
+        w_freq: f32,
+        /// Weight of the accumulated attention mass (default 1).
+        w_attn: f32,
+        /// First positions of the sequence always kept (default 4).
+        sinks: u32,
+        /// Most recent positions always kept (default 32).
+        window: u32,
+    },
     /// AdaKV: the (layer, sequence) budget split over heads by how spread out their attention is.
-    AdaKv { floor: f32, sinks: u32, window: u32 },
+    AdaKv {
+        /// Share of the base budget every head keeps before the rest is split in proportion to
+        /// exp(entropy of its attention mass), in [0, 1] (default 0.2).
+        floor: f32,
+        /// First positions of the sequence always kept (default 4).
+        sinks: u32,
+        /// Most recent positions always kept (default 32).
+        window: u32,
+    },
     /// DuoAttention: retrieval heads keep everything, streaming heads keep the budget (sinks +
     /// most recent tokens); heads are classified online from the share of their attention on
     /// sinks and the last `window` positions.
-    Duo { tau: f32, sinks: u32, window: u32 },
+    Duo {
+        /// Share of a head's attention mass on the sinks and the last `window` positions at or
+        /// above which it is a streaming head, in [0, 1] (default 0.5).
+        tau: f32,
+        /// First positions of the sequence always kept (default 4).
+        sinks: u32,
+        /// Recent positions that, with the sinks, classify heads (default 64); not protected
+        /// from eviction.
+        window: u32,
+    },
     /// QUEST: per-page key bounds; per query, attention reads only the pages with the highest
     /// bound on q.k (the budget's worth). Pages are selected, not evicted.
     Quest,
@@ -79,9 +117,13 @@ pub enum SchedulerConfig {
     /// FastV as its paper prunes: from layer `from_layer` on, drop the least-attended context
     /// tokens (accumulated attention mass, no sinks or window protected) down to the budget;
     /// earlier layers keep everything.
-    FastvTokens { from_layer: u32 },
+    FastvTokens {
+        /// First layer pruned, below the model's layer count (default 2).
+        from_layer: u32,
+    },
 }
 
+/// The scheduler names [`SchedulerConfig::default_for`] accepts, for help and error messages.
 pub const SCHEDULER_NAMES: &str = "h2o, streaming-llm, lru, lru-plus, adakv, duo, quest, flexgen, fastv-tokens";
 
 /// Largest PyramidKV ratio (first layer's budget over the last's) accepted.
@@ -92,10 +134,19 @@ pub const MAX_PYRAMID_RATIO: f32 = 64.0;
 #[serde(tag = "kind", rename_all = "kebab-case", deny_unknown_fields)]
 pub enum Threshold {
     /// Evict tokens whose mass is under `tau` x the list's mean mass (0: budget only).
-    Fixed { tau: f32 },
+    Fixed {
+        /// Multiple of the list's mean mass; finite and at least 0.
+        tau: f32,
+    },
     /// `tau` moves by `step` x (hit rate - target) every eviction: up while the kept attention
     /// share is above target (evict more), down when below.
-    Adaptive { target: f32, step: f32 },
+    Adaptive {
+        /// Hit rate aimed at: the share of a list's attention mass an eviction keeps, in [0, 1].
+        target: f32,
+        /// Change of `tau` per unit of hit-rate error per eviction; finite and at least 0
+        /// (`tau` starts at 0 and stays in [0, 1]).
+        step: f32,
+    },
 }
 
 impl Default for Threshold {
@@ -156,6 +207,7 @@ impl EkvaConfig {
         Ok(Some(c))
     }
 
+    /// Err naming the field unless floor, alpha and decay are all in [0, 1].
     pub fn validate(&self) -> Result<()> {
         for (field, v) in [("allocator.floor", self.floor), ("allocator.alpha", self.alpha), ("allocator.decay", self.decay)] {
             if !(0.0..=1.0).contains(&v) {
@@ -165,6 +217,7 @@ impl EkvaConfig {
         Ok(())
     }
 
+    /// The allocator as [`EkvaConfig::parse`] reads it back: `ekva:floor=F,alpha=A,decay=D`.
     pub fn spec(&self) -> String {
         format!("ekva:floor={},alpha={},decay={}", self.floor, self.alpha, self.decay)
     }
@@ -179,6 +232,7 @@ impl EkvaConfig {
 }
 
 impl SchedulerConfig {
+    /// The scheduler's canonical name (`streaming-llm`, not its aliases `streaming` or `sl`).
     pub fn name(&self) -> &'static str {
         match self {
             SchedulerConfig::H2o { .. } => "h2o",
@@ -223,6 +277,7 @@ impl SchedulerConfig {
         !matches!(self, SchedulerConfig::Quest | SchedulerConfig::FlexGen)
     }
 
+    /// The scheduler of this name (or alias) with default parameters.
     pub fn default_for(name: &str) -> Result<SchedulerConfig> {
         Ok(match name {
             "h2o" => SchedulerConfig::H2o { sinks: 4, window: 32 },
@@ -292,6 +347,8 @@ impl SchedulerConfig {
         Ok(cfg)
     }
 
+    /// Check the parameters on their own and against `budget` (tokens per list); the error
+    /// names the field.
     pub fn validate(&self, budget: u32) -> Result<()> {
         let fin = |field: &'static str, v: f32| if v.is_finite() { Ok(()) } else { Err(Error::config(field, v, "must be finite")) };
         match *self {
@@ -405,6 +462,7 @@ impl SchedulerConfig {
         p.window = window;
     }
 
+    /// The default scheduler of every kind, in [`SCHEDULER_NAMES`]'s order.
     pub fn all_defaults() -> Vec<SchedulerConfig> {
         ["h2o", "streaming-llm", "lru", "lru-plus", "adakv", "duo", "quest", "flexgen", "fastv-tokens"]
             .iter()

@@ -22,6 +22,7 @@ use crate::runtime::Runtime;
 pub struct HostPage {
     /// Ring it belongs to (layer, sequence, KV head, shard).
     pub key: u32,
+    /// Slots of the page that hold tokens.
     pub fill: u32,
     /// K/V words of the page.
     pub data: Vec<u32>,
@@ -29,23 +30,34 @@ pub struct HostPage {
     pub meta: Vec<u32>,
     /// Key bounds per dimension (QUEST summary), to score it against queries while away.
     pub lo: Vec<f32>,
+    /// Per dimension, the largest key value over the page's slots (`lo` holds the smallest).
     pub hi: Vec<f32>,
 }
 
+/// The host tier's size now and its traffic so far.
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct TierStats {
+    /// Pages in host memory now.
     pub host_pages: u64,
+    /// K/V bytes of those pages (one raw page's bytes each; metadata and bounds not counted).
     pub host_bytes: u64,
+    /// Pages moved from the GPU to the host so far (a fetch's swap counts one).
     pub offloaded_pages: u64,
+    /// Pages moved back from the host to the GPU so far.
     pub fetched_pages: u64,
+    /// K/V bytes copied to the host so far.
     pub bytes_to_host: u64,
+    /// K/V bytes copied back to the GPU so far.
     pub bytes_to_gpu: u64,
 }
 
+/// FlexGen placement over one pool: the pages held in host memory, per page list, and the tier's
+/// statistics.
 pub struct FlexGen {
     /// GPU pages kept per list besides the newest page of each ring.
     pub budget_pages: u32,
     host: HashMap<u32, Vec<HostPage>>,
+    /// Host-tier size and traffic.
     pub stats: TierStats,
 }
 
@@ -59,6 +71,8 @@ struct Tables {
 }
 
 impl FlexGen {
+    /// A host tier that keeps `budget` tokens per list on the GPU (rounded up to whole pages, at
+    /// least one page) besides each ring's newest page; nothing is offloaded yet.
     pub fn new(pool: &KvPool, budget: u32) -> Result<FlexGen> {
         if budget < pool.cfg.page_size {
             return Err(Error::config(

@@ -10,11 +10,18 @@ use crate::error::{Error, Result};
 use crate::gpu_data::QuestParams;
 use crate::runtime::Runtime;
 
+/// QUEST over one pool: per-page key bounds and, per layer, the selected page lists that
+/// attention reads ([`Attention::with_lists`]).
 pub struct Quest {
     /// Pages kept per (layer, sequence, KV head) list.
     pub keep_pages: u32,
+    /// Per raw page, f32 `[min d | max d]`: each key dimension's smallest and largest value over
+    /// the page's slots.
     pub bounds: wgpu::Buffer,
+    /// Selected page ids per (layer, seq, KV head), in the pool's page-list layout
+    /// (`max_pages_per_seq` entries each), in list order.
     pub sel_list: wgpu::Buffer,
+    /// Selected pages per (layer, seq, KV head) (u32).
     pub sel_counts: wgpu::Buffer,
     params: Vec<wgpu::Buffer>,
     summarize: (wgpu::ComputePipeline, Vec<(wgpu::BindGroup, u32)>),

@@ -14,17 +14,25 @@ use crate::workload::WorkloadConfig;
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct DemoConfig {
+    /// The synthetic workload: sequences, layers, heads, experts, prompt length and its statistics.
     pub workload: WorkloadConfig,
+    /// Decode steps after the prompt (default 16).
     pub steps: u32,
+    /// Slots per page (default 16).
     pub page_size: u32,
+    /// Storage type of raw K and V (default f16).
     pub dtype: KvDtype,
+    /// Shard rings per (layer, sequence, KV head) (default 4).
     pub n_shards: u32,
+    /// How tokens are spread over the shards (default PiKV with `n_tok = n_exp = 4`).
     pub shard_map: ShardMap,
     /// Pages in the pool; `None`: enough for prompt + steps with headroom.
     pub pool_pages: Option<u32>,
+    /// Pages per chunk of decode attention's split pass (default 8).
     pub chunk_pages: u32,
     /// Keep a CPU reference of the pool in lockstep and check placement and attention.
     pub verify: bool,
+    /// The router choosing each token's experts (default cache-aware, `lambda = 2`).
     pub router: RouterConfig,
     /// Weight of the newest step in the routers' moving-average load.
     pub route_ema: f32,
@@ -39,6 +47,8 @@ pub struct DemoConfig {
     /// The EKVA allocator over the scheduler: every list's budget split over expert groups by
     /// importance (routing frequency and attention mass); `None`: expert-blind budgets.
     pub allocator: Option<EkvaConfig>,
+    /// Extra eviction of low-mass tokens under the budget: a fixed or an adaptive threshold
+    /// (default fixed at 0: the budget alone).
     pub threshold: Threshold,
     /// With a scheduler or a codec: keep a full f16 cache beside it to measure the attention
     /// error.

@@ -17,9 +17,13 @@ use crate::runtime::Runtime;
 /// pool differs, and the lockstep where any attention, selection or eviction does).
 #[derive(Clone, Debug, Serialize)]
 pub struct VerifyReport {
+    /// Tokens the reference pool holds at the end, summed over sequences (counted at the last
+    /// layer, KV head 0).
     pub tokens_checked: u64,
     /// Attention passes (layer and batch or step) checked against the f64 reference.
     pub attention_checked: u64,
+    /// Largest absolute error of an attention output element against the f64 reference, over every
+    /// checked pass.
     pub attention_max_abs_err: f64,
     /// The worst error's share of its element's tolerance
     /// ([`crate::attend::Attention::output_tolerance`]); at most 1, or the check fails.

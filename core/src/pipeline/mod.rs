@@ -41,15 +41,25 @@ struct Reference {
     attn: Attention,
 }
 
+/// A demo run's decode pipeline: the KV pool with its router, attention and scheduler on the GPU,
+/// fed by the synthetic workload, one [`Pipeline::step`] at a time after [`Pipeline::prefill`].
 pub struct Pipeline {
+    /// The configuration the run was built from.
     pub cfg: DemoConfig,
+    /// The KV pool: the budgeted cache with a scheduler or a codec, else the whole cache.
     pub pool: KvPool,
+    /// Decode attention over `pool` (under QUEST, over its selected pages).
     pub attn: Attention,
+    /// The route stage: each new token's experts, with the statistics the routers keep on the GPU.
     pub router: Router,
+    /// The evicting scheduler; `None` without one, and under QUEST and FlexGen, which select or
+    /// place pages instead.
     pub scheduler: Option<Scheduler>,
+    /// QUEST page selection, when it is the configured scheduler.
     pub quest: Option<Quest>,
     /// FlexGen placement, with the QUEST page bounds it scores host pages by.
     pub flexgen: Option<(FlexGen, Quest)>,
+    /// The generator of the run's tokens (K, V, router logits) and queries.
     pub workload: Workload,
     reference: Option<Reference>,
     model: Option<PoolModel>,
@@ -85,6 +95,10 @@ fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
 }
 
 impl Pipeline {
+    /// Check `cfg` and build the run on `rt`: the pool, router, attention and scheduler, a CPU
+    /// lockstep with `verify`, and a full-cache reference pool with `reference_attention` where a
+    /// scheduler or codec shrinks the cache. Runs the kernels once over the empty pool so that the
+    /// first step's time is the step's own.
     pub async fn new(rt: &Runtime, cfg: DemoConfig) -> Result<Pipeline> {
         let budget = cfg.budget_tokens()?;
         if let Some(s) = &cfg.scheduler {

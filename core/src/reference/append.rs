@@ -9,11 +9,17 @@ use crate::gpu_data::{NO_OWNER, PageMeta, PoolCtl, RingState, TokenPlan, meta, p
 /// The whole pool state, on the CPU.
 #[derive(Clone, Debug)]
 pub struct PoolModel {
+    /// The pool's configuration.
     pub cfg: PoolConfig,
+    /// One ring per shard key (layer, sequence, KV head, shard), as [`crate::KvPool::rings`].
     pub rings: Vec<RingState>,
+    /// `ring_capacity` page ids per shard key, circular from each ring's head.
     pub ring_pages: Vec<u32>,
+    /// Per page id (raw, then compressed): owning shard key or `NO_OWNER`, and valid slots.
     pub page_meta: Vec<PageMeta>,
+    /// Free raw page ids; the first `ctl.free_top` are free, popped from the top.
     pub free_stack: Vec<u32>,
+    /// Free-stack tops, error flags and counters, as the GPU's [`PoolCtl`].
     pub ctl: PoolCtl,
     /// `meta_words` u32 per slot.
     pub slot_meta: Vec<u32>,
@@ -30,6 +36,7 @@ pub struct PoolModel {
 }
 
 impl PoolModel {
+    /// The state of a freshly built pool of `cfg`: every page free, every ring empty.
     pub fn new(cfg: &PoolConfig) -> Self {
         let n = cfg.n_pages as usize;
         let ids = cfg.n_ids() as usize;

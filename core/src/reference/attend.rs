@@ -15,6 +15,7 @@ pub const ATTENTION_RTOL: f64 = 1e-4;
 /// rounding over at most a few dozen terms.
 pub const F16_SUMS_TOL: f64 = 4e-3;
 
+/// What the reference decode attention computes: the output and each attended token's mass.
 pub struct AttentionOutput {
     /// `[seq][q_head][head_dim]`
     pub out: Vec<f64>,

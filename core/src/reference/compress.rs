@@ -78,6 +78,7 @@ fn low_rank_coef(row: &[f32], x: impl Iterator<Item = f32>) -> u32 {
     f16_bits_rne(c)
 }
 
+/// The f16 in the low 16 bits of `bits`, as f32.
 pub fn f16_value(bits: u32) -> f32 {
     half::f16::from_bits((bits & 0xffff) as u16).to_f32()
 }
@@ -94,6 +95,9 @@ fn inv_levels(codec: Codec) -> f32 {
     f32::from_bits(if matches!(codec, Codec::Int4 { .. }) { 0x3d88_8889 } else { 0x3b80_8081 })
 }
 
+/// KIVI parameters of values in [lo, hi] (`quant_params` of common/compress.wgsl): the minimum
+/// rounded down to f16 in the low half, the scale (range / levels, 15 for int4 and 255 for int8)
+/// rounded up to f16 in the high half.
 pub fn quant_params(codec: Codec, lo: f32, hi: f32) -> u32 {
     let mn = f16_bits_dir(lo, false);
     let range = hi - f16_value(mn);
@@ -101,6 +105,8 @@ pub fn quant_params(codec: Codec, lo: f32, hi: f32) -> u32 {
     mn | (sc << 16)
 }
 
+/// The code of `x` under `params`: the nearest level in 0..=levels (halves up), clamped; 0 when
+/// the scale is 0.
 pub fn quantize(codec: Codec, x: f32, params: u32) -> u32 {
     let mn = f16_value(params);
     let sc = f16_value(params >> 16);
@@ -119,6 +125,7 @@ pub fn quantize(codec: Codec, x: f32, params: u32) -> u32 {
     lo
 }
 
+/// The value a code stands for: min + code x scale, in f32.
 pub fn dequantize(code: u32, params: u32) -> f32 {
     f16_value(params) + code as f32 * f16_value(params >> 16)
 }

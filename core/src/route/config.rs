@@ -16,21 +16,48 @@ pub enum RouterConfig {
     /// TopK softmax: the model's own top-k.
     Topk,
     /// TopK + load balance: bias -alpha (load_e - mean load).
-    LoadBalance { alpha: f32 },
+    LoadBalance {
+        /// Strength of the pull towards the mean load (default 4).
+        alpha: f32,
+    },
     /// PiKV cache-aware: bias -lambda log(1 + miss_e).
-    CacheAware { lambda: f32 },
+    CacheAware {
+        /// Strength of the miss-rate penalty (default 2).
+        lambda: f32,
+    },
     /// Entropy-penalised (EPLB-style): bias beta log(load_e + 1/(16E)), the marginal effect of a
     /// routing slot on the routing entropy; beta > 0 concentrates routing, beta < 0 spreads it.
-    Entropy { beta: f32 },
+    Entropy {
+        /// Sign and strength of the entropy term (default 0.5).
+        beta: f32,
+    },
     /// Learns a bias online on the GPU: expected cost (c_miss miss + c_lb overload) + kappa KL.
-    Adaptive { lr: f32, kappa: f32, c_miss: f32, c_lb: f32 },
+    Adaptive {
+        /// Step size of the bias update, `b -= lr * grad`; at least 0 (default 2).
+        lr: f32,
+        /// Weight of KL(softmax(logit + b) || softmax(logit)), which keeps routing near the
+        /// model's own; at least 0 (default 1).
+        kappa: f32,
+        /// Cost per unit of an expert's miss rate (default 1).
+        c_miss: f32,
+        /// Cost per unit of an expert's overload, `load * E - 1` (default 0.1).
+        c_lb: f32,
+    },
     /// Top `topk_groups` of `groups` expert groups by their best score, then top-k within them.
-    Hierarchical { groups: u32, topk_groups: u32 },
+    Hierarchical {
+        /// Groups of consecutive experts; must divide the expert count (default 8).
+        groups: u32,
+        /// Groups kept per token, in 1..=min(8, groups), holding at least top_k experts (default 4).
+        topk_groups: u32,
+    },
 }
 
+/// The router names [`RouterConfig::default_for`] accepts (aliases in brackets), for help and
+/// error messages.
 pub const ROUTER_NAMES: &str = "hash, topk, load-balance, cache-aware (pikv), entropy (eplb), adaptive, hierarchical";
 
 impl RouterConfig {
+    /// The router's canonical name (`cache-aware`, not its alias `pikv`).
     pub fn name(&self) -> &'static str {
         match self {
             RouterConfig::Hash => "hash",
@@ -100,8 +127,11 @@ impl RouterConfig {
                 finite("router.kappa", kappa)?;
                 finite("router.c_miss", c_miss)?;
                 finite("router.c_lb", c_lb)?;
-                if kappa < 0.0 || lr < 0.0 {
-                    return Err(Error::config("router.kappa", kappa, "lr and kappa must be >= 0"));
+                if lr < 0.0 {
+                    return Err(Error::config("router.lr", lr, "must be >= 0"));
+                }
+                if kappa < 0.0 {
+                    return Err(Error::config("router.kappa", kappa, "must be >= 0"));
                 }
             }
             RouterConfig::Hierarchical { groups, topk_groups } => {

@@ -15,8 +15,11 @@ use crate::runtime::{Runtime, grid, split_workgroups};
 /// Shape of the routing problem.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RouteShape {
+    /// Experts per layer, in 1..=256.
     pub n_experts: u32,
+    /// Experts chosen per token, in 1..=min(8, n_experts); a bound pool must keep the same.
     pub top_k: u32,
+    /// Layers routed, each with its own rows, parameter block and statistics.
     pub layers: u32,
     /// Most tokens routed per call.
     pub max_tokens: u32,
@@ -25,8 +28,12 @@ pub struct RouteShape {
 /// Tokens per workgroup of the gradient pass (`route/adaptive.wgsl`).
 const GRAD_BLOCK: u32 = 64;
 
+/// One router on the GPU for every layer: its kernels, their buffers (rows of layer l start at
+/// token `l * max_tokens`) and the per-(layer, expert) statistics it routes by.
 pub struct Router {
+    /// Which router, with its parameters.
     pub cfg: RouterConfig,
+    /// Experts, top-k, layers and tokens per call.
     pub shape: RouteShape,
     /// Weight of the newest step in the moving-average load.
     pub ema: f32,
@@ -40,12 +47,19 @@ pub struct Router {
     miss_finish_pipe: wgpu::ComputePipeline,
     /// One parameter block per layer, so every layer can be routed in one submission.
     params: Vec<wgpu::Buffer>,
+    /// Router logits, f32 `[layer][token][expert]`, `max_tokens` tokens per layer.
     pub logits: wgpu::Buffer,
+    /// f32 score bias per expert, rewritten by each call's bias pass: the last routed layer's.
     pub bias: wgpu::Buffer,
+    /// Chosen experts, u32 `[layer][token][k]`, best first, `max_tokens` tokens per layer.
     pub experts: wgpu::Buffer,
+    /// Gate weights of the chosen experts, f32 `[layer][token][k]` (the model's softmax
+    /// renormalised over the k).
     pub gates: wgpu::Buffer,
     _counts: wgpu::Buffer,
+    /// [`ExpertStats`] per (layer, expert), layer-major: load, miss rate, learned bias.
     pub stats: wgpu::Buffer,
+    /// One [`RouteSummary`] per layer: entropy and cost of its last step.
     pub summary: wgpu::Buffer,
     resident: wgpu::Buffer,
     _partials: wgpu::Buffer,
@@ -63,6 +77,8 @@ struct LayerBinds {
 }
 
 impl Router {
+    /// Build the router's kernels and buffers. `ema` (in [0, 1]) weighs the newest step in the
+    /// moving-average load; every expert's load starts at 1 / n_experts.
     pub async fn new(rt: &Runtime, cfg: RouterConfig, shape: RouteShape, ema: f32) -> Result<Router> {
         cfg.validate(shape.n_experts, shape.top_k)?;
         if !(0.0..=1.0).contains(&ema) {
@@ -323,11 +339,13 @@ impl Router {
         rt.read(&self.experts, u64::from(layer * self.shape.max_tokens) * k, u64::from(n_tokens) * k).await
     }
 
+    /// Gate weights of the first `n_tokens` tokens of `layer`, `[token][k]`.
     pub async fn read_gates(&self, rt: &Runtime, layer: u32, n_tokens: u32) -> Result<Vec<f32>> {
         let k = u64::from(self.shape.top_k);
         rt.read(&self.gates, u64::from(layer * self.shape.max_tokens) * k, u64::from(n_tokens) * k).await
     }
 
+    /// The per-expert score bias of the last routed layer.
     pub async fn read_bias(&self, rt: &Runtime) -> Result<Vec<f32>> {
         rt.read(&self.bias, 0, u64::from(self.shape.n_experts)).await
     }
@@ -337,6 +355,7 @@ impl Router {
         rt.read_all(&self.stats).await
     }
 
+    /// The routing summary of every layer.
     pub async fn read_summary(&self, rt: &Runtime) -> Result<Vec<RouteSummary>> {
         rt.read_all(&self.summary).await
     }

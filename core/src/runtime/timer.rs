@@ -29,6 +29,7 @@ impl GpuTimer {
         Some(GpuTimer { query_set, resolve, capacity, period_ns: f64::from(rt.caps.timestamp_period_ns) })
     }
 
+    /// Begin/end pairs the timer holds: passes it can time per resolve.
     pub fn capacity(&self) -> u32 {
         self.capacity
     }
