@@ -105,6 +105,20 @@ pub enum Error {
         limit: u64,
     },
 
+    /// A device handed over with a limit below what the kernels need ([`crate::Runtime::from_device`]).
+    #[error(
+        "the device's {limit_name} is {has}, below the {needed} expertkv's kernels need (WebGPU's default): \
+         create it with Runtime::device_descriptor(&adapter) or the adapter's own limits"
+    )]
+    DeviceLimit {
+        /// The wgpu limit (`max_storage_buffers_per_shader_stage`).
+        limit_name: &'static str,
+        /// What the device was created with.
+        has: u64,
+        /// The least the kernels need.
+        needed: u64,
+    },
+
     /// A model file's bytes are not what its format says (truncated, out-of-range count, offset or
     /// type). `offset` is the byte in the file where the bad field starts.
     #[error("malformed GGUF file at byte {offset}: {what}")]

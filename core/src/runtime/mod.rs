@@ -396,6 +396,32 @@ impl Runtime {
         if info.name.is_empty() {
             info.name = format!("unnamed {:?} adapter", info.backend);
         }
+        // The kernels are written for WebGPU's default limits; a device made with less (the
+        // downlevel limits, say) would fail inside wgpu's pipeline validation, kernel by kernel.
+        let (l, d) = (device.limits(), wgpu::Limits::default());
+        for (limit_name, has, needed) in [
+            (
+                "max_storage_buffers_per_shader_stage",
+                u64::from(l.max_storage_buffers_per_shader_stage),
+                u64::from(d.max_storage_buffers_per_shader_stage),
+            ),
+            (
+                "max_compute_invocations_per_workgroup",
+                u64::from(l.max_compute_invocations_per_workgroup),
+                u64::from(d.max_compute_invocations_per_workgroup),
+            ),
+            (
+                "max_compute_workgroup_storage_size",
+                u64::from(l.max_compute_workgroup_storage_size),
+                u64::from(d.max_compute_workgroup_storage_size),
+            ),
+            ("max_compute_workgroup_size_x", u64::from(l.max_compute_workgroup_size_x), u64::from(d.max_compute_workgroup_size_x)),
+            ("max_storage_buffer_binding_size", u64::from(l.max_storage_buffer_binding_size), u64::from(d.max_storage_buffer_binding_size)),
+        ] {
+            if has < needed {
+                return Err(Error::DeviceLimit { limit_name, has, needed });
+            }
+        }
         let coop = wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX | wgpu::Features::SHADER_F16 | wgpu::Features::SHADER_I16;
         let coop_f16 = device.features().contains(coop) && coop_f16_offered(&adapter);
         Ok(Self::assemble(instance, adapter, device, queue, info, coop_f16, checks))

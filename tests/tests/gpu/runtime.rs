@@ -103,3 +103,22 @@ fn a_runtime_on_an_applications_device_sees_its_errors() {
     let err = app.check("the bad copy").expect_err("the copy's validation error must reach Runtime::check");
     assert!(err.to_string().contains("the bad copy"), "{err}");
 }
+
+/// A device made with WebGPU's downlevel limits (4 storage buffers per stage, 256 invocations
+/// per workgroup, 16 KiB of workgroup storage) is refused when handed over, naming the limit,
+/// rather than failing kernel by kernel inside wgpu's validation.
+#[test]
+fn a_device_with_downlevel_limits_is_refused_by_name() {
+    let shared = rt();
+    let adapter = shared.adapter.clone();
+    let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+        label: Some("a downlevel device"),
+        required_limits: wgpu::Limits::downlevel_defaults(),
+        ..Default::default()
+    }))
+    .expect("a downlevel device");
+    let e = Runtime::from_device(shared.instance.clone(), adapter, device, queue, ShaderChecks::Checked).err().expect("refused");
+    let msg = e.to_string();
+    assert!(msg.contains("max_storage_buffers_per_shader_stage is 4") && msg.contains("device_descriptor"), "{msg}");
+    shared.check("the shared runtime is untouched").expect("healthy");
+}
