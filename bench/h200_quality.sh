@@ -12,8 +12,11 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 B=.bin/expertkv
 LIMIT=${LIMIT:-500}
 C="--text bench/data/harbour_town.txt --tokens 2048 --needle-filler 2000 --needle-depth 20% --json"
+# GROUPS="evict_25 int4_h2o_10 ...": only these groups (default: all).
+GROUPS=${GROUPS:-all}
 run() { # name, eval arguments...
   local name=$1; shift
+  case " $GROUPS " in *" all "*|*" $name "*) ;; *) return ;; esac
   # shellcheck disable=SC2086
   timeout "$LIMIT" $B eval $C "$@" > "$OUT/q_$name.jsonl" 2> "$OUT/q_$name.err" &
 }

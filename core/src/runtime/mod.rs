@@ -416,7 +416,7 @@ impl Runtime {
                 u64::from(d.max_compute_workgroup_storage_size),
             ),
             ("max_compute_workgroup_size_x", u64::from(l.max_compute_workgroup_size_x), u64::from(d.max_compute_workgroup_size_x)),
-            ("max_storage_buffer_binding_size", u64::from(l.max_storage_buffer_binding_size), u64::from(d.max_storage_buffer_binding_size)),
+            ("max_storage_buffer_binding_size", l.max_storage_buffer_binding_size, d.max_storage_buffer_binding_size),
         ] {
             if has < needed {
                 return Err(Error::DeviceLimit { limit_name, has, needed });
