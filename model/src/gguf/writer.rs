@@ -78,6 +78,11 @@ impl GgufWriter {
         let items: Vec<Vec<u8>> = v.iter().map(|x| x.to_le_bytes().to_vec()).collect();
         self.raw(key, ValueType::Array, &array(ValueType::I32, &items))
     }
+    /// Adds `key` as an array of f32 values (a SentencePiece vocabulary's scores).
+    pub fn f32s(&mut self, key: &str, v: &[f32]) -> &mut Self {
+        let items: Vec<Vec<u8>> = v.iter().map(|x| x.to_le_bytes().to_vec()).collect();
+        self.raw(key, ValueType::Array, &array(ValueType::F32, &items))
+    }
     /// Sets the alignment and records it as `general.alignment`.
     pub fn alignment(&mut self, a: u32) -> &mut Self {
         self.alignment = u64::from(a);

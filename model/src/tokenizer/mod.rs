@@ -1,5 +1,7 @@
-//! Byte-level BPE, the tokenizer of GPT-2 and of SmolLM2 (`tokenizer.ggml.model` = `gpt2`), built
-//! from a GGUF file's own vocabulary and merges.
+//! The tokenizers GGUF files describe, built from the file's own vocabulary: byte-level BPE, the
+//! tokenizer of GPT-2 and of SmolLM2 (`tokenizer.ggml.model` = `gpt2`, with its merges), and
+//! SentencePiece-style merging by score with byte fallback (`llama`: Llama 1/2, Mistral, Mixtral;
+//! the `spm` module). The rest of this page is about byte-level BPE.
 //!
 //! Encoding: special tokens are cut out of the text first (user-defined tokens always; control
 //! tokens such as `<|im_start|>` only in [`Tokenizer::encode_with_special`], as llama.cpp does with
@@ -29,6 +31,8 @@ use unicode_general_category::{GeneralCategory, get_general_category};
 use crate::gguf::Gguf;
 use crate::{Error, Result};
 
+mod spm;
+
 /// Marks a byte without a token.
 const NO_TOKEN: u32 = u32::MAX;
 
@@ -51,8 +55,9 @@ pub enum TokenType {
     UserDefined,
     /// A reserved slot (type 5), handled as a normal token.
     Unused,
-    /// A byte token of SentencePiece vocabularies (`<0x0A>`, type 6), handled as a normal token: it
-    /// decodes to its spelling, not to the byte.
+    /// A byte token of SentencePiece vocabularies (`<0x0A>`, type 6): in a SentencePiece
+    /// vocabulary it is the byte fallback and decodes to the byte; in a byte-level BPE one it is
+    /// handled as a normal token and decodes to its spelling.
     Byte,
 }
 
@@ -210,7 +215,23 @@ pub fn byte_to_char() -> [char; 256] {
     table
 }
 
-/// A byte-level BPE tokenizer.
+/// `tokenizer.ggml.tokens` and `tokenizer.ggml.token_type` (empty when absent: all normal).
+fn vocabulary_from_gguf(g: &Gguf<'_>) -> Result<(Vec<String>, Vec<TokenType>)> {
+    let texts: Vec<String> = g.get_array("tokenizer.ggml.tokens")?.to_strs()?.into_iter().map(str::to_owned).collect();
+    let types = match g.get("tokenizer.ggml.token_type") {
+        None => Vec::new(),
+        Some(_) => g
+            .get_array("tokenizer.ggml.token_type")?
+            .to_i64s()?
+            .into_iter()
+            .enumerate()
+            .map(|(id, t)| TokenType::from_gguf(t).ok_or_else(|| model_err(format!("token {id} has unknown token type {t}"))))
+            .collect::<Result<_>>()?,
+    };
+    Ok((texts, types))
+}
+
+/// A tokenizer: byte-level BPE, or SentencePiece-style (the `spm` module).
 #[derive(Clone, Debug)]
 pub struct Tokenizer {
     /// Token text as the vocabulary spells it (byte-mapped for normal tokens).
@@ -227,6 +248,9 @@ pub struct Tokenizer {
     specials: Vec<(u32, TokenType)>,
     starts_special: [bool; 256],
     pre: PreTokenizer,
+    /// A SentencePiece vocabulary's scores and space prefix (`tokenizer.ggml.model` = `llama`);
+    /// `None` for byte-level BPE.
+    spm: Option<spm::Spm>,
     bos: Option<u32>,
     eos: Option<u32>,
     add_bos: bool,
@@ -328,17 +352,95 @@ impl Tokenizer {
             specials,
             starts_special,
             pre,
+            spm: None,
             bos: None,
             eos: None,
             add_bos: false,
         })
     }
 
+    /// Builds a SentencePiece-style tokenizer (see the `spm` module): `texts[id]` as the
+    /// vocabulary spells them (`▁the`, `<0x0A>`), their types (empty: all normal) and scores,
+    /// and whether each run of text gets a leading `▁`.
+    pub fn new_spm(texts: Vec<String>, types: Vec<TokenType>, scores: Vec<f32>, add_space_prefix: bool) -> Result<Self> {
+        let n = texts.len();
+        if n == 0 || u32::try_from(n).is_err() {
+            return Err(model_err(format!("a vocabulary of {n} tokens")));
+        }
+        let types = if types.is_empty() { vec![TokenType::Normal; n] } else { types };
+        if types.len() != n || scores.len() != n {
+            return Err(model_err(format!("{} token types and {} scores for {n} tokens", types.len(), scores.len())));
+        }
+        if let Some(i) = scores.iter().position(|s| !s.is_finite()) {
+            return Err(model_err(format!("token {i}'s score is {}", scores[i])));
+        }
+        let mut id_from_text = HashMap::with_capacity(n);
+        for (id, t) in texts.iter().enumerate() {
+            id_from_text.entry(t.clone()).or_insert(id as u32);
+        }
+        let mut token_from_byte = [NO_TOKEN; 256];
+        for (b, slot) in token_from_byte.iter_mut().enumerate() {
+            let named = id_from_text.get(&format!("<0x{b:02X}>")).copied();
+            let plain = (b < 0x80).then(|| id_from_text.get(&char::from(b as u8).to_string()).copied()).flatten();
+            *slot = named.or(plain).unwrap_or(NO_TOKEN);
+        }
+        let bytes = texts
+            .iter()
+            .zip(&types)
+            .map(|(t, ty)| match ty {
+                TokenType::Byte => match spm::byte_token(t) {
+                    Some(b) => vec![b].into_boxed_slice(),
+                    None => t.as_bytes().into(),
+                },
+                TokenType::Control | TokenType::Unknown => t.as_bytes().into(),
+                _ => t.replace(spm::SPACE, " ").into_bytes().into_boxed_slice(),
+            })
+            .collect();
+        let mut specials: Vec<(u32, TokenType)> = types
+            .iter()
+            .enumerate()
+            .filter(|(id, ty)| ty.is_special() && !texts[*id].is_empty())
+            .map(|(id, &ty)| (id as u32, ty))
+            .collect();
+        specials.sort_by_key(|&(id, _)| (Reverse(texts[id as usize].len()), id));
+        let mut starts_special = [false; 256];
+        for &(id, _) in &specials {
+            if let Some(&b) = texts[id as usize].as_bytes().first() {
+                starts_special[usize::from(b)] = true;
+            }
+        }
+        Ok(Tokenizer {
+            texts,
+            bytes,
+            types,
+            id_from_text,
+            merges: HashMap::new(),
+            token_from_byte,
+            specials,
+            starts_special,
+            pre: PreTokenizer::Gpt2,
+            spm: Some(spm::Spm { scores, add_space_prefix }),
+            bos: None,
+            eos: None,
+            add_bos: false,
+        })
+    }
+
+    /// Whether this is a SentencePiece-style vocabulary (`tokenizer.ggml.model` = `llama`).
+    pub fn is_sentencepiece(&self) -> bool {
+        self.spm.is_some()
+    }
+
     /// The tokenizer a GGUF file describes (`tokenizer.ggml.*`).
     pub fn from_gguf(g: &Gguf<'_>) -> Result<Self> {
         let model = g.get_str("tokenizer.ggml.model")?;
+        if model == "llama" {
+            return Self::spm_from_gguf(g);
+        }
         if model != "gpt2" {
-            return Err(model_err(format!("tokenizer.ggml.model is `{model}`; only byte-level BPE (`gpt2`) is implemented")));
+            return Err(model_err(format!(
+                "tokenizer.ggml.model is `{model}`; implemented: byte-level BPE (`gpt2`) and SentencePiece-style (`llama`)"
+            )));
         }
         let pre_name = g.get_str("tokenizer.ggml.pre")?;
         let pre = PreTokenizer::from_gguf_name(pre_name).ok_or_else(|| {
@@ -346,32 +448,39 @@ impl Tokenizer {
                 "tokenizer.ggml.pre is `{pre_name}`, a pre-tokenizer not implemented here (implemented: gpt2, smollm, starcoder, refact, command-r, codeshell, exaone, minerva-7b)"
             ))
         })?;
-        let texts: Vec<String> = g.get_array("tokenizer.ggml.tokens")?.to_strs()?.into_iter().map(str::to_owned).collect();
-        let types = match g.get("tokenizer.ggml.token_type") {
-            None => Vec::new(),
-            Some(_) => g
-                .get_array("tokenizer.ggml.token_type")?
-                .to_i64s()?
-                .into_iter()
-                .enumerate()
-                .map(|(id, t)| TokenType::from_gguf(t).ok_or_else(|| model_err(format!("token {id} has unknown token type {t}"))))
-                .collect::<Result<_>>()?,
-        };
+        let (texts, types) = vocabulary_from_gguf(g)?;
         let merges = g.get_array("tokenizer.ggml.merges")?.to_strs()?;
-        let mut t = Tokenizer::new(texts, types, &merges, pre)?;
-        let special = |key: &str| -> Result<Option<u32>> {
-            match g.opt(key, Gguf::get_u32)? {
-                Some(id) if id as usize >= t.texts.len() => {
-                    Err(model_err(format!("{key} is {id}, outside the vocabulary of {}", t.texts.len())))
-                }
+        let t = Tokenizer::new(texts, types, &merges, pre)?;
+        t.specials_from_gguf(g, None)
+    }
+
+    /// A SentencePiece-style vocabulary (`tokenizer.ggml.model` = `llama`): scores, the space
+    /// prefix (default on), and llama.cpp's defaults for it (`<s>` = 1 first, `</s>` = 2).
+    fn spm_from_gguf(g: &Gguf<'_>) -> Result<Self> {
+        let (texts, types) = vocabulary_from_gguf(g)?;
+        let scores = match g.get("tokenizer.ggml.scores") {
+            Some(_) => g.get_array("tokenizer.ggml.scores")?.to_f32s()?,
+            None => return Err(model_err("a SentencePiece vocabulary (`llama`) without tokenizer.ggml.scores")),
+        };
+        let prefix = g.opt("tokenizer.ggml.add_space_prefix", Gguf::get_bool)?.unwrap_or(true);
+        let t = Tokenizer::new_spm(texts, types, scores, prefix)?;
+        t.specials_from_gguf(g, Some((1, 2, true)))
+    }
+
+    /// Beginning/end-of-sequence tokens and whether prompts start with the first, from the file;
+    /// `defaults`: (bos, eos, add_bos) where the file names none.
+    fn specials_from_gguf(mut self, g: &Gguf<'_>, defaults: Option<(u32, u32, bool)>) -> Result<Self> {
+        let n = self.texts.len();
+        let special = |key: &str, default: Option<u32>| -> Result<Option<u32>> {
+            match g.opt(key, Gguf::get_u32)?.or(default.filter(|&d| (d as usize) < n)) {
+                Some(id) if id as usize >= n => Err(model_err(format!("{key} is {id}, outside the vocabulary of {n}"))),
                 other => Ok(other),
             }
         };
-        let (bos, eos) = (special("tokenizer.ggml.bos_token_id")?, special("tokenizer.ggml.eos_token_id")?);
-        t.bos = bos;
-        t.eos = eos;
-        t.add_bos = g.opt("tokenizer.ggml.add_bos_token", Gguf::get_bool)?.unwrap_or(false);
-        Ok(t)
+        self.bos = special("tokenizer.ggml.bos_token_id", defaults.map(|d| d.0))?;
+        self.eos = special("tokenizer.ggml.eos_token_id", defaults.map(|d| d.1))?;
+        self.add_bos = g.opt("tokenizer.ggml.add_bos_token", Gguf::get_bool)?.unwrap_or(defaults.is_some_and(|d| d.2));
+        Ok(self)
     }
 
     /// Sets the beginning/end-of-sequence tokens (read from the GGUF by [`Tokenizer::from_gguf`]).
@@ -464,6 +573,12 @@ impl Tokenizer {
     }
 
     fn encode_ordinary(&self, text: &str, out: &mut Vec<u32>) {
+        if let Some(spm) = &self.spm {
+            // Each run of ordinary text starts the text or follows a special token: llama.cpp
+            // puts the space prefix there.
+            spm::encode(self, spm, text, true, out);
+            return;
+        }
         for piece in self.pre.split(text) {
             for run in piece.as_bytes().split(|&b| self.token_from_byte[usize::from(b)] == NO_TOKEN) {
                 self.bpe(run, out);
@@ -479,7 +594,15 @@ impl Tokenizer {
     /// The first character of `text` (byte offset, character) that the vocabulary cannot encode,
     /// or `None` when `decode(encode(text)) == text` is guaranteed.
     pub fn unencodable(&self, text: &str) -> Option<(usize, char)> {
-        text.char_indices().find(|(_, c)| c.encode_utf8(&mut [0; 4]).bytes().any(|b| self.token_from_byte[usize::from(b)] == NO_TOKEN))
+        let no_bytes = |c: char| c.encode_utf8(&mut [0; 4]).bytes().any(|b| self.token_from_byte[usize::from(b)] == NO_TOKEN);
+        match &self.spm {
+            // A character is a token of its own (a space is `▁`), or its bytes are.
+            Some(_) => text.char_indices().find(|&(_, c)| {
+                let spelled = if c == ' ' { spm::SPACE } else { c };
+                !self.id_from_text.contains_key(spelled.encode_utf8(&mut [0; 4]) as &str) && no_bytes(c)
+            }),
+            None => text.char_indices().find(|&(_, c)| no_bytes(c)),
+        }
     }
 
     /// Merges the byte tokens of a run of bytes that all have one, lowest rank first and leftmost
@@ -575,7 +698,12 @@ impl Tokenizer {
     /// The text of the tokens, with U+FFFD for byte sequences that are not UTF-8; exactly the
     /// encoded text when it had no [`Tokenizer::unencodable`] character.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        let bytes = self.decode_bytes(ids)?;
+        let mut bytes = self.decode_bytes(ids)?;
+        // The space prefix a SentencePiece vocabulary put in front of the text goes again (as
+        // llama.cpp's detokenizer strips it from the first piece).
+        if self.spm.as_ref().is_some_and(|s| s.add_space_prefix) && bytes.first() == Some(&b' ') {
+            bytes.remove(0);
+        }
         Ok(match String::from_utf8(bytes) {
             Ok(s) => s,
             Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
@@ -873,8 +1001,8 @@ mod tests {
             other => panic!("expected an error mentioning {needle:?}, got {other:?}"),
         };
         let mut w = GgufWriter::new();
-        w.str("tokenizer.ggml.model", "llama");
-        refuse(w.finish(), "only byte-level BPE");
+        w.str("tokenizer.ggml.model", "t5");
+        refuse(w.finish(), "implemented: byte-level BPE (`gpt2`) and SentencePiece-style (`llama`)");
         let mut w = GgufWriter::new();
         w.str("tokenizer.ggml.model", "gpt2").str("tokenizer.ggml.pre", "qwen2");
         refuse(w.finish(), "`qwen2`, a pre-tokenizer not implemented");
