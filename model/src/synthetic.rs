@@ -46,6 +46,10 @@ pub struct SyntheticModel {
     /// so greedy decoding repeats that token; an untied head makes each next token a different
     /// function of the whole forward pass.
     pub untied_output: bool,
+    /// A SentencePiece-style vocabulary (`tokenizer.ggml.model` = `llama`, as Llama 2, Mistral
+    /// and Mixtral files carry): `<unk>`, `<s>`, `</s>`, the 256 byte tokens and a few scored
+    /// pieces, instead of the 256-token byte-level BPE one.
+    pub sentencepiece: bool,
 }
 
 impl SyntheticModel {
@@ -64,6 +68,7 @@ impl SyntheticModel {
             seed,
             weights: GgmlType::F32,
             untied_output: false,
+            sentencepiece: false,
         }
     }
 
@@ -82,7 +87,11 @@ impl SyntheticModel {
         let (h, f, e) = (u64::from(self.hidden), u64::from(self.ffn), u64::from(self.experts));
         let hd = h / u64::from(self.heads);
         let (q, kv) = (u64::from(self.heads) * hd, u64::from(self.kv_heads) * hd);
-        let chars: Vec<String> = crate::tokenizer::byte_to_char().iter().map(char::to_string).collect();
+        let chars: Vec<String> = if self.sentencepiece {
+            sentencepiece_vocabulary().into_iter().map(|(t, _, _)| t).collect()
+        } else {
+            crate::tokenizer::byte_to_char().iter().map(char::to_string).collect()
+        };
         let tokens: Vec<&str> = chars.iter().map(String::as_str).collect();
         let vocab = tokens.len() as u64;
         let mut w = GgufWriter::new();
@@ -96,10 +105,20 @@ impl SyntheticModel {
             .f32("llama.attention.layer_norm_rms_epsilon", 1e-5)
             .f32("llama.rope.freq_base", 10_000.0)
             .u32("llama.context_length", self.context)
-            .str("tokenizer.ggml.model", "gpt2")
-            .str("tokenizer.ggml.pre", "gpt2")
-            .strs("tokenizer.ggml.tokens", &tokens)
-            .strs("tokenizer.ggml.merges", &[]);
+            .strs("tokenizer.ggml.tokens", &tokens);
+        if self.sentencepiece {
+            let v = sentencepiece_vocabulary();
+            let types: Vec<i32> = v.iter().map(|t| t.1).collect();
+            let scores: Vec<f32> = v.iter().map(|t| t.2).collect();
+            w.str("tokenizer.ggml.model", "llama")
+                .i32s("tokenizer.ggml.token_type", &types)
+                .f32s("tokenizer.ggml.scores", &scores)
+                .u32("tokenizer.ggml.bos_token_id", 1)
+                .u32("tokenizer.ggml.eos_token_id", 2)
+                .bool("tokenizer.ggml.add_bos_token", true);
+        } else {
+            w.str("tokenizer.ggml.model", "gpt2").str("tokenizer.ggml.pre", "gpt2").strs("tokenizer.ggml.merges", &[]);
+        }
         if self.experts > 0 {
             w.u32("llama.expert_count", self.experts).u32("llama.expert_used_count", self.top_k);
         }
@@ -189,4 +208,13 @@ fn quantize(format: GgmlType, data: &[f32]) -> Vec<u8> {
             .collect(),
         _ => data.iter().flat_map(|v| v.to_le_bytes()).collect(),
     }
+}
+
+/// The synthetic SentencePiece vocabulary: (text, llama.cpp token type, score).
+fn sentencepiece_vocabulary() -> Vec<(String, i32, f32)> {
+    let mut v = vec![("<unk>".to_string(), 2, 0.0), ("<s>".to_string(), 3, 0.0), ("</s>".to_string(), 3, 0.0)];
+    v.extend((0..=255u8).map(|b| (format!("<0x{b:02X}>"), 6, 0.0)));
+    let pieces = ["▁", "e", "t", "a", "o", "i", "n", "s", "h", "r", "▁t", "he", "▁the", "▁a", "in", "an", "▁an", "er", "on", "▁s"];
+    v.extend(pieces.iter().enumerate().map(|(i, p)| (p.to_string(), 1, -(i as f32) / 4.0)));
+    v
 }

@@ -43,6 +43,10 @@ pub struct SynthArgs {
     /// embeddings: greedy decoding then varies its tokens instead of repeating the last one.
     #[arg(long)]
     untied_output: bool,
+    /// A SentencePiece-style vocabulary (`tokenizer.ggml.model` = `llama`, as Mixtral files
+    /// carry: scores and byte fallback) instead of byte-level BPE.
+    #[arg(long)]
+    sentencepiece: bool,
 }
 
 pub fn run(a: &SynthArgs) -> Result<()> {
@@ -84,13 +88,14 @@ pub fn run(a: &SynthArgs) -> Result<()> {
         seed: a.seed,
         weights,
         untied_output: a.untied_output,
+        sentencepiece: a.sentencepiece,
     };
     let t0 = std::time::Instant::now();
     let bytes = m.gguf();
     std::fs::write(&a.out, &bytes).with_context(|| format!("writing {}", a.out.display()))?;
     let ffn = if a.experts == 0 { format!("dense FFN {}", a.ffn) } else { format!("{} experts of {}, top-{}", a.experts, a.ffn, a.top_k) };
     println!(
-        "wrote {} ({:.1} MiB, {:.2} s): {} layers, hidden {}, {}/{} heads, {ffn}, random {weights} weights, byte-level vocabulary of 256",
+        "wrote {} ({:.1} MiB, {:.2} s): {} layers, hidden {}, {}/{} heads, {ffn}, random {weights} weights, {}",
         a.out.display(),
         bytes.len() as f64 / (1u64 << 20) as f64,
         t0.elapsed().as_secs_f64(),
@@ -98,6 +103,7 @@ pub fn run(a: &SynthArgs) -> Result<()> {
         a.hidden,
         a.heads,
         a.kv_heads,
+        if a.sentencepiece { "SentencePiece-style vocabulary (llama) of 279" } else { "byte-level vocabulary of 256" },
     );
     Ok(())
 }

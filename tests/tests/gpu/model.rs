@@ -227,6 +227,48 @@ fn moe_file_gpu_forward_matches_the_cpu_reference() {
     }
 }
 
+/// A Mixtral-style file (llama.cpp's MoE tensors) with a SentencePiece vocabulary (`llama`:
+/// scores, `<s>` first, byte fallback), as Mixtral GGUF files come: the prompt is encoded by
+/// score merging, and the GPU forward pass over it (through `TextModel`) gives the CPU
+/// reference's logits and greedy tokens.
+#[test]
+fn a_mixtral_style_file_with_a_sentencepiece_vocabulary_decodes_as_the_reference() {
+    use expertkv_model::text::{GenerateOptions, TextModel};
+    let rt = rt();
+    let seed = seeds("model_mixtral_spm", 1)[0];
+    let spec = SyntheticModel { sentencepiece: true, untied_output: true, ..SyntheticModel::moe(seed, 8, 2) }.with_weights(GgmlType::Q8_0);
+    let file = spec.gguf();
+    let g = Gguf::parse(&file).expect("gguf");
+    let tok = Tokenizer::from_gguf(&g).expect("tokenizer");
+    assert!(tok.is_sentencepiece() && tok.add_bos() && tok.bos() == Some(1));
+    let prompt = "the heart is é";
+    let ids = tok.encode_prompt(prompt, true).expect("prompt");
+    // `<s>`, then pieces merged by score (`▁the`, `he`), and `é` as its two byte tokens.
+    assert_eq!(ids[0], 1, "{ids:?}");
+    assert_eq!(ids[1], tok.token_id("▁the").expect("▁the"), "{ids:?}");
+    assert!(ids.ends_with(&[3 + 0xC3, 3 + 0xA9]), "byte fallback: {ids:?}");
+    assert_eq!(tok.decode(&ids[1..]).expect("decode"), prompt);
+    let cfg = LlamaConfig::from_gguf(&g).expect("config");
+    let cpu = CpuModel::new(Arc::new(LlamaWeights::from_gguf(&g, &cfg).expect("weights"))).expect("cpu");
+    let mut cache = cpu.new_cache();
+    let mut want = Vec::new();
+    for (pos, &t) in ids.iter().enumerate() {
+        want = cpu.forward(t, pos as u32, &mut cache).expect("cpu forward");
+    }
+    let mut cpu_greedy = Vec::new();
+    for i in 0..6u32 {
+        let next = expertkv_model::math::argmax(&want);
+        cpu_greedy.push(next);
+        want = cpu.forward(next, ids.len() as u32 + i, &mut cache).expect("cpu forward");
+    }
+    let mut m = pollster::block_on(TextModel::load(rt, &file, ModelOptions::new(1, 64).dtype(KvDtype::F32))).expect("load");
+    let out =
+        pollster::block_on(m.generate(rt, prompt, &GenerateOptions { max_tokens: 6, stop_at_eos: false }, |_| true)).expect("generate");
+    assert_eq!(out.prompt_tokens, ids.len());
+    assert_eq!(out.tokens, cpu_greedy, "seed {seed}: greedy tokens, GPU against CPU");
+    assert!(out.tokens.iter().collect::<std::collections::HashSet<_>>().len() > 1, "seed {seed}: a varied continuation: {:?}", out.tokens);
+}
+
 /// Page codecs on a model's own K/V (a synthetic file's): full pages are compressed as the text
 /// goes in, the pool holds fewer bytes than the f16 pool, and the logits stay close to the f16
 /// pool's.
