@@ -169,3 +169,19 @@ fn objects_of_another_device_are_refused() {
     pool.append(a, &[tok(0, 0)], &kv, 0).expect("append on its own device");
     a.check("after the refusals").expect("device a healthy");
 }
+
+/// A pool larger than the device allows is refused by `KvPool::new` with the limit it breaks,
+/// before anything is allocated (the device stays healthy and a pool that fits still builds).
+#[test]
+fn a_pool_larger_than_the_device_allows_is_refused_before_allocating() {
+    let rt = rt();
+    let mut cfg = small();
+    cfg.page_size = 64;
+    cfg.n_pages = 1 << 22; // 2^28 slots: their metadata alone is over any binding limit here
+    cfg.ring_capacity = 1 << 22;
+    let e = pollster::block_on(KvPool::new(rt, cfg)).err().expect("too large");
+    assert!(matches!(e, Error::Limit { .. }), "{e}");
+    assert!(e.to_string().contains("max_storage_buffer_binding_size"), "{e}");
+    rt.check("after the refusal").expect("healthy");
+    pollster::block_on(KvPool::new(rt, small())).expect("a pool that fits");
+}
