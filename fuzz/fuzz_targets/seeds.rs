@@ -19,6 +19,7 @@ fn main() {
     let dir = Path::new(&dir);
     let small = SyntheticModel { layers: 1, hidden: 32, heads: 1, ffn: 32, ..SyntheticModel::dense(1) };
     write(dir, "gguf", "dense-q8_0.gguf", &small.clone().with_weights(GgmlType::Q8_0).gguf());
+    write(dir, "gguf", "dense-sentencepiece.gguf", &SyntheticModel { sentencepiece: true, ..small.clone() }.gguf());
     let moe = SyntheticModel { experts: 4, top_k: 2, ..small };
     write(dir, "gguf", "moe-q4_1.gguf", &moe.with_weights(GgmlType::Q4_1).gguf());
     // The weights `fuzz_targets/moe_cache.rs` reads caches against.

@@ -7,7 +7,8 @@
 //    pool placement of every step) must equal the native run's, its attention-output
 //    fingerprint (three sums of every step's output) must agree with the native one within
 //    FINGERPRINT_RTOL, and a screenshot of the viewer beside the live pipeline is saved.
-// 2. The same page in a Chromium without WebGPU must say so in the page instead of failing.
+// 2. The same page in a Chromium without WebGPU must say so in the page instead of failing, and
+//    a malformed URL option (`?steps=abc`, `?renderer=foo`) is named on the page.
 // 3. The JS API (examples/web/index.html's page, served at /examples/): init(), loadModel() of
 //    a small synthetic GGUF file served at /data/model.gguf under H2O, generate() streaming
 //    through its callback, stats(); the generated token ids must equal the native `expertkv run
@@ -175,8 +176,26 @@ async function withApi() {
   }
 }
 
+// Malformed URL options are said on the page (the bar and window.expertkv.error), not ignored.
+async function withBadOptions() {
+  const browser = await chromium.launch({ executablePath, headless: true, args: [...common, '--enable-unsafe-webgpu'] });
+  try {
+    const page = await browser.newPage();
+    for (const [option, needle] of [['steps=abc', '?steps=abc'], ['renderer=foo', 'renderer `foo`']]) {
+      await page.goto(`${url}${url.includes('?') ? '&' : '?'}${option}`);
+      await page.waitForFunction(() => window.expertkv && window.expertkv.error, null, { timeout: 60000 });
+      const shown = await page.evaluate(() => document.getElementById('status').textContent);
+      console.log(`?${option}: the page says: ${shown}`);
+      if (!shown.includes(needle)) fail(`?${option} should be named on the page, got: ${shown}`);
+    }
+  } finally {
+    await browser.close();
+  }
+}
+
 await withWebGpu();
 await withoutWebGpu();
+await withBadOptions();
 if (apiFile) await withApi();
 if (process.exitCode) {
   console.error('browser test failed');

@@ -592,7 +592,9 @@ impl Tokenizer {
     }
 
     /// The first character of `text` (byte offset, character) that the vocabulary cannot encode,
-    /// or `None` when `decode(encode(text)) == text` is guaranteed.
+    /// or `None` when `decode(encode(text)) == text` is guaranteed (for a SentencePiece
+    /// vocabulary, up to its space marker: a literal `▁` in the text is how it spells a space,
+    /// and decodes as one, as in SentencePiece and llama.cpp).
     pub fn unencodable(&self, text: &str) -> Option<(usize, char)> {
         let no_bytes = |c: char| c.encode_utf8(&mut [0; 4]).bytes().any(|b| self.token_from_byte[usize::from(b)] == NO_TOKEN);
         match &self.spm {
