@@ -832,6 +832,12 @@ impl GpuLlama {
     /// top-k on the GPU then only the chosen experts). The host reads the logits back, and the
     /// experts chosen in every layer once at the end (MoEfied models).
     pub async fn forward(&mut self, rt: &Runtime, tokens: &[u32]) -> Result<Vec<f32>> {
+        if let Some(p) = self.positions.iter().find(|&&p| p >= self.max_context) {
+            return Err(Error::Input(format!(
+                "a sequence is at position {p}: the pool holds {} tokens per sequence (ModelOptions::max_context)",
+                self.max_context
+            )));
+        }
         let segments = self.encode_step(rt, tokens)?;
         if self.flexgen.is_some() {
             // A segment per layer up to its page lists (then the layer's fetch), and the rest.

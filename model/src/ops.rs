@@ -432,8 +432,11 @@ impl ModelKernels {
         if n_tokens == 0 || top_k == 0 || top_k > n_experts {
             return Err(Error::Input(format!("moe_topk: {n_tokens} tokens, top-{top_k} of {n_experts} experts")));
         }
-        let chosen = u64::from(n_tokens * top_k) * 4;
-        if scores.size() < u64::from(n_tokens * n_experts) * 4 || sel.size() < chosen || log.size() < u64::from(log_offset) * 4 + chosen {
+        let chosen = (u64::from(n_tokens) * u64::from(top_k)) * 4;
+        if scores.size() < (u64::from(n_tokens) * u64::from(n_experts)) * 4
+            || sel.size() < chosen
+            || log.size() < u64::from(log_offset) * 4 + chosen
+        {
             return Err(Error::Input("moe_topk: buffers too small".into()));
         }
         let p = rt.uniform("model/router params", &MoeTopkParams { n_tokens, n_experts, top_k, log_offset });
@@ -460,8 +463,8 @@ impl ModelKernels {
         if n_tokens == 0 || top_k == 0 || top_k > n_experts {
             return Err(Error::Input(format!("moe_weights: {n_tokens} tokens, top-{top_k} of {n_experts} experts")));
         }
-        let chosen = u64::from(n_tokens * top_k) * 4;
-        if scores.size() < u64::from(n_tokens * n_experts) * 4 || sel.size() < chosen || wts.size() < chosen {
+        let chosen = (u64::from(n_tokens) * u64::from(top_k)) * 4;
+        if scores.size() < (u64::from(n_tokens) * u64::from(n_experts)) * 4 || sel.size() < chosen || wts.size() < chosen {
             return Err(Error::Input("moe_weights: buffers too small".into()));
         }
         let p = rt.uniform("model/router params", &MoeTopkParams { n_tokens, n_experts, top_k, log_offset: 0 });
@@ -542,7 +545,10 @@ impl ModelKernels {
             return Err(Error::Input(format!("moe_ffn: {n_tokens} tokens, top-{top_k} of {} experts", m.n_experts)));
         }
         let need = u64::from(n_tokens) * u64::from(top_k) * u64::from(m.max_size) * 4;
-        if act.size() < need || sel.size() < u64::from(n_tokens * top_k) * 4 || wts.size() < u64::from(n_tokens * top_k) * 4 {
+        if act.size() < need
+            || sel.size() < (u64::from(n_tokens) * u64::from(top_k)) * 4
+            || wts.size() < (u64::from(n_tokens) * u64::from(top_k)) * 4
+        {
             return Err(Error::Input("moe_ffn: scratch buffers too small".into()));
         }
         let p = rt.uniform(

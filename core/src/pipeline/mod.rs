@@ -265,9 +265,12 @@ impl Pipeline {
         }
         self.update_miss(rt)?;
         rt.wait()?;
-        self.pool.check_errors(rt, 0).await?;
+        // For the message of an exhausted pool: the pages the whole prompt takes.
+        let c = &self.pool.cfg;
+        let prompt_pages = w.prompt_len.div_ceil(c.page_size) * w.n_seqs * w.layers * c.kv_heads;
+        self.pool.check_errors(rt, prompt_pages).await?;
         if let Some(r) = &self.reference {
-            r.pool.check_errors(rt, 0).await?;
+            r.pool.check_errors(rt, prompt_pages).await?;
         }
         Ok(())
     }
