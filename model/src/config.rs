@@ -3,9 +3,51 @@
 use crate::Result;
 use crate::gguf::{Gguf, model_err};
 
-/// The hyper-parameters of a Llama-architecture model, from its GGUF metadata.
+/// The transformer families this crate runs (`general.architecture`), each with llama.cpp's
+/// tensor names and metadata keys (`<arch>.block_count`, ...).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    /// `llama` (also Mistral and Mixtral): adjacent-pair ("normal") RoPE, no biases.
+    Llama,
+    /// `qwen2`: Q, K and V projections with biases (`attn_q.bias`, ...), half-offset (NeoX) RoPE.
+    Qwen2,
+    /// `qwen3`: per-head RMSNorm of queries and keys before RoPE (`attn_q_norm`,
+    /// `attn_k_norm`, `[head_dim]`), no biases, NeoX RoPE.
+    Qwen3,
+}
+
+impl Arch {
+    /// The `general.architecture` name, also the metadata keys' prefix.
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
+        }
+    }
+
+    /// Whether RoPE rotates pairs half a head apart (`x[i]`, `x[i + d/2]`, llama.cpp's
+    /// `LLAMA_ROPE_TYPE_NEOX`) rather than adjacent ones.
+    pub fn rope_neox(self) -> bool {
+        !matches!(self, Arch::Llama)
+    }
+
+    /// Whether the Q, K and V projections carry biases.
+    pub fn qkv_bias(self) -> bool {
+        matches!(self, Arch::Qwen2)
+    }
+
+    /// Whether queries and keys are RMS-normed per head before RoPE.
+    pub fn qk_norm(self) -> bool {
+        matches!(self, Arch::Qwen3)
+    }
+}
+
+/// The hyper-parameters of a Llama-family model, from its GGUF metadata.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LlamaConfig {
+    /// `general.architecture`.
+    pub arch: Arch,
     /// `llama.block_count`: transformer layers.
     pub block_count: u32,
     /// `llama.embedding_length`: the hidden size.
@@ -36,46 +78,65 @@ pub struct LlamaConfig {
 }
 
 impl LlamaConfig {
-    /// Reads and checks the hyper-parameters; `general.architecture` must be `llama`.
+    /// Reads and checks the hyper-parameters; `general.architecture` must be one of [`Arch`]'s.
     pub fn from_gguf(g: &Gguf<'_>) -> Result<Self> {
-        let arch = g.get_str("general.architecture")?;
-        if arch != "llama" {
-            return Err(model_err(format!("general.architecture is `{arch}`; only `llama` is supported")));
+        let name = g.get_str("general.architecture")?;
+        let arch = match name {
+            "llama" => Arch::Llama,
+            "qwen2" => Arch::Qwen2,
+            "qwen3" => Arch::Qwen3,
+            other => {
+                return Err(model_err(format!("general.architecture is `{other}`; supported: llama, qwen2, qwen3")));
+            }
+        };
+        let key = |k: &str| format!("{name}.{k}");
+        let embedding_length = g.get_u32(&key("embedding_length"))?;
+        let head_count = g.get_u32(&key("attention.head_count"))?;
+        if head_count == 0 || embedding_length == 0 {
+            return Err(model_err(format!("{name}.embedding_length {embedding_length} and head_count {head_count} must be positive")));
         }
-        let embedding_length = g.get_u32("llama.embedding_length")?;
-        let head_count = g.get_u32("llama.attention.head_count")?;
-        if head_count == 0 || embedding_length == 0 || embedding_length % head_count != 0 {
-            return Err(model_err(format!(
-                "llama.embedding_length {embedding_length} is not a positive multiple of head_count {head_count}"
-            )));
-        }
-        let head_count_kv = g.opt("llama.attention.head_count_kv", Gguf::get_u32)?.unwrap_or(head_count);
+        let head_dim = match g.opt(&key("attention.key_length"), Gguf::get_u32)? {
+            Some(d) => d,
+            None if embedding_length % head_count == 0 => embedding_length / head_count,
+            None => {
+                return Err(model_err(format!(
+                    "{name}.embedding_length {embedding_length} is not a multiple of head_count {head_count} (and no key_length)"
+                )));
+            }
+        };
+        let head_count_kv = g.opt(&key("attention.head_count_kv"), Gguf::get_u32)?.unwrap_or(head_count);
         if head_count_kv == 0 || head_count % head_count_kv != 0 {
-            return Err(model_err(format!("llama.attention.head_count_kv {head_count_kv} does not divide head_count {head_count}")));
+            return Err(model_err(format!("{name}.attention.head_count_kv {head_count_kv} does not divide head_count {head_count}")));
         }
-        let head_dim = g.opt("llama.attention.key_length", Gguf::get_u32)?.unwrap_or(embedding_length / head_count);
         let tokens = g.get_array("tokenizer.ggml.tokens")?.len();
         let vocab_size = u32::try_from(tokens).map_err(|_| model_err(format!("tokenizer.ggml.tokens has {tokens} entries")))?;
-        if let Some(v) = g.opt("llama.vocab_size", Gguf::get_u32)?
+        if let Some(v) = g.opt(&key("vocab_size"), Gguf::get_u32)?
             && v != vocab_size
         {
-            return Err(model_err(format!("llama.vocab_size is {v} but tokenizer.ggml.tokens has {vocab_size} entries")));
+            return Err(model_err(format!("{name}.vocab_size is {v} but tokenizer.ggml.tokens has {vocab_size} entries")));
         }
         let c = LlamaConfig {
-            block_count: g.get_u32("llama.block_count")?,
+            arch,
+            block_count: g.get_u32(&key("block_count"))?,
             embedding_length,
-            feed_forward_length: g.get_u32("llama.feed_forward_length")?,
+            feed_forward_length: g.get_u32(&key("feed_forward_length"))?,
             head_count,
             head_count_kv,
             head_dim,
-            rope_freq_base: g.opt("llama.rope.freq_base", Gguf::get_f32)?.unwrap_or(10_000.0),
-            rope_dimension_count: g.opt("llama.rope.dimension_count", Gguf::get_u32)?.unwrap_or(head_dim),
-            rms_norm_eps: g.get_f32("llama.attention.layer_norm_rms_epsilon")?,
-            context_length: g.get_u32("llama.context_length")?,
+            rope_freq_base: g.opt(&key("rope.freq_base"), Gguf::get_f32)?.unwrap_or(10_000.0),
+            rope_dimension_count: g.opt(&key("rope.dimension_count"), Gguf::get_u32)?.unwrap_or(head_dim),
+            rms_norm_eps: g.get_f32(&key("attention.layer_norm_rms_epsilon"))?,
+            context_length: g.get_u32(&key("context_length"))?,
             vocab_size,
-            expert_count: g.opt("llama.expert_count", Gguf::get_u32)?.unwrap_or(0),
-            expert_used_count: g.opt("llama.expert_used_count", Gguf::get_u32)?.unwrap_or(0),
+            expert_count: g.opt(&key("expert_count"), Gguf::get_u32)?.unwrap_or(0),
+            expert_used_count: g.opt(&key("expert_used_count"), Gguf::get_u32)?.unwrap_or(0),
         };
+        if c.expert_count > 0 && arch != Arch::Llama {
+            return Err(model_err(format!(
+                "{name} with experts (expert_count {}) is not supported; llama (Mixtral) MoE files are",
+                c.expert_count
+            )));
+        }
         if c.expert_count > 0 && !(1..=c.expert_count).contains(&c.expert_used_count) {
             return Err(model_err(format!(
                 "llama.expert_used_count {} must be in 1..={} (llama.expert_count)",
@@ -134,6 +195,15 @@ impl LlamaConfig {
             want(&format!("blk.{l}.attn_k.weight"), &[h, kv])?;
             want(&format!("blk.{l}.attn_v.weight"), &[h, kv])?;
             want(&format!("blk.{l}.attn_output.weight"), &[q, h])?;
+            if self.arch.qkv_bias() {
+                want(&format!("blk.{l}.attn_q.bias"), &[q])?;
+                want(&format!("blk.{l}.attn_k.bias"), &[kv])?;
+                want(&format!("blk.{l}.attn_v.bias"), &[kv])?;
+            }
+            if self.arch.qk_norm() {
+                want(&format!("blk.{l}.attn_q_norm.weight"), &[u64::from(self.head_dim)])?;
+                want(&format!("blk.{l}.attn_k_norm.weight"), &[u64::from(self.head_dim)])?;
+            }
             want(&format!("blk.{l}.ffn_norm.weight"), &[h])?;
             if self.expert_count == 0 {
                 want(&format!("blk.{l}.ffn_gate.weight"), &[h, f])?;
@@ -155,5 +225,33 @@ impl LlamaConfig {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::SyntheticModel;
+
+    #[test]
+    fn architectures_are_read_by_name_and_others_refused_by_name() {
+        for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
+            let file = SyntheticModel { arch, ..SyntheticModel::dense(1) }.gguf();
+            let c = LlamaConfig::from_gguf(&Gguf::parse(&file).expect("gguf")).expect("config");
+            assert_eq!(c.arch, arch);
+            c.check_tensors(&Gguf::parse(&file).expect("gguf")).expect("tensors");
+        }
+        let mut w = crate::gguf::writer::GgufWriter::new();
+        w.str("general.architecture", "gemma2").strs("tokenizer.ggml.tokens", &["a"]);
+        let bytes = w.finish();
+        let e = LlamaConfig::from_gguf(&Gguf::parse(&bytes).expect("gguf")).expect_err("gemma2");
+        assert!(e.to_string().contains("`gemma2`; supported: llama, qwen2, qwen3"), "{e}");
+        // A Qwen file without its biases is refused by tensor name.
+        let llama = SyntheticModel::dense(1).gguf();
+        let g = Gguf::parse(&llama).expect("gguf");
+        let mut c = LlamaConfig::from_gguf(&g).expect("config");
+        c.arch = Arch::Qwen2;
+        let e = c.check_tensors(&g).expect_err("no biases");
+        assert!(e.to_string().contains("blk.0.attn_q.bias"), "{e}");
     }
 }

@@ -8,6 +8,9 @@
 //! position with scale `1/sqrt(head_dim)` (query head `h` reads KV head `h / (heads / kv_heads)`);
 //! `x += Wo attn`; `xn = rmsnorm(x) * ffn_norm`; `x += Wdown (silu(Wgate xn) * Wup xn)` (or the
 //! MoEfied FFN or a MoE file's own experts, [`super::moe`]). Then `logits = lm_head(rmsnorm(x) * output_norm)`.
+//! `qwen2` adds biases to `q, k, v`; `qwen3` RMS-norms each head of `q` and `k` with its own
+//! gain (`attn_q_norm`, `attn_k_norm`); both rotate pairs half a head apart
+//! ([`crate::math::rope_neox`], llama.cpp's NeoX RoPE).
 //!
 //! Matrix-vector products walk the rows of the row-major `[out][in]` weights (contiguous dot
 //! products with eight partial sums, which the compiler vectorises); the large ones are split
@@ -319,10 +322,25 @@ impl CpuModel {
             matvec(&lw.wq, &s.xn, &mut s.q, self.threads);
             matvec(&lw.wk, &s.xn, &mut s.k, self.threads);
             matvec(&lw.wv, &s.xn, &mut s.v, self.threads);
+            if let Some([bq, bk, bv]) = &lw.qkv_bias {
+                for (x, b) in [(&mut s.q, bq), (&mut s.k, bk), (&mut s.v, bv)] {
+                    x.iter_mut().zip(b).for_each(|(x, b)| *x += b);
+                }
+            }
+            if let Some([gq, gk]) = &lw.qk_norm {
+                for (x, g) in [(&mut s.q, gq), (&mut s.k, gk)] {
+                    let mut out = vec![0.0; hd];
+                    for head in x.chunks_exact_mut(hd) {
+                        rms_norm(head, g, c.rms_norm_eps, &mut out);
+                        head.copy_from_slice(&out);
+                    }
+                }
+            }
             p(Stage::QProj, &s.q, probe);
             p(Stage::KProj, &s.k, probe);
-            rope_norm(&mut s.q, hd, rope_dims, position, c.rope_freq_base);
-            rope_norm(&mut s.k, hd, rope_dims, position, c.rope_freq_base);
+            let rope = if c.arch.rope_neox() { crate::math::rope_neox } else { rope_norm };
+            rope(&mut s.q, hd, rope_dims, position, c.rope_freq_base);
+            rope(&mut s.k, hd, rope_dims, position, c.rope_freq_base);
             p(Stage::Q, &s.q, probe);
             p(Stage::K, &s.k, probe);
             p(Stage::V, &s.v, probe);

@@ -42,6 +42,11 @@ struct Layer {
     wv: GpuMatrix,
     wo: GpuMatrix,
     ffn_norm: wgpu::Buffer,
+    /// Q, K and V biases (`qwen2`), each repeated for every sequence of a step (added to the
+    /// projections with the residual kernel).
+    qkv_bias: Option<[wgpu::Buffer; 3]>,
+    /// Per-head RMSNorm gains of queries and keys (`qwen3`), `[head_dim]` each.
+    qk_norm: Option<[wgpu::Buffer; 2]>,
     /// The dense FFN: gate rows then up rows (one product gives SwiGLU's [gate; up] per token),
     /// and the down projection. `None` in a MoE file (its experts are [`GpuMoe`]'s).
     ffn: Option<(GpuMatrix, GpuMatrix)>,
@@ -55,6 +60,9 @@ struct Scratch {
     xn: wgpu::Buffer,
     k: wgpu::Buffer,
     v: wgpu::Buffer,
+    /// Queries and keys before their per-head RMSNorm (`qwen3`).
+    q_raw: wgpu::Buffer,
+    k_raw: wgpu::Buffer,
     /// K then V of each token in the pool's storage words (`ModelKernels::kv_pack`).
     kv_words: wgpu::Buffer,
     gu: wgpu::Buffer,
@@ -280,11 +288,23 @@ fn record(
     for w in layers {
         let mut p = Recorded::default();
         k.rmsnorm(rt, &mut p, &s.h, &w.attn_norm, &s.xn, n, h, c.rms_norm_eps);
-        k.matvec(rt, &mut p, &w.wq, &s.xn, &attn.queries, n)?;
-        k.matvec(rt, &mut p, &w.wk, &s.xn, &s.k, n)?;
+        // With per-head norms (qwen3) the projections land in scratch and the norm writes them.
+        let (q_out, k_out) = if w.qk_norm.is_some() { (&s.q_raw, &s.k_raw) } else { (&attn.queries, &s.k) };
+        k.matvec(rt, &mut p, &w.wq, &s.xn, q_out, n)?;
+        k.matvec(rt, &mut p, &w.wk, &s.xn, k_out, n)?;
         k.matvec(rt, &mut p, &w.wv, &s.xn, &s.v, n)?;
-        k.rope(rt, &mut p, &attn.queries, &s.positions, n, hq, d, c.rope_freq_base);
-        k.rope(rt, &mut p, &s.k, &s.positions, n, hkv, d, c.rope_freq_base);
+        if let Some([bq, bk, bv]) = &w.qkv_bias {
+            k.residual(rt, &mut p, bq, q_out, n * hq * d);
+            k.residual(rt, &mut p, bk, k_out, n * hkv * d);
+            k.residual(rt, &mut p, bv, &s.v, n * hkv * d);
+        }
+        if let Some([gq, gk]) = &w.qk_norm {
+            k.rmsnorm(rt, &mut p, &s.q_raw, gq, &attn.queries, n * hq, d, c.rms_norm_eps);
+            k.rmsnorm(rt, &mut p, &s.k_raw, gk, &s.k, n * hkv, d, c.rms_norm_eps);
+        }
+        let neox = c.arch.rope_neox();
+        k.rope(rt, &mut p, &attn.queries, &s.positions, n, hq, d, c.rope_freq_base, neox);
+        k.rope(rt, &mut p, &s.k, &s.positions, n, hkv, d, c.rope_freq_base, neox);
         k.kv_pack(rt, &mut p, &s.k, &s.v, &s.kv_words, n, hkv * d, f16)?;
         rec.attention_inputs.push(p);
         let mut p = Recorded::default();
@@ -393,6 +413,20 @@ impl GpuLlama {
                 wv: matrix(rt, g, &[&n("attn_v")])?,
                 wo: matrix(rt, g, &[&n("attn_output")])?,
                 ffn_norm: norm_buffer(rt, g, &n("ffn_norm"))?,
+                qkv_bias: if cfg.arch.qkv_bias() {
+                    let b = |name: &str| -> Result<wgpu::Buffer> {
+                        let v = g.tensor_f32(&format!("blk.{l}.{name}.bias"))?;
+                        Ok(rt.storage_init(&format!("blk.{l}.{name}.bias x seqs"), &v.repeat(n_seqs as usize)))
+                    };
+                    Some([b("attn_q")?, b("attn_k")?, b("attn_v")?])
+                } else {
+                    None
+                },
+                qk_norm: if cfg.arch.qk_norm() {
+                    Some([norm_buffer(rt, g, &n("attn_q_norm"))?, norm_buffer(rt, g, &n("attn_k_norm"))?])
+                } else {
+                    None
+                },
                 ffn: if cfg.expert_count == 0 {
                     Some((matrix(rt, g, &[&n("ffn_gate"), &n("ffn_up")])?, matrix(rt, g, &[&n("ffn_down")])?))
                 } else {
@@ -487,6 +521,8 @@ impl GpuLlama {
             xn: buf("model xn", h),
             k: buf("model k", kv),
             v: buf("model v", kv),
+            q_raw: buf("model q before its norm", if cfg.arch.qk_norm() { cfg.head_count * cfg.head_dim } else { 1 }),
+            k_raw: buf("model k before its norm", if cfg.arch.qk_norm() { kv } else { 1 }),
             kv_words: buf("model kv words", 2 * kv),
             gu: buf("model gate_up", 2 * f),
             act: buf("model act", f),

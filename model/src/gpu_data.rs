@@ -85,8 +85,8 @@ pub struct ModelOpParams {
     pub dim: u32,
     /// rope: heads per token; unused by the other kernels.
     pub n_heads: u32,
-    /// Padding, mirroring the WGSL struct; always 0.
-    pub _pad0: u32,
+    /// rope: 0 rotates adjacent pairs (llama), 1 pairs half a head apart (NeoX: Qwen).
+    pub mode: u32,
     /// rmsnorm: the epsilon added to the mean square.
     pub eps: f32,
     /// rope: the frequency base (`llama.rope.freq_base`).

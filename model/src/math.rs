@@ -102,6 +102,22 @@ pub fn rope_norm(x: &mut [f32], head_dim: usize, rope_dims: usize, position: u32
     }
 }
 
+/// llama.cpp's NeoX RoPE (`LLAMA_ROPE_TYPE_NEOX`: Qwen2, Qwen3), in place on `[heads][head_dim]`:
+/// pair `(x[i], x[i + rope_dims / 2])` of each head, `i < rope_dims / 2`, is rotated by
+/// `position * base^(-2i / rope_dims)`; dimensions past `rope_dims` are left alone.
+pub fn rope_neox(x: &mut [f32], head_dim: usize, rope_dims: usize, position: u32, base: f32) {
+    let pairs = rope_dims / 2;
+    for head in x.chunks_exact_mut(head_dim) {
+        for i in 0..pairs {
+            let theta = f64::from(position) * f64::from(base).powf(-2.0 * i as f64 / rope_dims as f64);
+            let (s, c) = (theta.sin() as f32, theta.cos() as f32);
+            let (x0, x1) = (head[i], head[i + pairs]);
+            head[i] = x0 * c - x1 * s;
+            head[i + pairs] = x0 * s + x1 * c;
+        }
+    }
+}
+
 /// The index of the largest value; the lowest index wins ties (and NaNs are never chosen over a
 /// number).
 pub fn argmax(v: &[f32]) -> u32 {

@@ -766,6 +766,8 @@ mod tests {
             up: matrix("up", ffn, hidden, |_| r()),
             down: matrix("down", hidden, ffn, |_| r()),
             router: None,
+            qkv_bias: None,
+            qk_norm: None,
         }
     }
 

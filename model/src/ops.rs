@@ -615,7 +615,8 @@ impl ModelKernels {
         pass.dispatch(&self.rmsnorm, bg, [n_tokens, 1, 1]);
     }
 
-    /// Rotate `x` (`[n_tokens][n_heads][head_dim]`) in place by each token's position.
+    /// Rotate `x` (`[n_tokens][n_heads][head_dim]`) in place by each token's position: adjacent
+    /// pairs, or with `neox` pairs half a head apart.
     #[allow(clippy::too_many_arguments)]
     pub fn rope(
         &self,
@@ -627,8 +628,10 @@ impl ModelKernels {
         n_heads: u32,
         head_dim: u32,
         base: f32,
+        neox: bool,
     ) {
-        let p = rt.uniform("model/rope params", &ModelOpParams { n_tokens, dim: head_dim, n_heads, base, ..Default::default() });
+        let mode = u32::from(neox);
+        let p = rt.uniform("model/rope params", &ModelOpParams { n_tokens, dim: head_dim, n_heads, base, mode, ..Default::default() });
         let bg = rt.bind_at(Kernel::ModelRope.label(), &self.rope, &[(0, &p), (2, x), (3, positions)]);
         pass.dispatch(&self.rope, bg, [(n_tokens * n_heads * head_dim / 2).div_ceil(256), 1, 1]);
     }

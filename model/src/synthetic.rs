@@ -50,6 +50,13 @@ pub struct SyntheticModel {
     /// and Mixtral files carry): `<unk>`, `<s>`, `</s>`, the 256 byte tokens and a few scored
     /// pieces, instead of the 256-token byte-level BPE one.
     pub sentencepiece: bool,
+    /// The architecture written (`general.architecture` and the keys' prefix): `llama`, or
+    /// `qwen2` (with Q/K/V biases) or `qwen3` (with per-head Q/K norms), in llama.cpp's tensor
+    /// names; dense only for the Qwen ones.
+    pub arch: crate::config::Arch,
+    /// Each head's dimension when not `hidden / heads` (written as `attention.key_length` and
+    /// `value_length`, as Qwen3 files do).
+    pub head_dim: Option<u32>,
 }
 
 impl SyntheticModel {
@@ -69,6 +76,8 @@ impl SyntheticModel {
             weights: GgmlType::F32,
             untied_output: false,
             sentencepiece: false,
+            arch: crate::config::Arch::Llama,
+            head_dim: None,
         }
     }
 
@@ -85,7 +94,7 @@ impl SyntheticModel {
     /// The file's bytes.
     pub fn gguf(&self) -> Vec<u8> {
         let (h, f, e) = (u64::from(self.hidden), u64::from(self.ffn), u64::from(self.experts));
-        let hd = h / u64::from(self.heads);
+        let hd = self.head_dim.map_or(h / u64::from(self.heads), u64::from);
         let (q, kv) = (u64::from(self.heads) * hd, u64::from(self.kv_heads) * hd);
         let chars: Vec<String> = if self.sentencepiece {
             sentencepiece_vocabulary().into_iter().map(|(t, _, _)| t).collect()
@@ -95,16 +104,18 @@ impl SyntheticModel {
         let tokens: Vec<&str> = chars.iter().map(String::as_str).collect();
         let vocab = tokens.len() as u64;
         let mut w = GgufWriter::new();
-        w.str("general.architecture", "llama")
+        let a = self.arch.name();
+        let k = |key: &str| format!("{a}.{key}");
+        w.str("general.architecture", a)
             .str("general.name", "expertkv synthetic")
-            .u32("llama.block_count", self.layers)
-            .u32("llama.embedding_length", self.hidden)
-            .u32("llama.feed_forward_length", self.ffn)
-            .u32("llama.attention.head_count", self.heads)
-            .u32("llama.attention.head_count_kv", self.kv_heads)
-            .f32("llama.attention.layer_norm_rms_epsilon", 1e-5)
-            .f32("llama.rope.freq_base", 10_000.0)
-            .u32("llama.context_length", self.context)
+            .u32(&k("block_count"), self.layers)
+            .u32(&k("embedding_length"), self.hidden)
+            .u32(&k("feed_forward_length"), self.ffn)
+            .u32(&k("attention.head_count"), self.heads)
+            .u32(&k("attention.head_count_kv"), self.kv_heads)
+            .f32(&k("attention.layer_norm_rms_epsilon"), 1e-5)
+            .f32(&k("rope.freq_base"), 10_000.0)
+            .u32(&k("context_length"), self.context)
             .strs("tokenizer.ggml.tokens", &tokens);
         if self.sentencepiece {
             let v = sentencepiece_vocabulary();
@@ -119,8 +130,11 @@ impl SyntheticModel {
         } else {
             w.str("tokenizer.ggml.model", "gpt2").str("tokenizer.ggml.pre", "gpt2").strs("tokenizer.ggml.merges", &[]);
         }
+        if let Some(d) = self.head_dim {
+            w.u32(&k("attention.key_length"), d).u32(&k("attention.value_length"), d);
+        }
         if self.experts > 0 {
-            w.u32("llama.expert_count", self.experts).u32("llama.expert_used_count", self.top_k);
+            w.u32(&k("expert_count"), self.experts).u32(&k("expert_used_count"), self.top_k);
         }
         let seed = self.seed;
         // `[rows][cols]` (ggml dims `[cols, rows]`), normal with standard deviation `scale`.
@@ -151,6 +165,18 @@ impl SyntheticModel {
             mat(&mut w, &n("attn_k"), &[h, kv], draw(&n("attn_k"), h * kv, 3.0 * fan(h)));
             mat(&mut w, &n("attn_v"), &[h, kv], draw(&n("attn_v"), h * kv, fan(h)));
             mat(&mut w, &n("attn_output"), &[q, h], draw(&n("attn_output"), q * h, fan(q)));
+            if self.arch.qkv_bias() {
+                for (name, len) in [("attn_q", q), ("attn_k", kv), ("attn_v", kv)] {
+                    let b = format!("blk.{l}.{name}.bias");
+                    f32s(&mut w, &b, &[len], draw(&b, len, 0.5));
+                }
+            }
+            if self.arch.qk_norm() {
+                for name in ["attn_q_norm", "attn_k_norm"] {
+                    let g = draw(&n(name), hd, 0.2).into_iter().map(|g| 1.0 + g).collect::<Vec<f32>>();
+                    f32s(&mut w, &n(name), &[hd], g);
+                }
+            }
             if self.experts == 0 {
                 mat(&mut w, &n("ffn_gate"), &[h, f], draw(&n("ffn_gate"), h * f, fan(h)));
                 mat(&mut w, &n("ffn_up"), &[h, f], draw(&n("ffn_up"), h * f, fan(h)));

@@ -142,6 +142,12 @@ pub struct LayerWeights {
     pub down: Matrix,
     /// A MoE file's router `ffn_gate_inp`, `[E][hidden]`; `None` for a dense FFN.
     pub router: Option<Matrix>,
+    /// Biases of the Q, K and V projections (`attn_q.bias`, ...; `qwen2`), `[heads * head_dim]`,
+    /// `[kv_heads * head_dim]` twice; `None` where the architecture has none.
+    pub qkv_bias: Option<[Vec<f32>; 3]>,
+    /// Per-head RMSNorm gains of queries and keys before RoPE (`attn_q_norm`, `attn_k_norm`;
+    /// `qwen3`), `[head_dim]` each; `None` where the architecture has none.
+    pub qk_norm: Option<[Vec<f32>; 2]>,
 }
 
 /// Every weight of a dense Llama model.
@@ -202,6 +208,18 @@ impl LlamaWeights {
                 up,
                 down,
                 router,
+                qkv_bias: if c.arch.qkv_bias() {
+                    let b = |name: &str, n: usize| load_vector(g, &format!("blk.{l}.{name}.bias"), n);
+                    Some([b("attn_q", q)?, b("attn_k", kv)?, b("attn_v", kv)?])
+                } else {
+                    None
+                },
+                qk_norm: if c.arch.qk_norm() {
+                    let n = |name: &str| load_vector(g, &format!("blk.{l}.{name}.weight"), c.head_dim as usize);
+                    Some([n("attn_q_norm")?, n("attn_k_norm")?])
+                } else {
+                    None
+                },
             });
         }
         let output = if LlamaConfig::tied_embeddings(g) { None } else { Some(Matrix::load(g, "output.weight", v, h, opts)?) };

@@ -47,6 +47,10 @@ pub struct SynthArgs {
     /// carry: scores and byte fallback) instead of byte-level BPE.
     #[arg(long)]
     sentencepiece: bool,
+    /// The architecture: llama, qwen2 (Q/K/V biases, NeoX RoPE) or qwen3 (per-head Q/K norms,
+    /// NeoX RoPE); the Qwen ones dense only.
+    #[arg(long, default_value = "llama")]
+    arch: String,
 }
 
 pub fn run(a: &SynthArgs) -> Result<()> {
@@ -75,6 +79,15 @@ pub fn run(a: &SynthArgs) -> Result<()> {
         "q4_1" => GgmlType::Q4_1,
         other => bail!("--weights {other}: expected f32, q8_0 or q4_1"),
     };
+    let arch = match a.arch.as_str() {
+        "llama" => expertkv_model::config::Arch::Llama,
+        "qwen2" => expertkv_model::config::Arch::Qwen2,
+        "qwen3" => expertkv_model::config::Arch::Qwen3,
+        other => bail!("--arch {other}: expected llama, qwen2 or qwen3"),
+    };
+    if arch != expertkv_model::config::Arch::Llama && a.experts > 0 {
+        bail!("--arch {}: dense only here (give --experts 0)", a.arch);
+    }
     let m = SyntheticModel {
         layers: a.layers,
         hidden: a.hidden,
@@ -89,6 +102,8 @@ pub fn run(a: &SynthArgs) -> Result<()> {
         weights,
         untied_output: a.untied_output,
         sentencepiece: a.sentencepiece,
+        arch,
+        head_dim: None,
     };
     let t0 = std::time::Instant::now();
     let bytes = m.gguf();

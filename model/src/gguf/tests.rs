@@ -455,6 +455,7 @@ fn gguf_smollm2_hyperparameters_real() {
     assert_eq!(
         c,
         LlamaConfig {
+            arch: crate::config::Arch::Llama,
             block_count: 30,
             embedding_length: 576,
             feed_forward_length: 1536,

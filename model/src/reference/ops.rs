@@ -37,17 +37,20 @@ pub fn rmsnorm(x: &[f32], g: &[f32], dim: usize, eps: f32) -> Vec<f64> {
     y
 }
 
-/// Adjacent pairs of every head rotated by position x base^(-2i / head_dim).
-pub fn rope(x: &[f32], positions: &[u32], n_heads: usize, head_dim: usize, base: f32) -> Vec<f64> {
+/// Pairs of every head rotated by position x base^(-2i / head_dim): adjacent pairs `(2i, 2i+1)`,
+/// or with `neox` pairs half a head apart `(i, i + head_dim/2)`.
+pub fn rope(x: &[f32], positions: &[u32], n_heads: usize, head_dim: usize, base: f32, neox: bool) -> Vec<f64> {
     let mut y: Vec<f64> = x.iter().map(|v| f64::from(*v)).collect();
+    let half = head_dim / 2;
     for (b, &pos) in positions.iter().enumerate() {
         for h in 0..n_heads {
-            for i in 0..head_dim / 2 {
+            for i in 0..half {
                 let theta = f64::from(pos) * f64::from(base).powf(-2.0 * i as f64 / head_dim as f64);
-                let o = (b * n_heads + h) * head_dim + 2 * i;
-                let (x0, x1) = (y[o], y[o + 1]);
-                y[o] = x0 * theta.cos() - x1 * theta.sin();
-                y[o + 1] = x0 * theta.sin() + x1 * theta.cos();
+                let head = (b * n_heads + h) * head_dim;
+                let (o0, o1) = if neox { (head + i, head + i + half) } else { (head + 2 * i, head + 2 * i + 1) };
+                let (x0, x1) = (y[o0], y[o1]);
+                y[o0] = x0 * theta.cos() - x1 * theta.sin();
+                y[o1] = x0 * theta.sin() + x1 * theta.cos();
             }
         }
     }

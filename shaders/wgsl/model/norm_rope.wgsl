@@ -1,8 +1,9 @@
 // model: the per-token elementwise passes of a Llama block.
 //   rmsnorm: y[b][i] = x[b][i] / sqrt(mean_i x[b][i]^2 + eps) x g[i]; one workgroup per token
-//   rope:    rotates adjacent pairs (x[2i], x[2i+1]) of every head of every token by
-//            position x base^(-2i / head_dim) (llama.cpp's "normal" rotation, which GGUF's
-//            Llama weights are permuted for); one invocation per (token, head, pair), in place
+//   rope:    rotates pairs of every head of every token by position x base^(-2i / head_dim):
+//            adjacent pairs (x[2i], x[2i+1]) (llama.cpp's "normal" rotation, which GGUF's Llama
+//            weights are permuted for) or, with mode 1, pairs half a head apart (x[i],
+//            x[i + head_dim/2]: NeoX, Qwen's); one invocation per (token, head, pair), in place
 //   swiglu:  y = silu(g) x u elementwise (g and u side by side: [b][2][n])
 //   embed:   y[b] = row `tokens[b]` of a block-format matrix, dequantised
 //   residual: y += x elementwise
@@ -15,7 +16,7 @@ struct ModelOpParams {
     n_tokens: u32,
     dim: u32,        // rmsnorm/embed: features per token; swiglu: n; rope: head_dim
     n_heads: u32,    // rope
-    _pad0: u32,
+    mode: u32,       // rope: 0 adjacent pairs, 1 NeoX (half a head apart)
     eps: f32,        // rmsnorm
     base: f32,       // rope: frequency base
     _pad1: u32,
@@ -73,11 +74,17 @@ fn rope(@builtin(global_invocation_id) gid: vec3<u32>) {
     let theta = f32(aux[b]) * pow(params.base, -2.0 * f32(pair) / f32(params.dim));
     let c = cos(theta);
     let s = sin(theta);
-    let o = 2u * i;
-    let x0 = dst[o];
-    let x1 = dst[o + 1u];
-    dst[o] = x0 * c - x1 * s;
-    dst[o + 1u] = x0 * s + x1 * c;
+    // First and second element of the pair.
+    var o0 = 2u * i;
+    var o1 = o0 + 1u;
+    if (params.mode == 1u) {
+        o0 = (i / half_dim) * params.dim + pair;
+        o1 = o0 + half_dim;
+    }
+    let x0 = dst[o0];
+    let x1 = dst[o1];
+    dst[o0] = x0 * c - x1 * s;
+    dst[o1] = x0 * s + x1 * c;
 }
 
 @compute @workgroup_size(256)

@@ -227,6 +227,57 @@ fn moe_file_gpu_forward_matches_the_cpu_reference() {
     }
 }
 
+/// Qwen2 (Q/K/V biases, NeoX RoPE) and Qwen3 (per-head Q/K RMSNorm before NeoX RoPE, a head
+/// dimension other than hidden / heads) files written in llama.cpp's names and keys: the GPU
+/// forward pass against the CPU reference, two sequences at different positions, f32 and f16
+/// K/V; and a Qwen3 file differs from the same weights read as Llama (the extra terms act).
+#[test]
+fn qwen2_and_qwen3_files_decode_as_the_reference() {
+    use expertkv_model::config::Arch;
+    let rt = rt();
+    for (i, arch) in [Arch::Qwen2, Arch::Qwen3].into_iter().enumerate() {
+        let seed = seeds("model_qwen", 2)[i];
+        let spec =
+            SyntheticModel { arch, untied_output: true, heads: 4, kv_heads: 2, ..SyntheticModel::dense(seed) }.with_weights(GgmlType::Q8_0);
+        let file = spec.gguf();
+        let g = Gguf::parse(&file).expect("gguf");
+        let cfg = LlamaConfig::from_gguf(&g).expect("config");
+        assert_eq!(cfg.arch, arch);
+        cfg.check_tensors(&g).expect("llama.cpp's tensors");
+        let cpu = cpu_model(&g);
+        for dtype in [KvDtype::F32, KvDtype::F16] {
+            let mut m = pollster::block_on(GpuLlama::load(rt, &g, ModelOptions::new(2, 32).dtype(dtype))).expect("load");
+            let mut caches = [cpu.new_cache(), cpu.new_cache()];
+            let tokens: [[u32; 2]; 5] = [[72, 1], [101, 200], [108, 7], [108, 255], [111, 32]];
+            for (pos, step) in tokens.iter().enumerate() {
+                let gpu = pollster::block_on(m.forward(rt, step)).expect("gpu forward");
+                for (seq, &t) in step.iter().enumerate() {
+                    let want = cpu.forward(t, pos as u32, &mut caches[seq]).expect("cpu forward");
+                    let got = &gpu[seq * 256..(seq + 1) * 256];
+                    let (err, max) = (max_diff(got, &want), max_abs(&want));
+                    let tol = if dtype == KvDtype::F32 { 1e-4 } else { 1e-2 };
+                    assert!(
+                        err <= tol * max,
+                        "seed {seed} {arch:?} {dtype:?}: position {pos}, sequence {seq}: logits differ by {err} (max {max})"
+                    );
+                }
+            }
+        }
+    }
+    // The extra terms act: a Qwen3 file's logits differ from the same weights without them.
+    let seed = seeds("model_qwen", 2)[1];
+    let base = SyntheticModel { untied_output: true, heads: 4, kv_heads: 2, ..SyntheticModel::dense(seed) };
+    let (q3, l) = (SyntheticModel { arch: Arch::Qwen3, ..base.clone() }.gguf(), base.gguf());
+    let (a, b) = (cpu_model(&Gguf::parse(&q3).expect("gguf")), cpu_model(&Gguf::parse(&l).expect("gguf")));
+    let (mut ca, mut cb) = (a.new_cache(), b.new_cache());
+    let (mut la, mut lb) = (Vec::new(), Vec::new());
+    for (pos, t) in [72u32, 101, 108].into_iter().enumerate() {
+        la = a.forward(t, pos as u32, &mut ca).expect("qwen3");
+        lb = b.forward(t, pos as u32, &mut cb).expect("llama");
+    }
+    assert!(max_diff(&la, &lb) > 1e-2 * max_abs(&lb), "q/k norms and NeoX RoPE change nothing?");
+}
+
 /// A Mixtral-style file (llama.cpp's MoE tensors) with a SentencePiece vocabulary (`llama`:
 /// scores, `<s>` first, byte fallback), as Mixtral GGUF files come: the prompt is encoded by
 /// score merging, and the GPU forward pass over it (through `TextModel`) gives the CPU

@@ -273,12 +273,15 @@ fn rmsnorm_rope_swiglu_match_cpu() {
         // RoPE, in place, at positions up to 8K.
         let positions: Vec<u32> = (0..n).map(|_| rng.below(8192)).collect();
         let pb = rt.storage_init("positions", &positions);
-        let r = rt.storage_init("r", &x);
-        run(rt, "rope", |p| k.rope(rt, p, &r, &pb, n, heads, head_dim, 100_000.0));
-        let got: Vec<f32> = pollster::block_on(rt.read_all(&r)).expect("read");
-        let want = cpu::rope(&x, &positions, heads as usize, head_dim as usize, 100_000.0);
-        // f32 angles at position p carry about p x 2^-24 rad of error.
-        close(&got, &want, &vec![1.0; want.len()], 2e-3, &format!("{ctx}: rope"));
+        // Adjacent pairs (llama) and pairs half a head apart (NeoX: qwen2, qwen3).
+        for neox in [false, true] {
+            let r = rt.storage_init("r", &x);
+            run(rt, "rope", |p| k.rope(rt, p, &r, &pb, n, heads, head_dim, 100_000.0, neox));
+            let got: Vec<f32> = pollster::block_on(rt.read_all(&r)).expect("read");
+            let want = cpu::rope(&x, &positions, heads as usize, head_dim as usize, 100_000.0, neox);
+            // f32 angles at position p carry about p x 2^-24 rad of error.
+            close(&got, &want, &vec![1.0; want.len()], 2e-3, &format!("{ctx}: rope (neox {neox})"));
+        }
         // SwiGLU.
         let gu = normals(&mut rng, (2 * n * dim) as usize);
         let gub = rt.storage_init("gu", &gu);
