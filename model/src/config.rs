@@ -14,6 +14,10 @@ pub enum Arch {
     /// `qwen3`: per-head RMSNorm of queries and keys before RoPE (`attn_q_norm`,
     /// `attn_k_norm`, `[head_dim]`), no biases, NeoX RoPE.
     Qwen3,
+    /// `qwen3moe` (Qwen3-30B-A3B and kin): Qwen3's attention and llama.cpp's stacked experts,
+    /// each of `expert_feed_forward_length` neurons, the chosen experts' softmax weights
+    /// renormalised over the top k (as Mixtral's).
+    Qwen3Moe,
 }
 
 impl Arch {
@@ -23,6 +27,7 @@ impl Arch {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
+            Arch::Qwen3Moe => "qwen3moe",
         }
     }
 
@@ -39,7 +44,7 @@ impl Arch {
 
     /// Whether queries and keys are RMS-normed per head before RoPE.
     pub fn qk_norm(self) -> bool {
-        matches!(self, Arch::Qwen3)
+        matches!(self, Arch::Qwen3 | Arch::Qwen3Moe)
     }
 }
 
@@ -52,7 +57,8 @@ pub struct LlamaConfig {
     pub block_count: u32,
     /// `llama.embedding_length`: the hidden size.
     pub embedding_length: u32,
-    /// `llama.feed_forward_length`: the FFN's inner size (SwiGLU).
+    /// `<arch>.feed_forward_length`: the FFN's inner size (SwiGLU); in a MoE file each
+    /// expert's (`<arch>.expert_feed_forward_length` where given).
     pub feed_forward_length: u32,
     /// `llama.attention.head_count`: query heads.
     pub head_count: u32,
@@ -85,8 +91,9 @@ impl LlamaConfig {
             "llama" => Arch::Llama,
             "qwen2" => Arch::Qwen2,
             "qwen3" => Arch::Qwen3,
+            "qwen3moe" => Arch::Qwen3Moe,
             other => {
-                return Err(model_err(format!("general.architecture is `{other}`; supported: llama, qwen2, qwen3")));
+                return Err(model_err(format!("general.architecture is `{other}`; supported: llama, qwen2, qwen3, qwen3moe")));
             }
         };
         let key = |k: &str| format!("{name}.{k}");
@@ -119,7 +126,11 @@ impl LlamaConfig {
             arch,
             block_count: g.get_u32(&key("block_count"))?,
             embedding_length,
-            feed_forward_length: g.get_u32(&key("feed_forward_length"))?,
+            // A MoE file's experts may have their own size (qwen3moe), the dense size unused.
+            feed_forward_length: match g.opt(&key("expert_feed_forward_length"), Gguf::get_u32)? {
+                Some(f) if g.opt(&key("expert_count"), Gguf::get_u32)?.unwrap_or(0) > 0 => f,
+                _ => g.get_u32(&key("feed_forward_length"))?,
+            },
             head_count,
             head_count_kv,
             head_dim,
@@ -131,11 +142,14 @@ impl LlamaConfig {
             expert_count: g.opt(&key("expert_count"), Gguf::get_u32)?.unwrap_or(0),
             expert_used_count: g.opt(&key("expert_used_count"), Gguf::get_u32)?.unwrap_or(0),
         };
-        if c.expert_count > 0 && arch != Arch::Llama {
+        if c.expert_count > 0 && !matches!(arch, Arch::Llama | Arch::Qwen3Moe) {
             return Err(model_err(format!(
-                "{name} with experts (expert_count {}) is not supported; llama (Mixtral) MoE files are",
+                "{name} with experts (expert_count {}) is not supported; llama (Mixtral) and qwen3moe MoE files are",
                 c.expert_count
             )));
+        }
+        if arch == Arch::Qwen3Moe && c.expert_count == 0 {
+            return Err(model_err("qwen3moe without qwen3moe.expert_count"));
         }
         if c.expert_count > 0 && !(1..=c.expert_count).contains(&c.expert_used_count) {
             return Err(model_err(format!(
@@ -245,7 +259,7 @@ mod tests {
         w.str("general.architecture", "gemma2").strs("tokenizer.ggml.tokens", &["a"]);
         let bytes = w.finish();
         let e = LlamaConfig::from_gguf(&Gguf::parse(&bytes).expect("gguf")).expect_err("gemma2");
-        assert!(e.to_string().contains("`gemma2`; supported: llama, qwen2, qwen3"), "{e}");
+        assert!(e.to_string().contains("`gemma2`; supported: llama, qwen2, qwen3, qwen3moe"), "{e}");
         // A Qwen file without its biases is refused by tensor name.
         let llama = SyntheticModel::dense(1).gguf();
         let g = Gguf::parse(&llama).expect("gguf");

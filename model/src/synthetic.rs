@@ -110,7 +110,7 @@ impl SyntheticModel {
             .str("general.name", "expertkv synthetic")
             .u32(&k("block_count"), self.layers)
             .u32(&k("embedding_length"), self.hidden)
-            .u32(&k("feed_forward_length"), self.ffn)
+            .u32(&k("feed_forward_length"), if self.arch == crate::config::Arch::Qwen3Moe { 4 * self.ffn } else { self.ffn })
             .u32(&k("attention.head_count"), self.heads)
             .u32(&k("attention.head_count_kv"), self.kv_heads)
             .f32(&k("attention.layer_norm_rms_epsilon"), 1e-5)
@@ -132,6 +132,10 @@ impl SyntheticModel {
         }
         if let Some(d) = self.head_dim {
             w.u32(&k("attention.key_length"), d).u32(&k("attention.value_length"), d);
+        }
+        if self.experts > 0 && self.arch == crate::config::Arch::Qwen3Moe {
+            // The experts' own size; the dense size (unused) differs, as in real files.
+            w.u32(&k("expert_feed_forward_length"), self.ffn);
         }
         if self.experts > 0 {
             w.u32(&k("expert_count"), self.experts).u32(&k("expert_used_count"), self.top_k);

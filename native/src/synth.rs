@@ -47,8 +47,8 @@ pub struct SynthArgs {
     /// carry: scores and byte fallback) instead of byte-level BPE.
     #[arg(long)]
     sentencepiece: bool,
-    /// The architecture: llama, qwen2 (Q/K/V biases, NeoX RoPE) or qwen3 (per-head Q/K norms,
-    /// NeoX RoPE); the Qwen ones dense only.
+    /// The architecture: llama, qwen2 (Q/K/V biases, NeoX RoPE), qwen3 (per-head Q/K norms,
+    /// NeoX RoPE; dense) or qwen3moe (Qwen3's attention with experts).
     #[arg(long, default_value = "llama")]
     arch: String,
 }
@@ -83,10 +83,15 @@ pub fn run(a: &SynthArgs) -> Result<()> {
         "llama" => expertkv_model::config::Arch::Llama,
         "qwen2" => expertkv_model::config::Arch::Qwen2,
         "qwen3" => expertkv_model::config::Arch::Qwen3,
-        other => bail!("--arch {other}: expected llama, qwen2 or qwen3"),
+        "qwen3moe" => expertkv_model::config::Arch::Qwen3Moe,
+        other => bail!("--arch {other}: expected llama, qwen2, qwen3 or qwen3moe"),
     };
-    if arch != expertkv_model::config::Arch::Llama && a.experts > 0 {
-        bail!("--arch {}: dense only here (give --experts 0)", a.arch);
+    use expertkv_model::config::Arch;
+    if matches!(arch, Arch::Qwen2 | Arch::Qwen3) && a.experts > 0 {
+        bail!("--arch {}: dense (give --experts 0, or --arch qwen3moe)", a.arch);
+    }
+    if arch == Arch::Qwen3Moe && a.experts == 0 {
+        bail!("--arch qwen3moe needs experts (--experts E)");
     }
     let m = SyntheticModel {
         layers: a.layers,

@@ -227,18 +227,21 @@ fn moe_file_gpu_forward_matches_the_cpu_reference() {
     }
 }
 
-/// Qwen2 (Q/K/V biases, NeoX RoPE) and Qwen3 (per-head Q/K RMSNorm before NeoX RoPE, a head
-/// dimension other than hidden / heads) files written in llama.cpp's names and keys: the GPU
+/// Qwen2 (Q/K/V biases, NeoX RoPE), Qwen3 (per-head Q/K RMSNorm before NeoX RoPE, a head
+/// dimension other than hidden / heads) and Qwen3-MoE (Qwen3's attention, stacked experts of
+/// `expert_feed_forward_length`) files written in llama.cpp's names and keys: the GPU
 /// forward pass against the CPU reference, two sequences at different positions, f32 and f16
 /// K/V; and a Qwen3 file differs from the same weights read as Llama (the extra terms act).
 #[test]
 fn qwen2_and_qwen3_files_decode_as_the_reference() {
     use expertkv_model::config::Arch;
     let rt = rt();
-    for (i, arch) in [Arch::Qwen2, Arch::Qwen3].into_iter().enumerate() {
-        let seed = seeds("model_qwen", 2)[i];
-        let spec =
-            SyntheticModel { arch, untied_output: true, heads: 4, kv_heads: 2, ..SyntheticModel::dense(seed) }.with_weights(GgmlType::Q8_0);
+    for (i, arch) in [Arch::Qwen2, Arch::Qwen3, Arch::Qwen3Moe].into_iter().enumerate() {
+        let seed = seeds("model_qwen", 3)[i];
+        // Qwen3's heads are wider than hidden / heads (4 of 64 against a hidden size of 128).
+        let head_dim = (arch != Arch::Qwen2).then_some(64);
+        let base = if arch == Arch::Qwen3Moe { SyntheticModel::moe(seed, 8, 2) } else { SyntheticModel::dense(seed) };
+        let spec = SyntheticModel { arch, untied_output: true, heads: 4, kv_heads: 2, head_dim, ..base }.with_weights(GgmlType::Q8_0);
         let file = spec.gguf();
         let g = Gguf::parse(&file).expect("gguf");
         let cfg = LlamaConfig::from_gguf(&g).expect("config");
@@ -265,7 +268,7 @@ fn qwen2_and_qwen3_files_decode_as_the_reference() {
         }
     }
     // The extra terms act: a Qwen3 file's logits differ from the same weights without them.
-    let seed = seeds("model_qwen", 2)[1];
+    let seed = seeds("model_qwen", 3)[1];
     let base = SyntheticModel { untied_output: true, heads: 4, kv_heads: 2, ..SyntheticModel::dense(seed) };
     let (q3, l) = (SyntheticModel { arch: Arch::Qwen3, ..base.clone() }.gguf(), base.gguf());
     let (a, b) = (cpu_model(&Gguf::parse(&q3).expect("gguf")), cpu_model(&Gguf::parse(&l).expect("gguf")));
