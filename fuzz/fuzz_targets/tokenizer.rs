@@ -8,7 +8,7 @@ use std::sync::OnceLock;
 
 use expertkv_model::SyntheticModel;
 use expertkv_model::gguf::Gguf;
-use expertkv_model::tokenizer::Tokenizer;
+use expertkv_model::tokenizer::{PreTokenizer, Tokenizer};
 use libfuzzer_sys::fuzz_target;
 
 fn tokenizers() -> &'static [Tokenizer; 2] {
@@ -26,6 +26,12 @@ fn tokenizers() -> &'static [Tokenizer; 2] {
 fuzz_target!(|data: &[u8]| {
     let text = String::from_utf8_lossy(data);
     let ids: Vec<u32> = data.chunks(4).map(|c| c.iter().fold(0u32, |a, &b| a << 8 | u32::from(b))).collect();
+    // Every pre-tokenizer cuts the text into non-empty pieces that join back into it.
+    for pre in [PreTokenizer::Gpt2, PreTokenizer::DigitsThenGpt2, PreTokenizer::Llama3, PreTokenizer::Qwen2] {
+        let pieces = pre.split(&text);
+        assert!(pieces.iter().all(|p| !p.is_empty()), "{pre:?}: an empty piece");
+        assert_eq!(pieces.concat(), text, "{pre:?}: the pieces must join back into the text");
+    }
     for t in tokenizers() {
         if t.unencodable(&text).is_none() {
             let encoded = t.encode(&text);
