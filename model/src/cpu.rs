@@ -1,4 +1,4 @@
-//! The CPU f32 reference of a Llama-architecture forward pass, one token at a time, with its own
+//! The CPU f32 reference of a Llama-family forward pass, one token at a time, with its own
 //! f32 KV cache: what the WGSL forward pass is checked against, stage by stage ([`Probe`]) and
 //! layer by layer ([`CpuModel::forward_layers`]).
 //!

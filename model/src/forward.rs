@@ -1,4 +1,4 @@
-//! A Llama-architecture forward pass on the GPU whose K/V live in the expertkv pool: every
+//! A Llama-family (llama, qwen2, qwen3, qwen3moe) forward pass on the GPU whose K/V live in the expertkv pool: every
 //! matrix product reads the GGUF's quantised weights in-kernel (`ops`), every token's keys and
 //! values are appended to the paged pool and attention reads them back through the same
 //! `attend_decode` kernels the pipeline uses. Prompts go in token by token (each a decode step,
@@ -120,7 +120,7 @@ struct RoutedMoe {
     after: Vec<Recorded>,
 }
 
-/// A Llama-architecture model on the GPU whose K/V live in an expertkv [`KvPool`]: the weights as
+/// A Llama-family model on the GPU whose K/V live in an expertkv [`KvPool`]: the weights as
 /// stored in the GGUF file, the model kernels with every step's dispatches recorded at load, and
 /// the pool's scheduler, codec and route stage as [`ModelOptions`] set them up. It decodes
 /// [`GpuLlama::n_seqs`] sequences together, one token each per [`GpuLlama::forward`].

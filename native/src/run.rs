@@ -31,7 +31,7 @@ pub struct RunArgs {
     /// evicting scheduler [default: 0, off].
     #[arg(long, default_value_t = 0)]
     time_steps: u32,
-    /// The model: a GGUF file of a Llama-architecture model [default: models/SmolLM2-135M-Instruct.Q4_1.gguf,
+    /// The model: a GGUF file (llama, qwen2, qwen3 or qwen3moe architecture) [default: models/SmolLM2-135M-Instruct.Q4_1.gguf,
     /// fetched by scripts/fetch_model.sh].
     #[arg(long)]
     model: Option<std::path::PathBuf>,
