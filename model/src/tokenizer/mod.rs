@@ -323,6 +323,38 @@ fn vocabulary_from_gguf(g: &Gguf<'_>) -> Result<(Vec<String>, Vec<TokenType>)> {
     Ok((texts, types))
 }
 
+/// The parts every vocabulary shares: its token types (all normal when none are given) and its
+/// text lookup (the first of duplicate spellings wins).
+fn vocabulary(texts: &[String], types: Vec<TokenType>) -> Result<(Vec<TokenType>, HashMap<String, u32>)> {
+    let n = texts.len();
+    if n == 0 || u32::try_from(n).is_err() {
+        return Err(model_err(format!("a vocabulary of {n} tokens")));
+    }
+    let types = if types.is_empty() { vec![TokenType::Normal; n] } else { types };
+    if types.len() != n {
+        return Err(model_err(format!("{} token types for {n} tokens", types.len())));
+    }
+    let mut id_from_text = HashMap::with_capacity(n);
+    for (id, t) in texts.iter().enumerate() {
+        id_from_text.entry(t.clone()).or_insert(id as u32);
+    }
+    Ok((types, id_from_text))
+}
+
+/// The special tokens matched verbatim in text, longest first, and which bytes start one.
+fn special_table(texts: &[String], types: &[TokenType]) -> (Vec<(u32, TokenType)>, [bool; 256]) {
+    let mut specials: Vec<(u32, TokenType)> =
+        types.iter().enumerate().filter(|(id, ty)| ty.is_special() && !texts[*id].is_empty()).map(|(id, &ty)| (id as u32, ty)).collect();
+    specials.sort_by_key(|&(id, _)| (Reverse(texts[id as usize].len()), id));
+    let mut starts_special = [false; 256];
+    for &(id, _) in &specials {
+        if let Some(&b) = texts[id as usize].as_bytes().first() {
+            starts_special[usize::from(b)] = true;
+        }
+    }
+    (specials, starts_special)
+}
+
 /// A tokenizer: byte-level BPE, or SentencePiece-style (the `spm` module).
 #[derive(Clone, Debug)]
 pub struct Tokenizer {
@@ -352,19 +384,7 @@ impl Tokenizer {
     /// Builds a tokenizer from a vocabulary (`texts[id]`, byte-mapped as in GGUF/`tokenizer.json`),
     /// token types (empty: all normal) and merges (`"left right"`, highest priority first).
     pub fn new(texts: Vec<String>, types: Vec<TokenType>, merges: &[&str], pre: PreTokenizer) -> Result<Self> {
-        let n = texts.len();
-        if n == 0 || u32::try_from(n).is_err() {
-            return Err(model_err(format!("a vocabulary of {n} tokens")));
-        }
-        let types = if types.is_empty() { vec![TokenType::Normal; n] } else { types };
-        if types.len() != n {
-            return Err(model_err(format!("{} token types for {n} tokens", types.len())));
-        }
-        let mut id_from_text = HashMap::with_capacity(n);
-        for (id, t) in texts.iter().enumerate() {
-            // The first of duplicate spellings wins text lookups.
-            id_from_text.entry(t.clone()).or_insert(id as u32);
-        }
+        let (types, id_from_text) = vocabulary(&texts, types)?;
         let to_byte: HashMap<char, u8> = byte_to_char().iter().enumerate().map(|(b, &c)| (c, b as u8)).collect();
         let mut token_from_byte = [NO_TOKEN; 256];
         for (b, c) in byte_to_char().into_iter().enumerate() {
@@ -421,19 +441,7 @@ impl Tokenizer {
         if skipped > 0 {
             log::debug!("tokenizer: {skipped} of {} merges name strings outside the vocabulary; ignored", merges.len());
         }
-        let mut specials: Vec<(u32, TokenType)> = types
-            .iter()
-            .enumerate()
-            .filter(|(id, ty)| ty.is_special() && !texts[*id].is_empty())
-            .map(|(id, &ty)| (id as u32, ty))
-            .collect();
-        specials.sort_by_key(|&(id, _)| (Reverse(texts[id as usize].len()), id));
-        let mut starts_special = [false; 256];
-        for &(id, _) in &specials {
-            if let Some(&b) = texts[id as usize].as_bytes().first() {
-                starts_special[usize::from(b)] = true;
-            }
-        }
+        let (specials, starts_special) = special_table(&texts, &types);
         Ok(Tokenizer {
             texts,
             bytes,
@@ -455,20 +463,12 @@ impl Tokenizer {
     /// vocabulary spells them (`▁the`, `<0x0A>`), their types (empty: all normal) and scores,
     /// and whether each run of text gets a leading `▁`.
     pub fn new_spm(texts: Vec<String>, types: Vec<TokenType>, scores: Vec<f32>, add_space_prefix: bool) -> Result<Self> {
-        let n = texts.len();
-        if n == 0 || u32::try_from(n).is_err() {
-            return Err(model_err(format!("a vocabulary of {n} tokens")));
-        }
-        let types = if types.is_empty() { vec![TokenType::Normal; n] } else { types };
-        if types.len() != n || scores.len() != n {
-            return Err(model_err(format!("{} token types and {} scores for {n} tokens", types.len(), scores.len())));
+        let (types, id_from_text) = vocabulary(&texts, types)?;
+        if scores.len() != texts.len() {
+            return Err(model_err(format!("{} scores for {} tokens", scores.len(), texts.len())));
         }
         if let Some(i) = scores.iter().position(|s| !s.is_finite()) {
             return Err(model_err(format!("token {i}'s score is {}", scores[i])));
-        }
-        let mut id_from_text = HashMap::with_capacity(n);
-        for (id, t) in texts.iter().enumerate() {
-            id_from_text.entry(t.clone()).or_insert(id as u32);
         }
         let mut token_from_byte = [NO_TOKEN; 256];
         for (b, slot) in token_from_byte.iter_mut().enumerate() {
@@ -488,19 +488,7 @@ impl Tokenizer {
                 _ => t.replace(spm::SPACE, " ").into_bytes().into_boxed_slice(),
             })
             .collect();
-        let mut specials: Vec<(u32, TokenType)> = types
-            .iter()
-            .enumerate()
-            .filter(|(id, ty)| ty.is_special() && !texts[*id].is_empty())
-            .map(|(id, &ty)| (id as u32, ty))
-            .collect();
-        specials.sort_by_key(|&(id, _)| (Reverse(texts[id as usize].len()), id));
-        let mut starts_special = [false; 256];
-        for &(id, _) in &specials {
-            if let Some(&b) = texts[id as usize].as_bytes().first() {
-                starts_special[usize::from(b)] = true;
-            }
-        }
+        let (specials, starts_special) = special_table(&texts, &types);
         Ok(Tokenizer {
             texts,
             bytes,
