@@ -92,31 +92,3 @@ pub use append::format::NewToken;
 pub use config::{KvDtype, PoolConfig, ShardMap};
 pub use error::{Error, Result};
 pub use runtime::{Runtime, RuntimeOptions, ShaderChecks, Tier};
-
-/// The README's "Library use" example is this crate's example above, line for line.
-#[cfg(test)]
-mod readme {
-    fn example_lines(text: &str, prefix: &str) -> Vec<String> {
-        text.lines()
-            .filter_map(|l| l.strip_prefix(prefix).or_else(|| (l.trim_end() == prefix.trim_end()).then_some("")))
-            .skip_while(|l| !l.starts_with("```"))
-            .skip(1)
-            .take_while(|l| !l.starts_with("```"))
-            .filter(|l| !l.is_empty() && !l.starts_with("# ") && *l != "#")
-            .map(str::to_owned)
-            .collect()
-    }
-
-    #[test]
-    fn the_readme_shows_the_crate_example() {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md");
-        let Ok(readme) = std::fs::read_to_string(&path) else {
-            eprintln!("the_readme_shows_the_crate_example: skipped, no {} (a packaged crate)", path.display());
-            return;
-        };
-        let section = readme.split("## Library use").nth(1).expect("the README has a `## Library use` section");
-        let ours = example_lines(include_str!("lib.rs"), "//! ");
-        assert!(ours.len() > 20, "the crate example: {ours:?}");
-        assert_eq!(example_lines(section, ""), ours, "README.md's `Library use` example differs from core/src/lib.rs's");
-    }
-}

@@ -348,31 +348,6 @@ fn take_utf8(pending: &mut Vec<u8>) -> String {
 mod tests {
     use super::*;
 
-    /// The README's "Library use" section shows this module's example, line for line.
-    #[test]
-    fn the_readme_shows_the_text_example() {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md");
-        let Ok(readme) = std::fs::read_to_string(&path) else {
-            eprintln!("the_readme_shows_the_text_example: skipped, no {} (a packaged crate)", path.display());
-            return;
-        };
-        let example = |text: &str, prefix: &str| -> Vec<String> {
-            text.lines()
-                .filter_map(|l| l.strip_prefix(prefix).or_else(|| (l.trim_end() == prefix.trim_end()).then_some("")))
-                .skip_while(|l| !l.starts_with("```"))
-                .skip(1)
-                .take_while(|l| !l.starts_with("```"))
-                .filter(|l| !l.is_empty() && !l.starts_with("# ") && *l != "#")
-                .map(str::to_owned)
-                .collect()
-        };
-        let ours = example(include_str!("text.rs"), "//! ");
-        assert!(ours.len() > 10, "the module example: {ours:?}");
-        let section = readme.split("## Library use").nth(1).unwrap_or_default();
-        let shown = section.split("```rust").skip(1).any(|block| example(&format!("```rust{block}"), "") == ours);
-        assert!(shown, "README.md's `Library use` section has no copy of model/src/text.rs's example");
-    }
-
     #[test]
     fn a_policy_in_words_becomes_model_options() {
         let p: KvPolicy =

@@ -75,3 +75,36 @@ pub fn model_path(test: &str) -> Option<PathBuf> {
     skip(test, format!("{} is missing (scripts/fetch_model.sh fetches it)", path.display()));
     None
 }
+
+/// The README's "Library use" section shows the crates' compiled examples line for line:
+/// `expertkv-core`'s crate example and `expertkv-model`'s `text` module example (both run as
+/// doc-tests), so the README's API code is only code that compiles and runs.
+#[cfg(test)]
+mod readme {
+    /// The lines of the first fenced block of `text`, each line stripped of `prefix` (`//! ` for
+    /// a doc comment), hidden (`# `) and blank lines left out.
+    fn example_lines(text: &str, prefix: &str) -> Vec<String> {
+        text.lines()
+            .filter_map(|l| l.strip_prefix(prefix).or_else(|| (l.trim_end() == prefix.trim_end()).then_some("")))
+            .skip_while(|l| !l.starts_with("```"))
+            .skip(1)
+            .take_while(|l| !l.starts_with("```"))
+            .filter(|l| !l.is_empty() && !l.starts_with("# ") && *l != "#")
+            .map(str::to_owned)
+            .collect()
+    }
+
+    #[test]
+    fn the_readme_shows_the_compiled_examples() {
+        let section = include_str!("../../README.md").split("## Library use").nth(1).expect("the README has a `## Library use` section");
+        let blocks: Vec<Vec<String>> = section.split("```rust").skip(1).map(|b| example_lines(&format!("```rust{b}"), "")).collect();
+        for (source, text) in
+            [("core/src/lib.rs", include_str!("../../core/src/lib.rs")), ("model/src/text.rs", include_str!("../../model/src/text.rs"))]
+        {
+            let ours = example_lines(text, "//! ");
+            assert!(ours.len() > 10, "{source}'s example: {ours:?}");
+            assert!(blocks.contains(&ours), "README.md's `Library use` section has no copy of {source}'s example");
+        }
+        assert_eq!(blocks.first(), Some(&example_lines(include_str!("../../core/src/lib.rs"), "//! ")), "the core example comes first");
+    }
+}
