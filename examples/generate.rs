@@ -16,13 +16,7 @@ use expertkv_model::text::{GenerateOptions, KvPolicy, TextModel};
 use std::io::Write;
 
 fn main() -> std::process::ExitCode {
-    match run() {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+    expertkv_examples::exit(run())
 }
 
 fn run() -> Result<(), Box<dyn std::error::Error>> {

@@ -15,13 +15,7 @@ use expertkv_core::{KvPool, NewToken, PoolConfig, Runtime, RuntimeOptions, Shard
 use expertkv_examples::number;
 
 fn main() -> std::process::ExitCode {
-    match run() {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+    expertkv_examples::exit(run())
 }
 
 fn run() -> Result<(), Box<dyn std::error::Error>> {

@@ -24,3 +24,15 @@ pub fn number(name: &str, default: u32) -> Result<u32, String> {
 pub fn switch(name: &str) -> bool {
     std::env::args().skip(1).any(|a| a == name)
 }
+
+/// The process's exit for an example's `run()`: success, or the error printed with `error:`
+/// (its message, not its debug form) and failure.
+pub fn exit(result: Result<(), Box<dyn std::error::Error>>) -> std::process::ExitCode {
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

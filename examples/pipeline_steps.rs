@@ -10,13 +10,7 @@ use expertkv_core::{Runtime, RuntimeOptions};
 use expertkv_examples::number;
 
 fn main() -> std::process::ExitCode {
-    match run() {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+    expertkv_examples::exit(run())
 }
 
 fn run() -> Result<(), Box<dyn std::error::Error>> {
