@@ -44,11 +44,7 @@ pub struct PoolSnapshot {
 /// The passes that compress full pages (`compress/plan.wgsl#count`, `#main`, `#assign`,
 /// `compress/encode`).
 pub(crate) struct CodecPasses {
-    pub(crate) plan: [(wgpu::ComputePipeline, wgpu::BindGroup); 3],
-    pub(crate) encode: (wgpu::ComputePipeline, Vec<wgpu::BindGroup>),
-    pub(crate) dispatch: wgpu::Buffer,
-    /// Rings (shard keys): the count and assign passes run a workgroup per ring.
-    pub(crate) n_keys: u32,
+    pub(crate) passes: crate::compress::PagePasses,
     pub(crate) _buffers: [wgpu::Buffer; 3],
 }
 

@@ -76,39 +76,33 @@ impl CodecPasses {
         let n_keys = cfg.n_keys();
         let plan_counts = rt.storage("codec plan counts", u64::from(n_keys.max(1)) * 4);
         let plan_state = rt.storage("codec plan state", 16);
-        let mut plan = Vec::new();
-        for (k, used) in [
-            (Kernel::CompressPlanCount, vec![(0, geometry), (1, rings), (2, ring_pages), (3, page_meta), (9, &plan_counts)]),
-            (Kernel::CompressPlan, vec![(0, geometry), (6, ctl), (8, &dispatch), (9, &plan_counts), (10, &plan_state)]),
-            (
-                Kernel::CompressPlanAssign,
-                vec![
-                    (0, geometry),
-                    (1, rings),
-                    (2, ring_pages),
-                    (3, page_meta),
-                    (4, free_stack),
-                    (5, codec_free),
-                    (7, &jobs),
-                    (9, &plan_counts),
-                    (10, &plan_state),
-                ],
-            ),
-        ] {
-            let p = rt.pipeline(k, &[]).await?;
-            let bg = rt.bind_at(k.label(), &p, &used);
-            plan.push((p, bg));
-        }
-        let plan: [(wgpu::ComputePipeline, wgpu::BindGroup); 3] = plan.try_into().map_err(|_| Error::Input("codec plan passes".into()))?;
-        let enc_p = rt.pipeline(Kernel::CompressEncode, &[]).await?;
-        let enc_bgs = kv_buffers
-            .iter()
-            .zip(window_bufs)
-            .map(|(kv, w)| {
-                rt.bind(Kernel::CompressEncode.label(), &enc_p, &[geometry, w, &jobs, kv, codec_kv, slot_meta, page_meta, codec_basis])
-            })
-            .collect();
-        Ok(Some(CodecPasses { plan, encode: (enc_p, enc_bgs), dispatch, n_keys, _buffers: [jobs, plan_counts, plan_state] }))
+        let passes = PagePasses::new(
+            rt,
+            [
+                (Kernel::CompressPlanCount, vec![(0, geometry), (1, rings), (2, ring_pages), (3, page_meta), (9, &plan_counts)]),
+                (Kernel::CompressPlan, vec![(0, geometry), (6, ctl), (8, &dispatch), (9, &plan_counts), (10, &plan_state)]),
+                (
+                    Kernel::CompressPlanAssign,
+                    vec![
+                        (0, geometry),
+                        (1, rings),
+                        (2, ring_pages),
+                        (3, page_meta),
+                        (4, free_stack),
+                        (5, codec_free),
+                        (7, &jobs),
+                        (9, &plan_counts),
+                        (10, &plan_state),
+                    ],
+                ),
+            ],
+            Kernel::CompressEncode,
+            kv_buffers.iter().zip(window_bufs).map(|(kv, w)| vec![geometry, w, &jobs, kv, codec_kv, slot_meta, page_meta, codec_basis]),
+            dispatch.clone(),
+            n_keys,
+        )
+        .await?;
+        Ok(Some(CodecPasses { passes, _buffers: [jobs, plan_counts, plan_state] }))
     }
 }
 
@@ -120,17 +114,7 @@ impl KvPool {
         if !self.ready_to_compress() {
             return;
         }
-        let rings = crate::runtime::split_workgroups(c.n_keys);
-        for ((p, bg), [x, y]) in c.plan.iter().zip([rings, [1, 1], rings]) {
-            pass.set_pipeline(p);
-            pass.set_bind_group(0, bg, &[]);
-            pass.dispatch_workgroups(x, y, 1);
-        }
-        pass.set_pipeline(&c.encode.0);
-        for bg in &c.encode.1 {
-            pass.set_bind_group(0, bg, &[]);
-            pass.dispatch_workgroups_indirect(&c.dispatch, 0);
-        }
+        c.passes.encode(pass);
     }
 
     /// Whether full pages may be encoded now (a low-rank codec needs its basis first).
@@ -234,16 +218,64 @@ impl KvPool {
 /// the scheduler of a pool with a codec, bound to its victim marks. CPU reference:
 /// `PoolModel::thaw`.
 pub(crate) struct Thaw {
-    /// count, main, assign.
-    plan: [(wgpu::ComputePipeline, wgpu::BindGroup); 3],
-    /// The decode, one bind group per raw pool buffer.
-    decode: (wgpu::ComputePipeline, Vec<wgpu::BindGroup>),
-    dispatch: wgpu::Buffer,
+    /// count, main, assign; then the decode, once per raw pool buffer.
+    passes: PagePasses,
     /// Raw and codec free tops before the last thaw, pages thawed and rings deferred by it, and
     /// both summed over every thaw so far.
     pub(crate) state: wgpu::Buffer,
-    n_keys: u32,
     _buffers: [wgpu::Buffer; 2],
+}
+
+/// The shape the compress and thaw passes share: a plan of three passes (count per ring, one
+/// main workgroup, assign per ring) that writes the job list and an indirect dispatch, then one
+/// kernel over the jobs, dispatched indirectly once per raw pool buffer.
+pub(crate) struct PagePasses {
+    plan: [(wgpu::ComputePipeline, wgpu::BindGroup); 3],
+    per_buffer: (wgpu::ComputePipeline, Vec<wgpu::BindGroup>),
+    /// The indirect arguments the plan's main pass writes.
+    dispatch: wgpu::Buffer,
+    /// Rings (shard keys): the count and assign passes run a workgroup per ring.
+    n_keys: u32,
+}
+
+impl PagePasses {
+    /// The plan's three kernels with their bindings (the main pass writing `dispatch`), and the
+    /// per-buffer kernel bound, for each raw pool buffer, to `per_buffer_bindings` in binding
+    /// order.
+    async fn new<'a>(
+        rt: &Runtime,
+        plan: [(Kernel, Vec<(u32, &wgpu::Buffer)>); 3],
+        per_buffer: Kernel,
+        per_buffer_bindings: impl Iterator<Item = Vec<&'a wgpu::Buffer>>,
+        dispatch: wgpu::Buffer,
+        n_keys: u32,
+    ) -> Result<PagePasses> {
+        let mut passes = Vec::with_capacity(3);
+        for (k, used) in plan {
+            let p = rt.pipeline(k, &[]).await?;
+            let bg = rt.bind_at(k.label(), &p, &used);
+            passes.push((p, bg));
+        }
+        let plan = passes.try_into().map_err(|_| Error::Input(format!("{} plan passes", per_buffer.label())))?;
+        let p = rt.pipeline(per_buffer, &[]).await?;
+        let bgs = per_buffer_bindings.map(|b| rt.bind(per_buffer.label(), &p, &b)).collect();
+        Ok(PagePasses { plan, per_buffer: (p, bgs), dispatch, n_keys })
+    }
+
+    /// Plan (count, main, assign), then the per-buffer kernel over the planned jobs.
+    pub(crate) fn encode(&self, pass: &mut wgpu::ComputePass<'_>) {
+        let rings = crate::runtime::split_workgroups(self.n_keys);
+        for ((p, bg), [x, y]) in self.plan.iter().zip([rings, [1, 1], rings]) {
+            pass.set_pipeline(p);
+            pass.set_bind_group(0, bg, &[]);
+            pass.dispatch_workgroups(x, y, 1);
+        }
+        pass.set_pipeline(&self.per_buffer.0);
+        for bg in &self.per_buffer.1 {
+            pass.set_bind_group(0, bg, &[]);
+            pass.dispatch_workgroups_indirect(&self.dispatch, 0);
+        }
+    }
 }
 
 /// What the thaw under eviction (`compress/thaw_plan.wgsl`, `compress/thaw.wgsl`) has done: in the
@@ -295,59 +327,42 @@ impl Thaw {
         let dispatch = rt.indirect_args("thaw dispatch");
         let counts = rt.storage("thaw counts", u64::from(n_keys.max(1)) * 4);
         let state = rt.storage_init("thaw state", &[0u32; 8]);
-        let mut plan = Vec::new();
-        for (k, used) in [
-            (Kernel::CompressThawCount, vec![(0, geometry), (1, rings), (2, ring_pages), (9, &counts), (11, victim)]),
-            (Kernel::CompressThawPlan, vec![(0, geometry), (6, ctl), (8, &dispatch), (9, &counts), (10, &state)]),
-            (
-                Kernel::CompressThawAssign,
-                vec![
-                    (0, geometry),
-                    (1, rings),
-                    (2, ring_pages),
-                    (3, page_meta),
-                    (4, free_stack),
-                    (5, codec_free),
-                    (7, &jobs),
-                    (9, &counts),
-                    (10, &state),
-                    (11, victim),
-                ],
-            ),
-        ] {
-            let p = rt.pipeline(k, &[]).await?;
-            let bg = rt.bind_at(k.label(), &p, &used);
-            plan.push((p, bg));
-        }
-        let plan: [(wgpu::ComputePipeline, wgpu::BindGroup); 3] = plan.try_into().map_err(|_| Error::Input("thaw plan passes".into()))?;
-        let dec_p = rt.pipeline(Kernel::CompressThaw, &[]).await?;
-        let dec_bgs = kv_buffers
-            .iter()
-            .zip(window_bufs)
-            .map(|(kv, w)| {
-                rt.bind(
-                    Kernel::CompressThaw.label(),
-                    &dec_p,
-                    &[geometry, w, &jobs, kv, codec_kv, slot_meta, victim, page_meta, codec_basis],
-                )
-            })
-            .collect();
-        Ok(Thaw { plan, decode: (dec_p, dec_bgs), dispatch, state, n_keys, _buffers: [jobs, counts] })
+        let passes = PagePasses::new(
+            rt,
+            [
+                (Kernel::CompressThawCount, vec![(0, geometry), (1, rings), (2, ring_pages), (9, &counts), (11, victim)]),
+                (Kernel::CompressThawPlan, vec![(0, geometry), (6, ctl), (8, &dispatch), (9, &counts), (10, &state)]),
+                (
+                    Kernel::CompressThawAssign,
+                    vec![
+                        (0, geometry),
+                        (1, rings),
+                        (2, ring_pages),
+                        (3, page_meta),
+                        (4, free_stack),
+                        (5, codec_free),
+                        (7, &jobs),
+                        (9, &counts),
+                        (10, &state),
+                        (11, victim),
+                    ],
+                ),
+            ],
+            Kernel::CompressThaw,
+            kv_buffers
+                .iter()
+                .zip(window_bufs)
+                .map(|(kv, w)| vec![geometry, w, &jobs, kv, codec_kv, slot_meta, victim, page_meta, codec_basis]),
+            dispatch.clone(),
+            n_keys,
+        )
+        .await?;
+        Ok(Thaw { passes, state, _buffers: [jobs, counts] })
     }
 
     /// Encode the thaw: plan (count, main, assign), then the decode per pool buffer.
     pub(crate) fn encode(&self, pass: &mut wgpu::ComputePass<'_>) {
-        let rings = crate::runtime::split_workgroups(self.n_keys);
-        for ((p, bg), [x, y]) in self.plan.iter().zip([rings, [1, 1], rings]) {
-            pass.set_pipeline(p);
-            pass.set_bind_group(0, bg, &[]);
-            pass.dispatch_workgroups(x, y, 1);
-        }
-        pass.set_pipeline(&self.decode.0);
-        for bg in &self.decode.1 {
-            pass.set_bind_group(0, bg, &[]);
-            pass.dispatch_workgroups_indirect(&self.dispatch, 0);
-        }
+        self.passes.encode(pass);
     }
 
     /// What the thaw has done.
