@@ -18,6 +18,15 @@ pub enum Arch {
     /// each of `expert_feed_forward_length` neurons, the chosen experts' softmax weights
     /// renormalised over the top k (as Mixtral's).
     Qwen3Moe,
+    /// `olmoe` (OLMoE): RMSNorm of the whole query and key projections (`attn_q_norm`
+    /// `[heads * head_dim]`, `attn_k_norm` `[kv_heads * head_dim]`) before NeoX RoPE, stacked
+    /// experts weighted by their share of a softmax over all experts (not renormalised).
+    Olmoe,
+    /// `qwen2moe` (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's attention, stacked experts of
+    /// `expert_feed_forward_length` weighted as OLMoE's, and a shared expert of
+    /// `expert_shared_feed_forward_length` (`ffn_*_shexp`) every token runs, scaled by the
+    /// sigmoid of its own gate `ffn_gate_inp_shexp`.
+    Qwen2Moe,
 }
 
 impl Arch {
@@ -28,7 +37,22 @@ impl Arch {
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
             Arch::Qwen3Moe => "qwen3moe",
+            Arch::Olmoe => "olmoe",
+            Arch::Qwen2Moe => "qwen2moe",
         }
+    }
+
+    /// Every architecture, in the order of [`Arch::name`]'s list in errors.
+    pub const ALL: [Arch; 6] = [Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Qwen3Moe, Arch::Olmoe, Arch::Qwen2Moe];
+
+    /// The architecture of a `general.architecture` name.
+    pub fn from_name(name: &str) -> Option<Arch> {
+        Arch::ALL.into_iter().find(|a| a.name() == name)
+    }
+
+    /// The supported names, comma-separated (for errors and help).
+    pub fn names() -> String {
+        Arch::ALL.map(Arch::name).join(", ")
     }
 
     /// Whether RoPE rotates pairs half a head apart (`x[i]`, `x[i + d/2]`, llama.cpp's
@@ -39,12 +63,35 @@ impl Arch {
 
     /// Whether the Q, K and V projections carry biases.
     pub fn qkv_bias(self) -> bool {
-        matches!(self, Arch::Qwen2)
+        matches!(self, Arch::Qwen2 | Arch::Qwen2Moe)
     }
 
     /// Whether queries and keys are RMS-normed per head before RoPE.
     pub fn qk_norm(self) -> bool {
-        matches!(self, Arch::Qwen3 | Arch::Qwen3Moe)
+        matches!(self, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Olmoe)
+    }
+
+    /// Whether the query and key norms span the whole projection (`olmoe`: one RMS over all
+    /// heads, gains `[heads * head_dim]`) rather than each head (`qwen3`: gains `[head_dim]`).
+    pub fn qk_norm_whole(self) -> bool {
+        matches!(self, Arch::Olmoe)
+    }
+
+    /// Whether the file must have experts (`expert_count` > 0).
+    pub fn moe_only(self) -> bool {
+        matches!(self, Arch::Qwen3Moe | Arch::Olmoe | Arch::Qwen2Moe)
+    }
+
+    /// Whether the chosen experts' softmax weights are renormalised over the top k (Mixtral,
+    /// Qwen3-MoE: llama.cpp's `norm_w`) rather than kept as their share of the softmax over all
+    /// experts (OLMoE, Qwen2-MoE).
+    pub fn renormalise_top_k(self) -> bool {
+        matches!(self, Arch::Llama | Arch::Qwen3Moe)
+    }
+
+    /// Whether each layer has a shared expert beside the routed ones (`qwen2moe`).
+    pub fn shared_expert(self) -> bool {
+        matches!(self, Arch::Qwen2Moe)
     }
 }
 
@@ -81,20 +128,17 @@ pub struct LlamaConfig {
     /// `llama.expert_used_count`: experts each token is routed to (the top k), in
     /// 1..=`expert_count` for a MoE file; 0 for a dense model.
     pub expert_used_count: u32,
+    /// Neurons of the shared expert (`qwen2moe.expert_shared_feed_forward_length`, else
+    /// `feed_forward_length`, as llama.cpp reads it); 0 without one.
+    pub shared_feed_forward_length: u32,
 }
 
 impl LlamaConfig {
     /// Reads and checks the hyper-parameters; `general.architecture` must be one of [`Arch`]'s.
     pub fn from_gguf(g: &Gguf<'_>) -> Result<Self> {
         let name = g.get_str("general.architecture")?;
-        let arch = match name {
-            "llama" => Arch::Llama,
-            "qwen2" => Arch::Qwen2,
-            "qwen3" => Arch::Qwen3,
-            "qwen3moe" => Arch::Qwen3Moe,
-            other => {
-                return Err(model_err(format!("general.architecture is `{other}`; supported: llama, qwen2, qwen3, qwen3moe")));
-            }
+        let Some(arch) = Arch::from_name(name) else {
+            return Err(model_err(format!("general.architecture is `{name}`; supported: {}", Arch::names())));
         };
         let key = |k: &str| format!("{name}.{k}");
         let embedding_length = g.get_u32(&key("embedding_length"))?;
@@ -122,15 +166,29 @@ impl LlamaConfig {
         {
             return Err(model_err(format!("{name}.vocab_size is {v} but tokenizer.ggml.tokens has {vocab_size} entries")));
         }
+        let expert_count = g.opt(&key("expert_count"), Gguf::get_u32)?.unwrap_or(0);
+        let expert_used_count = g.opt(&key("expert_used_count"), Gguf::get_u32)?.unwrap_or(0);
+        let dense_ffn = g.get_u32(&key("feed_forward_length"));
+        // A MoE file's experts may have their own size (qwen3moe, qwen2moe), the dense size then
+        // unused; qwen2moe without it splits the dense size over the top k (llama.cpp's fallback).
+        let feed_forward_length = match g.opt(&key("expert_feed_forward_length"), Gguf::get_u32)? {
+            Some(f) if expert_count > 0 => f,
+            _ if arch == Arch::Qwen2Moe && (1..=expert_count).contains(&expert_used_count) => dense_ffn? / expert_used_count,
+            _ => dense_ffn?,
+        };
+        let shared_feed_forward_length = if arch.shared_expert() {
+            match g.opt(&key("expert_shared_feed_forward_length"), Gguf::get_u32)? {
+                Some(f) => f,
+                None => g.get_u32(&key("feed_forward_length"))?,
+            }
+        } else {
+            0
+        };
         let c = LlamaConfig {
             arch,
             block_count: g.get_u32(&key("block_count"))?,
             embedding_length,
-            // A MoE file's experts may have their own size (qwen3moe), the dense size unused.
-            feed_forward_length: match g.opt(&key("expert_feed_forward_length"), Gguf::get_u32)? {
-                Some(f) if g.opt(&key("expert_count"), Gguf::get_u32)?.unwrap_or(0) > 0 => f,
-                _ => g.get_u32(&key("feed_forward_length"))?,
-            },
+            feed_forward_length,
             head_count,
             head_count_kv,
             head_dim,
@@ -139,21 +197,25 @@ impl LlamaConfig {
             rms_norm_eps: g.get_f32(&key("attention.layer_norm_rms_epsilon"))?,
             context_length: g.get_u32(&key("context_length"))?,
             vocab_size,
-            expert_count: g.opt(&key("expert_count"), Gguf::get_u32)?.unwrap_or(0),
-            expert_used_count: g.opt(&key("expert_used_count"), Gguf::get_u32)?.unwrap_or(0),
+            expert_count,
+            expert_used_count,
+            shared_feed_forward_length,
         };
-        if c.expert_count > 0 && !matches!(arch, Arch::Llama | Arch::Qwen3Moe) {
+        if c.expert_count > 0 && !(arch == Arch::Llama || arch.moe_only()) {
             return Err(model_err(format!(
-                "{name} with experts (expert_count {}) is not supported; llama (Mixtral) and qwen3moe MoE files are",
+                "{name} with experts (expert_count {}) is not supported; llama (Mixtral), qwen3moe, olmoe and qwen2moe MoE files are",
                 c.expert_count
             )));
         }
-        if arch == Arch::Qwen3Moe && c.expert_count == 0 {
-            return Err(model_err("qwen3moe without qwen3moe.expert_count"));
+        if arch.moe_only() && c.expert_count == 0 {
+            return Err(model_err(format!("{name} without {name}.expert_count")));
+        }
+        if arch.shared_expert() && c.shared_feed_forward_length == 0 {
+            return Err(model_err(format!("{name}.expert_shared_feed_forward_length is 0")));
         }
         if c.expert_count > 0 && !(1..=c.expert_count).contains(&c.expert_used_count) {
             return Err(model_err(format!(
-                "llama.expert_used_count {} must be in 1..={} (llama.expert_count)",
+                "{name}.expert_used_count {} must be in 1..={} ({name}.expert_count)",
                 c.expert_used_count, c.expert_count
             )));
         }
@@ -215,8 +277,16 @@ impl LlamaConfig {
                 want(&format!("blk.{l}.attn_v.bias"), &[kv])?;
             }
             if self.arch.qk_norm() {
-                want(&format!("blk.{l}.attn_q_norm.weight"), &[u64::from(self.head_dim)])?;
-                want(&format!("blk.{l}.attn_k_norm.weight"), &[u64::from(self.head_dim)])?;
+                let (nq, nk) = if self.arch.qk_norm_whole() { (q, kv) } else { (u64::from(self.head_dim), u64::from(self.head_dim)) };
+                want(&format!("blk.{l}.attn_q_norm.weight"), &[nq])?;
+                want(&format!("blk.{l}.attn_k_norm.weight"), &[nk])?;
+            }
+            if self.arch.shared_expert() {
+                let fs = u64::from(self.shared_feed_forward_length);
+                want(&format!("blk.{l}.ffn_gate_inp_shexp.weight"), &[h])?;
+                want(&format!("blk.{l}.ffn_gate_shexp.weight"), &[h, fs])?;
+                want(&format!("blk.{l}.ffn_up_shexp.weight"), &[h, fs])?;
+                want(&format!("blk.{l}.ffn_down_shexp.weight"), &[fs, h])?;
             }
             want(&format!("blk.{l}.ffn_norm.weight"), &[h])?;
             if self.expert_count == 0 {
@@ -249,8 +319,9 @@ mod tests {
 
     #[test]
     fn architectures_are_read_by_name_and_others_refused_by_name() {
-        for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
-            let file = SyntheticModel { arch, ..SyntheticModel::dense(1) }.gguf();
+        for arch in Arch::ALL {
+            let base = if arch.moe_only() { SyntheticModel::moe(1, 4, 2) } else { SyntheticModel::dense(1) };
+            let file = SyntheticModel { arch, ..base }.gguf();
             let c = LlamaConfig::from_gguf(&Gguf::parse(&file).expect("gguf")).expect("config");
             assert_eq!(c.arch, arch);
             c.check_tensors(&Gguf::parse(&file).expect("gguf")).expect("tensors");
@@ -259,7 +330,7 @@ mod tests {
         w.str("general.architecture", "gemma2").strs("tokenizer.ggml.tokens", &["a"]);
         let bytes = w.finish();
         let e = LlamaConfig::from_gguf(&Gguf::parse(&bytes).expect("gguf")).expect_err("gemma2");
-        assert!(e.to_string().contains("`gemma2`; supported: llama, qwen2, qwen3, qwen3moe"), "{e}");
+        assert!(e.to_string().contains("`gemma2`; supported: llama, qwen2, qwen3, qwen3moe, olmoe, qwen2moe"), "{e}");
         // A Qwen file without its biases is refused by tensor name.
         let llama = SyntheticModel::dense(1).gguf();
         let g = Gguf::parse(&llama).expect("gguf");

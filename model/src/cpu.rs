@@ -328,11 +328,13 @@ impl CpuModel {
                 }
             }
             if let Some([gq, gk]) = &lw.qk_norm {
+                // Each head on its own (qwen3), or the whole projection at once (olmoe).
                 for (x, g) in [(&mut s.q, gq), (&mut s.k, gk)] {
-                    let mut out = vec![0.0; hd];
-                    for head in x.chunks_exact_mut(hd) {
-                        rms_norm(head, g, c.rms_norm_eps, &mut out);
-                        head.copy_from_slice(&out);
+                    let span = g.len();
+                    let mut out = vec![0.0; span];
+                    for part in x.chunks_exact_mut(span) {
+                        rms_norm(part, g, c.rms_norm_eps, &mut out);
+                        part.copy_from_slice(&out);
                     }
                 }
             }
@@ -401,6 +403,9 @@ impl CpuModel {
                     p(Stage::RouterScores, &s.scores, probe);
                     let chosen = super::moe::top_k(&s.scores, moe.config.top_k);
                     ml.forward(lw, &s.xn, &chosen, &ml.weights(&s.scores, &chosen), &mut s.proj);
+                    if let Some(sh) = &lw.shared {
+                        shared_expert(sh, &s.xn, &mut s.proj, self.threads);
+                    }
                 }
             }
             p(Stage::Ffn, &s.proj, probe);
@@ -467,6 +472,24 @@ impl CpuModel {
     pub fn perplexity(&self, ids: &[u32]) -> Result<f64> {
         let nlls = self.token_nlls(ids)?;
         Ok((nlls.iter().sum::<f64>() / nlls.len() as f64).exp())
+    }
+}
+
+/// `out += sigmoid(gate_inp . x) * down(silu(gate x) * up x)`: a shared expert's output
+/// (`qwen2moe`), added to the routed experts'.
+fn shared_expert(sh: &crate::weights::SharedExpert, x: &[f32], out: &mut [f32], threads: usize) {
+    let mut g = vec![0f32; sh.gate.rows];
+    let mut u = vec![0f32; sh.up.rows];
+    matvec(&sh.gate, x, &mut g, threads);
+    matvec(&sh.up, x, &mut u, threads);
+    for (g, u) in g.iter_mut().zip(&u) {
+        *g = silu(*g) * u;
+    }
+    let mut y = vec![0f32; sh.down.rows];
+    matvec(&sh.down, &g, &mut y, threads);
+    let scale = 1.0 / (1.0 + (-dot(&sh.gate_inp, x)).exp());
+    for (o, y) in out.iter_mut().zip(&y) {
+        *o += scale * y;
     }
 }
 

@@ -1,4 +1,4 @@
-//! A Llama-family (llama, qwen2, qwen3, qwen3moe) forward pass on the GPU whose K/V live in the expertkv pool: every
+//! A Llama-family (llama, qwen2, qwen3, qwen3moe, olmoe, qwen2moe) forward pass on the GPU whose K/V live in the expertkv pool: every
 //! matrix product reads the GGUF's quantised weights in-kernel (`ops`), every token's keys and
 //! values are appended to the paged pool and attention reads them back through the same
 //! `attend_decode` kernels the pipeline uses. Prompts go in token by token (each a decode step,
@@ -45,8 +45,12 @@ struct Layer {
     /// Q, K and V biases (`qwen2`), each repeated for every sequence of a step (added to the
     /// projections with the residual kernel).
     qkv_bias: Option<[wgpu::Buffer; 3]>,
-    /// Per-head RMSNorm gains of queries and keys (`qwen3`), `[head_dim]` each.
+    /// RMSNorm gains of queries and keys: per head (`qwen3`, `[head_dim]` each) or over the
+    /// whole projection (`olmoe`, `[heads * head_dim]` and `[kv_heads * head_dim]`).
     qk_norm: Option<[wgpu::Buffer; 2]>,
+    /// The shared expert (`qwen2moe`): its gate `[1][hidden]` f32, gate rows then up rows, and
+    /// the down projection.
+    shared: Option<[GpuMatrix; 3]>,
     /// The dense FFN: gate rows then up rows (one product gives SwiGLU's [gate; up] per token),
     /// and the down projection. `None` in a MoE file (its experts are [`GpuMoe`]'s).
     ffn: Option<(GpuMatrix, GpuMatrix)>,
@@ -67,6 +71,8 @@ struct Scratch {
     kv_words: wgpu::Buffer,
     gu: wgpu::Buffer,
     act: wgpu::Buffer,
+    /// The shared expert's gate logit per token (`qwen2moe`).
+    shared_gate: wgpu::Buffer,
     logits: wgpu::Buffer,
 }
 
@@ -299,8 +305,13 @@ fn record(
             k.residual(rt, &mut p, bv, &s.v, n * hkv * d);
         }
         if let Some([gq, gk]) = &w.qk_norm {
-            k.rmsnorm(rt, &mut p, &s.q_raw, gq, &attn.queries, n * hq, d, c.rms_norm_eps);
-            k.rmsnorm(rt, &mut p, &s.k_raw, gk, &s.k, n * hkv, d, c.rms_norm_eps);
+            if c.arch.qk_norm_whole() {
+                k.rmsnorm(rt, &mut p, &s.q_raw, gq, &attn.queries, n, hq * d, c.rms_norm_eps);
+                k.rmsnorm(rt, &mut p, &s.k_raw, gk, &s.k, n, hkv * d, c.rms_norm_eps);
+            } else {
+                k.rmsnorm(rt, &mut p, &s.q_raw, gq, &attn.queries, n * hq, d, c.rms_norm_eps);
+                k.rmsnorm(rt, &mut p, &s.k_raw, gk, &s.k, n * hkv, d, c.rms_norm_eps);
+            }
         }
         let neox = c.arch.rope_neox();
         k.rope(rt, &mut p, &attn.queries, &s.positions, n, hq, d, c.rope_freq_base, neox);
@@ -320,6 +331,18 @@ fn record(
     k.rmsnorm(rt, &mut rec.head, &s.h, out_norm, &s.xn, n, h, c.rms_norm_eps);
     k.matvec(rt, &mut rec.head, output.unwrap_or(embed), &s.xn, &s.logits, n)?;
     Ok(rec)
+}
+
+/// A layer's shared expert (`qwen2moe`), when it has one, added to the residual stream:
+/// `h += sigmoid(gate . xn) * down(silu(gate_proj xn) * up xn)`, after the routed experts.
+fn shared_expert(rt: &Runtime, k: &ModelKernels, c: &LlamaConfig, w: &Layer, s: &Scratch, n: u32, p: &mut Recorded) -> Result<()> {
+    if let Some([gate, gate_up, down]) = &w.shared {
+        k.matvec(rt, p, gate, &s.xn, &s.shared_gate, n)?;
+        k.matvec(rt, p, gate_up, &s.xn, &s.gu, n)?;
+        k.swiglu_gated(rt, p, &s.gu, &s.shared_gate, &s.act, n, c.shared_feed_forward_length);
+        k.matvec_add(rt, p, down, &s.act, &s.h, n)?;
+    }
+    Ok(())
 }
 
 /// The output projection added to the residual stream, and the FFN's RMSNorm (the FFN input
@@ -427,6 +450,12 @@ impl GpuLlama {
                 } else {
                     None
                 },
+                shared: if cfg.arch.shared_expert() {
+                    let gate = f32_matrix(rt, &n("ffn_gate_inp_shexp"), 1, cfg.embedding_length, &g.tensor_f32(&n("ffn_gate_inp_shexp"))?)?;
+                    Some([gate, matrix(rt, g, &[&n("ffn_gate_shexp"), &n("ffn_up_shexp")])?, matrix(rt, g, &[&n("ffn_down_shexp")])?])
+                } else {
+                    None
+                },
                 ffn: if cfg.expert_count == 0 {
                     Some((matrix(rt, g, &[&n("ffn_gate"), &n("ffn_up")])?, matrix(rt, g, &[&n("ffn_down")])?))
                 } else {
@@ -511,8 +540,8 @@ impl GpuLlama {
             _ => None,
         };
         let (h, kv, vocab) = (cfg.embedding_length, cfg.head_count_kv * cfg.head_dim, cfg.vocab_size);
-        // A MoE file's dense-FFN scratch is never used.
-        let f = if cfg.expert_count == 0 { cfg.feed_forward_length } else { 1 };
+        // A MoE file's dense-FFN scratch serves its shared expert only.
+        let f = if cfg.expert_count == 0 { cfg.feed_forward_length } else { cfg.shared_feed_forward_length.max(1) };
         let buf = |label: &str, floats: u32| rt.storage(label, u64::from(n_seqs) * u64::from(floats) * 4);
         let s = Scratch {
             tokens: buf("model tokens", 1),
@@ -526,6 +555,7 @@ impl GpuLlama {
             kv_words: buf("model kv words", 2 * kv),
             gu: buf("model gate_up", 2 * f),
             act: buf("model act", f),
+            shared_gate: buf("model shared expert gate", 1),
             logits: buf("model logits", vocab),
         };
         let f16 = pool.cfg.dtype == KvDtype::F16;
@@ -732,6 +762,7 @@ impl GpuLlama {
         let log = rt.storage("moe choices", u64::from(c.block_count * n * k) * 4);
         let act = rt.storage("moe act", u64::from(n * k * max_size) * 4);
         let (kern, s) = (&self.kernels, &self.s);
+        let share = !c.arch.renormalise_top_k();
         let mut recorded = Vec::new();
         for (l, ((router, ffn_l), w)) in layers.iter().zip(&self.layers).enumerate() {
             // Score the FFN input with the router, take the top k on the GPU, weight the chosen,
@@ -741,9 +772,10 @@ impl GpuLlama {
             kern.matvec(rt, &mut p, router, &s.xn, &scores, n)?;
             kern.moe_topk(rt, &mut p, &scores, &sel, &log, l as u32 * n * k, n, e, k)?;
             if native {
-                kern.moe_weights(rt, &mut p, &scores, &sel, &wts, n, e, k)?;
+                kern.moe_weights(rt, &mut p, &scores, &sel, &wts, n, e, k, share)?;
             }
             kern.moe_ffn(rt, &mut p, ffn_l, &s.xn, &sel, &wts, &act, &s.h, n, k, true)?;
+            shared_expert(rt, kern, c, w, s, n, &mut p)?;
             recorded.push(p);
         }
         self.moe = Some(GpuMoe {
@@ -792,9 +824,10 @@ impl GpuLlama {
             before.push(p);
             let mut p = Recorded::default();
             if moe.native {
-                kern.moe_weights(rt, &mut p, &moe.scores, &moe.sel, &moe.wts, n, e, k)?;
+                kern.moe_weights(rt, &mut p, &moe.scores, &moe.sel, &moe.wts, n, e, k, !c.arch.renormalise_top_k())?;
             }
             kern.moe_ffn(rt, &mut p, ffn_l, &s.xn, &moe.sel, &moe.wts, &moe.act, &s.h, n, k, true)?;
+            shared_expert(rt, kern, c, w, s, n, &mut p)?;
             after.push(p);
         }
         moe.routed = Some(RoutedMoe { router, before, after });

@@ -71,8 +71,17 @@ pub struct MoeTopkParams {
     pub top_k: u32,
     /// Where this call's choices start in the log buffer (words).
     pub log_offset: u32,
+    /// `moe_weights`: 1 gives each chosen expert its share of the softmax over all experts, 0
+    /// the softmax over the chosen.
+    pub share: u32,
+    /// Padding to 32 bytes; always 0.
+    pub _pad1: u32,
+    /// Padding to 32 bytes; always 0.
+    pub _pad2: u32,
+    /// Padding to 32 bytes; always 0.
+    pub _pad3: u32,
 }
-const _: () = assert!(std::mem::size_of::<MoeTopkParams>() == 16);
+const _: () = assert!(std::mem::size_of::<MoeTopkParams>() == 32);
 
 /// Must match `ModelOpParams` in `shaders/wgsl/model/norm_rope.wgsl`.
 #[repr(C)]

@@ -4,7 +4,7 @@
 //! - [`gguf`]: the GGUF container (header, metadata, tensor table), its CPU dequantisation and a
 //!   writer for test files; [`config`]: a model's hyper-parameters from its metadata;
 //!   [`tokenizer`]: the vocabulary's byte-level BPE.
-//! - [`weights`]: the weights of a Llama-family model (llama, qwen2, qwen3, qwen3moe) ([`Matrix`] keeps the stored bytes);
+//! - [`weights`]: the weights of a Llama-family model (llama, qwen2, qwen3, qwen3moe, olmoe, qwen2moe) ([`Matrix`] keeps the stored bytes);
 //!   [`cpu`]: the f32 reference forward pass with its own KV cache, over [`math`]'s building blocks; [`moe`]: MoEfication of its
 //!   FFNs into routed groups of neurons, or a MoE file's own experts; [`synthetic`]: small random
 //!   models written as GGUF files for tests.

@@ -105,8 +105,11 @@ pub enum Gating {
     /// MoEfication: the scores are cosines (the token normalised), every chosen expert weighs 1.
     Unit,
     /// A trained MoE: the scores are the router's raw logits `W x`, and the chosen experts weigh
-    /// the softmax of their logits ([`softmax_weights`]).
+    /// the softmax of their logits ([`softmax_weights`]: Mixtral, Qwen3-MoE).
     Softmax,
+    /// A trained MoE whose chosen experts weigh their share of the softmax over all `E` logits,
+    /// not renormalised over the top k ([`softmax_share_weights`]: OLMoE, Qwen2-MoE).
+    SoftmaxShare,
 }
 
 /// One layer's experts and router.
@@ -155,7 +158,7 @@ impl MoeLayer {
         let inv = match self.gating {
             Gating::Unit if norm > 0.0 => 1.0 / norm,
             Gating::Unit => 0.0,
-            Gating::Softmax => 1.0,
+            Gating::Softmax | Gating::SoftmaxShare => 1.0,
         };
         for (e, s) in out.iter_mut().enumerate() {
             *s = dot(x, self.centroid(e)) * inv;
@@ -168,6 +171,7 @@ impl MoeLayer {
         match self.gating {
             Gating::Unit => vec![1.0; experts.len()],
             Gating::Softmax => softmax_weights(scores, experts),
+            Gating::SoftmaxShare => softmax_share_weights(scores, experts),
         }
     }
 
@@ -186,8 +190,9 @@ impl MoeLayer {
     }
 
     /// A MoE file's layer as it was trained: the router `ffn_gate_inp`, expert `e` the file's
-    /// neurons `e * ffn .. (e + 1) * ffn`, [`Gating::Softmax`].
-    pub fn native(lw: &LayerWeights, layer: usize) -> Result<Self> {
+    /// neurons `e * ffn .. (e + 1) * ffn`, weighted by `gating` ([`Gating::Softmax`] or
+    /// [`Gating::SoftmaxShare`]).
+    pub fn native(lw: &LayerWeights, layer: usize, gating: Gating) -> Result<Self> {
         let Some(router) = &lw.router else {
             return Err(Error::Model(format!("layer {layer} has no router (`ffn_gate_inp`): not a MoE file")));
         };
@@ -198,9 +203,12 @@ impl MoeLayer {
             )));
         }
         let size = (neurons / e) as u32;
+        if gating == Gating::Unit {
+            return Err(Error::Model(format!("layer {layer}: a MoE file's experts are weighted by their router's softmax")));
+        }
         Ok(MoeLayer {
             hidden,
-            gating: Gating::Softmax,
+            gating,
             centroids: router.f32.clone(),
             expert_from_neuron: (0..neurons as u32).map(|n| n / size).collect(),
             neurons: (0..neurons as u32).collect(),
@@ -267,6 +275,15 @@ pub fn softmax_weights(scores: &[f32], experts: &[usize]) -> Vec<f32> {
     let w: Vec<f32> = experts.iter().map(|&e| (scores[e] - m).exp()).collect();
     let sum: f32 = w.iter().sum();
     w.into_iter().map(|x| x / sum).collect()
+}
+
+/// The chosen experts' shares of the softmax over all `E` logits, not renormalised:
+/// `w_j = exp(s[e_j] - m) / sum_e exp(s[e] - m)`, `m` the largest logit (llama.cpp's
+/// `build_moe_ffn` without `norm_w`).
+pub fn softmax_share_weights(scores: &[f32], experts: &[usize]) -> Vec<f32> {
+    let m = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f32 = scores.iter().map(|&s| (s - m).exp()).sum();
+    experts.iter().map(|&e| (scores[e] - m).exp() / sum).collect()
 }
 
 /// A MoEfied model: one [`MoeLayer`] per transformer layer.
@@ -458,7 +475,8 @@ impl Moefication {
         if !w.is_moe() {
             return Err(Error::Model("the file has no experts of its own (`llama.expert_count` is 0)".into()));
         }
-        let layers = w.layers.iter().enumerate().map(|(l, lw)| MoeLayer::native(lw, l)).collect::<Result<Vec<_>>>()?;
+        let gating = if c.arch.renormalise_top_k() { Gating::Softmax } else { Gating::SoftmaxShare };
+        let layers = w.layers.iter().enumerate().map(|(l, lw)| MoeLayer::native(lw, l, gating)).collect::<Result<Vec<_>>>()?;
         let config =
             MoeConfig { experts: c.expert_count as usize, top_k: c.expert_used_count as usize, seed: 0, iterations: 0, balanced: true };
         Ok(Moefication { config, layers, fitted: None })
@@ -466,7 +484,7 @@ impl Moefication {
 
     /// Whether these are a MoE file's own experts ([`Moefication::native`]).
     pub fn is_native(&self) -> bool {
-        self.layers.first().is_some_and(|l| l.gating == Gating::Softmax)
+        self.layers.first().is_some_and(|l| l.gating != Gating::Unit)
     }
 
     /// Whether these experts were made for a model of `w`'s shape: MoEfication for a dense model,
@@ -768,6 +786,7 @@ mod tests {
             router: None,
             qkv_bias: None,
             qk_norm: None,
+            shared: None,
         }
     }
 
@@ -966,65 +985,91 @@ mod tests {
     }
 
     /// A MoE file's layer: the FFN the CPU model computes (its probe) against the experts and
-    /// router read straight from the file's stacked tensors, gated as Mixtral is, in f64.
+    /// router read straight from the file's stacked tensors, in f64: gated as Mixtral is (llama:
+    /// the top k's softmax renormalised), as OLMoE is (their shares of the whole softmax), and
+    /// as Qwen2-MoE is (OLMoE's gating plus the shared expert scaled by its sigmoid gate).
     #[test]
     fn moe_file_experts_and_router_cpu() {
-        let spec = crate::SyntheticModel::moe(7, 4, 2);
-        let file = spec.gguf();
-        let g = crate::gguf::Gguf::parse(&file).unwrap();
-        let w = synthetic_weights(&spec);
-        let model = CpuModel::new(w.clone()).unwrap();
-        let moe = model.moe().expect("a MoE file runs its own experts");
-        assert!(moe.is_native() && moe.config.experts == 4 && moe.config.top_k == 2);
-        let (h, f, e) = (128usize, 96usize, 4usize);
-        let tensor = |name: &str| g.tensor_f32(name).unwrap();
-        let mut cache = model.new_cache();
-        for (pos, token) in [17u32, 200, 3].into_iter().enumerate() {
-            let (mut xn, mut ffn) = (Vec::new(), Vec::new());
-            let mut probe = |p: crate::Probe<'_>| {
-                if p.layer == 1 && p.stage == crate::Stage::FfnNorm {
-                    xn = p.values.to_vec();
-                }
-                if p.layer == 1 && p.stage == crate::Stage::Ffn {
-                    ffn = p.values.to_vec();
-                }
-            };
-            model.forward_probed(token, pos as u32, &mut cache, 2, true, &mut probe).unwrap();
-            let (router, gate, up, down) = (
-                tensor("blk.1.ffn_gate_inp.weight"),
-                tensor("blk.1.ffn_gate_exps.weight"),
-                tensor("blk.1.ffn_up_exps.weight"),
-                tensor("blk.1.ffn_down_exps.weight"),
-            );
-            let dot = |m: &[f32], row: usize| -> f64 { (0..h).map(|i| f64::from(m[row * h + i]) * f64::from(xn[i])).sum() };
-            let logits: Vec<f64> = (0..e).map(|x| dot(&router, x)).collect();
-            let mut order: Vec<usize> = (0..e).collect();
-            order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
-            let total: f64 = logits.iter().map(|l| l.exp()).sum();
-            let kept: f64 = order[..2].iter().map(|&x| logits[x].exp() / total).sum();
-            let mut want = vec![0f64; h];
-            let mut scale = vec![0f64; h];
-            for &x in &order[..2] {
-                let wt = logits[x].exp() / total / kept;
-                for n in 0..f {
-                    let gv = dot(&gate, x * f + n);
-                    let a = gv / (1.0 + (-gv).exp()) * dot(&up, x * f + n) * wt;
-                    for o in 0..h {
-                        let d = f64::from(down[(x * h + o) * f + n]);
-                        want[o] += a * d;
-                        scale[o] += (a * d).abs();
+        use crate::config::Arch;
+        for arch in [Arch::Llama, Arch::Olmoe, Arch::Qwen2Moe] {
+            let spec = crate::SyntheticModel { arch, ..crate::SyntheticModel::moe(7, 4, 2) };
+            let file = spec.gguf();
+            let g = crate::gguf::Gguf::parse(&file).unwrap();
+            let model = CpuModel::new(synthetic_weights(&spec)).unwrap();
+            let moe = model.moe().expect("a MoE file runs its own experts");
+            assert!(moe.is_native() && moe.config.experts == 4 && moe.config.top_k == 2);
+            let (h, f, e, fs) = (128usize, 96usize, 4usize, spec.shared_ffn() as usize);
+            let tensor = |name: &str| g.tensor_f32(name).unwrap();
+            let mut cache = model.new_cache();
+            for (pos, token) in [17u32, 200, 3].into_iter().enumerate() {
+                let (mut xn, mut ffn) = (Vec::new(), Vec::new());
+                let mut probe = |p: crate::Probe<'_>| {
+                    if p.layer == 1 && p.stage == crate::Stage::FfnNorm {
+                        xn = p.values.to_vec();
+                    }
+                    if p.layer == 1 && p.stage == crate::Stage::Ffn {
+                        ffn = p.values.to_vec();
+                    }
+                };
+                model.forward_probed(token, pos as u32, &mut cache, 2, true, &mut probe).unwrap();
+                let (router, gate, up, down) = (
+                    tensor("blk.1.ffn_gate_inp.weight"),
+                    tensor("blk.1.ffn_gate_exps.weight"),
+                    tensor("blk.1.ffn_up_exps.weight"),
+                    tensor("blk.1.ffn_down_exps.weight"),
+                );
+                let dot = |m: &[f32], row: usize| -> f64 { (0..h).map(|i| f64::from(m[row * h + i]) * f64::from(xn[i])).sum() };
+                let silu = |v: f64| v / (1.0 + (-v).exp());
+                let logits: Vec<f64> = (0..e).map(|x| dot(&router, x)).collect();
+                let mut order: Vec<usize> = (0..e).collect();
+                order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+                let total: f64 = logits.iter().map(|l| l.exp()).sum();
+                let kept: f64 = order[..2].iter().map(|&x| logits[x].exp() / total).sum();
+                let mut want = vec![0f64; h];
+                let mut scale = vec![0f64; h];
+                for &x in &order[..2] {
+                    let wt = logits[x].exp() / total / if arch == Arch::Llama { kept } else { 1.0 };
+                    for n in 0..f {
+                        let a = silu(dot(&gate, x * f + n)) * dot(&up, x * f + n) * wt;
+                        for o in 0..h {
+                            let d = f64::from(down[(x * h + o) * f + n]);
+                            want[o] += a * d;
+                            scale[o] += (a * d).abs();
+                        }
                     }
                 }
-            }
-            for o in 0..h {
-                assert!(
-                    (f64::from(ffn[o]) - want[o]).abs() <= 1e-5 * scale[o] + 1e-6,
-                    "token {pos}: output {o}: {} vs {}",
-                    ffn[o],
-                    want[o]
-                );
+                if arch == Arch::Qwen2Moe {
+                    let (sg, sgate, sup, sdown) = (
+                        tensor("blk.1.ffn_gate_inp_shexp.weight"),
+                        tensor("blk.1.ffn_gate_shexp.weight"),
+                        tensor("blk.1.ffn_up_shexp.weight"),
+                        tensor("blk.1.ffn_down_shexp.weight"),
+                    );
+                    let wt = 1.0 / (1.0 + (-dot(&sg, 0)).exp());
+                    assert!(wt > 0.01 && wt < 0.99, "{arch:?}: the shared gate {wt} should be neither shut nor open");
+                    for n in 0..fs {
+                        let a = silu(dot(&sgate, n)) * dot(&sup, n) * wt;
+                        for o in 0..h {
+                            let d = f64::from(sdown[o * fs + n]);
+                            want[o] += a * d;
+                            scale[o] += (a * d).abs();
+                        }
+                    }
+                }
+                for o in 0..h {
+                    assert!(
+                        (f64::from(ffn[o]) - want[o]).abs() <= 1e-5 * scale[o] + 1e-6,
+                        "{arch:?} token {pos}: output {o}: {} vs {}",
+                        ffn[o],
+                        want[o]
+                    );
+                }
             }
         }
+        let spec = crate::SyntheticModel::moe(7, 4, 2);
+        let w = synthetic_weights(&spec);
+        let model = CpuModel::new(w.clone()).unwrap();
+        let moe = model.moe().unwrap();
         // MoEfication is for dense FFNs; a MoE file has no dense FFN to fall back to.
         let e = Moefication::from_weights(&w, &MoeConfig::new(8, 2)).unwrap_err().to_string();
         assert!(e.contains("Mixture-of-Experts"), "{e}");

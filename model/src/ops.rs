@@ -347,6 +347,7 @@ pub struct ModelKernels {
     rmsnorm: wgpu::ComputePipeline,
     rope: wgpu::ComputePipeline,
     swiglu: wgpu::ComputePipeline,
+    swiglu_gated: wgpu::ComputePipeline,
     residual: wgpu::ComputePipeline,
     kv_pack: wgpu::ComputePipeline,
     moe_topk: wgpu::ComputePipeline,
@@ -376,6 +377,7 @@ impl ModelKernels {
             rmsnorm: rt.pipeline(Kernel::ModelRmsNorm, &[]).await?,
             rope: rt.pipeline(Kernel::ModelRope, &[]).await?,
             swiglu: rt.pipeline(Kernel::ModelSwiglu, &[]).await?,
+            swiglu_gated: rt.pipeline(Kernel::ModelSwigluGated, &[]).await?,
             residual: rt.pipeline(Kernel::ModelResidual, &[]).await?,
             kv_pack: rt.pipeline(Kernel::ModelKvPack, &[]).await?,
             moe_topk: rt.pipeline(Kernel::ModelMoeTopk, &[]).await?,
@@ -439,15 +441,16 @@ impl ModelKernels {
         {
             return Err(Error::Input("moe_topk: buffers too small".into()));
         }
-        let p = rt.uniform("model/router params", &MoeTopkParams { n_tokens, n_experts, top_k, log_offset });
+        let p = rt.uniform("model/router params", &MoeTopkParams { n_tokens, n_experts, top_k, log_offset, ..Default::default() });
         let bg = rt.bind(Kernel::ModelMoeTopk.label(), &self.moe_topk, &[&p, scores, sel, log]);
         pass.dispatch(&self.moe_topk, bg, [n_tokens.div_ceil(64), 1, 1]);
         Ok(())
     }
 
-    /// The softmax of the chosen experts' scores per token (`scores` `[n_tokens][E]`, `sel`
-    /// `[n_tokens][top_k]`) into `wts` `[n_tokens][top_k]`: a MoE file's expert weights, as
-    /// [`crate::moe::softmax_weights`].
+    /// The chosen experts' weights per token (`scores` `[n_tokens][E]`, `sel` `[n_tokens][top_k]`)
+    /// into `wts` `[n_tokens][top_k]`: the softmax of the chosen scores, as
+    /// [`crate::moe::softmax_weights`], or with `share` each one's share of the softmax over all
+    /// `E`, as [`crate::moe::softmax_share_weights`].
     #[allow(clippy::too_many_arguments)]
     pub fn moe_weights(
         &self,
@@ -459,6 +462,7 @@ impl ModelKernels {
         n_tokens: u32,
         n_experts: u32,
         top_k: u32,
+        share: bool,
     ) -> Result<()> {
         if n_tokens == 0 || top_k == 0 || top_k > n_experts {
             return Err(Error::Input(format!("moe_weights: {n_tokens} tokens, top-{top_k} of {n_experts} experts")));
@@ -467,7 +471,8 @@ impl ModelKernels {
         if scores.size() < (u64::from(n_tokens) * u64::from(n_experts)) * 4 || sel.size() < chosen || wts.size() < chosen {
             return Err(Error::Input("moe_weights: buffers too small".into()));
         }
-        let p = rt.uniform("model/router params", &MoeTopkParams { n_tokens, n_experts, top_k, log_offset: 0 });
+        let share = u32::from(share);
+        let p = rt.uniform("model/router params", &MoeTopkParams { n_tokens, n_experts, top_k, share, ..Default::default() });
         let bg = rt.bind_at(Kernel::ModelMoeWeights.label(), &self.moe_weights, &[(0, &p), (1, scores), (2, sel), (4, wts)]);
         pass.dispatch(&self.moe_weights, bg, [n_tokens.div_ceil(64), 1, 1]);
         Ok(())
@@ -641,6 +646,25 @@ impl ModelKernels {
         let p = rt.uniform("model/swiglu params", &ModelOpParams { n_tokens, dim: n, ..Default::default() });
         let bg = rt.bind_at(Kernel::ModelSwiglu.label(), &self.swiglu, &[(0, &p), (1, gu), (2, y)]);
         pass.dispatch(&self.swiglu, bg, [(n_tokens * n).div_ceil(256), 1, 1]);
+    }
+
+    /// `y[b][i] = silu(g) * u * sigmoid(s[b])` with `g`, `u` side by side in `gu`
+    /// (`[n_tokens][2][n]`) and `s` one gate logit per token: a shared expert's activations
+    /// scaled by its gate.
+    #[allow(clippy::too_many_arguments)]
+    pub fn swiglu_gated(
+        &self,
+        rt: &Runtime,
+        pass: &mut impl DispatchSink,
+        gu: &wgpu::Buffer,
+        gate: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        n_tokens: u32,
+        n: u32,
+    ) {
+        let p = rt.uniform("model/swiglu_gated params", &ModelOpParams { n_tokens, dim: n, ..Default::default() });
+        let bg = rt.bind_at(Kernel::ModelSwigluGated.label(), &self.swiglu_gated, &[(0, &p), (1, gu), (2, y), (3, gate)]);
+        pass.dispatch(&self.swiglu_gated, bg, [(n_tokens * n).div_ceil(256), 1, 1]);
     }
 
     /// `y += x` over `n` values.

@@ -50,9 +50,10 @@ pub struct SyntheticModel {
     /// and Mixtral files carry): `<unk>`, `<s>`, `</s>`, the 256 byte tokens and a few scored
     /// pieces, instead of the 256-token byte-level BPE one.
     pub sentencepiece: bool,
-    /// The architecture written (`general.architecture` and the keys' prefix): `llama`, or
-    /// `qwen2` (with Q/K/V biases) or `qwen3` (with per-head Q/K norms), in llama.cpp's tensor
-    /// names; dense only for the Qwen ones.
+    /// The architecture written (`general.architecture` and the keys' prefix): `llama`,
+    /// `qwen2` (with Q/K/V biases), `qwen3` (with per-head Q/K norms), or with experts
+    /// `qwen3moe`, `olmoe` (whole-projection Q/K norms, experts not renormalised) and `qwen2moe`
+    /// (Q/K/V biases and a shared expert), in llama.cpp's tensor names and keys.
     pub arch: crate::config::Arch,
     /// Each head's dimension when not `hidden / heads` (written as `attention.key_length` and
     /// `value_length`, as Qwen3 files do).
@@ -110,7 +111,7 @@ impl SyntheticModel {
             .str("general.name", "expertkv synthetic")
             .u32(&k("block_count"), self.layers)
             .u32(&k("embedding_length"), self.hidden)
-            .u32(&k("feed_forward_length"), if self.arch == crate::config::Arch::Qwen3Moe { 4 * self.ffn } else { self.ffn })
+            .u32(&k("feed_forward_length"), if self.own_expert_size() { 4 * self.ffn } else { self.ffn })
             .u32(&k("attention.head_count"), self.heads)
             .u32(&k("attention.head_count_kv"), self.kv_heads)
             .f32(&k("attention.layer_norm_rms_epsilon"), 1e-5)
@@ -133,9 +134,13 @@ impl SyntheticModel {
         if let Some(d) = self.head_dim {
             w.u32(&k("attention.key_length"), d).u32(&k("attention.value_length"), d);
         }
-        if self.experts > 0 && self.arch == crate::config::Arch::Qwen3Moe {
+        if self.experts > 0 && self.own_expert_size() {
             // The experts' own size; the dense size (unused) differs, as in real files.
             w.u32(&k("expert_feed_forward_length"), self.ffn);
+        }
+        let fs = u64::from(self.shared_ffn());
+        if self.arch.shared_expert() {
+            w.u32(&k("expert_shared_feed_forward_length"), fs as u32);
         }
         if self.experts > 0 {
             w.u32(&k("expert_count"), self.experts).u32(&k("expert_used_count"), self.top_k);
@@ -176,10 +181,19 @@ impl SyntheticModel {
                 }
             }
             if self.arch.qk_norm() {
-                for name in ["attn_q_norm", "attn_k_norm"] {
-                    let g = draw(&n(name), hd, 0.2).into_iter().map(|g| 1.0 + g).collect::<Vec<f32>>();
-                    f32s(&mut w, &n(name), &[hd], g);
+                // Per head (qwen3) or over the whole projection (olmoe).
+                let whole = self.arch.qk_norm_whole();
+                for (name, len) in [("attn_q_norm", if whole { q } else { hd }), ("attn_k_norm", if whole { kv } else { hd })] {
+                    let g = draw(&n(name), len, 0.2).into_iter().map(|g| 1.0 + g).collect::<Vec<f32>>();
+                    f32s(&mut w, &n(name), &[len], g);
                 }
+            }
+            if self.arch.shared_expert() {
+                // Its gate's logits spread by a few units, so the sigmoid is neither 0 nor 1.
+                f32s(&mut w, &n("ffn_gate_inp_shexp"), &[h], draw(&n("ffn_gate_inp_shexp"), h, 1.5 * fan(h)));
+                mat(&mut w, &n("ffn_gate_shexp"), &[h, fs], draw(&n("ffn_gate_shexp"), h * fs, fan(h)));
+                mat(&mut w, &n("ffn_up_shexp"), &[h, fs], draw(&n("ffn_up_shexp"), h * fs, fan(h)));
+                mat(&mut w, &n("ffn_down_shexp"), &[fs, h], draw(&n("ffn_down_shexp"), fs * h, fan(fs)));
             }
             if self.experts == 0 {
                 mat(&mut w, &n("ffn_gate"), &[h, f], draw(&n("ffn_gate"), h * f, fan(h)));
@@ -203,6 +217,19 @@ impl SyntheticModel {
             }
         }
         w.finish()
+    }
+}
+
+impl SyntheticModel {
+    /// Whether the experts' size is written as `expert_feed_forward_length` beside a different
+    /// dense `feed_forward_length` (qwen3moe, qwen2moe), as those files do.
+    fn own_expert_size(&self) -> bool {
+        matches!(self.arch, crate::config::Arch::Qwen3Moe | crate::config::Arch::Qwen2Moe)
+    }
+
+    /// Neurons of the shared expert (`qwen2moe`): twice an expert's, as a size of its own.
+    pub fn shared_ffn(&self) -> u32 {
+        if self.arch.shared_expert() { 2 * self.ffn } else { 0 }
     }
 }
 

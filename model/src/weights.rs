@@ -148,6 +148,23 @@ pub struct LayerWeights {
     /// Per-head RMSNorm gains of queries and keys before RoPE (`attn_q_norm`, `attn_k_norm`;
     /// `qwen3`), `[head_dim]` each; `None` where the architecture has none.
     pub qk_norm: Option<[Vec<f32>; 2]>,
+    /// The shared expert beside the routed ones (`qwen2moe`); `None` where the architecture
+    /// has none.
+    pub shared: Option<SharedExpert>,
+}
+
+/// A layer's shared expert (`qwen2moe`'s `ffn_*_shexp`): a dense SwiGLU FFN every token runs,
+/// its output scaled by `sigmoid(gate_inp . x)` and added to the routed experts'.
+#[derive(Clone, Debug)]
+pub struct SharedExpert {
+    /// `ffn_gate_inp_shexp`, `[hidden]`: the shared expert's own gate.
+    pub gate_inp: Vec<f32>,
+    /// `ffn_gate_shexp`, `[ffn][hidden]`.
+    pub gate: Matrix,
+    /// `ffn_up_shexp`, `[ffn][hidden]`.
+    pub up: Matrix,
+    /// `ffn_down_shexp`, `[hidden][ffn]`.
+    pub down: Matrix,
 }
 
 /// Every weight of a dense Llama model.
@@ -215,8 +232,20 @@ impl LlamaWeights {
                     None
                 },
                 qk_norm: if c.arch.qk_norm() {
-                    let n = |name: &str| load_vector(g, &format!("blk.{l}.{name}.weight"), c.head_dim as usize);
-                    Some([n("attn_q_norm")?, n("attn_k_norm")?])
+                    let n = |name: &str, len: usize| load_vector(g, &format!("blk.{l}.{name}.weight"), len);
+                    let (nq, nk) = if c.arch.qk_norm_whole() { (q, kv) } else { (c.head_dim as usize, c.head_dim as usize) };
+                    Some([n("attn_q_norm", nq)?, n("attn_k_norm", nk)?])
+                } else {
+                    None
+                },
+                shared: if c.arch.shared_expert() {
+                    let fs = c.shared_feed_forward_length as usize;
+                    Some(SharedExpert {
+                        gate_inp: load_vector(g, &format!("blk.{l}.ffn_gate_inp_shexp.weight"), h)?,
+                        gate: m("ffn_gate_shexp", fs, h)?,
+                        up: m("ffn_up_shexp", fs, h)?,
+                        down: m("ffn_down_shexp", h, fs)?,
+                    })
                 } else {
                     None
                 },
@@ -242,13 +271,16 @@ impl LlamaWeights {
         self.matrices().all(|m| m.f32.len() == m.rows * m.cols)
     }
 
-    /// Every matrix: the embeddings, each layer's seven (and a MoE file's router), then the
-    /// separate LM head if any.
+    /// Every matrix: the embeddings, each layer's seven (and a MoE file's router and shared
+    /// expert), then the separate LM head if any.
     pub fn matrices(&self) -> impl Iterator<Item = &Matrix> {
         std::iter::once(&self.token_embd)
-            .chain(
-                self.layers.iter().flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down].into_iter().chain(l.router.iter())),
-            )
+            .chain(self.layers.iter().flat_map(|l| {
+                [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down]
+                    .into_iter()
+                    .chain(l.router.iter())
+                    .chain(l.shared.iter().flat_map(|s| [&s.gate, &s.up, &s.down]))
+            }))
             .chain(self.output.iter())
     }
 

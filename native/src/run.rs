@@ -31,7 +31,7 @@ pub struct RunArgs {
     /// evicting scheduler [default: 0, off].
     #[arg(long, default_value_t = 0)]
     time_steps: u32,
-    /// The model: a GGUF file (llama, qwen2, qwen3 or qwen3moe architecture) [default: models/SmolLM2-135M-Instruct.Q4_1.gguf,
+    /// The model: a GGUF file (llama, qwen2, qwen3, qwen3moe, olmoe or qwen2moe architecture) [default: models/SmolLM2-135M-Instruct.Q4_1.gguf,
     /// fetched by scripts/fetch_model.sh].
     #[arg(long)]
     model: Option<std::path::PathBuf>,
@@ -291,13 +291,16 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
         m.verify_evictions = true;
     }
     let c = m.cfg.clone();
+    let arch = c.arch.name();
     let ffn = if c.expert_count > 0 {
-        format!("{} experts of {}, top-{} softmax-weighted", c.expert_count, c.feed_forward_length, c.expert_used_count)
+        let gating = if c.arch.renormalise_top_k() { "softmax-weighted" } else { "weighted by their share of the softmax" };
+        let shared = if c.arch.shared_expert() { format!(", a shared expert of {}", c.shared_feed_forward_length) } else { String::new() };
+        format!("{} experts of {}, top-{} {gating}{shared}", c.expert_count, c.feed_forward_length, c.expert_used_count)
     } else {
         c.feed_forward_length.to_string()
     };
     println!(
-        "model: {} ({} layers, hidden {}, {}/{} heads x {}, FFN {ffn}, vocab {}), loaded in {:.2} s; KV pool {} ({})",
+        "model: {} ({arch}, {} layers, hidden {}, {}/{} heads x {}, FFN {ffn}, vocab {}), loaded in {:.2} s; KV pool {} ({})",
         path.display(),
         c.block_count,
         c.embedding_length,

@@ -48,7 +48,8 @@ pub struct SynthArgs {
     #[arg(long)]
     sentencepiece: bool,
     /// The architecture: llama, qwen2 (Q/K/V biases, NeoX RoPE), qwen3 (per-head Q/K norms,
-    /// NeoX RoPE; dense) or qwen3moe (Qwen3's attention with experts).
+    /// NeoX RoPE; dense), or with experts qwen3moe (Qwen3's attention), olmoe (whole-projection
+    /// Q/K norms, experts not renormalised) or qwen2moe (Qwen2's attention, a shared expert).
     #[arg(long, default_value = "llama")]
     arch: String,
 }
@@ -79,19 +80,15 @@ pub fn run(a: &SynthArgs) -> Result<()> {
         "q4_1" => GgmlType::Q4_1,
         other => bail!("--weights {other}: expected f32, q8_0 or q4_1"),
     };
-    let arch = match a.arch.as_str() {
-        "llama" => expertkv_model::config::Arch::Llama,
-        "qwen2" => expertkv_model::config::Arch::Qwen2,
-        "qwen3" => expertkv_model::config::Arch::Qwen3,
-        "qwen3moe" => expertkv_model::config::Arch::Qwen3Moe,
-        other => bail!("--arch {other}: expected llama, qwen2, qwen3 or qwen3moe"),
-    };
     use expertkv_model::config::Arch;
+    let Some(arch) = Arch::from_name(&a.arch) else {
+        bail!("--arch {}: expected one of {}", a.arch, Arch::names());
+    };
     if matches!(arch, Arch::Qwen2 | Arch::Qwen3) && a.experts > 0 {
-        bail!("--arch {}: dense (give --experts 0, or --arch qwen3moe)", a.arch);
+        bail!("--arch {}: dense (give --experts 0, or --arch qwen3moe, olmoe or qwen2moe)", a.arch);
     }
-    if arch == Arch::Qwen3Moe && a.experts == 0 {
-        bail!("--arch qwen3moe needs experts (--experts E)");
+    if arch.moe_only() && a.experts == 0 {
+        bail!("--arch {} needs experts (--experts E)", a.arch);
     }
     let m = SyntheticModel {
         layers: a.layers,

@@ -236,9 +236,24 @@ fn synth_writes_a_model_run_decodes() {
     assert!(out.contains("4 experts of 64, top-1"), "{out}");
     let out = ok(&["run", "--model", p, "--prompt", "Hi", "--tokens", "2"]);
     assert!(out.contains("4 experts of 64, top-1 softmax-weighted"), "{out}");
-    for (args, needle) in
-        [(&["--experts", "4", "--top-k", "5"][..], "--top-k"), (&["--hidden", "100"][..], "--hidden"), (&["--layers", "0"][..], "--layers")]
-    {
+    // The other MoE architectures, in llama.cpp's names: OLMoE's and Qwen2-MoE's gating, and
+    // Qwen2-MoE's shared expert (twice an expert's size in synth's files).
+    for (arch, want) in [
+        ("olmoe", "(olmoe, 1 layers"),
+        ("olmoe", "4 experts of 64, top-1 weighted by their share of the softmax"),
+        ("qwen2moe", "4 experts of 64, top-1 weighted by their share of the softmax, a shared expert of 128"),
+    ] {
+        ok(&["synth", "--out", p, "--arch", arch, "--experts", "4", "--top-k", "1", "--layers", "1", "--ffn", "64"]);
+        let out = ok(&["run", "--model", p, "--prompt", "Hi", "--tokens", "2"]);
+        assert!(out.contains(want), "{arch}: {out}");
+    }
+    for (args, needle) in [
+        (&["--experts", "4", "--top-k", "5"][..], "--top-k"),
+        (&["--hidden", "100"][..], "--hidden"),
+        (&["--layers", "0"][..], "--layers"),
+        (&["--arch", "gemma2"][..], "expected one of llama, qwen2, qwen3, qwen3moe, olmoe, qwen2moe"),
+        (&["--arch", "olmoe", "--experts", "0"][..], "--arch olmoe needs experts"),
+    ] {
         let o = expertkv(&[&["synth", "--out", p][..], args].concat());
         let err = String::from_utf8_lossy(&o.stderr);
         assert!(!o.status.success() && err.contains(needle) && !err.contains("panicked"), "{args:?}: {err}");

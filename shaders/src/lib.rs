@@ -306,6 +306,8 @@ kernels! {
     ModelRope => "model/norm_rope.wgsl" # "rope" [],
     /// Model: `silu(gate) * up`, elementwise.
     ModelSwiglu => "model/norm_rope.wgsl" # "swiglu" [],
+    /// Model: `silu(gate) * up * sigmoid(g[token])`, a shared expert's activations scaled by its gate.
+    ModelSwigluGated => "model/norm_rope.wgsl" # "swiglu_gated" [],
     /// Model: each token's row of the block-format embedding matrix, dequantised.
     ModelEmbed => "model/norm_rope.wgsl" # "embed" [],
     /// Model: add a residual, elementwise.

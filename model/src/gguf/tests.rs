@@ -469,6 +469,7 @@ fn gguf_smollm2_hyperparameters_real() {
             vocab_size: 49152,
             expert_count: 0,
             expert_used_count: 0,
+            shared_feed_forward_length: 0,
         }
     );
     assert_eq!(c.group_size(), 3);

@@ -69,6 +69,13 @@ pub fn swiglu(gu: &[f32], n: usize) -> Vec<f64> {
         .collect()
 }
 
+/// `silu(g) * u * sigmoid(gate[b])` with g and u side by side per token (`[b][2][n]`) and one
+/// gate logit per token: a shared expert's activations scaled by its gate.
+pub fn swiglu_gated(gu: &[f32], gate: &[f32], n: usize) -> Vec<f64> {
+    let plain = swiglu(gu, n);
+    plain.chunks(n).zip(gate).flat_map(|(c, &s)| c.iter().map(move |v| v / (1.0 + (-f64::from(s)).exp()))).collect()
+}
+
 /// The expert FFN over permuted weights (`model/moe.wgsl`): `gate_up` is `[2 * ffn][hidden]`
 /// (gate rows, then up rows, in expert order), `down_t` is `[ffn][hidden]`, expert `e` owns rows
 /// `offsets[e]..offsets[e + 1]`, `sel` and `wts` are `[n_tokens][top_k]`. Returns

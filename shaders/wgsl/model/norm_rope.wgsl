@@ -5,6 +5,8 @@
 //            weights are permuted for) or, with mode 1, pairs half a head apart (x[i],
 //            x[i + head_dim/2]: NeoX, Qwen's); one invocation per (token, head, pair), in place
 //   swiglu:  y = silu(g) x u elementwise (g and u side by side: [b][2][n])
+//   swiglu_gated: y[b] = silu(g) x u x sigmoid(s[b]), s (aux) one gate logit per token: a
+//            shared expert's activations scaled by its gate (qwen2moe)
 //   embed:   y[b] = row `tokens[b]` of a block-format matrix, dequantised
 //   residual: y += x elementwise
 
@@ -14,7 +16,7 @@
 // must match `ModelOpParams` in model/src/gpu_data.rs
 struct ModelOpParams {
     n_tokens: u32,
-    dim: u32,        // rmsnorm/embed: features per token; swiglu: n; rope: head_dim
+    dim: u32,        // rmsnorm/embed: features per token; swiglu(_gated): n; rope: head_dim
     n_heads: u32,    // rope
     mode: u32,       // rope: 0 adjacent pairs, 1 NeoX (half a head apart)
     eps: f32,        // rmsnorm
@@ -26,7 +28,7 @@ struct ModelOpParams {
 @group(0) @binding(0) var<uniform> params: ModelOpParams;
 @group(0) @binding(1) var<storage, read> src: array<f32>;
 @group(0) @binding(2) var<storage, read_write> dst: array<f32>;
-@group(0) @binding(3) var<storage, read> aux: array<u32>;  // rmsnorm: g (f32 bits); rope: positions; embed: matrix
+@group(0) @binding(3) var<storage, read> aux: array<u32>;  // rmsnorm: g (f32 bits); rope: positions; embed: matrix; swiglu_gated: gate logits (f32 bits)
 @group(0) @binding(4) var<storage, read> tokens: array<u32>; // embed
 
 fn weight_word(i: u32) -> u32 {
@@ -98,6 +100,20 @@ fn swiglu(@builtin(global_invocation_id) gid: vec3<u32>) {
     let g = src[2u * b * n + i % n];
     let u = src[(2u * b + 1u) * n + i % n];
     dst[i] = g / (1.0 + exp(-g)) * u;
+}
+
+@compute @workgroup_size(256)
+fn swiglu_gated(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let i = gid.x;
+    let n = params.dim;
+    if (i >= params.n_tokens * n) {
+        return;
+    }
+    let b = i / n;
+    let g = src[2u * b * n + i % n];
+    let u = src[(2u * b + 1u) * n + i % n];
+    let gate = 1.0 / (1.0 + exp(-bitcast<f32>(aux[b])));
+    dst[i] = g / (1.0 + exp(-g)) * u * gate;
 }
 
 @compute @workgroup_size(256)

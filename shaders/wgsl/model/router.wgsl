@@ -6,7 +6,9 @@
 //
 // moe_weights: a MoE file's weights of the chosen experts (whoever chose them), the softmax of
 // their scores: wts[b][j] = exp(s_j - m) / sum_i exp(s_i - m), s_j = scores[b][sel[b][j]], m the
-// largest (as expertkv_model::moe::softmax_weights).
+// largest, the sum over the chosen (as expertkv_model::moe::softmax_weights: Mixtral, Qwen3-MoE);
+// with `share` set, m and the sum over all n_experts scores, so each chosen expert keeps its
+// share of the whole softmax (as expertkv_model::moe::softmax_share_weights: OLMoE, Qwen2-MoE).
 
 // must match `MoeTopkParams` in model/src/gpu_data.rs
 struct MoeTopkParams {
@@ -14,6 +16,10 @@ struct MoeTopkParams {
     n_experts: u32,
     top_k: u32,
     log_offset: u32,
+    share: u32,      // moe_weights: 1 normalises over all experts, 0 over the chosen
+    _pad1: u32,
+    _pad2: u32,
+    _pad3: u32,
 }
 
 @group(0) @binding(0) var<uniform> params: MoeTopkParams;
@@ -64,14 +70,26 @@ fn moe_weights(@builtin(global_invocation_id) gid: vec3<u32>) {
     let k = params.top_k;
     let e_n = params.n_experts;
     var m = bitcast<f32>(0xff7fffffu); // -f32::MAX (a decimal literal of it rounds past the range in Tint)
-    for (var j = 0u; j < k; j++) {
-        m = max(m, scores[b * e_n + min(sel[b * k + j], e_n - 1u)]);
-    }
     var sum = 0.0;
-    for (var j = 0u; j < k; j++) {
-        let w = exp(scores[b * e_n + min(sel[b * k + j], e_n - 1u)] - m);
-        wts[b * k + j] = w;
-        sum += w;
+    if (params.share == 1u) {
+        for (var e = 0u; e < e_n; e++) {
+            m = max(m, scores[b * e_n + e]);
+        }
+        for (var e = 0u; e < e_n; e++) {
+            sum += exp(scores[b * e_n + e] - m);
+        }
+        for (var j = 0u; j < k; j++) {
+            wts[b * k + j] = exp(scores[b * e_n + min(sel[b * k + j], e_n - 1u)] - m);
+        }
+    } else {
+        for (var j = 0u; j < k; j++) {
+            m = max(m, scores[b * e_n + min(sel[b * k + j], e_n - 1u)]);
+        }
+        for (var j = 0u; j < k; j++) {
+            let w = exp(scores[b * e_n + min(sel[b * k + j], e_n - 1u)] - m);
+            wts[b * k + j] = w;
+            sum += w;
+        }
     }
     for (var j = 0u; j < k; j++) {
         wts[b * k + j] = wts[b * k + j] / sum;

@@ -228,19 +228,24 @@ fn moe_file_gpu_forward_matches_the_cpu_reference() {
 }
 
 /// Qwen2 (Q/K/V biases, NeoX RoPE), Qwen3 (per-head Q/K RMSNorm before NeoX RoPE, a head
-/// dimension other than hidden / heads) and Qwen3-MoE (Qwen3's attention, stacked experts of
-/// `expert_feed_forward_length`) files written in llama.cpp's names and keys: the GPU
-/// forward pass against the CPU reference, two sequences at different positions, f32 and f16
-/// K/V; and a Qwen3 file differs from the same weights read as Llama (the extra terms act).
+/// dimension other than hidden / heads), Qwen3-MoE (Qwen3's attention, stacked experts of
+/// `expert_feed_forward_length`), OLMoE (RMSNorm over the whole Q and K projections, experts
+/// weighted by their share of the whole softmax) and Qwen2-MoE (Qwen2's attention, experts as
+/// OLMoE's, a shared expert scaled by its own sigmoid gate) files written in llama.cpp's names
+/// and keys: the GPU forward pass against the CPU reference, two sequences at different
+/// positions, f32 and f16 K/V; and a Qwen3 file differs from the same weights read as Llama
+/// (the extra terms act).
 #[test]
-fn qwen2_and_qwen3_files_decode_as_the_reference() {
+fn qwen2_qwen3_olmoe_and_qwen2moe_files_decode_as_the_reference() {
     use expertkv_model::config::Arch;
     let rt = rt();
-    for (i, arch) in [Arch::Qwen2, Arch::Qwen3, Arch::Qwen3Moe].into_iter().enumerate() {
-        let seed = seeds("model_qwen", 3)[i];
+    let archs = [Arch::Qwen2, Arch::Qwen3, Arch::Qwen3Moe, Arch::Olmoe, Arch::Qwen2Moe];
+    for (i, arch) in archs.into_iter().enumerate() {
+        let all = seeds("model_qwen", archs.len() as u64);
+        let seed = all[i.min(all.len() - 1)];
         // Qwen3's heads are wider than hidden / heads (4 of 64 against a hidden size of 128).
-        let head_dim = (arch != Arch::Qwen2).then_some(64);
-        let base = if arch == Arch::Qwen3Moe { SyntheticModel::moe(seed, 8, 2) } else { SyntheticModel::dense(seed) };
+        let head_dim = matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe).then_some(64);
+        let base = if arch.moe_only() { SyntheticModel::moe(seed, 8, 2) } else { SyntheticModel::dense(seed) };
         let spec = SyntheticModel { arch, untied_output: true, heads: 4, kv_heads: 2, head_dim, ..base }.with_weights(GgmlType::Q8_0);
         let file = spec.gguf();
         let g = Gguf::parse(&file).expect("gguf");
@@ -268,7 +273,7 @@ fn qwen2_and_qwen3_files_decode_as_the_reference() {
         }
     }
     // The extra terms act: a Qwen3 file's logits differ from the same weights without them.
-    let seed = seeds("model_qwen", 3)[1];
+    let seed = seeds("model_qwen", archs.len() as u64)[0];
     let base = SyntheticModel { untied_output: true, heads: 4, kv_heads: 2, ..SyntheticModel::dense(seed) };
     let (q3, l) = (SyntheticModel { arch: Arch::Qwen3, ..base.clone() }.gguf(), base.gguf());
     let (a, b) = (cpu_model(&Gguf::parse(&q3).expect("gguf")), cpu_model(&Gguf::parse(&l).expect("gguf")));

@@ -291,6 +291,15 @@ fn rmsnorm_rope_swiglu_match_cpu() {
         let got: Vec<f32> = pollster::block_on(rt.read_all(&s)).expect("read");
         let want = cpu::swiglu(&gu, dim as usize);
         close(&got, &want, &want.iter().map(|w| w.abs()).collect::<Vec<_>>(), 1e-5, &format!("{ctx}: swiglu"));
+        // SwiGLU scaled by the sigmoid of a gate logit per token (a shared expert's).
+        let gate: Vec<f32> = (0..n).map(|_| rng.range(-4.0, 4.0) as f32).collect();
+        let gb = rt.storage_init("gate", &gate);
+        let sg = rt.storage("sg", u64::from(n * dim) * 4);
+        rt.fill_u32(&sg, POISON_F32);
+        run(rt, "swiglu_gated", |p| k.swiglu_gated(rt, p, &gub, &gb, &sg, n, dim));
+        let got: Vec<f32> = pollster::block_on(rt.read_all(&sg)).expect("read");
+        let want = cpu::swiglu_gated(&gu, &gate, dim as usize);
+        close(&got, &want, &want.iter().map(|w| w.abs()).collect::<Vec<_>>(), 1e-5, &format!("{ctx}: swiglu_gated"));
         // Residual add: exact in f32.
         let acc = rt.storage_init("acc", &x);
         run(rt, "residual", |p| k.residual(rt, p, &s, &acc, n * dim));
@@ -369,7 +378,7 @@ fn kv_pack_matches_encode_values_bit_for_bit() {
 
 #[test]
 fn moe_topk_and_weights_match_the_cpu_with_ties_and_signed_zeros() {
-    use expertkv_model::moe::{softmax_weights, top_k};
+    use expertkv_model::moe::{softmax_share_weights, softmax_weights, top_k};
     let rt = rt();
     let k = pollster::block_on(ModelKernels::new(rt, &WeightFormat::ALL)).expect("kernels");
     for seed in seeds("model_moe_topk", 10) {
@@ -396,20 +405,26 @@ fn moe_topk_and_weights_match_the_cpu_with_ties_and_signed_zeros() {
         let at = (layer * n * top) as usize;
         assert_eq!(&logged[at..at + want.len()], &want[..], "{ctx}: the log");
         assert!(logged[..at].iter().chain(&logged[at + want.len()..]).all(|&w| w == POISON_F32), "{ctx}: the log outside its slot");
-        // A MoE file's weights of those choices: the softmax of the chosen scores.
-        let wts = rt.storage("wts", u64::from(n * top) * 4);
-        rt.fill_u32(&wts, POISON_F32);
-        run(rt, "moe_weights", |p| k.moe_weights(rt, p, &sb, &sel, &wts, n, e, top).expect("moe_weights"));
-        let got_w: Vec<f32> = pollster::block_on(rt.read_all(&wts)).expect("read");
-        let chosen: Vec<usize> = want.iter().map(|&x| x as usize).collect();
-        for (b, (s, c)) in scores.chunks(e as usize).zip(chosen.chunks(top as usize)).enumerate() {
-            let want_w = softmax_weights(s, c);
-            let got_b = &got_w[b * top as usize..(b + 1) * top as usize];
-            for (j, (g, w)) in got_b.iter().zip(&want_w).enumerate() {
-                assert!((g - w).abs() <= 1e-6 + 1e-5 * w.abs(), "{ctx}: token {b}, weight {j}: {g} vs {w}");
+        // A MoE file's weights of those choices: the softmax of the chosen scores (Mixtral), or
+        // each one's share of the softmax over all experts (OLMoE, Qwen2-MoE).
+        for share in [false, true] {
+            let wts = rt.storage("wts", u64::from(n * top) * 4);
+            rt.fill_u32(&wts, POISON_F32);
+            run(rt, "moe_weights", |p| k.moe_weights(rt, p, &sb, &sel, &wts, n, e, top, share).expect("moe_weights"));
+            let got_w: Vec<f32> = pollster::block_on(rt.read_all(&wts)).expect("read");
+            let chosen: Vec<usize> = want.iter().map(|&x| x as usize).collect();
+            for (b, (s, c)) in scores.chunks(e as usize).zip(chosen.chunks(top as usize)).enumerate() {
+                let want_w = if share { softmax_share_weights(s, c) } else { softmax_weights(s, c) };
+                let got_b = &got_w[b * top as usize..(b + 1) * top as usize];
+                for (j, (g, w)) in got_b.iter().zip(&want_w).enumerate() {
+                    assert!((g - w).abs() <= 1e-6 + 1e-5 * w.abs(), "{ctx} share {share}: token {b}, weight {j}: {g} vs {w}");
+                }
+                let sum: f32 = got_b.iter().sum();
+                // The top k's shares of the whole softmax sum to 1 only when k = E.
+                let whole = !share || top == e;
+                assert!(!whole || (sum - 1.0).abs() < 1e-5, "{ctx} share {share}: token {b}: weights sum to {sum}");
+                assert!(sum <= 1.0 + 1e-5, "{ctx} share {share}: token {b}: weights sum to {sum}");
             }
-            let sum: f32 = got_b.iter().sum();
-            assert!((sum - 1.0).abs() < 1e-5, "{ctx}: token {b}: weights sum to {sum}");
         }
     }
 }
