@@ -12,6 +12,7 @@ use crate::error::{Error, Result};
 use crate::gpu_data::CopyParams;
 use crate::rng::Rng;
 use crate::runtime::Runtime;
+use crate::runtime::dispatch::CountedDispatch;
 use crate::runtime::timer::{GpuTimer, median};
 
 /// Times of one benchmarked pass over repeated runs, in milliseconds.
@@ -117,7 +118,7 @@ impl CopyKernel {
     pub fn encode(&self, pass: &mut wgpu::ComputePass<'_>) {
         pass.set_pipeline(&self.pipeline);
         pass.set_bind_group(0, &self.bind, &[]);
-        pass.dispatch_workgroups(self.groups, 1, 1);
+        pass.dispatch_counted(self.groups, 1, 1);
     }
 
     /// Bytes moved per run (read + write).
@@ -164,7 +165,7 @@ impl FmaKernel {
     pub fn encode(&self, pass: &mut wgpu::ComputePass<'_>) {
         pass.set_pipeline(&self.pipeline);
         pass.set_bind_group(0, &self.bind, &[]);
-        pass.dispatch_workgroups(self.groups[0], self.groups[1], 1);
+        pass.dispatch_counted(self.groups[0], self.groups[1], 1);
     }
 
     /// Flops per run: `invocations * iters * FMA_FLOPS_PER_ITER`.

@@ -27,6 +27,7 @@ use expertkv_core::pipeline::{ReportParts, StepReport, check_eviction, compare_p
 use expertkv_core::route::config::RouterConfig;
 use expertkv_core::route::{RouteShape, Router};
 use expertkv_core::runtime::Runtime;
+use expertkv_core::runtime::dispatch::dispatches_encoded;
 
 /// Slots per page of the model's K/V pool.
 pub const MODEL_PAGE_SIZE: u32 = 16;
@@ -37,9 +38,9 @@ pub const LOW_RANK_CALIBRATION_TOKENS: u32 = 64;
 
 struct Layer {
     attn_norm: wgpu::Buffer,
-    wq: GpuMatrix,
-    wk: GpuMatrix,
-    wv: GpuMatrix,
+    /// The Q, K and V projections: stacked `[Wq; Wk; Wv]` (one product, the attention norm
+    /// folded in) when the file stores them in one format, else each on its own.
+    qkv: Qkv,
     wo: GpuMatrix,
     ffn_norm: wgpu::Buffer,
     /// Q, K and V biases (`qwen2`), each repeated for every sequence of a step (added to the
@@ -54,6 +55,14 @@ struct Layer {
     /// The dense FFN: gate rows then up rows (one product gives SwiGLU's [gate; up] per token),
     /// and the down projection. `None` in a MoE file (its experts are [`GpuMoe`]'s).
     ffn: Option<(GpuMatrix, GpuMatrix)>,
+}
+
+/// A layer's Q, K and V projections as uploaded.
+enum Qkv {
+    /// `[Wq; Wk; Wv]` in one matrix.
+    Stacked(GpuMatrix),
+    /// Wq, Wk, Wv (their formats differ, as in K-quant mixes that keep V at higher precision).
+    Separate([GpuMatrix; 3]),
 }
 
 /// Scratch buffers of one step (sized for `max_seqs` tokens).
@@ -176,6 +185,9 @@ pub struct GpuLlama {
     /// pages were sized for.
     calibration_tokens: u32,
     calibration_max: u32,
+    /// Compute dispatches the last [`GpuLlama::forward`] encoded, every stage and the
+    /// scheduler's included.
+    dispatches: u64,
 }
 
 fn norm_buffer(rt: &Runtime, g: &Gguf<'_>, name: &str) -> Result<wgpu::Buffer> {
@@ -288,17 +300,24 @@ fn record(
     n: u32,
     f16: bool,
 ) -> Result<Recording> {
-    let (h, hq, hkv, d) = (c.embedding_length, c.head_count, c.head_count_kv, c.head_dim);
+    let (hq, hkv, d) = (c.head_count, c.head_count_kv, c.head_dim);
     let mut rec = Recording { embed: Recorded::default(), attention_inputs: Vec::new(), ffn: Vec::new(), head: Recorded::default() };
     k.embed(rt, &mut rec.embed, embed, &s.tokens, &s.h, n)?;
     for w in layers {
         let mut p = Recorded::default();
-        k.rmsnorm(rt, &mut p, &s.h, &w.attn_norm, &s.xn, n, h, c.rms_norm_eps);
         // With per-head norms (qwen3) the projections land in scratch and the norm writes them.
         let (q_out, k_out) = if w.qk_norm.is_some() { (&s.q_raw, &s.k_raw) } else { (&attn.queries, &s.k) };
-        k.matvec(rt, &mut p, &w.wq, &s.xn, q_out, n)?;
-        k.matvec(rt, &mut p, &w.wk, &s.xn, k_out, n)?;
-        k.matvec(rt, &mut p, &w.wv, &s.xn, &s.v, n)?;
+        // The attention norm is folded into the projections (each token's RMS computed in the
+        // product's workgroups).
+        let (eps, g) = (c.rms_norm_eps, &w.attn_norm);
+        match &w.qkv {
+            Qkv::Stacked(m) => k.matvec_norm(rt, &mut p, m, &s.h, g, eps, &[(q_out, hq * d), (k_out, hkv * d), (&s.v, hkv * d)], n)?,
+            Qkv::Separate([wq, wk, wv]) => {
+                k.matvec_norm(rt, &mut p, wq, &s.h, g, eps, &[(q_out, hq * d)], n)?;
+                k.matvec_norm(rt, &mut p, wk, &s.h, g, eps, &[(k_out, hkv * d)], n)?;
+                k.matvec_norm(rt, &mut p, wv, &s.h, g, eps, &[(&s.v, hkv * d)], n)?;
+            }
+        }
         if let Some([bq, bk, bv]) = &w.qkv_bias {
             k.residual(rt, &mut p, bq, q_out, n * hq * d);
             k.residual(rt, &mut p, bk, k_out, n * hkv * d);
@@ -314,22 +333,21 @@ fn record(
             }
         }
         let neox = c.arch.rope_neox();
-        k.rope(rt, &mut p, &attn.queries, &s.positions, n, hq, d, c.rope_freq_base, neox);
-        k.rope(rt, &mut p, &s.k, &s.positions, n, hkv, d, c.rope_freq_base, neox);
+        k.rope_qk(rt, &mut p, &attn.queries, &s.k, &s.positions, n, (hq, hkv), d, c.rope_freq_base, neox);
         k.kv_pack(rt, &mut p, &s.k, &s.v, &s.kv_words, n, hkv * d, f16)?;
         rec.attention_inputs.push(p);
         let mut p = Recorded::default();
         // A MoE file's layer has no dense FFN: its experts are recorded by `install_moe`.
         if let Some((gate_up, down)) = &w.ffn {
-            attention_output(rt, k, c, w, s, attn, n, &mut p)?;
-            k.matvec(rt, &mut p, gate_up, &s.xn, &s.gu, n)?;
-            k.swiglu(rt, &mut p, &s.gu, &s.act, n, c.feed_forward_length);
-            k.matvec_add(rt, &mut p, down, &s.act, &s.h, n)?;
+            // The FFN norm folded into the gate/up product, SwiGLU into the down product.
+            k.matvec_add(rt, &mut p, &w.wo, attn.output(), &s.h, n)?;
+            k.matvec_norm(rt, &mut p, gate_up, &s.h, &w.ffn_norm, c.rms_norm_eps, &[(&s.gu, 2 * c.feed_forward_length)], n)?;
+            k.matvec_swiglu_add(rt, &mut p, down, &s.gu, &s.h, n)?;
         }
         rec.ffn.push(p);
     }
-    k.rmsnorm(rt, &mut rec.head, &s.h, out_norm, &s.xn, n, h, c.rms_norm_eps);
-    k.matvec(rt, &mut rec.head, output.unwrap_or(embed), &s.xn, &s.logits, n)?;
+    let head = output.unwrap_or(embed);
+    k.matvec_norm(rt, &mut rec.head, head, &s.h, out_norm, c.rms_norm_eps, &[(&s.logits, head.rows)], n)?;
     Ok(rec)
 }
 
@@ -431,9 +449,11 @@ impl GpuLlama {
             let n = |s: &str| format!("blk.{l}.{s}.weight");
             layers.push(Layer {
                 attn_norm: norm_buffer(rt, g, &n("attn_norm"))?,
-                wq: matrix(rt, g, &[&n("attn_q")])?,
-                wk: matrix(rt, g, &[&n("attn_k")])?,
-                wv: matrix(rt, g, &[&n("attn_v")])?,
+                qkv: if same_format(g, &n("attn_q"), &n("attn_k")).is_ok() && same_format(g, &n("attn_q"), &n("attn_v")).is_ok() {
+                    Qkv::Stacked(matrix(rt, g, &[&n("attn_q"), &n("attn_k"), &n("attn_v")])?)
+                } else {
+                    Qkv::Separate([matrix(rt, g, &[&n("attn_q")])?, matrix(rt, g, &[&n("attn_k")])?, matrix(rt, g, &[&n("attn_v")])?])
+                },
                 wo: matrix(rt, g, &[&n("attn_output")])?,
                 ffn_norm: norm_buffer(rt, g, &n("ffn_norm"))?,
                 qkv_bias: if cfg.arch.qkv_bias() {
@@ -583,6 +603,7 @@ impl GpuLlama {
             step: 0,
             calibration_tokens: LOW_RANK_CALIBRATION_TOKENS.min(max_context),
             calibration_max: LOW_RANK_CALIBRATION_TOKENS.min(max_context),
+            dispatches: 0,
         };
         if let Some(layers) = native {
             let (e, k) = (model.cfg.expert_count, model.cfg.expert_used_count);
@@ -907,6 +928,7 @@ impl GpuLlama {
                 self.max_context
             )));
         }
+        let d0 = dispatches_encoded();
         let segments = self.encode_step(rt, tokens)?;
         if self.flexgen.is_some() {
             // A segment per layer up to its page lists (then the layer's fetch), and the rest.
@@ -977,7 +999,15 @@ impl GpuLlama {
             l.router.update_miss(rt)?;
         }
         self.step += 1;
+        self.dispatches = dispatches_encoded() - d0;
         rt.read(&self.s.logits, 0, u64::from(n * c.vocab_size)).await
+    }
+
+    /// Compute dispatches the last [`GpuLlama::forward`] encoded: the model's kernels, the
+    /// pool's append, attention, and the scheduler's, route stage's and host tier's passes (0
+    /// before the first step). One step decodes a token of every sequence.
+    pub fn dispatches_per_step(&self) -> u64 {
+        self.dispatches
     }
 
     /// Time `n` decode steps of `token` (for every sequence) submitted back to back with
@@ -998,6 +1028,7 @@ impl GpuLlama {
         }
         let tokens = vec![token; self.n_seqs as usize];
         let warmup = n / 2;
+        let d0 = dispatches_encoded();
         let mut t0 = std::time::Instant::now();
         let mut host = std::time::Duration::ZERO;
         for i in 0..n {
@@ -1020,7 +1051,9 @@ impl GpuLlama {
         rt.check("model forward")?;
         self.pool.check_errors(rt, self.n_seqs * self.cfg.block_count).await?;
         let timed = f64::from(n - warmup);
+        let dispatches = (dispatches_encoded() - d0) / u64::from(n);
         Ok(serde_json::json!({
+            "dispatches_per_step": dispatches,
             "measure": "decode_steps",
             "steps": n - warmup,
             "warmup_steps": warmup,

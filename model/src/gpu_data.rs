@@ -18,8 +18,16 @@ pub struct MatVecParams {
     pub n_tokens: u32,
     /// 1: y += W x (a residual in the same pass), 0: y = W x.
     pub accumulate: u32,
+    /// What the product reads: 0 x, 1 RMSNorm of x times a gain, 2 SwiGLU of x (`[b][2][cols]`).
+    pub input: u32,
+    /// Rows written to the first output (all rows for one output).
+    pub split1: u32,
+    /// Rows written to the second output; the rest go to the third.
+    pub split2: u32,
+    /// `input` 1: the epsilon added to the mean square.
+    pub eps: f32,
 }
-const _: () = assert!(std::mem::size_of::<MatVecParams>() == 16);
+const _: () = assert!(std::mem::size_of::<MatVecParams>() == 32);
 
 /// Must match `MoeParams` in `shaders/wgsl/model/moe.wgsl`.
 #[repr(C)]
@@ -100,8 +108,8 @@ pub struct ModelOpParams {
     pub eps: f32,
     /// rope: the frequency base (`llama.rope.freq_base`).
     pub base: f32,
-    /// Padding to 32 bytes; always 0.
-    pub _pad1: u32,
+    /// rope_qk: heads of the second buffer (the keys).
+    pub n_heads2: u32,
     /// Padding to 32 bytes; always 0.
     pub _pad2: u32,
 }

@@ -9,6 +9,7 @@ use crate::gguf::GgmlType;
 use crate::gpu_data::{KvPackParams, MatVecParams, ModelOpParams, MoeParams, MoeTopkParams};
 use crate::{Error, Result};
 use expertkv_core::runtime::Runtime;
+use expertkv_core::runtime::dispatch::CountedDispatch;
 
 /// Tokens one matrix-vector call takes (`MAX_TOKENS` in `model/matvec.wgsl`).
 pub const MATVEC_MAX_TOKENS: u32 = 8;
@@ -293,7 +294,7 @@ impl DispatchSink for wgpu::ComputePass<'_> {
     fn dispatch(&mut self, pipeline: &wgpu::ComputePipeline, bind_group: wgpu::BindGroup, [x, y, z]: [u32; 3]) {
         self.set_pipeline(pipeline);
         self.set_bind_group(0, &bind_group, &[]);
-        self.dispatch_workgroups(x, y, z);
+        self.dispatch_counted(x, y, z);
     }
 }
 
@@ -314,7 +315,7 @@ impl Recorded {
         for (p, bg, [x, y, z]) in &self.0 {
             pass.set_pipeline(p);
             pass.set_bind_group(0, bg, &[]);
-            pass.dispatch_workgroups(*x, *y, *z);
+            pass.dispatch_counted(*x, *y, *z);
         }
     }
 
@@ -337,6 +338,17 @@ fn pick(pipes: &[Option<wgpu::ComputePipeline>], format: WeightFormat) -> Result
         .ok_or_else(|| Error::Input(format!("the model kernels were built without {format:?} weights (ModelKernels::new's formats)")))
 }
 
+/// What a matrix-vector product reads (`MatVecParams::input`).
+#[derive(Clone, Copy)]
+enum MatVecInput<'a> {
+    /// x as given.
+    Plain,
+    /// RMSNorm of x times this gain, with this epsilon.
+    Norm(&'a wgpu::Buffer, f32),
+    /// `silu(gate) * up` of x = `[b][2][cols]`.
+    Swiglu,
+}
+
 /// The compiled model kernels.
 pub struct ModelKernels {
     /// Per weight format (`WeightFormat::define`), for the formats asked for.
@@ -346,12 +358,16 @@ pub struct ModelKernels {
     embed: Vec<Option<wgpu::ComputePipeline>>,
     rmsnorm: wgpu::ComputePipeline,
     rope: wgpu::ComputePipeline,
+    rope_qk: wgpu::ComputePipeline,
     swiglu: wgpu::ComputePipeline,
     swiglu_gated: wgpu::ComputePipeline,
     residual: wgpu::ComputePipeline,
     kv_pack: wgpu::ComputePipeline,
     moe_topk: wgpu::ComputePipeline,
     moe_weights: wgpu::ComputePipeline,
+    /// Bound where a matrix-vector product has no gain or a second or third output (the
+    /// kernel's layout has them all); never read or written.
+    unused: [wgpu::Buffer; 3],
 }
 
 impl ModelKernels {
@@ -376,12 +392,14 @@ impl ModelKernels {
             moe_down: rt.pipeline(Kernel::ModelMoeDown, &[]).await?,
             rmsnorm: rt.pipeline(Kernel::ModelRmsNorm, &[]).await?,
             rope: rt.pipeline(Kernel::ModelRope, &[]).await?,
+            rope_qk: rt.pipeline(Kernel::ModelRopeQk, &[]).await?,
             swiglu: rt.pipeline(Kernel::ModelSwiglu, &[]).await?,
             swiglu_gated: rt.pipeline(Kernel::ModelSwigluGated, &[]).await?,
             residual: rt.pipeline(Kernel::ModelResidual, &[]).await?,
             kv_pack: rt.pipeline(Kernel::ModelKvPack, &[]).await?,
             moe_topk: rt.pipeline(Kernel::ModelMoeTopk, &[]).await?,
             moe_weights: rt.pipeline(Kernel::ModelMoeWeights, &[]).await?,
+            unused: ["gain", "y2", "y3"].map(|b| rt.storage(&format!("model/matvec unused {b}"), 16)),
         })
     }
 
@@ -504,6 +522,39 @@ impl ModelKernels {
         self.matvec_into(rt, pass, w, x, y, n_tokens, true)
     }
 
+    /// `y[b] = W rmsnorm(x[b]) * g` (`g` the norm's gain, `[cols]`) in one dispatch, the rows
+    /// split over `outputs`: a stacked `[Wq; Wk; Wv]` writes Q, K and V with the norm before
+    /// them folded in. `outputs` are (buffer, rows) pairs, one to three, whose rows sum to
+    /// `W`'s.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matvec_norm(
+        &self,
+        rt: &Runtime,
+        pass: &mut impl DispatchSink,
+        w: &GpuMatrix,
+        x: &wgpu::Buffer,
+        g: &wgpu::Buffer,
+        eps: f32,
+        outputs: &[(&wgpu::Buffer, u32)],
+        n_tokens: u32,
+    ) -> Result<()> {
+        self.matvec_full(rt, pass, w, x, MatVecInput::Norm(g, eps), outputs, n_tokens, false)
+    }
+
+    /// `y[b] += W (silu(gate[b]) * up[b])` with `gate` and `up` side by side in `gu`
+    /// (`[n_tokens][2][cols]`): the FFN's down projection with its activation folded in.
+    pub fn matvec_swiglu_add(
+        &self,
+        rt: &Runtime,
+        pass: &mut impl DispatchSink,
+        w: &GpuMatrix,
+        gu: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        n_tokens: u32,
+    ) -> Result<()> {
+        self.matvec_full(rt, pass, w, gu, MatVecInput::Swiglu, &[(y, w.rows)], n_tokens, true)
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn matvec_into(
         &self,
@@ -515,13 +566,54 @@ impl ModelKernels {
         n_tokens: u32,
         accumulate: bool,
     ) -> Result<()> {
+        self.matvec_full(rt, pass, w, x, MatVecInput::Plain, &[(y, w.rows)], n_tokens, accumulate)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn matvec_full(
+        &self,
+        rt: &Runtime,
+        pass: &mut impl DispatchSink,
+        w: &GpuMatrix,
+        x: &wgpu::Buffer,
+        input: MatVecInput<'_>,
+        outputs: &[(&wgpu::Buffer, u32)],
+        n_tokens: u32,
+        accumulate: bool,
+    ) -> Result<()> {
         if n_tokens == 0 || n_tokens > MATVEC_MAX_TOKENS {
             return Err(Error::Input(format!("matvec takes 1 to {MATVEC_MAX_TOKENS} tokens, got {n_tokens}")));
         }
-        let p =
-            rt.uniform("model/matvec params", &MatVecParams { rows: w.rows, cols: w.cols, n_tokens, accumulate: u32::from(accumulate) });
+        if outputs.is_empty() || outputs.len() > 3 || outputs.iter().map(|o| u64::from(o.1)).sum::<u64>() != u64::from(w.rows) {
+            return Err(Error::Input(format!("matvec: {} outputs whose rows do not sum to the matrix's {}", outputs.len(), w.rows)));
+        }
+        let x_floats = u64::from(n_tokens) * u64::from(w.cols) * if matches!(input, MatVecInput::Swiglu) { 2 } else { 1 };
+        let short = outputs.iter().any(|(b, r)| b.size() < u64::from(n_tokens) * u64::from(*r) * 4);
+        if x.size() < x_floats * 4 || short {
+            return Err(Error::Input(format!("matvec: buffers too small for {n_tokens} tokens of a {} x {} matrix", w.rows, w.cols)));
+        }
+        let (code, g, eps) = match input {
+            MatVecInput::Plain => (0, &self.unused[0], 0.0),
+            MatVecInput::Norm(g, eps) => (1, g, eps),
+            MatVecInput::Swiglu => (2, &self.unused[0], 0.0),
+        };
+        let p = rt.uniform(
+            "model/matvec params",
+            &MatVecParams {
+                rows: w.rows,
+                cols: w.cols,
+                n_tokens,
+                accumulate: u32::from(accumulate),
+                input: code,
+                split1: outputs[0].1,
+                split2: outputs.get(1).map_or(0, |o| o.1),
+                eps,
+            },
+        );
+        let y2 = outputs.get(1).map_or(&self.unused[1], |o| o.0);
+        let y3 = outputs.get(2).map_or(&self.unused[2], |o| o.0);
         let pipe = pick(&self.matvec, w.format)?;
-        let bg = rt.bind(Kernel::ModelMatVec.label(), pipe, &[&p, &w.buffer, x, y]);
+        let bg = rt.bind(Kernel::ModelMatVec.label(), pipe, &[&p, &w.buffer, x, outputs[0].0, g, y2, y3]);
         let [x, y] = expertkv_core::runtime::split_workgroups(w.rows);
         pass.dispatch(pipe, bg, [x, y, 1]);
         Ok(())
@@ -639,6 +731,31 @@ impl ModelKernels {
         let p = rt.uniform("model/rope params", &ModelOpParams { n_tokens, dim: head_dim, n_heads, base, mode, ..Default::default() });
         let bg = rt.bind_at(Kernel::ModelRope.label(), &self.rope, &[(0, &p), (2, x), (3, positions)]);
         pass.dispatch(&self.rope, bg, [(n_tokens * n_heads * head_dim / 2).div_ceil(256), 1, 1]);
+    }
+
+    /// [`ModelKernels::rope`] of the queries `q` (`[n_tokens][q_heads][head_dim]`) and the keys
+    /// `k` (`[n_tokens][k_heads][head_dim]`) in one dispatch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope_qk(
+        &self,
+        rt: &Runtime,
+        pass: &mut impl DispatchSink,
+        q: &wgpu::Buffer,
+        k: &wgpu::Buffer,
+        positions: &wgpu::Buffer,
+        n_tokens: u32,
+        (q_heads, k_heads): (u32, u32),
+        head_dim: u32,
+        base: f32,
+        neox: bool,
+    ) {
+        let mode = u32::from(neox);
+        let p = rt.uniform(
+            "model/rope_qk params",
+            &ModelOpParams { n_tokens, dim: head_dim, n_heads: q_heads, n_heads2: k_heads, base, mode, ..Default::default() },
+        );
+        let bg = rt.bind_at(Kernel::ModelRopeQk.label(), &self.rope_qk, &[(0, &p), (2, q), (3, positions), (5, k)]);
+        pass.dispatch(&self.rope_qk, bg, [(n_tokens * (q_heads + k_heads) * head_dim / 2).div_ceil(256), 1, 1]);
     }
 
     /// `y[b][i] = silu(gu[b][0][i]) * gu[b][1][i]` over `n` features.

@@ -408,13 +408,14 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     let used = (pc.n_pages - ctl.free_top) + ((pc.n_ids() - pc.n_pages) - ctl.codec_free_top);
     let bytes = pollster::block_on(m.kv_bytes_in_use(&rt))?;
     println!(
-        "prefill: {} tokens in {:.2} s; decode: {} tokens in {:.2} s ({:.2} tokens/s, one submission per token); \
-context: {} tokens x {} layers; K/V pages in use: {used} ({})",
+        "prefill: {} tokens in {:.2} s; decode: {} tokens in {:.2} s ({:.2} tokens/s, one submission per token, \
+{} dispatches per token); context: {} tokens x {} layers; K/V pages in use: {used} ({})",
         prompt.len(),
         prefill_s,
         generated.len(),
         decode_s,
         generated.len() as f64 / decode_s.max(1e-9),
+        m.dispatches_per_step(),
         m.positions[0],
         c.block_count,
         fmt_bytes(bytes)
@@ -428,6 +429,8 @@ context: {} tokens x {} layers; K/V pages in use: {used} ({})",
             "prefill_s": prefill_s,
             "decode_s": decode_s,
             "tokens_per_s": generated.len() as f64 / decode_s.max(1e-9),
+            "dispatches_per_token": m.dispatches_per_step(),
+            "dispatches_per_layer": m.dispatches_per_step() as f64 / f64::from(c.block_count),
             "kv_pages_in_use": used,
             "kv_bytes_in_use": bytes,
             "adapter": rt.info.name,

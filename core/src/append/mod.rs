@@ -18,6 +18,7 @@ use crate::gpu_data::{
     pool_errors,
 };
 use crate::runtime::Runtime;
+use crate::runtime::dispatch::CountedDispatch;
 
 /// Everything of the pool state, read back (for tests, stats and the viewer).
 #[derive(Clone, Debug)]
@@ -473,18 +474,18 @@ impl KvPool {
         if let Some(bg) = apply_bg {
             pass.set_pipeline(&self.apply_pipe);
             pass.set_bind_group(0, bg, &[]);
-            pass.dispatch_workgroups(n.div_ceil(64), 1, 1);
+            pass.dispatch_counted(n.div_ceil(64), 1, 1);
         }
         pass.set_pipeline(&self.plan_pipe);
         pass.set_bind_group(0, &s.plan_bg, &[]);
-        pass.dispatch_workgroups(n.div_ceil(64), 1, 1);
+        pass.dispatch_counted(n.div_ceil(64), 1, 1);
         pass.set_pipeline(&self.alloc_pipe);
         pass.set_bind_group(0, &s.alloc_bg, &[]);
-        pass.dispatch_workgroups(1, 1, 1);
+        pass.dispatch_counted(1, 1, 1);
         pass.set_pipeline(&self.write_pipe);
         for bg in &s.write_bgs {
             pass.set_bind_group(0, bg, &[]);
-            pass.dispatch_workgroups(kvw.div_ceil(64), n, 1);
+            pass.dispatch_counted(kvw.div_ceil(64), n, 1);
         }
     }
 
@@ -617,7 +618,7 @@ impl KvPool {
         });
         pass.set_pipeline(&self.gather_pipe);
         pass.set_bind_group(0, &self.gather_bg, &[]);
-        pass.dispatch_workgroups(self.cfg.max_seqs * self.cfg.kv_heads, n_layers, 1);
+        pass.dispatch_counted(self.cfg.max_seqs * self.cfg.kv_heads, n_layers, 1);
     }
 
     /// Rebuild the page lists of layer `layer` alone, recorded into `enc` without a queue write
@@ -633,7 +634,7 @@ impl KvPool {
             enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some(Kernel::AppendGatherPages.label()), timestamp_writes: None });
         pass.set_pipeline(&self.gather_pipe);
         pass.set_bind_group(0, &self.gather_bg, &[]);
-        pass.dispatch_workgroups(self.cfg.max_seqs * self.cfg.kv_heads, 1, 1);
+        pass.dispatch_counted(self.cfg.max_seqs * self.cfg.kv_heads, 1, 1);
         Ok(())
     }
 
@@ -665,7 +666,7 @@ impl KvPool {
                 enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some(Kernel::AppendRelease.label()), timestamp_writes: None });
             pass.set_pipeline(&self.release_pipe);
             pass.set_bind_group(0, &self.release_bg, &[]);
-            pass.dispatch_workgroups(1, 1, 1);
+            pass.dispatch_counted(1, 1, 1);
         }
         rt.queue.submit([enc.finish()]);
         rt.check("append/release")

@@ -7,6 +7,7 @@ use crate::append::KvPool;
 use crate::config::KvDtype;
 use crate::error::{Error, Result};
 use crate::gpu_data::AttendParams;
+use crate::runtime::dispatch::CountedDispatch;
 use crate::runtime::{Runtime, Tier};
 
 /// Which split kernel runs.
@@ -998,13 +999,13 @@ impl Attention {
             pass.set_pipeline(&self.split);
             for bg in &self.split_bgs {
                 pass.set_bind_group(0, bg, &[]);
-                pass.dispatch_workgroups(self.n_chunks, self.kv_heads, self.opts.n_seqs);
+                pass.dispatch_counted(self.n_chunks, self.kv_heads, self.opts.n_seqs);
             }
         }
         if let Some((p, bg)) = &self.codec_split {
             pass.set_pipeline(p);
             pass.set_bind_group(0, bg, &[]);
-            pass.dispatch_workgroups(self.n_chunks, self.kv_heads, self.opts.n_seqs);
+            pass.dispatch_counted(self.n_chunks, self.kv_heads, self.opts.n_seqs);
         }
     }
 
@@ -1013,7 +1014,7 @@ impl Attention {
         if let Some((p, bg)) = &self.codec_split {
             pass.set_pipeline(p);
             pass.set_bind_group(0, bg, &[]);
-            pass.dispatch_workgroups(self.n_chunks, self.kv_heads, self.opts.n_seqs);
+            pass.dispatch_counted(self.n_chunks, self.kv_heads, self.opts.n_seqs);
         }
     }
 
@@ -1022,11 +1023,11 @@ impl Attention {
         self.encode_split(pass);
         pass.set_pipeline(&self.reduce);
         pass.set_bind_group(0, &self.reduce_bg, &[]);
-        pass.dispatch_workgroups(self.q_heads, self.opts.n_seqs, 1);
+        pass.dispatch_counted(self.q_heads, self.opts.n_seqs, 1);
         if let (Some(m), Some(bg)) = (&self.mass, &self.mass_bg) {
             pass.set_pipeline(m);
             pass.set_bind_group(0, bg, &[]);
-            pass.dispatch_workgroups(self.max_tokens.div_ceil(64), self.opts.n_seqs * self.kv_heads, 1);
+            pass.dispatch_counted(self.max_tokens.div_ceil(64), self.opts.n_seqs * self.kv_heads, 1);
         }
     }
 

@@ -10,6 +10,7 @@ use crate::append::{CodecPasses, KvPool, LowRankFit};
 use crate::config::Codec;
 use crate::error::{Error, Result};
 use crate::runtime::Runtime;
+use crate::runtime::dispatch::CountedDispatch;
 
 /// Subspace iterations of the low-rank fit unless told otherwise.
 pub const DEFAULT_BASIS_ITERS: u32 = 24;
@@ -141,13 +142,13 @@ impl KvPool {
             pass.set_pipeline(&fit.gram_pass.0);
             for bg in &fit.gram_pass.1 {
                 pass.set_bind_group(0, bg, &[]);
-                pass.dispatch_workgroups((d * d).div_ceil(64), fit.fits, 2);
+                pass.dispatch_counted((d * d).div_ceil(64), fit.fits, 2);
             }
             for (i, (p, bg)) in fit.basis_passes.iter().enumerate() {
                 pass.set_pipeline(p);
                 pass.set_bind_group(0, bg, &[]);
                 for _ in 0..if i == 1 { iters } else { 1 } {
-                    pass.dispatch_workgroups(fit.fits, 2, 1);
+                    pass.dispatch_counted(fit.fits, 2, 1);
                 }
             }
         }
@@ -268,12 +269,12 @@ impl PagePasses {
         for ((p, bg), [x, y]) in self.plan.iter().zip([rings, [1, 1], rings]) {
             pass.set_pipeline(p);
             pass.set_bind_group(0, bg, &[]);
-            pass.dispatch_workgroups(x, y, 1);
+            pass.dispatch_counted(x, y, 1);
         }
         pass.set_pipeline(&self.per_buffer.0);
         for bg in &self.per_buffer.1 {
             pass.set_bind_group(0, bg, &[]);
-            pass.dispatch_workgroups_indirect(&self.dispatch, 0);
+            pass.dispatch_indirect_counted(&self.dispatch, 0);
         }
     }
 }

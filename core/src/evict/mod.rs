@@ -15,6 +15,7 @@ use crate::error::{Error, Result};
 use crate::evict::config::{EKVA_MAX_GROUPS, EkvaConfig, SchedulerConfig, Threshold};
 use crate::gpu_data::{EvictParams, ExpertStats, GroupState, ListState};
 use crate::runtime::Runtime;
+use crate::runtime::dispatch::CountedDispatch;
 use crate::runtime::{grid, split_workgroups};
 
 /// The EKVA allocator's state on the GPU (see `evict/ekva.wgsl`).
@@ -64,7 +65,7 @@ fn dispatch_all(pass: &mut wgpu::ComputePass<'_>, dispatches: &Dispatches<'_>) {
             Work::Direct(p, bg, [x, y]) => {
                 pass.set_pipeline(p);
                 pass.set_bind_group(0, bg, &[]);
-                pass.dispatch_workgroups(x, y, 1);
+                pass.dispatch_counted(x, y, 1);
             }
             Work::Thaw(t) => t.encode(pass),
         }

@@ -9,6 +9,7 @@ use crate::attend::Attention;
 use crate::error::{Error, Result};
 use crate::gpu_data::QuestParams;
 use crate::runtime::Runtime;
+use crate::runtime::dispatch::CountedDispatch;
 
 /// QUEST over one pool: per-page key bounds and, per layer, the selected page lists that
 /// attention reads ([`Attention::with_lists`]).
@@ -125,7 +126,7 @@ impl Quest {
         for (bg, pages) in &self.summarize.1 {
             pass.set_bind_group(0, bg, &[]);
             let [x, y] = crate::runtime::split_workgroups(*pages);
-            pass.dispatch_workgroups(x, y, 1);
+            pass.dispatch_counted(x, y, 1);
         }
     }
 
@@ -136,7 +137,7 @@ impl Quest {
         };
         pass.set_pipeline(&self.select.0);
         pass.set_bind_group(0, bg, &[]);
-        pass.dispatch_workgroups(self.lists_per_layer, 1, 1);
+        pass.dispatch_counted(self.lists_per_layer, 1, 1);
         Ok(())
     }
 }

@@ -10,6 +10,7 @@ use crate::append::KvPool;
 use crate::error::{Error, Result};
 use crate::gpu_data::{ExpertStats, RouteParams, RouteSummary};
 use crate::route::config::RouterConfig;
+use crate::runtime::dispatch::CountedDispatch;
 use crate::runtime::{Runtime, grid, split_workgroups};
 
 /// Shape of the routing problem.
@@ -226,11 +227,11 @@ impl Router {
         let b = &self.groups[layer as usize];
         pass.set_pipeline(&self.bias_pipe);
         pass.set_bind_group(0, &b.bias, &[]);
-        pass.dispatch_workgroups(1, 1, 1);
+        pass.dispatch_counted(1, 1, 1);
         pass.set_pipeline(&self.topk_pipe);
         pass.set_bind_group(0, &b.topk, &[]);
         let (x, y) = grid(n_tokens);
-        pass.dispatch_workgroups(x, y, 1);
+        pass.dispatch_counted(x, y, 1);
     }
 
     /// A whole routing step of `layer`: bias, top-k, statistics, and the adaptive router's update.
@@ -240,17 +241,17 @@ impl Router {
         let (x, y) = grid(n_tokens);
         pass.set_pipeline(&self.count_pipe);
         pass.set_bind_group(0, &b.count, &[]);
-        pass.dispatch_workgroups(x, y, 1);
+        pass.dispatch_counted(x, y, 1);
         pass.set_pipeline(&self.stats_pipe);
         pass.set_bind_group(0, &b.stats, &[]);
-        pass.dispatch_workgroups(1, 1, 1);
+        pass.dispatch_counted(1, 1, 1);
         if let (Some(g), Some(u), Some(gb), Some(ub)) = (&self.grad_pipe, &self.update_pipe, &b.grad, &b.update) {
             pass.set_pipeline(g);
             pass.set_bind_group(0, gb, &[]);
-            pass.dispatch_workgroups(n_tokens.div_ceil(GRAD_BLOCK), 1, 1);
+            pass.dispatch_counted(n_tokens.div_ceil(GRAD_BLOCK), 1, 1);
             pass.set_pipeline(u);
             pass.set_bind_group(0, ub, &[]);
-            pass.dispatch_workgroups(1, 1, 1);
+            pass.dispatch_counted(1, 1, 1);
         }
     }
 
@@ -312,10 +313,10 @@ impl Router {
         // One workgroup per shard ring.
         let keys = *keys;
         let [x, y] = split_workgroups(keys);
-        pass.dispatch_workgroups(x, y, 1);
+        pass.dispatch_counted(x, y, 1);
         pass.set_pipeline(&self.miss_finish_pipe);
         pass.set_bind_group(0, b, &[]);
-        pass.dispatch_workgroups((self.shape.layers * self.shape.n_experts).div_ceil(64), 1, 1);
+        pass.dispatch_counted((self.shape.layers * self.shape.n_experts).div_ceil(64), 1, 1);
         Ok(())
     }
 

@@ -1,6 +1,7 @@
 //! The GPU runtime: adapter choice, device with the adapter's own limits, a capability tier,
 //! pipelines built inside error scopes, device loss as an explicit state, readbacks.
 
+pub mod dispatch;
 pub mod probe;
 pub mod timer;
 
@@ -13,6 +14,7 @@ use std::task::{Context, Poll, Waker};
 use expertkv_shaders::Kernel;
 
 use crate::error::{Error, Result};
+use dispatch::CountedDispatch;
 
 /// Which shader modules skip wgpu's runtime bounds checks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -541,7 +543,7 @@ impl Runtime {
                 enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("probe/f16_subnormal"), timestamp_writes: None });
             pass.set_pipeline(&pipeline);
             pass.set_bind_group(0, &bind, &[]);
-            pass.dispatch_workgroups((cases.len() as u32).div_ceil(64), 1, 1);
+            pass.dispatch_counted((cases.len() as u32).div_ceil(64), 1, 1);
         }
         self.queue.submit([enc.finish()]);
         self.check("probe/f16_subnormal")?;

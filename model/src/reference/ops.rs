@@ -23,6 +23,29 @@ pub fn matvec(w: &[f32], rows: usize, cols: usize, x: &[f32], n_tokens: usize) -
     y
 }
 
+/// `y[b] = W x'[b]` in f64 for an f64 input `x'` (`[n_tokens][cols]`).
+fn matvec_f64(w: &[f32], rows: usize, cols: usize, x: &[f64], n_tokens: usize) -> Vec<f64> {
+    let mut y = vec![0f64; n_tokens * rows];
+    for b in 0..n_tokens {
+        for o in 0..rows {
+            y[b * rows + o] = (0..cols).map(|i| f64::from(w[o * cols + i]) * x[b * cols + i]).sum();
+        }
+    }
+    y
+}
+
+/// `y[b] = W (rmsnorm(x[b]) * g)`: the product with the norm before it folded in
+/// (`model/matvec.wgsl`, input 1), `[n_tokens][rows]`.
+pub fn matvec_norm(w: &[f32], rows: usize, cols: usize, x: &[f32], g: &[f32], eps: f32, n_tokens: usize) -> Vec<f64> {
+    matvec_f64(w, rows, cols, &rmsnorm(x, g, cols, eps), n_tokens)
+}
+
+/// `y[b] = W (silu(gate[b]) * up[b])` with `gu` = `[n_tokens][2][cols]` (`model/matvec.wgsl`,
+/// input 2).
+pub fn matvec_swiglu(w: &[f32], rows: usize, cols: usize, gu: &[f32], n_tokens: usize) -> Vec<f64> {
+    matvec_f64(w, rows, cols, &swiglu(gu, cols), n_tokens)
+}
+
 /// `y[b][i] = x[b][i] / sqrt(mean_i x[b][i]^2 + eps) * g[i]` over each token's `dim` features (`x`
 /// is `[n_tokens][dim]`).
 pub fn rmsnorm(x: &[f32], g: &[f32], dim: usize, eps: f32) -> Vec<f64> {

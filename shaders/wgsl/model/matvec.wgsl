@@ -1,8 +1,19 @@
-// model: y[b][o] = sum_i W[o][i] x[b][i] (or y[b][o] += that, with `accumulate`: a residual
+// model: y[b][o] = sum_i W[o][i] x'[b][i] (or y[b][o] += that, with `accumulate`: a residual
 // added in the same pass) for the step's tokens b, W in one of the block formats of
 // common/quant.wgsl, dequantised in registers as it is read (no f32 copy of W exists). One
 // workgroup per output row; its invocations take the row's blocks in turn, each against every
 // token, then sum over the workgroup (a fixed tree, so the result does not depend on timing).
+//
+// What x' is (`input`), so the pass before a product needs no dispatch of its own:
+//   0: x as given, [n_tokens][cols];
+//   1: RMSNorm of x times the gain g (binding 4): x[b][i] * g[i] / sqrt(mean_i x[b][i]^2 + eps),
+//      each workgroup summing its tokens' squares first (the same fixed tree), so the norm
+//      before the Q/K/V, the FFN and the LM head is folded into their products;
+//   2: SwiGLU of x = [n_tokens][2][cols] (gate then up): silu(gate[i]) * up[i], so the down
+//      projection reads the FFN's gate and up products directly.
+// Rows go to up to three outputs (stacked matrices, one product: Q, K and V): rows below
+// `split1` to y ([n_tokens][split1]), the next `split2` to y2, the rest to y3, each output's
+// rows contiguous per token.
 
 //!import common/quant.wgsl
 //!define FORMAT 0u
@@ -10,16 +21,23 @@
 
 // must match `MatVecParams` in model/src/gpu_data.rs
 struct MatVecParams {
-    rows: u32,       // output features
+    rows: u32,       // output features (all outputs together)
     cols: u32,       // input features (a multiple of the format's block: 32, or 256)
     n_tokens: u32,   // tokens b (at most MAX_TOKENS)
-    accumulate: u32, // 1: y += W x, 0: y = W x
+    accumulate: u32, // 1: y += W x', 0: y = W x'
+    input: u32,      // 0: x, 1: rmsnorm(x) * g, 2: swiglu(x)
+    split1: u32,     // rows of the first output
+    split2: u32,     // rows of the second output (the rest go to the third)
+    eps: f32,        // input 1: added to the mean square
 }
 
 @group(0) @binding(0) var<uniform> params: MatVecParams;
 @group(0) @binding(1) var<storage, read> w: array<u32>;
-@group(0) @binding(2) var<storage, read> x: array<f32>;       // [n_tokens][cols]
-@group(0) @binding(3) var<storage, read_write> y: array<f32>; // [n_tokens][rows]
+@group(0) @binding(2) var<storage, read> x: array<f32>;        // [n_tokens][cols] ([n_tokens][2][cols] for swiglu)
+@group(0) @binding(3) var<storage, read_write> y: array<f32>;  // [n_tokens][split1]
+@group(0) @binding(4) var<storage, read> g: array<f32>;        // input 1: the norm's gain, [cols]
+@group(0) @binding(5) var<storage, read_write> y2: array<f32>; // [n_tokens][split2]
+@group(0) @binding(6) var<storage, read_write> y3: array<f32>; // [n_tokens][rows - split1 - split2]
 
 fn weight_word(i: u32) -> u32 {
     return w[i];
@@ -27,6 +45,19 @@ fn weight_word(i: u32) -> u32 {
 
 const WG: u32 = 64u;
 var<workgroup> red: array<f32, MAX_TOKENS * WG>;  // [token][WG]
+var<workgroup> inv_rms: array<f32, MAX_TOKENS>;
+
+// Sums red[b][..] into red[b][0] for each of the step's tokens (a fixed tree).
+fn reduce_tokens(t: u32) {
+    for (var off = WG / 2u; off > 0u; off = off / 2u) {
+        if (t < off) {
+            for (var b = 0u; b < params.n_tokens; b++) {
+                red[b * WG + t] += red[b * WG + t + off];
+            }
+        }
+        workgroupBarrier();
+    }
+}
 
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t: u32) {
@@ -36,41 +67,80 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
         return;
     }
     let nb = params.cols / 32u;
+    if (params.input == 1u) {
+        for (var b = 0u; b < params.n_tokens; b++) {
+            var s = 0.0;
+            for (var i = t; i < params.cols; i += WG) {
+                let v = x[b * params.cols + i];
+                s += v * v;
+            }
+            red[b * WG + t] = s;
+        }
+        workgroupBarrier();
+        reduce_tokens(t);
+        if (t < params.n_tokens) {
+            inv_rms[t] = inverseSqrt(red[t * WG] / f32(params.cols) + params.eps);
+        }
+        workgroupBarrier();
+    }
     var acc: array<f32, MAX_TOKENS>;
     for (var b = 0u; b < MAX_TOKENS; b++) {
         acc[b] = 0.0;
     }
     for (var blk = t; blk < nb; blk += WG) {
         let wv = weights32(row, blk, params.cols);
+        let i0 = blk * 32u;
         for (var b = 0u; b < MAX_TOKENS; b++) {
             if (b < params.n_tokens) {
-                let x0 = b * params.cols + blk * 32u;
+                // One loop per input kind (uniform), each as plain as the product itself.
                 var s = 0.0;
-                for (var k = 0u; k < 32u; k++) {
-                    s += wv[k] * x[x0 + k];
+                switch params.input {
+                    case 1u: {
+                        let x0 = b * params.cols + i0;
+                        for (var k = 0u; k < 32u; k++) {
+                            s += wv[k] * x[x0 + k] * g[i0 + k];
+                        }
+                        s *= inv_rms[b];
+                    }
+                    case 2u: {
+                        let g0 = 2u * b * params.cols + i0;
+                        let u0 = g0 + params.cols;
+                        for (var k = 0u; k < 32u; k++) {
+                            let gate = x[g0 + k];
+                            s += wv[k] * (gate / (1.0 + exp(-gate)) * x[u0 + k]);
+                        }
+                    }
+                    default: {
+                        let x0 = b * params.cols + i0;
+                        for (var k = 0u; k < 32u; k++) {
+                            s += wv[k] * x[x0 + k];
+                        }
+                    }
                 }
                 acc[b] += s;
             }
         }
     }
-    for (var b = 0u; b < MAX_TOKENS; b++) {
+    workgroupBarrier();
+    for (var b = 0u; b < params.n_tokens; b++) {
         red[b * WG + t] = acc[b];
     }
     workgroupBarrier();
-    for (var off = WG / 2u; off > 0u; off = off / 2u) {
-        if (t < off) {
-            for (var b = 0u; b < MAX_TOKENS; b++) {
-                red[b * WG + t] += red[b * WG + t + off];
-            }
-        }
-        workgroupBarrier();
-    }
+    reduce_tokens(t);
     if (t < params.n_tokens) {
-        let o = t * params.rows + row;
-        if (params.accumulate != 0u) {
-            y[o] += red[t * WG];
+        let v = red[t * WG];
+        let s1 = params.split1;
+        let s2 = params.split2;
+        if (row < s1) {
+            let o = t * s1 + row;
+            y[o] = select(v, y[o] + v, params.accumulate != 0u);
+        } else if (row < s1 + s2) {
+            let o = t * s2 + row - s1;
+            y2[o] = select(v, y2[o] + v, params.accumulate != 0u);
         } else {
-            y[o] = red[t * WG];
+            let s3 = params.rows - s1 - s2;
+            let o = t * s3 + row - s1 - s2;
+            y3[o] = select(v, y3[o] + v, params.accumulate != 0u);
         }
     }
 }

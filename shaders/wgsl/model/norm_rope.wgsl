@@ -3,7 +3,8 @@
 //   rope:    rotates pairs of every head of every token by position x base^(-2i / head_dim):
 //            adjacent pairs (x[2i], x[2i+1]) (llama.cpp's "normal" rotation, which GGUF's Llama
 //            weights are permuted for) or, with mode 1, pairs half a head apart (x[i],
-//            x[i + head_dim/2]: NeoX, Qwen's); one invocation per (token, head, pair), in place
+//            x[i + head_dim/2]: NeoX, Qwen's); one invocation per (token, head, pair), in place;
+//   rope_qk: rope of the queries and the keys in one dispatch
 //   swiglu:  y = silu(g) x u elementwise (g and u side by side: [b][2][n])
 //   swiglu_gated: y[b] = silu(g) x u x sigmoid(s[b]), s (aux) one gate logit per token: a
 //            shared expert's activations scaled by its gate (qwen2moe)
@@ -17,11 +18,11 @@
 struct ModelOpParams {
     n_tokens: u32,
     dim: u32,        // rmsnorm/embed: features per token; swiglu(_gated): n; rope: head_dim
-    n_heads: u32,    // rope
+    n_heads: u32,    // rope: heads of dst
     mode: u32,       // rope: 0 adjacent pairs, 1 NeoX (half a head apart)
     eps: f32,        // rmsnorm
     base: f32,       // rope: frequency base
-    _pad1: u32,
+    n_heads2: u32,   // rope_qk: heads of dst2
     _pad2: u32,
 }
 
@@ -30,6 +31,7 @@ struct ModelOpParams {
 @group(0) @binding(2) var<storage, read_write> dst: array<f32>;
 @group(0) @binding(3) var<storage, read> aux: array<u32>;  // rmsnorm: g (f32 bits); rope: positions; embed: matrix; swiglu_gated: gate logits (f32 bits)
 @group(0) @binding(4) var<storage, read> tokens: array<u32>; // embed
+@group(0) @binding(5) var<storage, read_write> dst2: array<f32>; // rope_qk: the keys
 
 fn weight_word(i: u32) -> u32 {
     return aux[i];
@@ -64,29 +66,64 @@ fn rmsnorm(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
     }
 }
 
+// Pair i (of n_tokens x heads x head_dim/2) of a [n_tokens][heads][head_dim] buffer: the two
+// elements it rotates and the angle's cosine and sine.
+struct RopePair {
+    o0: u32,
+    o1: u32,
+    c: f32,
+    s: f32,
+}
+
+fn rope_pair(i: u32, heads: u32) -> RopePair {
+    let half_dim = params.dim / 2u;
+    let pair = i % half_dim;
+    let b = i / (heads * half_dim);
+    let theta = f32(aux[b]) * pow(params.base, -2.0 * f32(pair) / f32(params.dim));
+    // Adjacent pairs, or with mode 1 pairs half a head apart.
+    var r = RopePair(2u * i, 2u * i + 1u, cos(theta), sin(theta));
+    if (params.mode == 1u) {
+        r.o0 = (i / half_dim) * params.dim + pair;
+        r.o1 = r.o0 + half_dim;
+    }
+    return r;
+}
+
 @compute @workgroup_size(256)
 fn rope(@builtin(global_invocation_id) gid: vec3<u32>) {
-    let half_dim = params.dim / 2u;
     let i = gid.x;
-    if (i >= params.n_tokens * params.n_heads * half_dim) {
+    if (i >= params.n_tokens * params.n_heads * (params.dim / 2u)) {
         return;
     }
-    let pair = i % half_dim;
-    let b = i / (params.n_heads * half_dim);
-    let theta = f32(aux[b]) * pow(params.base, -2.0 * f32(pair) / f32(params.dim));
-    let c = cos(theta);
-    let s = sin(theta);
-    // First and second element of the pair.
-    var o0 = 2u * i;
-    var o1 = o0 + 1u;
-    if (params.mode == 1u) {
-        o0 = (i / half_dim) * params.dim + pair;
-        o1 = o0 + half_dim;
+    let r = rope_pair(i, params.n_heads);
+    let x0 = dst[r.o0];
+    let x1 = dst[r.o1];
+    dst[r.o0] = x0 * r.c - x1 * r.s;
+    dst[r.o1] = x0 * r.s + x1 * r.c;
+}
+
+// rope_qk: the queries (dst, n_heads) and the keys (dst2, n_heads2) in one dispatch.
+@compute @workgroup_size(256)
+fn rope_qk(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let half_dim = params.dim / 2u;
+    let nq = params.n_tokens * params.n_heads * half_dim;
+    let i = gid.x;
+    if (i >= nq + params.n_tokens * params.n_heads2 * half_dim) {
+        return;
     }
-    let x0 = dst[o0];
-    let x1 = dst[o1];
-    dst[o0] = x0 * c - x1 * s;
-    dst[o1] = x0 * s + x1 * c;
+    if (i < nq) {
+        let r = rope_pair(i, params.n_heads);
+        let x0 = dst[r.o0];
+        let x1 = dst[r.o1];
+        dst[r.o0] = x0 * r.c - x1 * r.s;
+        dst[r.o1] = x0 * r.s + x1 * r.c;
+    } else {
+        let r = rope_pair(i - nq, params.n_heads2);
+        let x0 = dst2[r.o0];
+        let x1 = dst2[r.o1];
+        dst2[r.o0] = x0 * r.c - x1 * r.s;
+        dst2[r.o1] = x0 * r.s + x1 * r.c;
+    }
 }
 
 @compute @workgroup_size(256)

@@ -128,6 +128,64 @@ fn matvec_and_embed_match_cpu_in_every_weight_format() {
         let want_add: Vec<f64> = want.iter().zip(&y0).map(|(a, b)| a + f64::from(*b)).collect();
         let scale_add: Vec<f64> = scale.iter().zip(&y0).map(|(a, b)| a + f64::from(b.abs())).collect();
         close(&got, &want_add, &scale_add, 1e-5, &format!("{ctx}, accumulated"));
+        // The norm before the product folded in, the rows split over one to three outputs (a
+        // stacked [Wq; Wk; Wv]), each poisoned first.
+        let g: Vec<f32> = (0..cols).map(|_| rng.range(0.5, 1.5) as f32).collect();
+        let gb = rt.storage_init("g", &g);
+        let parts = 1 + rng.below(rows.min(3));
+        let mut splits: Vec<u32> = (1..parts).map(|_| 1 + rng.below(rows - 1)).collect();
+        splits.sort_unstable();
+        splits.dedup();
+        let bounds: Vec<u32> = std::iter::once(0).chain(splits).chain(std::iter::once(rows)).collect();
+        let outs: Vec<(wgpu::Buffer, u32)> = bounds
+            .windows(2)
+            .map(|r| {
+                let b = rt.storage("out", u64::from(n * (r[1] - r[0])) * 4);
+                rt.fill_u32(&b, POISON_F32);
+                (b, r[1] - r[0])
+            })
+            .collect();
+        let out_refs: Vec<(&wgpu::Buffer, u32)> = outs.iter().map(|(b, r)| (b, *r)).collect();
+        run(rt, "matvec_norm", |p| k.matvec_norm(rt, p, &w, &xb, &gb, 1e-5, &out_refs, n).expect("matvec_norm"));
+        let want = cpu::matvec_norm(&wf, rows as usize, cols as usize, &x, &g, 1e-5, n as usize);
+        let xn = cpu::rmsnorm(&x, &g, cols as usize, 1e-5);
+        for (part, ((b, r), lo)) in outs.iter().zip(&bounds).enumerate() {
+            let got: Vec<f32> = pollster::block_on(rt.read_all(b)).expect("read");
+            let (lo, r) = (*lo as usize, *r as usize);
+            let pick = |v: &[f64]| -> Vec<f64> {
+                (0..n as usize).flat_map(|t| v[t * rows as usize + lo..t * rows as usize + lo + r].to_vec()).collect()
+            };
+            let scale: Vec<f64> = (0..n as usize)
+                .flat_map(|t| {
+                    let xn = &xn;
+                    let wf = &wf;
+                    (lo..lo + r).map(move |o| {
+                        (0..cols as usize).map(|c| (f64::from(wf[o * cols as usize + c]) * xn[t * cols as usize + c]).abs()).sum()
+                    })
+                })
+                .collect();
+            close(&got, &pick(&want), &scale, 1e-5, &format!("{ctx}: matvec_norm output {part} of {}", outs.len()));
+        }
+        // SwiGLU before the product folded in, added to the residual.
+        let gu = normals(&mut rng, (2 * n * cols) as usize);
+        let gub = rt.storage_init("gu", &gu);
+        rt.queue.write_buffer(&y, 0, bytemuck::cast_slice(&y0));
+        run(rt, "matvec_swiglu_add", |p| k.matvec_swiglu_add(rt, p, &w, &gub, &y, n).expect("matvec_swiglu_add"));
+        let got: Vec<f32> = pollster::block_on(rt.read_all(&y)).expect("read");
+        let act = cpu::swiglu(&gu, cols as usize);
+        let want: Vec<f64> = cpu::matvec_swiglu(&wf, rows as usize, cols as usize, &gu, n as usize)
+            .iter()
+            .zip(&y0)
+            .map(|(a, b)| a + f64::from(*b))
+            .collect();
+        let scale: Vec<f64> = (0..(n * rows) as usize)
+            .map(|i| {
+                let (b, o) = (i / rows as usize, i % rows as usize);
+                f64::from(y0[i].abs())
+                    + (0..cols as usize).map(|c| (f64::from(wf[o * cols as usize + c]) * act[b * cols as usize + c]).abs()).sum::<f64>()
+            })
+            .collect();
+        close(&got, &want, &scale, 1e-5, &format!("{ctx}: matvec_swiglu_add"));
         // Embedding rows of the same matrix.
         let tokens: Vec<u32> = (0..n).map(|_| rng.below(rows)).collect();
         let tb = rt.storage_init("tokens", &tokens);
@@ -281,6 +339,16 @@ fn rmsnorm_rope_swiglu_match_cpu() {
             let want = cpu::rope(&x, &positions, heads as usize, head_dim as usize, 100_000.0, neox);
             // f32 angles at position p carry about p x 2^-24 rad of error.
             close(&got, &want, &vec![1.0; want.len()], 2e-3, &format!("{ctx}: rope (neox {neox})"));
+            // Queries and keys (fewer heads) in one dispatch.
+            let kv_heads = 1 + rng.below(heads);
+            let kx = normals(&mut rng, (n * kv_heads * head_dim) as usize);
+            let (qb, kb) = (rt.storage_init("q", &x), rt.storage_init("k", &kx));
+            run(rt, "rope_qk", |p| k.rope_qk(rt, p, &qb, &kb, &pb, n, (heads, kv_heads), head_dim, 100_000.0, neox));
+            let got_q: Vec<f32> = pollster::block_on(rt.read_all(&qb)).expect("read");
+            let got_k: Vec<f32> = pollster::block_on(rt.read_all(&kb)).expect("read");
+            close(&got_q, &want, &vec![1.0; want.len()], 2e-3, &format!("{ctx}: rope_qk queries (neox {neox})"));
+            let want_k = cpu::rope(&kx, &positions, kv_heads as usize, head_dim as usize, 100_000.0, neox);
+            close(&got_k, &want_k, &vec![1.0; want_k.len()], 2e-3, &format!("{ctx}: rope_qk keys (neox {neox})"));
         }
         // SwiGLU.
         let gu = normals(&mut rng, (2 * n * dim) as usize);
