@@ -1003,6 +1003,21 @@ impl GpuLlama {
         rt.read(&self.s.logits, 0, u64::from(n * c.vocab_size)).await
     }
 
+    /// End sequence `seq`: every page of it (all layers, KV heads and shards) back to the free
+    /// stacks, its host-tier pages dropped, its position back to 0, so a new prompt can take
+    /// its place (continuous batching, [`crate::batch`]). The other sequences are untouched.
+    pub fn release_sequence(&mut self, rt: &Runtime, seq: u32) -> Result<()> {
+        if seq >= self.n_seqs {
+            return Err(Error::Input(format!("sequence {seq}: the model decodes {} sequences", self.n_seqs)));
+        }
+        self.pool.release_sequence(rt, seq)?;
+        if let Some((fg, _)) = &mut self.flexgen {
+            fg.release_sequence(&self.pool.cfg, seq);
+        }
+        self.positions[seq as usize] = 0;
+        Ok(())
+    }
+
     /// Compute dispatches the last [`GpuLlama::forward`] encoded: the model's kernels, the
     /// pool's append, attention, and the scheduler's, route stage's and host tier's passes (0
     /// before the first step). One step decodes a token of every sequence.

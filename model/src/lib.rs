@@ -8,6 +8,8 @@
 //!   [`cpu`]: the f32 reference forward pass with its own KV cache, over [`math`]'s building blocks; [`moe`]: MoEfication of its
 //!   FFNs into routed groups of neurons, or a MoE file's own experts; [`synthetic`]: small random
 //!   models written as GGUF files for tests.
+//! - [`text`]: text in, text out for one sequence; [`batch`]: many prompts continuously
+//!   batched through one model of several sequences.
 //! - [`ops`] and [`forward`]: the GPU forward pass ([`forward::GpuLlama`]), whose K/V go into
 //!   `expertkv-core`'s paged pool and whose attention is the core's; [`gpu_data`]: the host
 //!   mirrors of the model kernels' structs; [`reference`](mod@reference): the model kernels' CPU references.
@@ -16,6 +18,7 @@
 //! [`CpuModel::forward_probed`] and the building blocks ([`cpu::rms_norm`], [`cpu::rope_norm`],
 //! [`cpu::matvec`]).
 
+pub mod batch;
 pub mod config;
 pub mod cpu;
 pub mod forward;

@@ -22,15 +22,15 @@ use crate::{GpuArgs, fmt_bytes};
 pub struct RunArgs {
     /// Text to continue.
     #[arg(long, default_value = "The capital of France is")]
-    prompt: String,
+    pub prompt: String,
     /// Tokens to generate (greedy).
     #[arg(long, default_value_t = 16)]
-    tokens: u32,
+    pub tokens: u32,
     /// After generating, time this many more decode steps submitted back to back (nothing read
     /// between them, as a serving loop runs) and print the decode speed as JSON; needs no
     /// evicting scheduler [default: 0, off].
     #[arg(long, default_value_t = 0)]
-    time_steps: u32,
+    pub time_steps: u32,
     /// The model: a GGUF file (llama, qwen2, qwen3, qwen3moe, olmoe or qwen2moe architecture) [default: models/SmolLM2-135M-Instruct.Q4_1.gguf,
     /// fetched by scripts/fetch_model.sh].
     #[arg(long)]
@@ -79,11 +79,20 @@ pub struct RunArgs {
     /// End with one JSON line: the prompt's and the generated token ids, the text, the timings
     /// and the K/V in use (what scripts and the browser test compare).
     #[arg(long)]
-    json: bool,
+    pub json: bool,
     /// Check every eviction against the CPU reference (utilities, budgets, victims, list
     /// counts, then the whole pool); slow: the pool crosses to the host twice a token.
     #[arg(long)]
     verify_evictions: bool,
+    /// Decode the prompts of this file (one per line, blank lines skipped) instead of
+    /// --prompt, --batch at a time (continuous batching: a finished sequence's pages are freed
+    /// and the next prompt takes its place); each prompt generates --tokens tokens or stops at
+    /// end-of-sequence.
+    #[arg(long, value_name = "FILE")]
+    pub prompts: Option<std::path::PathBuf>,
+    /// Sequences decoded together with --prompts (1 to 8).
+    #[arg(long, default_value_t = 1)]
+    pub batch: u32,
 }
 
 /// A MoEfication to make: its experts, and whether to fit the routers.
@@ -236,7 +245,12 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     let (path, bytes) = read_model(a.model.as_deref())?;
     let g = Gguf::parse(&bytes).with_context(|| format!("{} is not a readable GGUF file", path.display()))?;
     let tok = Tokenizer::from_gguf(&g).context("the model's tokenizer")?;
-    let prompt = tok.encode_prompt(&a.prompt, true).map_err(|e| anyhow::anyhow!("--prompt: {e}"))?;
+    let batch = crate::batch::prompts(a)?;
+    // With --prompts, the longest prompt sizes the context and the budget.
+    let prompt = match &batch {
+        Some(prompts) => crate::batch::longest(&tok, prompts)?,
+        None => tok.encode_prompt(&a.prompt, true).map_err(|e| anyhow::anyhow!("--prompt: {e}"))?,
+    };
     if prompt.is_empty() {
         bail!("--prompt is empty");
     }
@@ -273,7 +287,7 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     let mut m = pollster::block_on(GpuLlama::load(
         &rt,
         &g,
-        ModelOptions::new(1, context)
+        ModelOptions::new(a.batch, context)
             .dtype(dtype)
             .scheduler(scheduler.clone())
             .codec(codec)
@@ -347,6 +361,9 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
         let Moefied { moe: experts, how } = Moefier::new(&g, &bytes, &path).moefy(spec)?;
         m.set_labels(&rt, &experts).context("the labelling router")?;
         println!("labels: {} experts per layer, top-{} per token, the FFN dense; {how}", spec.config.experts, spec.config.top_k);
+    }
+    if let Some(prompts) = &batch {
+        return crate::batch::run(&rt, &mut m, &tok, prompts, a);
     }
     print!("{}", a.prompt);
     std::io::stdout().flush()?;

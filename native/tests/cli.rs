@@ -247,6 +247,30 @@ fn synth_writes_a_model_run_decodes() {
         let out = ok(&["run", "--model", p, "--prompt", "Hi", "--tokens", "2"]);
         assert!(out.contains(want), "{arch}: {out}");
     }
+    // Several prompts, two sequences at a time: a JSON line per completion as each finishes,
+    // then the run's figures; the batch's misuses named.
+    let prompts = tmp("prompts.txt");
+    std::fs::write(&prompts, "Hi\n\nthe heart is\nxyz q\n").expect("write the prompts");
+    let pf = prompts.to_str().expect("utf-8 path");
+    let out = ok(&["run", "--model", p, "--prompts", pf, "--batch", "2", "--tokens", "3", "--json"]);
+    let lines: Vec<serde_json::Value> = out.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    let done: Vec<&serde_json::Value> = lines.iter().filter(|l| l.get("generated_ids").is_some()).collect();
+    assert_eq!(done.len(), 3, "{out}");
+    assert!(done.iter().all(|c| c["generated_ids"].as_array().map(Vec::len) == Some(3) && c["slot"].as_u64() < Some(2)), "{out}");
+    let summary = lines.last().expect("a summary line");
+    assert_eq!(
+        (summary["batch"].as_u64(), summary["prompts"].as_u64(), summary["kv_pages_in_use_after"].as_u64()),
+        (Some(2), Some(3), Some(0)),
+        "{out}"
+    );
+    for (args, needle) in [
+        (&["--batch", "2"][..], "--batch 2 decodes the prompts of --prompts FILE"),
+        (&["--prompts", pf, "--batch", "9"][..], "--batch 9: expected 1 to 8"),
+    ] {
+        let o = expertkv(&[&["run", "--model", p][..], args].concat());
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(needle) && !err.contains("panicked"), "{args:?}: {err}");
+    }
     for (args, needle) in [
         (&["--experts", "4", "--top-k", "5"][..], "--top-k"),
         (&["--hidden", "100"][..], "--hidden"),

@@ -14,6 +14,7 @@ mod quest;
 mod route;
 
 // The decode step as a whole, the model's kernels and forward pass, and the runtime's edges.
+mod batch;
 mod buffers;
 mod churn;
 mod copy;
