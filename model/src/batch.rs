@@ -144,7 +144,9 @@ impl<'a> BatchDecoder<'a> {
                 .iter()
                 .map(|s| match s {
                     Some(s) if s.fed < s.ids.len() => s.ids[s.fed],
-                    Some(s) => *s.generated.last().expect("a slot past its prompt has generated"),
+                    // Past its prompt a slot has generated (its first token came with the
+                    // prompt's last), so `pad` is never fed here.
+                    Some(s) => s.generated.last().copied().unwrap_or(pad),
                     None => pad,
                 })
                 .collect();
@@ -166,8 +168,10 @@ impl<'a> BatchDecoder<'a> {
                 s.generated.push(next);
                 stats.generated_tokens += 1;
                 let eos = self.stop_at_eos && self.tokenizer.eos() == Some(next);
-                if eos || s.generated.len() >= self.max_tokens as usize {
-                    let s = entry.take().expect("the slot is live");
+                if !eos && s.generated.len() < self.max_tokens as usize {
+                    continue;
+                }
+                if let Some(s) = entry.take() {
                     let text = String::from_utf8_lossy(&self.tokenizer.decode_bytes(&s.generated)?).into_owned();
                     let c = Completion {
                         prompt: s.prompt,
