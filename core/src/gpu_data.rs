@@ -253,6 +253,21 @@ pub struct AttendParams {
 }
 const _: () = assert!(std::mem::size_of::<AttendParams>() == 48);
 
+/// Must match `PrefillParams` in `shaders/wgsl/attend/prefill.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct PrefillParams {
+    /// The sequence whose pages the chunk's queries read.
+    pub seq: u32,
+    /// Position of the chunk's first query; query `c` sees slots at positions up to this + `c`.
+    pub first_position: u32,
+    /// Padding to 16 bytes; zero.
+    pub _pad0: u32,
+    /// Padding to 16 bytes; zero.
+    pub _pad1: u32,
+}
+const _: () = assert!(std::mem::size_of::<PrefillParams>() == 16);
+
 /// Must match `CopyParams` in `shaders/wgsl/bench/copy.wgsl`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]

@@ -11,7 +11,9 @@ use crate::{Error, Result};
 use expertkv_core::runtime::Runtime;
 use expertkv_core::runtime::dispatch::CountedDispatch;
 
-/// Tokens one matrix-vector call takes (`MAX_TOKENS` in `model/matvec.wgsl`).
+/// Tokens one matrix-vector workgroup takes (`MAX_TOKENS` in `model/matvec.wgsl`): a call takes
+/// any number, in groups of this many (a prefill chunk), and a decode step at most this many
+/// sequences.
 pub const MATVEC_MAX_TOKENS: u32 = 8;
 
 /// How a matrix's weights sit in GPU memory (`common/quant.wgsl`).
@@ -581,8 +583,8 @@ impl ModelKernels {
         n_tokens: u32,
         accumulate: bool,
     ) -> Result<()> {
-        if n_tokens == 0 || n_tokens > MATVEC_MAX_TOKENS {
-            return Err(Error::Input(format!("matvec takes 1 to {MATVEC_MAX_TOKENS} tokens, got {n_tokens}")));
+        if n_tokens == 0 || n_tokens > MATVEC_MAX_TOKENS * 65_535 {
+            return Err(Error::Input(format!("matvec takes 1 to {} tokens, got {n_tokens}", MATVEC_MAX_TOKENS * 65_535)));
         }
         if outputs.is_empty() || outputs.len() > 3 || outputs.iter().map(|o| u64::from(o.1)).sum::<u64>() != u64::from(w.rows) {
             return Err(Error::Input(format!("matvec: {} outputs whose rows do not sum to the matrix's {}", outputs.len(), w.rows)));
@@ -615,7 +617,7 @@ impl ModelKernels {
         let pipe = pick(&self.matvec, w.format)?;
         let bg = rt.bind(Kernel::ModelMatVec.label(), pipe, &[&p, &w.buffer, x, outputs[0].0, g, y2, y3]);
         let [x, y] = expertkv_core::runtime::split_workgroups(w.rows);
-        pass.dispatch(pipe, bg, [x, y, 1]);
+        pass.dispatch(pipe, bg, [x, y, n_tokens.div_ceil(MATVEC_MAX_TOKENS)]);
         Ok(())
     }
 

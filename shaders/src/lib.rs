@@ -77,6 +77,7 @@ sources! {
     ATTEND_SPLIT_QUANT_TILE => "attend/split_quant_tile.wgsl",
     ATTEND_SPLIT_QUANT_COOP => "attend/split_quant_coop.wgsl",
     ATTEND_REDUCE => "attend/reduce.wgsl",
+    ATTEND_PREFILL => "attend/prefill.wgsl",
     ATTEND_MASS => "attend/mass.wgsl",
     EVICT_SCORE => "evict/score.wgsl",
     EVICT_BUDGET => "evict/budget.wgsl",
@@ -271,6 +272,9 @@ kernels! {
     AttendSplitQuantCoop => "attend/split_quant_coop.wgsl" [Subgroups, F16, Unchecked],
     /// Decode attention, reduce pass: merge every chunk's partials into each query head's output.
     AttendReduce => "attend/reduce.wgsl" [Unchecked],
+    /// Prefill attention, split pass: a chunk of one sequence's queries over its pages, causally
+    /// masked by each slot's position (merged by the reduce pass).
+    AttendPrefill => "attend/prefill.wgsl" [],
     /// Decode attention, mass pass: add each attended slot's attention to its metadata and record
     /// the access.
     AttendMass => "attend/mass.wgsl" [],

@@ -1,6 +1,8 @@
 //! Decode attention on the GPU over the pool's pages (flash-decoding: a split pass per pool
 //! buffer over chunks of pages, then a reduce pass; optionally an attention-mass pass).
 
+pub mod prefill;
+
 use expertkv_shaders::Kernel;
 
 use crate::append::KvPool;

@@ -30,6 +30,48 @@ pub fn attend_decode(model: &PoolModel, layer: u32, n_seqs: u32, queries: &[f32]
     attend_decode_over(model, layer, n_seqs, queries, group, scale, &|seq, head| model.page_list(layer, seq, head))
 }
 
+/// Causal attention of a chunk of `seq`'s queries (`[c][q_head][head_dim]`, query `c` at
+/// position `first_position + c`) over `seq`'s pages of `layer`: query `c` sees the cached tokens
+/// whose position is at most its own (`attend/prefill.wgsl`). Returns `[c][q_head][head_dim]`.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_prefill(model: &PoolModel, layer: u32, seq: u32, first_position: u32, queries: &[f32], group: u32, scale: f64) -> Vec<f64> {
+    let cfg = &model.cfg;
+    let (d, hkv, mw) = (cfg.head_dim as usize, cfg.kv_heads, cfg.meta_words() as usize);
+    let hq = (hkv * group) as usize;
+    let n = queries.len() / (hq * d);
+    let mut out = vec![0.0; n * hq * d];
+    for h in 0..hkv {
+        let tokens: Vec<(u32, u32, u32)> = model
+            .page_list(layer, seq, h)
+            .into_iter()
+            .flat_map(|page| {
+                (0..model.page_meta[page as usize].fill)
+                    .map(move |s| (page, s, model.slot_meta[(page * cfg.page_size + s) as usize * mw + crate::gpu_data::meta::POSITION]))
+            })
+            .collect();
+        for c in 0..n {
+            let seen: Vec<&(u32, u32, u32)> = tokens.iter().filter(|t| t.2 <= first_position + c as u32).collect();
+            for g in 0..group {
+                let q0 = (c * hq + (h * group + g) as usize) * d;
+                let q = &queries[q0..q0 + d];
+                let scores: Vec<f64> = seen
+                    .iter()
+                    .map(|&&(p, s, _)| model.vector(p, s, 0).iter().zip(q).map(|(k, q)| k * f64::from(*q)).sum::<f64>() * scale)
+                    .collect();
+                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let w: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+                let l: f64 = w.iter().sum();
+                for (&&(p, s, _), wt) in seen.iter().zip(&w) {
+                    for (o, v) in out[q0..q0 + d].iter_mut().zip(model.vector(p, s, 1)) {
+                        *o += wt / l * v;
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
 /// [`attend_decode`] over the pages `pages(seq, head)` gives (QUEST's selection), instead of
 /// each list's every page.
 pub fn attend_decode_over(

@@ -1,8 +1,9 @@
 // model: y[b][o] = sum_i W[o][i] x'[b][i] (or y[b][o] += that, with `accumulate`: a residual
-// added in the same pass) for the step's tokens b, W in one of the block formats of
+// added in the same pass) for the call's tokens b, W in one of the block formats of
 // common/quant.wgsl, dequantised in registers as it is read (no f32 copy of W exists). One
-// workgroup per output row; its invocations take the row's blocks in turn, each against every
-// token, then sum over the workgroup (a fixed tree, so the result does not depend on timing).
+// workgroup per (output row, group of MAX_TOKENS tokens: workgroup z); its invocations take the
+// row's blocks in turn, each against every token of the group, then sum over the workgroup (a
+// fixed tree, so the result does not depend on timing, nor on how many tokens the call has).
 //
 // What x' is (`input`), so the pass before a product needs no dispatch of its own:
 //   0: x as given, [n_tokens][cols];
@@ -23,7 +24,7 @@
 struct MatVecParams {
     rows: u32,       // output features (all outputs together)
     cols: u32,       // input features (a multiple of the format's block: 32, or 256)
-    n_tokens: u32,   // tokens b (at most MAX_TOKENS)
+    n_tokens: u32,   // tokens b, in groups of MAX_TOKENS (workgroup z)
     accumulate: u32, // 1: y += W x', 0: y = W x'
     input: u32,      // 0: x, 1: rmsnorm(x) * g, 2: swiglu(x)
     split1: u32,     // rows of the first output
@@ -47,11 +48,11 @@ const WG: u32 = 64u;
 var<workgroup> red: array<f32, MAX_TOKENS * WG>;  // [token][WG]
 var<workgroup> inv_rms: array<f32, MAX_TOKENS>;
 
-// Sums red[b][..] into red[b][0] for each of the step's tokens (a fixed tree).
-fn reduce_tokens(t: u32) {
+// Sums red[b][..] into red[b][0] for each of the group's `nt` tokens (a fixed tree).
+fn reduce_tokens(t: u32, nt: u32) {
     for (var off = WG / 2u; off > 0u; off = off / 2u) {
         if (t < off) {
-            for (var b = 0u; b < params.n_tokens; b++) {
+            for (var b = 0u; b < nt; b++) {
                 red[b * WG + t] += red[b * WG + t + off];
             }
         }
@@ -62,23 +63,26 @@ fn reduce_tokens(t: u32) {
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t: u32) {
     let row = wg.x + wg.y * 65535u;
-    // Uniform: every invocation of a workgroup has the same row.
-    if (row >= params.rows) {
+    // The group's tokens: tb + b for b < nt.
+    let tb = wg.z * MAX_TOKENS;
+    // Uniform: every invocation of a workgroup has the same row and group.
+    if (row >= params.rows || tb >= params.n_tokens) {
         return;
     }
+    let nt = min(params.n_tokens - tb, MAX_TOKENS);
     let nb = params.cols / 32u;
     if (params.input == 1u) {
-        for (var b = 0u; b < params.n_tokens; b++) {
+        for (var b = 0u; b < nt; b++) {
             var s = 0.0;
             for (var i = t; i < params.cols; i += WG) {
-                let v = x[b * params.cols + i];
+                let v = x[(tb + b) * params.cols + i];
                 s += v * v;
             }
             red[b * WG + t] = s;
         }
         workgroupBarrier();
-        reduce_tokens(t);
-        if (t < params.n_tokens) {
+        reduce_tokens(t, nt);
+        if (t < nt) {
             inv_rms[t] = inverseSqrt(red[t * WG] / f32(params.cols) + params.eps);
         }
         workgroupBarrier();
@@ -91,19 +95,19 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
         let wv = weights32(row, blk, params.cols);
         let i0 = blk * 32u;
         for (var b = 0u; b < MAX_TOKENS; b++) {
-            if (b < params.n_tokens) {
+            if (b < nt) {
                 // One loop per input kind (uniform), each as plain as the product itself.
                 var s = 0.0;
                 switch params.input {
                     case 1u: {
-                        let x0 = b * params.cols + i0;
+                        let x0 = (tb + b) * params.cols + i0;
                         for (var k = 0u; k < 32u; k++) {
                             s += wv[k] * x[x0 + k] * g[i0 + k];
                         }
                         s *= inv_rms[b];
                     }
                     case 2u: {
-                        let g0 = 2u * b * params.cols + i0;
+                        let g0 = 2u * (tb + b) * params.cols + i0;
                         let u0 = g0 + params.cols;
                         for (var k = 0u; k < 32u; k++) {
                             let gate = x[g0 + k];
@@ -111,7 +115,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
                         }
                     }
                     default: {
-                        let x0 = b * params.cols + i0;
+                        let x0 = (tb + b) * params.cols + i0;
                         for (var k = 0u; k < 32u; k++) {
                             s += wv[k] * x[x0 + k];
                         }
@@ -122,24 +126,25 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
         }
     }
     workgroupBarrier();
-    for (var b = 0u; b < params.n_tokens; b++) {
+    for (var b = 0u; b < nt; b++) {
         red[b * WG + t] = acc[b];
     }
     workgroupBarrier();
-    reduce_tokens(t);
-    if (t < params.n_tokens) {
+    reduce_tokens(t, nt);
+    if (t < nt) {
         let v = red[t * WG];
+        let b = tb + t;
         let s1 = params.split1;
         let s2 = params.split2;
         if (row < s1) {
-            let o = t * s1 + row;
+            let o = b * s1 + row;
             y[o] = select(v, y[o] + v, params.accumulate != 0u);
         } else if (row < s1 + s2) {
-            let o = t * s2 + row - s1;
+            let o = b * s2 + row - s1;
             y2[o] = select(v, y2[o] + v, params.accumulate != 0u);
         } else {
             let s3 = params.rows - s1 - s2;
-            let o = t * s3 + row - s1 - s2;
+            let o = b * s3 + row - s1 - s2;
             y3[o] = select(v, y3[o] + v, params.accumulate != 0u);
         }
     }

@@ -265,3 +265,62 @@ fn attend_subgroup_unchecked_gpu_match_cpu() {
         assert!(ran >= 4, "only {ran} cases ran the subgroup kernel");
     }
 }
+
+/// Prefill attention (a chunk of one sequence's queries, causally masked by each slot's
+/// position, split over page chunks and pool buffers, merged by the reduce pass) against the
+/// f64 reference, on random pools (shards, page sizes, split buffers, f16 and f32): every
+/// earlier token is seen by every query, the chunk's own tokens only by the queries at or after
+/// them.
+#[test]
+fn attend_prefill_gpu_match_cpu() {
+    use expertkv_core::attend::prefill::PrefillAttention;
+    use expertkv_core::reference::attend::attend_prefill;
+    let rt = rt();
+    for seed in seeds("attend_prefill", 8) {
+        let mut rng = Rng::new(seed);
+        let case = random_case(&mut rng);
+        let cfg = case.cfg.clone();
+        let (mut pool, mut model) = fill(rt, &mut rng, &case);
+        let (seq, layer) = (rng.below(cfg.max_seqs), rng.below(cfg.layers));
+        let n = 1 + rng.below((cfg.page_size * 2).min(32));
+        let first = 10_000 + rng.below(100);
+        let ctx = format!("seed {seed}: {cfg:?}, group {}, {n} queries of sequence {seq}, layer {layer}", case.group);
+        let mut positions = vec![0u32; cfg.max_seqs as usize];
+        positions[seq as usize] = first;
+        let tokens: Vec<_> = random_batch(&mut rng, &cfg, &mut positions.clone(), n as usize, false)
+            .into_iter()
+            .enumerate()
+            .map(|(i, mut t)| {
+                (t.seq, t.layer, t.position) = (seq, layer, first + i as u32);
+                t
+            })
+            .collect();
+        let kv = random_kv(&mut rng, &cfg, n as usize);
+        pool.append(rt, &tokens, &kv, 99).expect("append the chunk");
+        model.append(&tokens, &kv, 99).expect("append the chunk");
+        pool.gather(rt).expect("gather");
+        let mut attn = pollster::block_on(PrefillAttention::new(rt, &pool, case.group, n)).expect("prefill attention");
+        let d = cfg.head_dim;
+        let q: Vec<f32> = (0..n * cfg.kv_heads * case.group * d).map(|_| rng.normal() as f32).collect();
+        rt.queue.write_buffer(&attn.queries, 0, bytemuck::cast_slice(&q));
+        rt.fill_u32(attn.output(), POISON_F32);
+        attn.stage(rt, seq, first, n).expect("stage");
+        let mut enc = rt.device.create_command_encoder(&Default::default());
+        attn.encode(&mut enc.begin_compute_pass(&Default::default()), layer).expect("encode");
+        rt.queue.submit([enc.finish()]);
+        let got: Vec<f32> = pollster::block_on(rt.read_all(attn.output())).expect("read");
+        let want = attend_prefill(&model, layer, seq, first, &q, case.group, 1.0 / f64::from(d).sqrt());
+        assert_eq!(got.len(), want.len(), "{ctx}");
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(g.is_finite() && close(f64::from(*g), *w), "{ctx}: element {i}: {g} vs {w}");
+        }
+    }
+    // A pool with a page codec is refused by name.
+    let mut cfg = random_case(&mut Rng::new(1)).cfg;
+    (cfg.head_dim, cfg.dtype, cfg.max_buffer_bytes) = (64, KvDtype::F16, None);
+    cfg.codec = Codec::parse("int8").expect("int8");
+    cfg.codec_pages = cfg.n_pages;
+    let pool = pollster::block_on(KvPool::new(rt, cfg)).expect("pool");
+    let e = pollster::block_on(PrefillAttention::new(rt, &pool, 1, 4)).err().expect("refused");
+    assert!(e.to_string().contains("raw pages only"), "{e}");
+}

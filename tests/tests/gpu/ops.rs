@@ -101,7 +101,8 @@ fn matvec_and_embed_match_cpu_in_every_weight_format() {
         let rows = 1 + rng.below(300);
         let bw = format.block_weights() as u32;
         let cols = bw * (1 + rng.below(384 / bw + 1));
-        let n = 1 + rng.below(MATVEC_MAX_TOKENS);
+        // Past one workgroup's tokens too (a prefill chunk: groups of MATVEC_MAX_TOKENS).
+        let n = 1 + rng.below(3 * MATVEC_MAX_TOKENS);
         let ctx = format!("seed {seed}: {format:?} {rows} x {cols}, {n} tokens");
         let bytes = random_blocks(&mut rng, format, rows, cols, true);
         let w = GpuMatrix::upload(rt, "w", format, rows, cols, &bytes).expect("upload");
