@@ -4,6 +4,10 @@
 //! pages back ([`GpuLlama::release_sequence`]) and the next waiting prompt takes its place in
 //! the same step that follows, so the batch stays full while prompts wait.
 //!
+//! A joining prompt's tokens but its last are fed in chunks of many tokens a pass
+//! ([`GpuLlama::prefill`]) where no policy acts between tokens; otherwise (and always for the
+//! last) one per step beside the other sequences' tokens.
+//!
 //! Decoding is greedy. Each sequence's tokens are those it would get alone: the model's kernels
 //! compute every token of a step independently (the same reduction order whatever the batch),
 //! and each sequence's attention reads only its own pages.
@@ -46,6 +50,9 @@ pub struct BatchStats {
     pub idle_slot_steps: u64,
     /// Compute dispatches of one step (the last one).
     pub dispatches_per_step: u64,
+    /// Prompts whose tokens but the last were fed in chunks ([`GpuLlama::prefill`]) when they
+    /// joined, rather than one a step.
+    pub prefill_passes: u64,
 }
 
 /// A sequence slot's progress.
@@ -131,10 +138,18 @@ impl<'a> BatchDecoder<'a> {
         let pad = self.tokenizer.eos().unwrap_or(0).min(self.llama.cfg.vocab_size - 1);
         let mut step = 0u64;
         loop {
-            for slot in slots.iter_mut().filter(|s| s.is_none()) {
+            for (i, slot) in slots.iter_mut().enumerate().filter(|(_, s)| s.is_none()) {
                 if let Some((prompt, ids)) = queue.next() {
                     stats.prompt_tokens += ids.len() as u64;
-                    *slot = Some(Slot { prompt, ids, fed: 0, generated: Vec::new(), joined: step });
+                    // All but the prompt's last token in chunks of many tokens a pass, where no
+                    // policy acts between tokens; the last goes with the batch's next step.
+                    let mut fed = 0;
+                    if ids.len() > 2 && self.llama.chunked_prefill_refusal().is_none() {
+                        self.llama.prefill(rt, i as u32, &ids[..ids.len() - 1]).await?;
+                        fed = ids.len() - 1;
+                        stats.prefill_passes += 1;
+                    }
+                    *slot = Some(Slot { prompt, ids, fed, generated: Vec::new(), joined: step });
                 }
             }
             if slots.iter().all(Option::is_none) {

@@ -85,6 +85,32 @@ struct Scratch {
     logits: wgpu::Buffer,
 }
 
+impl Scratch {
+    /// Buffers for `n_tokens` tokens a pass (the decode step's sequences, or a prefill chunk),
+    /// logits for `logits_tokens` of them.
+    fn new(rt: &Runtime, cfg: &LlamaConfig, n_tokens: u32, logits_tokens: u32) -> Scratch {
+        let (h, kv, vocab) = (cfg.embedding_length, cfg.head_count_kv * cfg.head_dim, cfg.vocab_size);
+        // A MoE file's dense-FFN scratch serves its shared expert only.
+        let f = if cfg.expert_count == 0 { cfg.feed_forward_length } else { cfg.shared_feed_forward_length.max(1) };
+        let buf = |label: &str, floats: u32| rt.storage(label, u64::from(n_tokens) * u64::from(floats) * 4);
+        Scratch {
+            tokens: buf("model tokens", 1),
+            positions: buf("model positions", 1),
+            h: buf("model h", h),
+            xn: buf("model xn", h),
+            k: buf("model k", kv),
+            v: buf("model v", kv),
+            q_raw: buf("model q before its norm", if cfg.arch.qk_norm() { cfg.head_count * cfg.head_dim } else { 1 }),
+            k_raw: buf("model k before its norm", if cfg.arch.qk_norm() { kv } else { 1 }),
+            kv_words: buf("model kv words", 2 * kv),
+            gu: buf("model gate_up", 2 * f),
+            act: buf("model act", f),
+            shared_gate: buf("model shared expert gate", 1),
+            logits: rt.storage("model logits", u64::from(logits_tokens.max(1)) * u64::from(vocab) * 4),
+        }
+    }
+}
+
 /// Every model kernel's dispatch of a step, recorded once at load (the buffers, shapes and
 /// therefore uniforms and bind groups are the same every step) and replayed by
 /// [`GpuLlama::forward`] between the pool's and attention's own passes.
@@ -188,6 +214,21 @@ pub struct GpuLlama {
     /// Compute dispatches the last [`GpuLlama::forward`] encoded, every stage and the
     /// scheduler's included.
     dispatches: u64,
+    /// The token embeddings, the separate LM head if any, and the final norm's gain.
+    io: (GpuMatrix, Option<GpuMatrix>, wgpu::Buffer),
+    /// Chunked prefill's attention and scratch, made by the first [`GpuLlama::prefill`].
+    prefill: Option<Prefill>,
+}
+
+/// Tokens of a prompt one [`GpuLlama::prefill`] pass takes at most.
+pub const PREFILL_CHUNK: u32 = 64;
+
+/// What a chunked prefill uses beside the decode step's buffers: the causal attention, scratch
+/// for [`PREFILL_CHUNK`] tokens, the last token's hidden state and its logits.
+struct Prefill {
+    attn: expertkv_core::attend::prefill::PrefillAttention,
+    s: Scratch,
+    h_last: wgpu::Buffer,
 }
 
 fn norm_buffer(rt: &Runtime, g: &Gguf<'_>, name: &str) -> Result<wgpu::Buffer> {
@@ -296,9 +337,10 @@ fn record(
     layers: &[Layer],
     (embed, output, out_norm): (&GpuMatrix, Option<&GpuMatrix>, &wgpu::Buffer),
     s: &Scratch,
-    attn: &Attention,
+    (queries, attn_out): (&wgpu::Buffer, &wgpu::Buffer),
     n: u32,
     f16: bool,
+    with_head: bool,
 ) -> Result<Recording> {
     let (hq, hkv, d) = (c.head_count, c.head_count_kv, c.head_dim);
     let mut rec = Recording { embed: Recorded::default(), attention_inputs: Vec::new(), ffn: Vec::new(), head: Recorded::default() };
@@ -306,7 +348,7 @@ fn record(
     for w in layers {
         let mut p = Recorded::default();
         // With per-head norms (qwen3) the projections land in scratch and the norm writes them.
-        let (q_out, k_out) = if w.qk_norm.is_some() { (&s.q_raw, &s.k_raw) } else { (&attn.queries, &s.k) };
+        let (q_out, k_out) = if w.qk_norm.is_some() { (&s.q_raw, &s.k_raw) } else { (queries, &s.k) };
         // The attention norm is folded into the projections (each token's RMS computed in the
         // product's workgroups).
         let (eps, g) = (c.rms_norm_eps, &w.attn_norm);
@@ -325,29 +367,31 @@ fn record(
         }
         if let Some([gq, gk]) = &w.qk_norm {
             if c.arch.qk_norm_whole() {
-                k.rmsnorm(rt, &mut p, &s.q_raw, gq, &attn.queries, n, hq * d, c.rms_norm_eps);
+                k.rmsnorm(rt, &mut p, &s.q_raw, gq, queries, n, hq * d, c.rms_norm_eps);
                 k.rmsnorm(rt, &mut p, &s.k_raw, gk, &s.k, n, hkv * d, c.rms_norm_eps);
             } else {
-                k.rmsnorm(rt, &mut p, &s.q_raw, gq, &attn.queries, n * hq, d, c.rms_norm_eps);
+                k.rmsnorm(rt, &mut p, &s.q_raw, gq, queries, n * hq, d, c.rms_norm_eps);
                 k.rmsnorm(rt, &mut p, &s.k_raw, gk, &s.k, n * hkv, d, c.rms_norm_eps);
             }
         }
         let neox = c.arch.rope_neox();
-        k.rope_qk(rt, &mut p, &attn.queries, &s.k, &s.positions, n, (hq, hkv), d, c.rope_freq_base, neox);
+        k.rope_qk(rt, &mut p, queries, &s.k, &s.positions, n, (hq, hkv), d, c.rope_freq_base, neox);
         k.kv_pack(rt, &mut p, &s.k, &s.v, &s.kv_words, n, hkv * d, f16)?;
         rec.attention_inputs.push(p);
         let mut p = Recorded::default();
         // A MoE file's layer has no dense FFN: its experts are recorded by `install_moe`.
         if let Some((gate_up, down)) = &w.ffn {
             // The FFN norm folded into the gate/up product, SwiGLU into the down product.
-            k.matvec_add(rt, &mut p, &w.wo, attn.output(), &s.h, n)?;
+            k.matvec_add(rt, &mut p, &w.wo, attn_out, &s.h, n)?;
             k.matvec_norm(rt, &mut p, gate_up, &s.h, &w.ffn_norm, c.rms_norm_eps, &[(&s.gu, 2 * c.feed_forward_length)], n)?;
             k.matvec_swiglu_add(rt, &mut p, down, &s.gu, &s.h, n)?;
         }
         rec.ffn.push(p);
     }
-    let head = output.unwrap_or(embed);
-    k.matvec_norm(rt, &mut rec.head, head, &s.h, out_norm, c.rms_norm_eps, &[(&s.logits, head.rows)], n)?;
+    if with_head {
+        let head = output.unwrap_or(embed);
+        k.matvec_norm(rt, &mut rec.head, head, &s.h, out_norm, c.rms_norm_eps, &[(&s.logits, head.rows)], n)?;
+    }
     Ok(rec)
 }
 
@@ -459,7 +503,9 @@ impl GpuLlama {
                 qkv_bias: if cfg.arch.qkv_bias() {
                     let b = |name: &str| -> Result<wgpu::Buffer> {
                         let v = g.tensor_f32(&format!("blk.{l}.{name}.bias"))?;
-                        Ok(rt.storage_init(&format!("blk.{l}.{name}.bias x seqs"), &v.repeat(n_seqs as usize)))
+                        // Repeated for every token of a step or a prefill chunk.
+                        let copies = n_seqs.max(PREFILL_CHUNK) as usize;
+                        Ok(rt.storage_init(&format!("blk.{l}.{name}.bias x tokens"), &v.repeat(copies)))
                     };
                     Some([b("attn_q")?, b("attn_k")?, b("attn_v")?])
                 } else {
@@ -559,27 +605,20 @@ impl GpuLlama {
             }
             _ => None,
         };
-        let (h, kv, vocab) = (cfg.embedding_length, cfg.head_count_kv * cfg.head_dim, cfg.vocab_size);
-        // A MoE file's dense-FFN scratch serves its shared expert only.
-        let f = if cfg.expert_count == 0 { cfg.feed_forward_length } else { cfg.shared_feed_forward_length.max(1) };
-        let buf = |label: &str, floats: u32| rt.storage(label, u64::from(n_seqs) * u64::from(floats) * 4);
-        let s = Scratch {
-            tokens: buf("model tokens", 1),
-            positions: buf("model positions", 1),
-            h: buf("model h", h),
-            xn: buf("model xn", h),
-            k: buf("model k", kv),
-            v: buf("model v", kv),
-            q_raw: buf("model q before its norm", if cfg.arch.qk_norm() { cfg.head_count * cfg.head_dim } else { 1 }),
-            k_raw: buf("model k before its norm", if cfg.arch.qk_norm() { kv } else { 1 }),
-            kv_words: buf("model kv words", 2 * kv),
-            gu: buf("model gate_up", 2 * f),
-            act: buf("model act", f),
-            shared_gate: buf("model shared expert gate", 1),
-            logits: buf("model logits", vocab),
-        };
+        let s = Scratch::new(rt, &cfg, n_seqs, n_seqs);
         let f16 = pool.cfg.dtype == KvDtype::F16;
-        let recorded = record(rt, &kernels, &cfg, &layers, (&embed, output.as_ref(), &out_norm), &s, &attn, n_seqs, f16)?;
+        let recorded = record(
+            rt,
+            &kernels,
+            &cfg,
+            &layers,
+            (&embed, output.as_ref(), &out_norm),
+            &s,
+            (&attn.queries, attn.output()),
+            n_seqs,
+            f16,
+            true,
+        )?;
         rt.check("model upload")?;
         let native = if cfg.expert_count > 0 { Some(native_experts(rt, g, &cfg)?) } else { None };
         let mut model = GpuLlama {
@@ -604,6 +643,8 @@ impl GpuLlama {
             calibration_tokens: LOW_RANK_CALIBRATION_TOKENS.min(max_context),
             calibration_max: LOW_RANK_CALIBRATION_TOKENS.min(max_context),
             dispatches: 0,
+            io: (embed, output, out_norm),
+            prefill: None,
         };
         if let Some(layers) = native {
             let (e, k) = (model.cfg.expert_count, model.cfg.expert_used_count);
@@ -1001,6 +1042,130 @@ impl GpuLlama {
         self.step += 1;
         self.dispatches = dispatches_encoded() - d0;
         rt.read(&self.s.logits, 0, u64::from(n * c.vocab_size)).await
+    }
+
+    /// Why a prompt cannot be fed in chunks here (then [`GpuLlama::forward`] feeds it token by
+    /// token): chunked prefill runs the dense FFN over raw pages (f16 or f32) with no policy
+    /// acting between tokens, that is no evicting scheduler, QUEST or host tier (they act after
+    /// every token), no page codec, no route stage and no expert FFN. `None` when it can.
+    pub fn chunked_prefill_refusal(&self) -> Option<&'static str> {
+        if self.scheduler.is_some() || self.quest.is_some() || self.flexgen.is_some() {
+            Some("a scheduler acts after every token")
+        } else if self.pool.cfg.codec != Codec::None {
+            Some("a page codec is on")
+        } else if self.labels.is_some() {
+            Some("the route stage labels every token")
+        } else if self.moe.is_some() {
+            Some("the FFN is a mixture of experts")
+        } else {
+            None
+        }
+    }
+
+    /// Feed `ids` to sequence `seq` (from its current position) [`PREFILL_CHUNK`] tokens a
+    /// forward pass: each chunk's Q/K/V for all its tokens in one product per layer, its K/V
+    /// appended to the pool a chunk at a time, causal attention over the sequence's pages
+    /// ([`expertkv_core::attend::prefill`]), the FFN over the chunk; returns the last token's
+    /// logits (`[vocab]`). The other sequences are untouched; the result equals feeding the
+    /// tokens one [`GpuLlama::forward`] at a time, within f32 rounding. Refused, before any GPU
+    /// work, where [`GpuLlama::chunked_prefill_refusal`] says why.
+    pub async fn prefill(&mut self, rt: &Runtime, seq: u32, ids: &[u32]) -> Result<Vec<f32>> {
+        if let Some(why) = self.chunked_prefill_refusal() {
+            return Err(Error::Input(format!("chunked prefill: {why}; feed the prompt token by token")));
+        }
+        if seq >= self.n_seqs || ids.is_empty() {
+            return Err(Error::Input(format!("prefill: {} tokens for sequence {seq} of {}", ids.len(), self.n_seqs)));
+        }
+        if let Some(t) = ids.iter().find(|&&t| t >= self.cfg.vocab_size) {
+            return Err(Error::Input(format!("token id {t} is outside the vocabulary ({})", self.cfg.vocab_size)));
+        }
+        let cap = (self.pool.cfg.ring_capacity - 1) * self.pool.cfg.page_size - self.pool.cfg.page_size;
+        let at = self.positions[seq as usize];
+        if u64::from(at) + ids.len() as u64 > u64::from(cap.min(self.max_context)) {
+            return Err(Error::Input(format!(
+                "prefill: {} tokens from position {at} do not fit the context of {} tokens",
+                ids.len(),
+                cap.min(self.max_context)
+            )));
+        }
+        if self.prefill.is_none() {
+            let group = self.cfg.head_count / self.cfg.head_count_kv;
+            let attn = expertkv_core::attend::prefill::PrefillAttention::new(rt, &self.pool, group, PREFILL_CHUNK).await?;
+            let s = Scratch::new(rt, &self.cfg, PREFILL_CHUNK, 1);
+            let h_last = rt.storage("prefill last hidden", u64::from(self.cfg.embedding_length) * 4);
+            self.prefill = Some(Prefill { attn, s, h_last });
+        }
+        let d0 = dispatches_encoded();
+        for chunk in ids.chunks(PREFILL_CHUNK as usize) {
+            let cbs = self.encode_prefill_chunk(rt, seq, chunk)?;
+            rt.queue.submit(cbs);
+            rt.check("model prefill")?;
+            self.positions[seq as usize] += chunk.len() as u32;
+            self.step += 1;
+        }
+        self.dispatches = (dispatches_encoded() - d0) / ids.len().div_ceil(PREFILL_CHUNK as usize) as u64;
+        self.pool.check_errors(rt, PREFILL_CHUNK * self.cfg.block_count).await?;
+        let Some(pf) = &self.prefill else { unreachable!("made above") };
+        rt.read(&pf.s.logits, 0, u64::from(self.cfg.vocab_size)).await
+    }
+
+    /// One prefill chunk of sequence `seq` recorded into one command buffer (see
+    /// [`GpuLlama::prefill`]).
+    fn encode_prefill_chunk(&mut self, rt: &Runtime, seq: u32, chunk: &[u32]) -> Result<Vec<wgpu::CommandBuffer>> {
+        let c = self.cfg.clone();
+        let n = chunk.len() as u32;
+        let first = self.positions[seq as usize];
+        let k = self.pool.cfg.top_k as usize;
+        let Some(pf) = &mut self.prefill else { return Err(Error::Input("prefill: not set up".into())) };
+        pf.attn.stage(rt, seq, first, n)?;
+        let positions: Vec<u32> = (first..first + n).collect();
+        rt.queue.write_buffer(&pf.s.tokens, 0, bytemuck::cast_slice(chunk));
+        rt.queue.write_buffer(&pf.s.positions, 0, bytemuck::cast_slice(&positions));
+        let new: Vec<NewToken> = (0..c.block_count)
+            .flat_map(|l| {
+                positions.iter().map(move |&position| NewToken {
+                    layer: l,
+                    seq,
+                    position,
+                    experts: (0..k as u32).collect(),
+                    gates: vec![1.0; k],
+                })
+            })
+            .collect();
+        self.pool.stage_append(rt, &new, n, self.step)?;
+        let f16 = self.pool.cfg.dtype == KvDtype::F16;
+        let (embed, output, out_norm) = (&self.io.0, self.io.1.as_ref(), &self.io.2);
+        let Some(pf) = &self.prefill else { return Err(Error::Input("prefill: not set up".into())) };
+        let rec = record(
+            rt,
+            &self.kernels,
+            &c,
+            &self.layers,
+            (embed, output, out_norm),
+            &pf.s,
+            (&pf.attn.queries, pf.attn.output()),
+            n,
+            f16,
+            false,
+        )?;
+        let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("model prefill") });
+        let pass_desc = |label| wgpu::ComputePassDescriptor { label: Some(label), timestamp_writes: None };
+        rec.embed.encode(&mut enc.begin_compute_pass(&pass_desc("prefill embed")));
+        for l in 0..c.block_count {
+            rec.attention_inputs[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("prefill attention inputs")));
+            self.pool.encode_staged_append(&mut enc, l, &pf.s.kv_words, None)?;
+            self.pool.encode_gather_layer(&mut enc, l)?;
+            pf.attn.encode(&mut enc.begin_compute_pass(&pass_desc("prefill attention")), l)?;
+            rec.ffn[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("prefill attention output and FFN")));
+        }
+        // The LM head on the chunk's last token only.
+        let h = u64::from(c.embedding_length) * 4;
+        enc.copy_buffer_to_buffer(&pf.s.h, u64::from(n - 1) * h, &pf.h_last, 0, h);
+        let head = output.unwrap_or(embed);
+        let mut p = Recorded::default();
+        self.kernels.matvec_norm(rt, &mut p, head, &pf.h_last, out_norm, c.rms_norm_eps, &[(&pf.s.logits, head.rows)], 1)?;
+        p.encode(&mut enc.begin_compute_pass(&pass_desc("prefill head")));
+        Ok(vec![enc.finish()])
     }
 
     /// End sequence `seq`: every page of it (all layers, KV heads and shards) back to the free

@@ -256,9 +256,15 @@ impl TextModel {
                 opts.max_tokens
             )));
         }
+        // The prompt in chunks of many tokens a pass where no policy acts between tokens, else
+        // one token a pass.
         let mut logits = Vec::new();
-        for &t in &feed {
-            logits = self.llama.forward(rt, &[t]).await?;
+        if feed.len() > 1 && self.llama.chunked_prefill_refusal().is_none() {
+            logits = self.llama.prefill(rt, 0, &feed).await?;
+        } else {
+            for &t in &feed {
+                logits = self.llama.forward(rt, &[t]).await?;
+            }
         }
         self.unfed = None;
         let ids = prompt_ids;

@@ -14,7 +14,8 @@ use expertkv_model::tokenizer::Tokenizer;
 use crate::common::{rt, seeds};
 
 /// Prompts of different lengths (so sequences finish at different steps and new ones join
-/// mid-batch), three at a time: every prompt's greedy tokens equal a one-sequence run's, with
+/// mid-batch), three at a time, prefilled in chunks where allowed: every prompt's greedy tokens
+/// equal a one-sequence run's, with
 /// f32 K/V, under H2O eviction over f16 K/V (budgets per sequence), and on a MoE file; the pool is
 /// empty once the batch is done, and a batch of one decodes the same.
 #[test]
@@ -63,6 +64,13 @@ fn batched_prompts_decode_as_each_alone() {
                 // Sequences finished at different steps and the waiting prompts joined then.
                 assert!(done.iter().any(|c| c.steps.0 > 0), "{ctx}: no prompt joined mid-batch: {done:?}");
                 assert!(stats.steps < fed, "{ctx}: {} steps for {fed} tokens: not batched", stats.steps);
+            }
+            // Joining prompts are prefilled in chunks (all but their last token) where no policy
+            // acts between tokens; else token by token, and then the short ones finish first.
+            let chunked = m.chunked_prefill_refusal().is_none();
+            let long = prompts.iter().filter(|p| p.len() > 2).count() as u64;
+            assert_eq!(stats.prefill_passes, if chunked { long } else { 0 }, "{ctx}, batch {batch}");
+            if batch > 1 && !chunked {
                 assert_ne!(order, (0..prompts.len()).collect::<Vec<_>>(), "{ctx}: finishing order is prompt order");
             }
             let ctl = pollster::block_on(m.pool.read_ctl(rt)).expect("ctl");

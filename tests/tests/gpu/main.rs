@@ -24,4 +24,5 @@ mod labels;
 mod model;
 mod ops;
 mod pipeline;
+mod prefill;
 mod runtime;
