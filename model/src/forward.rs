@@ -229,6 +229,9 @@ struct Prefill {
     attn: expertkv_core::attend::prefill::PrefillAttention,
     s: Scratch,
     h_last: wgpu::Buffer,
+    /// With experts: the router's scores, the chosen experts, their weights (1 when MoEfied),
+    /// the experts' activations and the choices, for a chunk.
+    moe: Option<[wgpu::Buffer; 5]>,
 }
 
 fn norm_buffer(rt: &Runtime, g: &Gguf<'_>, name: &str) -> Result<wgpu::Buffer> {
@@ -416,11 +419,11 @@ fn attention_output(
     c: &LlamaConfig,
     w: &Layer,
     s: &Scratch,
-    attn: &Attention,
+    attn_out: &wgpu::Buffer,
     n: u32,
     p: &mut Recorded,
 ) -> Result<()> {
-    k.matvec_add(rt, p, &w.wo, attn.output(), &s.h, n)?;
+    k.matvec_add(rt, p, &w.wo, attn_out, &s.h, n)?;
     k.rmsnorm(rt, p, &s.h, &w.ffn_norm, &s.xn, n, c.embedding_length, c.rms_norm_eps);
     Ok(())
 }
@@ -830,7 +833,7 @@ impl GpuLlama {
             // Score the FFN input with the router, take the top k on the GPU, weight the chosen,
             // then evaluate only those experts' neurons.
             let mut p = Recorded::default();
-            attention_output(rt, kern, c, w, s, &self.attn, n, &mut p)?;
+            attention_output(rt, kern, c, w, s, self.attn.output(), n, &mut p)?;
             kern.matvec(rt, &mut p, router, &s.xn, &scores, n)?;
             kern.moe_topk(rt, &mut p, &scores, &sel, &log, l as u32 * n * k, n, e, k)?;
             if native {
@@ -881,7 +884,7 @@ impl GpuLlama {
         let (mut before, mut after) = (Vec::new(), Vec::new());
         for ((centroids, ffn_l), w) in moe.layers.iter().zip(&self.layers) {
             let mut p = Recorded::default();
-            attention_output(rt, kern, c, w, s, &self.attn, n, &mut p)?;
+            attention_output(rt, kern, c, w, s, self.attn.output(), n, &mut p)?;
             kern.matvec(rt, &mut p, centroids, &s.xn, &moe.scores, n)?;
             before.push(p);
             let mut p = Recorded::default();
@@ -1045,9 +1048,10 @@ impl GpuLlama {
     }
 
     /// Why a prompt cannot be fed in chunks here (then [`GpuLlama::forward`] feeds it token by
-    /// token): chunked prefill runs the dense FFN over raw pages (f16 or f32) with no policy
-    /// acting between tokens, that is no evicting scheduler, QUEST or host tier (they act after
-    /// every token), no page codec, no route stage and no expert FFN. `None` when it can.
+    /// token): chunked prefill runs over raw pages (f16 or f32) with no policy acting between
+    /// tokens, that is no evicting scheduler, QUEST or host tier (they act after every token),
+    /// no page codec, no route stage and no pipeline router over the experts (a MoE file's own
+    /// router or a MoEfication's top k is fine). `None` when it can.
     pub fn chunked_prefill_refusal(&self) -> Option<&'static str> {
         if self.scheduler.is_some() || self.quest.is_some() || self.flexgen.is_some() {
             Some("a scheduler acts after every token")
@@ -1055,8 +1059,8 @@ impl GpuLlama {
             Some("a page codec is on")
         } else if self.labels.is_some() {
             Some("the route stage labels every token")
-        } else if self.moe.is_some() {
-            Some("the FFN is a mixture of experts")
+        } else if self.moe.as_ref().is_some_and(|m| m.routed.is_some()) {
+            Some("one of the pipeline's routers chooses the experts step by step")
         } else {
             None
         }
@@ -1093,7 +1097,18 @@ impl GpuLlama {
             let attn = expertkv_core::attend::prefill::PrefillAttention::new(rt, &self.pool, group, PREFILL_CHUNK).await?;
             let s = Scratch::new(rt, &self.cfg, PREFILL_CHUNK, 1);
             let h_last = rt.storage("prefill last hidden", u64::from(self.cfg.embedding_length) * 4);
-            self.prefill = Some(Prefill { attn, s, h_last });
+            let moe = self.moe.as_ref().map(|m| {
+                let (c, e, k) = (u64::from(PREFILL_CHUNK), u64::from(m.n_experts), u64::from(m.top_k));
+                let max_size = u64::from(m.layers.iter().map(|(_, f)| f.max_size).max().unwrap_or(1).max(1));
+                [
+                    rt.storage("prefill moe scores", c * e * 4),
+                    rt.storage("prefill moe sel", c * k * 4),
+                    rt.storage_init("prefill moe weights", &vec![1f32; (c * k) as usize]),
+                    rt.storage("prefill moe act", c * k * max_size * 4),
+                    rt.storage("prefill moe choices", c * k * 4),
+                ]
+            });
+            self.prefill = Some(Prefill { attn, s, h_last, moe });
         }
         let d0 = dispatches_encoded();
         for chunk in ids.chunks(PREFILL_CHUNK as usize) {
@@ -1156,7 +1171,24 @@ impl GpuLlama {
             self.pool.encode_staged_append(&mut enc, l, &pf.s.kv_words, None)?;
             self.pool.encode_gather_layer(&mut enc, l)?;
             pf.attn.encode(&mut enc.begin_compute_pass(&pass_desc("prefill attention")), l)?;
-            rec.ffn[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("prefill attention output and FFN")));
+            match (&self.moe, &pf.moe) {
+                (Some(moe), Some([scores, sel, wts, act, log])) => {
+                    // The experts over the chunk, as `install_moe` records them for a step.
+                    let (w, (router, ffn_l)) = (&self.layers[l as usize], &moe.layers[l as usize]);
+                    let (kern, s, e, k) = (&self.kernels, &pf.s, moe.n_experts, moe.top_k);
+                    let mut p = Recorded::default();
+                    attention_output(rt, kern, &c, w, s, pf.attn.output(), n, &mut p)?;
+                    kern.matvec(rt, &mut p, router, &s.xn, scores, n)?;
+                    kern.moe_topk(rt, &mut p, scores, sel, log, 0, n, e, k)?;
+                    if moe.native {
+                        kern.moe_weights(rt, &mut p, scores, sel, wts, n, e, k, !c.arch.renormalise_top_k())?;
+                    }
+                    kern.moe_ffn(rt, &mut p, ffn_l, &s.xn, sel, wts, act, &s.h, n, k, true)?;
+                    shared_expert(rt, kern, &c, w, s, n, &mut p)?;
+                    p.encode(&mut enc.begin_compute_pass(&pass_desc("prefill attention output and MoE")));
+                }
+                _ => rec.ffn[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("prefill attention output and FFN"))),
+            }
         }
         // The LM head on the chunk's last token only.
         let h = u64::from(c.embedding_length) * 4;

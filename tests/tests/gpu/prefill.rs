@@ -17,24 +17,33 @@ fn max_rel(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// Llama (f32 K/V), Qwen2 (Q/K/V biases, f16 K/V) and Qwen3 (per-head Q/K norms, wider heads)
-/// files: a prompt of more than a chunk (crossing chunk and page boundaries) prefilled in
+/// files, and MoE files (Mixtral-style, OLMoE, Qwen2-MoE): a prompt of more than a chunk (crossing chunk and page boundaries) prefilled in
 /// chunks gives the last token's logits of feeding it one token per forward pass, and the
 /// decode steps after it agree too (the pool holds every prompt token at its position).
 #[test]
 fn chunked_prefill_equals_token_by_token() {
     let rt = rt();
-    let cases = [(Arch::Llama, KvDtype::F32), (Arch::Qwen2, KvDtype::F16), (Arch::Qwen3, KvDtype::F32)];
-    for ((arch, dtype), seed) in cases.into_iter().zip(seeds("model_prefill", 3)) {
+    // (architecture, K/V, experts): dense files, then MoE files (Mixtral-style, OLMoE's gating,
+    // Qwen2-MoE's shared expert), whose experts run over the whole chunk.
+    let cases = [
+        (Arch::Llama, KvDtype::F32, 0),
+        (Arch::Qwen2, KvDtype::F16, 0),
+        (Arch::Qwen3, KvDtype::F32, 0),
+        (Arch::Llama, KvDtype::F16, 8),
+        (Arch::Olmoe, KvDtype::F32, 8),
+        (Arch::Qwen2Moe, KvDtype::F32, 8),
+    ];
+    for ((arch, dtype, experts), seed) in cases.into_iter().zip(seeds("model_prefill", cases.len() as u64)) {
         let mut rng = Rng::new(seed);
         let head_dim = (arch == Arch::Qwen3).then_some(64);
-        let spec =
-            SyntheticModel { arch, untied_output: true, heads: 4, kv_heads: 2, head_dim, context: 256, ..SyntheticModel::dense(seed) }
-                .with_weights(GgmlType::Q8_0);
+        let base = if experts > 0 { SyntheticModel::moe(seed, experts, 2) } else { SyntheticModel::dense(seed) };
+        let spec = SyntheticModel { arch, untied_output: true, heads: 4, kv_heads: 2, head_dim, context: 256, ..base }
+            .with_weights(GgmlType::Q8_0);
         let file = spec.gguf();
         let g = Gguf::parse(&file).expect("gguf");
         let n = PREFILL_CHUNK + 20 + rng.below(7);
         let ids: Vec<u32> = (0..n).map(|_| rng.below(256)).collect();
-        let ctx = format!("seed {seed}: {arch:?} {dtype:?}, {n} prompt tokens");
+        let ctx = format!("seed {seed}: {arch:?} {dtype:?}, {experts} experts, {n} prompt tokens");
         let opts = ModelOptions::new(1, 200).dtype(dtype);
         let mut one = pollster::block_on(GpuLlama::load(rt, &g, opts.clone())).expect("load");
         let mut want = Vec::new();
