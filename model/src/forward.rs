@@ -7,11 +7,11 @@
 //! A step is one submission ([`GpuLlama::forward`]): nothing of a layer crosses to the host;
 //! the host writes the token ids, positions and the append's records, and reads the logits (and,
 //! MoEfied, the experts chosen). Sequences decode together (one token each per step, up to
-//! [`MATVEC_MAX_TOKENS`]).
+//! [`MAX_SEQS`]).
 
 use crate::labels::{KvLabels, KvRouting, LabelSource, ScoreInputs};
 use crate::moe::Moefication;
-use crate::ops::{GpuMatrix, MATVEC_MAX_TOKENS, ModelKernels, MoeFfn, Recorded, WeightFormat};
+use crate::ops::{GpuMatrix, ModelKernels, MoeFfn, Recorded, WeightFormat};
 use crate::{Error, Result};
 use crate::{config::LlamaConfig, gguf::Gguf};
 use expertkv_core::append::KvPool;
@@ -199,7 +199,7 @@ pub struct GpuLlama {
     s: Scratch,
     recorded: Recording,
     moe: Option<GpuMoe>,
-    /// Sequences decoded together (1 to [`MATVEC_MAX_TOKENS`]): [`GpuLlama::forward`] takes exactly
+    /// Sequences decoded together (1 to [`MAX_SEQS`]): [`GpuLlama::forward`] takes exactly
     /// this many tokens, one per sequence.
     pub n_seqs: u32,
     /// Next position of every sequence.
@@ -219,6 +219,10 @@ pub struct GpuLlama {
     /// Chunked prefill's attention and scratch, made by the first [`GpuLlama::prefill`].
     prefill: Option<Prefill>,
 }
+
+/// Sequences one model decodes together at most (the matrix-vector kernel takes them in
+/// groups of [`crate::ops::MATVEC_MAX_TOKENS`]).
+pub const MAX_SEQS: u32 = 64;
 
 /// Tokens of a prompt one [`GpuLlama::prefill`] pass takes at most.
 pub const PREFILL_CHUNK: u32 = 64;
@@ -259,7 +263,7 @@ fn matrix(rt: &Runtime, g: &Gguf<'_>, names: &[&str]) -> Result<GpuMatrix> {
 /// How [`GpuLlama::load`] sets the model's K/V pool up.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelOptions {
-    /// Sequences decoded together (1 to [`MATVEC_MAX_TOKENS`]).
+    /// Sequences decoded together (1 to [`MAX_SEQS`]).
     pub n_seqs: u32,
     /// Tokens per sequence the pool holds.
     pub max_context: u32,
@@ -471,8 +475,8 @@ impl GpuLlama {
             }
         }
         let (n_shards, top_k, shard_map) = routing.as_ref().map_or((1, 1, ShardMap::ByExpert), |r| (r.n_shards, r.top_k, r.shard_map));
-        if n_seqs == 0 || n_seqs > MATVEC_MAX_TOKENS {
-            return Err(Error::config("seqs", n_seqs, format!("the model decodes 1 to {MATVEC_MAX_TOKENS} sequences together")));
+        if n_seqs == 0 || n_seqs > MAX_SEQS {
+            return Err(Error::config("seqs", n_seqs, format!("the model decodes 1 to {MAX_SEQS} sequences together")));
         }
         if cfg.rope_dimension_count != cfg.head_dim {
             return Err(Error::Model(format!(

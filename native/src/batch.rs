@@ -5,15 +5,15 @@ use anyhow::{Context, Result, bail};
 use expertkv_core::runtime::Runtime;
 use expertkv_model::batch::BatchDecoder;
 use expertkv_model::forward::GpuLlama;
-use expertkv_model::ops::MATVEC_MAX_TOKENS;
+use expertkv_model::forward::MAX_SEQS;
 use expertkv_model::tokenizer::Tokenizer;
 
 use crate::run::RunArgs;
 
 /// The prompts of `--prompts` (one per non-blank line), or `None` without it; `--batch` checked.
 pub fn prompts(a: &RunArgs) -> Result<Option<Vec<String>>> {
-    if a.batch == 0 || a.batch > MATVEC_MAX_TOKENS {
-        bail!("--batch {}: expected 1 to {MATVEC_MAX_TOKENS} sequences", a.batch);
+    if a.batch == 0 || a.batch > MAX_SEQS {
+        bail!("--batch {}: expected 1 to {MAX_SEQS} sequences", a.batch);
     }
     let Some(path) = &a.prompts else {
         if a.batch > 1 {

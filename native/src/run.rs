@@ -90,7 +90,7 @@ pub struct RunArgs {
     /// end-of-sequence.
     #[arg(long, value_name = "FILE")]
     pub prompts: Option<std::path::PathBuf>,
-    /// Sequences decoded together with --prompts (1 to 8).
+    /// Sequences decoded together with --prompts (1 to 64).
     #[arg(long, default_value_t = 1)]
     pub batch: u32,
 }

@@ -265,7 +265,7 @@ fn synth_writes_a_model_run_decodes() {
     );
     for (args, needle) in [
         (&["--batch", "2"][..], "--batch 2 decodes the prompts of --prompts FILE"),
-        (&["--prompts", pf, "--batch", "9"][..], "--batch 9: expected 1 to 8"),
+        (&["--prompts", pf, "--batch", "65"][..], "--batch 65: expected 1 to 64"),
     ] {
         let o = expertkv(&[&["run", "--model", p][..], args].concat());
         let err = String::from_utf8_lossy(&o.stderr);
