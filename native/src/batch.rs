@@ -21,9 +21,6 @@ pub fn prompts(a: &RunArgs) -> Result<Option<Vec<String>>> {
         }
         return Ok(None);
     };
-    if a.time_steps > 0 {
-        bail!("--time-steps times one sequence's decode: not with --prompts");
-    }
     let text = std::fs::read_to_string(path).with_context(|| format!("cannot read the prompts {}", path.display()))?;
     let prompts: Vec<String> = text.lines().filter(|l| !l.trim().is_empty()).map(str::to_string).collect();
     if prompts.is_empty() {
@@ -82,6 +79,12 @@ pub fn run(rt: &Runtime, m: &mut GpuLlama, tok: &Tokenizer, prompts: &[String], 
         j["kv_pages_in_use_after"] = used.into();
         j["adapter"] = rt.info.name.clone().into();
         println!("{j}");
+    }
+    if a.time_steps > 0 {
+        // Every sequence decoding at once, back to back, from empty (the batch released them).
+        let token = done.first().and_then(|c| c.generated_ids.first()).copied().unwrap_or(0);
+        let r = pollster::block_on(m.time_steps(rt, token, a.time_steps))?;
+        println!("{r}");
     }
     Ok(())
 }

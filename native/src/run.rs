@@ -28,7 +28,7 @@ pub struct RunArgs {
     pub tokens: u32,
     /// After generating, time this many more decode steps submitted back to back (nothing read
     /// between them, as a serving loop runs) and print the decode speed as JSON; needs no
-    /// evicting scheduler [default: 0, off].
+    /// evicting scheduler; with --prompts, every sequence of the batch decodes [default: 0, off].
     #[arg(long, default_value_t = 0)]
     pub time_steps: u32,
     /// The model: a GGUF file (llama, qwen2, qwen3, qwen3moe, olmoe or qwen2moe architecture) [default: models/SmolLM2-135M-Instruct.Q4_1.gguf,
@@ -444,6 +444,8 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
             "text": out.text,
             "stop": format!("{:?}", out.stop),
             "prefill_s": prefill_s,
+            "prefill_tokens_per_s": prompt.len() as f64 / prefill_s.max(1e-9),
+            "prefill_chunked": m.chunked_prefill_refusal().is_none() && prompt.len() > 1,
             "decode_s": decode_s,
             "tokens_per_s": generated.len() as f64 / decode_s.max(1e-9),
             "dispatches_per_token": m.dispatches_per_step(),
