@@ -24,7 +24,7 @@ IDS=$(echo "$J" | grep '"prompt_ids"' | python3 -c 'import json,sys; print(",".j
 python3 bench/torch_model.py --model "$M" --ids "$IDS" --tokens 32 --bench --batch 1,32 --prefill 2048 --steps 64
 echo "$J" | grep '"generated_ids"' | python3 -c 'import json,sys; print("expertkv generated_ids", json.load(sys.stdin)["generated_ids"])'
 # Batch 32: 32 prompts (lines of the shipped text), then every sequence decoding back to back.
-head -c 60000 bench/data/harbour_town.txt | tr -s '\n' '\n' | grep -v '^$' | head -32 | cut -c1-200 > /tmp/prompts32.txt
+python3 -c 'import re; t=open("bench/data/harbour_town.txt").read(); s=[x.strip() for x in re.split(r"(?<=[.!?])\s+", t) if len(x.split()) > 4]; print("\n".join(s[:32]))' > /tmp/prompts32.txt
 $B run --model "$M" --prompts /tmp/prompts32.txt --batch 32 --tokens 16 --time-steps 400 --json 2>&1 | tail -2
 # A 2048-token prompt, prefilled in chunks.
 LONG=$(python3 -c 'import sys; t=open("bench/data/harbour_town.txt").read(); print(" ".join(t.split()[:1500]))')

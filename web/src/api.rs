@@ -9,7 +9,12 @@
 //! const out = await generate('The capital of France is', { maxTokens: 16 },
 //!                            (text, id) => { output.textContent += text; });   // return false to stop
 //! console.log(out.tokens, out.text, await stats());
+//! await showViewer('canvas-id');  // optional, any time: the viewer beside the model
 //! ```
+//!
+//! With the viewer shown (`showViewer`, `model_view.rs`), `loadModel` starts its run and
+//! `generate` decodes one token a call into the model, sending the viewer a snapshot of the pool
+//! after each (the same tokens as without it).
 //!
 //! Options are plain objects; a field this API does not know is an error naming it (nothing is
 //! ignored). Every error rejects the promise with a message (a `string`). One call at a time: a
@@ -19,7 +24,10 @@ use std::cell::RefCell;
 use std::rc::Rc;
 
 use expertkv_core::{Runtime, RuntimeOptions};
-use expertkv_model::text::{GenerateOptions, KvPolicy, Stop, TextModel};
+use expertkv_model::text::{GenerateOptions, Generation, KvPolicy, Piece, Stop, TextModel};
+use expertkv_viewer::Event;
+
+use crate::model_view;
 use wasm_bindgen::prelude::*;
 
 /// The page's one runtime and model. The model is taken out while a call uses it, so a second
@@ -110,6 +118,10 @@ pub async fn load_model(bytes: Vec<u8>, policy: JsValue) -> Result<JsValue, JsVa
         "scheduler": model.llama().scheduler.as_ref().map(|s| s.cfg.name()),
         "codec": model.llama().pool.cfg.codec.name(),
     });
+    if model_view::shown() {
+        model_view::send(Event::Started(Box::new(model_view::run_info(&rt, &model, "the GGUF file given to loadModel"))));
+        model_view::send(Event::Ready);
+    }
     STATE.with(|s| {
         let mut s = s.borrow_mut();
         s.model = Some(model);
@@ -130,20 +142,23 @@ pub async fn generate(prompt: String, opts: JsValue, on_token: Option<js_sys::Fu
         return Err(err("generate: no model loaded (call loadModel first)"));
     };
     let mut callback_error = None;
-    let out = model
-        .generate(&rt, &prompt, &opts, |piece| {
-            let Some(f) = &on_token else {
-                return true;
-            };
-            match f.call2(&JsValue::NULL, &JsValue::from_str(&piece.text), &JsValue::from(piece.id)) {
-                Ok(v) => v.as_bool() != Some(false),
-                Err(e) => {
-                    callback_error = Some(e);
-                    false
-                }
+    let mut on_piece = |piece: &Piece| {
+        let Some(f) = &on_token else {
+            return true;
+        };
+        match f.call2(&JsValue::NULL, &JsValue::from_str(&piece.text), &JsValue::from(piece.id)) {
+            Ok(v) => v.as_bool() != Some(false),
+            Err(e) => {
+                callback_error = Some(e);
+                false
             }
-        })
-        .await;
+        }
+    };
+    let out = if model_view::shown() && opts.max_tokens > 0 {
+        generate_viewed(&rt, &mut model, &prompt, &opts, &mut on_piece).await
+    } else {
+        model.generate(&rt, &prompt, &opts, &mut on_piece).await
+    };
     STATE.with(|s| s.borrow_mut().model = Some(model));
     end();
     if let Some(e) = callback_error {
@@ -156,6 +171,39 @@ pub async fn generate(prompt: String, opts: JsValue, on_token: Option<js_sys::Fu
         "promptTokens": out.prompt_tokens,
         "stop": match out.stop { Stop::MaxTokens => "maxTokens", Stop::Eos => "eos", Stop::Callback => "callback" },
     }))
+}
+
+/// [`TextModel::generate`] one token a call, with the viewer sent a snapshot of the pool after
+/// each (the same tokens: a call continues the sequence where the last one stopped). The text is
+/// decoded whole at the end, so a character split across tokens comes out whole there.
+async fn generate_viewed(
+    rt: &Runtime,
+    model: &mut TextModel,
+    prompt: &str,
+    opts: &GenerateOptions,
+    on_piece: &mut impl FnMut(&Piece) -> bool,
+) -> expertkv_core::Result<Generation> {
+    let mut out = Generation { prompt_tokens: 0, tokens: Vec::new(), text: String::new(), stop: Stop::MaxTokens };
+    let mut shown = prompt.to_string();
+    let one = GenerateOptions { max_tokens: 1, stop_at_eos: opts.stop_at_eos };
+    for i in 0..opts.max_tokens {
+        let g = model.generate(rt, if i == 0 { prompt } else { "" }, &one, &mut *on_piece).await?;
+        if i == 0 {
+            out.prompt_tokens = g.prompt_tokens;
+        }
+        out.tokens.extend(&g.tokens);
+        shown.push_str(&g.text);
+        match model_view::snapshot(rt, model, shown.clone()).await {
+            Ok(snap) => model_view::send(Event::Step(Box::new(snap))),
+            Err(e) => model_view::send(Event::Error(format!("capturing the pool: {e}"))),
+        }
+        if g.stop != Stop::MaxTokens {
+            out.stop = g.stop;
+            break;
+        }
+    }
+    out.text = String::from_utf8_lossy(&model.tokenizer().decode_bytes(&out.tokens)?).into_owned();
+    Ok(out)
 }
 
 /// The loaded model's K/V: `{contextTokens, maxContext, pagesInUse, kvBytesInUse,

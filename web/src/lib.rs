@@ -42,6 +42,8 @@ pub fn version() -> &'static str {
 #[cfg(target_arch = "wasm32")]
 mod api;
 #[cfg(target_arch = "wasm32")]
+mod model_view;
+#[cfg(target_arch = "wasm32")]
 mod wasm;
 
 #[cfg(test)]

@@ -13,7 +13,8 @@
 //    a small synthetic GGUF file served at /data/model.gguf under H2O, generate() streaming
 //    through its callback, stats(); the generated token ids must equal the native `expertkv run
 //    --json` of the same file, prompt and policy (API.json: {prompt, tokens, policy,
-//    generated_ids}), and bad options must be refused with a message naming them. Skipped when
+//    generated_ids}), the viewer beside the model (showViewer) must have drawn one snapshot per
+//    generated token, and bad options must be refused with a message naming them. Skipped when
 //    API.json is not given.
 // Exit status 0 only when all hold.
 import { chromium } from 'playwright-core';
@@ -152,7 +153,13 @@ async function withApi() {
       const out = await api.generate(want.prompt, { maxTokens: want.tokens }, (text, id) => { streamed.push(id); });
       const stats = await api.stats();
       const badOption = await refused(() => api.generate('x', { maxTokenz: 3 }, null));
-      return { adapter, info, out, streamed, stats, early, misspelt, badOption };
+      // The viewer beside the model drew a snapshot per generated token.
+      const t0 = performance.now();
+      while (!(window.expertkvViewer && window.expertkvViewer.steps >= out.tokens.length) && performance.now() - t0 < 30000) {
+        await new Promise((res) => setTimeout(res, 100));
+      }
+      const viewerSteps = window.expertkvViewer ? window.expertkvViewer.steps : null;
+      return { adapter, info, out, streamed, stats, early, misspelt, badOption, viewerSteps };
       } catch (e) {
         return { error: String(e) };
       }
@@ -161,6 +168,9 @@ async function withApi() {
       fail(`the JS API failed: ${r.error}`);
       return;
     }
+    const modelShot = shot.replace(/\.png$/, '-model.png');
+    await page.screenshot({ path: modelShot, fullPage: true });
+    console.log(`screenshot of the model with the viewer: ${modelShot}`);
     console.log(`API on ${r.adapter}: ${r.info.layers} layers, generated ${JSON.stringify(r.out.tokens)}; native ${JSON.stringify(want.generated_ids)}`);
     console.log(`API stats: ${JSON.stringify(r.stats).slice(0, 160)}`);
     if (JSON.stringify(r.out.tokens) !== JSON.stringify(want.generated_ids)) fail('the API\'s tokens differ from the native run\'s');
@@ -168,6 +178,7 @@ async function withApi() {
     if (r.stats.contextTokens !== r.out.promptTokens + r.out.tokens.length - 1) fail(`stats: ${JSON.stringify(r.stats)}`);
     if (r.info.scheduler !== 'h2o' || !(r.stats.evicted > 0)) fail(`the policy did not reach the model: ${JSON.stringify(r.info)}, ${JSON.stringify(r.stats)}`);
     if (new Set(r.out.tokens).size < 4) fail(`a degenerate model: ${JSON.stringify(r.out.tokens)}`);
+    if (r.viewerSteps !== r.out.tokens.length) fail(`the viewer beside the model drew ${r.viewerSteps} steps, not ${r.out.tokens.length}`);
     if (!/loadModel first/.test(r.early || '')) fail(`generate before loadModel: ${r.early}`);
     if (!/sheduler/.test(r.misspelt || '')) fail(`a misspelt option: ${r.misspelt}`);
     if (!/maxTokenz/.test(r.badOption || '')) fail(`an unknown generate option: ${r.badOption}`);
