@@ -69,23 +69,12 @@ pub async fn show_viewer(canvas_id: String) -> Result<(), JsValue> {
     if VIEW.with(|v| v.borrow().is_some()) {
         return Err(JsValue::from_str("showViewer: the viewer is already shown"));
     }
-    let document = web_sys::window().and_then(|w| w.document()).ok_or_else(|| JsValue::from_str("no document"))?;
-    let canvas = document
-        .get_element_by_id(&canvas_id)
-        .ok_or_else(|| JsValue::from_str(&format!("showViewer: no element with id `{canvas_id}`")))?
-        .dyn_into::<web_sys::HtmlCanvasElement>()
-        .map_err(|_| JsValue::from_str(&format!("showViewer: `{canvas_id}` is not a canvas")))?;
+    let canvas =
+        crate::wasm::canvas(&canvas_id).map_err(|e| JsValue::from_str(&format!("showViewer: {}", e.as_string().unwrap_or_default())))?;
     let shared = Rc::new(RefCell::new(Shared::default()));
-    let mut options = eframe::WebOptions::default();
     // WebGL2 for the drawing: headless Chromium on SwiftShader loses its WebGPU instance when a
     // page presents WebGPU frames, which would take the model's device down (see wasm.rs).
-    options.wgpu_options.wgpu_setup = eframe::egui_wgpu::WgpuSetup::CreateNew(eframe::egui_wgpu::WgpuSetupCreateNew {
-        instance_descriptor: wgpu::InstanceDescriptor {
-            backends: wgpu::Backends::GL,
-            ..wgpu::InstanceDescriptor::new_without_display_handle()
-        },
-        ..eframe::egui_wgpu::WgpuSetupCreateNew::without_display_handle()
-    });
+    let options = crate::wasm::web_options(wgpu::Backends::GL);
     let app_shared = shared.clone();
     let viewer = Viewer::new(&DemoConfig::default(), true);
     eframe::WebRunner::new()

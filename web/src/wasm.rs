@@ -104,6 +104,27 @@ async fn sleep(ms: i32) {
     let _ = wasm_bindgen_futures::JsFuture::from(promise).await;
 }
 
+/// The page's canvas with id `id`, or an error naming it.
+pub(crate) fn canvas(id: &str) -> Result<web_sys::HtmlCanvasElement, JsValue> {
+    let document = web_sys::window().and_then(|w| w.document()).ok_or_else(|| JsValue::from_str("no document"))?;
+    document
+        .get_element_by_id(id)
+        .ok_or_else(|| JsValue::from_str(&format!("no element with id `{id}`")))?
+        .dyn_into::<web_sys::HtmlCanvasElement>()
+        .map_err(|_| JsValue::from_str(&format!("`{id}` is not a canvas")))
+}
+
+/// eframe's options for a viewer drawn through `backends` (a wgpu instance of its own, apart
+/// from the engine's device).
+pub(crate) fn web_options(backends: wgpu::Backends) -> eframe::WebOptions {
+    let mut options = eframe::WebOptions::default();
+    options.wgpu_options.wgpu_setup = eframe::egui_wgpu::WgpuSetup::CreateNew(eframe::egui_wgpu::WgpuSetupCreateNew {
+        instance_descriptor: wgpu::InstanceDescriptor { backends, ..wgpu::InstanceDescriptor::new_without_display_handle() },
+        ..eframe::egui_wgpu::WgpuSetupCreateNew::without_display_handle()
+    });
+    options
+}
+
 /// Start the demo on the canvas with id `canvas_id`: `steps` replaces the shipped step count
 /// (0 keeps it); `paused` opens with the pipeline held (Step and Run in the viewer);
 /// `renderer` is the backend the viewer draws with, `webgl` (default) or `webgpu`.
@@ -115,12 +136,7 @@ async fn sleep(ms: i32) {
 pub async fn start(canvas_id: String, steps: u32, paused: bool, renderer: String) -> Result<(), JsValue> {
     let _ = eframe::WebLogger::init(log::LevelFilter::Warn);
     let cfg = crate::browser_config((steps > 0).then_some(steps)).map_err(|e| JsValue::from_str(&e))?;
-    let document = web_sys::window().and_then(|w| w.document()).ok_or_else(|| JsValue::from_str("no document"))?;
-    let canvas = document
-        .get_element_by_id(&canvas_id)
-        .ok_or_else(|| JsValue::from_str(&format!("no element with id `{canvas_id}`")))?
-        .dyn_into::<web_sys::HtmlCanvasElement>()
-        .map_err(|_| JsValue::from_str(&format!("`{canvas_id}` is not a canvas")))?;
+    let canvas = canvas(&canvas_id)?;
     let shared = Rc::new(RefCell::new(Shared::default()));
     let running = !paused;
     let viewer = Viewer::new(&cfg, running);
@@ -129,16 +145,11 @@ pub async fn start(canvas_id: String, steps: u32, paused: bool, renderer: String
         "webgpu" => wgpu::Backends::BROWSER_WEBGPU,
         other => return Err(JsValue::from_str(&format!("renderer `{other}`: allowed values are webgl, webgpu"))),
     };
-    let mut options = eframe::WebOptions::default();
-    options.wgpu_options.wgpu_setup = eframe::egui_wgpu::WgpuSetup::CreateNew(eframe::egui_wgpu::WgpuSetupCreateNew {
-        instance_descriptor: wgpu::InstanceDescriptor { backends: view_backends, ..wgpu::InstanceDescriptor::new_without_display_handle() },
-        ..eframe::egui_wgpu::WgpuSetupCreateNew::without_display_handle()
-    });
     let app_shared = shared.clone();
     eframe::WebRunner::new()
         .start(
             canvas,
-            options,
+            web_options(view_backends),
             Box::new(move |cc| {
                 app_shared.borrow_mut().ctx = Some(cc.egui_ctx.clone());
                 Ok(Box::new(WebApp { viewer, shared: app_shared }))

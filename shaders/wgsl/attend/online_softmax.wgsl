@@ -1,5 +1,5 @@
 // The online-softmax step of the portable split kernels (attend/split_tiled, split_codec,
-// split_lowrank): a page's scores, one row of `p_sh` per query head, become probabilities
+// split_lowrank, prefill): a page's scores, one row of `p_sh` per query head, become probabilities
 // relative to the head's running maximum, and the head's running (m, l) absorb them (the merge
 // of attend/merge.wgsl, one page at a time). `f_sh` keeps the factor exp(m_old - m_new) that
 // the caller applies to its value accumulators.
@@ -26,7 +26,10 @@ fn online_softmax_page(t: u32, n_heads: u32, fill: u32) {
         let f = exp(m_sh[t] - m_new);
         var sum = 0.0;
         for (var s = 0u; s < fill; s++) {
-            let p = exp(p_sh[t * SOFTMAX_MAX_PAGE + s] - m_new);
+            // A score of NEG_BIG is a masked slot (attend/prefill's causal mask): probability 0,
+            // also while every slot so far was masked (m_new still NEG_BIG).
+            let sc = p_sh[t * SOFTMAX_MAX_PAGE + s];
+            let p = select(0.0, exp(sc - m_new), sc > NEG_BIG);
             p_sh[t * SOFTMAX_MAX_PAGE + s] = p;
             sum += p;
         }

@@ -11,6 +11,7 @@
 //!import common/window.wgsl
 //!import attend/common.wgsl
 //!import attend/merge.wgsl
+//!import attend/online_softmax.wgsl
 
 // must match `PrefillParams` in core/src/gpu_data.rs
 struct PrefillParams {
@@ -38,10 +39,6 @@ const MAX_PAGE: u32 = 64u;
 const MAX_PAIRS: u32 = 16u;  // MAX_GROUP * MAX_DIM / 2 / WG
 
 var<workgroup> q_sh: array<f32, 2048>;  // [group][d], pre-scaled
-var<workgroup> p_sh: array<f32, 512>;   // [group][slot]: scores, then probabilities (0 when masked)
-var<workgroup> m_sh: array<f32, 8>;
-var<workgroup> l_sh: array<f32, 8>;
-var<workgroup> f_sh: array<f32, 8>;
 var<workgroup> fill_sh: u32;
 var<workgroup> count_sh: u32;
 
@@ -122,33 +119,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
         }
         workgroupBarrier();
 
-        // Online softmax per query head over the page's visible slots.
-        if (t < G) {
-            var mx = NEG_BIG;
-            for (var s = 0u; s < fill; s++) {
-                mx = max(mx, p_sh[t * MAX_PAGE + s]);
-            }
-            let m_new = max(m_sh[t], mx);
-            var f = 1.0;
-            var sum = 0.0;
-            if (m_new > NEG_BIG) {
-                f = exp(m_sh[t] - m_new);
-                for (var s = 0u; s < fill; s++) {
-                    let sc = p_sh[t * MAX_PAGE + s];
-                    let p = select(0.0, exp(sc - m_new), sc > NEG_BIG);
-                    p_sh[t * MAX_PAGE + s] = p;
-                    sum += p;
-                }
-            } else {
-                for (var s = 0u; s < fill; s++) {
-                    p_sh[t * MAX_PAGE + s] = 0.0;
-                }
-            }
-            l_sh[t] = l_sh[t] * f + sum;
-            m_sh[t] = m_new;
-            f_sh[t] = f;
-        }
-        workgroupBarrier();
+        // Online softmax per query head over the page's slots (a masked one weighs 0).
+        online_softmax_page(t, G, fill);
 
         // Fold the page's values into the accumulators.
         for (var k = 0u; k < MAX_PAIRS; k++) {
