@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""The PyTorch baseline of `expertkv run`: the same GGUF model (llama, qwen2, qwen3; dense)
-read from the same file, every weight dequantised to f16 (f32 with --dtype f32 or on the CPU),
+"""The PyTorch baseline of `expertkv run`: the same GGUF model (llama, qwen2, qwen3; dense, or
+llama with Mixtral-style experts) read from the same file, every weight dequantised to f16 (f32 with --dtype f32 or on the CPU),
 attention by SDPA over a static KV cache, greedy decoding.
 
 What it prints (JSON lines):
@@ -10,8 +10,10 @@ What it prints (JSON lines):
 - with --bench (CUDA): decode tokens/s at --batch sizes, eager and captured in a CUDA graph, and
   the prefill of --prefill tokens in one pass, timed with CUDA events (median of --reps).
 
-The GGUF reader covers the header, metadata, tensor table and the F32, F16, BF16, Q8_0, Q4_0
-and Q4_1 blocks (ggml's layouts); another tensor type is refused by name.
+The GGUF reader covers the header, metadata, tensor table and the F32, F16, BF16, Q8_0, Q4_0,
+Q4_1 and Q4_K blocks (ggml's layouts); another tensor type is refused by name. Experts run as
+gpt-fast's MoE layer does: the chosen experts' weights gathered per token (a step CUDA graphs
+can capture), weighted by the softmax of their router logits renormalised over the top k.
 """
 
 import argparse
@@ -19,7 +21,7 @@ import json
 import struct
 import sys
 
-GGML = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 30: "BF16"}
+GGML = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 30: "BF16"}
 
 
 def read_gguf(path):
@@ -85,7 +87,10 @@ def read_gguf(path):
         n = 1
         for d in dims:
             n *= d
-        size = {"F32": 4 * n, "F16": 2 * n, "BF16": 2 * n, "Q8_0": n // 32 * 34, "Q4_0": n // 32 * 18, "Q4_1": n // 32 * 20}[GGML[t]]
+        size = {
+            "F32": 4 * n, "F16": 2 * n, "BF16": 2 * n, "Q8_0": n // 32 * 34, "Q4_0": n // 32 * 18, "Q4_1": n // 32 * 20,
+            "Q4_K": n // 256 * 144,
+        }[GGML[t]]
         tensors[name] = (dims, t, data[base + off : base + off + size])
     return meta, tensors
 
@@ -118,6 +123,25 @@ def dequant(np, dims, t, raw, name):
         else:
             m = b[:, 2:4].copy().view("<f2").astype(np.float32)
             v = (d * q + m).reshape(-1)
+    elif kind == "Q4_K":
+        b = np.frombuffer(raw, dtype=np.uint8).reshape(-1, 144)
+        d = b[:, 0:2].copy().view("<f2").astype(np.float32)
+        dmin = b[:, 2:4].copy().view("<f2").astype(np.float32)
+        sc, qs = b[:, 4:16].astype(np.uint32), b[:, 16:144]
+        # ggml's get_scale_min_k4: sub-blocks 0-3 in the low 6 bits of bytes 0-3 (scales) and
+        # 4-7 (minimums); 4-7 in the nibbles of bytes 8-11 and the top 2 bits of bytes 0-7.
+        scale = np.empty((b.shape[0], 8), np.float32)
+        mins = np.empty((b.shape[0], 8), np.float32)
+        for j in range(4):
+            scale[:, j], mins[:, j] = sc[:, j] & 63, sc[:, j + 4] & 63
+            scale[:, j + 4] = (sc[:, j + 8] & 15) | ((sc[:, j] >> 6) << 4)
+            mins[:, j + 4] = (sc[:, j + 8] >> 4) | ((sc[:, j + 4] >> 6) << 4)
+        v = np.empty((b.shape[0], 256), np.float32)
+        for j in range(4):
+            q = qs[:, 32 * j : 32 * j + 32]
+            for half, sub in ((q & 15, 2 * j), (q >> 4, 2 * j + 1)):
+                v[:, 32 * sub : 32 * sub + 32] = d * scale[:, sub : sub + 1] * half - dmin * mins[:, sub : sub + 1]
+        v = v.reshape(-1)
     return v.reshape(list(reversed(dims)))
 
 
@@ -127,8 +151,10 @@ class Model:
         arch = meta["general.architecture"]
         if arch not in ("llama", "qwen2", "qwen3"):
             raise SystemExit(f"architecture `{arch}`: this baseline runs llama, qwen2 and qwen3 (dense)")
-        if meta.get(f"{arch}.expert_count", 0):
-            raise SystemExit("a MoE file: this baseline runs dense models")
+        self.experts = meta.get(f"{arch}.expert_count", 0)
+        self.top_k = meta.get(f"{arch}.expert_used_count", 0)
+        if self.experts and arch != "llama":
+            raise SystemExit(f"{arch} with experts: this baseline runs llama's (Mixtral-style) experts")
         k = lambda key, default=None: meta.get(f"{arch}.{key}", default)
         self.torch, self.device, self.dtype, self.arch = torch, device, dtype, arch
         self.hidden = k("embedding_length")
@@ -156,15 +182,20 @@ class Model:
                 "qkv": torch.cat([w(n("attn_q.weight")), w(n("attn_k.weight")), w(n("attn_v.weight"))]),
                 "wo": w(n("attn_output.weight")),
                 "ffn_norm": w(n("ffn_norm.weight"), True),
-                "gate_up": torch.cat([w(n("ffn_gate.weight")), w(n("ffn_up.weight"))]),
-                "down": w(n("ffn_down.weight")),
             }
+            if self.experts:
+                # [E, ffn, hidden] gate and up, [E, hidden, ffn] down, [E, hidden] router.
+                b["router"] = w(n("ffn_gate_inp.weight"), True)
+                b["gate_e"], b["up_e"], b["down_e"] = w(n("ffn_gate_exps.weight")), w(n("ffn_up_exps.weight")), w(n("ffn_down_exps.weight"))
+            else:
+                b["gate_up"] = torch.cat([w(n("ffn_gate.weight")), w(n("ffn_up.weight"))])
+                b["down"] = w(n("ffn_down.weight"))
             if arch == "qwen2":
                 b["bias"] = torch.cat([w(n("attn_q.bias")), w(n("attn_k.bias")), w(n("attn_v.bias"))])
             if arch == "qwen3":
                 b["q_norm"], b["k_norm"] = w(n("attn_q_norm.weight"), True), w(n("attn_k_norm.weight"), True)
             self.blocks.append(b)
-        self.ffn = self.blocks[0]["down"].shape[1]
+        self.ffn = self.blocks[0]["down_e"].shape[2] if self.experts else self.blocks[0]["down"].shape[1]
         half = self.head_dim // 2
         self.inv_freq = self.base ** (-2.0 * torch.arange(half, device=device, dtype=torch.float32) / self.head_dim)
 
@@ -185,6 +216,31 @@ class Model:
             a, b = xf[..., 0::2], xf[..., 1::2]
             out = torch.stack([a * c - b * s, a * s + b * c], -1).flatten(-2)
         return out.to(self.dtype)
+
+    def moe(self, h, b):
+        """The chosen experts of every token: gathered per token for a few tokens (gpt-fast's
+        ConditionalFeedForward, what a decode step's CUDA graph captures), else each expert over
+        the tokens that chose it (a prefill)."""
+        torch, F = self.torch, self.torch.nn.functional
+        logits = h.float() @ b["router"].T  # [B, T, E]
+        w, idx = torch.topk(logits, self.top_k, dim=-1)
+        w = torch.softmax(w, dim=-1).to(self.dtype)  # the top k's softmax, renormalised
+        if h.shape[0] * h.shape[1] > 8:
+            out = torch.zeros_like(h)
+            flat, fidx, fw = h.reshape(-1, h.shape[-1]), idx.reshape(-1, self.top_k), w.reshape(-1, self.top_k)
+            acc = out.view(-1, h.shape[-1])
+            for e in range(self.experts):
+                tok, slot = (fidx == e).nonzero(as_tuple=True)
+                if tok.numel() == 0:
+                    continue
+                x = flat[tok]
+                y = (F.silu(x @ b["gate_e"][e].T) * (x @ b["up_e"][e].T)) @ b["down_e"][e].T
+                acc.index_add_(0, tok, y * fw[tok, slot, None])
+            return out
+        g = torch.einsum("btd,btkfd->btkf", h, b["gate_e"][idx])
+        u = torch.einsum("btd,btkfd->btkf", h, b["up_e"][idx])
+        y = torch.einsum("btkf,btkdf->btkd", F.silu(g) * u, b["down_e"][idx])
+        return torch.einsum("btkd,btk->btd", y, w)
 
     def new_cache(self, batch, ctx):
         shape = (self.layers, batch, self.kv_heads, ctx, self.head_dim)
@@ -222,8 +278,11 @@ class Model:
             )
             x = x + att.transpose(1, 2).reshape(B, T, hq * d) @ b["wo"].T
             h = self.rms(x, b["ffn_norm"])
-            g, u = (h @ b["gate_up"].T).split([self.ffn, self.ffn], -1)
-            x = x + (F.silu(g) * u) @ b["down"].T
+            if self.experts:
+                x = x + self.moe(h, b)
+            else:
+                g, u = (h @ b["gate_up"].T).split([self.ffn, self.ffn], -1)
+                x = x + (F.silu(g) * u) @ b["down"].T
         if last_only:
             x = x[:, -1]
         return (self.rms(x, self.out_norm) @ self.head.T).float()
@@ -238,7 +297,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="f16", choices=["f16", "f32"], help="weights and K/V (f32 on the CPU)")
     ap.add_argument("--bench", action="store_true", help="time decode and prefill (CUDA)")
     ap.add_argument("--batch", default="1,32", help="decode batch sizes to time")
-    ap.add_argument("--prefill", type=int, default=2048, help="prompt tokens of the timed prefill")
+    ap.add_argument("--prefill", type=int, default=2048, help="prompt tokens of the timed prefill (0: none)")
     ap.add_argument("--steps", type=int, default=64, help="decode steps per timing")
     ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args()
@@ -343,6 +402,8 @@ def bench(torch, m, a):
                 "ms_per_step": t / a.steps, "tokens_per_s": batch * a.steps / (t / 1e3), "device": name,
             }))
     n = a.prefill
+    if n == 0:
+        return
     cache = m.new_cache(1, n + 1)
     ids = torch.randint(0, m.embed.shape[0], (1, n), device=dev)
     pos = torch.arange(n, device=dev)[None]

@@ -39,7 +39,7 @@ pub struct SyntheticModel {
     /// Seed of every tensor's generator (each mixed with the tensor's name).
     pub seed: u64,
     /// How the matrices (embedding, attention, FFN, experts; not the router) are stored: F32,
-    /// Q8_0 or Q4_1.
+    /// Q8_0, Q4_1, or Q4_K (the hidden size and FFN a multiple of 256).
     pub weights: GgmlType,
     /// An LM head of its own (`output.weight`) instead of the token embeddings: with tied
     /// embeddings a random model's residual stream is dominated by the last token's embedding,
@@ -263,8 +263,50 @@ fn quantize(format: GgmlType, data: &[f32]) -> Vec<u8> {
                 out
             })
             .collect(),
+        GgmlType::Q4K => data.chunks(256).flat_map(quantize_q4_k).collect(),
         _ => data.iter().flat_map(|v| v.to_le_bytes()).collect(),
     }
+}
+
+/// One Q4_K block (ggml's `block_q4_K`, 144 bytes) of 256 values: eight sub-blocks of 32, each
+/// with a 6-bit scale and a 6-bit minimum relative to the block's f16 `d` and `dmin`, 4-bit
+/// values; the scales and minimums packed as `get_scale_min_k4` reads them (sub-blocks 0-3 in
+/// the low 6 bits of bytes 0-3 and 4-7, sub-blocks 4-7 in the nibbles of bytes 8-11 and the top
+/// two bits of bytes 0-7), the values of sub-blocks 2j and 2j+1 in the low and high nibbles of
+/// bytes 32j..32j+32.
+fn quantize_q4_k(x: &[f32]) -> Vec<u8> {
+    let f16 = |v: f32| half::f16::from_f32(v);
+    let (mut scale, mut min) = ([0f32; 8], [0f32; 8]);
+    for (i, sub) in x.chunks(32).enumerate() {
+        let lo = sub.iter().copied().fold(0f32, f32::min);
+        let hi = sub.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        (scale[i], min[i]) = ((hi - lo) / 15.0, -lo);
+    }
+    let d = f16(scale.iter().copied().fold(0f32, f32::max) / 63.0);
+    let dmin = f16(min.iter().copied().fold(0f32, f32::max) / 63.0);
+    let q6 = |v: f32, unit: f32| if unit > 0.0 { (v / unit).round().clamp(0.0, 63.0) as u8 } else { 0 };
+    let sc: Vec<u8> = scale.iter().map(|&v| q6(v, d.to_f32())).collect();
+    let m: Vec<u8> = min.iter().map(|&v| q6(v, dmin.to_f32())).collect();
+    let mut out = Vec::with_capacity(144);
+    out.extend(d.to_le_bytes());
+    out.extend(dmin.to_le_bytes());
+    let mut packed = [0u8; 12];
+    for j in 0..4 {
+        packed[j] = (sc[j] & 63) | ((sc[j + 4] >> 4) << 6);
+        packed[j + 4] = (m[j] & 63) | ((m[j + 4] >> 4) << 6);
+        packed[j + 8] = (sc[j + 4] & 15) | ((m[j + 4] & 15) << 4);
+    }
+    out.extend(packed);
+    let q = |i: usize| -> u8 {
+        let sub = i / 32;
+        let step = d.to_f32() * f32::from(sc[sub]);
+        let offset = dmin.to_f32() * f32::from(m[sub]);
+        if step > 0.0 { ((x[i] + offset) / step).round().clamp(0.0, 15.0) as u8 } else { 0 }
+    };
+    for j in 0..4 {
+        out.extend((0..32).map(|l| q(64 * j + l) | (q(64 * j + 32 + l) << 4)));
+    }
+    out
 }
 
 /// The synthetic SentencePiece vocabulary: (text, llama.cpp token type, score).
@@ -274,4 +316,42 @@ fn sentencepiece_vocabulary() -> Vec<(String, i32, f32)> {
     let pieces = ["▁", "e", "t", "a", "o", "i", "n", "s", "h", "r", "▁t", "he", "▁the", "▁a", "in", "an", "▁an", "er", "on", "▁s"];
     v.extend(pieces.iter().enumerate().map(|(i, p)| (p.to_string(), 1, -(i as f32) / 4.0)));
     v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Q4_K blocks written here read back through the GGUF dequantiser within half a 4-bit step
+    /// of each sub-block plus the rounding of its 6-bit scale and minimum, on random blocks with
+    /// an all-positive sub-block and a constant one among them.
+    #[test]
+    fn q4_k_blocks_round_trip_within_a_step_cpu() {
+        let mut rng = Rng::new(41);
+        for block in 0..64 {
+            let mut x: Vec<f32> = (0..256).map(|_| (rng.normal() * 0.05) as f32).collect();
+            x[..32].iter_mut().for_each(|v| *v = v.abs() + 0.01);
+            x[32..64].iter_mut().for_each(|v| *v = 0.02);
+            let bytes = quantize(GgmlType::Q4K, &x);
+            assert_eq!(bytes.len(), 144);
+            let mut y = vec![0f32; 256];
+            crate::gguf::dequantize(GgmlType::Q4K, &bytes, &mut y).expect("dequantize");
+            // The block's 6-bit units: a sub-block's scale and minimum are rounded to multiples of
+            // d and dmin, which moves its values by up to 15 d / 2 and dmin / 2 beyond the 4-bit step.
+            let range = |xs: &[f32]| {
+                let lo = xs.iter().copied().fold(0f32, f32::min);
+                (lo, xs.iter().copied().fold(f32::NEG_INFINITY, f32::max))
+            };
+            let subs: Vec<(f32, f32)> = x.chunks(32).map(range).collect();
+            let d = subs.iter().map(|(lo, hi)| (hi - lo) / 15.0).fold(0f32, f32::max) / 63.0;
+            let dmin = subs.iter().map(|(lo, _)| -lo).fold(0f32, f32::max) / 63.0;
+            for (sub, ((xs, ys), (lo, hi))) in x.chunks(32).zip(y.chunks(32)).zip(&subs).enumerate() {
+                let step = (hi - lo) / 15.0;
+                let bound = step / 2.0 + 8.0 * d + dmin + 1e-6;
+                for (a, b) in xs.iter().zip(ys) {
+                    assert!((a - b).abs() <= bound, "block {block}, sub-block {sub}: {a} read back as {b} (bound {bound})");
+                }
+            }
+        }
+    }
 }

@@ -36,7 +36,7 @@ pub struct SynthArgs {
     context: u32,
     #[arg(long, default_value_t = 1)]
     seed: u64,
-    /// How the matrices are stored: f32, q8_0 or q4_1 (norms stay F32).
+    /// How the matrices are stored: f32, q8_0, q4_1 or q4_k (norms and routers stay F32).
     #[arg(long, default_value = "f32")]
     weights: String,
     /// Give the model an LM head of its own (`output.weight`) instead of reusing the token
@@ -71,15 +71,19 @@ pub fn run(a: &SynthArgs) -> Result<()> {
         bail!("--layers, --ffn and --context must be positive");
     }
     let floats = u64::from(a.layers) * u64::from(a.hidden) * u64::from(a.ffn) * 3 * u64::from(a.experts.max(1));
-    if floats > 1 << 30 {
-        bail!("{floats} FFN weights (4 bytes each) is more than this command writes (2^30)");
+    if floats > 1 << 33 {
+        bail!("{floats} FFN weights is more than this command writes (2^33)");
     }
     let weights = match a.weights.to_ascii_lowercase().as_str() {
         "f32" => GgmlType::F32,
         "q8_0" => GgmlType::Q8_0,
         "q4_1" => GgmlType::Q4_1,
-        other => bail!("--weights {other}: expected f32, q8_0 or q4_1"),
+        "q4_k" => GgmlType::Q4K,
+        other => bail!("--weights {other}: expected f32, q8_0, q4_1 or q4_k"),
     };
+    if weights == GgmlType::Q4K && !(a.hidden.is_multiple_of(256) && a.ffn.is_multiple_of(256)) {
+        bail!("--weights q4_k: --hidden and --ffn must be multiples of 256 (the K-quants' block)");
+    }
     use expertkv_model::config::Arch;
     let Some(arch) = Arch::from_name(&a.arch) else {
         bail!("--arch {}: expected one of {}", a.arch, Arch::names());

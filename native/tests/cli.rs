@@ -277,6 +277,7 @@ fn synth_writes_a_model_run_decodes() {
         (&["--layers", "0"][..], "--layers"),
         (&["--arch", "gemma2"][..], "expected one of llama, qwen2, qwen3, qwen3moe, olmoe, qwen2moe"),
         (&["--arch", "olmoe", "--experts", "0"][..], "--arch olmoe needs experts"),
+        (&["--weights", "q4_k"][..], "--hidden and --ffn must be multiples of 256"),
     ] {
         let o = expertkv(&[&["synth", "--out", p][..], args].concat());
         let err = String::from_utf8_lossy(&o.stderr);

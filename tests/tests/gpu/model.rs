@@ -677,3 +677,26 @@ fn flexgen_moves_the_models_pages_between_tiers() {
     assert!(tight.iter().flatten().all(|x| x.is_finite()));
     assert_ne!(tight, full, "seed {seed}: a 16-token GPU tier changes the logits");
 }
+
+/// A Mixtral-style file whose matrices are Q4_K (the K-quant users download; written by
+/// `synth --weights q4_k`): the GPU forward pass, experts included, gives the CPU reference's
+/// logits.
+#[test]
+fn a_q4_k_mixtral_style_file_decodes_as_the_reference() {
+    let rt = rt();
+    let seed = seeds("model_q4_k", 1)[0];
+    let spec = SyntheticModel { hidden: 256, ffn: 256, heads: 4, kv_heads: 2, untied_output: true, ..SyntheticModel::moe(seed, 4, 2) }
+        .with_weights(GgmlType::Q4K);
+    let file = spec.gguf();
+    let g = Gguf::parse(&file).expect("gguf");
+    assert!(g.tensors().iter().any(|t| t.ggml_type() == GgmlType::Q4K), "Q4_K tensors written");
+    let cpu = cpu_model(&g);
+    let mut m = pollster::block_on(GpuLlama::load(rt, &g, ModelOptions::new(1, 32).dtype(KvDtype::F32))).expect("load");
+    let mut cache = cpu.new_cache();
+    for (pos, t) in [1u32, 72, 200, 7].into_iter().enumerate() {
+        let gpu = pollster::block_on(m.forward(rt, &[t])).expect("gpu forward");
+        let want = cpu.forward(t, pos as u32, &mut cache).expect("cpu forward");
+        let (err, max) = (max_diff(&gpu, &want), max_abs(&want));
+        assert!(err <= 1e-4 * max, "seed {seed}: position {pos}: logits differ by {err} (max {max})");
+    }
+}
