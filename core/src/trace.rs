@@ -104,6 +104,13 @@ impl<W: Write> TraceWriter<W> {
         writeln!(self.out, "{line}").map_err(io_err)
     }
 
+    /// Flush what is written so far. Called at the end of every step, a process killed
+    /// mid-run leaves a trace of whole steps (at most the step being written torn), which
+    /// `replay --partial` reads.
+    pub fn flush(&mut self) -> Result<()> {
+        self.out.flush().map_err(io_err)
+    }
+
     /// Flush and hand the writer back.
     pub fn finish(mut self) -> Result<W> {
         self.out.flush().map_err(io_err)?;

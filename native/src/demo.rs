@@ -138,9 +138,16 @@ impl MetricsSink {
 
     fn write(&mut self, r: &expertkv_core::pipeline::StepReport) -> Result<()> {
         use std::io::Write;
+        // Each step's row written through, so a killed process leaves every finished step.
         match self {
-            MetricsSink::Csv(w) => writeln!(w, "{}", r.csv_row())?,
-            MetricsSink::Json(w) => writeln!(w, "{}", serde_json::to_string(r)?)?,
+            MetricsSink::Csv(w) => {
+                writeln!(w, "{}", r.csv_row())?;
+                w.flush()?;
+            }
+            MetricsSink::Json(w) => {
+                writeln!(w, "{}", serde_json::to_string(r)?)?;
+                w.flush()?;
+            }
         }
         Ok(())
     }
@@ -440,6 +447,7 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
             for rec in pollster::block_on(p.trace_records(&rt)).context("trace records")? {
                 t.write(&rec)?;
             }
+            t.flush()?;
         }
         if a.json {
             println!("{}", serde_json::to_string(&r)?);

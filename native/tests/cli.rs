@@ -74,6 +74,43 @@ fn demo_writes_metrics_and_a_trace_that_replays() {
     assert!(out.contains("holds 1 whole step of its 2") && out.contains("all 1 steps x 2 layers match the trace"), "{out}");
 }
 
+/// A recording killed mid-run (SIGKILL, no chance to flush): the trace and the metrics written
+/// through step by step keep every finished step, `replay --partial` replays them, and every
+/// metrics row but perhaps the last is whole.
+#[test]
+fn a_killed_recording_keeps_its_whole_steps() {
+    let (csv, trace) = (tmp("killed.csv"), tmp("killed.ekv"));
+    let mut args = vec!["record", "--out", trace.to_str().expect("path"), "--metrics", csv.to_str().expect("path"), "--no-verify"];
+    args.extend(["--seqs", "2", "--layers", "2", "--prompt", "64", "--steps", "100000"]);
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_expertkv"))
+        .args(&args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn record");
+    // Wait for a few steps' records (a header line, then 2 layers a step), then kill.
+    let t0 = std::time::Instant::now();
+    while std::fs::read_to_string(&trace).map_or(0, |t| t.lines().count()) < 1 + 2 * 3 {
+        assert!(t0.elapsed().as_secs() < 120, "the recording wrote no steps in 120 s");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child.kill().expect("kill");
+    child.wait().expect("wait");
+    // Written through at every step's end: whole lines, whole steps (2 records each).
+    let text = std::fs::read_to_string(&trace).expect("trace");
+    let records = text.lines().count() - 1;
+    assert!(text.ends_with('\n') && records.is_multiple_of(2), "the trace ends mid-step: {records} records");
+    let out = ok(&["replay", "--partial", trace.to_str().expect("path")]);
+    assert!(out.contains("whole step") && out.contains("match the trace"), "{out}");
+    let metrics = std::fs::read_to_string(&csv).expect("metrics");
+    let lines: Vec<&str> = metrics.lines().collect();
+    let cols = lines[0].split(',').count();
+    let whole = lines.iter().filter(|l| l.split(',').count() == cols).count();
+    assert!(whole >= 3 && whole + 1 >= lines.len(), "header and steps, at most the last torn:\n{metrics}");
+    // The metrics row of a step is written just before its trace records.
+    assert!((whole - 1).abs_diff(records / 2) <= 1, "{} metrics rows, {} trace steps", whole - 1, records / 2);
+}
+
 #[test]
 fn plan_predicts_and_chooses() {
     let mut args = vec!["plan", "--quick", "--target-mib", "1", "--budgets", "100%,25%", "--codecs", "none,int8"];
