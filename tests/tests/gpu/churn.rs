@@ -1,5 +1,6 @@
 //! The pool's invariants under churn: random sequences of appends, evictions (H2O and
-//! StreamingLLM), ring releases and whole-sequence releases, with the GPU pool read back and
+//! StreamingLLM), ring releases, whole-sequence releases and QUEST selections (its page bounds
+//! and choices checked against the pool as it then stands), with the GPU pool read back and
 //! checked after every operation, without the CPU reference (which the stage tests compare
 //! against): every page is free or owned by one ring, exactly once; free + used = total; no
 //! cached token is duplicated and each was appended; the slots in use equal the pages' fills;
@@ -13,9 +14,11 @@
 use std::collections::HashSet;
 
 use expertkv_core::append::KvPool;
+use expertkv_core::attend::{AttendOptions, Attention};
 use expertkv_core::config::{Codec, KvDtype, PoolConfig, ShardMap};
 use expertkv_core::evict::Scheduler;
 use expertkv_core::evict::config::{SchedulerConfig, Threshold};
+use expertkv_core::evict::quest::Quest;
 use expertkv_core::rng::Rng;
 
 use crate::append::{random_batch, random_kv};
@@ -25,6 +28,7 @@ use crate::common::{replaying, rt, seeds};
 fn pool_invariants_hold_under_churn() {
     let rt = rt();
     let (mut ops, mut evictions, mut releases, mut sequence_releases, mut peak) = (0u32, 0u32, 0u32, 0u32, 0usize);
+    let mut selections = 0u32;
     for seed in seeds("pool_invariants_hold_under_churn", 4) {
         let mut rng = Rng::new(seed);
         let n_shards = [1, 2, 4][rng.below(3) as usize];
@@ -51,16 +55,29 @@ fn pool_invariants_hold_under_churn() {
         let mut pool = pollster::block_on(KvPool::new(rt, cfg.clone())).unwrap_or_else(|e| panic!("{ctx0}: {e}"));
         let s =
             pollster::block_on(Scheduler::new(rt, &pool, sched, budget, Threshold::default())).unwrap_or_else(|e| panic!("{ctx0}: {e}"));
+        // QUEST over the same pool: attention reads the pages it selects for its queries.
+        let group = 1 + rng.below(3);
+        let quest_budget = cfg.page_size * (1 + rng.below(3));
+        let mut quest = pollster::block_on(Quest::new(rt, &pool, quest_budget)).unwrap_or_else(|e| panic!("{ctx0}: {e}"));
+        let attn = pollster::block_on(Attention::with_lists(
+            rt,
+            &pool,
+            AttendOptions { group, n_seqs: cfg.max_seqs, mass: false, ..Default::default() },
+            Some((&quest.sel_list, &quest.sel_counts)),
+        ))
+        .unwrap_or_else(|e| panic!("{ctx0}: {e}"));
+        quest.bind(rt, &pool, &attn);
         let mut positions = vec![0u32; cfg.max_seqs as usize];
         let mut appended = HashSet::new();
         let mut compacted = HashSet::new();
         for step in 0..40u32 {
             let ctx = format!("{ctx0}, operation {step}");
-            let op = match rng.below(10) {
+            let op = match rng.below(11) {
                 0..=4 => "append",
                 5..=6 => "evict",
                 7..=8 => "release",
-                _ => "release sequence",
+                9 => "release sequence",
+                _ => "quest",
             };
             match op {
                 "append" => {
@@ -93,9 +110,19 @@ fn pool_invariants_hold_under_churn() {
                     pool.release(rt, &counts).unwrap_or_else(|e| panic!("{ctx}: release: {e}"));
                     releases += 1;
                 }
-                _ => {
+                "release sequence" => {
                     pool.release_sequence(rt, rng.below(cfg.max_seqs)).unwrap_or_else(|e| panic!("{ctx}: release sequence: {e}"));
                     sequence_releases += 1;
+                }
+                _ => {
+                    pool.gather(rt).expect("gather");
+                    let layer = rng.below(cfg.layers);
+                    let q: Vec<f32> = (0..cfg.max_seqs * attn.q_heads() * cfg.head_dim).map(|_| rng.normal() as f32).collect();
+                    attn.set_queries(rt, &q).expect("queries");
+                    crate::quest::run_select(rt, &quest, &attn, layer);
+                    let model = pollster::block_on(expertkv_core::pipeline::pool_model_of(rt, &pool)).expect("pool model");
+                    crate::quest::check_selection(rt, &model, &quest, attn.q_heads(), &q, group, quest_budget, layer, &ctx);
+                    selections += 1;
                 }
             }
             let snap = pollster::block_on(pool.snapshot(rt)).expect("snapshot");
@@ -109,9 +136,9 @@ fn pool_invariants_hold_under_churn() {
     }
     if !replaying() {
         assert!(
-            ops >= 100 && evictions > 5 && releases > 5 && sequence_releases > 1 && peak > 100,
+            ops >= 100 && evictions > 5 && releases > 5 && sequence_releases > 1 && selections > 3 && peak > 100,
             "coverage: {ops} operations, {evictions} evictions, {releases} ring releases, {sequence_releases} sequence releases, \
-             at most {peak} tokens cached"
+             {selections} QUEST selections, at most {peak} tokens cached"
         );
     }
 }

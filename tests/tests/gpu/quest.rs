@@ -15,17 +15,86 @@ use expertkv_core::workload::{Workload, WorkloadConfig};
 use crate::append::{random_batch, random_kv};
 use crate::common::{POISON_U32, rt, seeds};
 
-fn run_select(rt: &Runtime, pool: &KvPool, quest: &Quest, attn: &Attention) {
-    quest.prepare(rt, 0, attn);
+/// Refresh the page bounds and select `layer`'s pages for the queries set in `attn`.
+pub(crate) fn run_select(rt: &Runtime, quest: &Quest, attn: &Attention, layer: u32) {
+    quest.prepare(rt, layer, attn);
     let mut enc = rt.device.create_command_encoder(&Default::default());
     {
         let mut pass = enc.begin_compute_pass(&Default::default());
         quest.encode_summarize(&mut pass);
-        quest.encode_select(&mut pass, 0).expect("bound");
+        quest.encode_select(&mut pass, layer).expect("bound");
     }
     rt.queue.submit([enc.finish()]);
-    let _ = pool;
     rt.wait().expect("wait");
+}
+
+/// QUEST's state after [`run_select`] against `model` (the pool's contents): every owned page's
+/// key bounds exactly, each listed page's upper bound within f32 tolerance of the f64 one for
+/// the queries `q`, and `layer`'s selection exact given the GPU's keys (the best pages for the
+/// budget, in list order).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn check_selection(
+    rt: &Runtime,
+    model: &PoolModel,
+    quest: &Quest,
+    q_heads: u32,
+    q: &[f32],
+    group: u32,
+    budget: u32,
+    layer: u32,
+    ctx: &str,
+) {
+    let cfg = &model.cfg;
+    let d = cfg.head_dim as usize;
+    let bounds: Vec<f32> = pollster::block_on(rt.read_all(&quest.bounds)).expect("bounds");
+    for (page, pm) in model.page_meta.iter().enumerate() {
+        if pm.owner == u32::MAX || pm.fill == 0 {
+            continue;
+        }
+        for i in 0..d {
+            let vals: Vec<f64> = (0..pm.fill).map(|s| model.vector(page as u32, s, 0)[i]).collect();
+            let lo = vals.iter().cloned().fold(f64::INFINITY, f64::min);
+            let hi = vals.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            assert_eq!(f64::from(bounds[page * 2 * d + i]), lo, "{ctx}: min of page {page} dim {i}");
+            assert_eq!(f64::from(bounds[page * 2 * d + d + i]), hi, "{ctx}: max of page {page} dim {i}");
+        }
+    }
+    let sel: Vec<u32> = pollster::block_on(rt.read_all(&quest.sel_list)).expect("sel");
+    let counts: Vec<u32> = pollster::block_on(rt.read_all(&quest.sel_counts)).expect("counts");
+    let keys: Vec<u32> = pollster::block_on(rt.read_all(quest.page_keys())).expect("keys");
+    let maxp = cfg.max_pages_per_seq() as usize;
+    for seq in 0..cfg.max_seqs {
+        for h in 0..cfg.kv_heads {
+            let li = model.list_index(layer, seq, h) as usize;
+            let list = model.page_list(layer, seq, h);
+            // Upper bounds within f32 tolerance of the f64 ones.
+            for (j, page) in list.iter().enumerate() {
+                let p = *page as usize;
+                let mut best = f64::NEG_INFINITY;
+                for g in 0..group {
+                    let q0 = ((seq * q_heads + h * group + g) * cfg.head_dim) as usize;
+                    let ub: f64 = (0..d)
+                        .map(|i| {
+                            let qi = f64::from(q[q0 + i]);
+                            (qi * f64::from(bounds[p * 2 * d + i])).max(qi * f64::from(bounds[p * 2 * d + d + i]))
+                        })
+                        .sum();
+                    best = best.max(ub);
+                }
+                let got = f64::from(from_orderable(!keys[li * maxp + j]));
+                assert!((got - best).abs() <= 1e-4 * (1.0 + best.abs()), "{ctx}: bound of list {li} page {j}: {got} vs {best}");
+            }
+            // Selection exact given the GPU's keys: the best `keep`, in list order.
+            let keep = (budget.div_ceil(cfg.page_size) as usize).min(list.len());
+            let mut order: Vec<usize> = (0..list.len()).collect();
+            order.sort_by_key(|j| (keys[li * maxp + j], *j));
+            let mut chosen: Vec<usize> = order[..keep].to_vec();
+            chosen.sort_unstable();
+            let want: Vec<u32> = chosen.iter().map(|j| list[*j]).collect();
+            assert_eq!(counts[li] as usize, keep, "{ctx}: selected count of list {li}");
+            assert_eq!(sel[li * maxp..li * maxp + keep], want[..], "{ctx}: selected pages of list {li}");
+        }
+    }
 }
 
 #[test]
@@ -76,58 +145,8 @@ fn quest_bounds_and_selection_gpu_match_cpu() {
         let q: Vec<f32> = (0..cfg.max_seqs * attn.q_heads() * cfg.head_dim).map(|_| rng.normal() as f32).collect();
         attn.set_queries(rt, &q).expect("queries");
         rt.fill_u32(&quest.sel_list, POISON_U32);
-        run_select(rt, &pool, &quest, &attn);
-
-        let d = cfg.head_dim as usize;
-        let bounds: Vec<f32> = pollster::block_on(rt.read_all(&quest.bounds)).expect("bounds");
-        for (page, pm) in model.page_meta.iter().enumerate() {
-            if pm.owner == u32::MAX || pm.fill == 0 {
-                continue;
-            }
-            for i in 0..d {
-                let vals: Vec<f64> = (0..pm.fill).map(|s| model.vector(page as u32, s, 0)[i]).collect();
-                let lo = vals.iter().cloned().fold(f64::INFINITY, f64::min);
-                let hi = vals.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                assert_eq!(f64::from(bounds[page * 2 * d + i]), lo, "{ctx}: min of page {page} dim {i}");
-                assert_eq!(f64::from(bounds[page * 2 * d + d + i]), hi, "{ctx}: max of page {page} dim {i}");
-            }
-        }
-        let sel: Vec<u32> = pollster::block_on(rt.read_all(&quest.sel_list)).expect("sel");
-        let counts: Vec<u32> = pollster::block_on(rt.read_all(&quest.sel_counts)).expect("counts");
-        let keys: Vec<u32> = pollster::block_on(rt.read_all(quest.page_keys())).expect("keys");
-        let maxp = cfg.max_pages_per_seq() as usize;
-        for seq in 0..cfg.max_seqs {
-            for h in 0..cfg.kv_heads {
-                let li = model.list_index(0, seq, h) as usize;
-                let list = model.page_list(0, seq, h);
-                // Upper bounds within f32 tolerance of the f64 ones.
-                for (j, page) in list.iter().enumerate() {
-                    let p = *page as usize;
-                    let mut best = f64::NEG_INFINITY;
-                    for g in 0..group {
-                        let q0 = ((seq * attn.q_heads() + h * group + g) * cfg.head_dim) as usize;
-                        let ub: f64 = (0..d)
-                            .map(|i| {
-                                let qi = f64::from(q[q0 + i]);
-                                (qi * f64::from(bounds[p * 2 * d + i])).max(qi * f64::from(bounds[p * 2 * d + d + i]))
-                            })
-                            .sum();
-                        best = best.max(ub);
-                    }
-                    let got = f64::from(from_orderable(!keys[li * maxp + j]));
-                    assert!((got - best).abs() <= 1e-4 * (1.0 + best.abs()), "{ctx}: bound of list {li} page {j}: {got} vs {best}");
-                }
-                // Selection exact given the GPU's keys: the best `keep`, in list order.
-                let keep = (budget.div_ceil(cfg.page_size) as usize).min(list.len());
-                let mut order: Vec<usize> = (0..list.len()).collect();
-                order.sort_by_key(|j| (keys[li * maxp + j], *j));
-                let mut chosen: Vec<usize> = order[..keep].to_vec();
-                chosen.sort_unstable();
-                let want: Vec<u32> = chosen.iter().map(|j| list[*j]).collect();
-                assert_eq!(counts[li] as usize, keep, "{ctx}: selected count of list {li}");
-                assert_eq!(sel[li * maxp..li * maxp + keep], want[..], "{ctx}: selected pages of list {li}");
-            }
-        }
+        run_select(rt, &quest, &attn, 0);
+        check_selection(rt, &model, &quest, attn.q_heads(), &q, group, budget, 0, &ctx);
     }
 }
 
@@ -180,7 +199,7 @@ fn quest_selected_pages_hold_the_top_keys() {
     quest.bind(rt, &pool, &attn);
     let q = w.queries(0);
     attn.set_queries(rt, &q).expect("queries");
-    run_select(rt, &pool, &quest, &attn);
+    run_select(rt, &quest, &attn, 0);
     let sel: Vec<u32> = pollster::block_on(rt.read_all(&quest.sel_list)).expect("sel");
     let counts: Vec<u32> = pollster::block_on(rt.read_all(&quest.sel_counts)).expect("counts");
     let maxp = cfg.max_pages_per_seq() as usize;
