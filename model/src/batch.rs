@@ -126,7 +126,19 @@ impl<'a> BatchDecoder<'a> {
         &mut self,
         rt: &Runtime,
         prompts: &[String],
+        on_done: impl FnMut(&Completion),
+    ) -> Result<(Vec<Completion>, BatchStats)> {
+        self.run_checked(rt, prompts, on_done, &mut |_, _| Ok(())).await
+    }
+
+    /// [`BatchDecoder::run`] with `on_step(model, steps so far)` called after every step's
+    /// completions and releases (a soak checks the pool there); its error ends the run.
+    pub async fn run_checked(
+        &mut self,
+        rt: &Runtime,
+        prompts: &[String],
         mut on_done: impl FnMut(&Completion),
+        on_step: &mut dyn FnMut(&GpuLlama, u64) -> Result<()>,
     ) -> Result<(Vec<Completion>, BatchStats)> {
         let encoded = self.encode(prompts)?;
         let n = self.llama.n_seqs as usize;
@@ -203,6 +215,7 @@ impl<'a> BatchDecoder<'a> {
                 }
             }
             step += 1;
+            on_step(self.llama, step)?;
         }
         done.sort_by_key(|c| c.prompt);
         Ok((done, stats))

@@ -16,6 +16,7 @@ mod replay;
 mod routing;
 mod run;
 mod soak;
+mod soak_model;
 mod suite;
 mod sweep;
 mod synth;

@@ -27,10 +27,10 @@ pub struct SoakArgs {
     /// Decode steps (each: one token per sequence and layer appended, attention at every layer,
     /// eviction).
     #[arg(long, default_value_t = 20_000)]
-    steps: u32,
+    pub steps: u32,
     /// Sequences decoding at once (a finished one is replaced at once).
     #[arg(long, default_value_t = 4)]
-    seqs: u32,
+    pub seqs: u32,
     #[arg(long, default_value_t = 2)]
     layers: u32,
     #[arg(long, default_value_t = 2)]
@@ -42,39 +42,61 @@ pub struct SoakArgs {
     lengths: String,
     /// An evicting scheduler (h2o, streaming-llm, lru, lru-plus, adakv, duo) or none.
     #[arg(long, default_value = "h2o")]
-    scheduler: String,
+    pub scheduler: String,
     /// Tokens each (layer, sequence, KV head) keeps under the scheduler.
     #[arg(long, default_value_t = 64)]
-    budget: u32,
+    pub budget: u32,
     /// A page codec (int8, int4, fastv-dims), alone or under the scheduler [default: none].
     #[arg(long)]
-    codec: Option<String>,
+    pub codec: Option<String>,
     /// Steps between invariant checks (and report lines).
     #[arg(long, default_value_t = 1000)]
-    check_every: u32,
+    pub check_every: u32,
     #[arg(long, default_value_t = 1)]
-    seed: u64,
+    pub seed: u64,
     /// One JSON object per check instead of a table.
     #[arg(long)]
-    json: bool,
+    pub json: bool,
+    /// Soak a GGUF model's whole engine instead of the pool alone: rounds of random prompts
+    /// (--lengths tokens each, prompt and generated), --seqs decoded together by the batch
+    /// decoder under --scheduler, --budget and --codec; the pool checked every --check-every
+    /// steps and empty after every round.
+    #[arg(long, value_name = "FILE")]
+    pub model: Option<std::path::PathBuf>,
 }
 
 /// One window of the soak.
 #[derive(Serialize)]
-struct Window {
-    step: u32,
+pub(crate) struct Window {
+    pub(crate) step: u32,
     /// Tokens (x KV heads) cached now, and pages in use.
-    cached: usize,
-    pages_in_use: u32,
+    pub(crate) cached: usize,
+    pub(crate) pages_in_use: u32,
     /// Sequences finished so far.
-    finished: u64,
-    steps_per_s: f64,
-    host_rss_mib: f64,
+    pub(crate) finished: u64,
+    pub(crate) steps_per_s: f64,
+    pub(crate) host_rss_mib: f64,
     /// GPU memory the device reports allocated, where the backend reports it.
-    gpu_allocated_mib: Option<f64>,
+    pub(crate) gpu_allocated_mib: Option<f64>,
 }
 
-fn rss_mib() -> f64 {
+impl Window {
+    /// The window as a row of the soak's table.
+    pub(crate) fn row(&self) -> String {
+        format!(
+            "| {} | {} | {} | {} | {:.1} | {:.1} MiB | {} |",
+            self.step,
+            self.cached,
+            self.pages_in_use,
+            self.finished,
+            self.steps_per_s,
+            self.host_rss_mib,
+            self.gpu_allocated_mib.map_or("not reported".into(), |m| format!("{m:.1} MiB"))
+        )
+    }
+}
+
+pub(crate) fn rss_mib() -> f64 {
     // Resident pages are the second field of /proc/self/statm.
     std::fs::read_to_string("/proc/self/statm")
         .ok()
@@ -89,6 +111,12 @@ pub fn run(gpu: &GpuArgs, a: &SoakArgs) -> Result<()> {
     };
     if a.steps == 0 || a.check_every == 0 || a.seqs == 0 || a.layers == 0 || a.kv_heads == 0 {
         bail!("--steps, --check-every, --seqs, --layers and --kv-heads must be at least 1");
+    }
+    if let Some(model) = &a.model {
+        if max_len < 4 {
+            bail!("--lengths: a model soak needs sequences of at least 4 tokens");
+        }
+        return crate::soak_model::run(gpu, a, model, (min_len, max_len));
     }
     let sched = match a.scheduler.as_str() {
         "none" => None,
@@ -229,16 +257,7 @@ pub fn run(gpu: &GpuArgs, a: &SoakArgs) -> Result<()> {
             if a.json {
                 println!("{}", serde_json::to_string(&w)?);
             } else {
-                println!(
-                    "| {} | {} | {} | {} | {:.1} | {:.1} MiB | {} |",
-                    w.step,
-                    w.cached,
-                    w.pages_in_use,
-                    w.finished,
-                    w.steps_per_s,
-                    w.host_rss_mib,
-                    w.gpu_allocated_mib.map_or("not reported".into(), |m| format!("{m:.1} MiB"))
-                );
+                println!("{}", w.row());
             }
             windows.push(w);
             (window_start, t0) = (step + 1, std::time::Instant::now());

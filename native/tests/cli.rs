@@ -524,4 +524,13 @@ fn soak_checks_the_pool_under_churn() {
     let o = expertkv(&["soak", "--steps", "10", "--codec", "low-rank"]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("--codec low-rank") && !err.contains("panicked"), "{err}");
+    // The whole model engine: rounds of random prompts continuously batched under H2O over int4
+    // pages, the pool checked every 20 steps and empty after every round.
+    let path = tmp("soak-model.gguf");
+    std::fs::write(&path, expertkv_model::SyntheticModel { layers: 1, ..expertkv_model::SyntheticModel::dense(5) }.gguf()).expect("write");
+    let model = path.to_str().expect("utf-8 path");
+    let args = ["soak", "--model", model, "--steps", "60", "--check-every", "20", "--seqs", "3", "--lengths", "6:40", "--budget", "16"];
+    let out = ok(&[&args[..], &["--codec", "int4"]].concat());
+    assert!(out.contains("the invariants held at every check and the pool was empty after every round"), "{out}");
+    assert!(out.lines().filter(|l| l.starts_with("| ") && !l.starts_with("| step")).count() >= 3, "a row per check: {out}");
 }
