@@ -255,8 +255,10 @@ class Model:
         x = self.embed[ids]
         hq, hk, d = self.heads, self.kv_heads, self.head_dim
         kc, vc = cache
-        start = pos[:, 0]
-        length = int(pos[0, -1]) + 1
+        # The whole static cache with a causal mask: no shape or value read back to the host, so
+        # a decode step can be captured in a CUDA graph.
+        ctx = kc.shape[3]
+        mask = (torch.arange(ctx, device=self.device)[None, None, :] <= pos[:, :, None])[:, None]
         for l, b in enumerate(self.blocks):
             h = self.rms(x, b["attn_norm"])
             qkv = h @ b["qkv"].T
@@ -270,12 +272,8 @@ class Model:
             idx = pos[:, None, :, None].expand(B, hk, T, d)
             kc[l].scatter_(2, idx, k.transpose(1, 2))
             vc[l].scatter_(2, idx, v.transpose(1, 2))
-            keys, vals = kc[l][:, :, :length], vc[l][:, :, :length]
             # Causal over the cache: query t (position pos[t]) sees positions <= pos[t].
-            mask = torch.arange(length, device=self.device)[None, None, :] <= pos[:, :, None]
-            att = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys, vals, attn_mask=mask[:, None], enable_gqa=True
-            )
+            att = F.scaled_dot_product_attention(q.transpose(1, 2), kc[l], vc[l], attn_mask=mask, enable_gqa=True)
             x = x + att.transpose(1, 2).reshape(B, T, hq * d) @ b["wo"].T
             h = self.rms(x, b["ffn_norm"])
             if self.experts:
