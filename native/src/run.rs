@@ -31,6 +31,11 @@ pub struct RunArgs {
     /// evicting scheduler; with --prompts, every sequence of the batch decodes [default: 0, off].
     #[arg(long, default_value_t = 0)]
     pub time_steps: u32,
+    /// Time the prefill and every decode step stage by stage on the GPU (timestamps between
+    /// the passes; each step read back before the next) and print where the time goes as a JSON
+    /// line; with --time-steps, that line also holds the stages of a few of its steps.
+    #[arg(long)]
+    pub profile: bool,
     /// The model: a GGUF file (llama, qwen2, qwen3, qwen3moe, olmoe or qwen2moe architecture) [default: models/SmolLM2-135M-Instruct.Q4_1.gguf,
     /// fetched by scripts/fetch_model.sh].
     #[arg(long)]
@@ -368,6 +373,9 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     print!("{}", a.prompt);
     std::io::stdout().flush()?;
     let mut tm = TextModel::new(m, tok)?;
+    if a.profile && !tm.llama_mut().time_stages(&rt) {
+        bail!("--profile: this adapter cannot write GPU timestamps between passes");
+    }
     let t1 = std::time::Instant::now();
     let mut first_piece = None;
     let out = pollster::block_on(tm.generate(&rt, &a.prompt, &GenerateOptions { max_tokens: a.tokens, stop_at_eos: true }, |p| {
@@ -455,6 +463,10 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
             "adapter": rt.info.name,
         });
         println!("{line}");
+    }
+    if a.profile {
+        let stages = tm.llama_mut().stage_times();
+        println!("{}", serde_json::json!({ "measure": "gpu_stages", "prefill": stages["prefill"], "decode": stages["decode"] }));
     }
     if a.time_steps > 0 {
         let token = generated.last().copied().unwrap_or(prompt[prompt.len() - 1]);

@@ -16,6 +16,31 @@ fn max_rel(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
 }
 
+/// `GpuLlama::stage_times` after `prefill_chunks` chunks and `steps` decode steps: each
+/// recording's every stage, in milliseconds (finite, not negative, some of them positive), or
+/// `null` throughout where the device cannot time stages.
+fn check_stage_times(v: &serde_json::Value, prefill_chunks: u32, steps: u32, moe: bool, timed: bool, ctx: &str) {
+    if !timed {
+        assert!(v["prefill"].is_null() && v["decode"].is_null(), "{ctx}: {v}");
+        return;
+    }
+    let ffn = if moe { "output and experts" } else { "output and FFN" };
+    let mut stages = ["append", "attention", "attention inputs", "embed", ffn, "gather", "head"];
+    stages.sort_unstable();
+    for (kind, count) in [("prefill", prefill_chunks), ("decode", steps)] {
+        let r = &v[kind];
+        assert_eq!(r["recordings"], count, "{ctx}: {kind} {r}");
+        let ms = r["stages_ms"].as_object().unwrap_or_else(|| panic!("{ctx}: {kind} has no stages: {r}"));
+        let mut names: Vec<&str> = ms.keys().map(String::as_str).collect();
+        names.sort_unstable();
+        assert_eq!(names, stages, "{ctx}: {kind}");
+        assert!(ms.values().all(|x| x.as_f64().is_some_and(|x| x.is_finite() && x >= 0.0)), "{ctx}: {kind} {r}");
+        let total = r["total_ms"].as_f64().unwrap_or(f64::NAN);
+        let sum: f64 = ms.values().filter_map(serde_json::Value::as_f64).sum();
+        assert!(total > 0.0 && (total - sum).abs() <= 1e-9 * sum.max(1.0), "{ctx}: {kind} total {total}, stages {sum}");
+    }
+}
+
 /// Llama (f32 K/V), Qwen2 (Q/K/V biases, f16 K/V) and Qwen3 (per-head Q/K norms, wider heads)
 /// files, and MoE files (Mixtral-style, OLMoE, Qwen2-MoE): a prompt of more than a chunk (crossing chunk and page boundaries) prefilled in
 /// chunks gives the last token's logits of feeding it one token per forward pass, and the
@@ -52,6 +77,10 @@ fn chunked_prefill_equals_token_by_token() {
         }
         let mut chunked = pollster::block_on(GpuLlama::load(rt, &g, opts)).expect("load");
         assert_eq!(chunked.chunked_prefill_refusal(), None, "{ctx}");
+        // The chunked model's prefill and decode steps are timed stage by stage: the timestamps
+        // between passes change nothing computed.
+        let wanted = wgpu::Features::TIMESTAMP_QUERY | wgpu::Features::TIMESTAMP_QUERY_INSIDE_ENCODERS;
+        assert_eq!(chunked.time_stages(rt), rt.device.features().contains(wanted), "{ctx}");
         let got = pollster::block_on(chunked.prefill(rt, 0, &ids)).expect("prefill");
         assert_eq!(chunked.positions, vec![n], "{ctx}");
         let tol = 1e-4;
@@ -62,6 +91,7 @@ fn chunked_prefill_equals_token_by_token() {
             let (a, b) = (pollster::block_on(one.forward(rt, &[t])).expect("a"), pollster::block_on(chunked.forward(rt, &[t])).expect("b"));
             assert!(max_rel(&b, &a) <= tol, "{ctx}: decode step {step} after the prefill differs by {}", max_rel(&b, &a));
         }
+        check_stage_times(&chunked.stage_times(), n.div_ceil(PREFILL_CHUNK), 3, experts > 0, rt.device.features().contains(wanted), &ctx);
     }
     // Where a policy acts between tokens, chunked prefill is refused by name, before any work.
     let file = SyntheticModel::dense(1).gguf();

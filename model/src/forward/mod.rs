@@ -29,6 +29,9 @@ use expertkv_core::route::{RouteShape, Router};
 use expertkv_core::runtime::Runtime;
 use expertkv_core::runtime::dispatch::dispatches_encoded;
 
+mod timing;
+pub use timing::StageTimer;
+
 /// Slots per page of the model's K/V pool.
 pub const MODEL_PAGE_SIZE: u32 = 16;
 
@@ -218,6 +221,9 @@ pub struct GpuLlama {
     io: (GpuMatrix, Option<GpuMatrix>, wgpu::Buffer),
     /// Chunked prefill's attention and scratch, made by the first [`GpuLlama::prefill`].
     prefill: Option<Prefill>,
+    /// Timestamps between the passes of every step and prefill chunk, while timing them
+    /// ([`GpuLlama::time_stages`], [`GpuLlama::time_steps`]).
+    timer: Option<StageTimer>,
 }
 
 /// Sequences one model decodes together at most (the matrix-vector kernel takes them in
@@ -650,6 +656,7 @@ impl GpuLlama {
             calibration_tokens: LOW_RANK_CALIBRATION_TOKENS.min(max_context),
             calibration_max: LOW_RANK_CALIBRATION_TOKENS.min(max_context),
             dispatches: 0,
+            timer: None,
             io: (embed, output, out_norm),
             prefill: None,
         };
@@ -996,6 +1003,9 @@ impl GpuLlama {
             rt.queue.submit(segments);
         }
         rt.check("model forward")?;
+        if let Some(t) = &mut self.timer {
+            t.collect(rt, "decode").await?;
+        }
         let c = self.cfg.clone();
         let n = self.n_seqs;
         self.pool.check_errors(rt, n * c.block_count).await?;
@@ -1119,6 +1129,9 @@ impl GpuLlama {
             let cbs = self.encode_prefill_chunk(rt, seq, chunk)?;
             rt.queue.submit(cbs);
             rt.check("model prefill")?;
+            if let Some(t) = &mut self.timer {
+                t.collect(rt, "prefill").await?;
+            }
             self.positions[seq as usize] += chunk.len() as u32;
             self.step += 1;
         }
@@ -1169,12 +1182,26 @@ impl GpuLlama {
         )?;
         let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("model prefill") });
         let pass_desc = |label| wgpu::ComputePassDescriptor { label: Some(label), timestamp_writes: None };
+        let mut timer = self.timer.as_mut();
+        if let Some(t) = timer.as_deref_mut() {
+            t.start(&mut enc);
+        }
+        let mut mark = |enc: &mut wgpu::CommandEncoder, stage| {
+            if let Some(t) = timer.as_deref_mut() {
+                t.mark(enc, stage);
+            }
+        };
         rec.embed.encode(&mut enc.begin_compute_pass(&pass_desc("prefill embed")));
+        mark(&mut enc, "embed");
         for l in 0..c.block_count {
             rec.attention_inputs[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("prefill attention inputs")));
+            mark(&mut enc, "attention inputs");
             self.pool.encode_staged_append(&mut enc, l, &pf.s.kv_words, None)?;
+            mark(&mut enc, "append");
             self.pool.encode_gather_layer(&mut enc, l)?;
+            mark(&mut enc, "gather");
             pf.attn.encode(&mut enc.begin_compute_pass(&pass_desc("prefill attention")), l)?;
+            mark(&mut enc, "attention");
             match (&self.moe, &pf.moe) {
                 (Some(moe), Some([scores, sel, wts, act, log])) => {
                     // The experts over the chunk, as `install_moe` records them for a step.
@@ -1193,6 +1220,7 @@ impl GpuLlama {
                 }
                 _ => rec.ffn[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("prefill attention output and FFN"))),
             }
+            mark(&mut enc, if self.moe.is_some() { "output and experts" } else { "output and FFN" });
         }
         // The LM head on the chunk's last token only.
         let h = u64::from(c.embedding_length) * 4;
@@ -1201,6 +1229,10 @@ impl GpuLlama {
         let mut p = Recorded::default();
         self.kernels.matvec_norm(rt, &mut p, head, &pf.h_last, out_norm, c.rms_norm_eps, &[(&pf.s.logits, head.rows)], 1)?;
         p.encode(&mut enc.begin_compute_pass(&pass_desc("prefill head")));
+        mark(&mut enc, "head");
+        if let Some(t) = &self.timer {
+            t.finish(&mut enc);
+        }
         Ok(vec![enc.finish()])
     }
 
@@ -1224,59 +1256,6 @@ impl GpuLlama {
     /// before the first step). One step decodes a token of every sequence.
     pub fn dispatches_per_step(&self) -> u64 {
         self.dispatches
-    }
-
-    /// Time `n` decode steps of `token` (for every sequence) submitted back to back with
-    /// nothing read between them, as a serving loop that keeps the GPU busy would run: the first
-    /// half untimed (an idle GPU takes a while to reach its serving clock), the second half
-    /// timed: wall time per step, and the host's share (staging, encoding, submitting). The
-    /// steps' K/V stay in the pool and the positions advance; the per-expert counts are not
-    /// updated. Not with an evicting scheduler (it runs between steps).
-    #[cfg(not(target_arch = "wasm32"))]
-    pub async fn time_steps(&mut self, rt: &Runtime, token: u32, n: u32) -> Result<serde_json::Value> {
-        if self.scheduler.is_some() || self.flexgen.is_some() {
-            return Err(Error::Input("timing back-to-back steps needs no evicting scheduler or host tier (they run between steps)".into()));
-        }
-        let cap = (self.pool.cfg.ring_capacity - 1) * self.pool.cfg.page_size - self.pool.cfg.page_size;
-        let room = cap.saturating_sub(self.positions.iter().copied().max().unwrap_or(0));
-        if n < 2 || n > room {
-            return Err(Error::Input(format!("time_steps: {n} steps, the context has room for {room} (at least 2)")));
-        }
-        let tokens = vec![token; self.n_seqs as usize];
-        let warmup = n / 2;
-        let d0 = dispatches_encoded();
-        let mut t0 = std::time::Instant::now();
-        let mut host = std::time::Duration::ZERO;
-        for i in 0..n {
-            if i == warmup {
-                rt.read::<f32>(&self.s.logits, 0, 1).await?;
-                t0 = std::time::Instant::now();
-                host = std::time::Duration::ZERO;
-            }
-            let h0 = std::time::Instant::now();
-            let cbs = self.encode_step(rt, &tokens)?;
-            rt.queue.submit(cbs);
-            host += h0.elapsed();
-            for p in &mut self.positions {
-                *p += 1;
-            }
-            self.step += 1;
-        }
-        rt.read::<f32>(&self.s.logits, 0, 1).await?;
-        let wall = t0.elapsed();
-        rt.check("model forward")?;
-        self.pool.check_errors(rt, self.n_seqs * self.cfg.block_count).await?;
-        let timed = f64::from(n - warmup);
-        let dispatches = (dispatches_encoded() - d0) / u64::from(n);
-        Ok(serde_json::json!({
-            "dispatches_per_step": dispatches,
-            "measure": "decode_steps",
-            "steps": n - warmup,
-            "warmup_steps": warmup,
-            "wall_ms_per_step": wall.as_secs_f64() * 1e3 / timed,
-            "tokens_per_s": timed * f64::from(self.n_seqs) / wall.as_secs_f64(),
-            "host_ms_per_step": host.as_secs_f64() * 1e3 / timed,
-        }))
     }
 
     /// Validate a step's tokens, fit a low-rank basis when its window is in, stage the step's
@@ -1340,16 +1319,30 @@ impl GpuLlama {
         let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("model forward") });
         let mut segments = Vec::new();
         let pass_desc = |label| wgpu::ComputePassDescriptor { label: Some(label), timestamp_writes: None };
+        let mut timer = self.timer.as_mut();
+        if let Some(t) = timer.as_deref_mut() {
+            t.start(&mut enc);
+        }
+        let mut mark = |enc: &mut wgpu::CommandEncoder, stage| {
+            if let Some(t) = timer.as_deref_mut() {
+                t.mark(enc, stage);
+            }
+        };
         rec.embed.encode(&mut enc.begin_compute_pass(&pass_desc("model embed")));
+        mark(&mut enc, "embed");
         for l in 0..c.block_count {
             rec.attention_inputs[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("model attention inputs")));
+            mark(&mut enc, "attention inputs");
             if let Some(labels) = &self.labels {
                 labels.encode(&mut enc, l);
+                mark(&mut enc, "route stage");
             }
             self.pool.encode_staged_append(&mut enc, l, &s.kv_words, self.labels.as_ref().map(|x| x.staged(l)))?;
+            mark(&mut enc, "append");
             if self.pool.ready_to_compress() {
                 // Pages that left their ring's head are compressed now.
                 self.pool.encode_compress(&mut enc.begin_compute_pass(&pass_desc("model compress")));
+                mark(&mut enc, "compress");
             }
             if self.flexgen.is_some() {
                 // FlexGen fetches the layer's host pages between here and its page lists.
@@ -1357,6 +1350,7 @@ impl GpuLlama {
                 segments.push(std::mem::replace(&mut enc, next).finish());
             }
             self.pool.encode_gather_layer(&mut enc, l)?;
+            mark(&mut enc, "gather");
             self.attn.encode_layer_params(&mut enc, l)?;
             {
                 let mut pass = enc.begin_compute_pass(&pass_desc("model attention"));
@@ -1368,6 +1362,7 @@ impl GpuLlama {
                 }
                 self.attn.encode(&mut pass);
             }
+            mark(&mut enc, "attention");
             match &self.moe {
                 None => rec.ffn[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("model attention output and FFN"))),
                 Some(moe) => match &moe.routed {
@@ -1383,8 +1378,13 @@ impl GpuLlama {
                     }
                 },
             }
+            mark(&mut enc, if self.moe.is_some() { "output and experts" } else { "output and FFN" });
         }
         rec.head.encode(&mut enc.begin_compute_pass(&pass_desc("model head")));
+        mark(&mut enc, "head");
+        if let Some(t) = &self.timer {
+            t.finish(&mut enc);
+        }
         segments.push(enc.finish());
         Ok(segments)
     }

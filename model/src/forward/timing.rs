@@ -1,0 +1,215 @@
+//! Timing the forward pass: decode steps submitted back to back ([`GpuLlama::time_steps`]), and
+//! where a step's GPU time goes, stage by stage ([`StageTimer`]: timestamps written between the
+//! passes of the step's one command buffer).
+
+use std::collections::BTreeMap;
+
+use super::GpuLlama;
+use crate::{Error, Result};
+use expertkv_core::runtime::Runtime;
+use expertkv_core::runtime::dispatch::dispatches_encoded;
+
+/// Timestamps written between a step's passes (`write_timestamp` on the command encoder), each
+/// labelled with the stage that ran since the one before: the GPU time of embed, attention
+/// inputs, append, gather, attention, FFN or experts and head, summed over the layers. Needs the
+/// device's `TIMESTAMP_QUERY_INSIDE_ENCODERS`.
+pub struct StageTimer {
+    set: wgpu::QuerySet,
+    resolve: wgpu::Buffer,
+    capacity: u32,
+    period_ns: f64,
+    labels: Vec<&'static str>,
+    /// Every collected recording's kind (decode or prefill) and stage times
+    /// ([`StageTimer::collect`]).
+    log: Vec<(&'static str, BTreeMap<&'static str, f64>)>,
+}
+
+impl StageTimer {
+    /// Room for `capacity` timestamps; `None` when the device cannot write them between passes.
+    pub fn new(rt: &Runtime, capacity: u32) -> Option<StageTimer> {
+        let wanted = wgpu::Features::TIMESTAMP_QUERY | wgpu::Features::TIMESTAMP_QUERY_INSIDE_ENCODERS;
+        if !rt.device.features().contains(wanted) || capacity < 2 {
+            return None;
+        }
+        let set = rt.device.create_query_set(&wgpu::QuerySetDescriptor {
+            label: Some("model stage timer"),
+            ty: wgpu::QueryType::Timestamp,
+            count: capacity,
+        });
+        let resolve = rt.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("model stage timer resolve"),
+            size: u64::from(capacity) * 8,
+            usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        });
+        Some(StageTimer { set, resolve, capacity, period_ns: f64::from(rt.caps.timestamp_period_ns), labels: Vec::new(), log: Vec::new() })
+    }
+
+    /// The first timestamp of a recording (forgets the last one's labels).
+    pub(super) fn start(&mut self, enc: &mut wgpu::CommandEncoder) {
+        self.labels.clear();
+        self.mark(enc, "");
+    }
+
+    /// A timestamp ending `stage` (the work recorded since the previous mark). Past the
+    /// capacity, marks are dropped and their time goes to the next one kept.
+    pub(super) fn mark(&mut self, enc: &mut wgpu::CommandEncoder, stage: &'static str) {
+        if (self.labels.len() as u32) < self.capacity {
+            enc.write_timestamp(&self.set, self.labels.len() as u32);
+            self.labels.push(stage);
+        }
+    }
+
+    /// Resolve the recording's timestamps (after its last mark).
+    pub(super) fn finish(&self, enc: &mut wgpu::CommandEncoder) {
+        if self.labels.len() >= 2 {
+            enc.resolve_query_set(&self.set, 0..self.labels.len() as u32, &self.resolve, 0);
+        }
+    }
+
+    /// Milliseconds per stage of the last recording (after its submission), summed over the
+    /// stage's marks.
+    pub(super) async fn read(&self, rt: &Runtime) -> Result<BTreeMap<&'static str, f64>> {
+        let mut out = BTreeMap::new();
+        if self.labels.len() < 2 {
+            return Ok(out);
+        }
+        let ticks: Vec<u64> = rt.read(&self.resolve, 0, self.labels.len() as u64).await?;
+        for (i, stage) in self.labels.iter().enumerate().skip(1) {
+            let ms = ticks[i].saturating_sub(ticks[i - 1]) as f64 * self.period_ns * 1e-6;
+            *out.entry(*stage).or_insert(0.0) += ms;
+        }
+        Ok(out)
+    }
+}
+
+impl StageTimer {
+    /// Read the last recording's stage times (after its submission) into the log, as a
+    /// recording of `kind`.
+    pub(super) async fn collect(&mut self, rt: &Runtime, kind: &'static str) -> Result<()> {
+        let r = self.read(rt).await?;
+        self.log.push((kind, r));
+        Ok(())
+    }
+}
+
+/// Decode steps [`GpuLlama::time_steps`] times stage by stage.
+pub const PROFILED_STEPS: u32 = 5;
+
+/// Timestamps a step or prefill chunk of `layers` layers writes at most.
+pub(super) fn marks_per_recording(layers: u32) -> u32 {
+    8 * layers + 4
+}
+
+/// The log's recordings of `kind`: their count, each stage's median milliseconds per
+/// recording (decode steps) or its sum over them (prefill chunks), and the total.
+fn summary(log: &[(&'static str, BTreeMap<&'static str, f64>)], kind: &str, sum: bool) -> serde_json::Value {
+    let mut by_stage: BTreeMap<&'static str, Vec<f64>> = BTreeMap::new();
+    let mut count = 0;
+    for (_, s) in log.iter().filter(|(k, _)| *k == kind) {
+        count += 1;
+        for (k, v) in s {
+            by_stage.entry(k).or_default().push(*v);
+        }
+    }
+    if count == 0 {
+        return serde_json::Value::Null;
+    }
+    let stat = |v: &[f64]| if sum { v.iter().sum() } else { expertkv_core::runtime::timer::median(v) };
+    let stages: BTreeMap<&str, f64> = by_stage.into_iter().map(|(k, v)| (k, stat(&v))).collect();
+    let total: f64 = stages.values().sum();
+    serde_json::json!({ "recordings": count, "total_ms": total, "stages_ms": stages })
+}
+
+impl GpuLlama {
+    /// Time `n` decode steps of `token` (for every sequence) submitted back to back with
+    /// nothing read between them, as a serving loop that keeps the GPU busy would run: the first
+    /// half untimed (an idle GPU takes a while to reach its serving clock), the second half
+    /// timed: wall time per step, and the host's share (staging, encoding, submitting). Where
+    /// the device writes timestamps between passes, the last [`PROFILED_STEPS`] steps of the
+    /// untimed half are also timed stage by stage (each read back before the next, so they
+    /// are not in the wall time): `gpu` holds each stage's median GPU milliseconds per step.
+    /// The steps' K/V stay in the pool and the positions advance; the per-expert counts are not
+    /// updated. Not with an evicting scheduler (it runs between steps).
+    #[cfg(not(target_arch = "wasm32"))]
+    pub async fn time_steps(&mut self, rt: &Runtime, token: u32, n: u32) -> Result<serde_json::Value> {
+        if self.scheduler.is_some() || self.flexgen.is_some() {
+            return Err(Error::Input("timing back-to-back steps needs no evicting scheduler or host tier (they run between steps)".into()));
+        }
+        let cap = (self.pool.cfg.ring_capacity - 1) * self.pool.cfg.page_size - self.pool.cfg.page_size;
+        let room = cap.saturating_sub(self.positions.iter().copied().max().unwrap_or(0));
+        if n < 2 || n > room {
+            return Err(Error::Input(format!("time_steps: {n} steps, the context has room for {room} (at least 2)")));
+        }
+        let tokens = vec![token; self.n_seqs as usize];
+        let warmup = n / 2;
+        let profiled = warmup.saturating_sub(PROFILED_STEPS)..warmup;
+        let outer = self.timer.take();
+        let mut timer = StageTimer::new(rt, marks_per_recording(self.cfg.block_count));
+        let mut timer_log = Vec::new();
+        let d0 = dispatches_encoded();
+        let mut t0 = std::time::Instant::now();
+        let mut host = std::time::Duration::ZERO;
+        for i in 0..n {
+            if i == profiled.start {
+                self.timer = timer.take();
+            }
+            if i == warmup {
+                rt.read::<f32>(&self.s.logits, 0, 1).await?;
+                t0 = std::time::Instant::now();
+                host = std::time::Duration::ZERO;
+            }
+            let h0 = std::time::Instant::now();
+            let cbs = self.encode_step(rt, &tokens)?;
+            rt.queue.submit(cbs);
+            host += h0.elapsed();
+            if let Some(t) = &mut self.timer
+                && profiled.contains(&i)
+            {
+                t.collect(rt, "decode").await?;
+                if i + 1 == profiled.end {
+                    timer_log = std::mem::take(&mut t.log);
+                    self.timer = None;
+                }
+            }
+            for p in &mut self.positions {
+                *p += 1;
+            }
+            self.step += 1;
+        }
+        rt.read::<f32>(&self.s.logits, 0, 1).await?;
+        let wall = t0.elapsed();
+        self.timer = outer;
+        rt.check("model forward")?;
+        self.pool.check_errors(rt, self.n_seqs * self.cfg.block_count).await?;
+        let timed = f64::from(n - warmup);
+        let dispatches = (dispatches_encoded() - d0) / u64::from(n);
+        Ok(serde_json::json!({
+            "dispatches_per_step": dispatches,
+            "measure": "decode_steps",
+            "steps": n - warmup,
+            "warmup_steps": warmup,
+            "wall_ms_per_step": wall.as_secs_f64() * 1e3 / timed,
+            "tokens_per_s": timed * f64::from(self.n_seqs) / wall.as_secs_f64(),
+            "host_ms_per_step": host.as_secs_f64() * 1e3 / timed,
+            "gpu": summary(&timer_log, "decode", false),
+        }))
+    }
+
+    /// Time every following step and prefill chunk stage by stage, on the GPU (each read back
+    /// before the next is recorded, so use it to see where the time goes, not for throughput);
+    /// [`GpuLlama::stage_times`] ends it. False where the device cannot write timestamps
+    /// between passes.
+    pub fn time_stages(&mut self, rt: &Runtime) -> bool {
+        self.timer = StageTimer::new(rt, marks_per_recording(self.cfg.block_count));
+        self.timer.is_some()
+    }
+
+    /// The stage times since [`GpuLlama::time_stages`], and stop timing: `prefill` (each
+    /// stage's milliseconds summed over the chunks) and `decode` (each stage's median per
+    /// step), `null` where none ran.
+    pub fn stage_times(&mut self) -> serde_json::Value {
+        let log = self.timer.take().map(|t| t.log).unwrap_or_default();
+        serde_json::json!({ "prefill": summary(&log, "prefill", true), "decode": summary(&log, "decode", false) })
+    }
+}
