@@ -208,8 +208,8 @@ impl GpuMatrix {
 pub struct MoeFfn {
     /// `[2 * ffn][hidden]`: gate rows then up rows, in expert order.
     pub gate_up: GpuMatrix,
-    /// `[ffn][hidden]` f32: Wdown transposed, rows in expert order (the permutation of `gate_up`).
-    pub down_t: wgpu::Buffer,
+    /// The down projection (see [`MoeDown`]).
+    pub down: MoeDown,
     /// `[n_experts + 1]` u32: expert `e` owns permuted neurons `offsets[e]..offsets[e + 1]`.
     pub offsets: wgpu::Buffer,
     /// Experts in the layer.
@@ -222,7 +222,62 @@ pub struct MoeFfn {
     pub hidden: u32,
 }
 
+/// Where a MoE FFN's down projection lives on the GPU.
+pub enum MoeDown {
+    /// MoEfied experts (neuron groups of a dense FFN, which split the columns of the file's
+    /// quantised blocks): `[ffn][hidden]` f32, Wdown transposed, rows in expert order (the
+    /// permutation of `gate_up`).
+    Transposed(wgpu::Buffer),
+    /// A MoE file's own experts: `ffn_down_exps` as the file stores it, `[n_experts * hidden][ffn /
+    /// n_experts]`, dequantised in-kernel.
+    Experts(GpuMatrix),
+}
+
 impl MoeFfn {
+    /// A MoE file's own experts, every matrix as the file stores it: `gate` and `up`
+    /// (`ffn_gate_exps`, `ffn_up_exps`: `[n_experts * f][hidden]` in `format`) and `down`
+    /// (`ffn_down_exps`: `[n_experts * hidden][f]` in `down_format`), `n_experts` experts of `f`
+    /// neurons each.
+    #[allow(clippy::too_many_arguments)]
+    pub fn upload_experts(
+        rt: &Runtime,
+        label: &str,
+        (format, gate, up): (WeightFormat, &[u8], &[u8]),
+        (down_format, down): (WeightFormat, &[u8]),
+        hidden: u32,
+        n_experts: u32,
+        f: u32,
+    ) -> Result<MoeFfn> {
+        let ffn = n_experts.checked_mul(f).ok_or_else(|| Error::Input(format!("{label}: {n_experts} experts of {f} neurons")))?;
+        let h = hidden as usize;
+        let row_bytes = h / format.block_weights() * format.file_block_bytes();
+        if n_experts == 0
+            || f == 0
+            || h == 0
+            || !h.is_multiple_of(format.block_weights())
+            || gate.len() != ffn as usize * row_bytes
+            || up.len() != gate.len()
+        {
+            return Err(Error::Input(format!("{label}: gate/up do not match {n_experts} experts of {f} neurons x {hidden} features")));
+        }
+        if !(f as usize).is_multiple_of(down_format.block_weights()) {
+            return Err(Error::Input(format!("{label}: {f} neurons per expert are not whole {down_format:?} blocks")));
+        }
+        let mut gate_up = Vec::with_capacity(2 * gate.len());
+        gate_up.extend_from_slice(gate);
+        gate_up.extend_from_slice(up);
+        let offsets: Vec<u32> = (0..=n_experts).map(|e| e * f).collect();
+        Ok(MoeFfn {
+            gate_up: GpuMatrix::upload(rt, label, format, 2 * ffn, hidden, &gate_up)?,
+            down: MoeDown::Experts(GpuMatrix::upload(rt, label, down_format, n_experts * hidden, f, down)?),
+            offsets: rt.storage_init(label, &offsets),
+            n_experts,
+            max_size: f,
+            ffn,
+            hidden,
+        })
+    }
+
     /// From the file's `gate` and `up` bytes (`[ffn][hidden]` each, in `format`), Wdown as f32
     /// (`[hidden][ffn]`, row-major as in the file) and the experts (`neurons` grouped by expert,
     /// expert `e` = `neurons[offsets[e]..offsets[e + 1]]`).
@@ -274,7 +329,7 @@ impl MoeFfn {
         let max_size = offsets.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
         Ok(MoeFfn {
             gate_up: GpuMatrix::upload(rt, label, format, 2 * ffn as u32, hidden, &permuted)?,
-            down_t: rt.storage_init(label, &down_t),
+            down: MoeDown::Transposed(rt.storage_init(label, &down_t)),
             offsets: rt.storage_init(label, offsets),
             n_experts: n_experts as u32,
             max_size,
@@ -357,6 +412,7 @@ pub struct ModelKernels {
     matvec: Vec<Option<wgpu::ComputePipeline>>,
     moe_gate_up: Vec<Option<wgpu::ComputePipeline>>,
     moe_down: wgpu::ComputePipeline,
+    moe_down_q: Vec<Option<wgpu::ComputePipeline>>,
     embed: Vec<Option<wgpu::ComputePipeline>>,
     rmsnorm: wgpu::ComputePipeline,
     rope: wgpu::ComputePipeline,
@@ -376,7 +432,7 @@ impl ModelKernels {
     /// The kernels, the weight-reading ones for each of `formats`.
     pub async fn new(rt: &Runtime, formats: &[WeightFormat]) -> Result<ModelKernels> {
         let n = WeightFormat::ALL.len();
-        let (mut matvec, mut embed, mut moe_gate_up) = (vec![None; n], vec![None; n], vec![None; n]);
+        let (mut matvec, mut embed, mut moe_gate_up, mut moe_down_q) = (vec![None; n], vec![None; n], vec![None; n], vec![None; n]);
         for f in formats {
             let i = f.define() as usize;
             if matvec[i].is_some() {
@@ -386,12 +442,14 @@ impl ModelKernels {
             matvec[i] = Some(rt.pipeline_with(Kernel::ModelMatVec, &d, &[]).await?);
             embed[i] = Some(rt.pipeline_with(Kernel::ModelEmbed, &d, &[]).await?);
             moe_gate_up[i] = Some(rt.pipeline_with(Kernel::ModelMoeGateUp, &d, &[]).await?);
+            moe_down_q[i] = Some(rt.pipeline_with(Kernel::ModelMoeDownQ, &d, &[]).await?);
         }
         Ok(ModelKernels {
             matvec,
             embed,
             moe_gate_up,
             moe_down: rt.pipeline(Kernel::ModelMoeDown, &[]).await?,
+            moe_down_q,
             rmsnorm: rt.pipeline(Kernel::ModelRmsNorm, &[]).await?,
             rope: rt.pipeline(Kernel::ModelRope, &[]).await?,
             rope_qk: rt.pipeline(Kernel::ModelRopeQk, &[]).await?,
@@ -670,12 +728,21 @@ impl ModelKernels {
             &[(0, &p), (1, &m.gate_up.buffer), (2, x), (3, act), (4, sel), (5, &m.offsets), (8, wts)],
         );
         pass.dispatch(pipe, bg, [m.max_size.div_ceil(4), top_k, n_tokens]);
-        let bg = rt.bind_at(
-            Kernel::ModelMoeDown.label(),
-            &self.moe_down,
-            &[(0, &p), (3, act), (4, sel), (5, &m.offsets), (6, &m.down_t), (7, y)],
-        );
-        pass.dispatch(&self.moe_down, bg, [m.hidden.div_ceil(32), n_tokens, 1]);
+        match &m.down {
+            MoeDown::Transposed(down_t) => {
+                let bg = rt.bind_at(
+                    Kernel::ModelMoeDown.label(),
+                    &self.moe_down,
+                    &[(0, &p), (3, act), (4, sel), (5, &m.offsets), (6, down_t), (7, y)],
+                );
+                pass.dispatch(&self.moe_down, bg, [m.hidden.div_ceil(32), n_tokens, 1]);
+            }
+            MoeDown::Experts(down) => {
+                let pipe = pick(&self.moe_down_q, down.format)?;
+                let bg = rt.bind_at(Kernel::ModelMoeDownQ.label(), pipe, &[(0, &p), (1, &down.buffer), (3, act), (4, sel), (7, y)]);
+                pass.dispatch(pipe, bg, [m.hidden, n_tokens, 1]);
+            }
+        }
         Ok(())
     }
 

@@ -322,6 +322,8 @@ kernels! {
     ModelMoeGateUp => "model/moe.wgsl" # "moe_gate_up" [],
     /// Model, MoE FFN: down projection of the chosen experts' activations, in a fixed order.
     ModelMoeDown => "model/moe.wgsl" # "moe_down" [],
+    /// Model, MoE FFN: down projection of a MoE file's own experts from Wdown as stored (in-kernel dequantisation).
+    ModelMoeDownQ => "model/moe.wgsl" # "moe_down_q" [],
     /// Model: pack a step's K and V into the pool's append layout (f32 or f16 words).
     ModelKvPack => "model/kv_pack.wgsl" [],
     /// Model: each token's top-k experts by router score, highest first.

@@ -1434,26 +1434,24 @@ fn f32_matrix(rt: &Runtime, label: &str, rows: u32, cols: u32, v: &[f32]) -> Res
 /// (their bytes as stored), `ffn_down_exps` re-laid as `[hidden][E * ffn]` f32, and the router
 /// `ffn_gate_inp` as f32.
 fn native_experts(rt: &Runtime, g: &Gguf<'_>, c: &LlamaConfig) -> Result<Vec<(GpuMatrix, MoeFfn)>> {
-    let (e, h, f) = (c.expert_count as usize, c.embedding_length as usize, c.feed_forward_length as usize);
-    let neurons: Vec<u32> = (0..(e * f) as u32).collect();
-    let offsets: Vec<u32> = (0..=e as u32).map(|x| x * f as u32).collect();
+    let (e, h, f) = (c.expert_count, c.embedding_length, c.feed_forward_length);
     let mut layers = Vec::new();
     for l in 0..c.block_count {
         let n = |s: &str| format!("blk.{l}.{s}.weight");
         let format = same_format(g, &n("ffn_gate_exps"), &n("ffn_up_exps"))?;
-        let by_neuron = crate::weights::experts_down_by_neuron(&g.tensor_f32(&n("ffn_down_exps"))?, e, h, f);
-        let experts = MoeFfn::upload(
+        let down = n("ffn_down_exps");
+        let down_ty = g.tensor(&down).map(|t| t.ggml_type()).ok_or_else(|| Error::Model(format!("tensor `{down}` is missing")))?;
+        let down_format = WeightFormat::from_ggml(down_ty)?;
+        let experts = MoeFfn::upload_experts(
             rt,
             &format!("blk.{l} experts"),
-            format,
-            h as u32,
-            g.tensor_data(&n("ffn_gate_exps"))?,
-            g.tensor_data(&n("ffn_up_exps"))?,
-            &by_neuron,
-            &neurons,
-            &offsets,
+            (format, g.tensor_data(&n("ffn_gate_exps"))?, g.tensor_data(&n("ffn_up_exps"))?),
+            (down_format, g.tensor_data(&down)?),
+            h,
+            e,
+            f,
         )?;
-        let router = f32_matrix(rt, &format!("blk.{l} router"), e as u32, h as u32, &g.tensor_f32(&n("ffn_gate_inp"))?)?;
+        let router = f32_matrix(rt, &format!("blk.{l} router"), e, h, &g.tensor_f32(&n("ffn_gate_inp"))?)?;
         layers.push((router, experts));
     }
     Ok(layers)

@@ -163,3 +163,73 @@ fn weights32(row: u32, blk: u32, cols: u32) -> array<f32, 32> {
     }
     return wv;
 }
+
+// Weights 4 j .. 4 j + 3 (j < 8) of the 32 weights `weights32(row, blk, cols)` returns,
+// dequantised alone: consecutive invocations taking consecutive quarters of a block read
+// consecutive words of it and of the input (the products' coalesced loop).
+fn weights4(row: u32, blk: u32, j: u32, cols: u32) -> vec4<f32> {
+    let per_block = block_weights(FORMAT) / 32u;
+    let base = (row * (cols / block_weights(FORMAT)) + blk / per_block) * block_words(FORMAT);
+    let sub = blk % per_block;
+    switch FORMAT {
+        case 1u: {
+            // Q8_0: the quarter's 4 signed bytes are word 1 + j.
+            let d = unpack2x16float(weight_word(base)).x;
+            let w = weight_word(base + 1u + j);
+            let q = vec4<i32>(i32(w << 24u), i32(w << 16u), i32(w << 8u), i32(w)) >> vec4<u32>(24u);
+            return d * vec4<f32>(q);
+        }
+        case 2u, 5u: {
+            // Q4_1 / Q4_0: weights 4j.. are the low (j < 4) or high nibbles of bytes 4 (j % 4)..
+            let dm = unpack2x16float(weight_word(base));
+            let w = weight_word(base + 1u + j % 4u) >> (4u * (j / 4u));
+            let q = vec4<f32>(vec4<u32>(w, w >> 8u, w >> 16u, w >> 24u) & vec4<u32>(15u));
+            if (FORMAT == FORMAT_Q4_1) {
+                return dm.x * q + dm.y;
+            }
+            return dm.x * (q - 8.0);
+        }
+        case 3u: {
+            let a = unpack2x16float(weight_word(base + 2u * j));
+            let b = unpack2x16float(weight_word(base + 2u * j + 1u));
+            return vec4<f32>(a, b);
+        }
+        case 4u: {
+            let a = weight_word(base + 2u * j);
+            let b = weight_word(base + 2u * j + 1u);
+            return vec4<f32>(bitcast<f32>(a << 16u), bitcast<f32>(a & 0xffff0000u), bitcast<f32>(b << 16u), bitcast<f32>(b & 0xffff0000u));
+        }
+        case 6u, 7u: {
+            // As weights32: nibble sub % 2 of qs[32 (sub / 2) + l], Q5_K's bit `sub` of qh[l]
+            // adding 16, for l = 4j.. (both word-aligned).
+            let dd = unpack2x16float(weight_word(base));
+            let sm = scale_min_k4(base, sub);
+            let qs = select(16u, 48u, FORMAT == FORMAT_Q5_K) + 32u * (sub / 2u);
+            let w = weight_word(base + qs / 4u + j) >> (4u * (sub % 2u));
+            var q = vec4<f32>(vec4<u32>(w, w >> 8u, w >> 16u, w >> 24u) & vec4<u32>(15u));
+            if (FORMAT == FORMAT_Q5_K) {
+                let h = weight_word(base + 4u + j) >> sub;
+                q += 16.0 * vec4<f32>(vec4<u32>(h, h >> 8u, h >> 16u, h >> 24u) & vec4<u32>(1u));
+            }
+            return dd.x * sm.x * q - dd.y * sm.y;
+        }
+        case 8u: {
+            // Q6_K, as weights32 for l = 4j..: low bits of ql[64 n + 32 (r % 2) + l], high bits
+            // of qh[32 n + l], one scale (l / 16 is the same for the quarter).
+            let d = unpack2x16float(weight_word(base + 52u)).x;
+            let n = sub / 4u;
+            let r = sub % 4u;
+            let lo_w = weight_word(base + (64u * n + 32u * (r % 2u)) / 4u + j) >> (4u * (r / 2u));
+            let hi_w = weight_word(base + (128u + 32u * n) / 4u + j) >> (2u * r);
+            let lo = vec4<u32>(lo_w, lo_w >> 8u, lo_w >> 16u, lo_w >> 24u) & vec4<u32>(15u);
+            let hi = vec4<u32>(hi_w, hi_w >> 8u, hi_w >> 16u, hi_w >> 24u) & vec4<u32>(3u);
+            let q = vec4<i32>(lo | (hi << vec4<u32>(4u))) - vec4<i32>(32);
+            let sc = i32(block_byte(base, 192u + 8u * n + (4u * j) / 16u + 2u * r) << 24u) >> 24u;
+            return d * f32(sc) * vec4<f32>(q);
+        }
+        default: {
+            let o = base + 4u * j;
+            return vec4<f32>(bitcast<f32>(weight_word(o)), bitcast<f32>(weight_word(o + 1u)), bitcast<f32>(weight_word(o + 2u)), bitcast<f32>(weight_word(o + 3u)));
+        }
+    }
+}

@@ -2,8 +2,10 @@
 // added in the same pass) for the call's tokens b, W in one of the block formats of
 // common/quant.wgsl, dequantised in registers as it is read (no f32 copy of W exists). One
 // workgroup per (output row, group of MAX_TOKENS tokens: workgroup z); its invocations take the
-// row's blocks in turn, each against every token of the group, then sum over the workgroup (a
-// fixed tree, so the result does not depend on timing, nor on how many tokens the call has).
+// row's weights four at a time in turn (common/quant.wgsl's weights4: neighbouring invocations
+// read neighbouring words of W and x), each against every token of the group, then sum over the
+// workgroup (a fixed tree, so the result does not depend on timing, nor on how many tokens the
+// call has).
 //
 // What x' is (`input`), so the pass before a product needs no dispatch of its own:
 //   0: x as given, [n_tokens][cols];
@@ -70,7 +72,6 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
         return;
     }
     let nt = min(params.n_tokens - tb, MAX_TOKENS);
-    let nb = params.cols / 32u;
     if (params.input == 1u) {
         for (var b = 0u; b < nt; b++) {
             var s = 0.0;
@@ -91,37 +92,37 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     for (var b = 0u; b < MAX_TOKENS; b++) {
         acc[b] = 0.0;
     }
-    for (var blk = t; blk < nb; blk += WG) {
-        let wv = weights32(row, blk, params.cols);
-        let i0 = blk * 32u;
+    // Invocation t takes quarters t, t + WG, ... of the row (4 consecutive weights each), so
+    // neighbours read neighbouring words of W and of x.
+    for (var qi = t; qi < params.cols / 4u; qi += WG) {
+        let wv = weights4(row, qi / 8u, qi % 8u, params.cols);
+        let i0 = 4u * qi;
+        var gq = vec4<f32>(1.0);
+        if (params.input == 1u) {
+            gq = vec4<f32>(g[i0], g[i0 + 1u], g[i0 + 2u], g[i0 + 3u]);
+        }
         for (var b = 0u; b < MAX_TOKENS; b++) {
             if (b < nt) {
-                // One loop per input kind (uniform), each as plain as the product itself.
-                var s = 0.0;
+                // One load per input kind (uniform), each as plain as the product itself.
+                var xv: vec4<f32>;
                 switch params.input {
                     case 1u: {
                         let x0 = (tb + b) * params.cols + i0;
-                        for (var k = 0u; k < 32u; k++) {
-                            s += wv[k] * x[x0 + k] * g[i0 + k];
-                        }
-                        s *= inv_rms[b];
+                        xv = vec4<f32>(x[x0], x[x0 + 1u], x[x0 + 2u], x[x0 + 3u]) * gq * inv_rms[b];
                     }
                     case 2u: {
                         let g0 = 2u * (tb + b) * params.cols + i0;
                         let u0 = g0 + params.cols;
-                        for (var k = 0u; k < 32u; k++) {
-                            let gate = x[g0 + k];
-                            s += wv[k] * (gate / (1.0 + exp(-gate)) * x[u0 + k]);
-                        }
+                        let gate = vec4<f32>(x[g0], x[g0 + 1u], x[g0 + 2u], x[g0 + 3u]);
+                        let up = vec4<f32>(x[u0], x[u0 + 1u], x[u0 + 2u], x[u0 + 3u]);
+                        xv = gate / (1.0 + exp(-gate)) * up;
                     }
                     default: {
                         let x0 = (tb + b) * params.cols + i0;
-                        for (var k = 0u; k < 32u; k++) {
-                            s += wv[k] * x[x0 + k];
-                        }
+                        xv = vec4<f32>(x[x0], x[x0 + 1u], x[x0 + 2u], x[x0 + 3u]);
                     }
                 }
-                acc[b] += s;
+                acc[b] += dot(wv, xv);
             }
         }
     }

@@ -10,11 +10,12 @@
 //     act[b][j][s] = silu(gate) * up * wts[b][j]; slots past the expert's size get 0. The weights
 //     are 1 for MoEfied experts and the router's softmax for a MoE file's own (model/router.wgsl
 //     moe_weights).
-//   moe_down: one workgroup per (32 output features, token b), 8 slices of the chosen neurons:
+//   moe_down (MoEfied experts): one workgroup per (32 output features, token b), 8 slices of the chosen neurons:
 //     y[b][h] (+)= sum_j sum_{s < size(e_j)} act[b][j][s] * down_t[offsets[e_j] + s][h]
 //     in a fixed order (each slice its neurons s = slice, slice + 8, ..., j then s; then the
 //     slices in order), so results do not depend on timing; added to y (the residual stream)
 //     when `accumulate` is set, else written.
+//   moe_down_q (a MoE file's own experts): the same sum from Wdown as the file stores it (below).
 
 //!import common/quant.wgsl
 //!define FORMAT 0u
@@ -49,49 +50,6 @@ const WG: u32 = 64u;
 var<workgroup> red_g: array<f32, WG>;
 var<workgroup> red_u: array<f32, WG>;
 
-// Block `blk` of permuted row `row` of `w` against x[b][blk * 32 ..].
-fn block_dot(row: u32, blk: u32, b: u32) -> f32 {
-    let nb = params.hidden / 32u;
-    let base = (row * nb + blk) * block_words(FORMAT);  // the 32-weight formats (0..2)
-    let x0 = b * params.hidden + blk * 32u;
-    var s = 0.0;
-    switch FORMAT {
-        case 1u: {
-            let d = unpack2x16float(w[base]).x;
-            for (var k = 0u; k < 8u; k++) {
-                let word = w[base + 1u + k];
-                for (var j = 0u; j < 4u; j++) {
-                    let q = i32(byte_at(word, j) << 24u) >> 24u;
-                    s += d * f32(q) * x[x0 + 4u * k + j];
-                }
-            }
-        }
-        case 2u: {
-            let dm = unpack2x16float(w[base]);
-            for (var k = 0u; k < 4u; k++) {
-                let word = w[base + 1u + k];
-                for (var j = 0u; j < 4u; j++) {
-                    let q = byte_at(word, j);
-                    s += (dm.x * f32(q & 15u) + dm.y) * x[x0 + 4u * k + j];
-                    s += (dm.x * f32(q >> 4u) + dm.y) * x[x0 + 16u + 4u * k + j];
-                }
-            }
-        }
-        case 0u: {
-            for (var k = 0u; k < 32u; k++) {
-                s += bitcast<f32>(w[base + k]) * x[x0 + k];
-            }
-        }
-        default: {
-            let wv = weights32(row, blk, params.hidden);
-            for (var k = 0u; k < 32u; k++) {
-                s += wv[k] * x[x0 + k];
-            }
-        }
-    }
-    return s;
-}
-
 // moe_gate_up's workgroup: NPW neurons, TPN invocations each (striding over the 32-weight blocks).
 const NPW: u32 = 4u;
 const TPN: u32 = WG / NPW;
@@ -111,14 +69,17 @@ fn moe_gate_up(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_i
     let first = offsets[e];
     let size = offsets[e + 1u] - first;
     let live = s < size;
-    let nb = params.hidden / 32u;
     var g = 0.0;
     var u = 0.0;
     if (live) {
+        // The slot's invocations take quarters i, i + TPN, ... of its gate and up rows (4
+        // consecutive weights each: neighbours read neighbouring words of W and x).
         let row = first + s;
-        for (var blk = i; blk < nb; blk += TPN) {
-            g += block_dot(row, blk, b);
-            u += block_dot(params.ffn + row, blk, b);
+        for (var qi = i; qi < params.hidden / 4u; qi += TPN) {
+            let x0 = b * params.hidden + 4u * qi;
+            let xv = vec4<f32>(x[x0], x[x0 + 1u], x[x0 + 2u], x[x0 + 3u]);
+            g += dot(weights4(row, qi / 8u, qi % 8u, params.hidden), xv);
+            u += dot(weights4(params.ffn + row, qi / 8u, qi % 8u, params.hidden), xv);
         }
     }
     red_g[t] = g;
@@ -176,5 +137,47 @@ fn moe_down(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_inde
         }
         let o = b * params.hidden + h;
         y[o] = select(sum, y[o] + sum, params.accumulate != 0u);
+    }
+}
+
+// moe_down_q (a MoE file's own experts): Wdown kept as the file stores it, `w` bound to
+// `ffn_down_exps` ([n_experts * hidden][ffn / n_experts] in FORMAT: expert e's output feature h is
+// row e * hidden + h over its neurons). One workgroup per (output feature h, token b):
+//   y[b][h] (+)= sum_j sum_s act[b][j][s] * Wdown_{e_j}[h][s]
+// the invocations taking quarters of each chosen expert's row in turn, j then quarters, then
+// the fixed tree; no f32 copy of Wdown exists.
+var<workgroup> red_q: array<f32, WG>;
+
+@compute @workgroup_size(64)
+fn moe_down_q(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t: u32) {
+    let h = wg.x;
+    let b = wg.y;
+    // Uniform per workgroup.
+    if (h >= params.hidden || b >= params.n_tokens) {
+        return;
+    }
+    // Every expert has ffn / n_experts neurons here (offsets e * that).
+    let f = params.ffn / params.n_experts;
+    var acc = 0.0;
+    for (var j = 0u; j < params.top_k; j++) {
+        let e = min(sel[b * params.top_k + j], params.n_experts - 1u);
+        let row = e * params.hidden + h;
+        let a0 = (b * params.top_k + j) * params.max_size;
+        for (var qi = t; qi < f / 4u; qi += WG) {
+            let a = a0 + 4u * qi;
+            acc += dot(weights4(row, qi / 8u, qi % 8u, f), vec4<f32>(act[a], act[a + 1u], act[a + 2u], act[a + 3u]));
+        }
+    }
+    red_q[t] = acc;
+    workgroupBarrier();
+    for (var off = WG / 2u; off > 0u; off = off / 2u) {
+        if (t < off) {
+            red_q[t] += red_q[t + off];
+        }
+        workgroupBarrier();
+    }
+    if (t == 0u) {
+        let o = b * params.hidden + h;
+        y[o] = select(red_q[0], y[o] + red_q[0], params.accumulate != 0u);
     }
 }

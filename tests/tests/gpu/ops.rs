@@ -308,6 +308,107 @@ fn moe_ffn_matches_cpu_in_every_weight_format() {
     assert!(MoeFfn::upload(rt, "bad", WeightFormat::Q4_1, 32, &g[..40], &g[..40], &[0.0; 64], &[0, 1], &[0, 1]).is_err());
 }
 
+/// A MoE file's own experts (`MoeFfn::upload_experts`): gate/up and Wdown as the file stores
+/// them, Wdown in a format of its own (as K-quant mixes keep it), dequantised in-kernel by
+/// `moe_down_q`; against the CPU reference on the dequantised matrices.
+#[test]
+fn moe_file_experts_match_cpu_in_every_weight_format() {
+    let rt = rt();
+    let k = pollster::block_on(ModelKernels::new(rt, &WeightFormat::ALL)).expect("kernels");
+    let mut formats_seen = [0u32; WeightFormat::ALL.len()];
+    for (i, seed) in seeds("model_moe_file_experts", 18).into_iter().enumerate() {
+        let mut rng = Rng::new(seed);
+        let format = pick(seed, &WeightFormat::ALL);
+        // Every down format twice, each beside a random gate/up format.
+        let down_format = WeightFormat::ALL[(4 * i + 1) % WeightFormat::ALL.len()];
+        formats_seen[down_format.define() as usize] += 1;
+        let hidden = format.block_weights() as u32 * (1 + rng.below(512 / format.block_weights() as u32));
+        let f = down_format.block_weights() as u32 * (1 + rng.below(320 / down_format.block_weights() as u32));
+        let experts = 1 + rng.below(6);
+        let top_k = 1 + rng.below(experts);
+        let n = 1 + rng.below(2 * MATVEC_MAX_TOKENS);
+        let ctx = format!(
+            "seed {seed}: gate/up {format:?}, down {down_format:?}, hidden {hidden}, {experts} experts of {f}, top-{top_k}, {n} tokens"
+        );
+        let gate = random_blocks(&mut rng, format, experts * f, hidden, false);
+        let up = random_blocks(&mut rng, format, experts * f, hidden, false);
+        let down = random_blocks(&mut rng, down_format, experts * hidden, f, false);
+        let m = MoeFfn::upload_experts(rt, "experts", (format, &gate, &up), (down_format, &down), hidden, experts, f).expect("upload");
+        let (h, fu) = (hidden as usize, f as usize);
+        let mut gate_up = cpu::dequant_matrix(format, experts * f, hidden, &gate).expect("gate");
+        gate_up.extend(cpu::dequant_matrix(format, experts * f, hidden, &up).expect("up"));
+        let df = cpu::dequant_matrix(down_format, experts * hidden, f, &down).expect("down");
+        // down_t[e f + s][o] = Wdown_e[o][s], scaled down as a trained FFN's is.
+        let mut down_t = vec![0f32; experts as usize * fu * h];
+        for e in 0..experts as usize {
+            for o in 0..h {
+                for s in 0..fu {
+                    down_t[(e * fu + s) * h + o] = df[(e * h + o) * fu + s];
+                }
+            }
+        }
+        let offsets: Vec<u32> = (0..=experts).map(|e| e * f).collect();
+        let x: Vec<f32> = normals(&mut rng, (n * hidden) as usize).iter().map(|v| v * 0.2).collect();
+        let mut sel = Vec::new();
+        for _ in 0..n {
+            let mut all: Vec<u32> = (0..experts).collect();
+            for j in 0..top_k as usize {
+                all.swap(j, j + rng.below(experts - j as u32) as usize);
+            }
+            sel.extend_from_slice(&all[..top_k as usize]);
+        }
+        let wts: Vec<f32> = (0..n * top_k).map(|_| rng.range(0.05, 1.0) as f32).collect();
+        let (xb, sb, wb) = (rt.storage_init("x", &x), rt.storage_init("sel", &sel), rt.storage_init("wts", &wts));
+        let act = rt.storage("act", u64::from(n * top_k * f) * 4);
+        let resid: Vec<f32> = normals(&mut rng, (n * hidden) as usize);
+        let y = rt.storage_init("y", &resid);
+        rt.fill_u32(&act, POISON_F32);
+        run(rt, "moe experts", |p| k.moe_ffn(rt, p, &m, &xb, &sb, &wb, &act, &y, n, top_k, true).expect("moe_ffn"));
+        let got: Vec<f32> = pollster::block_on(rt.read_all(&y)).expect("read");
+        let want: Vec<f64> = cpu::moe_ffn(&gate_up, &down_t, &offsets, h, &x, &sel, &wts, top_k as usize, n as usize)
+            .iter()
+            .zip(&resid)
+            .map(|(w, r)| w + f64::from(*r))
+            .collect();
+        // Scale: the sum of |terms| of each output, plus the residual.
+        let dot = |row: usize, b: usize| -> f64 { (0..h).map(|c| f64::from(gate_up[row * h + c]) * f64::from(x[b * h + c])).sum() };
+        let acts: Vec<f64> = (0..n as usize * top_k as usize)
+            .flat_map(|bj| {
+                let (b, e) = (bj / top_k as usize, sel[bj] as usize);
+                (0..fu).map(move |s| (b, e * fu + s, bj))
+            })
+            .map(|(b, r, bj)| {
+                let g = dot(r, b);
+                g / (1.0 + (-g).exp()) * dot(experts as usize * fu + r, b) * f64::from(wts[bj])
+            })
+            .collect();
+        let scale: Vec<f64> = (0..(n * hidden) as usize)
+            .map(|i| {
+                let (b, o) = (i / h, i % h);
+                let mut s = f64::from(resid[i].abs());
+                for j in 0..top_k as usize {
+                    let e = sel[b * top_k as usize + j] as usize;
+                    for sl in 0..fu {
+                        s += (acts[(b * top_k as usize + j) * fu + sl] * f64::from(down_t[(e * fu + sl) * h + o])).abs();
+                    }
+                }
+                s
+            })
+            .collect();
+        close(&got, &want, &scale, 1e-4, &ctx);
+    }
+    if !replaying() {
+        assert!(formats_seen.iter().all(|&c| c > 0), "every down format drawn: {formats_seen:?}");
+    }
+    // Experts that are not whole blocks of the down format, or gate/up of the wrong size, are refused.
+    let g = [0u8; 4 * 20];
+    match MoeFfn::upload_experts(rt, "bad", (WeightFormat::Q4_1, &g, &g), (WeightFormat::Q4K, &g), 32, 2, 2) {
+        Err(e) => assert!(e.to_string().contains("not whole"), "{e}"),
+        Ok(_) => panic!("2 neurons per expert as Q4_K blocks were accepted"),
+    }
+    assert!(MoeFfn::upload_experts(rt, "bad", (WeightFormat::Q4_1, &g[..40], &g), (WeightFormat::Q4_1, &g), 32, 2, 32).is_err());
+}
+
 #[test]
 fn rmsnorm_rope_swiglu_match_cpu() {
     let rt = rt();
