@@ -47,8 +47,10 @@ pub struct MoeParams {
     pub n_experts: u32,
     /// 1: `y +=` the FFN's output (the residual stream), 0: `y =` it.
     pub accumulate: u32,
-    /// Padding to 32 bytes; always 0.
-    pub _pad1: u32,
+    /// 1: a MoE file's experts in slots: the offsets buffer is a slot per expert (`[n_experts]`),
+    /// expert e's gate rows `slot * max_size ..`, its up rows `ffn + slot * max_size ..` and its
+    /// down rows `slot * hidden ..`; 0: MoEfied experts by offsets.
+    pub slotted: u32,
 }
 const _: () = assert!(std::mem::size_of::<MoeParams>() == 32);
 

@@ -21,6 +21,7 @@
 pub mod batch;
 pub mod config;
 pub mod cpu;
+pub mod experts;
 pub mod forward;
 pub mod gguf;
 pub mod gpu_data;

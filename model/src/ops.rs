@@ -210,13 +210,14 @@ pub struct MoeFfn {
     pub gate_up: GpuMatrix,
     /// The down projection (see [`MoeDown`]).
     pub down: MoeDown,
-    /// `[n_experts + 1]` u32: expert `e` owns permuted neurons `offsets[e]..offsets[e + 1]`.
+    /// `[n_experts + 1]` u32: expert `e` owns permuted neurons `offsets[e]..offsets[e + 1]`; for
+    /// a MoE file's own experts, `[n_experts]`: expert `e`'s slot (past the last: not resident).
     pub offsets: wgpu::Buffer,
     /// Experts in the layer.
     pub n_experts: u32,
     /// Neurons of the largest expert (slots per choice in the activation scratch).
     pub max_size: u32,
-    /// Neurons of all experts together.
+    /// Neurons of all experts together (of all slots, for a MoE file's experts).
     pub ffn: u32,
     /// FFN input and output features.
     pub hidden: u32,
@@ -237,7 +238,7 @@ impl MoeFfn {
     /// A MoE file's own experts, every matrix as the file stores it: `gate` and `up`
     /// (`ffn_gate_exps`, `ffn_up_exps`: `[n_experts * f][hidden]` in `format`) and `down`
     /// (`ffn_down_exps`: `[n_experts * hidden][f]` in `down_format`), `n_experts` experts of `f`
-    /// neurons each.
+    /// neurons each, every one resident (expert e in slot e).
     #[allow(clippy::too_many_arguments)]
     pub fn upload_experts(
         rt: &Runtime,
@@ -266,14 +267,54 @@ impl MoeFfn {
         let mut gate_up = Vec::with_capacity(2 * gate.len());
         gate_up.extend_from_slice(gate);
         gate_up.extend_from_slice(up);
-        let offsets: Vec<u32> = (0..=n_experts).map(|e| e * f).collect();
+        let slots: Vec<u32> = (0..n_experts).collect();
         Ok(MoeFfn {
             gate_up: GpuMatrix::upload(rt, label, format, 2 * ffn, hidden, &gate_up)?,
             down: MoeDown::Experts(GpuMatrix::upload(rt, label, down_format, n_experts * hidden, f, down)?),
-            offsets: rt.storage_init(label, &offsets),
+            offsets: rt.storage_init(label, &slots),
             n_experts,
             max_size: f,
             ffn,
+            hidden,
+        })
+    }
+
+    /// Room for `slots` of a MoE file's `n_experts` experts of `f` neurons (gate/up in `format`,
+    /// down in `down_format`), none resident: the GPU tier of an expert cache
+    /// ([`crate::experts::ExpertCache`] writes experts into slots and the slot table).
+    pub fn expert_slots(
+        rt: &Runtime,
+        label: &str,
+        (format, down_format): (WeightFormat, WeightFormat),
+        hidden: u32,
+        n_experts: u32,
+        f: u32,
+        slots: u32,
+    ) -> Result<MoeFfn> {
+        if slots == 0
+            || slots > n_experts
+            || f == 0
+            || !(f as usize).is_multiple_of(down_format.block_weights())
+            || !(hidden as usize).is_multiple_of(format.block_weights())
+        {
+            return Err(Error::Input(format!("{label}: {slots} slots for {n_experts} experts of {f} neurons x {hidden} features")));
+        }
+        let words = |fmt: WeightFormat, rows: u32, cols: u32| {
+            u64::from(rows) * u64::from(cols) / fmt.block_weights() as u64 * fmt.gpu_block_words() as u64
+        };
+        let matrix = |name: &str, fmt: WeightFormat, rows: u32, cols: u32| -> Result<GpuMatrix> {
+            let size = words(fmt, rows, cols) * 4;
+            rt.fits_binding(format!("{label} {name}"), size)?;
+            Ok(GpuMatrix { buffer: rt.storage(&format!("{label} {name}"), size), format: fmt, rows, cols })
+        };
+        Ok(MoeFfn {
+            gate_up: matrix("gate/up slots", format, 2 * slots * f, hidden)?,
+            down: MoeDown::Experts(matrix("down slots", down_format, slots * hidden, f)?),
+            // Nothing resident: every slot index past the last (the kernels read nothing there).
+            offsets: rt.storage_init(label, &vec![slots; n_experts as usize]),
+            n_experts,
+            max_size: f,
+            ffn: slots * f,
             hidden,
         })
     }
@@ -718,7 +759,7 @@ impl ModelKernels {
                 n_tokens,
                 n_experts: m.n_experts,
                 accumulate: u32::from(accumulate),
-                ..Default::default()
+                slotted: u32::from(matches!(m.down, MoeDown::Experts(_))),
             },
         );
         let pipe = pick(&self.moe_gate_up, m.gate_up.format)?;
@@ -739,7 +780,11 @@ impl ModelKernels {
             }
             MoeDown::Experts(down) => {
                 let pipe = pick(&self.moe_down_q, down.format)?;
-                let bg = rt.bind_at(Kernel::ModelMoeDownQ.label(), pipe, &[(0, &p), (1, &down.buffer), (3, act), (4, sel), (7, y)]);
+                let bg = rt.bind_at(
+                    Kernel::ModelMoeDownQ.label(),
+                    pipe,
+                    &[(0, &p), (1, &down.buffer), (3, act), (4, sel), (5, &m.offsets), (7, y)],
+                );
                 pass.dispatch(pipe, bg, [m.hidden, n_tokens, 1]);
             }
         }

@@ -9,6 +9,7 @@ use expertkv_core::config::{Codec, KvDtype};
 use expertkv_core::digest::{FNV_OFFSET, fnv1a};
 use expertkv_core::evict::config::{Budget, SchedulerConfig};
 use expertkv_core::route::config::RouterConfig;
+use expertkv_model::experts::{ExpertCache, ExpertCacheConfig, ExpertPolicy};
 use expertkv_model::forward::{GpuLlama, ModelOptions};
 use expertkv_model::moe::{Calibration, MoeConfig, Moefication};
 use expertkv_model::text::{GenerateOptions, TextModel};
@@ -81,6 +82,14 @@ pub struct RunArgs {
     router: Option<String>,
     #[command(flatten)]
     routing: crate::routing::RoutingArgs,
+    /// A MoE file's experts in tiers: this many GPU slots per layer (a count, or a share of the
+    /// layer's experts such as 25%), every expert in host memory, the missing ones fetched
+    /// between a layer's router and its experts [default: every expert on the GPU].
+    #[arg(long)]
+    expert_slots: Option<String>,
+    /// Which expert leaves a slot for a missing one: lru or lfu (with --expert-slots).
+    #[arg(long, default_value = "lru")]
+    expert_policy: String,
     /// End with one JSON line: the prompt's and the generated token ids, the text, the timings
     /// and the K/V in use (what scripts and the browser test compare).
     #[arg(long)]
@@ -285,6 +294,7 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
         moe.as_ref().or(labels.as_ref()).map(|s| (s.config.experts as u32, s.config.top_k as u32))
     };
     let routing = a.routing.routing(shape)?;
+    let expert_cache = expert_cache_config(a.expert_slots.as_deref(), &a.expert_policy, &lc)?;
     let rt = gpu.runtime()?;
     println!("adapter: {} ({:?})", rt.info.name, rt.info.backend);
     let context = prompt.len() as u32 + a.tokens + 1 + a.time_steps;
@@ -298,7 +308,8 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
             .codec(codec)
             .routing(routing)
             .pyramid(a.pyramid)
-            .threshold(threshold),
+            .threshold(threshold)
+            .expert_cache(expert_cache),
     ))
     .context("loading the model onto the GPU")?;
     if a.verify_evictions {
@@ -445,6 +456,21 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
         c.block_count,
         fmt_bytes(bytes)
     );
+    if let Some(ec) = m.expert_cache() {
+        let t = ec.total;
+        println!(
+            "experts: {} of {} slots per layer on the GPU ({}; all {} in host memory, {}); {} hits, {} misses ({:.0}% hit rate), {} moved host-to-GPU",
+            ec.cfg.slots,
+            c.expert_count,
+            fmt_bytes(ec.gpu_bytes()),
+            c.expert_count,
+            fmt_bytes(ec.host_bytes()),
+            t.hits,
+            t.misses,
+            100.0 * t.hits as f64 / (t.hits + t.misses).max(1) as f64,
+            fmt_bytes(t.bytes)
+        );
+    }
     if a.json {
         let line = serde_json::json!({
             "prompt_ids": prompt,
@@ -460,6 +486,7 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
             "dispatches_per_layer": m.dispatches_per_step() as f64 / f64::from(c.block_count),
             "kv_pages_in_use": used,
             "kv_bytes_in_use": bytes,
+            "expert_cache": m.expert_cache().map(expert_cache_json),
             "adapter": rt.info.name,
         });
         println!("{line}");
@@ -474,4 +501,44 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
         println!("{r}");
     }
     Ok(())
+}
+
+/// `--expert-slots` (a count or a share of the layer's experts) and `--expert-policy` for the
+/// model `c`, or `None` without slots.
+fn expert_cache_config(slots: Option<&str>, policy: &str, c: &LlamaConfig) -> Result<Option<ExpertCacheConfig>> {
+    let Some(spec) = slots else { return Ok(None) };
+    if c.expert_count == 0 {
+        bail!("--expert-slots: this model has a dense FFN (no experts to cache)");
+    }
+    let slots = match spec.strip_suffix('%') {
+        Some(p) => {
+            let share: f64 = p
+                .trim()
+                .parse()
+                .ok()
+                .filter(|v: &f64| *v > 0.0 && *v <= 100.0)
+                .with_context(|| format!("--expert-slots {spec}: a share in (0, 100]%"))?;
+            ((f64::from(c.expert_count) * share / 100.0).round() as u32).max(1)
+        }
+        None => spec
+            .trim()
+            .parse()
+            .with_context(|| format!("--expert-slots {spec}: a whole number of slots per layer, or a share such as 25%"))?,
+    };
+    Ok(Some(ExpertCacheConfig { slots, policy: ExpertPolicy::from_name(policy)? }))
+}
+
+/// The expert tiers' sizes and traffic, as `run --json` reports them.
+fn expert_cache_json(c: &ExpertCache) -> serde_json::Value {
+    let t = c.total;
+    serde_json::json!({
+        "slots_per_layer": c.cfg.slots,
+        "policy": c.cfg.policy.name(),
+        "gpu_bytes": c.gpu_bytes(),
+        "host_bytes": c.host_bytes(),
+        "hits": t.hits,
+        "misses": t.misses,
+        "hit_rate": t.hits as f64 / (t.hits + t.misses).max(1) as f64,
+        "bytes_moved": t.bytes,
+    })
 }

@@ -9,6 +9,7 @@
 //! MoEfied, the experts chosen). Sequences decode together (one token each per step, up to
 //! [`MAX_SEQS`]).
 
+use crate::experts::{ExpertCache, ExpertCacheConfig};
 use crate::labels::{KvLabels, KvRouting, LabelSource, ScoreInputs};
 use crate::moe::Moefication;
 use crate::ops::{GpuMatrix, ModelKernels, MoeFfn, Recorded, WeightFormat};
@@ -153,6 +154,10 @@ struct GpuMoe {
     recorded: Vec<Recorded>,
     /// One of the pipeline's routers over the centroid scores ([`GpuLlama::set_moe_router`]).
     routed: Option<RoutedMoe>,
+    /// A MoE file's experts in tiers ([`ModelOptions::experts`]): `recorded` ends at the
+    /// layer's top-k and `experts` holds the experts' recording.
+    cache: Option<ExpertCache>,
+    experts: Vec<Recorded>,
 }
 
 /// The expert FFN with the pipeline's router choosing the experts: per layer the part before
@@ -290,6 +295,9 @@ pub struct ModelOptions {
     pub pyramid: Option<f32>,
     /// The scheduler's utility threshold (fixed, or adapted to the kept attention share).
     pub threshold: Threshold,
+    /// A MoE file's experts in tiers: this many GPU slots per layer, the rest in host memory
+    /// (see [`crate::experts`]); `None` uploads every expert.
+    pub experts: Option<ExpertCacheConfig>,
 }
 
 impl ModelOptions {
@@ -304,7 +312,13 @@ impl ModelOptions {
             routing: None,
             pyramid: None,
             threshold: Threshold::default(),
+            experts: None,
         }
+    }
+
+    /// The same options with a MoE file's experts in tiers (`None`: every expert on the GPU).
+    pub fn expert_cache(self, experts: Option<ExpertCacheConfig>) -> Self {
+        ModelOptions { experts, ..self }
     }
 
     /// The same options with K/V stored as `dtype`.
@@ -450,7 +464,14 @@ impl GpuLlama {
     /// one. With both, an eviction first decodes the compressed pages it touches into raw ones
     /// (`compress::Thaw`), and the next step's compress pass re-encodes them.
     pub async fn load(rt: &Runtime, g: &Gguf<'_>, opts: ModelOptions) -> Result<GpuLlama> {
-        let ModelOptions { n_seqs, max_context, dtype, scheduler, codec, routing, pyramid, threshold } = opts;
+        let ModelOptions { n_seqs, max_context, dtype, scheduler, codec, routing, pyramid, threshold, experts } = opts;
+        if experts.is_some() && matches!(scheduler, Some((SchedulerConfig::FlexGen, _))) {
+            return Err(Error::config(
+                "experts",
+                "cache",
+                "FlexGen's host tier splits the step by layer on its own: give one or the other",
+            ));
+        }
         if !scheduler.as_ref().is_some_and(|(s, _)| s.uses_evict_kernels()) && (pyramid.is_some() || threshold != Threshold::default()) {
             return Err(Error::config(
                 if pyramid.is_some() { "pyramid" } else { "threshold" },
@@ -633,7 +654,15 @@ impl GpuLlama {
             true,
         )?;
         rt.check("model upload")?;
-        let native = if cfg.expert_count > 0 { Some(native_experts(rt, g, &cfg)?) } else { None };
+        let (native, cache) = match (cfg.expert_count > 0, experts) {
+            (true, None) => (Some(native_experts(rt, g, &cfg)?), None),
+            (true, Some(ec)) => {
+                let (cache, ffns) = ExpertCache::load(rt, g, &cfg, ec, n_seqs)?;
+                (Some(native_routers(rt, g, &cfg)?.into_iter().zip(ffns).collect()), Some(cache))
+            }
+            (false, None) => (None, None),
+            (false, Some(_)) => return Err(Error::Input("an expert cache needs a MoE file (this model has a dense FFN)".into())),
+        };
         let mut model = GpuLlama {
             cfg,
             kernels,
@@ -662,7 +691,7 @@ impl GpuLlama {
         };
         if let Some(layers) = native {
             let (e, k) = (model.cfg.expert_count, model.cfg.expert_used_count);
-            model.install_moe(rt, layers, e, k, true)?;
+            model.install_moe(rt, layers, e, k, true, cache)?;
             if model.labels.is_some() {
                 let routers = (0..model.cfg.block_count)
                     .map(|l| g.tensor_f32(&format!("blk.{l}.ffn_gate_inp.weight")))
@@ -715,7 +744,7 @@ impl GpuLlama {
             let centroids = f32_matrix(rt, &format!("blk.{l} router"), e, hidden, &ml.centroids)?;
             layers.push((centroids, ffn_l));
         }
-        self.install_moe(rt, layers, e, k, false)?;
+        self.install_moe(rt, layers, e, k, false, None)?;
         if self.labels.is_some() {
             self.check_label_shape(moe)?;
             let routers: Vec<Vec<f32>> = moe.layers.iter().map(|ml| ml.centroids.clone()).collect();
@@ -827,7 +856,15 @@ impl GpuLlama {
     }
 
     /// Record the expert FFN of every layer in place of the dense one (see [`GpuMoe`]).
-    fn install_moe(&mut self, rt: &Runtime, layers: Vec<(GpuMatrix, MoeFfn)>, e: u32, k: u32, native: bool) -> Result<()> {
+    fn install_moe(
+        &mut self,
+        rt: &Runtime,
+        layers: Vec<(GpuMatrix, MoeFfn)>,
+        e: u32,
+        k: u32,
+        native: bool,
+        cache: Option<ExpertCache>,
+    ) -> Result<()> {
         let c = &self.cfg;
         let max_size = layers.iter().map(|(_, f)| f.max_size).max().unwrap_or(1).max(1);
         let n = self.n_seqs;
@@ -839,7 +876,7 @@ impl GpuLlama {
         let act = rt.storage("moe act", u64::from(n * k * max_size) * 4);
         let (kern, s) = (&self.kernels, &self.s);
         let share = !c.arch.renormalise_top_k();
-        let mut recorded = Vec::new();
+        let (mut recorded, mut experts) = (Vec::new(), Vec::new());
         for (l, ((router, ffn_l), w)) in layers.iter().zip(&self.layers).enumerate() {
             // Score the FFN input with the router, take the top k on the GPU, weight the chosen,
             // then evaluate only those experts' neurons.
@@ -850,9 +887,14 @@ impl GpuLlama {
             if native {
                 kern.moe_weights(rt, &mut p, &scores, &sel, &wts, n, e, k, share)?;
             }
-            kern.moe_ffn(rt, &mut p, ffn_l, &s.xn, &sel, &wts, &act, &s.h, n, k, true)?;
-            shared_expert(rt, kern, c, w, s, n, &mut p)?;
+            // With an expert cache the experts are a recording of their own: the host fetches
+            // the missing ones between the two.
+            let mut q = Recorded::default();
+            let after = if cache.is_some() { &mut q } else { &mut p };
+            kern.moe_ffn(rt, after, ffn_l, &s.xn, &sel, &wts, &act, &s.h, n, k, true)?;
+            shared_expert(rt, kern, c, w, s, n, after)?;
             recorded.push(p);
+            experts.push(q);
         }
         self.moe = Some(GpuMoe {
             top_k: k,
@@ -867,6 +909,8 @@ impl GpuLlama {
             counts: vec![0; (c.block_count * e) as usize],
             recorded,
             routed: None,
+            cache,
+            experts,
         });
         rt.check("moe upload")
     }
@@ -881,6 +925,13 @@ impl GpuLlama {
         let Some(moe) = &mut self.moe else {
             return Err(Error::config("router", cfg.name(), "routes experts: MoEfy the dense model first (set_moe), or load a MoE file"));
         };
+        if moe.cache.is_some() {
+            return Err(Error::config(
+                "router",
+                cfg.name(),
+                "the experts are in an expert cache, which fetches the router's plain top k: load without one",
+            ));
+        }
         if matches!(cfg, RouterConfig::CacheAware { .. }) {
             return Err(Error::config(
                 "router",
@@ -908,6 +959,11 @@ impl GpuLlama {
         }
         moe.routed = Some(RoutedMoe { router, before, after });
         rt.check("moe router")
+    }
+
+    /// The expert tiers, when the experts are cached ([`ModelOptions::experts`]): slots, traffic.
+    pub fn expert_cache(&self) -> Option<&ExpertCache> {
+        self.moe.as_ref().and_then(|m| m.cache.as_ref())
     }
 
     /// The router choosing the MoEfied experts, when one was set.
@@ -999,6 +1055,25 @@ impl GpuLlama {
                     }
                 }
             }
+        } else if let Some(moe) = self.moe.as_mut().filter(|m| m.cache.is_some()) {
+            // A segment per layer up to its top-k; its choices read, the missing experts fetched.
+            let last = segments.len() - 1;
+            let per_layer = u64::from(self.n_seqs * moe.top_k);
+            if let Some(cache) = &mut moe.cache {
+                cache.begin_step();
+            }
+            for (l, cb) in segments.into_iter().enumerate() {
+                rt.queue.submit([cb]);
+                if l < last {
+                    let chosen: Vec<u32> = rt.read(&moe.log, l as u64 * per_layer, per_layer).await?;
+                    if let Some(cache) = &mut moe.cache {
+                        cache.ensure(rt, l as u32, &chosen, u64::from(self.step), &moe.layers[l].1)?;
+                    }
+                }
+            }
+            if let Some(cache) = &mut moe.cache {
+                cache.end_step();
+            }
         } else {
             rt.queue.submit(segments);
         }
@@ -1075,6 +1150,8 @@ impl GpuLlama {
             Some("the route stage labels every token")
         } else if self.moe.as_ref().is_some_and(|m| m.routed.is_some()) {
             Some("one of the pipeline's routers chooses the experts step by step")
+        } else if self.moe.as_ref().is_some_and(|m| m.cache.is_some()) {
+            Some("the expert cache fetches each step's experts between a layer's router and its FFN")
         } else {
             None
         }
@@ -1366,6 +1443,14 @@ impl GpuLlama {
             match &self.moe {
                 None => rec.ffn[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("model attention output and FFN"))),
                 Some(moe) => match &moe.routed {
+                    None if moe.cache.is_some() => {
+                        // The host reads the layer's choices and fetches the missing experts here.
+                        moe.recorded[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("model attention output and router")));
+                        mark(&mut enc, "output and router");
+                        let next = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("model forward") });
+                        segments.push(std::mem::replace(&mut enc, next).finish());
+                        moe.experts[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("model experts")));
+                    }
                     None => moe.recorded[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("model attention output and MoE"))),
                     Some(r) => {
                         let (e, k) = (u64::from(moe.n_experts), u64::from(moe.top_k));
@@ -1433,6 +1518,21 @@ fn f32_matrix(rt: &Runtime, label: &str, rows: u32, cols: u32, v: &[f32]) -> Res
 /// `e` is neurons `e * ffn .. (e + 1) * ffn` of the stacked `ffn_gate_exps` / `ffn_up_exps`
 /// (their bytes as stored), `ffn_down_exps` re-laid as `[hidden][E * ffn]` f32, and the router
 /// `ffn_gate_inp` as f32.
+/// Every layer's router of a MoE file (`ffn_gate_inp`, `[E][hidden]` f32).
+fn native_routers(rt: &Runtime, g: &Gguf<'_>, c: &LlamaConfig) -> Result<Vec<GpuMatrix>> {
+    (0..c.block_count)
+        .map(|l| {
+            f32_matrix(
+                rt,
+                &format!("blk.{l} router"),
+                c.expert_count,
+                c.embedding_length,
+                &g.tensor_f32(&format!("blk.{l}.ffn_gate_inp.weight"))?,
+            )
+        })
+        .collect()
+}
+
 fn native_experts(rt: &Runtime, g: &Gguf<'_>, c: &LlamaConfig) -> Result<Vec<(GpuMatrix, MoeFfn)>> {
     let (e, h, f) = (c.expert_count, c.embedding_length, c.feed_forward_length);
     let mut layers = Vec::new();

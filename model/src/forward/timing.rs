@@ -133,8 +133,11 @@ impl GpuLlama {
     /// updated. Not with an evicting scheduler (it runs between steps).
     #[cfg(not(target_arch = "wasm32"))]
     pub async fn time_steps(&mut self, rt: &Runtime, token: u32, n: u32) -> Result<serde_json::Value> {
-        if self.scheduler.is_some() || self.flexgen.is_some() {
-            return Err(Error::Input("timing back-to-back steps needs no evicting scheduler or host tier (they run between steps)".into()));
+        if self.scheduler.is_some() || self.flexgen.is_some() || self.expert_cache().is_some() {
+            return Err(Error::Input(
+                "timing back-to-back steps needs no evicting scheduler, host tier or expert cache (they run between steps or layers)"
+                    .into(),
+            ));
         }
         let cap = (self.pool.cfg.ring_capacity - 1) * self.pool.cfg.page_size - self.pool.cfg.page_size;
         let room = cap.saturating_sub(self.positions.iter().copied().max().unwrap_or(0));

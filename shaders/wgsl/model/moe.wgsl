@@ -2,7 +2,9 @@
 // every expert's neurons are contiguous: `w` holds the gate rows of all `ffn` neurons in expert
 // order, then their up rows in the same order (whole rows of ggml blocks, copied, not
 // requantised), and `down_t` holds Wdown transposed, `[ffn][hidden]` f32, in the same order.
-// Expert e owns permuted neurons offsets[e] .. offsets[e + 1].
+// Expert e owns permuted neurons offsets[e] .. offsets[e + 1]. A MoE file's own experts
+// (`slotted`) are all max_size neurons and sit in slots of the gate/up and down buffers (every
+// expert resident, slot e, or an expert cache's slots): `offsets[e]` is expert e's slot.
 //
 //   moe_gate_up: one workgroup per (4 slots s < max_size, choice j < top_k, token b), 16
 //     invocations per slot: the gate and up products of neuron offsets[e] + s (e = sel[b][j])
@@ -29,7 +31,7 @@ struct MoeParams {
     n_tokens: u32,
     n_experts: u32,
     accumulate: u32, // 1: y += the FFN's output, 0: y = it
-    _pad1: u32,
+    slotted: u32,    // 1: `offsets` is a slot per expert (a MoE file's experts, see below)
 }
 
 @group(0) @binding(0) var<uniform> params: MoeParams;
@@ -37,7 +39,7 @@ struct MoeParams {
 @group(0) @binding(2) var<storage, read> x: array<f32>;             // [n_tokens][hidden]
 @group(0) @binding(3) var<storage, read_write> act: array<f32>;     // [n_tokens][top_k][max_size]
 @group(0) @binding(4) var<storage, read> sel: array<u32>;           // [n_tokens][top_k]
-@group(0) @binding(5) var<storage, read> offsets: array<u32>;       // [n_experts + 1]
+@group(0) @binding(5) var<storage, read> offsets: array<u32>;       // [n_experts + 1], or slots [n_experts]
 @group(0) @binding(6) var<storage, read> down_t: array<f32>;        // [ffn][hidden]
 @group(0) @binding(7) var<storage, read_write> y: array<f32>;       // [n_tokens][hidden]
 @group(0) @binding(8) var<storage, read> wts: array<f32>;           // [n_tokens][top_k]
@@ -66,8 +68,16 @@ fn moe_gate_up(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_i
         return;
     }
     let e = min(sel[b * params.top_k + j], params.n_experts - 1u);
-    let first = offsets[e];
-    let size = offsets[e + 1u] - first;
+    var first = offsets[e];
+    var size = 0u;
+    if (params.slotted != 0u) {
+        // Expert e in slot offsets[e] (every expert max_size neurons); a slot past the
+        // resident ones (the host fetches every chosen expert first) reads nothing.
+        size = select(0u, params.max_size, first < params.ffn / params.max_size);
+        first = first * params.max_size;
+    } else {
+        size = offsets[e + 1u] - first;
+    }
     let live = s < size;
     var g = 0.0;
     var u = 0.0;
@@ -140,9 +150,9 @@ fn moe_down(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_inde
     }
 }
 
-// moe_down_q (a MoE file's own experts): Wdown kept as the file stores it, `w` bound to
-// `ffn_down_exps` ([n_experts * hidden][ffn / n_experts] in FORMAT: expert e's output feature h is
-// row e * hidden + h over its neurons). One workgroup per (output feature h, token b):
+// moe_down_q (a MoE file's own experts, `slotted`): Wdown kept as the file stores it, `w` bound
+// to `ffn_down_exps` or its expert slots ([slots * hidden][max_size] in FORMAT: the output feature
+// h of the expert in slot k is row k * hidden + h over its neurons). One workgroup per (output feature h, token b):
 //   y[b][h] (+)= sum_j sum_s act[b][j][s] * Wdown_{e_j}[h][s]
 // the invocations taking quarters of each chosen expert's row in turn, j then quarters, then
 // the fixed tree; no f32 copy of Wdown exists.
@@ -156,14 +166,16 @@ fn moe_down_q(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
     if (h >= params.hidden || b >= params.n_tokens) {
         return;
     }
-    // Every expert has ffn / n_experts neurons here (offsets e * that).
-    let f = params.ffn / params.n_experts;
+    // Every expert has max_size neurons; expert e sits in slot offsets[e] of ffn / max_size.
+    let f = params.max_size;
     var acc = 0.0;
     for (var j = 0u; j < params.top_k; j++) {
         let e = min(sel[b * params.top_k + j], params.n_experts - 1u);
-        let row = e * params.hidden + h;
+        let slot = offsets[e];
+        let row = slot * params.hidden + h;
         let a0 = (b * params.top_k + j) * params.max_size;
-        for (var qi = t; qi < f / 4u; qi += WG) {
+        let quarters = select(0u, f / 4u, slot < params.ffn / f);
+        for (var qi = t; qi < quarters; qi += WG) {
             let a = a0 + 4u * qi;
             acc += dot(weights4(row, qi / 8u, qi % 8u, f), vec4<f32>(act[a], act[a + 1u], act[a + 2u], act[a + 3u]));
         }

@@ -19,6 +19,7 @@ mod buffers;
 mod churn;
 mod copy;
 mod errors;
+mod experts;
 mod faults;
 mod labels;
 mod model;

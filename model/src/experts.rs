@@ -1,0 +1,241 @@
+//! A MoE file's experts in tiers: a GPU expert cache of fixed slots per layer and host memory
+//! holding every expert as the GPU reads it. A step's experts are chosen on the GPU; between a
+//! layer's router and its experts the host reads the layer's choices, fetches the missing
+//! experts into slots (the victims chosen by [`ExpertPolicy`], never an expert the step still
+//! needs) and updates the layer's slot table, so the FFN reads every chosen expert from the GPU
+//! whatever was resident before: the logits equal the all-resident run's, bit for bit.
+
+use crate::gguf::Gguf;
+use crate::ops::{MoeDown, MoeFfn, WeightFormat, pack_blocks};
+use crate::{Error, LlamaConfig, Result};
+use expertkv_core::runtime::Runtime;
+
+/// Which resident expert leaves its slot for a missing one (among those the step does not need).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertPolicy {
+    /// The least recently used.
+    Lru,
+    /// The least often chosen so far (ties: the least recently used).
+    Lfu,
+}
+
+impl ExpertPolicy {
+    /// Every policy, in `name` order.
+    pub const ALL: [ExpertPolicy; 2] = [ExpertPolicy::Lru, ExpertPolicy::Lfu];
+
+    /// The policy's name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            ExpertPolicy::Lru => "lru",
+            ExpertPolicy::Lfu => "lfu",
+        }
+    }
+
+    /// The policy named `name` (an error listing the names otherwise).
+    pub fn from_name(name: &str) -> Result<ExpertPolicy> {
+        Self::ALL
+            .into_iter()
+            .find(|p| p.name() == name)
+            .ok_or_else(|| Error::Input(format!("unknown expert policy `{name}`: one of {}", Self::ALL.map(ExpertPolicy::name).join(", "))))
+    }
+}
+
+/// The GPU tier's size and its eviction policy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExpertCacheConfig {
+    /// Expert slots per layer on the GPU.
+    pub slots: u32,
+    /// Which expert leaves a slot.
+    pub policy: ExpertPolicy,
+}
+
+/// Hits, misses and bytes moved host-to-GPU for expert weights.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ExpertTraffic {
+    /// Chosen (layer, expert) pairs of a step already resident (each counted once a step).
+    pub hits: u64,
+    /// Chosen (layer, expert) pairs fetched from host memory.
+    pub misses: u64,
+    /// Weight bytes written to the GPU by those fetches.
+    pub bytes: u64,
+}
+
+/// One layer's experts in host memory (as [`pack_blocks`] lays them out) and its slots.
+struct LayerTier {
+    /// Per expert: gate rows, up rows, down rows.
+    host: Vec<[Vec<u32>; 3]>,
+    /// Per expert: its slot, or `slots` when not resident (the GPU slot table's contents).
+    slot_of: Vec<u32>,
+    /// Per slot: the expert in it.
+    holder: Vec<Option<u32>>,
+    /// Per slot: the last step that used it.
+    last_used: Vec<u64>,
+    /// Per expert: steps that chose it.
+    uses: Vec<u64>,
+}
+
+/// The expert tiers of a MoE file (see the module docs).
+pub struct ExpertCache {
+    /// Slots per layer and the policy.
+    pub cfg: ExpertCacheConfig,
+    layers: Vec<LayerTier>,
+    /// Everything fetched since load.
+    pub total: ExpertTraffic,
+    /// The last step's traffic.
+    pub last: ExpertTraffic,
+}
+
+/// The fewest slots a layer needs: every expert one step of `n_seqs` tokens can choose
+/// (`top_k` each) resident at once.
+pub fn min_slots(n_seqs: u32, top_k: u32, n_experts: u32) -> u32 {
+    n_seqs.saturating_mul(top_k).min(n_experts)
+}
+
+impl ExpertCache {
+    /// Every layer's experts read from `g` into host memory and a GPU tier of `cfg.slots` per
+    /// layer, none resident: the tiers and each layer's [`MoeFfn`] (to record with). Refused, with
+    /// the minimum stated, when the slots cannot hold one step's experts of `n_seqs` sequences.
+    pub fn load(rt: &Runtime, g: &Gguf<'_>, c: &LlamaConfig, cfg: ExpertCacheConfig, n_seqs: u32) -> Result<(ExpertCache, Vec<MoeFfn>)> {
+        let (e, k, h, f) = (c.expert_count, c.expert_used_count, c.embedding_length, c.feed_forward_length);
+        if e == 0 {
+            return Err(Error::Input("an expert cache needs a MoE file (this model has a dense FFN)".into()));
+        }
+        let least = min_slots(n_seqs, k, e);
+        if cfg.slots < least || cfg.slots > e {
+            return Err(Error::Input(format!(
+                "expert cache: {} slots per layer; one step of {n_seqs} sequences chooses up to {least} of the {e} experts, so at least {least} and at most {e}",
+                cfg.slots
+            )));
+        }
+        let mut layers = Vec::new();
+        let mut ffns = Vec::new();
+        for l in 0..c.block_count {
+            let name = |s: &str| format!("blk.{l}.{s}.weight");
+            let format_of = |n: &str| -> Result<WeightFormat> {
+                WeightFormat::from_ggml(g.tensor(n).map(|t| t.ggml_type()).ok_or_else(|| Error::Model(format!("tensor `{n}` is missing")))?)
+            };
+            let (fg, fu, fd) = (format_of(&name("ffn_gate_exps"))?, format_of(&name("ffn_up_exps"))?, format_of(&name("ffn_down_exps"))?);
+            if fg != fu {
+                return Err(Error::Model(format!("blk.{l}: ffn_gate_exps and ffn_up_exps differ in format")));
+            }
+            let [gate, up, down] = ["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"].map(|s| g.tensor_data(&name(s)));
+            let (gate, up, down) = (gate?, up?, down?);
+            let split = |bytes: &[u8], fmt: WeightFormat, rows: u32, cols: u32, what: &str| -> Result<Vec<Vec<u32>>> {
+                let per = bytes.len() / e as usize;
+                if per * e as usize != bytes.len() {
+                    return Err(Error::Model(format!("blk.{l}.{what}: {} bytes are not {e} experts", bytes.len())));
+                }
+                bytes.chunks_exact(per).map(|b| pack_blocks(fmt, rows, cols, b)).collect()
+            };
+            let (gs, us, ds) =
+                (split(gate, fg, f, h, "ffn_gate_exps")?, split(up, fg, f, h, "ffn_up_exps")?, split(down, fd, h, f, "ffn_down_exps")?);
+            let host = gs.into_iter().zip(us).zip(ds).map(|((a, b), d)| [a, b, d]).collect();
+            ffns.push(MoeFfn::expert_slots(rt, &format!("blk.{l} experts"), (fg, fd), h, e, f, cfg.slots)?);
+            layers.push(LayerTier {
+                host,
+                slot_of: vec![cfg.slots; e as usize],
+                holder: vec![None; cfg.slots as usize],
+                last_used: vec![0; cfg.slots as usize],
+                uses: vec![0; e as usize],
+            });
+        }
+        Ok((ExpertCache { cfg, layers, total: ExpertTraffic::default(), last: ExpertTraffic::default() }, ffns))
+    }
+
+    /// Start a step's accounting.
+    pub fn begin_step(&mut self) {
+        self.last = ExpertTraffic::default();
+    }
+
+    /// Make every expert of `chosen` (layer `layer`'s choices this step, any order, repeats
+    /// allowed) resident in `ffn`'s slots before the layer's FFN runs: hits are touched; each
+    /// missing expert is written into a free slot, else the policy's victim among the slots
+    /// this step does not need; the slot table follows. `step` orders the uses (LRU).
+    pub fn ensure(&mut self, rt: &Runtime, layer: u32, chosen: &[u32], step: u64, ffn: &MoeFfn) -> Result<()> {
+        let slots = self.cfg.slots;
+        let policy = self.cfg.policy;
+        let t = self.layers.get_mut(layer as usize).ok_or_else(|| Error::Input(format!("expert cache: layer {layer}")))?;
+        let e = t.slot_of.len() as u32;
+        let mut needed: Vec<u32> = chosen.to_vec();
+        needed.sort_unstable();
+        needed.dedup();
+        if let Some(bad) = needed.iter().find(|&&x| x >= e) {
+            return Err(Error::Gpu { during: "expert cache".into(), message: format!("layer {layer} chose expert {bad} of {e}") });
+        }
+        if needed.len() as u32 > slots {
+            return Err(Error::Input(format!("expert cache: layer {layer} needs {} experts at once, {slots} slots", needed.len())));
+        }
+        let MoeDown::Experts(down) = &ffn.down else {
+            return Err(Error::Input("expert cache: the layer's experts are not slotted".into()));
+        };
+        let mut changed = false;
+        for &x in &needed {
+            t.uses[x as usize] += 1;
+            let s = t.slot_of[x as usize];
+            if s < slots {
+                t.last_used[s as usize] = step;
+                self.last.hits += 1;
+                continue;
+            }
+            // A free slot, else the victim: not needed now, least recently (LRU) or least often
+            // (LFU, then least recently) used.
+            let free = t.holder.iter().position(Option::is_none);
+            let victim = free.or_else(|| {
+                (0..slots as usize).filter(|&v| t.holder[v].is_some_and(|old| needed.binary_search(&old).is_err())).min_by_key(|&v| {
+                    match policy {
+                        ExpertPolicy::Lru => (0, t.last_used[v]),
+                        ExpertPolicy::Lfu => (t.holder[v].map_or(0, |old| t.uses[old as usize]), t.last_used[v]),
+                    }
+                })
+            });
+            let Some(v) = victim else {
+                return Err(Error::Input(format!("expert cache: no slot of layer {layer} is free of this step's experts")));
+            };
+            if let Some(old) = t.holder[v] {
+                t.slot_of[old as usize] = slots;
+            }
+            let [gate, up, dn] = &t.host[x as usize];
+            let v64 = v as u64;
+            // Slot v: gate rows at v * f, up rows at (slots + v) * f, down rows at v * hidden.
+            let (gw, dw) = (gate.len() as u64 * 4, dn.len() as u64 * 4);
+            rt.queue.write_buffer(&ffn.gate_up.buffer, v64 * gw, bytemuck::cast_slice(gate));
+            rt.queue.write_buffer(&ffn.gate_up.buffer, (u64::from(slots) + v64) * gw, bytemuck::cast_slice(up));
+            rt.queue.write_buffer(&down.buffer, v64 * dw, bytemuck::cast_slice(dn));
+            t.holder[v] = Some(x);
+            t.slot_of[x as usize] = v as u32;
+            t.last_used[v] = step;
+            self.last.misses += 1;
+            self.last.bytes += 2 * gw + dw;
+            changed = true;
+        }
+        if changed {
+            rt.queue.write_buffer(&ffn.offsets, 0, bytemuck::cast_slice(&t.slot_of));
+        }
+        Ok(())
+    }
+
+    /// Add the last step's traffic to the total.
+    pub fn end_step(&mut self) {
+        self.total.hits += self.last.hits;
+        self.total.misses += self.last.misses;
+        self.total.bytes += self.last.bytes;
+    }
+
+    /// GPU bytes of one layer's slots (gate, up and down of every slot).
+    pub fn gpu_bytes(&self) -> u64 {
+        self.layers
+            .iter()
+            .map(|t| t.host.first().map_or(0, |[a, b, d]| (a.len() + b.len() + d.len()) as u64 * 4) * u64::from(self.cfg.slots))
+            .sum()
+    }
+
+    /// Host bytes holding every expert.
+    pub fn host_bytes(&self) -> u64 {
+        self.layers.iter().flat_map(|t| &t.host).map(|[a, b, d]| (a.len() + b.len() + d.len()) as u64 * 4).sum()
+    }
+
+    /// Each layer's resident experts, by slot.
+    pub fn resident(&self) -> Vec<Vec<Option<u32>>> {
+        self.layers.iter().map(|t| t.holder.clone()).collect()
+    }
+}
