@@ -456,9 +456,7 @@ pub struct ModelKernels {
     moe_down_q: Vec<Option<wgpu::ComputePipeline>>,
     embed: Vec<Option<wgpu::ComputePipeline>>,
     rmsnorm: wgpu::ComputePipeline,
-    rope: wgpu::ComputePipeline,
     rope_qk: wgpu::ComputePipeline,
-    swiglu: wgpu::ComputePipeline,
     swiglu_gated: wgpu::ComputePipeline,
     residual: wgpu::ComputePipeline,
     kv_pack: wgpu::ComputePipeline,
@@ -492,9 +490,7 @@ impl ModelKernels {
             moe_down: rt.pipeline(Kernel::ModelMoeDown, &[]).await?,
             moe_down_q,
             rmsnorm: rt.pipeline(Kernel::ModelRmsNorm, &[]).await?,
-            rope: rt.pipeline(Kernel::ModelRope, &[]).await?,
             rope_qk: rt.pipeline(Kernel::ModelRopeQk, &[]).await?,
-            swiglu: rt.pipeline(Kernel::ModelSwiglu, &[]).await?,
             swiglu_gated: rt.pipeline(Kernel::ModelSwigluGated, &[]).await?,
             residual: rt.pipeline(Kernel::ModelResidual, &[]).await?,
             kv_pack: rt.pipeline(Kernel::ModelKvPack, &[]).await?,
@@ -826,29 +822,9 @@ impl ModelKernels {
         pass.dispatch(&self.rmsnorm, bg, [n_tokens, 1, 1]);
     }
 
-    /// Rotate `x` (`[n_tokens][n_heads][head_dim]`) in place by each token's position: adjacent
-    /// pairs, or with `neox` pairs half a head apart.
-    #[allow(clippy::too_many_arguments)]
-    pub fn rope(
-        &self,
-        rt: &Runtime,
-        pass: &mut impl DispatchSink,
-        x: &wgpu::Buffer,
-        positions: &wgpu::Buffer,
-        n_tokens: u32,
-        n_heads: u32,
-        head_dim: u32,
-        base: f32,
-        neox: bool,
-    ) {
-        let mode = u32::from(neox);
-        let p = rt.uniform("model/rope params", &ModelOpParams { n_tokens, dim: head_dim, n_heads, base, mode, ..Default::default() });
-        let bg = rt.bind_at(Kernel::ModelRope.label(), &self.rope, &[(0, &p), (2, x), (3, positions)]);
-        pass.dispatch(&self.rope, bg, [(n_tokens * n_heads * head_dim / 2).div_ceil(256), 1, 1]);
-    }
-
-    /// [`ModelKernels::rope`] of the queries `q` (`[n_tokens][q_heads][head_dim]`) and the keys
-    /// `k` (`[n_tokens][k_heads][head_dim]`) in one dispatch.
+    /// Rotate the queries `q` (`[n_tokens][q_heads][head_dim]`) and the keys `k`
+    /// (`[n_tokens][k_heads][head_dim]`) in place by each token's position, in one dispatch:
+    /// adjacent pairs, or with `neox` pairs half a head apart.
     #[allow(clippy::too_many_arguments)]
     pub fn rope_qk(
         &self,
@@ -870,13 +846,6 @@ impl ModelKernels {
         );
         let bg = rt.bind_at(Kernel::ModelRopeQk.label(), &self.rope_qk, &[(0, &p), (2, q), (3, positions), (5, k)]);
         pass.dispatch(&self.rope_qk, bg, [(n_tokens * (q_heads + k_heads) * head_dim / 2).div_ceil(256), 1, 1]);
-    }
-
-    /// `y[b][i] = silu(gu[b][0][i]) * gu[b][1][i]` over `n` features.
-    pub fn swiglu(&self, rt: &Runtime, pass: &mut impl DispatchSink, gu: &wgpu::Buffer, y: &wgpu::Buffer, n_tokens: u32, n: u32) {
-        let p = rt.uniform("model/swiglu params", &ModelOpParams { n_tokens, dim: n, ..Default::default() });
-        let bg = rt.bind_at(Kernel::ModelSwiglu.label(), &self.swiglu, &[(0, &p), (1, gu), (2, y)]);
-        pass.dispatch(&self.swiglu, bg, [(n_tokens * n).div_ceil(256), 1, 1]);
     }
 
     /// `y[b][i] = silu(g) * u * sigmoid(s[b])` with `g`, `u` side by side in `gu`

@@ -306,12 +306,8 @@ kernels! {
     ModelMatVec => "model/matvec.wgsl" [],
     /// Model: RMS normalisation of each token, times the gain.
     ModelRmsNorm => "model/norm_rope.wgsl" # "rmsnorm" [],
-    /// Model: rotary position embedding of every head of every token, in place.
-    ModelRope => "model/norm_rope.wgsl" # "rope" [],
     /// Model: rotary position embedding of the queries and the keys in one dispatch, in place.
     ModelRopeQk => "model/norm_rope.wgsl" # "rope_qk" [],
-    /// Model: `silu(gate) * up`, elementwise.
-    ModelSwiglu => "model/norm_rope.wgsl" # "swiglu" [],
     /// Model: `silu(gate) * up * sigmoid(g[token])`, a shared expert's activations scaled by its gate.
     ModelSwigluGated => "model/norm_rope.wgsl" # "swiglu_gated" [],
     /// Model: each token's row of the block-format embedding matrix, dequantised.

@@ -1,13 +1,13 @@
 // model: the per-token elementwise passes of a Llama block.
 //   rmsnorm: y[b][i] = x[b][i] / sqrt(mean_i x[b][i]^2 + eps) x g[i]; one workgroup per token
-//   rope:    rotates pairs of every head of every token by position x base^(-2i / head_dim):
-//            adjacent pairs (x[2i], x[2i+1]) (llama.cpp's "normal" rotation, which GGUF's Llama
-//            weights are permuted for) or, with mode 1, pairs half a head apart (x[i],
-//            x[i + head_dim/2]: NeoX, Qwen's); one invocation per (token, head, pair), in place;
-//   rope_qk: rope of the queries and the keys in one dispatch
-//   swiglu:  y = silu(g) x u elementwise (g and u side by side: [b][2][n])
-//   swiglu_gated: y[b] = silu(g) x u x sigmoid(s[b]), s (aux) one gate logit per token: a
-//            shared expert's activations scaled by its gate (qwen2moe)
+//   rope_qk: rotates pairs of every head of every token of the queries and the keys by position
+//            x base^(-2i / head_dim): adjacent pairs (x[2i], x[2i+1]) (llama.cpp's "normal"
+//            rotation, which GGUF's Llama weights are permuted for) or, with mode 1, pairs half
+//            a head apart (x[i], x[i + head_dim/2]: NeoX, Qwen's); one invocation per (token,
+//            head, pair), in place, the queries' pairs then the keys'
+//   swiglu_gated: y[b] = silu(g) x u x sigmoid(s[b]) (g and u side by side: [b][2][n]), s
+//            (aux) one gate logit per token: a shared expert's activations scaled by its gate
+//            (qwen2moe)
 //   embed:   y[b] = row `tokens[b]` of a block-format matrix, dequantised
 //   residual: y += x elementwise
 
@@ -89,19 +89,6 @@ fn rope_pair(i: u32, heads: u32) -> RopePair {
     return r;
 }
 
-@compute @workgroup_size(256)
-fn rope(@builtin(global_invocation_id) gid: vec3<u32>) {
-    let i = gid.x;
-    if (i >= params.n_tokens * params.n_heads * (params.dim / 2u)) {
-        return;
-    }
-    let r = rope_pair(i, params.n_heads);
-    let x0 = dst[r.o0];
-    let x1 = dst[r.o1];
-    dst[r.o0] = x0 * r.c - x1 * r.s;
-    dst[r.o1] = x0 * r.s + x1 * r.c;
-}
-
 // rope_qk: the queries (dst, n_heads) and the keys (dst2, n_heads2) in one dispatch.
 @compute @workgroup_size(256)
 fn rope_qk(@builtin(global_invocation_id) gid: vec3<u32>) {
@@ -111,32 +98,29 @@ fn rope_qk(@builtin(global_invocation_id) gid: vec3<u32>) {
     if (i >= nq + params.n_tokens * params.n_heads2 * half_dim) {
         return;
     }
-    if (i < nq) {
-        let r = rope_pair(i, params.n_heads);
-        let x0 = dst[r.o0];
-        let x1 = dst[r.o1];
-        dst[r.o0] = x0 * r.c - x1 * r.s;
-        dst[r.o1] = x0 * r.s + x1 * r.c;
+    // The queries' pairs first, then the keys'.
+    let is_q = i < nq;
+    var r: RopePair;
+    var x0: f32;
+    var x1: f32;
+    if (is_q) {
+        r = rope_pair(i, params.n_heads);
+        x0 = dst[r.o0];
+        x1 = dst[r.o1];
     } else {
-        let r = rope_pair(i - nq, params.n_heads2);
-        let x0 = dst2[r.o0];
-        let x1 = dst2[r.o1];
-        dst2[r.o0] = x0 * r.c - x1 * r.s;
-        dst2[r.o1] = x0 * r.s + x1 * r.c;
+        r = rope_pair(i - nq, params.n_heads2);
+        x0 = dst2[r.o0];
+        x1 = dst2[r.o1];
     }
-}
-
-@compute @workgroup_size(256)
-fn swiglu(@builtin(global_invocation_id) gid: vec3<u32>) {
-    let i = gid.x;
-    let n = params.dim;
-    if (i >= params.n_tokens * n) {
-        return;
+    let y0 = x0 * r.c - x1 * r.s;
+    let y1 = x0 * r.s + x1 * r.c;
+    if (is_q) {
+        dst[r.o0] = y0;
+        dst[r.o1] = y1;
+    } else {
+        dst2[r.o0] = y0;
+        dst2[r.o1] = y1;
     }
-    let b = i / n;
-    let g = src[2u * b * n + i % n];
-    let u = src[(2u * b + 1u) * n + i % n];
-    dst[i] = g / (1.0 + exp(-g)) * u;
 }
 
 @compute @workgroup_size(256)

@@ -410,7 +410,7 @@ fn moe_file_experts_match_cpu_in_every_weight_format() {
 }
 
 #[test]
-fn rmsnorm_rope_swiglu_match_cpu() {
+fn rmsnorm_rope_swiglu_gated_residual_match_cpu() {
     let rt = rt();
     let k = pollster::block_on(ModelKernels::new(rt, &WeightFormat::ALL)).expect("kernels");
     for seed in seeds("model_elementwise", 6) {
@@ -433,34 +433,23 @@ fn rmsnorm_rope_swiglu_match_cpu() {
         // RoPE, in place, at positions up to 8K.
         let positions: Vec<u32> = (0..n).map(|_| rng.below(8192)).collect();
         let pb = rt.storage_init("positions", &positions);
-        // Adjacent pairs (llama) and pairs half a head apart (NeoX: qwen2, qwen3).
+        // Adjacent pairs (llama) and pairs half a head apart (NeoX: qwen2, qwen3); the queries
+        // and the keys (fewer heads) in one dispatch.
         for neox in [false, true] {
-            let r = rt.storage_init("r", &x);
-            run(rt, "rope", |p| k.rope(rt, p, &r, &pb, n, heads, head_dim, 100_000.0, neox));
-            let got: Vec<f32> = pollster::block_on(rt.read_all(&r)).expect("read");
             let want = cpu::rope(&x, &positions, heads as usize, head_dim as usize, 100_000.0, neox);
-            // f32 angles at position p carry about p x 2^-24 rad of error.
-            close(&got, &want, &vec![1.0; want.len()], 2e-3, &format!("{ctx}: rope (neox {neox})"));
-            // Queries and keys (fewer heads) in one dispatch.
             let kv_heads = 1 + rng.below(heads);
             let kx = normals(&mut rng, (n * kv_heads * head_dim) as usize);
             let (qb, kb) = (rt.storage_init("q", &x), rt.storage_init("k", &kx));
             run(rt, "rope_qk", |p| k.rope_qk(rt, p, &qb, &kb, &pb, n, (heads, kv_heads), head_dim, 100_000.0, neox));
             let got_q: Vec<f32> = pollster::block_on(rt.read_all(&qb)).expect("read");
             let got_k: Vec<f32> = pollster::block_on(rt.read_all(&kb)).expect("read");
+            // f32 angles at position p carry about p x 2^-24 rad of error.
             close(&got_q, &want, &vec![1.0; want.len()], 2e-3, &format!("{ctx}: rope_qk queries (neox {neox})"));
             let want_k = cpu::rope(&kx, &positions, kv_heads as usize, head_dim as usize, 100_000.0, neox);
             close(&got_k, &want_k, &vec![1.0; want_k.len()], 2e-3, &format!("{ctx}: rope_qk keys (neox {neox})"));
         }
-        // SwiGLU.
         let gu = normals(&mut rng, (2 * n * dim) as usize);
         let gub = rt.storage_init("gu", &gu);
-        let s = rt.storage("s", u64::from(n * dim) * 4);
-        rt.fill_u32(&s, POISON_F32);
-        run(rt, "swiglu", |p| k.swiglu(rt, p, &gub, &s, n, dim));
-        let got: Vec<f32> = pollster::block_on(rt.read_all(&s)).expect("read");
-        let want = cpu::swiglu(&gu, dim as usize);
-        close(&got, &want, &want.iter().map(|w| w.abs()).collect::<Vec<_>>(), 1e-5, &format!("{ctx}: swiglu"));
         // SwiGLU scaled by the sigmoid of a gate logit per token (a shared expert's).
         let gate: Vec<f32> = (0..n).map(|_| rng.range(-4.0, 4.0) as f32).collect();
         let gb = rt.storage_init("gate", &gate);
@@ -472,9 +461,9 @@ fn rmsnorm_rope_swiglu_match_cpu() {
         close(&got, &want, &want.iter().map(|w| w.abs()).collect::<Vec<_>>(), 1e-5, &format!("{ctx}: swiglu_gated"));
         // Residual add: exact in f32.
         let acc = rt.storage_init("acc", &x);
-        run(rt, "residual", |p| k.residual(rt, p, &s, &acc, n * dim));
+        run(rt, "residual", |p| k.residual(rt, p, &sg, &acc, n * dim));
         let got: Vec<f32> = pollster::block_on(rt.read_all(&acc)).expect("read");
-        let sw: Vec<f32> = pollster::block_on(rt.read_all(&s)).expect("read");
+        let sw: Vec<f32> = pollster::block_on(rt.read_all(&sg)).expect("read");
         let want: Vec<f32> = x.iter().zip(&sw).map(|(a, b)| a + b).collect();
         assert_eq!(got, want, "{ctx}: residual");
     }
