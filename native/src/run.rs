@@ -389,8 +389,10 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     }
     let t1 = std::time::Instant::now();
     let mut first_piece = None;
+    let mut piece_times = Vec::new();
     let out = pollster::block_on(tm.generate(&rt, &a.prompt, &GenerateOptions { max_tokens: a.tokens, stop_at_eos: true }, |p| {
         first_piece.get_or_insert_with(std::time::Instant::now);
+        piece_times.push(std::time::Instant::now());
         print!("{}", p.text);
         std::io::stdout().flush().is_ok()
     }))?;
@@ -471,6 +473,11 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
             fmt_bytes(t.bytes)
         );
     }
+    // Time per output token: between consecutive tokens reaching the host (p50, p99 nearest rank).
+    let mut gaps: Vec<f64> = piece_times.windows(2).map(|w| (w[1] - w[0]).as_secs_f64() * 1e3).collect();
+    gaps.sort_by(f64::total_cmp);
+    let rank = |q: f64| gaps[((q * gaps.len() as f64).ceil() as usize).clamp(1, gaps.len()) - 1];
+    let tpot = (!gaps.is_empty()).then(|| (rank(0.5), rank(0.99)));
     if a.json {
         let line = serde_json::json!({
             "prompt_ids": prompt,
@@ -480,6 +487,9 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
             "prefill_s": prefill_s,
             "prefill_tokens_per_s": prompt.len() as f64 / prefill_s.max(1e-9),
             "prefill_chunked": m.chunked_prefill_refusal().is_none() && prompt.len() > 1,
+            "ttft_s": prefill_s,
+            "tpot_ms_p50": tpot.as_ref().map(|t| t.0),
+            "tpot_ms_p99": tpot.as_ref().map(|t| t.1),
             "decode_s": decode_s,
             "tokens_per_s": generated.len() as f64 / decode_s.max(1e-9),
             "dispatches_per_token": m.dispatches_per_step(),

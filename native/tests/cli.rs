@@ -201,6 +201,20 @@ fn run_and_eval_a_moe_file_with_its_own_experts() {
     assert_eq!(j["prompt_ids"], serde_json::json!([72, 101, 108, 108, 111]), "{j}");
     assert_eq!(j["generated_ids"].as_array().map(Vec::len), Some(4), "{j}");
     assert!(j["kv_bytes_in_use"].as_u64().is_some_and(|b| b > 0), "{j}");
+    assert!(j["expert_cache"].is_null() && j["tpot_ms_p50"].as_f64().is_some_and(|t| t > 0.0), "{j}");
+    // Its experts in a GPU cache of 2 slots per layer (25% of 8): the same tokens, the traffic
+    // reported; fewer slots than a step needs is refused with the minimum.
+    let out = ok(&["run", "--model", model, "--prompt", "Hello", "--tokens", "4", "--dtype", "f32", "--json", "--expert-slots", "25%"]);
+    assert!(out.contains("experts: 2 of 8 slots per layer on the GPU"), "{out}");
+    let c: serde_json::Value = serde_json::from_str(out.lines().last().unwrap_or_default()).expect("a JSON last line");
+    assert_eq!(c["generated_ids"], j["generated_ids"], "{out}");
+    let ec = &c["expert_cache"];
+    assert_eq!((ec["slots_per_layer"].as_u64(), ec["policy"].as_str()), (Some(2), Some("lru")), "{ec}");
+    assert!(ec["misses"].as_u64().is_some_and(|m| m >= 4) && ec["bytes_moved"].as_u64().is_some_and(|b| b > 0), "{ec}");
+    assert_eq!(ec["gpu_bytes"].as_u64().map(|g| g * 4), ec["host_bytes"].as_u64(), "{ec}");
+    let o = expertkv(&["run", "--model", model, "--tokens", "2", "--expert-slots", "1"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("at least 2") && !err.contains("panicked"), "{err}");
     let out = ok(&["run", "--model", model, "--prompt", "Hello", "--tokens", "4", "--router", "load-balance"]);
     assert!(out.contains("router: load-balance over the file's own experts"), "{out}");
     let out = ok(&[
