@@ -515,7 +515,7 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
 
 /// `--expert-slots` (a count or a share of the layer's experts) and `--expert-policy` for the
 /// model `c`, or `None` without slots.
-fn expert_cache_config(slots: Option<&str>, policy: &str, c: &LlamaConfig) -> Result<Option<ExpertCacheConfig>> {
+pub(crate) fn expert_cache_config(slots: Option<&str>, policy: &str, c: &LlamaConfig) -> Result<Option<ExpertCacheConfig>> {
     let Some(spec) = slots else { return Ok(None) };
     if c.expert_count == 0 {
         bail!("--expert-slots: this model has a dense FFN (no experts to cache)");

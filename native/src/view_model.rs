@@ -15,7 +15,7 @@ use expertkv_model::gguf::Gguf;
 use expertkv_model::labels::{KvRouting, LabelSource};
 use expertkv_model::tokenizer::Tokenizer;
 use expertkv_model::{LlamaConfig, Moefication};
-use expertkv_viewer::state::{RunInfo, Source};
+use expertkv_viewer::state::{ExpertResidency, RunInfo, Source};
 use expertkv_viewer::{Event, Snapshot, capture};
 
 use crate::run::{MoeSpec, Moefied, Moefier, parse_moe};
@@ -45,6 +45,14 @@ pub struct ModelFlags {
     /// With --model: how tokens map onto the shards (pikv, expert, token-block) [default: expert].
     #[arg(long)]
     pub shard_map: Option<String>,
+    /// With a MoE file: its experts in a GPU cache of this many slots per layer (a count or a
+    /// share such as 25%), the rest in host memory; the residency panel shows them
+    /// [default: every expert on the GPU].
+    #[arg(long)]
+    pub expert_slots: Option<String>,
+    /// With --expert-slots: which expert leaves a slot (lru, lfu) [default: lru].
+    #[arg(long)]
+    pub expert_policy: Option<String>,
 }
 
 /// A model run for the viewer: everything parsed and the MoEfication made before the window
@@ -100,6 +108,7 @@ impl ModelDriver {
             bail!("--text and --tokens: the model needs a prompt and at least one token to generate");
         }
         let lc = LlamaConfig::from_gguf(&g)?;
+        let experts = crate::run::expert_cache_config(f.expert_slots.as_deref(), f.expert_policy.as_deref().unwrap_or("lru"), &lc)?;
         let (moe, labels) =
             (f.moe.as_deref().map(parse_moe).transpose()?.flatten(), f.labels.as_deref().map(parse_moe).transpose()?.flatten());
         if lc.expert_count > 0 && (moe.is_some() || labels.is_some()) {
@@ -171,7 +180,8 @@ impl ModelDriver {
             .codec(cfg.codec)
             .routing(Some(routing))
             .pyramid(cfg.pyramid)
-            .threshold(cfg.threshold);
+            .threshold(cfg.threshold)
+            .expert_cache(experts);
         Ok(ModelDriver {
             path,
             bytes,
@@ -230,7 +240,9 @@ impl Driver for ModelDriver {
     fn step(&mut self, rt: &Runtime, _step: u32) -> Result<Snapshot> {
         let m = self.m.as_mut().ok_or_else(|| anyhow!("no model loaded"))?;
         let next = argmax(&self.last);
+        let counts = m.expert_counts().to_vec();
         self.last = pollster::block_on(m.forward(rt, &[next])).context("decode step")?;
+        let chosen: Vec<bool> = m.expert_counts().iter().zip(&counts).map(|(a, b)| a > b).collect();
         self.generated.push(next);
         let ids: Vec<u32> = self.prompt.iter().chain(&self.generated).copied().collect();
         let text = String::from_utf8_lossy(&self.tok.decode_bytes(&ids)?).into_owned();
@@ -239,6 +251,27 @@ impl Driver for ModelDriver {
         let experts = m.label_router().map_or(0, |_| self.cfg.workload.n_experts as usize);
         let mut snap = pollster::block_on(capture::capture_pool(rt, &m.pool, (&stats, experts), 0, report))?;
         snap.text = Some(text);
+        snap.residency = m.expert_cache().map(|c| {
+            let resident = c.resident();
+            let experts = m.cfg.expert_count as usize;
+            let mut on_gpu = vec![false; resident.len() * experts];
+            for (l, slots) in resident.iter().enumerate() {
+                for &e in slots.iter().flatten() {
+                    on_gpu[l * experts + e as usize] = true;
+                }
+            }
+            let t = |x: expertkv_model::experts::ExpertTraffic| [x.hits, x.misses, x.bytes];
+            ExpertResidency {
+                layers: resident.len(),
+                experts,
+                slots: c.cfg.slots,
+                resident: on_gpu,
+                chosen: chosen.clone(),
+                step: t(c.last),
+                total: t(c.total),
+                bytes: [c.gpu_bytes(), c.host_bytes()],
+            }
+        });
         Ok(snap)
     }
 
@@ -286,6 +319,25 @@ mod tests {
             assert!(snap.experts.appended.iter().sum::<u32>() > 0, "labels counted");
             assert_eq!(snap.ring_pages.len(), 2 * 2, "two layers x one KV head x two shards");
             assert_eq!(snap.report.context, d.prompt.len() as u32 + step + 1);
+        }
+        // A MoE file with its experts in 2 slots per layer: the residency follows the choices.
+        let path = dir.join("moe.gguf");
+        std::fs::write(&path, expertkv_model::SyntheticModel::moe(4, 8, 2).gguf()).expect("write");
+        let moe_flags =
+            ModelFlags { model: Some(path), text: "Hello".into(), tokens: 3, expert_slots: Some("2".into()), ..Default::default() };
+        let mut d = ModelDriver::prepare(&moe_flags, &RunFlags { budget: Some("16".into()), ..Default::default() }).expect("prepare");
+        d.build(&rt, &|_| {}).expect("build");
+        for step in 0..3 {
+            let snap = d.step(&rt, step).expect("step");
+            let r = snap.residency.expect("residency");
+            assert_eq!((r.layers, r.experts, r.slots), (2, 8, 2));
+            for l in 0..2 {
+                let row = l * 8..(l + 1) * 8;
+                assert_eq!(r.resident[row.clone()].iter().filter(|&&x| x).count(), 2, "step {step}, layer {l}: {r:?}");
+                assert_eq!(r.chosen[row.clone()].iter().filter(|&&x| x).count(), 2, "step {step}, layer {l}: top-2");
+                assert!(row.clone().all(|i| !r.chosen[i] || r.resident[i]), "step {step}, layer {l}: a chosen expert is on the GPU");
+            }
+            assert_eq!(r.step[0] + r.step[1], 4, "step {step}: two choices in each of two layers: {r:?}");
         }
         // Synthetic-only flags are refused with --model, by name.
         let err = ModelDriver::prepare(&flags, &RunFlags { seqs: Some(2), ..Default::default() }).err().expect("refused");

@@ -73,6 +73,10 @@ impl Viewer {
                         left.separator();
                         panels::trace_panel(left, &self.state);
                     }
+                    if self.state.latest.as_ref().is_some_and(|s| s.residency.is_some()) {
+                        panels::residency_panel(right, &self.state);
+                        right.separator();
+                    }
                     panels::shard_panel(right, &self.state);
                     right.separator();
                     panels::evictions_panel(right, &self.state);

@@ -50,7 +50,7 @@ pub async fn capture_pool(
         gpu_codec_capacity: codec_capacity,
         host: host_pages,
     };
-    Ok(Snapshot { report, experts, ring_pages: rings.iter().map(|r| r.count).collect(), tiers, trace: None, text: None })
+    Ok(Snapshot { report, experts, ring_pages: rings.iter().map(|r| r.count).collect(), tiers, trace: None, text: None, residency: None })
 }
 
 /// The last step of a pipeline re-running `trace`, compared with the recording (call right after

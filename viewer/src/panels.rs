@@ -145,6 +145,56 @@ pub fn heat_panel(ui: &mut Ui, state: &ViewerState, mode: &mut HeatMode) {
     });
 }
 
+/// A MoE model's experts in tiers: layers x experts, resident (in one of the layer's GPU slots)
+/// or in host memory, the step's choices outlined; the step's and the run's hits, misses and
+/// bytes moved.
+pub fn residency_panel(ui: &mut Ui, state: &ViewerState) {
+    ui.strong("Expert residency");
+    let Some(r) = state.latest.as_ref().and_then(|s| s.residency.as_ref()) else {
+        ui.weak("every expert on the GPU (--expert-slots keeps fewer there)");
+        return;
+    };
+    let rate = |[h, m, _]: [u64; 3]| if h + m == 0 { 0.0 } else { 100.0 * h as f64 / (h + m) as f64 };
+    ui.small(format!(
+        "{} of {} slots per layer on the GPU ({}; every expert in host memory, {})",
+        r.slots,
+        r.experts,
+        fmt_bytes(r.bytes[0]),
+        fmt_bytes(r.bytes[1])
+    ));
+    ui.small(format!(
+        "step: {} hits, {} misses, {} moved; run: {:.0}% hits, {} moved",
+        r.step[0],
+        r.step[1],
+        fmt_bytes(r.step[2]),
+        rate(r.total),
+        fmt_bytes(r.total[2])
+    ));
+    let label_w = 34.0;
+    let cell_w = ((ui.available_width() - label_w) / r.experts.max(1) as f32).clamp(6.0, 40.0);
+    let cell_h = if r.layers <= 4 { 22.0 } else { (140.0 / r.layers as f32).clamp(6.0, 22.0) };
+    let (rect, _) = ui.allocate_exact_size(vec2(label_w + cell_w * r.experts as f32, cell_h * r.layers as f32), Sense::hover());
+    let p = ui.painter_at(rect);
+    let (on_gpu, on_host) = (heat_color(0.85), heat_color(0.08));
+    for l in 0..r.layers {
+        let y = rect.top() + l as f32 * cell_h;
+        p.text(pos2(rect.left(), y + cell_h / 2.0), Align2::LEFT_CENTER, format!("L{l}"), small(), text_color(ui));
+        for e in 0..r.experts {
+            let i = l * r.experts + e;
+            let cell = Rect::from_min_size(pos2(rect.left() + label_w + e as f32 * cell_w, y), vec2(cell_w, cell_h)).shrink(1.0);
+            p.rect_filled(cell, 1.0, if r.resident.get(i).copied().unwrap_or(false) { on_gpu } else { on_host });
+            if r.chosen.get(i).copied().unwrap_or(false) {
+                p.rect_stroke(cell, 1.0, egui::Stroke::new(1.5, text_color(ui)), egui::StrokeKind::Inside);
+            }
+        }
+    }
+    ui.horizontal(|ui| {
+        legend_swatch(ui, on_gpu, "on the GPU");
+        legend_swatch(ui, on_host, "host memory");
+        ui.small("outlined: chosen this step");
+    });
+}
+
 /// Pages per shard, the fill of every shard ring, and pages per tier.
 pub fn shard_panel(ui: &mut Ui, state: &ViewerState) {
     ui.strong("Shard occupancy");

@@ -118,6 +118,30 @@ pub struct Snapshot {
     pub trace: Option<TraceStep>,
     /// A model's run: the prompt and the text generated so far.
     pub text: Option<String>,
+    /// A MoE model's experts in tiers: which are on the GPU, and the traffic.
+    pub residency: Option<ExpertResidency>,
+}
+
+/// A MoE model's experts in tiers after a step (a GPU cache of slots per layer over host
+/// memory): which experts sit in the GPU's slots, which the step chose, and the fetches.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ExpertResidency {
+    /// Layers: the grid's rows.
+    pub layers: usize,
+    /// Experts per layer: the grid's columns.
+    pub experts: usize,
+    /// GPU slots per layer.
+    pub slots: u32,
+    /// `layer * experts + e`: the expert is in one of the layer's slots.
+    pub resident: Vec<bool>,
+    /// `layer * experts + e`: the step chose the expert.
+    pub chosen: Vec<bool>,
+    /// The step's hits, misses and bytes moved host-to-GPU.
+    pub step: [u64; 3],
+    /// The same since the run began.
+    pub total: [u64; 3],
+    /// GPU bytes of the slots, and host bytes of every expert.
+    pub bytes: [u64; 2],
 }
 
 /// What a pipeline driver tells the viewer.
@@ -404,6 +428,7 @@ mod tests {
             tiers: Tiers::default(),
             trace: None,
             text: None,
+            residency: None,
         }
     }
 

@@ -382,3 +382,35 @@ fn a_model_run_shows_its_source_and_text() {
     harness.get_by_label_contains("The capital of France is Paris.");
     harness.render().expect("the window renders");
 }
+
+/// A MoE model's experts in tiers: the panel names the slots and the traffic, and draws every
+/// layer's experts (fixed data: 3 of 8 slots over 3 layers, the step's 2 choices among them).
+#[test]
+fn expert_residency_panel_shows_the_slots_and_traffic() {
+    let mut s = state(true);
+    let (layers, experts) = (3, 8);
+    let resident: Vec<bool> = (0..layers * experts).map(|i| [1, 5, 6].contains(&((i + i / experts) % experts))).collect();
+    let chosen: Vec<bool> = (0..layers * experts).map(|i| [1, 6].contains(&((i + i / experts) % experts))).collect();
+    if let Some(latest) = &mut s.latest {
+        latest.residency = Some(expertkv_viewer::state::ExpertResidency {
+            layers,
+            experts,
+            slots: 3,
+            resident,
+            chosen,
+            step: [3, 3, 3 << 20],
+            total: [120, 40, 40 << 20],
+            bytes: [9 << 20, 24 << 20],
+        });
+    }
+    let mut h = panel_harness(egui::vec2(640.0, 170.0), |ui| panels::residency_panel(ui, &s));
+    h.run();
+    h.get_by_label_contains("3 of 8 slots per layer on the GPU (9.0 MiB; every expert in host memory, 24.0 MiB)");
+    h.get_by_label_contains("step: 3 hits, 3 misses, 3.0 MiB moved; run: 75% hits, 40.0 MiB moved");
+    // Without tiers the panel says every expert is on the GPU.
+    let plain = state(true);
+    let mut p = panel_harness(egui::vec2(640.0, 60.0), |ui| panels::residency_panel(ui, &plain));
+    p.run();
+    p.get_by_label_contains("every expert on the GPU");
+    snapshot(&mut h, "expert_residency");
+}
