@@ -91,6 +91,19 @@ pub fn min_slots(n_seqs: u32, top_k: u32, n_experts: u32) -> u32 {
     n_seqs.saturating_mul(top_k).min(n_experts)
 }
 
+/// The slot a missing expert goes into: a free slot (the first), else among the slots whose
+/// expert `needed` (sorted) does not hold, the least recently used (`Lru`) or the least often
+/// chosen, then least recently used (`Lfu`); ties to the lower slot. `None` when every slot holds
+/// a needed expert.
+pub fn victim(policy: ExpertPolicy, holder: &[Option<u32>], last_used: &[u64], uses: &[u64], needed: &[u32]) -> Option<usize> {
+    holder.iter().position(Option::is_none).or_else(|| {
+        (0..holder.len()).filter(|&v| holder[v].is_some_and(|old| needed.binary_search(&old).is_err())).min_by_key(|&v| match policy {
+            ExpertPolicy::Lru => (0, last_used[v]),
+            ExpertPolicy::Lfu => (holder[v].map_or(0, |old| uses[old as usize]), last_used[v]),
+        })
+    })
+}
+
 impl ExpertCache {
     /// Every layer's experts read from `g` into host memory and a GPU tier of `cfg.slots` per
     /// layer, none resident: the tiers and each layer's [`MoeFfn`] (to record with). Refused, with
@@ -177,18 +190,7 @@ impl ExpertCache {
                 self.last.hits += 1;
                 continue;
             }
-            // A free slot, else the victim: not needed now, least recently (LRU) or least often
-            // (LFU, then least recently) used.
-            let free = t.holder.iter().position(Option::is_none);
-            let victim = free.or_else(|| {
-                (0..slots as usize).filter(|&v| t.holder[v].is_some_and(|old| needed.binary_search(&old).is_err())).min_by_key(|&v| {
-                    match policy {
-                        ExpertPolicy::Lru => (0, t.last_used[v]),
-                        ExpertPolicy::Lfu => (t.holder[v].map_or(0, |old| t.uses[old as usize]), t.last_used[v]),
-                    }
-                })
-            });
-            let Some(v) = victim else {
+            let Some(v) = victim(policy, &t.holder, &t.last_used, &t.uses, &needed) else {
                 return Err(Error::Input(format!("expert cache: no slot of layer {layer} is free of this step's experts")));
             };
             if let Some(old) = t.holder[v] {
@@ -237,5 +239,31 @@ impl ExpertCache {
     /// Each layer's resident experts, by slot.
     pub fn resident(&self) -> Vec<Vec<Option<u32>>> {
         self.layers.iter().map(|t| t.holder.clone()).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A free slot first; then never a needed expert; LRU by last use, LFU by uses then last use,
+    /// ties to the lower slot; none when every slot is needed.
+    #[test]
+    fn victims_follow_the_policy_and_spare_the_step() {
+        let full = [Some(4), Some(1), Some(7), Some(2)];
+        let last = [5, 3, 3, 9];
+        // Uses per expert 0..8.
+        let uses = [0, 10, 1, 0, 2, 0, 0, 8, 0];
+        assert_eq!(victim(ExpertPolicy::Lru, &[Some(4), None, Some(7), None], &last, &uses, &[]), Some(1));
+        // LRU: slots 1 and 2 last used at 3: the lower; with expert 1 needed, slot 2.
+        assert_eq!(victim(ExpertPolicy::Lru, &full, &last, &uses, &[]), Some(1));
+        assert_eq!(victim(ExpertPolicy::Lru, &full, &last, &uses, &[1]), Some(2));
+        assert_eq!(victim(ExpertPolicy::Lru, &full, &last, &uses, &[1, 7]), Some(0));
+        // LFU: uses 2 (slot 0, expert 4), 10, 8, 1 (slot 3, expert 2): slot 3; then slot 0.
+        assert_eq!(victim(ExpertPolicy::Lfu, &full, &last, &uses, &[]), Some(3));
+        assert_eq!(victim(ExpertPolicy::Lfu, &full, &last, &uses, &[2]), Some(0));
+        assert_eq!(victim(ExpertPolicy::Lfu, &full, &last, &uses, &[1, 2, 4, 7]), None);
+        assert_eq!(min_slots(3, 2, 8), 6);
+        assert_eq!(min_slots(8, 2, 8), 8);
     }
 }
