@@ -2,7 +2,7 @@
 # Expert tiers on the H200 (or H100): the Mixtral-shaped Q4_K file of bench/h200_moe_q4k_vs_torch.sh
 # (written there first, or here) decoded with every expert on the GPU and with 2, 4 and 6 of 8
 # slots per layer (LRU and LFU): tokens/s, hits, misses and bytes moved host-to-GPU (`run --json`'s
-# expert_cache), each in a fresh process. Needs .bin/expertkv and the Vulkan loader in .gl/.
+# expert_cache), each in a fresh process; first the upload bandwidth (`bench upload`). Needs .bin/expertkv and the Vulkan loader in .gl/.
 set -u
 . bench/lib.sh
 h200_setup
@@ -10,6 +10,8 @@ B=.bin/expertkv
 F=/root/mixtral-q4k.gguf
 [ -f "$F" ] || $B synth --out "$F" --layers 2 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 --experts 8 --top-k 2 \
   --weights q4_k --untied-output --context 4096
+# The host-to-GPU path a fetched expert takes (write_buffer), beside the copy roofline.
+$B bench upload --json 2>&1 | grep '^{'
 row() {
   python3 -c '
 import json, sys

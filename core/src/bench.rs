@@ -261,6 +261,44 @@ pub async fn copy_roofline(rt: &Runtime, bytes: u64, warmup: u32, reps: u32) -> 
     Ok((k, m))
 }
 
+/// Host-to-GPU bandwidth through the queue (`write_buffer`, the path an expert fetched from
+/// host memory takes): `bytes` of a host pattern written into a GPU buffer, each run timed on
+/// the host from the call until the GPU has finished it, median over `reps` after `warmup`;
+/// then the buffer's first and last words are read back and checked against the pattern.
+#[cfg(not(target_arch = "wasm32"))]
+pub async fn upload_bandwidth(rt: &Runtime, bytes: u64, warmup: u32, reps: u32) -> Result<Measurement> {
+    let words = (bytes / 4).max(1);
+    if words * 4 > rt.max_binding_bytes() || words > u64::from(u32::MAX) || reps == 0 {
+        return Err(Error::Input(format!("upload bandwidth: {bytes} bytes, {reps} runs")));
+    }
+    let pattern = |i: u32| i.wrapping_mul(0x9E37_79B9) ^ 0x5bd1_e995;
+    let host: Vec<u32> = (0..words as u32).map(pattern).collect();
+    let buf = rt.storage("bench upload", words * 4);
+    let mut times = Vec::with_capacity(reps as usize);
+    for i in 0..warmup + reps {
+        let t0 = std::time::Instant::now();
+        rt.queue.write_buffer(&buf, 0, bytemuck::cast_slice(&host));
+        rt.queue.submit([]);
+        rt.wait()?;
+        if i >= warmup {
+            times.push(t0.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    let n = words.min(1024);
+    let head: Vec<u32> = rt.read(&buf, 0, n).await?;
+    let tail: Vec<u32> = rt.read(&buf, words - n, n).await?;
+    let want = |first: u64| (first..first + n).map(|i| pattern(i as u32)).collect::<Vec<u32>>();
+    if head != want(0) || tail != want(words - n) {
+        return Err(Error::Gpu { during: "upload bandwidth".into(), message: "the uploaded words differ from the host's".into() });
+    }
+    Ok(Measurement {
+        median_ms: median(&times),
+        min_ms: times.iter().copied().fold(f64::INFINITY, f64::min),
+        samples: times.len(),
+        timing: "host-clock",
+    })
+}
+
 /// Shape of one attention benchmark.
 #[derive(Clone, Debug, Serialize)]
 pub struct AttendShape {

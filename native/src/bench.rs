@@ -15,6 +15,9 @@ use crate::{GpuArgs, fmt_bytes};
 enum Which {
     /// The copy roofline alone.
     Copy,
+    /// Host-to-GPU upload bandwidth through the queue (what an expert fetched from host memory
+    /// moves at), beside the copy roofline.
+    Upload,
     /// Decode attention over the paged pool.
     Attend,
     /// The routers' expert selection (bias + top-k).
@@ -285,6 +288,23 @@ pub fn run(gpu: &GpuArgs, a: &BenchArgs) -> Result<()> {
     drop(ck);
     match a.which {
         Which::Copy | Which::Suite => return Ok(()),
+        Which::Upload => {
+            let bytes = if a.quick { 32 << 20 } else { (256u64 << 20).min(rt.max_binding_bytes()) };
+            let m = pollster::block_on(expertkv_core::bench::upload_bandwidth(&rt, bytes, warmup.min(3), reps.min(20)))
+                .context("upload bandwidth")?;
+            let rec = record(&rt, "upload", format!("{bytes}"), &m, bytes, copy_gbps, "write_buffer".into());
+            if a.json {
+                println!("{}", serde_json::to_string(&rec)?);
+            } else {
+                println!(
+                    "upload  {:>10} host-to-GPU  median {:.4} ms  {:>8.1} GB/s  (write_buffer, host clock; the words checked)",
+                    fmt_bytes(bytes),
+                    m.median_ms,
+                    rec.gbps
+                );
+            }
+            return Ok(());
+        }
         Which::Route => return run_route(&rt, a, warmup, reps, copy_gbps),
         Which::Attend => {}
     }
