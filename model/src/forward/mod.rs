@@ -30,7 +30,10 @@ use expertkv_core::route::{RouteShape, Router};
 use expertkv_core::runtime::Runtime;
 use expertkv_core::runtime::dispatch::dispatches_encoded;
 
+mod prefill;
 mod timing;
+use prefill::Prefill;
+use timing::StageMarks;
 pub use timing::StageTimer;
 
 /// Slots per page of the model's K/V pool.
@@ -237,17 +240,6 @@ pub const MAX_SEQS: u32 = 64;
 
 /// Tokens of a prompt one [`GpuLlama::prefill`] pass takes at most.
 pub const PREFILL_CHUNK: u32 = 64;
-
-/// What a chunked prefill uses beside the decode step's buffers: the causal attention, scratch
-/// for [`PREFILL_CHUNK`] tokens, the last token's hidden state and its logits.
-struct Prefill {
-    attn: expertkv_core::attend::prefill::PrefillAttention,
-    s: Scratch,
-    h_last: wgpu::Buffer,
-    /// With experts: the router's scores, the chosen experts, their weights (1 when MoEfied),
-    /// the experts' activations and the choices, for a chunk.
-    moe: Option<[wgpu::Buffer; 5]>,
-}
 
 fn norm_buffer(rt: &Runtime, g: &Gguf<'_>, name: &str) -> Result<wgpu::Buffer> {
     Ok(rt.storage_init(name, &g.tensor_f32(name)?))
@@ -1136,183 +1128,6 @@ impl GpuLlama {
         rt.read(&self.s.logits, 0, u64::from(n * c.vocab_size)).await
     }
 
-    /// Why a prompt cannot be fed in chunks here (then [`GpuLlama::forward`] feeds it token by
-    /// token): chunked prefill runs over raw pages (f16 or f32) with no policy acting between
-    /// tokens, that is no evicting scheduler, QUEST or host tier (they act after every token),
-    /// no page codec, no route stage and no pipeline router over the experts (a MoE file's own
-    /// router or a MoEfication's top k is fine). `None` when it can.
-    pub fn chunked_prefill_refusal(&self) -> Option<&'static str> {
-        if self.scheduler.is_some() || self.quest.is_some() || self.flexgen.is_some() {
-            Some("a scheduler acts after every token")
-        } else if self.pool.cfg.codec != Codec::None {
-            Some("a page codec is on")
-        } else if self.labels.is_some() {
-            Some("the route stage labels every token")
-        } else if self.moe.as_ref().is_some_and(|m| m.routed.is_some()) {
-            Some("one of the pipeline's routers chooses the experts step by step")
-        } else if self.moe.as_ref().is_some_and(|m| m.cache.is_some()) {
-            Some("the expert cache fetches each step's experts between a layer's router and its FFN")
-        } else {
-            None
-        }
-    }
-
-    /// Feed `ids` to sequence `seq` (from its current position) [`PREFILL_CHUNK`] tokens a
-    /// forward pass: each chunk's Q/K/V for all its tokens in one product per layer, its K/V
-    /// appended to the pool a chunk at a time, causal attention over the sequence's pages
-    /// ([`expertkv_core::attend::prefill`]), the FFN over the chunk; returns the last token's
-    /// logits (`[vocab]`). The other sequences are untouched; the result equals feeding the
-    /// tokens one [`GpuLlama::forward`] at a time, within f32 rounding. Refused, before any GPU
-    /// work, where [`GpuLlama::chunked_prefill_refusal`] says why.
-    pub async fn prefill(&mut self, rt: &Runtime, seq: u32, ids: &[u32]) -> Result<Vec<f32>> {
-        if let Some(why) = self.chunked_prefill_refusal() {
-            return Err(Error::Input(format!("chunked prefill: {why}; feed the prompt token by token")));
-        }
-        if seq >= self.n_seqs || ids.is_empty() {
-            return Err(Error::Input(format!("prefill: {} tokens for sequence {seq} of {}", ids.len(), self.n_seqs)));
-        }
-        if let Some(t) = ids.iter().find(|&&t| t >= self.cfg.vocab_size) {
-            return Err(Error::Input(format!("token id {t} is outside the vocabulary ({})", self.cfg.vocab_size)));
-        }
-        let cap = (self.pool.cfg.ring_capacity - 1) * self.pool.cfg.page_size - self.pool.cfg.page_size;
-        let at = self.positions[seq as usize];
-        if u64::from(at) + ids.len() as u64 > u64::from(cap.min(self.max_context)) {
-            return Err(Error::Input(format!(
-                "prefill: {} tokens from position {at} do not fit the context of {} tokens",
-                ids.len(),
-                cap.min(self.max_context)
-            )));
-        }
-        if self.prefill.is_none() {
-            let group = self.cfg.head_count / self.cfg.head_count_kv;
-            let attn = expertkv_core::attend::prefill::PrefillAttention::new(rt, &self.pool, group, PREFILL_CHUNK).await?;
-            let s = Scratch::new(rt, &self.cfg, PREFILL_CHUNK, 1);
-            let h_last = rt.storage("prefill last hidden", u64::from(self.cfg.embedding_length) * 4);
-            let moe = self.moe.as_ref().map(|m| {
-                let (c, e, k) = (u64::from(PREFILL_CHUNK), u64::from(m.n_experts), u64::from(m.top_k));
-                let max_size = u64::from(m.layers.iter().map(|(_, f)| f.max_size).max().unwrap_or(1).max(1));
-                [
-                    rt.storage("prefill moe scores", c * e * 4),
-                    rt.storage("prefill moe sel", c * k * 4),
-                    rt.storage_init("prefill moe weights", &vec![1f32; (c * k) as usize]),
-                    rt.storage("prefill moe act", c * k * max_size * 4),
-                    rt.storage("prefill moe choices", c * k * 4),
-                ]
-            });
-            self.prefill = Some(Prefill { attn, s, h_last, moe });
-        }
-        let d0 = dispatches_encoded();
-        for chunk in ids.chunks(PREFILL_CHUNK as usize) {
-            let cbs = self.encode_prefill_chunk(rt, seq, chunk)?;
-            rt.queue.submit(cbs);
-            rt.check("model prefill")?;
-            if let Some(t) = &mut self.timer {
-                t.collect(rt, "prefill").await?;
-            }
-            self.positions[seq as usize] += chunk.len() as u32;
-            self.step += 1;
-        }
-        self.dispatches = (dispatches_encoded() - d0) / ids.len().div_ceil(PREFILL_CHUNK as usize) as u64;
-        self.pool.check_errors(rt, PREFILL_CHUNK * self.cfg.block_count).await?;
-        let Some(pf) = &self.prefill else { unreachable!("made above") };
-        rt.read(&pf.s.logits, 0, u64::from(self.cfg.vocab_size)).await
-    }
-
-    /// One prefill chunk of sequence `seq` recorded into one command buffer (see
-    /// [`GpuLlama::prefill`]).
-    fn encode_prefill_chunk(&mut self, rt: &Runtime, seq: u32, chunk: &[u32]) -> Result<Vec<wgpu::CommandBuffer>> {
-        let c = self.cfg.clone();
-        let n = chunk.len() as u32;
-        let first = self.positions[seq as usize];
-        let k = self.pool.cfg.top_k as usize;
-        let Some(pf) = &mut self.prefill else { return Err(Error::Input("prefill: not set up".into())) };
-        pf.attn.stage(rt, seq, first, n)?;
-        let positions: Vec<u32> = (first..first + n).collect();
-        rt.queue.write_buffer(&pf.s.tokens, 0, bytemuck::cast_slice(chunk));
-        rt.queue.write_buffer(&pf.s.positions, 0, bytemuck::cast_slice(&positions));
-        let new: Vec<NewToken> = (0..c.block_count)
-            .flat_map(|l| {
-                positions.iter().map(move |&position| NewToken {
-                    layer: l,
-                    seq,
-                    position,
-                    experts: (0..k as u32).collect(),
-                    gates: vec![1.0; k],
-                })
-            })
-            .collect();
-        self.pool.stage_append(rt, &new, n, self.step)?;
-        let f16 = self.pool.cfg.dtype == KvDtype::F16;
-        let (embed, output, out_norm) = (&self.io.0, self.io.1.as_ref(), &self.io.2);
-        let Some(pf) = &self.prefill else { return Err(Error::Input("prefill: not set up".into())) };
-        let rec = record(
-            rt,
-            &self.kernels,
-            &c,
-            &self.layers,
-            (embed, output, out_norm),
-            &pf.s,
-            (&pf.attn.queries, pf.attn.output()),
-            n,
-            f16,
-            false,
-        )?;
-        let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("model prefill") });
-        let pass_desc = |label| wgpu::ComputePassDescriptor { label: Some(label), timestamp_writes: None };
-        let mut timer = self.timer.as_mut();
-        if let Some(t) = timer.as_deref_mut() {
-            t.start(&mut enc);
-        }
-        let mut mark = |enc: &mut wgpu::CommandEncoder, stage| {
-            if let Some(t) = timer.as_deref_mut() {
-                t.mark(enc, stage);
-            }
-        };
-        rec.embed.encode(&mut enc.begin_compute_pass(&pass_desc("prefill embed")));
-        mark(&mut enc, "embed");
-        for l in 0..c.block_count {
-            rec.attention_inputs[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("prefill attention inputs")));
-            mark(&mut enc, "attention inputs");
-            self.pool.encode_staged_append(&mut enc, l, &pf.s.kv_words, None)?;
-            mark(&mut enc, "append");
-            self.pool.encode_gather_layer(&mut enc, l)?;
-            mark(&mut enc, "gather");
-            pf.attn.encode(&mut enc.begin_compute_pass(&pass_desc("prefill attention")), l)?;
-            mark(&mut enc, "attention");
-            match (&self.moe, &pf.moe) {
-                (Some(moe), Some([scores, sel, wts, act, log])) => {
-                    // The experts over the chunk, as `install_moe` records them for a step.
-                    let (w, (router, ffn_l)) = (&self.layers[l as usize], &moe.layers[l as usize]);
-                    let (kern, s, e, k) = (&self.kernels, &pf.s, moe.n_experts, moe.top_k);
-                    let mut p = Recorded::default();
-                    attention_output(rt, kern, &c, w, s, pf.attn.output(), n, &mut p)?;
-                    kern.matvec(rt, &mut p, router, &s.xn, scores, n)?;
-                    kern.moe_topk(rt, &mut p, scores, sel, log, 0, n, e, k)?;
-                    if moe.native {
-                        kern.moe_weights(rt, &mut p, scores, sel, wts, n, e, k, !c.arch.renormalise_top_k())?;
-                    }
-                    kern.moe_ffn(rt, &mut p, ffn_l, &s.xn, sel, wts, act, &s.h, n, k, true)?;
-                    shared_expert(rt, kern, &c, w, s, n, &mut p)?;
-                    p.encode(&mut enc.begin_compute_pass(&pass_desc("prefill attention output and MoE")));
-                }
-                _ => rec.ffn[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("prefill attention output and FFN"))),
-            }
-            mark(&mut enc, if self.moe.is_some() { "output and experts" } else { "output and FFN" });
-        }
-        // The LM head on the chunk's last token only.
-        let h = u64::from(c.embedding_length) * 4;
-        enc.copy_buffer_to_buffer(&pf.s.h, u64::from(n - 1) * h, &pf.h_last, 0, h);
-        let head = output.unwrap_or(embed);
-        let mut p = Recorded::default();
-        self.kernels.matvec_norm(rt, &mut p, head, &pf.h_last, out_norm, c.rms_norm_eps, &[(&pf.s.logits, head.rows)], 1)?;
-        p.encode(&mut enc.begin_compute_pass(&pass_desc("prefill head")));
-        mark(&mut enc, "head");
-        if let Some(t) = &self.timer {
-            t.finish(&mut enc);
-        }
-        Ok(vec![enc.finish()])
-    }
-
     /// End sequence `seq`: every page of it (all layers, KV heads and shards) back to the free
     /// stacks, its host-tier pages dropped, its position back to 0, so a new prompt can take
     /// its place (continuous batching, [`crate::batch`]). The other sequences are untouched.
@@ -1396,30 +1211,22 @@ impl GpuLlama {
         let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("model forward") });
         let mut segments = Vec::new();
         let pass_desc = |label| wgpu::ComputePassDescriptor { label: Some(label), timestamp_writes: None };
-        let mut timer = self.timer.as_mut();
-        if let Some(t) = timer.as_deref_mut() {
-            t.start(&mut enc);
-        }
-        let mut mark = |enc: &mut wgpu::CommandEncoder, stage| {
-            if let Some(t) = timer.as_deref_mut() {
-                t.mark(enc, stage);
-            }
-        };
+        let mut marks = StageMarks::begin(self.timer.as_mut(), &mut enc);
         rec.embed.encode(&mut enc.begin_compute_pass(&pass_desc("model embed")));
-        mark(&mut enc, "embed");
+        marks.mark(&mut enc, "embed");
         for l in 0..c.block_count {
             rec.attention_inputs[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("model attention inputs")));
-            mark(&mut enc, "attention inputs");
+            marks.mark(&mut enc, "attention inputs");
             if let Some(labels) = &self.labels {
                 labels.encode(&mut enc, l);
-                mark(&mut enc, "route stage");
+                marks.mark(&mut enc, "route stage");
             }
             self.pool.encode_staged_append(&mut enc, l, &s.kv_words, self.labels.as_ref().map(|x| x.staged(l)))?;
-            mark(&mut enc, "append");
+            marks.mark(&mut enc, "append");
             if self.pool.ready_to_compress() {
                 // Pages that left their ring's head are compressed now.
                 self.pool.encode_compress(&mut enc.begin_compute_pass(&pass_desc("model compress")));
-                mark(&mut enc, "compress");
+                marks.mark(&mut enc, "compress");
             }
             if self.flexgen.is_some() {
                 // FlexGen fetches the layer's host pages between here and its page lists.
@@ -1427,7 +1234,7 @@ impl GpuLlama {
                 segments.push(std::mem::replace(&mut enc, next).finish());
             }
             self.pool.encode_gather_layer(&mut enc, l)?;
-            mark(&mut enc, "gather");
+            marks.mark(&mut enc, "gather");
             self.attn.encode_layer_params(&mut enc, l)?;
             {
                 let mut pass = enc.begin_compute_pass(&pass_desc("model attention"));
@@ -1439,14 +1246,14 @@ impl GpuLlama {
                 }
                 self.attn.encode(&mut pass);
             }
-            mark(&mut enc, "attention");
+            marks.mark(&mut enc, "attention");
             match &self.moe {
                 None => rec.ffn[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("model attention output and FFN"))),
                 Some(moe) => match &moe.routed {
                     None if moe.cache.is_some() => {
                         // The host reads the layer's choices and fetches the missing experts here.
                         moe.recorded[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("model attention output and router")));
-                        mark(&mut enc, "output and router");
+                        marks.mark(&mut enc, "output and router");
                         let next = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("model forward") });
                         segments.push(std::mem::replace(&mut enc, next).finish());
                         moe.experts[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("model experts")));
@@ -1463,13 +1270,11 @@ impl GpuLlama {
                     }
                 },
             }
-            mark(&mut enc, if self.moe.is_some() { "output and experts" } else { "output and FFN" });
+            marks.mark(&mut enc, if self.moe.is_some() { "output and experts" } else { "output and FFN" });
         }
         rec.head.encode(&mut enc.begin_compute_pass(&pass_desc("model head")));
-        mark(&mut enc, "head");
-        if let Some(t) = &self.timer {
-            t.finish(&mut enc);
-        }
+        marks.mark(&mut enc, "head");
+        marks.finish(&mut enc);
         segments.push(enc.finish());
         Ok(segments)
     }

@@ -46,14 +46,14 @@ impl StageTimer {
     }
 
     /// The first timestamp of a recording (forgets the last one's labels).
-    pub(super) fn start(&mut self, enc: &mut wgpu::CommandEncoder) {
+    fn start(&mut self, enc: &mut wgpu::CommandEncoder) {
         self.labels.clear();
         self.mark(enc, "");
     }
 
     /// A timestamp ending `stage` (the work recorded since the previous mark). Past the
     /// capacity, marks are dropped and their time goes to the next one kept.
-    pub(super) fn mark(&mut self, enc: &mut wgpu::CommandEncoder, stage: &'static str) {
+    fn mark(&mut self, enc: &mut wgpu::CommandEncoder, stage: &'static str) {
         if (self.labels.len() as u32) < self.capacity {
             enc.write_timestamp(&self.set, self.labels.len() as u32);
             self.labels.push(stage);
@@ -61,7 +61,7 @@ impl StageTimer {
     }
 
     /// Resolve the recording's timestamps (after its last mark).
-    pub(super) fn finish(&self, enc: &mut wgpu::CommandEncoder) {
+    fn finish(&self, enc: &mut wgpu::CommandEncoder) {
         if self.labels.len() >= 2 {
             enc.resolve_query_set(&self.set, 0..self.labels.len() as u32, &self.resolve, 0);
         }
@@ -95,6 +95,35 @@ impl StageTimer {
 
 /// Decode steps [`GpuLlama::time_steps`] times stage by stage.
 pub const PROFILED_STEPS: u32 = 5;
+
+/// The marks of one recording: the timer's first timestamp written by [`StageMarks::begin`], one
+/// per stage by [`StageMarks::mark`], resolved by [`StageMarks::finish`]; all no-ops when stages
+/// are not timed.
+pub(super) struct StageMarks<'a>(Option<&'a mut StageTimer>);
+
+impl<'a> StageMarks<'a> {
+    /// Start `timer`'s recording in `enc`.
+    pub(super) fn begin(mut timer: Option<&'a mut StageTimer>, enc: &mut wgpu::CommandEncoder) -> Self {
+        if let Some(t) = timer.as_deref_mut() {
+            t.start(enc);
+        }
+        StageMarks(timer)
+    }
+
+    /// End `stage` (the work recorded since the previous mark).
+    pub(super) fn mark(&mut self, enc: &mut wgpu::CommandEncoder, stage: &'static str) {
+        if let Some(t) = self.0.as_deref_mut() {
+            t.mark(enc, stage);
+        }
+    }
+
+    /// Resolve the recording's timestamps (after its last mark).
+    pub(super) fn finish(self, enc: &mut wgpu::CommandEncoder) {
+        if let Some(t) = self.0 {
+            t.finish(enc);
+        }
+    }
+}
 
 /// Timestamps a step or prefill chunk of `layers` layers writes at most.
 pub(super) fn marks_per_recording(layers: u32) -> u32 {
