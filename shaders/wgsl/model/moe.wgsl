@@ -20,6 +20,7 @@
 //   moe_down_q (a MoE file's own experts): the same sum from Wdown as the file stores it (below).
 
 //!import common/quant.wgsl
+//!import common/reduce.wgsl
 //!define FORMAT 0u
 
 // must match `MoeParams` in model/src/gpu_data.rs
@@ -50,7 +51,7 @@ fn weight_word(i: u32) -> u32 {
 
 const WG: u32 = 64u;
 var<workgroup> red_g: array<f32, WG>;
-var<workgroup> red_u: array<f32, WG>;
+var<workgroup> red_up: array<f32, WG>;
 
 // moe_gate_up's workgroup: NPW neurons, TPN invocations each (striding over the 32-weight blocks).
 const NPW: u32 = 4u;
@@ -93,12 +94,12 @@ fn moe_gate_up(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_i
         }
     }
     red_g[t] = g;
-    red_u[t] = u;
+    red_up[t] = u;
     workgroupBarrier();
     for (var off = TPN / 2u; off > 0u; off = off / 2u) {
         if (i < off) {
             red_g[t] += red_g[t + off];
-            red_u[t] += red_u[t + off];
+            red_up[t] += red_up[t + off];
         }
         workgroupBarrier();
     }
@@ -106,7 +107,7 @@ fn moe_gate_up(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_i
         let out = (b * params.top_k + j) * params.max_size + s;
         let gate = red_g[t];
         // Slots past the expert's size get 0.
-        act[out] = select(0.0, gate / (1.0 + exp(-gate)) * red_u[t] * wts[b * params.top_k + j], live);
+        act[out] = select(0.0, gate / (1.0 + exp(-gate)) * red_up[t] * wts[b * params.top_k + j], live);
     }
 }
 
@@ -156,8 +157,6 @@ fn moe_down(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_inde
 //   y[b][h] (+)= sum_j sum_s act[b][j][s] * Wdown_{e_j}[h][s]
 // the invocations taking quarters of each chosen expert's row in turn, j then quarters, then
 // the fixed tree; no f32 copy of Wdown exists.
-var<workgroup> red_q: array<f32, WG>;
-
 @compute @workgroup_size(64)
 fn moe_down_q(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t: u32) {
     let h = wg.x;
@@ -180,16 +179,9 @@ fn moe_down_q(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
             acc += dot(weights4(row, qi / 8u, qi % 8u, f), vec4<f32>(act[a], act[a + 1u], act[a + 2u], act[a + 3u]));
         }
     }
-    red_q[t] = acc;
-    workgroupBarrier();
-    for (var off = WG / 2u; off > 0u; off = off / 2u) {
-        if (t < off) {
-            red_q[t] += red_q[t + off];
-        }
-        workgroupBarrier();
-    }
+    let total = workgroup_sum(t, acc);
     if (t == 0u) {
         let o = b * params.hidden + h;
-        y[o] = select(red_q[0], y[o] + red_q[0], params.accumulate != 0u);
+        y[o] = select(total, y[o] + total, params.accumulate != 0u);
     }
 }
