@@ -80,13 +80,20 @@ fn scale_min_k4(base: u32, j: u32) -> vec2<f32> {
     return vec2<f32>(f32(sc), f32(m));
 }
 
+// Where 32-weight block `blk` of row `row` (of `cols` columns) sits: the first word of its block
+// (a K-quant's super-block) and which 32 weights of that block it is.
+fn block_at(row: u32, blk: u32, cols: u32) -> vec2<u32> {
+    let per_block = block_weights(FORMAT) / 32u;
+    return vec2<u32>((row * (cols / block_weights(FORMAT)) + blk / per_block) * block_words(FORMAT), blk % per_block);
+}
+
 // Weights 32 blk .. 32 blk + 31 of row `row` of a matrix of `cols` columns (a multiple of the
 // format's block), dequantised.
 fn weights32(row: u32, blk: u32, cols: u32) -> array<f32, 32> {
     var wv: array<f32, 32>;
-    let per_block = block_weights(FORMAT) / 32u;
-    let base = (row * (cols / block_weights(FORMAT)) + blk / per_block) * block_words(FORMAT);
-    let sub = blk % per_block;
+    let at = block_at(row, blk, cols);
+    let base = at.x;
+    let sub = at.y;
     switch FORMAT {
         case 1u: {
             let d = unpack2x16float(weight_word(base)).x;
@@ -168,9 +175,9 @@ fn weights32(row: u32, blk: u32, cols: u32) -> array<f32, 32> {
 // dequantised alone: consecutive invocations taking consecutive quarters of a block read
 // consecutive words of it and of the input (the products' coalesced loop).
 fn weights4(row: u32, blk: u32, j: u32, cols: u32) -> vec4<f32> {
-    let per_block = block_weights(FORMAT) / 32u;
-    let base = (row * (cols / block_weights(FORMAT)) + blk / per_block) * block_words(FORMAT);
-    let sub = blk % per_block;
+    let at = block_at(row, blk, cols);
+    let base = at.x;
+    let sub = at.y;
     switch FORMAT {
         case 1u: {
             // Q8_0: the quarter's 4 signed bytes are word 1 + j.
