@@ -67,28 +67,18 @@ impl StageTimer {
         }
     }
 
-    /// Milliseconds per stage of the last recording (after its submission), summed over the
-    /// stage's marks.
-    pub(super) async fn read(&self, rt: &Runtime) -> Result<BTreeMap<&'static str, f64>> {
-        let mut out = BTreeMap::new();
-        if self.labels.len() < 2 {
-            return Ok(out);
-        }
-        let ticks: Vec<u64> = rt.read(&self.resolve, 0, self.labels.len() as u64).await?;
-        for (i, stage) in self.labels.iter().enumerate().skip(1) {
-            let ms = ticks[i].saturating_sub(ticks[i - 1]) as f64 * self.period_ns * 1e-6;
-            *out.entry(*stage).or_insert(0.0) += ms;
-        }
-        Ok(out)
-    }
-}
-
-impl StageTimer {
     /// Read the last recording's stage times (after its submission) into the log, as a
-    /// recording of `kind`.
+    /// recording of `kind`: milliseconds per stage, summed over the stage's marks.
     pub(super) async fn collect(&mut self, rt: &Runtime, kind: &'static str) -> Result<()> {
-        let r = self.read(rt).await?;
-        self.log.push((kind, r));
+        let mut stages = BTreeMap::new();
+        if self.labels.len() >= 2 {
+            let ticks: Vec<u64> = rt.read(&self.resolve, 0, self.labels.len() as u64).await?;
+            for (i, stage) in self.labels.iter().enumerate().skip(1) {
+                let ms = ticks[i].saturating_sub(ticks[i - 1]) as f64 * self.period_ns * 1e-6;
+                *stages.entry(*stage).or_insert(0.0) += ms;
+            }
+        }
+        self.log.push((kind, stages));
         Ok(())
     }
 }
