@@ -6,7 +6,7 @@
 //! whatever was resident before: the logits equal the all-resident run's, bit for bit.
 
 use crate::gguf::Gguf;
-use crate::ops::{MoeDown, MoeFfn, WeightFormat, pack_blocks};
+use crate::ops::{MoeDown, MoeFfn, WeightFormat, pack_blocks, same_format, tensor_format};
 use crate::{Error, LlamaConfig, Result};
 use expertkv_core::runtime::Runtime;
 
@@ -124,13 +124,8 @@ impl ExpertCache {
         let mut ffns = Vec::new();
         for l in 0..c.block_count {
             let name = |s: &str| format!("blk.{l}.{s}.weight");
-            let format_of = |n: &str| -> Result<WeightFormat> {
-                WeightFormat::from_ggml(g.tensor(n).map(|t| t.ggml_type()).ok_or_else(|| Error::Model(format!("tensor `{n}` is missing")))?)
-            };
-            let (fg, fu, fd) = (format_of(&name("ffn_gate_exps"))?, format_of(&name("ffn_up_exps"))?, format_of(&name("ffn_down_exps"))?);
-            if fg != fu {
-                return Err(Error::Model(format!("blk.{l}: ffn_gate_exps and ffn_up_exps differ in format")));
-            }
+            let fg = same_format(g, &name("ffn_gate_exps"), &name("ffn_up_exps"))?;
+            let fd = tensor_format(g, &name("ffn_down_exps"))?;
             let [gate, up, down] = ["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"].map(|s| g.tensor_data(&name(s)));
             let (gate, up, down) = (gate?, up?, down?);
             let split = |bytes: &[u8], fmt: WeightFormat, rows: u32, cols: u32, what: &str| -> Result<Vec<Vec<u32>>> {

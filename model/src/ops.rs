@@ -139,6 +139,22 @@ impl WeightFormat {
     }
 }
 
+/// The weight format of tensor `name` of `g` (an error naming it when it is missing or of a
+/// type the kernels do not read).
+pub fn tensor_format(g: &crate::gguf::Gguf<'_>, name: &str) -> Result<WeightFormat> {
+    let ty = g.tensor(name).map(|t| t.ggml_type()).ok_or_else(|| Error::Model(format!("tensor `{name}` is missing")))?;
+    WeightFormat::from_ggml(ty)
+}
+
+/// The weight format of tensors `a` and `b` of `g`, which must be the same.
+pub fn same_format(g: &crate::gguf::Gguf<'_>, a: &str, b: &str) -> Result<WeightFormat> {
+    let format = tensor_format(g, a)?;
+    if tensor_format(g, b)? != format {
+        return Err(Error::Model(format!("`{a}` and `{b}` differ in format")));
+    }
+    Ok(format)
+}
+
 /// A `rows x cols` matrix (row-major: row = output feature) in a block format on the GPU.
 pub struct GpuMatrix {
     /// The blocks row after row as [`pack_blocks`] lays them out, [`WeightFormat::gpu_block_words`]

@@ -12,7 +12,7 @@
 use crate::experts::{ExpertCache, ExpertCacheConfig};
 use crate::labels::{KvLabels, KvRouting, LabelSource, ScoreInputs};
 use crate::moe::Moefication;
-use crate::ops::{GpuMatrix, ModelKernels, MoeFfn, Recorded, WeightFormat};
+use crate::ops::{GpuMatrix, ModelKernels, MoeFfn, Recorded, WeightFormat, same_format, tensor_format};
 use crate::{Error, Result};
 use crate::{config::LlamaConfig, gguf::Gguf};
 use expertkv_core::append::KvPool;
@@ -1304,16 +1304,6 @@ impl GpuLlama {
     }
 }
 
-/// Both tensors' weight format, which must be one the kernels read and the same for both.
-fn same_format(g: &Gguf<'_>, a: &str, b: &str) -> Result<WeightFormat> {
-    let ty = |name: &str| g.tensor(name).map(|t| t.ggml_type()).ok_or_else(|| Error::Model(format!("tensor `{name}` is missing")));
-    let format = WeightFormat::from_ggml(ty(a)?)?;
-    if WeightFormat::from_ggml(ty(b)?)? != format {
-        return Err(Error::Model(format!("`{a}` and `{b}` differ in format")));
-    }
-    Ok(format)
-}
-
 fn f32_matrix(rt: &Runtime, label: &str, rows: u32, cols: u32, v: &[f32]) -> Result<GpuMatrix> {
     let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
     GpuMatrix::upload(rt, label, WeightFormat::F32, rows, cols, &bytes)
@@ -1345,8 +1335,7 @@ fn native_experts(rt: &Runtime, g: &Gguf<'_>, c: &LlamaConfig) -> Result<Vec<(Gp
         let n = |s: &str| format!("blk.{l}.{s}.weight");
         let format = same_format(g, &n("ffn_gate_exps"), &n("ffn_up_exps"))?;
         let down = n("ffn_down_exps");
-        let down_ty = g.tensor(&down).map(|t| t.ggml_type()).ok_or_else(|| Error::Model(format!("tensor `{down}` is missing")))?;
-        let down_format = WeightFormat::from_ggml(down_ty)?;
+        let down_format = tensor_format(g, &down)?;
         let experts = MoeFfn::upload_experts(
             rt,
             &format!("blk.{l} experts"),
