@@ -60,6 +60,13 @@ pub struct ExpertTraffic {
     pub bytes: u64,
 }
 
+impl ExpertTraffic {
+    /// Hits over hits and misses (0 before any).
+    pub fn hit_rate(&self) -> f64 {
+        self.hits as f64 / (self.hits + self.misses).max(1) as f64
+    }
+}
+
 /// One layer's experts in host memory (as [`pack_blocks`] lays them out) and its slots.
 struct LayerTier {
     /// Per expert: gate rows, up rows, down rows.
@@ -218,7 +225,7 @@ impl ExpertCache {
         self.total.bytes += self.last.bytes;
     }
 
-    /// GPU bytes of one layer's slots (gate, up and down of every slot).
+    /// GPU bytes of every layer's slots (gate, up and down rows of each slot).
     pub fn gpu_bytes(&self) -> u64 {
         self.layers
             .iter()

@@ -469,7 +469,7 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
             fmt_bytes(ec.host_bytes()),
             t.hits,
             t.misses,
-            100.0 * t.hits as f64 / (t.hits + t.misses).max(1) as f64,
+            100.0 * t.hit_rate(),
             fmt_bytes(t.bytes)
         );
     }
@@ -548,7 +548,7 @@ fn expert_cache_json(c: &ExpertCache) -> serde_json::Value {
         "host_bytes": c.host_bytes(),
         "hits": t.hits,
         "misses": t.misses,
-        "hit_rate": t.hits as f64 / (t.hits + t.misses).max(1) as f64,
+        "hit_rate": t.hit_rate(),
         "bytes_moved": t.bytes,
     })
 }
