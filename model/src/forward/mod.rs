@@ -1033,6 +1033,8 @@ impl GpuLlama {
         }
         let d0 = dispatches_encoded();
         let segments = self.encode_step(rt, tokens)?;
+        // With an expert cache, every layer's choices as the host read them between segments.
+        let mut cached_choices: Option<Vec<u32>> = None;
         if self.flexgen.is_some() {
             // A segment per layer up to its page lists (then the layer's fetch), and the rest.
             let group = self.cfg.head_count / self.cfg.head_count_kv;
@@ -1054,6 +1056,7 @@ impl GpuLlama {
             if let Some(cache) = &mut moe.cache {
                 cache.begin_step();
             }
+            let mut all = Vec::new();
             for (l, cb) in segments.into_iter().enumerate() {
                 rt.queue.submit([cb]);
                 if l < last {
@@ -1061,8 +1064,10 @@ impl GpuLlama {
                     if let Some(cache) = &mut moe.cache {
                         cache.ensure(rt, l as u32, &chosen, u64::from(self.step), &moe.layers[l].1)?;
                     }
+                    all.extend(chosen);
                 }
             }
+            cached_choices = Some(all);
             if let Some(cache) = &mut moe.cache {
                 cache.end_step();
             }
@@ -1080,7 +1085,10 @@ impl GpuLlama {
             let e = moe.n_experts as usize;
             let per_layer = (n * moe.top_k) as usize;
             let log = moe.routed.as_ref().map_or(&moe.log, |r| &r.router.experts);
-            let chosen: Vec<u32> = rt.read(log, 0, (per_layer * c.block_count as usize) as u64).await?;
+            let chosen: Vec<u32> = match cached_choices {
+                Some(read) => read,
+                None => rt.read(log, 0, (per_layer * c.block_count as usize) as u64).await?,
+            };
             for (l, sel) in chosen.chunks(per_layer).enumerate() {
                 for &x in sel {
                     moe.counts[l * e + x as usize] += 1;
