@@ -145,7 +145,7 @@ impl GpuLlama {
     /// nothing read between them, as a serving loop that keeps the GPU busy would run: the first
     /// half untimed (an idle GPU takes a while to reach its serving clock), the second half
     /// timed: wall time per step, and the host's share (staging, encoding, submitting). Where
-    /// the device writes timestamps between passes, the last [`PROFILED_STEPS`] steps of the
+    /// the device writes timestamps between passes, the last five steps of the
     /// untimed half are also timed stage by stage (each read back before the next, so they
     /// are not in the wall time): `gpu` holds each stage's median GPU milliseconds per step.
     /// The steps' K/V stay in the pool and the positions advance; the per-expert counts are not
