@@ -31,6 +31,7 @@ use expertkv_core::runtime::Runtime;
 use expertkv_core::runtime::dispatch::dispatches_encoded;
 
 mod prefill;
+mod prefix;
 mod timing;
 use prefill::Prefill;
 use timing::StageMarks;

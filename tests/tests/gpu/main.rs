@@ -26,4 +26,5 @@ mod model;
 mod ops;
 mod pipeline;
 mod prefill;
+mod store;
 mod runtime;

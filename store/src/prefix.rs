@@ -1,0 +1,313 @@
+//! Prefix reuse across processes: a prompt's full pages stored under keys derived from the model
+//! file's hash and the chained hash of the token ids (so a key names its whole prefix, as
+//! LMCache's chunk keys do), and fetched back into another model's pool instead of prefilling.
+//!
+//! A key is `{namespace}:{model hash}:{dtype}-{codec}-p{page}-h{heads}x{dim}:{chain}:{layer}`;
+//! the value's header repeats the model hash, the shape, the codec, the position, the previous
+//! chain hash and the page's own token ids, so a 64-bit collision of the chain is still refused
+//! unless the page's tokens and its predecessor's chain both match.
+
+use std::time::{Duration, Instant};
+
+use expertkv_core::digest::{FNV_OFFSET, fnv1a};
+use expertkv_core::runtime::Runtime;
+use expertkv_model::forward::GpuLlama;
+
+use crate::value::{PageHeader, StoreCodec, decode, encode};
+use crate::{PageStore, RedisStore, Result, StoreError};
+
+/// Pages asked for per round of a fetch (every layer of each): a fetch stops at the first page
+/// some layer of which is missing, so a cold store costs one round.
+pub const FETCH_PAGES_PER_ROUND: usize = 8;
+
+/// How to reach and use a store.
+#[derive(Clone, Debug)]
+pub struct StoreOptions {
+    /// `redis://HOST:PORT/DB` (`redis://:PASSWORD@HOST:PORT/DB` with AUTH).
+    pub url: String,
+    /// Keys start with `{namespace}:`.
+    pub namespace: String,
+    /// Stored pages expire after this many seconds (`None`: never).
+    pub ttl_s: Option<u64>,
+    /// How pages are kept.
+    pub codec: StoreCodec,
+    /// Bound the server's memory to this many bytes (`CONFIG SET maxmemory`, least recently
+    /// used keys evicted past it); `None` leaves the server's setting.
+    pub max_bytes: Option<u64>,
+    /// Connection and request timeout.
+    pub timeout: Duration,
+}
+
+impl StoreOptions {
+    /// `url` with the defaults: namespace `expertkv`, no TTL, raw pages, the server's memory
+    /// setting, a 2 s timeout.
+    pub fn new(url: &str) -> Self {
+        StoreOptions {
+            url: url.into(),
+            namespace: "expertkv".into(),
+            ttl_s: None,
+            codec: StoreCodec::Raw,
+            max_bytes: None,
+            timeout: Duration::from_secs(2),
+        }
+    }
+}
+
+/// What a store did for one run.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct StoreReport {
+    /// The store's address.
+    pub addr: String,
+    /// Prompt tokens whose K/V came from the store (not prefilled).
+    pub tokens_reused: u32,
+    /// Pages (one layer each) fetched and used.
+    pub pages_fetched: u64,
+    /// Their bytes as stored.
+    pub bytes_fetched: u64,
+    /// Values refused (another model's, another format's, a bad checksum): each a miss.
+    pub refused: u64,
+    /// Pages (one layer each) written.
+    pub pages_stored: u64,
+    /// Their bytes.
+    pub bytes_stored: u64,
+    /// Pages already in the store when storing (not written again).
+    pub pages_present: u64,
+    /// Seconds spent fetching (round trips, checks, decoding, the pool's append).
+    pub fetch_s: f64,
+    /// Seconds spent storing (reading the pool, encoding, round trips).
+    pub store_s: f64,
+    /// Why the store was switched off mid-run, if it was.
+    pub failed: Option<String>,
+    /// Why some value was refused (the first).
+    pub first_refusal: Option<String>,
+}
+
+/// FNV-1a 64 of a model file's bytes: the model part of every key and header.
+pub fn model_hash(bytes: &[u8]) -> u64 {
+    fnv1a(FNV_OFFSET, bytes)
+}
+
+/// The chained hashes of the prompt's full pages: entry 0 is the root (the model hash alone),
+/// entry p + 1 hashes entry p with page p's token ids. `ids.len() / page_size + 1` entries.
+pub fn chain_hashes(model_hash: u64, ids: &[u32], page_size: u32) -> Vec<u64> {
+    let mut h = fnv1a(fnv1a(FNV_OFFSET, b"expertkv-prefix"), &model_hash.to_le_bytes());
+    let mut out = vec![h];
+    for page in ids.chunks_exact(page_size as usize) {
+        for t in page {
+            h = fnv1a(h, &t.to_le_bytes());
+        }
+        out.push(h);
+    }
+    out
+}
+
+/// A store used for prefix reuse by one model.
+pub struct PrefixStore {
+    store: Box<dyn PageStore>,
+    namespace: String,
+    model_hash: u64,
+    codec: StoreCodec,
+    ttl_s: Option<u64>,
+    /// What this store did so far.
+    pub report: StoreReport,
+}
+
+impl PrefixStore {
+    /// Prefix reuse over `store`, for the model whose file hashes to `model_hash`.
+    pub fn new(store: Box<dyn PageStore>, namespace: &str, model_hash: u64, codec: StoreCodec, ttl_s: Option<u64>) -> Result<Self> {
+        if namespace.is_empty() || namespace.contains(':') || namespace.contains('*') {
+            return Err(StoreError::Options(format!("namespace `{namespace}`: give a non-empty name without `:` or `*`")));
+        }
+        if ttl_s == Some(0) {
+            return Err(StoreError::Options("a TTL of 0 s would expire every page at once; give at least 1".into()));
+        }
+        let report = StoreReport { addr: store.addr(), ..StoreReport::default() };
+        Ok(PrefixStore { store, namespace: namespace.into(), model_hash, codec, ttl_s, report })
+    }
+
+    /// Connect to the Redis/Valkey server `opts.url` (refused at once, with the address tried,
+    /// when it cannot be reached), bounding its memory if asked.
+    pub fn connect(opts: &StoreOptions, model_hash: u64) -> Result<Self> {
+        let mut r = RedisStore::connect(&opts.url, opts.timeout)?;
+        if let Some(b) = opts.max_bytes {
+            r.set_max_memory(b)?;
+        }
+        Self::new(Box::new(r), &opts.namespace, model_hash, opts.codec, opts.ttl_s)
+    }
+
+    /// The underlying store.
+    pub fn store_mut(&mut self) -> &mut dyn PageStore {
+        self.store.as_mut()
+    }
+
+    /// The store's failure: switched off for the rest of the run, reported once.
+    fn fail(&mut self, e: StoreError) -> Result<()> {
+        match e {
+            StoreError::Server { .. } | StoreError::Connect { .. } => {
+                self.report.failed.get_or_insert(e.to_string());
+                Ok(())
+            }
+            other => Err(other),
+        }
+    }
+
+    fn key(&self, m: &GpuLlama, chain: u64, layer: u32) -> String {
+        let c = &m.pool.cfg;
+        format!(
+            "{}:{:016x}:{}-{}-p{}-h{}x{}:{chain:016x}:{layer}",
+            self.namespace,
+            self.model_hash,
+            c.dtype.name(),
+            self.codec.name(),
+            c.page_size,
+            c.kv_heads,
+            c.head_dim
+        )
+    }
+
+    /// The key of page `page` (positions `page * page_size..`) of `ids`, layer `layer`.
+    pub fn page_key(&self, m: &GpuLlama, ids: &[u32], page: usize, layer: u32) -> String {
+        let ps = m.pool.cfg.page_size as usize;
+        let chain = chain_hashes(self.model_hash, &ids[..((page + 1) * ps).min(ids.len() / ps * ps)], ps as u32);
+        self.key(m, chain.get(page + 1).copied().unwrap_or(0), layer)
+    }
+
+    fn header(&self, m: &GpuLlama, page: usize, prev_chain: u64, layer: u32, ids: &[u32]) -> PageHeader {
+        let c = &m.pool.cfg;
+        let ps = c.page_size as usize;
+        PageHeader {
+            model_hash: self.model_hash,
+            prev_chain,
+            layer,
+            kv_heads: c.kv_heads,
+            head_dim: c.head_dim,
+            page_size: c.page_size,
+            dtype: c.dtype,
+            codec: self.codec,
+            first_position: (page * ps) as u32,
+            tokens: ids[page * ps..(page + 1) * ps].to_vec(),
+        }
+    }
+
+    /// Before prefilling `ids` into the empty sequence `seq`: fetch the longest run of its
+    /// full pages the store holds for every layer (leaving at least the last token to run, for
+    /// its logits) and restore them into the pool. Returns the tokens restored; the caller
+    /// prefills `ids[n..]`. A store that fails is switched off with [`StoreReport::failed`]
+    /// set, and 0 returned: the pool is as it was.
+    pub fn fetch(&mut self, rt: &Runtime, m: &mut GpuLlama, seq: u32, ids: &[u32]) -> Result<u32> {
+        if self.report.failed.is_some() {
+            return Ok(0);
+        }
+        if let Some(why) = m.prefix_refusal() {
+            return Err(StoreError::Options(format!("prefix reuse needs a pool a prefill can fill: {why}")));
+        }
+        self.codec.check(m.pool.cfg.dtype, m.pool.cfg.head_dim)?;
+        let t0 = Instant::now();
+        let ps = m.pool.cfg.page_size as usize;
+        let layers = m.cfg.block_count;
+        let max_pages = ids.len().saturating_sub(1) / ps;
+        let chain = chain_hashes(self.model_hash, &ids[..max_pages * ps], ps as u32);
+        let tw = m.prefix_token_words();
+        let mut kv: Vec<Vec<u32>> = vec![Vec::new(); layers as usize];
+        let (mut pages, mut bytes) = (0usize, 0u64);
+        'rounds: while pages < max_pages {
+            let round: Vec<usize> = (pages..(pages + FETCH_PAGES_PER_ROUND).min(max_pages)).collect();
+            let keys: Vec<String> = round.iter().flat_map(|&p| (0..layers).map(move |l| (p, l))).map(|(p, l)| self.key(m, chain[p + 1], l)).collect();
+            let values = match self.store.get_many(&keys) {
+                Ok(v) => v,
+                Err(e) => {
+                    self.fail(e)?;
+                    return Ok(0);
+                }
+            };
+            for (i, &p) in round.iter().enumerate() {
+                let mut page_words = Vec::with_capacity(layers as usize);
+                for l in 0..layers {
+                    let Some(v) = &values[i * layers as usize + l as usize] else { break 'rounds };
+                    match decode(v, &self.header(m, p, chain[p], l, ids)) {
+                        Ok(w) if w.len() == ps * tw => {
+                            bytes += v.len() as u64;
+                            page_words.push(w);
+                        }
+                        Ok(_) => unreachable!("decode checks the page's length"),
+                        Err(why) => {
+                            self.report.refused += 1;
+                            self.report.first_refusal.get_or_insert(format!("page {p}, layer {l}: {why}"));
+                            break 'rounds;
+                        }
+                    }
+                }
+                for (l, w) in page_words.into_iter().enumerate() {
+                    kv[l].extend(w);
+                }
+                pages += 1;
+            }
+        }
+        let n = (pages * ps) as u32;
+        if n > 0 {
+            pollster::block_on(m.restore_prefix(rt, seq, n, &kv))?;
+        }
+        self.report.tokens_reused += n;
+        self.report.pages_fetched += (pages * layers as usize) as u64;
+        self.report.bytes_fetched += bytes;
+        self.report.fetch_s += t0.elapsed().as_secs_f64();
+        Ok(n)
+    }
+
+    /// After prefilling `ids` into sequence `seq`: store its full pages the store does not
+    /// hold yet (every layer). Returns the pages (one layer each) written. A store that fails
+    /// is switched off ([`StoreReport::failed`]) and 0 returned.
+    pub fn store(&mut self, rt: &Runtime, m: &GpuLlama, seq: u32, ids: &[u32]) -> Result<u64> {
+        if self.report.failed.is_some() {
+            return Ok(0);
+        }
+        if let Some(why) = m.prefix_refusal() {
+            return Err(StoreError::Options(format!("prefix reuse needs a pool a prefill can fill: {why}")));
+        }
+        self.codec.check(m.pool.cfg.dtype, m.pool.cfg.head_dim)?;
+        let t0 = Instant::now();
+        let ps = m.pool.cfg.page_size as usize;
+        let held = m.positions.get(seq as usize).copied().unwrap_or(0) as usize;
+        let n_pages = ids.len().min(held) / ps;
+        if n_pages == 0 {
+            return Ok(0);
+        }
+        let layers = m.cfg.block_count;
+        let chain = chain_hashes(self.model_hash, &ids[..n_pages * ps], ps as u32);
+        let keys: Vec<(usize, u32, String)> =
+            (0..n_pages).flat_map(|p| (0..layers).map(move |l| (p, l))).map(|(p, l)| (p, l, self.key(m, chain[p + 1], l))).collect();
+        let names: Vec<String> = keys.iter().map(|k| k.2.clone()).collect();
+        let present = match self.store.exists_many(&names) {
+            Ok(v) => v,
+            Err(e) => {
+                self.fail(e)?;
+                return Ok(0);
+            }
+        };
+        let missing: Vec<&(usize, u32, String)> = keys.iter().zip(&present).filter(|(_, p)| !**p).map(|(k, _)| k).collect();
+        self.report.pages_present += (keys.len() - missing.len()) as u64;
+        if missing.is_empty() {
+            self.report.store_s += t0.elapsed().as_secs_f64();
+            return Ok(0);
+        }
+        let first = missing.iter().map(|k| k.0).min().unwrap_or(0);
+        let last = missing.iter().map(|k| k.0).max().unwrap_or(0) + 1;
+        let kv = pollster::block_on(m.read_prefix(rt, seq, (last * ps) as u32))?;
+        let tw = m.prefix_token_words();
+        let mut items = Vec::with_capacity(missing.len());
+        for &&(p, l, ref key) in &missing {
+            debug_assert!(p >= first);
+            let words = &kv[l as usize][p * ps * tw..(p + 1) * ps * tw];
+            items.push((key.clone(), encode(&self.header(m, p, chain[p], l, ids), words)?));
+        }
+        let bytes: u64 = items.iter().map(|(_, v)| v.len() as u64).sum();
+        if let Err(e) = self.store.put_many(&items, self.ttl_s) {
+            self.fail(e)?;
+            return Ok(0);
+        }
+        self.report.pages_stored += items.len() as u64;
+        self.report.bytes_stored += bytes;
+        self.report.store_s += t0.elapsed().as_secs_f64();
+        Ok(items.len() as u64)
+    }
+}

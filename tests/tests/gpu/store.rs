@@ -1,0 +1,275 @@
+//! The remote page tier (`expertkv-store`): a prompt's full pages stored by one model and
+//! fetched by another give the cold prefill's logits bit for bit (raw pages) or within the
+//! codec's tolerance; a missing, evicted or foreign page is a miss, never read as ours; a store
+//! that dies mid-run is switched off and the run goes on. On Redis (the server `scripts/test.sh`
+//! starts, `EXPERTKV_REDIS_URL`, and servers these tests start and kill) and in memory.
+
+use std::time::Duration;
+
+use expertkv_core::config::KvDtype;
+use expertkv_core::rng::Rng;
+use expertkv_core::runtime::Runtime;
+use expertkv_model::SyntheticModel;
+use expertkv_model::forward::{GpuLlama, ModelOptions, PREFILL_CHUNK};
+use expertkv_model::gguf::{GgmlType, Gguf};
+use expertkv_store::prefix::model_hash;
+use expertkv_store::{MemoryStore, PageStore, PrefixStore, RedisStore, StoreCodec, StoreError};
+
+use crate::common::{rt, seeds, skip};
+
+const TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A Redis server of this test's own on a free loopback port, killed when dropped.
+struct Server {
+    child: std::process::Child,
+    url: String,
+}
+
+impl Server {
+    fn start(test: &str) -> Option<Server> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").ok()?.local_addr().ok()?.port();
+        let child = std::process::Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .stdout(std::process::Stdio::null())
+            .spawn();
+        let Ok(child) = child else {
+            skip(test, "redis-server is not installed (scripts/test.sh installs Debian's package)");
+            return None;
+        };
+        let s = Server { child, url: format!("redis://127.0.0.1:{port}/0") };
+        for _ in 0..100 {
+            if RedisStore::connect(&s.url, TIMEOUT).is_ok() {
+                return Some(s);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("{test}: redis-server on port {port} did not answer in 5 s");
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The server `scripts/test.sh` started, if any.
+fn shared_url(test: &str) -> Option<String> {
+    let url = std::env::var("EXPERTKV_REDIS_URL").ok();
+    if url.is_none() {
+        skip(test, "EXPERTKV_REDIS_URL is not set (scripts/test.sh starts a Redis server and sets it)");
+    }
+    url
+}
+
+struct Case {
+    file: Vec<u8>,
+    opts: ModelOptions,
+}
+
+impl Case {
+    fn load(&self, rt: &Runtime) -> GpuLlama {
+        let g = Gguf::parse(&self.file).expect("gguf");
+        pollster::block_on(GpuLlama::load(rt, &g, self.opts.clone())).expect("load")
+    }
+
+    fn hash(&self) -> u64 {
+        model_hash(&self.file)
+    }
+
+    /// The cold run: the prompt prefilled, its logits and two decode steps'.
+    fn cold(&self, rt: &Runtime, ids: &[u32], next: &[u32]) -> (GpuLlama, Vec<Vec<f32>>) {
+        let mut m = self.load(rt);
+        let mut out = vec![pollster::block_on(m.prefill(rt, 0, ids)).expect("prefill")];
+        for &t in next {
+            out.push(pollster::block_on(m.forward(rt, &[t])).expect("forward"));
+        }
+        (m, out)
+    }
+
+    /// A warm run: the store's prefix restored, the rest prefilled, then the same decode steps.
+    fn warm(&self, rt: &Runtime, store: &mut PrefixStore, ids: &[u32], next: &[u32]) -> (u32, Vec<Vec<f32>>) {
+        let mut m = self.load(rt);
+        let n = store.fetch(rt, &mut m, 0, ids).expect("fetch");
+        let mut out = vec![pollster::block_on(m.prefill(rt, 0, &ids[n as usize..])).expect("prefill")];
+        for &t in next {
+            out.push(pollster::block_on(m.forward(rt, &[t])).expect("forward"));
+        }
+        (n, out)
+    }
+}
+
+fn case(seed: u64, dtype: KvDtype) -> Case {
+    let spec = SyntheticModel { heads: 4, kv_heads: 2, head_dim: Some(64), context: 512, ..SyntheticModel::dense(seed) }.with_weights(GgmlType::Q8_0);
+    Case { file: spec.gguf(), opts: ModelOptions::new(1, 400).dtype(dtype) }
+}
+
+fn max_rel(a: &[f32], b: &[f32]) -> f32 {
+    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
+/// Raw pages in memory and on Redis, f32 and f16 K/V, prompts that end mid-page and on a page
+/// boundary (then the last page is left to prefill, for its logits): the warm run reuses every
+/// full page before the last token and its logits, and two decode steps after, equal the cold
+/// run's bit for bit. Storing again writes nothing; a store of another model's file reuses
+/// nothing. The int8 and int4 codecs reuse as much, within their tolerance, in fewer bytes.
+#[test]
+fn a_prefix_from_the_store_gives_the_cold_prefill_logits() {
+    let rt = rt();
+    let redis = shared_url("a_prefix_from_the_store_gives_the_cold_prefill_logits");
+    for (i, seed) in seeds("store_prefix", 4).into_iter().enumerate() {
+        let mut rng = Rng::new(seed);
+        let dtype = if i % 2 == 0 { KvDtype::F16 } else { KvDtype::F32 };
+        let c = case(seed, dtype);
+        // Past a prefill chunk, ending mid-page (or on a page boundary every other case).
+        let n = PREFILL_CHUNK + 16 * (1 + rng.below(4)) + if i < 2 { 1 + rng.below(15) } else { 0 };
+        let ids: Vec<u32> = (0..n).map(|_| rng.below(256)).collect();
+        let next = [rng.below(256), rng.below(256)];
+        let ctx = format!("seed {seed}: {dtype:?} K/V, {n} prompt tokens");
+        let (cold_model, cold) = c.cold(rt, &ids, &next);
+        let backends: Vec<(&str, Box<dyn PageStore>)> = match &redis {
+            Some(url) => vec![("memory", Box::new(MemoryStore::new())), ("redis", Box::new(RedisStore::connect(url, TIMEOUT).expect("redis")))],
+            None => vec![("memory", Box::new(MemoryStore::new()))],
+        };
+        for (name, backend) in backends {
+            let ns = format!("t{seed:x}");
+            let mut store = PrefixStore::new(backend, &ns, c.hash(), StoreCodec::Raw, Some(600)).expect("store");
+            store.store_mut().clear(&ns).expect("clear");
+            let pages = u64::from(n / 16) * u64::from(cold_model.cfg.block_count);
+            assert_eq!(store.store(rt, &cold_model, 0, &ids).expect("store"), pages, "{ctx}: {name}");
+            assert_eq!(store.store(rt, &cold_model, 0, &ids).expect("store again"), 0, "{ctx}: {name}");
+            assert_eq!(store.report.pages_present, pages, "{ctx}: {name}");
+            let (reused, warm) = c.warm(rt, &mut store, &ids, &next);
+            assert_eq!(reused, (n - 1) / 16 * 16, "{ctx}: {name}");
+            assert_eq!(store.report.refused, 0, "{ctx}: {name}");
+            for (k, (w, x)) in warm.iter().zip(&cold).enumerate() {
+                assert!(w == x, "{ctx}: {name}: logits {k} differ from the cold run's by {}", max_rel(w, x));
+            }
+            // The same prompt under another model's hash, on the same server: nothing of ours
+            // is read.
+            if let Some(url) = redis.as_ref().filter(|_| name == "redis") {
+                let backend = Box::new(RedisStore::connect(url, TIMEOUT).expect("redis"));
+                let mut foreign = PrefixStore::new(backend, &ns, c.hash() ^ 1, StoreCodec::Raw, None).expect("store");
+                let mut m = c.load(rt);
+                assert_eq!(foreign.fetch(rt, &mut m, 0, &ids).expect("fetch"), 0, "{ctx}: another model's pages read");
+            }
+            assert_eq!(store.store_mut().clear(&ns).expect("clear"), pages, "{ctx}: {name}");
+        }
+        if dtype == KvDtype::F16 {
+            for codec in [StoreCodec::Int8, StoreCodec::Int4] {
+                let mut store = PrefixStore::new(Box::new(MemoryStore::new()), "codec", c.hash(), codec, None).expect("store");
+                store.store(rt, &cold_model, 0, &ids).expect("store");
+                let (reused, warm) = c.warm(rt, &mut store, &ids, &next);
+                assert_eq!(reused, (n - 1) / 16 * 16, "{ctx}: {codec:?}");
+                let tol = if codec == StoreCodec::Int8 { 0.06 } else { 0.4 };
+                let err = max_rel(&warm[0], &cold[0]);
+                assert!(err <= tol && err > 0.0, "{ctx}: {codec:?}: logits differ by {err} of their scale");
+                let raw_bytes = u64::from(reused) * c_token_bytes(&cold_model);
+                assert!(store.report.bytes_fetched * 100 < raw_bytes * if codec == StoreCodec::Int8 { 65 } else { 40 }, "{ctx}: {codec:?}: {} bytes for {raw_bytes} raw", store.report.bytes_fetched);
+            }
+        }
+    }
+}
+
+fn c_token_bytes(m: &GpuLlama) -> u64 {
+    m.pool.cfg.token_kv_bytes() * u64::from(m.cfg.block_count)
+}
+
+/// A page gone from the store (evicted) ends the reused prefix there, and a value replaced by
+/// a foreign one (another model's page under our key, a flipped byte) is refused and counted:
+/// either way the warm run's logits stay the cold run's.
+#[test]
+fn a_missing_or_foreign_page_is_a_miss_not_an_error() {
+    let rt = rt();
+    let seed = seeds("store_miss", 1)[0];
+    let mut rng = Rng::new(seed);
+    let c = case(seed, KvDtype::F16);
+    let n = 16 * 6 + 5;
+    let ids: Vec<u32> = (0..n).map(|_| rng.below(256)).collect();
+    let (cold_model, cold) = c.cold(rt, &ids, &[]);
+    let (page, layer) = (3usize, 1u32);
+    for what in ["evicted", "foreign", "corrupt"] {
+        let mut store = PrefixStore::new(Box::new(MemoryStore::new()), "m", c.hash(), StoreCodec::Raw, None).expect("store");
+        store.store(rt, &cold_model, 0, &ids).expect("store");
+        let key = store.page_key(&cold_model, &ids, page, layer);
+        let stored = store.store_mut().get_many(std::slice::from_ref(&key)).expect("get")[0].clone().expect("stored");
+        let bad = match what {
+            "evicted" => None,
+            "foreign" => {
+                // The same page written for another model: its header's model hash differs.
+                let mut other = PrefixStore::new(Box::new(MemoryStore::new()), "m", c.hash() ^ 7, StoreCodec::Raw, None).expect("store");
+                other.store(rt, &cold_model, 0, &ids).expect("store");
+                let k = other.page_key(&cold_model, &ids, page, layer);
+                Some(other.store_mut().get_many(&[k]).expect("get")[0].clone().expect("stored"))
+            }
+            _ => {
+                let mut b = stored.clone();
+                let i = b.len() / 2;
+                b[i] ^= 1;
+                Some(b)
+            }
+        };
+        match bad {
+            None => assert_eq!(store.store_mut().remove_many(std::slice::from_ref(&key)).expect("remove"), 1),
+            Some(v) => store.store_mut().put_many(&[(key.clone(), v)], None).expect("put"),
+        }
+        let (reused, warm) = c.warm(rt, &mut store, &ids, &[]);
+        assert_eq!(reused, (page * 16) as u32, "seed {seed}: {what}");
+        assert_eq!(store.report.refused, u64::from(what != "evicted"), "seed {seed}: {what}: {:?}", store.report.first_refusal);
+        assert!(warm[0] == cold[0], "seed {seed}: {what}: logits differ by {}", max_rel(&warm[0], &cold[0]));
+    }
+}
+
+/// Two writers of the same prefix at once (two models, two connections) leave pages a third
+/// model reuses bit for bit; a server killed mid-run switches the store off with its address
+/// in the report, and the run goes on (the prompt prefilled cold, the same logits).
+#[test]
+fn concurrent_writers_and_a_killed_server() {
+    let test = "concurrent_writers_and_a_killed_server";
+    let rt = rt();
+    let Some(mut server) = Server::start(test) else { return };
+    let seed = seeds("store_server", 1)[0];
+    let mut rng = Rng::new(seed);
+    let c = case(seed, KvDtype::F16);
+    let n = 16 * 5 + 3;
+    let ids: Vec<u32> = (0..n).map(|_| rng.below(256)).collect();
+    let (cold_model, cold) = c.cold(rt, &ids, &[]);
+    drop(cold_model);
+    let connect = |url: &str| PrefixStore::new(Box::new(RedisStore::connect(url, TIMEOUT).expect("redis")), "w", c.hash(), StoreCodec::Raw, None).expect("store");
+    std::thread::scope(|s| {
+        for _ in 0..2 {
+            let url = server.url.clone();
+            let c = &c;
+            let ids = &ids;
+            s.spawn(move || {
+                let mut st = connect(&url);
+                let (m, _) = c.cold(rt, ids, &[]);
+                st.store(rt, &m, 0, ids).expect("store");
+                assert!(st.report.failed.is_none());
+            });
+        }
+    });
+    let mut store = connect(&server.url);
+    let (reused, warm) = c.warm(rt, &mut store, &ids, &[]);
+    assert_eq!(reused, 80, "seed {seed}");
+    assert!(warm[0] == cold[0], "seed {seed}: concurrent writers' pages differ");
+    server.kill();
+    let (reused, warm) = c.warm(rt, &mut store, &ids, &[]);
+    assert_eq!(reused, 0, "seed {seed}");
+    let failed = store.report.failed.clone().expect("the store's failure reported");
+    assert!(failed.contains("127.0.0.1"), "{failed}");
+    assert!(warm[0] == cold[0], "seed {seed}: the run after the failure differs");
+    // Unreachable and misconfigured stores are refused at once, with the address tried.
+    let e = RedisStore::connect(&server.url, Duration::from_millis(500)).err().expect("refused");
+    assert!(matches!(e, StoreError::Connect { .. }) && e.to_string().contains("127.0.0.1"), "{e}");
+    for bad in ["http://127.0.0.1:6379", "rediss://127.0.0.1:6379/0", "redis://127.0.0.1:notaport"] {
+        let e = RedisStore::connect(bad, TIMEOUT).err().expect("refused");
+        assert!(matches!(e, StoreError::Options(_)), "{bad}: {e}");
+    }
+}
