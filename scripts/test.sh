@@ -3,7 +3,8 @@
 #   scripts/test.sh           shader validation (naga), CPU references, every GPU kernel and the
 #                             decode pipeline against their references on the machine's adapter
 #                             (Mesa lavapipe, installed when there is no GPU), the CLI, the viewer
-#                             snapshots, the trained model's checks, then the browser test (wasm32
+#                             snapshots, the trained model's checks, the KV page store on a Redis
+#                             server started here, then the browser test (wasm32
 #                             build, headless Chromium on WebGPU, checksum and attention fingerprint
 #                             against the native run)
 #   scripts/test.sh --quick   the same without the browser test and without fetching the trained
@@ -25,7 +26,7 @@ for a in "$@"; do
     case "$a" in
         --quick) quick=1 ;;
         -h | --help)
-            sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+            sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
             exit 0
             ;;
         *) cargo_args+=("$a") ;;
@@ -52,6 +53,7 @@ report() {
     for pid in ${setup_pid:-} ${model_pid:-}; do
         kill -- "-$pid" 2>/dev/null || true
     done
+    [ -z "${redis_pid:-}" ] || kill "$redis_pid" 2>/dev/null || true
     echo
     echo "== scripts/test.sh$([ $quick = 1 ] && echo " --quick") summary ($(($(date +%s) - t0)) s in all)"
     printf '  %s\n' "${summary[@]}"
@@ -92,6 +94,7 @@ web=$((1 - quick))
     s=$(date +%s)
     pkgs=()
     have_vulkan_icd || pkgs+=(mesa-vulkan-drivers libvulkan1)
+    command -v redis-server >/dev/null || pkgs+=(redis-server)
     if [ $web = 1 ]; then
         for p in rustc-web cargo-web rust-web-src lld-22 chromium; do
             dpkg -s "$p" >/dev/null 2>&1 || pkgs+=("$p")
@@ -147,6 +150,22 @@ have_vulkan_icd || {
 [ -z "$model_pid" ] || wait_job "$model_pid" "the model download" "$logs/fetch-model.log"
 phase "waiting for set-up" "$s" "(packages, model; the rest ran beside the build)"
 quiet_mesa
+
+# The KV page store's tests talk to a Redis server of their own on a free loopback port,
+# stopped when this script exits (and start further servers themselves to kill them).
+port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+redis-server --port "$port" --bind 127.0.0.1 --save "" --appendonly no >"$logs/redis.log" 2>&1 &
+redis_pid=$!
+export EXPERTKV_REDIS_URL="redis://127.0.0.1:$port/0"
+for _ in $(seq 50); do
+    redis-cli -p "$port" ping >/dev/null 2>&1 && break
+    sleep 0.1
+done
+redis-cli -p "$port" ping >/dev/null 2>&1 || {
+    failed="starting redis-server"
+    tail -20 "$logs/redis.log" >&2
+    exit 1
+}
 
 s=$(date +%s)
 echo "test.sh: running the tests (log: target/test-logs/tests.log)"

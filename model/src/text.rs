@@ -239,10 +239,34 @@ impl TextModel {
         rt: &Runtime,
         prompt: &str,
         opts: &GenerateOptions,
+        on_token: impl FnMut(&Piece) -> bool,
+    ) -> Result<Generation> {
+        self.generate_after_prefix(rt, prompt, 0, opts, on_token).await
+    }
+
+    /// [`TextModel::generate`] for a fresh sequence whose first `cached` prompt tokens are
+    /// already in the pool (restored from a page store with [`GpuLlama::restore_prefix`]): only
+    /// the rest of the prompt is fed. Refused unless the sequence holds exactly those `cached`
+    /// positions and `cached` leaves at least one prompt token to feed.
+    pub async fn generate_after_prefix(
+        &mut self,
+        rt: &Runtime,
+        prompt: &str,
+        cached: usize,
+        opts: &GenerateOptions,
         mut on_token: impl FnMut(&Piece) -> bool,
     ) -> Result<Generation> {
-        let prompt_ids = self.encode_prompt(prompt)?;
-        let feed: Vec<u32> = self.unfed.iter().copied().chain(prompt_ids.iter().copied()).collect();
+        // With a restored prefix the sequence is fresh but for it: the prompt is encoded as a
+        // fresh one's (with its beginning-of-sequence token).
+        let prompt_ids = if cached > 0 { self.tokenizer.encode_prompt(prompt, true)? } else { self.encode_prompt(prompt)? };
+        if cached > 0 && (self.unfed.is_some() || self.llama.positions[0] as usize != cached || cached >= prompt_ids.len()) {
+            return Err(Error::Input(format!(
+                "{cached} cached prompt tokens: the sequence holds {} positions and the prompt has {} tokens",
+                self.llama.positions[0],
+                prompt_ids.len()
+            )));
+        }
+        let feed: Vec<u32> = self.unfed.iter().copied().chain(prompt_ids[cached..].iter().copied()).collect();
         if feed.is_empty() && opts.max_tokens > 0 {
             return Err(Error::Input("the prompt is empty and the last generation left no token to go on from".into()));
         }

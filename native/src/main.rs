@@ -17,6 +17,7 @@ mod routing;
 mod run;
 mod soak;
 mod soak_model;
+mod store;
 mod suite;
 mod sweep;
 mod synth;
@@ -95,6 +96,8 @@ enum Command {
     /// Decode for many steps with sequences finishing and joining, checking the pool's
     /// invariants every few hundred steps and recording host RSS and steps per second.
     Soak(soak::SoakArgs),
+    /// The KV page store that `run --kv-store` shares across processes: stats, clear, bench.
+    Store(store::StoreArgs),
     /// Watch the pipeline in a window (cache heat, shards, evictions, budget split, step time), live or replaying a trace.
     View(view::ViewArgs),
 }
@@ -127,6 +130,7 @@ fn main() -> ExitCode {
         Command::Eval(a) => eval::run(&cli.gpu, a),
         Command::Synth(a) => synth::run(a),
         Command::Soak(a) => soak::run(&cli.gpu, a),
+        Command::Store(a) => store::run(a),
         Command::View(a) => view::run(&cli.gpu, a),
     };
     match r {

@@ -107,6 +107,8 @@ pub struct RunArgs {
     /// Sequences decoded together with --prompts (1 to 64).
     #[arg(long, default_value_t = 1)]
     pub batch: u32,
+    #[command(flatten)]
+    pub store: crate::store::KvStoreArgs,
 }
 
 /// A MoEfication to make: its experts, and whether to fit the routers.
@@ -295,6 +297,11 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     };
     let routing = a.routing.routing(shape)?;
     let expert_cache = expert_cache_config(a.expert_slots.as_deref(), &a.expert_policy, &lc)?;
+    if a.store.kv_store.is_some() && batch.is_some() {
+        bail!("--kv-store shares one --prompt's pages; it does not take --prompts yet");
+    }
+    // An unreachable or misconfigured store is refused before the model loads.
+    let mut kv_store = a.store.connect(&bytes)?;
     let rt = gpu.runtime()?;
     println!("adapter: {} ({:?})", rt.info.name, rt.info.backend);
     let context = prompt.len() as u32 + a.tokens + 1 + a.time_steps;
@@ -383,14 +390,23 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     }
     print!("{}", a.prompt);
     std::io::stdout().flush()?;
+    if let (Some(_), Some(why)) = (&kv_store, m.prefix_refusal()) {
+        bail!("--kv-store restores a prefix where a prefill would have put it, which needs raw pages and no policy between tokens: {why}");
+    }
     let mut tm = TextModel::new(m, tok)?;
     if a.profile && !tm.llama_mut().time_stages(&rt) {
         bail!("--profile: this adapter cannot write GPU timestamps between passes");
     }
     let t1 = std::time::Instant::now();
+    // The prompt's longest stored prefix, fetched instead of prefilled (part of the TTFT).
+    let cached = match &mut kv_store {
+        Some(s) => s.fetch(&rt, tm.llama_mut(), 0, &prompt)? as usize,
+        None => 0,
+    };
     let mut first_piece = None;
     let mut piece_times = Vec::new();
-    let out = pollster::block_on(tm.generate(&rt, &a.prompt, &GenerateOptions { max_tokens: a.tokens, stop_at_eos: true }, |p| {
+    let opts = GenerateOptions { max_tokens: a.tokens, stop_at_eos: true };
+    let out = pollster::block_on(tm.generate_after_prefix(&rt, &a.prompt, cached, &opts, |p| {
         first_piece.get_or_insert_with(std::time::Instant::now);
         piece_times.push(std::time::Instant::now());
         print!("{}", p.text);
@@ -398,6 +414,10 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     }))?;
     let m = tm.llama();
     let generated = out.tokens;
+    // The prompt's full pages, for the next process (after the timed part).
+    if let Some(s) = &mut kv_store {
+        s.store(&rt, m, 0, &prompt)?;
+    }
     // The first token comes straight from the prompt's last logits: prefill ends there.
     let t2 = first_piece.unwrap_or_else(std::time::Instant::now);
     let prefill_s = (t2 - t1).as_secs_f64();
@@ -458,6 +478,10 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
         c.block_count,
         fmt_bytes(bytes)
     );
+    if let Some(s) = &kv_store {
+        crate::store::warn_failed(&s.report);
+        println!("{}", crate::store::report_line(&s.report, prompt.len()));
+    }
     if let Some(ec) = m.expert_cache() {
         let t = ec.total;
         println!(
@@ -497,6 +521,7 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
             "kv_pages_in_use": used,
             "kv_bytes_in_use": bytes,
             "expert_cache": m.expert_cache().map(expert_cache_json),
+            "kv_store": kv_store.as_ref().map(|s| &s.report),
             "adapter": rt.info.name,
         });
         println!("{line}");

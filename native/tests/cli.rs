@@ -560,3 +560,60 @@ fn bench_upload_measures_the_host_to_gpu_path() {
     assert_eq!(up["bytes"].as_u64(), Some(32 << 20), "{up}");
     assert!(up["gbps"].as_f64().is_some_and(|g| g.is_finite() && g > 0.0), "{up}");
 }
+
+/// Record a test that could not run here (`scripts/test.sh` lists them).
+fn skip(test: &str, why: &str) {
+    eprintln!("skipped {test}: {why}");
+    if let Ok(path) = std::env::var("EXPERTKV_SKIPPED") {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new().append(true).create(true).open(&path).expect("the skip file");
+        writeln!(f, "{test}: {why}").expect("the skip file");
+    }
+}
+
+/// `run --kv-store`: a second process given the same prompt fetches the first's full pages
+/// instead of prefilling them and generates the same tokens; `store stats`, `clear` and
+/// `bench` on the same server; an unreachable server and store options without a store are
+/// refused by name.
+#[test]
+fn a_second_process_reuses_the_first_ones_prefix_pages() {
+    let Ok(url) = std::env::var("EXPERTKV_REDIS_URL") else {
+        return skip("a_second_process_reuses_the_first_ones_prefix_pages", "EXPERTKV_REDIS_URL is not set (scripts/test.sh starts a Redis server)");
+    };
+    let path = tmp("store.gguf");
+    let p = path.to_str().expect("utf-8 path");
+    ok(&["synth", "--out", p, "--experts", "0", "--layers", "2", "--untied-output", "--seed", "7"]);
+    let ns = format!("cli{}", std::process::id());
+    let prompt = "the quick brown fox jumps over the lazy dog, twice over";
+    let run = || {
+        let out = ok(&["run", "--model", p, "--prompt", prompt, "--tokens", "4", "--json", "--kv-store", &url, "--kv-store-namespace", &ns]);
+        let line = out.lines().rev().find(|l| l.starts_with('{')).expect("json line").to_string();
+        (out, serde_json::from_str::<serde_json::Value>(&line).expect("json"))
+    };
+    let (_, cold) = run();
+    let n = cold["prompt_ids"].as_array().expect("ids").len() as u64;
+    assert!(n > 32, "{cold}");
+    assert_eq!(cold["kv_store"]["tokens_reused"], 0, "{cold}");
+    assert_eq!(cold["kv_store"]["pages_stored"].as_u64(), Some(n / 16 * 2), "{cold}");
+    let (out, warm) = run();
+    assert_eq!(warm["kv_store"]["tokens_reused"].as_u64(), Some((n - 1) / 16 * 16), "{out}");
+    assert_eq!(warm["kv_store"]["pages_stored"], 0, "{out}");
+    assert_eq!(warm["generated_ids"], cold["generated_ids"], "{out}");
+    assert!(out.contains("prompt tokens fetched instead of prefilled"), "{out}");
+    let stats: serde_json::Value =
+        serde_json::from_str(ok(&["store", "stats", "--kv-store", &url, "--kv-store-namespace", &ns, "--json"]).trim()).expect("json");
+    assert_eq!(stats["keys"].as_u64(), Some(n / 16 * 2), "{stats}");
+    assert_eq!(stats["models"], 1, "{stats}");
+    assert!(ok(&["store", "clear", "--kv-store", &url, "--kv-store-namespace", &ns]).contains(&format!("deleted {} keys", n / 16 * 2)));
+    let bench = ok(&["store", "bench", "--kv-store", &url, "--kv-store-namespace", &ns, "--values", "50", "--rounds", "1"]);
+    let b: serde_json::Value = serde_json::from_str(bench.lines().find(|l| l.starts_with('{')).expect("json")).expect("json");
+    assert!(b["fetch_gb_per_s"].as_f64().is_some_and(|g| g > 0.0) && b["store_gb_per_s"].as_f64().is_some_and(|g| g > 0.0), "{b}");
+    // Refusals, before the model loads.
+    let o = expertkv(&["run", "--model", p, "--prompt", prompt, "--kv-store", "redis://127.0.0.1:1/0"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("127.0.0.1:1") && err.contains("could not be reached"), "{err}");
+    let o = expertkv(&["run", "--model", p, "--prompt", prompt, "--kv-store-codec", "int8"]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("need --kv-store URL"));
+    let o = expertkv(&["run", "--model", p, "--prompt", prompt, "--kv-store", &url, "--codec", "int8"]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("a page codec is on"), "{}", String::from_utf8_lossy(&o.stderr));
+}
