@@ -566,9 +566,9 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
     Ok(())
 }
 
-/// FlexGen's tier traffic in one line (`demo` and `run`).
+/// FlexGen's tier traffic in one line (`demo` and `run`), with its spill tier's if it has one.
 pub fn flexgen_line(s: &expertkv_core::evict::flexgen::TierStats) -> String {
-    format!(
+    let mut line = format!(
         "flexgen: {} in host memory ({} pages); {} pages offloaded, {} fetched back; {} moved to the host, {} to the GPU",
         fmt_bytes(s.host_bytes),
         s.host_pages,
@@ -576,5 +576,15 @@ pub fn flexgen_line(s: &expertkv_core::evict::flexgen::TierStats) -> String {
         s.fetched_pages,
         fmt_bytes(s.bytes_to_host),
         fmt_bytes(s.bytes_to_gpu)
-    )
+    );
+    if s.pages_to_spill > 0 || s.spill_failed.is_some() {
+        line += &format!(
+            "; the page store holds {} pages ({} sent, {} brought back, {} lost)",
+            s.spilled_pages, s.pages_to_spill, s.pages_from_spill, s.lost_pages
+        );
+    }
+    if let Some(f) = &s.spill_failed {
+        eprintln!("warning: {f}; the host tier went on without the page store");
+    }
+    line
 }

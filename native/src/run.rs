@@ -300,8 +300,11 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     if a.store.kv_store.is_some() && batch.is_some() {
         bail!("--kv-store shares one --prompt's pages; it does not take --prompts yet");
     }
-    // An unreachable or misconfigured store is refused before the model loads.
-    let mut kv_store = a.store.connect(&bytes)?;
+    // An unreachable or misconfigured store is refused before the model loads. Under FlexGen
+    // it is the tier below host memory; otherwise prompts share their prefix pages through it.
+    let flexgen = matches!(scheduler, Some((SchedulerConfig::FlexGen, _)));
+    let spill = if flexgen { a.store.spill()? } else { None };
+    let mut kv_store = if flexgen { None } else { a.store.connect(&bytes)? };
     let rt = gpu.runtime()?;
     println!("adapter: {} ({:?})", rt.info.name, rt.info.backend);
     let context = prompt.len() as u32 + a.tokens + 1 + a.time_steps;
@@ -390,6 +393,9 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     }
     print!("{}", a.prompt);
     std::io::stdout().flush()?;
+    if let (Some((tier, limit)), Some((fg, _))) = (spill, m.flexgen.as_mut()) {
+        fg.set_spill(Box::new(tier), limit);
+    }
     if let (Some(_), Some(why)) = (&kv_store, m.prefix_refusal()) {
         bail!("--kv-store restores a prefix where a prefill would have put it, which needs raw pages and no policy between tokens: {why}");
     }

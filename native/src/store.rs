@@ -7,7 +7,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
 use expertkv_core::rng::Rng;
 use expertkv_store::prefix::{StoreOptions, StoreReport, model_hash};
-use expertkv_store::{PageStore, PrefixStore, RedisStore, StoreCodec};
+use expertkv_store::{PageStore, PrefixStore, RedisStore, StoreCodec, StoreSpill};
 
 use crate::fmt_bytes;
 
@@ -35,6 +35,11 @@ pub struct KvStoreArgs {
     /// server's setting].
     #[arg(long, value_name = "BYTES")]
     pub kv_store_max_bytes: Option<String>,
+    /// With --scheduler flexgen: the store is the tier below host memory instead, and host
+    /// memory keeps the K/V of at most N pages; the least attended beyond go to the store and
+    /// come back when QUEST selects them [default: 0, every host-tier page in the store].
+    #[arg(long, value_name = "N")]
+    pub kv_store_host_pages: Option<u32>,
 }
 
 /// Bytes from `123`, `64K`, `512M`, `2G` (powers of 1024).
@@ -54,8 +59,8 @@ impl KvStoreArgs {
     /// The store's options, or `None` without `--kv-store`.
     pub fn options(&self) -> Result<Option<StoreOptions>> {
         let Some(url) = &self.kv_store else {
-            if self.kv_store_ttl.is_some() || self.kv_store_max_bytes.is_some() || self.kv_store_codec != "raw" {
-                bail!("--kv-store-ttl, --kv-store-codec and --kv-store-max-bytes need --kv-store URL");
+            if self.kv_store_ttl.is_some() || self.kv_store_max_bytes.is_some() || self.kv_store_codec != "raw" || self.kv_store_host_pages.is_some() {
+                bail!("--kv-store-ttl, --kv-store-codec, --kv-store-max-bytes and --kv-store-host-pages need --kv-store URL");
             }
             return Ok(None);
         };
@@ -69,12 +74,31 @@ impl KvStoreArgs {
         }))
     }
 
-    /// Connected to the store for the model file `bytes`, or `None` without `--kv-store`;
-    /// an unreachable or misconfigured store is an error naming the address tried.
+    /// Connected to the store for prefix reuse of the model file `bytes`, or `None` without
+    /// `--kv-store`; an unreachable or misconfigured store is an error naming the address tried.
     pub fn connect(&self, bytes: &[u8]) -> Result<Option<PrefixStore>> {
         let Some(opts) = self.options()? else { return Ok(None) };
+        if self.kv_store_host_pages.is_some() {
+            bail!("--kv-store-host-pages limits FlexGen's host tier: give it with --scheduler flexgen");
+        }
         let store = PrefixStore::connect(&opts, model_hash(bytes)).with_context(|| format!("--kv-store {}", opts.url))?;
         Ok(Some(store))
+    }
+
+    /// Connected to the store as FlexGen's spill tier (its pages under a key prefix of this
+    /// process's own), with the host tier's page limit; `None` without `--kv-store`.
+    pub fn spill(&self) -> Result<Option<(StoreSpill, u32)>> {
+        let Some(opts) = self.options()? else { return Ok(None) };
+        if opts.codec != StoreCodec::Raw || opts.ttl_s.is_some() {
+            bail!("--kv-store-codec and --kv-store-ttl apply to prefix pages; FlexGen's spilled pages are raw and live as long as the run");
+        }
+        let mut r = RedisStore::connect(&opts.url, opts.timeout).with_context(|| format!("--kv-store {}", opts.url))?;
+        if let Some(b) = opts.max_bytes {
+            r.set_max_memory(b)?;
+        }
+        let clock = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+        let run = expertkv_core::digest::fnv1a(clock, &std::process::id().to_le_bytes());
+        Ok(Some((StoreSpill::new(Box::new(r), &opts.namespace, run), self.kv_store_host_pages.unwrap_or(0))))
     }
 }
 

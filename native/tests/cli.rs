@@ -573,8 +573,8 @@ fn skip(test: &str, why: &str) {
 
 /// `run --kv-store`: a second process given the same prompt fetches the first's full pages
 /// instead of prefilling them and generates the same tokens; `store stats`, `clear` and
-/// `bench` on the same server; an unreachable server and store options without a store are
-/// refused by name.
+/// `bench` on the same server; FlexGen spilling its host tier to the store gives the tokens of
+/// FlexGen alone; an unreachable server and store options without a store are refused by name.
 #[test]
 fn a_second_process_reuses_the_first_ones_prefix_pages() {
     let Ok(url) = std::env::var("EXPERTKV_REDIS_URL") else {
@@ -608,12 +608,27 @@ fn a_second_process_reuses_the_first_ones_prefix_pages() {
     let bench = ok(&["store", "bench", "--kv-store", &url, "--kv-store-namespace", &ns, "--values", "50", "--rounds", "1"]);
     let b: serde_json::Value = serde_json::from_str(bench.lines().find(|l| l.starts_with('{')).expect("json")).expect("json");
     assert!(b["fetch_gb_per_s"].as_f64().is_some_and(|g| g > 0.0) && b["store_gb_per_s"].as_f64().is_some_and(|g| g > 0.0), "{b}");
+    // Under FlexGen the store is the tier below host memory: the same tokens, pages through it.
+    let flexgen = |store: bool| {
+        let mut args = vec!["run", "--model", p, "--prompt", prompt, "--tokens", "6", "--json", "--scheduler", "flexgen", "--budget", "16"];
+        if store {
+            args.extend(["--kv-store", url.as_str(), "--kv-store-namespace", ns.as_str(), "--kv-store-host-pages", "1"]);
+        }
+        let out = ok(&args);
+        let line = out.lines().rev().find(|l| l.starts_with('{')).expect("json line").to_string();
+        (out, serde_json::from_str::<serde_json::Value>(&line).expect("json")["generated_ids"].clone())
+    };
+    let ((_, alone), (out, spilled)) = (flexgen(false), flexgen(true));
+    assert_eq!(spilled, alone, "{out}");
+    assert!(out.contains("the page store holds") && out.contains("0 lost"), "{out}");
     // Refusals, before the model loads.
     let o = expertkv(&["run", "--model", p, "--prompt", prompt, "--kv-store", "redis://127.0.0.1:1/0"]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("127.0.0.1:1") && err.contains("could not be reached"), "{err}");
     let o = expertkv(&["run", "--model", p, "--prompt", prompt, "--kv-store-codec", "int8"]);
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("need --kv-store URL"));
+    let o = expertkv(&["run", "--model", p, "--prompt", prompt, "--kv-store", &url, "--kv-store-host-pages", "2"]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("give it with --scheduler flexgen"));
     let o = expertkv(&["run", "--model", p, "--prompt", prompt, "--kv-store", &url, "--codec", "int8"]);
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("a page codec is on"), "{}", String::from_utf8_lossy(&o.stderr));
 }

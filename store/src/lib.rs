@@ -17,10 +17,12 @@
 
 pub mod prefix;
 pub mod redis_store;
+pub mod spill;
 pub mod value;
 
 pub use prefix::{PrefixStore, StoreOptions, StoreReport};
 pub use redis_store::RedisStore;
+pub use spill::StoreSpill;
 pub use value::StoreCodec;
 
 use std::collections::HashMap;
@@ -73,7 +75,7 @@ pub struct StoreStats {
 }
 
 /// A key-value store of pages: batched, so a prefix's pages cross in a few round trips.
-pub trait PageStore {
+pub trait PageStore: Send {
     /// Where the store is (for messages).
     fn addr(&self) -> String;
     /// The values of `keys`, in order (`None` for a key the store does not hold).

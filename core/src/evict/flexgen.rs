@@ -9,6 +9,12 @@
 //! Unlike the other schedulers this one is host-driven by design (a host tier needs the host):
 //! the moves are decided on the CPU from small reads of the pool's tables and copied with
 //! queue writes and buffer reads. Bytes moved each way are counted.
+//!
+//! Below the host tier a [`SpillTier`] (a remote page store: `expertkv-store`'s Redis tier) may
+//! take the K/V words of the host pages past a limit, the least attended first; their metadata
+//! and key bounds stay on the host, so QUEST still scores them, and a selected page comes back
+//! from the store before it goes to the GPU. A store that fails is switched off and reported;
+//! a page it cannot return is counted lost (its tokens leave the context, as an eviction would).
 
 use std::collections::HashMap;
 
@@ -32,6 +38,28 @@ pub struct HostPage {
     pub lo: Vec<f32>,
     /// Per dimension, the largest key value over the page's slots (`lo` holds the smallest).
     pub hi: Vec<f32>,
+    /// The page's id in the spill tier while its K/V words are there (`data` is then empty).
+    pub spilled: Option<u64>,
+}
+
+/// A tier below host memory that keeps pages' K/V words by id (a remote page store). Errors
+/// are the store's words; the host tier then stops spilling and reports them.
+pub trait SpillTier: Send {
+    /// Where the tier is (for messages).
+    fn name(&self) -> String;
+    /// Keep each (id, K/V words).
+    fn put_many(&mut self, pages: &[(u64, &[u32])]) -> std::result::Result<(), String>;
+    /// The K/V words kept under `id`, removed from the tier; `None` if the tier lost them.
+    fn take(&mut self, id: u64) -> std::result::Result<Option<Vec<u32>>, String>;
+    /// Forget `ids` (their sequence ended), as far as the tier still answers.
+    fn discard(&mut self, ids: &[u64]);
+}
+
+/// The spill tier and the host tier's limit above it.
+struct Spill {
+    tier: Box<dyn SpillTier>,
+    host_limit_pages: u32,
+    next_id: u64,
 }
 
 /// The host tier's size now and its traffic so far.
@@ -49,6 +77,16 @@ pub struct TierStats {
     pub bytes_to_host: u64,
     /// K/V bytes copied back to the GPU so far.
     pub bytes_to_gpu: u64,
+    /// Host pages whose K/V words are in the spill tier now.
+    pub spilled_pages: u64,
+    /// Pages sent to the spill tier so far.
+    pub pages_to_spill: u64,
+    /// Pages brought back from the spill tier so far.
+    pub pages_from_spill: u64,
+    /// Pages the spill tier could not return (their tokens left the context).
+    pub lost_pages: u64,
+    /// Why the spill tier was switched off, if it was.
+    pub spill_failed: Option<String>,
 }
 
 /// FlexGen placement over one pool: the pages held in host memory, per page list, and the tier's
@@ -59,6 +97,7 @@ pub struct FlexGen {
     host: HashMap<u32, Vec<HostPage>>,
     /// Host-tier size and traffic.
     pub stats: TierStats,
+    spill: Option<Spill>,
 }
 
 struct Tables {
@@ -81,7 +120,63 @@ impl FlexGen {
                 format!("FlexGen needs at least one page ({} tokens) on the GPU", pool.cfg.page_size),
             ));
         }
-        Ok(FlexGen { budget_pages: budget.div_ceil(pool.cfg.page_size), host: HashMap::new(), stats: TierStats::default() })
+        Ok(FlexGen { budget_pages: budget.div_ceil(pool.cfg.page_size), host: HashMap::new(), stats: TierStats::default(), spill: None })
+    }
+
+    /// Keep at most `host_limit_pages` pages' K/V words in host memory; the rest go to `tier`,
+    /// the least attended first (after every offload).
+    pub fn set_spill(&mut self, tier: Box<dyn SpillTier>, host_limit_pages: u32) {
+        self.spill = Some(Spill { tier, host_limit_pages, next_id: 0 });
+    }
+
+    /// The spill tier's name, while one is on.
+    pub fn spill_name(&self) -> Option<String> {
+        self.spill.as_ref().map(|s| s.tier.name())
+    }
+
+    /// Send the least attended host pages past the limit to the spill tier.
+    fn spill_past_limit(&mut self, c: &crate::config::PoolConfig) {
+        let Some(sp) = &mut self.spill else { return };
+        let resident: Vec<(f64, u32, usize)> = {
+            let mw = c.meta_words() as usize;
+            let mut v: Vec<(f64, u32, usize)> = self
+                .host
+                .iter()
+                .flat_map(|(&li, pages)| pages.iter().enumerate().filter(|(_, p)| p.spilled.is_none()).map(move |(i, p)| (li, i, p)))
+                .map(|(li, i, p)| {
+                    let mass: f64 = (0..p.fill as usize).map(|s| f64::from(f32::from_bits(p.meta[s * mw + meta::attn(c.top_k as usize)]))).sum();
+                    (mass, li, i)
+                })
+                .collect();
+            // Least attended first; ties by list, then place in it.
+            v.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+            v
+        };
+        let over = resident.len().saturating_sub(sp.host_limit_pages as usize);
+        if over == 0 {
+            return;
+        }
+        let chosen = &resident[..over];
+        let ids: Vec<u64> = (0..over as u64).map(|k| sp.next_id + k).collect();
+        let pages: Vec<(u64, &[u32])> =
+            chosen.iter().zip(&ids).map(|(&(_, li, i), &id)| (id, self.host[&li][i].data.as_slice())).collect();
+        match sp.tier.put_many(&pages) {
+            Ok(()) => {
+                sp.next_id += over as u64;
+                for (&(_, li, i), &id) in chosen.iter().zip(&ids) {
+                    if let Some(p) = self.host.get_mut(&li).and_then(|v| v.get_mut(i)) {
+                        p.spilled = Some(id);
+                        p.data = Vec::new();
+                    }
+                }
+                self.stats.pages_to_spill += over as u64;
+            }
+            Err(e) => {
+                // The pages stay in host memory; the tier is not asked again.
+                self.stats.spill_failed = Some(format!("{}: {e}", sp.tier.name()));
+                self.spill = None;
+            }
+        }
     }
 
     async fn tables(rt: &Runtime, pool: &KvPool) -> Result<Tables> {
@@ -187,7 +282,7 @@ impl FlexGen {
                 let hi = bounds[page as usize * 2 * d + d..page as usize * 2 * d + 2 * d].to_vec();
                 self.stats.bytes_to_host += c.page_bytes();
                 self.stats.offloaded_pages += 1;
-                self.host.entry(li as u32).or_default().push(HostPage { key: key as u32, fill, data, meta: meta_words, lo, hi });
+                self.host.entry(li as u32).or_default().push(HostPage { key: key as u32, fill, data, meta: meta_words, lo, hi, spilled: None });
                 // Out of its ring (order kept), back on the free stack.
                 let order: Vec<u32> = Self::ring_order(&t, key, r).into_iter().filter(|p| *p != page).collect();
                 let tail_fill = t.rings[key].fill;
@@ -201,6 +296,7 @@ impl FlexGen {
         if changed {
             Self::write_tables(rt, pool, &t);
         }
+        self.spill_past_limit(&c);
         self.update_host_stats(&c);
         Ok(())
     }
@@ -253,7 +349,29 @@ impl FlexGen {
                         break;
                     }
                     // Swap: the weak page goes to the host, the selected page takes its GPU page.
-                    let incoming = host.swap_remove(hi_i);
+                    let mut incoming = host.swap_remove(hi_i);
+                    if let Some(id) = incoming.spilled {
+                        // Back from the spill tier first; a page it lost leaves the context.
+                        let back = match &mut self.spill {
+                            Some(sp) => sp.tier.take(id).map_err(|e| format!("{}: {e}", sp.tier.name())),
+                            None => Err("the spill tier was switched off".to_string()),
+                        };
+                        match back {
+                            Ok(Some(data)) if data.len() == c.page_words() as usize => {
+                                incoming.data = data;
+                                incoming.spilled = None;
+                                self.stats.pages_from_spill += 1;
+                            }
+                            other => {
+                                if let Err(e) = other {
+                                    self.stats.spill_failed.get_or_insert(e);
+                                    self.spill = None;
+                                }
+                                self.stats.lost_pages += 1;
+                                continue;
+                            }
+                        }
+                    }
                     let out_data = Self::read_page(rt, pool, weak_page).await?;
                     let mw = c.meta_words() as usize;
                     let m0 = (weak_page * c.page_size) as usize * mw;
@@ -266,6 +384,7 @@ impl FlexGen {
                         meta: out_meta,
                         lo: bounds[wp * 2 * d..wp * 2 * d + d].to_vec(),
                         hi: bounds[wp * 2 * d + d..wp * 2 * d + 2 * d].to_vec(),
+                        spilled: None,
                     });
                     // Out of the weak page's ring; the fetched page enters its own ring as the
                     // oldest page (the newest stays the one being filled).
@@ -296,14 +415,17 @@ impl FlexGen {
         if let Some(t) = &t {
             Self::write_tables(rt, pool, t);
         }
+        self.spill_past_limit(&c);
         self.update_host_stats(&c);
         Ok(())
     }
 
     fn update_host_stats(&mut self, c: &crate::config::PoolConfig) {
-        let pages: u64 = self.host.values().map(|v| v.len() as u64).sum();
+        let spilled: u64 = self.host.values().flatten().filter(|p| p.spilled.is_some()).count() as u64;
+        let pages: u64 = self.host.values().map(|v| v.len() as u64).sum::<u64>() - spilled;
         self.stats.host_pages = pages;
         self.stats.host_bytes = pages * c.page_bytes();
+        self.stats.spilled_pages = spilled;
     }
 
     /// Tokens held in host memory per list.
@@ -327,7 +449,12 @@ impl FlexGen {
     /// Drop a finished sequence's host pages (call with [`KvPool::release_sequence`], which
     /// frees its GPU pages).
     pub fn release_sequence(&mut self, c: &crate::config::PoolConfig, seq: u32) {
-        self.host.retain(|&li, _| (li / c.kv_heads) % c.max_seqs != seq);
+        let of_seq = |li: u32| (li / c.kv_heads) % c.max_seqs == seq;
+        let ids: Vec<u64> = self.host.iter().filter(|(li, _)| of_seq(**li)).flat_map(|(_, v)| v.iter().filter_map(|p| p.spilled)).collect();
+        if let (Some(sp), false) = (&mut self.spill, ids.is_empty()) {
+            sp.tier.discard(&ids);
+        }
+        self.host.retain(|&li, _| !of_seq(li));
         self.update_host_stats(c);
     }
 }

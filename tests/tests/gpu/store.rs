@@ -273,3 +273,61 @@ fn concurrent_writers_and_a_killed_server() {
         assert!(matches!(e, StoreError::Options(_)), "{bad}: {e}");
     }
 }
+
+/// FlexGen's host tier spilling to the store: with at most one page (in memory) or none (on
+/// Redis) of K/V words left in host memory, the rest in the store and brought back when QUEST
+/// selects them, every step's logits are those of the host tier alone, bit for bit. With the
+/// server killed mid-run the tier is switched off and reported, the pages it held are counted
+/// lost, and decoding goes on.
+#[test]
+fn flexgen_spills_its_coldest_host_pages_to_the_store() {
+    use expertkv_core::evict::config::SchedulerConfig;
+    use expertkv_store::StoreSpill;
+    let test = "flexgen_spills_its_coldest_host_pages_to_the_store";
+    let rt = rt();
+    let seed = seeds("store_spill", 1)[0];
+    let c = Case { opts: ModelOptions::new(1, 64).scheduler(Some((SchedulerConfig::FlexGen, 16))), ..case(seed, KvDtype::F16) };
+    let ids: Vec<u32> = (0..60u32).map(|i| (i * 53 + seed as u32) % 256).collect();
+    let decode = |spill: Option<(Box<dyn PageStore>, u32)>, kill_at: Option<(usize, &mut Server)>| {
+        let mut m = c.load(rt);
+        if let Some((store, limit)) = spill {
+            let (fg, _) = m.flexgen.as_mut().expect("flexgen");
+            fg.set_spill(Box::new(StoreSpill::new(store, "spill", seed)), limit);
+        }
+        let mut kill_at = kill_at;
+        let mut out = Vec::new();
+        for (i, &t) in ids.iter().enumerate() {
+            if let Some((at, server)) = &mut kill_at
+                && *at == i
+            {
+                server.kill();
+            }
+            out.push(pollster::block_on(m.forward(rt, &[t])).expect("forward"));
+        }
+        (m.flexgen.as_ref().expect("flexgen").0.stats.clone(), out)
+    };
+    let (alone, want) = decode(None, None);
+    assert!(alone.fetched_pages > 0, "seed {seed}: {alone:?}");
+    let mut backends: Vec<(Box<dyn PageStore>, u32)> = vec![(Box::new(MemoryStore::new()), 1)];
+    if let Some(url) = shared_url(test) {
+        backends.push((Box::new(RedisStore::connect(&url, TIMEOUT).expect("redis")), 0));
+    }
+    for (store, limit) in backends {
+        let name = store.addr();
+        let (s, got) = decode(Some((store, limit)), None);
+        assert!(s.pages_to_spill > 0 && s.pages_from_spill > 0, "seed {seed}: {name}: {s:?}");
+        assert!(s.host_pages <= u64::from(limit) && s.spilled_pages > 0, "seed {seed}: {name}: {s:?}");
+        assert_eq!((s.lost_pages, &s.spill_failed), (0, &None), "seed {seed}: {name}");
+        assert_eq!((s.offloaded_pages, s.fetched_pages), (alone.offloaded_pages, alone.fetched_pages), "seed {seed}: {name}");
+        for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(g == w, "seed {seed}: {name}: step {k}'s logits differ from the host tier alone's by {}", max_rel(g, w));
+        }
+    }
+    let Some(mut server) = Server::start(test) else { return };
+    let store = Box::new(RedisStore::connect(&server.url, TIMEOUT).expect("redis"));
+    let (s, got) = decode(Some((store, 0)), Some((40, &mut server)));
+    let failed = s.spill_failed.clone().expect("the failure reported");
+    assert!(failed.contains("127.0.0.1"), "{failed}");
+    assert!(got.iter().flatten().all(|x| x.is_finite()), "seed {seed}");
+    assert_eq!(got[..40], want[..40], "seed {seed}: the steps before the kill");
+}
