@@ -7,7 +7,8 @@
 #   2. time to first token of SmolLM2 for prompts of about 2K and 8K tokens: a cold prefill
 #      (storing its pages), then a second process with the same prompt (its prefix fetched),
 #      and the same prompt with no store at all, each a fresh process.
-# Usage: bash bench/kv_store.sh [BIN] [TOKENS...]   (BIN: target/release/expertkv; TOKENS: 2048 8000)
+# Usage: bash bench/kv_store.sh [BIN] [TOKENS...]   (BIN: target/release/expertkv; TOKENS: 2048 8000;
+# 0: the throughput only)
 # Needs redis-server and redis-benchmark (Debian's redis-server package) and the model
 # (scripts/fetch_model.sh).
 set -euo pipefail
@@ -26,12 +27,18 @@ server=$!
 trap 'kill $server 2>/dev/null || true' EXIT
 for _ in $(seq 50); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; sleep 0.1; done
 url=redis://127.0.0.1:$port/0
-echo "# $(date -u +%FT%TZ) $(uname -n), $(nproc) cores, $("$bin" info 2>/dev/null | grep -m1 -i adapter || true)"
+echo "# $(date -u +%FT%TZ), $(nproc) cores, $(redis-server --version | cut -d' ' -f1-3)"
 
 echo "== throughput, 12 KiB values, 256 keys per round trip"
 "$bin" store bench --kv-store "$url" --value-bytes 12K --values 4000 --rounds 5
-redis-benchmark -p "$port" -d 12288 -t set,get -n 40000 -P 256 -q | tr '\r' '\n' | grep -E '^(SET|GET):' |
-    awk '{ printf "redis-benchmark %s %s requests/s = %.3f GB/s\n", $1, $2, $2 * 12288 / 1e9 }'
+# One connection, as expertkv uses, then redis-benchmark's default 50.
+for clients in 1 50; do
+    redis-benchmark -p "$port" -c $clients -d 12288 -t set,get -n 40000 -P 256 -q | tr '\r' '\n' |
+        grep 'requests per second' |
+        awk -v c=$clients '{ printf "redis-benchmark, %d connection(s): %s %s requests/s = %.3f GB/s\n", c, $1, $2, $2 * 12288 / 1e9 }'
+done
+
+[ "${sizes[0]}" != 0 ] || exit 0
 
 # A prompt of about N tokens: the project's own docs, repeated as needed (about 4 characters a
 # token in SmolLM2's vocabulary; the JSON line gives the exact count).

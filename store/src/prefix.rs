@@ -224,12 +224,13 @@ impl PrefixStore {
                 let mut page_words = Vec::with_capacity(layers as usize);
                 for l in 0..layers {
                     let Some(v) = &values[i * layers as usize + l as usize] else { break 'rounds };
-                    match decode(v, &self.header(m, p, chain[p], l, ids)) {
-                        Ok(w) if w.len() == ps * tw => {
+                    let words = decode(v, &self.header(m, p, chain[p], l, ids))
+                        .and_then(|w| if w.len() == ps * tw { Ok(w) } else { Err(format!("{} words, {} expected", w.len(), ps * tw)) });
+                    match words {
+                        Ok(w) => {
                             bytes += v.len() as u64;
                             page_words.push(w);
                         }
-                        Ok(_) => unreachable!("decode checks the page's length"),
                         Err(why) => {
                             self.report.refused += 1;
                             self.report.first_refusal.get_or_insert(format!("page {p}, layer {l}: {why}"));
@@ -290,13 +291,11 @@ impl PrefixStore {
             self.report.store_s += t0.elapsed().as_secs_f64();
             return Ok(0);
         }
-        let first = missing.iter().map(|k| k.0).min().unwrap_or(0);
         let last = missing.iter().map(|k| k.0).max().unwrap_or(0) + 1;
         let kv = pollster::block_on(m.read_prefix(rt, seq, (last * ps) as u32))?;
         let tw = m.prefix_token_words();
         let mut items = Vec::with_capacity(missing.len());
         for &&(p, l, ref key) in &missing {
-            debug_assert!(p >= first);
             let words = &kv[l as usize][p * ps * tw..(p + 1) * ps * tw];
             items.push((key.clone(), encode(&self.header(m, p, chain[p], l, ids), words)?));
         }
