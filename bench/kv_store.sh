@@ -8,7 +8,7 @@
 #      (storing its pages), then a second process with the same prompt (its prefix fetched),
 #      and the same prompt with no store at all, each a fresh process.
 # Usage: bash bench/kv_store.sh [BIN] [TOKENS...]   (BIN: target/release/expertkv; TOKENS: 2048 8000;
-# 0: the throughput only)
+# 0: the throughput only). RUNS="cold warm" leaves out the run with no store.
 # Needs redis-server and redis-benchmark (Debian's redis-server package) and the model
 # (scripts/fetch_model.sh).
 set -euo pipefail
@@ -58,7 +58,7 @@ echo "== time to first token, SmolLM2 (tokens, ttft_s, tokens fetched, bytes fet
 for n in "${sizes[@]}"; do
     p=$(prompt_of "$n")
     "$bin" store clear --kv-store "$url" --kv-store-namespace bench >/dev/null
-    for what in plain cold warm; do
+    for what in ${RUNS:-plain cold warm}; do
         args=(run --prompt "$p" --tokens 1 --json)
         [ $what = plain ] || args+=(--kv-store "$url" --kv-store-namespace bench)
         "$bin" "${args[@]}" 2>/dev/null | grep '^{' | python3 -c '
