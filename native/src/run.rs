@@ -304,7 +304,7 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     // it is the tier below host memory; otherwise prompts share their prefix pages through it.
     let flexgen = matches!(scheduler, Some((SchedulerConfig::FlexGen, _)));
     let spill = if flexgen { a.store.spill()? } else { None };
-    let mut kv_store = if flexgen { None } else { a.store.connect(&bytes)? };
+    let mut kv_store = if flexgen { None } else { a.store.connect(&bytes, a.moe.as_deref().unwrap_or("dense"))? };
     let rt = gpu.runtime()?;
     println!("adapter: {} ({:?})", rt.info.name, rt.info.backend);
     let context = prompt.len() as u32 + a.tokens + 1 + a.time_steps;
@@ -391,14 +391,14 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     if let Some(prompts) = &batch {
         return crate::batch::run(&rt, &mut m, &tok, prompts, a);
     }
-    print!("{}", a.prompt);
-    std::io::stdout().flush()?;
     if let (Some((tier, limit)), Some((fg, _))) = (spill, m.flexgen.as_mut()) {
-        fg.set_spill(Box::new(tier), limit);
+        fg.set_spill(Box::new(tier), limit)?;
     }
     if let (Some(_), Some(why)) = (&kv_store, m.prefix_refusal()) {
         bail!("--kv-store restores a prefix where a prefill would have put it, which needs raw pages and no policy between tokens: {why}");
     }
+    print!("{}", a.prompt);
+    std::io::stdout().flush()?;
     let mut tm = TextModel::new(m, tok)?;
     if a.profile && !tm.llama_mut().time_stages(&rt) {
         bail!("--profile: this adapter cannot write GPU timestamps between passes");
@@ -472,9 +472,10 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     let used = (pc.n_pages - ctl.free_top) + ((pc.n_ids() - pc.n_pages) - ctl.codec_free_top);
     let bytes = pollster::block_on(m.kv_bytes_in_use(&rt))?;
     println!(
-        "prefill: {} tokens in {:.2} s; decode: {} tokens in {:.2} s ({:.2} tokens/s, one submission per token, \
+        "prefill: {} tokens{} in {:.2} s; decode: {} tokens in {:.2} s ({:.2} tokens/s, one submission per token, \
 {} dispatches per token); context: {} tokens x {} layers; K/V pages in use: {used} ({})",
         prompt.len(),
+        if cached > 0 { format!(" ({cached} of them fetched from the page store)") } else { String::new() },
         prefill_s,
         generated.len(),
         decode_s,
@@ -515,7 +516,7 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
             "text": out.text,
             "stop": format!("{:?}", out.stop),
             "prefill_s": prefill_s,
-            "prefill_tokens_per_s": prompt.len() as f64 / prefill_s.max(1e-9),
+            "prefill_tokens_per_s": (prompt.len() - cached) as f64 / prefill_s.max(1e-9),
             "prefill_chunked": m.chunked_prefill_refusal().is_none() && prompt.len() > 1,
             "ttft_s": prefill_s,
             "tpot_ms_p50": tpot.as_ref().map(|t| t.0),
@@ -540,6 +541,10 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
         let token = generated.last().copied().unwrap_or(prompt[prompt.len() - 1]);
         let r = pollster::block_on(tm.llama_mut().time_steps(&rt, token, a.time_steps))?;
         println!("{r}");
+    }
+    // FlexGen's pages in the page store are this run's only: removed as it ends.
+    if let Some((fg, _)) = tm.llama_mut().flexgen.as_mut() {
+        fg.release_spilled();
     }
     Ok(())
 }

@@ -7,7 +7,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
 use expertkv_core::rng::Rng;
 use expertkv_store::prefix::{StoreOptions, StoreReport, model_hash};
-use expertkv_store::{PageStore, PrefixStore, RedisStore, StoreCodec, StoreSpill};
+use expertkv_store::{PageStore, PrefixStore, RedisStore, StoreCodec, StoreSpill, redact};
 
 use crate::fmt_bytes;
 
@@ -74,14 +74,16 @@ impl KvStoreArgs {
         }))
     }
 
-    /// Connected to the store for prefix reuse of the model file `bytes`, or `None` without
-    /// `--kv-store`; an unreachable or misconfigured store is an error naming the address tried.
-    pub fn connect(&self, bytes: &[u8]) -> Result<Option<PrefixStore>> {
+    /// Connected to the store for prefix reuse of the model file `bytes` run as `variant` (what
+    /// else changes the K/V: a MoEfication's spec), or `None` without `--kv-store`; an
+    /// unreachable or misconfigured store is an error naming the address tried.
+    pub fn connect(&self, bytes: &[u8], variant: &str) -> Result<Option<PrefixStore>> {
         let Some(opts) = self.options()? else { return Ok(None) };
         if self.kv_store_host_pages.is_some() {
             bail!("--kv-store-host-pages limits FlexGen's host tier: give it with --scheduler flexgen");
         }
-        let store = PrefixStore::connect(&opts, model_hash(bytes)).with_context(|| format!("--kv-store {}", opts.url))?;
+        let hash = expertkv_core::digest::fnv1a(model_hash(bytes), variant.as_bytes());
+        let store = PrefixStore::connect(&opts, hash).with_context(|| format!("--kv-store {}", redact(&opts.url)))?;
         Ok(Some(store))
     }
 
@@ -90,15 +92,16 @@ impl KvStoreArgs {
     pub fn spill(&self) -> Result<Option<(StoreSpill, u32)>> {
         let Some(opts) = self.options()? else { return Ok(None) };
         if opts.codec != StoreCodec::Raw || opts.ttl_s.is_some() {
-            bail!("--kv-store-codec and --kv-store-ttl apply to prefix pages; FlexGen's spilled pages are raw and live as long as the run");
+            bail!("--kv-store-codec and --kv-store-ttl apply to prefix pages; FlexGen's spilled pages are raw and removed when the run ends");
         }
-        let mut r = RedisStore::connect(&opts.url, opts.timeout).with_context(|| format!("--kv-store {}", opts.url))?;
+        expertkv_store::check_namespace(&opts.namespace)?;
+        let mut r = RedisStore::connect(&opts.url, opts.timeout).with_context(|| format!("--kv-store {}", redact(&opts.url)))?;
         if let Some(b) = opts.max_bytes {
             r.set_max_memory(b)?;
         }
         let clock = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
         let run = expertkv_core::digest::fnv1a(clock, &std::process::id().to_le_bytes());
-        Ok(Some((StoreSpill::new(Box::new(r), &opts.namespace, run), self.kv_store_host_pages.unwrap_or(0))))
+        Ok(Some((StoreSpill::new(Box::new(r), &opts.namespace, run)?, self.kv_store_host_pages.unwrap_or(0))))
     }
 }
 
@@ -174,7 +177,8 @@ struct BenchArgs {
 }
 
 fn connect(t: &Target) -> Result<RedisStore> {
-    RedisStore::connect(&t.kv_store, Duration::from_secs(5)).with_context(|| format!("--kv-store {}", t.kv_store))
+    expertkv_store::check_namespace(&t.kv_store_namespace)?;
+    RedisStore::connect(&t.kv_store, Duration::from_secs(5)).with_context(|| format!("--kv-store {}", redact(&t.kv_store)))
 }
 
 pub fn run(a: &StoreArgs) -> Result<()> {
@@ -215,8 +219,8 @@ pub fn run(a: &StoreArgs) -> Result<()> {
 
 fn bench(b: &BenchArgs) -> Result<()> {
     let size = parse_bytes(&b.value_bytes).context("--value-bytes")?;
-    if size > 512 << 20 || b.values == 0 || b.rounds == 0 {
-        bail!("--value-bytes at most 512M, --values and --rounds at least 1");
+    if size > 512 << 20 || b.values == 0 || b.rounds == 0 || size * u64::from(b.values) > 4 << 30 {
+        bail!("--value-bytes at most 512M, --values and --rounds at least 1, at most 4G in all (values x bytes)");
     }
     let mut s = connect(&b.target)?;
     let ns = format!("{}-bench", b.target.kv_store_namespace);

@@ -584,6 +584,7 @@ fn a_second_process_reuses_the_first_ones_prefix_pages() {
     let p = path.to_str().expect("utf-8 path");
     ok(&["synth", "--out", p, "--experts", "0", "--layers", "2", "--untied-output", "--seed", "7"]);
     let ns = format!("cli{}", std::process::id());
+    ok(&["store", "clear", "--kv-store", &url, "--kv-store-namespace", &ns]);
     let prompt = "the quick brown fox jumps over the lazy dog, twice over";
     let run = || {
         let out = ok(&["run", "--model", p, "--prompt", prompt, "--tokens", "4", "--json", "--kv-store", &url, "--kv-store-namespace", &ns]);
@@ -600,6 +601,11 @@ fn a_second_process_reuses_the_first_ones_prefix_pages() {
     assert_eq!(warm["kv_store"]["pages_stored"], 0, "{out}");
     assert_eq!(warm["generated_ids"], cold["generated_ids"], "{out}");
     assert!(out.contains("prompt tokens fetched instead of prefilled"), "{out}");
+    // A MoEfied run labels its tokens (the route stage): refused by name, before any output.
+    let o = expertkv(&["run", "--model", p, "--prompt", prompt, "--tokens", "1", "--moe", "4:2", "--kv-store", &url, "--kv-store-namespace", &ns]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("the route stage labels every token"), "{err}");
+    assert!(!String::from_utf8_lossy(&o.stdout).contains(prompt), "the prompt printed before the refusal");
     let stats: serde_json::Value =
         serde_json::from_str(ok(&["store", "stats", "--kv-store", &url, "--kv-store-namespace", &ns, "--json"]).trim()).expect("json");
     assert_eq!(stats["keys"].as_u64(), Some(n / 16 * 2), "{stats}");
@@ -620,7 +626,10 @@ fn a_second_process_reuses_the_first_ones_prefix_pages() {
     };
     let ((_, alone), (out, spilled)) = (flexgen(false), flexgen(true));
     assert_eq!(spilled, alone, "{out}");
-    assert!(out.contains("the page store holds") && out.contains("0 lost"), "{out}");
+    assert!(out.contains("the page store holds") && out.contains(", 0 lost)") && !out.contains("warning:"), "{out}");
+    let sent = out.split(" sent,").next().and_then(|s| s.rsplit('(').next()).and_then(|s| s.trim().parse::<u64>().ok());
+    assert!(sent.is_some_and(|n| n > 0), "{out}");
+    assert!(ok(&["store", "stats", "--kv-store", &url, "--kv-store-namespace", &ns]).contains(": 0 keys under"), "spilled pages left behind");
     // Refusals, before the model loads.
     let o = expertkv(&["run", "--model", p, "--prompt", prompt, "--kv-store", "redis://127.0.0.1:1/0"]);
     let err = String::from_utf8_lossy(&o.stderr);
@@ -629,6 +638,11 @@ fn a_second_process_reuses_the_first_ones_prefix_pages() {
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("need --kv-store URL"));
     let o = expertkv(&["run", "--model", p, "--prompt", prompt, "--kv-store", &url, "--kv-store-host-pages", "2"]);
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("give it with --scheduler flexgen"));
+    let o = expertkv(&["store", "clear", "--kv-store", &url, "--kv-store-namespace", "*"]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("namespace `*`"));
+    let o = expertkv(&["run", "--model", p, "--prompt", prompt, "--kv-store", "redis://:hunter2@127.0.0.1:1/0"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && !err.contains("hunter2") && err.contains("***"), "{err}");
     let o = expertkv(&["run", "--model", p, "--prompt", prompt, "--kv-store", &url, "--codec", "int8"]);
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("a page codec is on"), "{}", String::from_utf8_lossy(&o.stderr));
 }

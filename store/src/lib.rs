@@ -25,6 +25,27 @@ pub use redis_store::RedisStore;
 pub use spill::StoreSpill;
 pub use value::StoreCodec;
 
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Namespaces that a SCAN pattern could reach past are refused; passwords never reach a
+    /// message.
+    #[test]
+    fn namespaces_are_plain_names_and_passwords_are_redacted() {
+        for ok in ["expertkv", "team-a_1", "x"] {
+            assert!(check_namespace(ok).is_ok(), "{ok}");
+        }
+        for bad in ["", "*", "a?", "a[b]", "a:b", "a b", "a\\", &"n".repeat(65)] {
+            assert!(check_namespace(bad).is_err(), "{bad}");
+        }
+        assert_eq!(redact("redis://:s3cret@127.0.0.1:6379/0"), "redis://***@127.0.0.1:6379/0");
+        assert_eq!(redact("redis://127.0.0.1:6379/0"), "redis://127.0.0.1:6379/0");
+        let mut m = MemoryStore::new();
+        assert!(m.clear("*").is_err() && m.stats("a?").is_err());
+    }
+}
+
 use std::collections::HashMap;
 
 /// What can go wrong with a store.
@@ -97,9 +118,29 @@ pub fn namespace_prefix(namespace: &str) -> String {
     format!("{namespace}:")
 }
 
-/// The model hash in a key `{namespace}:{model}:...`.
+/// A namespace is a plain name: not empty, at most 64 bytes, no `:` (the key separator) and no
+/// glob or space characters (a SCAN pattern must not reach past it).
+pub fn check_namespace(namespace: &str) -> Result<()> {
+    let bad = |c: char| matches!(c, ':' | '*' | '?' | '[' | ']' | '\\') || c.is_whitespace() || c.is_control();
+    if namespace.is_empty() || namespace.len() > 64 || namespace.chars().any(bad) {
+        return Err(StoreError::Options(format!(
+            "namespace `{namespace}`: give 1 to 64 characters without `:`, `*`, `?`, `[`, `]`, `\\` or spaces"
+        )));
+    }
+    Ok(())
+}
+
+/// `url` with its password (if any) replaced by `***`, for messages.
+pub fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s + 3 => format!("{}***{}", &url[..s + 3], &url[at..]),
+        _ => url.to_string(),
+    }
+}
+
+/// The model hash in a prefix key `{namespace}:{model}:...` (`None` for a spill key).
 fn key_model(key: &str) -> Option<&str> {
-    key.split(':').nth(1)
+    key.split(':').nth(1).filter(|m| *m != "spill")
 }
 
 /// A store in this process's memory (no expiry: `ttl_s` is ignored).
@@ -147,6 +188,7 @@ impl PageStore for MemoryStore {
     }
 
     fn stats(&mut self, namespace: &str) -> Result<StoreStats> {
+        check_namespace(namespace)?;
         let p = namespace_prefix(namespace);
         let mine: Vec<(&String, &Vec<u8>)> = self.map.iter().filter(|(k, _)| k.starts_with(&p)).collect();
         let mut models: Vec<&str> = mine.iter().filter_map(|(k, _)| key_model(k)).collect();
@@ -163,6 +205,7 @@ impl PageStore for MemoryStore {
     }
 
     fn clear(&mut self, namespace: &str) -> Result<u64> {
+        check_namespace(namespace)?;
         let p = namespace_prefix(namespace);
         let before = self.map.len();
         self.map.retain(|k, _| !k.starts_with(&p));

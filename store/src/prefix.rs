@@ -4,8 +4,9 @@
 //!
 //! A key is `{namespace}:{model hash}:{dtype}-{codec}-p{page}-h{heads}x{dim}:{chain}:{layer}`;
 //! the value's header repeats the model hash, the shape, the codec, the position, the previous
-//! chain hash and the page's own token ids, so a 64-bit collision of the chain is still refused
-//! unless the page's tokens and its predecessor's chain both match.
+//! chain hash and the page's own token ids, so a page is used only where its own tokens match
+//! the prompt's. The hashes are 64-bit FNV and the checksum is no signature: the store is
+//! trusted (anyone who can write to the server can write a page that passes every check).
 
 use std::time::{Duration, Instant};
 
@@ -115,19 +116,23 @@ pub struct PrefixStore {
 impl PrefixStore {
     /// Prefix reuse over `store`, for the model whose file hashes to `model_hash`.
     pub fn new(store: Box<dyn PageStore>, namespace: &str, model_hash: u64, codec: StoreCodec, ttl_s: Option<u64>) -> Result<Self> {
-        if namespace.is_empty() || namespace.contains(':') || namespace.contains('*') {
-            return Err(StoreError::Options(format!("namespace `{namespace}`: give a non-empty name without `:` or `*`")));
-        }
-        if ttl_s == Some(0) {
-            return Err(StoreError::Options("a TTL of 0 s would expire every page at once; give at least 1".into()));
-        }
+        Self::check(namespace, ttl_s)?;
         let report = StoreReport { addr: store.addr(), ..StoreReport::default() };
         Ok(PrefixStore { store, namespace: namespace.into(), model_hash, codec, ttl_s, report })
     }
 
+    fn check(namespace: &str, ttl_s: Option<u64>) -> Result<()> {
+        crate::check_namespace(namespace)?;
+        if ttl_s == Some(0) {
+            return Err(StoreError::Options("a TTL of 0 s would expire every page at once; give at least 1".into()));
+        }
+        Ok(())
+    }
+
     /// Connect to the Redis/Valkey server `opts.url` (refused at once, with the address tried,
-    /// when it cannot be reached), bounding its memory if asked.
+    /// when it cannot be reached), bounding its memory if asked (after the options are checked).
     pub fn connect(opts: &StoreOptions, model_hash: u64) -> Result<Self> {
+        Self::check(&opts.namespace, opts.ttl_s)?;
         let mut r = RedisStore::connect(&opts.url, opts.timeout)?;
         if let Some(b) = opts.max_bytes {
             r.set_max_memory(b)?;
@@ -165,11 +170,13 @@ impl PrefixStore {
         )
     }
 
-    /// The key of page `page` (positions `page * page_size..`) of `ids`, layer `layer`.
-    pub fn page_key(&self, m: &GpuLlama, ids: &[u32], page: usize, layer: u32) -> String {
+    /// The key of page `page` (positions `page * page_size..`) of `ids`, layer `layer`; `None`
+    /// past the prompt's full pages.
+    pub fn page_key(&self, m: &GpuLlama, ids: &[u32], page: usize, layer: u32) -> Option<String> {
         let ps = m.pool.cfg.page_size as usize;
-        let chain = chain_hashes(self.model_hash, &ids[..((page + 1) * ps).min(ids.len() / ps * ps)], ps as u32);
-        self.key(m, chain.get(page + 1).copied().unwrap_or(0), layer)
+        let end = (page + 1).checked_mul(ps).filter(|&e| e <= ids.len())?;
+        let chain = chain_hashes(self.model_hash, &ids[..end], ps as u32);
+        Some(self.key(m, chain[page + 1], layer))
     }
 
     fn header(&self, m: &GpuLlama, page: usize, prev_chain: u64, layer: u32, ids: &[u32]) -> PageHeader {
@@ -222,13 +229,14 @@ impl PrefixStore {
             };
             for (i, &p) in round.iter().enumerate() {
                 let mut page_words = Vec::with_capacity(layers as usize);
+                let mut page_bytes = 0u64;
                 for l in 0..layers {
-                    let Some(v) = &values[i * layers as usize + l as usize] else { break 'rounds };
+                    let Some(Some(v)) = values.get(i * layers as usize + l as usize) else { break 'rounds };
                     let words = decode(v, &self.header(m, p, chain[p], l, ids))
                         .and_then(|w| if w.len() == ps * tw { Ok(w) } else { Err(format!("{} words, {} expected", w.len(), ps * tw)) });
                     match words {
                         Ok(w) => {
-                            bytes += v.len() as u64;
+                            page_bytes += v.len() as u64;
                             page_words.push(w);
                         }
                         Err(why) => {
@@ -241,6 +249,7 @@ impl PrefixStore {
                 for (l, w) in page_words.into_iter().enumerate() {
                     kv[l].extend(w);
                 }
+                bytes += page_bytes;
                 pages += 1;
             }
         }

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use crate::{PageStore, Result, StoreError, StoreStats, key_model, namespace_prefix};
+use crate::{PageStore, Result, StoreError, StoreStats, check_namespace, key_model, namespace_prefix, redact};
 
 /// Keys per MGET, SET pipeline or EXISTS pipeline (one round trip each).
 pub const BATCH_KEYS: usize = 256;
@@ -18,17 +18,18 @@ impl RedisStore {
     /// Connect to `url` (`redis://[:PASSWORD@]HOST:PORT[/DB]` or `redis+unix:///PATH`), with
     /// `timeout` for the connection and every request. TLS (`rediss://`) is not built in.
     pub fn connect(url: &str, timeout: Duration) -> Result<RedisStore> {
-        if url.starts_with("rediss://") {
+        let shown = redact(url);
+        if url.starts_with("rediss://") || url.starts_with("valkeys://") {
             return Err(StoreError::Options(format!(
-                "{url}: TLS is not built into this expertkv; use redis:// on loopback, or a TLS tunnel"
+                "{shown}: TLS is not built into this expertkv; use redis:// on loopback, or a TLS tunnel"
             )));
         }
-        if !(url.starts_with("redis://") || url.starts_with("redis+unix://") || url.starts_with("unix://")) {
+        if !["redis://", "valkey://", "redis+unix://", "unix://"].iter().any(|s| url.starts_with(s)) {
             return Err(StoreError::Options(format!(
-                "`{url}` is not a Redis URL: give redis://HOST:PORT/DB (redis://:PASSWORD@HOST:PORT/DB with AUTH)"
+                "`{shown}` is not a Redis URL: give redis://HOST:PORT/DB (redis://:PASSWORD@HOST:PORT/DB with AUTH)"
             )));
         }
-        let client = redis::Client::open(url).map_err(|e| StoreError::Options(format!("`{url}`: {e}")))?;
+        let client = redis::Client::open(url).map_err(|e| StoreError::Options(format!("`{shown}`: {e}")))?;
         let addr = format!("{}", client.get_connection_info().addr());
         let con = client.get_connection_with_timeout(timeout).map_err(|e| StoreError::Connect { addr: addr.clone(), message: e.to_string() })?;
         let set = |con: &redis::Connection| -> redis::RedisResult<()> {
@@ -45,12 +46,20 @@ impl RedisStore {
         Ok(s)
     }
 
+    fn check_len(&self, got: usize, asked: usize, what: &str) -> Result<()> {
+        if got != asked {
+            return Err(StoreError::Server { addr: self.addr.clone(), message: format!("{what}: {got} replies to {asked} keys") });
+        }
+        Ok(())
+    }
+
     fn err(&self, e: redis::RedisError) -> StoreError {
         StoreError::Server { addr: self.addr.clone(), message: e.to_string() }
     }
 
     /// Bound the server's memory (`CONFIG SET maxmemory`, evicting the least recently used keys
-    /// past it: `maxmemory-policy allkeys-lru`). A key the server evicts is a miss.
+    /// past it: `maxmemory-policy allkeys-lru`). The setting is the whole server's, for every key
+    /// on it. A key the server evicts is a miss.
     pub fn set_max_memory(&mut self, bytes: u64) -> Result<()> {
         redis::cmd("CONFIG").arg("SET").arg("maxmemory").arg(bytes).query::<()>(&mut self.con).map_err(|e| self.err(e))?;
         redis::cmd("CONFIG")
@@ -70,7 +79,9 @@ impl RedisStore {
     }
 
     fn scan(&mut self, namespace: &str) -> Result<Vec<String>> {
-        let pattern = format!("{}*", namespace_prefix(namespace));
+        check_namespace(namespace)?;
+        let prefix = namespace_prefix(namespace);
+        let pattern = format!("{prefix}*");
         let mut cursor: u64 = 0;
         let mut keys = Vec::new();
         loop {
@@ -88,6 +99,7 @@ impl RedisStore {
             }
             cursor = next;
         }
+        keys.retain(|k| k.starts_with(&prefix));
         keys.sort_unstable();
         keys.dedup();
         Ok(keys)
@@ -103,6 +115,7 @@ impl PageStore for RedisStore {
         let mut out = Vec::with_capacity(keys.len());
         for part in keys.chunks(BATCH_KEYS) {
             let v: Vec<Option<Vec<u8>>> = redis::cmd("MGET").arg(part).query(&mut self.con).map_err(|e| self.err(e))?;
+            self.check_len(v.len(), part.len(), "MGET")?;
             out.extend(v);
         }
         Ok(out)
@@ -116,6 +129,7 @@ impl PageStore for RedisStore {
                 p.cmd("EXISTS").arg(k);
             }
             let v: Vec<u32> = p.query(&mut self.con).map_err(|e| self.err(e))?;
+            self.check_len(v.len(), part.len(), "EXISTS")?;
             out.extend(v.into_iter().map(|x| x > 0));
         }
         Ok(out)

@@ -11,6 +11,10 @@ use crate::value::FORMAT_VERSION;
 
 const MAGIC: &[u8; 4] = b"EKVS";
 
+/// Spilled pages expire after a day: a run that ends normally removes its own
+/// (`FlexGen::release_spilled`); one that dies leaves them to the server.
+pub const SPILL_TTL_S: u64 = 24 * 3600;
+
 /// FlexGen's spill tier in a page store, for one run (its keys apart from every other run's).
 pub struct StoreSpill {
     store: Box<dyn PageStore>,
@@ -21,8 +25,9 @@ pub struct StoreSpill {
 impl StoreSpill {
     /// Spill into `store` under `{namespace}:spill:{run}:`; `run` tells this process's pages
     /// from another's (a process id and a clock, say).
-    pub fn new(store: Box<dyn PageStore>, namespace: &str, run: u64) -> Self {
-        StoreSpill { store, prefix: format!("{namespace}:spill:{run:016x}:"), run }
+    pub fn new(store: Box<dyn PageStore>, namespace: &str, run: u64) -> crate::Result<Self> {
+        crate::check_namespace(namespace)?;
+        Ok(StoreSpill { store, prefix: format!("{namespace}:spill:{run:016x}:"), run })
     }
 
     fn key(&self, id: u64) -> String {
@@ -70,14 +75,15 @@ impl SpillTier for StoreSpill {
 
     fn put_many(&mut self, pages: &[(u64, &[u32])]) -> Result<(), String> {
         let items: Vec<(String, Vec<u8>)> = pages.iter().map(|&(id, w)| (self.key(id), self.encode(id, w))).collect();
-        self.store.put_many(&items, None).map_err(|e| e.to_string())
+        // A run that dies leaves its pages to expire.
+        self.store.put_many(&items, Some(SPILL_TTL_S)).map_err(|e| e.to_string())
     }
 
     fn take(&mut self, id: u64) -> Result<Option<Vec<u32>>, String> {
         let key = self.key(id);
         let v = self.store.get_many(std::slice::from_ref(&key)).map_err(|e| e.to_string())?;
         let words = v.into_iter().next().flatten().and_then(|b| self.decode(id, &b));
-        // Best effort: a key left behind is the server's to expire or evict.
+        // Best effort: a key left behind expires (SPILL_TTL_S).
         let _ = self.store.remove_many(&[key]);
         Ok(words)
     }
@@ -97,7 +103,7 @@ mod tests {
     /// stored under another id are lost pages (`None`), not data.
     #[test]
     fn spilled_pages_come_back_once_and_damaged_ones_are_lost() {
-        let mut s = StoreSpill::new(Box::new(MemoryStore::new()), "t", 7);
+        let mut s = StoreSpill::new(Box::new(MemoryStore::new()), "t", 7).expect("spill");
         let a: Vec<u32> = (0..64u32).map(|i| i.wrapping_mul(2_654_435_761)).collect();
         let b: Vec<u32> = (0..64).map(|i| i ^ 0xdead_beef).collect();
         s.put_many(&[(1, &a), (2, &b)]).expect("put");
@@ -107,7 +113,8 @@ mod tests {
         v[30] ^= 1;
         assert_eq!(s.decode(2, &v), None, "a flipped byte");
         assert_eq!(s.decode(3, &s.encode(2, &b)), None, "another id's value");
-        let other = StoreSpill::new(Box::new(MemoryStore::new()), "t", 8);
+        let other = StoreSpill::new(Box::new(MemoryStore::new()), "t", 8).expect("spill");
+        assert!(StoreSpill::new(Box::new(MemoryStore::new()), "a*", 8).is_err());
         assert_eq!(s.decode(2, &other.encode(2, &b)), None, "another run's value");
         assert_eq!(s.take(2).expect("take"), Some(b));
     }

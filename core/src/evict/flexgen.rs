@@ -124,9 +124,25 @@ impl FlexGen {
     }
 
     /// Keep at most `host_limit_pages` pages' K/V words in host memory; the rest go to `tier`,
-    /// the least attended first (after every offload).
-    pub fn set_spill(&mut self, tier: Box<dyn SpillTier>, host_limit_pages: u32) {
+    /// the least attended first (after every offload and fetch). Refused while pages are in
+    /// another spill tier.
+    pub fn set_spill(&mut self, tier: Box<dyn SpillTier>, host_limit_pages: u32) -> Result<()> {
+        if self.host.values().flatten().any(|p| p.spilled.is_some()) {
+            return Err(Error::Input("FlexGen: pages are in a spill tier already; release them first".into()));
+        }
         self.spill = Some(Spill { tier, host_limit_pages, next_id: 0 });
+        Ok(())
+    }
+
+    /// Forget every page in the spill tier (the run is over): their keys are removed from it.
+    pub fn release_spilled(&mut self) {
+        let ids: Vec<u64> = self.host.values().flatten().filter_map(|p| p.spilled).collect();
+        if let (Some(sp), false) = (&mut self.spill, ids.is_empty()) {
+            sp.tier.discard(&ids);
+        }
+        for pages in self.host.values_mut() {
+            pages.retain(|p| p.spilled.is_none());
+        }
     }
 
     /// The spill tier's name, while one is on.
@@ -309,6 +325,18 @@ impl FlexGen {
         let (r, ns, d) = (c.ring_capacity as usize, c.n_shards as usize, c.head_dim as usize);
         let hq = (c.kv_heads * group) as usize;
         let mut t: Option<Tables> = None;
+        // A GPU page a fetch filled this call holds the fetched page's bounds, not the ones
+        // `bounds` was read with.
+        let mut swapped: HashMap<u32, (Vec<f32>, Vec<f32>)> = HashMap::new();
+        let page_bounds = |swapped: &HashMap<u32, (Vec<f32>, Vec<f32>)>, p: u32| -> (Vec<f32>, Vec<f32>) {
+            match swapped.get(&p) {
+                Some(b) => b.clone(),
+                None => {
+                    let pi = p as usize;
+                    (bounds[pi * 2 * d..pi * 2 * d + d].to_vec(), bounds[pi * 2 * d + d..pi * 2 * d + 2 * d].to_vec())
+                }
+            }
+        };
         for seq in 0..c.max_seqs {
             for h in 0..c.kv_heads {
                 let li = ((layer * c.max_seqs + seq) * c.kv_heads + h) as usize;
@@ -337,8 +365,8 @@ impl FlexGen {
                         let key = li * ns + s;
                         let order = Self::ring_order(tables, key, r);
                         for p in order.iter().take(order.len().saturating_sub(1)) {
-                            let pi = *p as usize;
-                            let u = ub(&bounds[pi * 2 * d..pi * 2 * d + d], &bounds[pi * 2 * d + d..pi * 2 * d + 2 * d]);
+                            let (lo, hi) = page_bounds(&swapped, *p);
+                            let u = ub(&lo, &hi);
                             if weakest.is_none_or(|w| u < w.0) {
                                 weakest = Some((u, *p, key));
                             }
@@ -377,13 +405,15 @@ impl FlexGen {
                     let m0 = (weak_page * c.page_size) as usize * mw;
                     let out_meta = tables.slot_meta[m0..m0 + c.page_size as usize * mw].to_vec();
                     let wp = weak_page as usize;
+                    let (out_lo, out_hi) = page_bounds(&swapped, weak_page);
+                    swapped.insert(weak_page, (incoming.lo.clone(), incoming.hi.clone()));
                     host.push(HostPage {
                         key: weak_key as u32,
                         fill: tables.page_meta[wp].fill,
                         data: out_data,
                         meta: out_meta,
-                        lo: bounds[wp * 2 * d..wp * 2 * d + d].to_vec(),
-                        hi: bounds[wp * 2 * d + d..wp * 2 * d + 2 * d].to_vec(),
+                        lo: out_lo,
+                        hi: out_hi,
                         spilled: None,
                     });
                     // Out of the weak page's ring; the fetched page enters its own ring as the

@@ -136,8 +136,10 @@ impl GpuLlama {
         let all: Vec<(u32, u32)> = (0..self.cfg.block_count).flat_map(|l| (0..n).map(move |p| (l, p))).collect();
         let appended = self.append_prefix(rt, seq, n, kv, &all, batch, k).await;
         if let Err(e) = appended {
-            // Nothing of a refused prefix stays: the sequence's pages go back.
-            self.pool.release_sequence(rt, seq)?;
+            // Nothing of a refused prefix stays: the pool's error flags are read (and cleared),
+            // the sequence's pages go back, and the append's error is the one returned.
+            let _ = self.pool.check_errors(rt, n * self.cfg.block_count).await;
+            let _ = self.pool.release_sequence(rt, seq);
             return Err(e);
         }
         self.positions[seq as usize] = n;

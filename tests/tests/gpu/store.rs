@@ -197,7 +197,8 @@ fn a_missing_or_foreign_page_is_a_miss_not_an_error() {
     for what in ["evicted", "foreign", "corrupt"] {
         let mut store = PrefixStore::new(Box::new(MemoryStore::new()), "m", c.hash(), StoreCodec::Raw, None).expect("store");
         store.store(rt, &cold_model, 0, &ids).expect("store");
-        let key = store.page_key(&cold_model, &ids, page, layer);
+        let key = store.page_key(&cold_model, &ids, page, layer).expect("a full page");
+        assert_eq!(store.page_key(&cold_model, &ids, n as usize / 16, layer), None, "a page past the prompt");
         let stored = store.store_mut().get_many(std::slice::from_ref(&key)).expect("get")[0].clone().expect("stored");
         let bad = match what {
             "evicted" => None,
@@ -205,7 +206,7 @@ fn a_missing_or_foreign_page_is_a_miss_not_an_error() {
                 // The same page written for another model: its header's model hash differs.
                 let mut other = PrefixStore::new(Box::new(MemoryStore::new()), "m", c.hash() ^ 7, StoreCodec::Raw, None).expect("store");
                 other.store(rt, &cold_model, 0, &ids).expect("store");
-                let k = other.page_key(&cold_model, &ids, page, layer);
+                let k = other.page_key(&cold_model, &ids, page, layer).expect("a full page");
                 Some(other.store_mut().get_many(&[k]).expect("get")[0].clone().expect("stored"))
             }
             _ => {
@@ -277,8 +278,8 @@ fn concurrent_writers_and_a_killed_server() {
 /// FlexGen's host tier spilling to the store: with at most one page (in memory) or none (on
 /// Redis) of K/V words left in host memory, the rest in the store and brought back when QUEST
 /// selects them, every step's logits are those of the host tier alone, bit for bit. With the
-/// server killed mid-run the tier is switched off and reported, the pages it held are counted
-/// lost, and decoding goes on.
+/// server killed mid-run the tier is switched off and reported, and decoding goes on (a page
+/// it held that QUEST selects later is counted lost).
 #[test]
 fn flexgen_spills_its_coldest_host_pages_to_the_store() {
     use expertkv_core::evict::config::SchedulerConfig;
@@ -292,7 +293,7 @@ fn flexgen_spills_its_coldest_host_pages_to_the_store() {
         let mut m = c.load(rt);
         if let Some((store, limit)) = spill {
             let (fg, _) = m.flexgen.as_mut().expect("flexgen");
-            fg.set_spill(Box::new(StoreSpill::new(store, "spill", seed)), limit);
+            fg.set_spill(Box::new(StoreSpill::new(store, "spill", seed).expect("spill")), limit).expect("set_spill");
         }
         let mut kill_at = kill_at;
         let mut out = Vec::new();
