@@ -196,25 +196,33 @@ impl PrefixStore {
         }
     }
 
+    /// Whether the store is still on (`false` once it failed), and an error where `m`'s pool or
+    /// the store codec cannot take a restored prefix.
+    fn usable(&self, m: &GpuLlama) -> Result<bool> {
+        if self.report.failed.is_some() {
+            return Ok(false);
+        }
+        if let Some(why) = m.prefix_refusal() {
+            return Err(StoreError::Options(format!("prefix reuse needs a pool a prefill can fill: {why}")));
+        }
+        self.codec.check(m.pool.cfg.dtype, m.pool.cfg.head_dim)?;
+        Ok(true)
+    }
+
     /// Before prefilling `ids` into the empty sequence `seq`: fetch the longest run of its
     /// full pages the store holds for every layer (leaving at least the last token to run, for
     /// its logits) and restore them into the pool. Returns the tokens restored; the caller
     /// prefills `ids[n..]`. A store that fails is switched off with [`StoreReport::failed`]
     /// set, and 0 returned: the pool is as it was.
     pub fn fetch(&mut self, rt: &Runtime, m: &mut GpuLlama, seq: u32, ids: &[u32]) -> Result<u32> {
-        if self.report.failed.is_some() {
+        if !self.usable(m)? {
             return Ok(0);
         }
-        if let Some(why) = m.prefix_refusal() {
-            return Err(StoreError::Options(format!("prefix reuse needs a pool a prefill can fill: {why}")));
-        }
-        self.codec.check(m.pool.cfg.dtype, m.pool.cfg.head_dim)?;
         let t0 = Instant::now();
         let ps = m.pool.cfg.page_size as usize;
         let layers = m.cfg.block_count;
         let max_pages = ids.len().saturating_sub(1) / ps;
         let chain = chain_hashes(self.model_hash, &ids[..max_pages * ps], ps as u32);
-        let tw = m.prefix_token_words();
         let mut kv: Vec<Vec<u32>> = vec![Vec::new(); layers as usize];
         let (mut pages, mut bytes) = (0usize, 0u64);
         'rounds: while pages < max_pages {
@@ -232,9 +240,8 @@ impl PrefixStore {
                 let mut page_bytes = 0u64;
                 for l in 0..layers {
                     let Some(Some(v)) = values.get(i * layers as usize + l as usize) else { break 'rounds };
-                    let words = decode(v, &self.header(m, p, chain[p], l, ids))
-                        .and_then(|w| if w.len() == ps * tw { Ok(w) } else { Err(format!("{} words, {} expected", w.len(), ps * tw)) });
-                    match words {
+                    // `decode` returns exactly a page's words or refuses.
+                    match decode(v, &self.header(m, p, chain[p], l, ids)) {
                         Ok(w) => {
                             page_bytes += v.len() as u64;
                             page_words.push(w);
@@ -268,13 +275,9 @@ impl PrefixStore {
     /// hold yet (every layer). Returns the pages (one layer each) written. A store that fails
     /// is switched off ([`StoreReport::failed`]) and 0 returned.
     pub fn store(&mut self, rt: &Runtime, m: &GpuLlama, seq: u32, ids: &[u32]) -> Result<u64> {
-        if self.report.failed.is_some() {
+        if !self.usable(m)? {
             return Ok(0);
         }
-        if let Some(why) = m.prefix_refusal() {
-            return Err(StoreError::Options(format!("prefix reuse needs a pool a prefill can fill: {why}")));
-        }
-        self.codec.check(m.pool.cfg.dtype, m.pool.cfg.head_dim)?;
         let t0 = Instant::now();
         let ps = m.pool.cfg.page_size as usize;
         let held = m.positions.get(seq as usize).copied().unwrap_or(0) as usize;

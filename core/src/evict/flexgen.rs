@@ -328,15 +328,15 @@ impl FlexGen {
         // A GPU page a fetch filled this call holds the fetched page's bounds, not the ones
         // `bounds` was read with.
         let mut swapped: HashMap<u32, (Vec<f32>, Vec<f32>)> = HashMap::new();
-        let page_bounds = |swapped: &HashMap<u32, (Vec<f32>, Vec<f32>)>, p: u32| -> (Vec<f32>, Vec<f32>) {
+        fn page_bounds<'a>(swapped: &'a HashMap<u32, (Vec<f32>, Vec<f32>)>, bounds: &'a [f32], d: usize, p: u32) -> (&'a [f32], &'a [f32]) {
             match swapped.get(&p) {
-                Some(b) => b.clone(),
+                Some((lo, hi)) => (lo, hi),
                 None => {
                     let pi = p as usize;
-                    (bounds[pi * 2 * d..pi * 2 * d + d].to_vec(), bounds[pi * 2 * d + d..pi * 2 * d + 2 * d].to_vec())
+                    (&bounds[pi * 2 * d..pi * 2 * d + d], &bounds[pi * 2 * d + d..pi * 2 * d + 2 * d])
                 }
             }
-        };
+        }
         for seq in 0..c.max_seqs {
             for h in 0..c.kv_heads {
                 let li = ((layer * c.max_seqs + seq) * c.kv_heads + h) as usize;
@@ -365,8 +365,8 @@ impl FlexGen {
                         let key = li * ns + s;
                         let order = Self::ring_order(tables, key, r);
                         for p in order.iter().take(order.len().saturating_sub(1)) {
-                            let (lo, hi) = page_bounds(&swapped, *p);
-                            let u = ub(&lo, &hi);
+                            let (lo, hi) = page_bounds(&swapped, bounds, d, *p);
+                            let u = ub(lo, hi);
                             if weakest.is_none_or(|w| u < w.0) {
                                 weakest = Some((u, *p, key));
                             }
@@ -405,7 +405,8 @@ impl FlexGen {
                     let m0 = (weak_page * c.page_size) as usize * mw;
                     let out_meta = tables.slot_meta[m0..m0 + c.page_size as usize * mw].to_vec();
                     let wp = weak_page as usize;
-                    let (out_lo, out_hi) = page_bounds(&swapped, weak_page);
+                    let (out_lo, out_hi) = page_bounds(&swapped, bounds, d, weak_page);
+                    let (out_lo, out_hi) = (out_lo.to_vec(), out_hi.to_vec());
                     swapped.insert(weak_page, (incoming.lo.clone(), incoming.hi.clone()));
                     host.push(HostPage {
                         key: weak_key as u32,
