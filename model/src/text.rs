@@ -241,13 +241,16 @@ impl TextModel {
         opts: &GenerateOptions,
         on_token: impl FnMut(&Piece) -> bool,
     ) -> Result<Generation> {
-        self.generate_after_prefix(rt, prompt, 0, opts, on_token).await
+        self.generate_after_prefix(rt, prompt, 0, opts, on_token, |_| ()).await
     }
 
     /// [`TextModel::generate`] for a fresh sequence whose first `cached` prompt tokens are
     /// already in the pool (restored from a page store with [`GpuLlama::restore_prefix`]): only
     /// the rest of the prompt is fed. Refused unless the sequence holds exactly those `cached`
-    /// positions and `cached` leaves at least one prompt token to feed.
+    /// positions and `cached` leaves at least one prompt token to feed. `after_first_token`
+    /// runs once, right after `on_token` has had the first generated token, with the whole
+    /// prompt in the pool: where a caller starts work on the prompt's K/V (storing its pages,
+    /// say) without delaying the first token. It does not run when nothing is generated.
     pub async fn generate_after_prefix(
         &mut self,
         rt: &Runtime,
@@ -255,7 +258,9 @@ impl TextModel {
         cached: usize,
         opts: &GenerateOptions,
         mut on_token: impl FnMut(&Piece) -> bool,
+        after_first_token: impl FnOnce(&GpuLlama),
     ) -> Result<Generation> {
+        let mut after_first_token = Some(after_first_token);
         // With a restored prefix the sequence is fresh but for it: the prompt is encoded as a
         // fresh one's (with its beginning-of-sequence token).
         let prompt_ids = if cached > 0 { self.tokenizer.encode_prompt(prompt, true)? } else { self.encode_prompt(prompt)? };
@@ -300,7 +305,11 @@ impl TextModel {
             pending.extend_from_slice(&self.tokenizer.decode_bytes(&[next])?);
             let text = take_utf8(&mut pending);
             out.text.push_str(&text);
-            if !on_token(&Piece { id: next, text }) {
+            let go_on = on_token(&Piece { id: next, text });
+            if let Some(f) = after_first_token.take() {
+                f(&self.llama);
+            }
+            if !go_on {
                 out.stop = Stop::Callback;
                 break;
             }

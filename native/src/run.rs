@@ -412,17 +412,33 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     let mut first_piece = None;
     let mut piece_times = Vec::new();
     let opts = GenerateOptions { max_tokens: a.tokens, stop_at_eos: true };
-    let out = pollster::block_on(tm.generate_after_prefix(&rt, &a.prompt, cached, &opts, |p| {
-        first_piece.get_or_insert_with(std::time::Instant::now);
-        piece_times.push(std::time::Instant::now());
-        print!("{}", p.text);
-        std::io::stdout().flush().is_ok()
-    }))?;
+    // The prompt's full pages go to the store for the next process once the first token is
+    // out, written by a thread while this one decodes.
+    let mut stored = Ok(false);
+    let out = pollster::block_on(tm.generate_after_prefix(
+        &rt,
+        &a.prompt,
+        cached,
+        &opts,
+        |p| {
+            first_piece.get_or_insert_with(std::time::Instant::now);
+            piece_times.push(std::time::Instant::now());
+            print!("{}", p.text);
+            std::io::stdout().flush().is_ok()
+        },
+        |m| {
+            if let Some(s) = &mut kv_store {
+                stored = s.store_in_background(&rt, m, 0, &prompt).map(|()| true);
+            }
+        },
+    ))?;
     let m = tm.llama();
     let generated = out.tokens;
-    // The prompt's full pages, for the next process (after the timed part).
     if let Some(s) = &mut kv_store {
-        s.store(&rt, m, 0, &prompt)?;
+        if !stored? {
+            s.store(&rt, m, 0, &prompt)?;
+        }
+        s.finish();
     }
     // The first token comes straight from the prompt's last logits: prefill ends there.
     let t2 = first_piece.unwrap_or_else(std::time::Instant::now);

@@ -8,6 +8,7 @@
 //! the prompt's. The hashes are 64-bit FNV and the checksum is no signature: the store is
 //! trusted (anyone who can write to the server can write a page that passes every check).
 
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use expertkv_core::digest::{FNV_OFFSET, fnv1a};
@@ -75,7 +76,8 @@ pub struct StoreReport {
     pub pages_present: u64,
     /// Seconds spent fetching (round trips, checks, decoding, the pool's append).
     pub fetch_s: f64,
-    /// Seconds spent storing (reading the pool, encoding, round trips).
+    /// Seconds spent storing (reading the pool, encoding, round trips; the encoding and the
+    /// writes on a thread beside the decoding).
     pub store_s: f64,
     /// Why the store was switched off mid-run, if it was.
     pub failed: Option<String>,
@@ -104,7 +106,11 @@ pub fn chain_hashes(model_hash: u64, ids: &[u32], page_size: u32) -> Vec<u64> {
 
 /// A store used for prefix reuse by one model.
 pub struct PrefixStore {
+    /// The connection; while a write is in flight it is the writer thread's, and this is a
+    /// stand-in that refuses everything.
     store: Box<dyn PageStore>,
+    /// A write in flight ([`PrefixStore::store_in_background`]).
+    writer: Option<JoinHandle<Written>>,
     namespace: String,
     model_hash: u64,
     codec: StoreCodec,
@@ -118,7 +124,7 @@ impl PrefixStore {
     pub fn new(store: Box<dyn PageStore>, namespace: &str, model_hash: u64, codec: StoreCodec, ttl_s: Option<u64>) -> Result<Self> {
         Self::check(namespace, ttl_s)?;
         let report = StoreReport { addr: store.addr(), ..StoreReport::default() };
-        Ok(PrefixStore { store, namespace: namespace.into(), model_hash, codec, ttl_s, report })
+        Ok(PrefixStore { store, writer: None, namespace: namespace.into(), model_hash, codec, ttl_s, report })
     }
 
     fn check(namespace: &str, ttl_s: Option<u64>) -> Result<()> {
@@ -140,9 +146,39 @@ impl PrefixStore {
         Self::new(Box::new(r), &opts.namespace, model_hash, opts.codec, opts.ttl_s)
     }
 
-    /// The underlying store.
+    /// The underlying store (after any write in flight has finished).
     pub fn store_mut(&mut self) -> &mut dyn PageStore {
+        self.finish();
         self.store.as_mut()
+    }
+
+    /// Wait for a write in flight ([`PrefixStore::store_in_background`]) and fold what it did
+    /// into the report; returns the pages (one layer each) it wrote. A write that failed has
+    /// switched the store off ([`StoreReport::failed`]). Nothing in flight: 0.
+    pub fn finish(&mut self) -> u64 {
+        let Some(writer) = self.writer.take() else { return 0 };
+        match writer.join() {
+            Ok(w) => {
+                self.store = w.store;
+                self.report.store_s += w.seconds;
+                match w.outcome {
+                    Ok((pages, bytes)) => {
+                        self.report.pages_stored += pages;
+                        self.report.bytes_stored += bytes;
+                        pages
+                    }
+                    Err(e) => {
+                        self.report.failed.get_or_insert(e.to_string());
+                        0
+                    }
+                }
+            }
+            Err(_) => {
+                let why = "the page store's writer thread panicked; the store is off for the rest of the run";
+                self.report.failed.get_or_insert(why.into());
+                0
+            }
+        }
     }
 
     /// The store's failure: switched off for the rest of the run, reported once.
@@ -198,7 +234,8 @@ impl PrefixStore {
 
     /// Whether the store is still on (`false` once it failed), and an error where `m`'s pool or
     /// the store codec cannot take a restored prefix.
-    fn usable(&self, m: &GpuLlama) -> Result<bool> {
+    fn usable(&mut self, m: &GpuLlama) -> Result<bool> {
+        self.finish();
         if self.report.failed.is_some() {
             return Ok(false);
         }
@@ -275,15 +312,25 @@ impl PrefixStore {
     /// hold yet (every layer). Returns the pages (one layer each) written. A store that fails
     /// is switched off ([`StoreReport::failed`]) and 0 returned.
     pub fn store(&mut self, rt: &Runtime, m: &GpuLlama, seq: u32, ids: &[u32]) -> Result<u64> {
+        self.store_in_background(rt, m, seq, ids)?;
+        Ok(self.finish())
+    }
+
+    /// [`PrefixStore::store`] with the slow part off the caller's thread: which pages the store
+    /// lacks (one round trip) and their K/V (one read of the pool) are found here, then a
+    /// thread encodes and writes them while the caller goes on decoding (`m` may change as soon
+    /// as this returns). [`PrefixStore::finish`] waits for it; so does every other use of the
+    /// store.
+    pub fn store_in_background(&mut self, rt: &Runtime, m: &GpuLlama, seq: u32, ids: &[u32]) -> Result<()> {
         if !self.usable(m)? {
-            return Ok(0);
+            return Ok(());
         }
         let t0 = Instant::now();
         let ps = m.pool.cfg.page_size as usize;
         let held = m.positions.get(seq as usize).copied().unwrap_or(0) as usize;
         let n_pages = ids.len().min(held) / ps;
         if n_pages == 0 {
-            return Ok(0);
+            return Ok(());
         }
         let layers = m.cfg.block_count;
         let chain = chain_hashes(self.model_hash, &ids[..n_pages * ps], ps as u32);
@@ -292,33 +339,84 @@ impl PrefixStore {
         let names: Vec<String> = keys.iter().map(|k| k.2.clone()).collect();
         let present = match self.store.exists_many(&names) {
             Ok(v) => v,
-            Err(e) => {
-                self.fail(e)?;
-                return Ok(0);
-            }
+            Err(e) => return self.fail(e),
         };
-        let missing: Vec<&(usize, u32, String)> = keys.iter().zip(&present).filter(|(_, p)| !**p).map(|(k, _)| k).collect();
-        self.report.pages_present += (keys.len() - missing.len()) as u64;
+        let missing: Vec<(usize, u32, String)> = keys.into_iter().zip(&present).filter(|(_, p)| !**p).map(|(k, _)| k).collect();
+        self.report.pages_present += (names.len() - missing.len()) as u64;
         if missing.is_empty() {
             self.report.store_s += t0.elapsed().as_secs_f64();
-            return Ok(0);
+            return Ok(());
         }
         let last = missing.iter().map(|k| k.0).max().unwrap_or(0) + 1;
         let kv = pollster::block_on(m.read_prefix(rt, seq, (last * ps) as u32))?;
         let tw = m.prefix_token_words();
-        let mut items = Vec::with_capacity(missing.len());
-        for &&(p, l, ref key) in &missing {
-            let words = &kv[l as usize][p * ps * tw..(p + 1) * ps * tw];
-            items.push((key.clone(), encode(&self.header(m, p, chain[p], l, ids), words)?));
-        }
-        let bytes: u64 = items.iter().map(|(_, v)| v.len() as u64).sum();
-        if let Err(e) = self.store.put_many(&items, self.ttl_s) {
-            self.fail(e)?;
-            return Ok(0);
-        }
-        self.report.pages_stored += items.len() as u64;
-        self.report.bytes_stored += bytes;
+        let pages: Vec<(String, PageHeader, Vec<u32>)> = missing
+            .into_iter()
+            .map(|(p, l, key)| {
+                let words = kv[l as usize][p * ps * tw..(p + 1) * ps * tw].to_vec();
+                (key, self.header(m, p, chain[p], l, ids), words)
+            })
+            .collect();
+        drop(kv);
         self.report.store_s += t0.elapsed().as_secs_f64();
-        Ok(items.len() as u64)
+        let mut store = std::mem::replace(&mut self.store, Box::new(Busy { addr: self.report.addr.clone() }));
+        let ttl_s = self.ttl_s;
+        self.writer = Some(std::thread::spawn(move || {
+            let t0 = Instant::now();
+            let outcome = (|| -> Result<(u64, u64)> {
+                let mut items = Vec::with_capacity(pages.len());
+                for (key, header, words) in &pages {
+                    items.push((key.clone(), encode(header, words)?));
+                }
+                let bytes: u64 = items.iter().map(|(_, v)| v.len() as u64).sum();
+                store.put_many(&items, ttl_s)?;
+                Ok((items.len() as u64, bytes))
+            })();
+            Written { store, outcome, seconds: t0.elapsed().as_secs_f64() }
+        }));
+        Ok(())
+    }
+}
+
+/// What a background write hands back: the connection, and the pages and bytes it wrote.
+struct Written {
+    store: Box<dyn PageStore>,
+    outcome: Result<(u64, u64)>,
+    seconds: f64,
+}
+
+/// The store's stand-in while its connection is lent to a writer thread (never reached:
+/// every use of the store waits for the writer first).
+struct Busy {
+    addr: String,
+}
+
+impl Busy {
+    fn refuse<T>(&self) -> Result<T> {
+        Err(StoreError::Server { addr: self.addr.clone(), message: "the connection is busy with a background write".into() })
+    }
+}
+
+impl PageStore for Busy {
+    fn addr(&self) -> String {
+        self.addr.clone()
+    }
+    fn get_many(&mut self, _: &[String]) -> Result<Vec<Option<Vec<u8>>>> {
+        self.refuse()
+    }
+    fn exists_many(&mut self, _: &[String]) -> Result<Vec<bool>> {
+        self.refuse()
+    }
+    fn put_many(&mut self, _: &[(String, Vec<u8>)], _: Option<u64>) -> Result<()> {
+        self.refuse()
+    }
+    fn remove_many(&mut self, _: &[String]) -> Result<u64> {
+        self.refuse()
+    }
+    fn stats(&mut self, _: &str) -> Result<crate::StoreStats> {
+        self.refuse()
+    }
+    fn clear(&mut self, _: &str) -> Result<u64> {
+        self.refuse()
     }
 }

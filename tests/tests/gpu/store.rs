@@ -117,7 +117,8 @@ fn max_rel(a: &[f32], b: &[f32]) -> f32 {
 /// Raw pages in memory and on Redis, f32 and f16 K/V, prompts that end mid-page and on a page
 /// boundary (then the last page is left to prefill, for its logits): the warm run reuses every
 /// full page before the last token and its logits, and two decode steps after, equal the cold
-/// run's bit for bit. Storing again writes nothing; a store of another model's file reuses
+/// run's bit for bit, with the pages written by a background thread while their model decodes
+/// on. Storing again writes nothing; a store of another model's file reuses
 /// nothing. The int8 and int4 codecs reuse as much, within their tolerance, in fewer bytes.
 #[test]
 fn a_prefix_from_the_store_gives_the_cold_prefill_logits() {
@@ -142,7 +143,14 @@ fn a_prefix_from_the_store_gives_the_cold_prefill_logits() {
             let mut store = PrefixStore::new(backend, &ns, c.hash(), StoreCodec::Raw, Some(600)).expect("store");
             store.store_mut().clear(&ns).expect("clear");
             let pages = u64::from(n / 16) * u64::from(cold_model.cfg.block_count);
-            assert_eq!(store.store(rt, &cold_model, 0, &ids).expect("store"), pages, "{ctx}: {name}");
+            // Written by a thread while the model it came from decodes on.
+            let (mut live, _) = c.cold(rt, &ids, &[]);
+            store.store_in_background(rt, &live, 0, &ids).expect("store");
+            for &t in &next {
+                pollster::block_on(live.forward(rt, &[t])).expect("forward");
+            }
+            assert_eq!(store.finish(), pages, "{ctx}: {name}");
+            assert_eq!(store.report.pages_stored, pages, "{ctx}: {name}");
             assert_eq!(store.store(rt, &cold_model, 0, &ids).expect("store again"), 0, "{ctx}: {name}");
             assert_eq!(store.report.pages_present, pages, "{ctx}: {name}");
             let (reused, warm) = c.warm(rt, &mut store, &ids, &next);
