@@ -4,10 +4,11 @@
 #   1. store and fetch throughput of `expertkv store bench` (pipelined SETs, MGETs of 12 KiB
 #      values: a raw f16 page of SmolLM2) against `redis-benchmark` for the same value size and
 #      pipeline depth on the same server;
-#   2. time to first token of SmolLM2 for prompts of about 2K and 8K tokens: a cold prefill
+#   2. time to first token of SmolLM2 for prompts of about 2K and 8K tokens (2,319 and 7,978:
+#      SmolLM2's context is 8,192, and a size of N gives 1.13-1.19 N tokens): a cold prefill
 #      (storing its pages), then a second process with the same prompt (its prefix fetched),
 #      and the same prompt with no store at all, each a fresh process.
-# Usage: bash bench/kv_store.sh [BIN] [TOKENS...]   (BIN: target/release/expertkv; TOKENS: 2048 8000;
+# Usage: bash bench/kv_store.sh [BIN] [SIZES...]   (BIN: target/release/expertkv; SIZES: 2048 6700;
 # 0: the throughput only). RUNS="cold warm" leaves out the run with no store.
 # Needs redis-server and redis-benchmark (Debian's redis-server package) and the model
 # (scripts/fetch_model.sh).
@@ -16,7 +17,7 @@ cd "$(dirname "$0")/.."
 bin=${1:-target/release/expertkv}
 shift || true
 sizes=("$@")
-[ ${#sizes[@]} -gt 0 ] || sizes=(2048 8000)
+[ ${#sizes[@]} -gt 0 ] || sizes=(2048 6700)
 command -v redis-server >/dev/null || {
     echo "error: redis-server is missing (apt-get install redis-server)" >&2
     exit 1
