@@ -108,12 +108,15 @@ impl KvStoreArgs {
 /// `run`'s line about the store.
 pub fn report_line(r: &StoreReport, prompt_tokens: usize) -> String {
     let mut line = format!(
-        "kv store {}: {} of {prompt_tokens} prompt tokens fetched instead of prefilled ({} pages, {}, {:.3} s); {} pages stored ({}, {:.3} s), {} already there",
+        "kv store {}: {} of {prompt_tokens} prompt tokens fetched instead of prefilled ({} pages, {}, {:.3} s: replies {:.3}, checks {:.3}, pool {:.3}); {} pages stored ({}, {:.3} s), {} already there",
         r.addr,
         r.tokens_reused,
         r.pages_fetched,
         fmt_bytes(r.bytes_fetched),
         r.fetch_s,
+        r.fetch_get_s,
+        r.fetch_check_s,
+        r.fetch_restore_s,
         r.pages_stored,
         fmt_bytes(r.bytes_stored),
         r.store_s,

@@ -5,22 +5,45 @@
 //! A key is `{namespace}:{model hash}:{dtype}-{codec}-p{page}-h{heads}x{dim}:{chain}:{layer}`;
 //! the value's header repeats the model hash, the shape, the codec, the position, the previous
 //! chain hash and the page's own token ids, so a page is used only where its own tokens match
-//! the prompt's. The hashes are 64-bit FNV and the checksum is no signature: the store is
+//! the prompt's. The hashes are 64-bit FNV-style and the checksum is no signature: the store is
 //! trusted (anyone who can write to the server can write a page that passes every check).
 
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use expertkv_core::digest::{FNV_OFFSET, fnv1a};
+use expertkv_core::digest::{FNV_OFFSET, fnv1a, hash64};
 use expertkv_core::runtime::Runtime;
 use expertkv_model::forward::GpuLlama;
 
 use crate::value::{PageHeader, StoreCodec, decode, encode};
 use crate::{PageStore, RedisStore, Result, StoreError};
 
-/// Pages asked for per round of a fetch (every layer of each): a fetch stops at the first page
-/// some layer of which is missing, so a cold store costs one round.
+/// Pages asked for in a fetch's first round (every layer of each): a fetch stops at the first
+/// page some layer of which is missing, so a cold store costs one small round. Each later round
+/// asks for twice as many, up to [`FETCH_PAGES_MAX_ROUND`], so a long prefix takes few.
 pub const FETCH_PAGES_PER_ROUND: usize = 8;
+
+/// The most pages a fetch asks for in one round.
+pub const FETCH_PAGES_MAX_ROUND: usize = 256;
+
+/// Each value checked against its expected header and decoded (`None`: the store had no
+/// value), with its stored size; on several threads when there are many.
+fn check_all(values: &[Option<Vec<u8>>], headers: &[PageHeader]) -> Vec<Option<std::result::Result<(Vec<u32>, u64), String>>> {
+    let one = |v: &Option<Vec<u8>>, h: &PageHeader| v.as_ref().map(|v| decode(v, h).map(|w| (w, v.len() as u64)));
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8);
+    if threads < 2 || values.len() < 64 {
+        return values.iter().zip(headers).map(|(v, h)| one(v, h)).collect();
+    }
+    let per = values.len().div_ceil(threads);
+    std::thread::scope(|s| {
+        let parts: Vec<_> = values
+            .chunks(per)
+            .zip(headers.chunks(per))
+            .map(|(vs, hs)| s.spawn(move || vs.iter().zip(hs).map(|(v, h)| one(v, h)).collect::<Vec<_>>()))
+            .collect();
+        parts.into_iter().flat_map(|p| p.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
+    })
+}
 
 /// How to reach and use a store.
 #[derive(Clone, Debug)]
@@ -76,6 +99,12 @@ pub struct StoreReport {
     pub pages_present: u64,
     /// Seconds spent fetching (round trips, checks, decoding, the pool's append).
     pub fetch_s: f64,
+    /// Of which waiting for the store's replies.
+    pub fetch_get_s: f64,
+    /// Of which checking and decoding values.
+    pub fetch_check_s: f64,
+    /// Of which appending the restored K/V into the pool.
+    pub fetch_restore_s: f64,
     /// Seconds spent storing (reading the pool, encoding, round trips; the encoding and the
     /// writes on a thread beside the decoding).
     pub store_s: f64,
@@ -85,9 +114,9 @@ pub struct StoreReport {
     pub first_refusal: Option<String>,
 }
 
-/// FNV-1a 64 of a model file's bytes: the model part of every key and header.
+/// [`hash64`] of a model file's bytes: the model part of every key and header.
 pub fn model_hash(bytes: &[u8]) -> u64 {
-    fnv1a(FNV_OFFSET, bytes)
+    hash64(bytes)
 }
 
 /// The chained hashes of the prompt's full pages: entry 0 is the root (the model hash alone),
@@ -262,9 +291,13 @@ impl PrefixStore {
         let chain = chain_hashes(self.model_hash, &ids[..max_pages * ps], ps as u32);
         let mut kv: Vec<Vec<u32>> = vec![Vec::new(); layers as usize];
         let (mut pages, mut bytes) = (0usize, 0u64);
+        let mut round_pages = FETCH_PAGES_PER_ROUND;
         'rounds: while pages < max_pages {
-            let round: Vec<usize> = (pages..(pages + FETCH_PAGES_PER_ROUND).min(max_pages)).collect();
-            let keys: Vec<String> = round.iter().flat_map(|&p| (0..layers).map(move |l| (p, l))).map(|(p, l)| self.key(m, chain[p + 1], l)).collect();
+            let round: Vec<usize> = (pages..(pages + round_pages).min(max_pages)).collect();
+            round_pages = (round_pages * 2).min(FETCH_PAGES_MAX_ROUND);
+            let wanted: Vec<(usize, u32)> = round.iter().flat_map(|&p| (0..layers).map(move |l| (p, l))).collect();
+            let keys: Vec<String> = wanted.iter().map(|&(p, l)| self.key(m, chain[p + 1], l)).collect();
+            let t_get = Instant::now();
             let values = match self.store.get_many(&keys) {
                 Ok(v) => v,
                 Err(e) => {
@@ -272,22 +305,27 @@ impl PrefixStore {
                     return Ok(0);
                 }
             };
-            for (i, &p) in round.iter().enumerate() {
+            self.report.fetch_get_s += t_get.elapsed().as_secs_f64();
+            let t_check = Instant::now();
+            let headers: Vec<PageHeader> = wanted.iter().map(|&(p, l)| self.header(m, p, chain[p], l, ids)).collect();
+            let checked = check_all(&values, &headers);
+            self.report.fetch_check_s += t_check.elapsed().as_secs_f64();
+            let mut checked = checked.into_iter();
+            for &p in &round {
                 let mut page_words = Vec::with_capacity(layers as usize);
                 let mut page_bytes = 0u64;
                 for l in 0..layers {
-                    let Some(Some(v)) = values.get(i * layers as usize + l as usize) else { break 'rounds };
-                    // `decode` returns exactly a page's words or refuses.
-                    match decode(v, &self.header(m, p, chain[p], l, ids)) {
-                        Ok(w) => {
-                            page_bytes += v.len() as u64;
+                    match checked.next() {
+                        Some(Some(Ok((w, n)))) => {
+                            page_bytes += n;
                             page_words.push(w);
                         }
-                        Err(why) => {
+                        Some(Some(Err(why))) => {
                             self.report.refused += 1;
                             self.report.first_refusal.get_or_insert(format!("page {p}, layer {l}: {why}"));
                             break 'rounds;
                         }
+                        Some(None) | None => break 'rounds,
                     }
                 }
                 for (l, w) in page_words.into_iter().enumerate() {
@@ -299,7 +337,9 @@ impl PrefixStore {
         }
         let n = (pages * ps) as u32;
         if n > 0 {
+            let t_restore = Instant::now();
             pollster::block_on(m.restore_prefix(rt, seq, n, &kv))?;
+            self.report.fetch_restore_s += t_restore.elapsed().as_secs_f64();
         }
         self.report.tokens_reused += n;
         self.report.pages_fetched += (pages * layers as usize) as u64;
@@ -418,5 +458,56 @@ impl PageStore for Busy {
     }
     fn clear(&mut self, _: &str) -> Result<u64> {
         self.refuse()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use expertkv_core::config::KvDtype;
+    use expertkv_core::rng::Rng;
+
+    use super::check_all;
+    use crate::value::{PageHeader, StoreCodec, decode, encode};
+
+    /// The threaded check gives each value's own verdict, in order: missing, refused (another
+    /// layer's header, a flipped byte) and good values mixed over several threads' shares.
+    #[test]
+    fn checking_on_threads_gives_each_values_own_verdict() {
+        let seed = 0xc4ec;
+        let mut rng = Rng::new(seed);
+        let (mut values, mut headers) = (Vec::new(), Vec::new());
+        for i in 0..150u32 {
+            let h = PageHeader {
+                model_hash: 7,
+                prev_chain: u64::from(i),
+                layer: i % 5,
+                kv_heads: 2,
+                head_dim: 8,
+                page_size: 4,
+                dtype: KvDtype::F32,
+                codec: StoreCodec::Raw,
+                first_position: 4 * i,
+                tokens: (0..4).map(|_| rng.below(100)).collect(),
+            };
+            let words: Vec<u32> = (0..4 * h.token_words()).map(|_| rng.below(u32::MAX)).collect();
+            let mut v = Some(encode(&h, &words).expect("encode"));
+            match rng.below(4) {
+                0 => v = None,
+                1 => {
+                    let b = v.as_mut().expect("a value");
+                    let at = rng.below(b.len() as u32) as usize;
+                    b[at] ^= 4;
+                }
+                _ => {}
+            }
+            values.push(v);
+            headers.push(if rng.below(8) == 0 { PageHeader { layer: h.layer + 1, ..h } } else { h });
+        }
+        let got = check_all(&values, &headers);
+        assert_eq!(got.len(), values.len());
+        for (i, ((g, v), h)) in got.into_iter().zip(&values).zip(&headers).enumerate() {
+            let want = v.as_ref().map(|v| decode(v, h).map(|w| (w, v.len() as u64)));
+            assert_eq!(g, want, "seed {seed}: value {i}");
+        }
     }
 }

@@ -112,11 +112,19 @@ impl PageStore for RedisStore {
     }
 
     fn get_many(&mut self, keys: &[String]) -> Result<Vec<Option<Vec<u8>>>> {
+        // MGETs of BATCH_KEYS keys, up to 16 of them in one pipeline (one round trip).
         let mut out = Vec::with_capacity(keys.len());
-        for part in keys.chunks(BATCH_KEYS) {
-            let v: Vec<Option<Vec<u8>>> = redis::cmd("MGET").arg(part).query(&mut self.con).map_err(|e| self.err(e))?;
-            self.check_len(v.len(), part.len(), "MGET")?;
-            out.extend(v);
+        for trip in keys.chunks(BATCH_KEYS * 16) {
+            let mut p = redis::pipe();
+            for part in trip.chunks(BATCH_KEYS) {
+                p.cmd("MGET").arg(part);
+            }
+            let replies: Vec<Vec<Option<Vec<u8>>>> = p.query(&mut self.con).map_err(|e| self.err(e))?;
+            self.check_len(replies.len(), trip.len().div_ceil(BATCH_KEYS), "MGET")?;
+            for (v, part) in replies.into_iter().zip(trip.chunks(BATCH_KEYS)) {
+                self.check_len(v.len(), part.len(), "MGET")?;
+                out.extend(v);
+            }
         }
         Ok(out)
     }

@@ -3,7 +3,7 @@
 //! `{namespace}:spill:{run}:{id}`, each value with a magic, the format version, the run, the id,
 //! the word count and a checksum; a value that fails a check is a lost page, never data.
 
-use expertkv_core::digest::{FNV_OFFSET, fnv1a};
+use expertkv_core::digest::hash64;
 use expertkv_core::evict::flexgen::SpillTier;
 
 use crate::PageStore;
@@ -44,7 +44,7 @@ impl StoreSpill {
         for w in words {
             b.extend_from_slice(&w.to_le_bytes());
         }
-        let sum = fnv1a(FNV_OFFSET, &b);
+        let sum = hash64(&b);
         b.extend_from_slice(&sum.to_le_bytes());
         b
     }
@@ -56,7 +56,7 @@ impl StoreSpill {
         }
         let (body, sum) = b.split_at(b.len() - 8);
         let le64 = |s: &[u8]| s.try_into().ok().map(u64::from_le_bytes);
-        if le64(sum)? != fnv1a(FNV_OFFSET, body) || &body[..4] != MAGIC {
+        if le64(sum)? != hash64(body) || &body[..4] != MAGIC {
             return None;
         }
         let version = u16::from_le_bytes([body[4], body[5]]);

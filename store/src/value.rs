@@ -4,8 +4,9 @@
 //! Layout, little-endian: magic `EKVP`; format version (u16); K/V dtype (u8: 0 f32, 1 f16);
 //! codec (u8: 0 raw, 1 int8, 2 int4); model hash (u64); the chained hash of the prefix before
 //! the page (u64); layer, KV heads, head dim, page size, first position (u32 each); the page's
-//! token ids (`page_size` u32); payload words (u32) and the payload; FNV-1a 64 of every byte
-//! before it (u64).
+//! token ids (`page_size` u32); payload words (u32) and the payload; [`hash64`] of every byte
+//! before it (u64). Version 1 checksummed with FNV-1a a byte at a time, too slow for long
+//! prefixes.
 //!
 //! The payload of a raw page is the append's token-major words (per token, K then V of every
 //! KV head). A compressed page holds, per KV head, the pool codec's encoding of that head's page
@@ -15,13 +16,13 @@
 
 use expertkv_core::append::format::encode_values;
 use expertkv_core::config::{Codec, KvDtype, PoolConfig};
-use expertkv_core::digest::{FNV_OFFSET, fnv1a};
+use expertkv_core::digest::hash64;
 use expertkv_core::reference::compress::{decode_value, encode_page};
 
 use crate::{Result, StoreError};
 
 /// The value format's version; a value of another version is refused.
-pub const FORMAT_VERSION: u16 = 1;
+pub const FORMAT_VERSION: u16 = 2;
 const MAGIC: &[u8; 4] = b"EKVP";
 
 /// How a page's K/V are kept in the store.
@@ -92,7 +93,7 @@ impl StoreCodec {
 /// fetch field by field.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PageHeader {
-    /// FNV-1a 64 of the model file.
+    /// The model file's hash ([`crate::model_hash`]).
     pub model_hash: u64,
     /// The chained hash of the prefix before this page ([`crate::prefix::chain_hashes`]).
     pub prev_chain: u64,
@@ -187,7 +188,7 @@ pub fn encode(h: &PageHeader, words: &[u32]) -> Result<Vec<u8>> {
     for w in &payload {
         b.extend_from_slice(&w.to_le_bytes());
     }
-    let sum = fnv1a(FNV_OFFSET, &b);
+    let sum = hash64(&b);
     b.extend_from_slice(&sum.to_le_bytes());
     Ok(b)
 }
@@ -229,7 +230,7 @@ pub fn decode(bytes: &[u8], want: &PageHeader) -> std::result::Result<Vec<u32>, 
     }
     let (body, sum) = bytes.split_at(bytes.len() - 8);
     let stored = u64::from_le_bytes(sum.try_into().map_err(|_| "checksum".to_string())?);
-    if fnv1a(FNV_OFFSET, body) != stored {
+    if hash64(body) != stored {
         return Err("checksum mismatch".into());
     }
     let mut r = Reader { b: body, at: 0 };
@@ -372,7 +373,7 @@ mod tests {
             let mut old = v.clone();
             old[4] = 9;
             let n = old.len() - 8;
-            let sum = fnv1a(FNV_OFFSET, &old[..n]);
+            let sum = hash64(&old[..n]);
             old[n..].copy_from_slice(&sum.to_le_bytes());
             assert!(decode(&old, &h).is_err_and(|e| e.contains("version")), "seed {seed}");
         }

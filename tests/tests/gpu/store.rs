@@ -190,19 +190,21 @@ fn c_token_bytes(m: &GpuLlama) -> u64 {
 }
 
 /// A page gone from the store (evicted) ends the reused prefix there, and a value replaced by
-/// a foreign one (another model's page under our key, a flipped byte) is refused and counted:
-/// either way the warm run's logits stay the cold run's.
+/// a foreign one (another model's page under our key, a flipped byte) is refused and counted,
+/// in a fetch's first round or its second: either way the warm run's logits stay the cold
+/// run's.
 #[test]
 fn a_missing_or_foreign_page_is_a_miss_not_an_error() {
     let rt = rt();
     let seed = seeds("store_miss", 1)[0];
     let mut rng = Rng::new(seed);
     let c = case(seed, KvDtype::F16);
-    let n = 16 * 6 + 5;
+    // 24 full pages before the last token: a fetch's first round of 8 pages, then one of 16.
+    let n = 16 * 24 + 5;
     let ids: Vec<u32> = (0..n).map(|_| rng.below(256)).collect();
     let (cold_model, cold) = c.cold(rt, &ids, &[]);
-    let (page, layer) = (3usize, 1u32);
-    for what in ["evicted", "foreign", "corrupt"] {
+    let layer = 1u32;
+    for (what, page) in [("evicted", 3usize), ("foreign", 17), ("corrupt", 23)] {
         let mut store = PrefixStore::new(Box::new(MemoryStore::new()), "m", c.hash(), StoreCodec::Raw, None).expect("store");
         store.store(rt, &cold_model, 0, &ids).expect("store");
         let key = store.page_key(&cold_model, &ids, page, layer).expect("a full page");
