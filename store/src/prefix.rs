@@ -289,7 +289,8 @@ impl PrefixStore {
         let layers = m.cfg.block_count;
         let max_pages = ids.len().saturating_sub(1) / ps;
         let chain = chain_hashes(self.model_hash, &ids[..max_pages * ps], ps as u32);
-        let mut kv: Vec<Vec<u32>> = vec![Vec::new(); layers as usize];
+        let words_per_page = ps * m.prefix_token_words();
+        let mut kv: Vec<Vec<u32>> = (0..layers).map(|_| Vec::with_capacity(max_pages * words_per_page)).collect();
         let (mut pages, mut bytes) = (0usize, 0u64);
         let mut round_pages = FETCH_PAGES_PER_ROUND;
         'rounds: while pages < max_pages {

@@ -220,6 +220,11 @@ impl Reader<'_> {
         let lo = u64::from(self.u32()?);
         Ok(lo | (u64::from(self.u32()?) << 32))
     }
+    /// `n` u32 words (bounds checked before anything is allocated).
+    fn words(&mut self, n: usize) -> std::result::Result<Vec<u32>, String> {
+        let bytes = n.checked_mul(4).ok_or_else(|| format!("{n} words at byte {}", self.at))?;
+        Ok(self.take(bytes)?.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+    }
 }
 
 /// The page's token-major words if `bytes` is a value written for exactly `want` (every header
@@ -254,12 +259,12 @@ pub fn decode(bytes: &[u8], want: &PageHeader) -> std::result::Result<Vec<u32>, 
         return Err(format!("a page of another prefix or shape (layer, heads, dim, page, position {fields:?})"));
     }
     let p = want.page_size as usize;
-    let tokens: Vec<u32> = (0..p).map(|_| r.u32()).collect::<std::result::Result<_, _>>()?;
+    let tokens = r.words(p)?;
     if tokens != want.tokens {
         return Err("the page's token ids differ from the prompt's (a hash collision)".into());
     }
     let n = r.u32()? as usize;
-    let payload: Vec<u32> = (0..n).map(|_| r.u32()).collect::<std::result::Result<_, _>>()?;
+    let payload = r.words(n)?;
     if r.at != body.len() {
         return Err(format!("{} bytes past the payload", body.len() - r.at));
     }
