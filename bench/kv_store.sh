@@ -6,10 +6,10 @@
 #      pipeline depth on the same server;
 #   2. time to first token of SmolLM2 for prompts of about 2K and 8K tokens (2,319 and 7,978:
 #      SmolLM2's context is 8,192, and a size of N gives 1.13-1.19 N tokens): a cold prefill
-#      (storing its pages), then a second process with the same prompt (its prefix fetched),
-#      and the same prompt with no store at all, each a fresh process.
+#      (storing its pages), then three more processes with the same prompt (its prefix
+#      fetched), then the same prompt with no store at all, each a fresh process.
 # Usage: bash bench/kv_store.sh [BIN] [SIZES...]   (BIN: target/release/expertkv; SIZES: 2048 6700;
-# 0: the throughput only). RUNS="cold warm" leaves out the run with no store.
+# 0: the throughput only). RUNS="cold warm" runs only those.
 # Needs redis-server and redis-benchmark (Debian's redis-server package) and the model
 # (scripts/fetch_model.sh).
 set -euo pipefail
@@ -55,11 +55,11 @@ print(text[: int(3.6 * n)])
 EOF
 }
 
-echo "== time to first token, SmolLM2 (tokens, ttft_s, tokens fetched, bytes fetched, fetch_s)"
+echo "== time to first token, SmolLM2 (each run a fresh process; the fetch split into the store's replies, checks and the pool's append)"
 for n in "${sizes[@]}"; do
     p=$(prompt_of "$n")
     "$bin" store clear --kv-store "$url" --kv-store-namespace bench >/dev/null
-    for what in ${RUNS:-plain cold warm}; do
+    for what in ${RUNS:-cold warm warm warm plain}; do
         args=(run --prompt "$p" --tokens 1 --json)
         [ $what = plain ] || args+=(--kv-store "$url" --kv-store-namespace bench)
         "$bin" "${args[@]}" 2>/dev/null | grep '^{' | python3 -c '
@@ -67,7 +67,8 @@ import json, sys
 r = json.loads(sys.stdin.read())
 s = r.get("kv_store") or {}
 print(sys.argv[1], len(r["prompt_ids"]), "tokens: ttft_s", round(r["ttft_s"], 3), "reused", s.get("tokens_reused", 0),
-      "fetched_bytes", s.get("bytes_fetched", 0), "fetch_s", round(s.get("fetch_s", 0), 3),
+      "fetched_bytes", s.get("bytes_fetched", 0), "fetch_s", round(s.get("fetch_s", 0), 3), "(replies", round(s.get("fetch_get_s", 0), 3),
+      "checks", round(s.get("fetch_check_s", 0), 3), "pool", str(round(s.get("fetch_restore_s", 0), 3)) + ")",
       "stored_bytes", s.get("bytes_stored", 0), "store_s", round(s.get("store_s", 0), 3), "adapter", r["adapter"])
 ' "$what"
     done
