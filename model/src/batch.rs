@@ -11,12 +11,28 @@
 //! Decoding is greedy. Each sequence's tokens are those it would get alone: the model's kernels
 //! compute every token of a step independently (the same reduction order whatever the batch),
 //! and each sequence's attention reads only its own pages.
+//!
+//! With a [`PrefixCache`] (the page store's prefix reuse), a joining prompt's stored prefix is
+//! restored into its sequence instead of prefilled, and each prompt's full pages are stored once
+//! the prompt has been fed, for later prompts of this run and other processes.
 
 use crate::forward::GpuLlama;
 use crate::math::argmax;
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 use expertkv_core::runtime::Runtime;
+
+/// Prompt pages shared across runs and processes (implemented by `expertkv-store`'s
+/// `PrefixStore`).
+pub trait PrefixCache {
+    /// Restore the longest stored prefix of `ids` into the empty sequence `seq` (whole pages,
+    /// fewer tokens than `ids` holds); returns the tokens restored. A store that fails returns
+    /// 0 and leaves the sequence empty.
+    fn fetch(&mut self, rt: &Runtime, m: &mut GpuLlama, seq: u32, ids: &[u32]) -> Result<u32>;
+    /// Sequence `seq` holds `ids`: store its full pages the store lacks (perhaps on another
+    /// thread, from a copy taken here).
+    fn store(&mut self, rt: &Runtime, m: &GpuLlama, seq: u32, ids: &[u32]) -> Result<()>;
+}
 
 /// One prompt's result.
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
@@ -53,6 +69,8 @@ pub struct BatchStats {
     /// Prompts whose tokens but the last were fed in chunks ([`GpuLlama::prefill`]) when they
     /// joined, rather than one a step.
     pub prefill_passes: u64,
+    /// Prompt tokens restored from a [`PrefixCache`] instead of fed.
+    pub prefix_tokens_reused: u64,
 }
 
 /// A sequence slot's progress.
@@ -72,6 +90,7 @@ pub struct BatchDecoder<'a> {
     pub max_tokens: u32,
     /// Stop a sequence at the end-of-sequence token.
     pub stop_at_eos: bool,
+    prefix: Option<&'a mut dyn PrefixCache>,
 }
 
 impl<'a> BatchDecoder<'a> {
@@ -90,7 +109,20 @@ impl<'a> BatchDecoder<'a> {
         if max_tokens == 0 {
             return Err(Error::Input("max_tokens must be at least 1".into()));
         }
-        Ok(BatchDecoder { llama, tokenizer, max_tokens, stop_at_eos: true })
+        Ok(BatchDecoder { llama, tokenizer, max_tokens, stop_at_eos: true, prefix: None })
+    }
+
+    /// Restore joining prompts' stored prefixes from `cache` and store every prompt's pages in
+    /// it. Refused where the model's pool cannot take a restored prefix (a scheduler, a codec,
+    /// the route stage: [`GpuLlama::prefix_refusal`]).
+    pub fn with_prefix_cache(mut self, cache: &'a mut dyn PrefixCache) -> Result<Self> {
+        if let Some(why) = self.llama.prefix_refusal() {
+            return Err(Error::Input(format!(
+                "a prefix cache restores K/V where a prefill puts them, which needs raw pages and no policy between tokens: {why}"
+            )));
+        }
+        self.prefix = Some(cache);
+        Ok(self)
     }
 
     /// Encode every prompt and check it fits the context with `max_tokens` to generate, before
@@ -155,9 +187,13 @@ impl<'a> BatchDecoder<'a> {
                     stats.prompt_tokens += ids.len() as u64;
                     // All but the prompt's last token in chunks of many tokens a pass, where no
                     // policy acts between tokens; the last goes with the batch's next step.
-                    let mut fed = 0;
-                    if ids.len() > 2 && self.llama.chunked_prefill_refusal().is_none() {
-                        self.llama.prefill(rt, i as u32, &ids[..ids.len() - 1]).await?;
+                    let mut fed = match self.prefix.as_deref_mut() {
+                        Some(cache) => cache.fetch(rt, self.llama, i as u32, &ids)? as usize,
+                        None => 0,
+                    };
+                    stats.prefix_tokens_reused += fed as u64;
+                    if ids.len() > fed + 2 && self.llama.chunked_prefill_refusal().is_none() {
+                        self.llama.prefill(rt, i as u32, &ids[fed..ids.len() - 1]).await?;
                         fed = ids.len() - 1;
                         stats.prefill_passes += 1;
                     }
@@ -190,6 +226,12 @@ impl<'a> BatchDecoder<'a> {
                 s.fed = (s.fed + 1).min(s.ids.len());
                 if s.fed < s.ids.len() && s.generated.is_empty() {
                     continue;
+                }
+                if s.generated.is_empty() {
+                    // The whole prompt is in the pool now: its pages go to the store.
+                    if let Some(cache) = self.prefix.as_deref_mut() {
+                        cache.store(rt, self.llama, i as u32, &s.ids)?;
+                    }
                 }
                 let next = argmax(&logits[i * vocab..(i + 1) * vocab]);
                 s.generated.push(next);

@@ -7,6 +7,7 @@ use expertkv_model::batch::BatchDecoder;
 use expertkv_model::forward::GpuLlama;
 use expertkv_model::forward::MAX_SEQS;
 use expertkv_model::tokenizer::Tokenizer;
+use expertkv_store::PrefixStore;
 
 use crate::run::RunArgs;
 
@@ -43,11 +44,23 @@ pub fn longest(tok: &Tokenizer, prompts: &[String]) -> Result<Vec<u32>> {
 }
 
 /// Decode every prompt, printing each completion as it finishes, then the run's figures.
-pub fn run(rt: &Runtime, m: &mut GpuLlama, tok: &Tokenizer, prompts: &[String], a: &RunArgs) -> Result<()> {
+/// With a page store, joining prompts reuse the stored prefixes (this run's earlier prompts'
+/// too) and every prompt's pages are stored.
+pub fn run(
+    rt: &Runtime,
+    m: &mut GpuLlama,
+    tok: &Tokenizer,
+    prompts: &[String],
+    mut store: Option<&mut PrefixStore>,
+    a: &RunArgs,
+) -> Result<()> {
     let layers = m.cfg.block_count;
     let n = m.n_seqs;
     let t0 = std::time::Instant::now();
     let mut dec = BatchDecoder::new(m, tok, a.tokens)?;
+    if let Some(s) = store.as_deref_mut() {
+        dec = dec.with_prefix_cache(s)?;
+    }
     let (done, stats) = pollster::block_on(dec.run(rt, prompts, |c| {
         if a.json {
             println!("{}", serde_json::to_string(c).unwrap_or_default());
@@ -55,6 +68,9 @@ pub fn run(rt: &Runtime, m: &mut GpuLlama, tok: &Tokenizer, prompts: &[String], 
             println!("[prompt {}, sequence {}, steps {}..{}] {}{}", c.prompt, c.slot, c.steps.0, c.steps.1, prompts[c.prompt], c.text);
         }
     }))?;
+    if let Some(s) = store.as_deref_mut() {
+        s.finish();
+    }
     let secs = t0.elapsed().as_secs_f64();
     let ctl = pollster::block_on(m.pool.read_ctl(rt))?;
     let used = m.pool.cfg.n_pages - ctl.free_top;
@@ -78,7 +94,12 @@ pub fn run(rt: &Runtime, m: &mut GpuLlama, tok: &Tokenizer, prompts: &[String], 
         j["tokens_per_s"] = ((stats.prompt_tokens + stats.generated_tokens) as f64 / secs.max(1e-9)).into();
         j["kv_pages_in_use_after"] = used.into();
         j["adapter"] = rt.info.name.clone().into();
+        j["kv_store"] = serde_json::to_value(store.as_deref().map(|s| &s.report))?;
         println!("{j}");
+    }
+    if let Some(s) = store.as_deref() {
+        crate::store::warn_failed(&s.report);
+        println!("{}", crate::store::report_line(&s.report, stats.prompt_tokens as usize));
     }
     if a.time_steps > 0 {
         // Every sequence decoding at once, back to back, from empty (the batch released them).

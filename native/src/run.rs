@@ -297,9 +297,6 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     };
     let routing = a.routing.routing(shape)?;
     let expert_cache = expert_cache_config(a.expert_slots.as_deref(), &a.expert_policy, &lc)?;
-    if a.store.kv_store.is_some() && batch.is_some() {
-        bail!("--kv-store shares one --prompt's pages; it does not take --prompts yet");
-    }
     // An unreachable or misconfigured store is refused before the model loads. Under FlexGen
     // it is the tier below host memory; otherwise prompts share their prefix pages through it.
     let flexgen = matches!(scheduler, Some((SchedulerConfig::FlexGen, _)));
@@ -388,14 +385,18 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
         m.set_labels(&rt, &experts).context("the labelling router")?;
         println!("labels: {} experts per layer, top-{} per token, the FFN dense; {how}", spec.config.experts, spec.config.top_k);
     }
-    if let Some(prompts) = &batch {
-        return crate::batch::run(&rt, &mut m, &tok, prompts, a);
-    }
     if let (Some((tier, limit)), Some((fg, _))) = (spill, m.flexgen.as_mut()) {
         fg.set_spill(Box::new(tier), limit)?;
     }
     if let (Some(_), Some(why)) = (&kv_store, m.prefix_refusal()) {
         bail!("--kv-store restores a prefix where a prefill would have put it, which needs raw pages and no policy between tokens: {why}");
+    }
+    if let Some(prompts) = &batch {
+        crate::batch::run(&rt, &mut m, &tok, prompts, kv_store.as_mut(), a)?;
+        if let Some((fg, _)) = m.flexgen.as_mut() {
+            fg.release_spilled();
+        }
+        return Ok(());
     }
     print!("{}", a.prompt);
     std::io::stdout().flush()?;

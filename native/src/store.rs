@@ -59,7 +59,11 @@ impl KvStoreArgs {
     /// The store's options, or `None` without `--kv-store`.
     pub fn options(&self) -> Result<Option<StoreOptions>> {
         let Some(url) = &self.kv_store else {
-            if self.kv_store_ttl.is_some() || self.kv_store_max_bytes.is_some() || self.kv_store_codec != "raw" || self.kv_store_host_pages.is_some() {
+            if self.kv_store_ttl.is_some()
+                || self.kv_store_max_bytes.is_some()
+                || self.kv_store_codec != "raw"
+                || self.kv_store_host_pages.is_some()
+            {
                 bail!("--kv-store-ttl, --kv-store-codec, --kv-store-max-bytes and --kv-store-host-pages need --kv-store URL");
             }
             return Ok(None);
@@ -92,7 +96,9 @@ impl KvStoreArgs {
     pub fn spill(&self) -> Result<Option<(StoreSpill, u32)>> {
         let Some(opts) = self.options()? else { return Ok(None) };
         if opts.codec != StoreCodec::Raw || opts.ttl_s.is_some() {
-            bail!("--kv-store-codec and --kv-store-ttl apply to prefix pages; FlexGen's spilled pages are raw and removed when the run ends");
+            bail!(
+                "--kv-store-codec and --kv-store-ttl apply to prefix pages; FlexGen's spilled pages are raw and removed when the run ends"
+            );
         }
         expertkv_store::check_namespace(&opts.namespace)?;
         let mut r = RedisStore::connect(&opts.url, opts.timeout).with_context(|| format!("--kv-store {}", redact(&opts.url)))?;
@@ -228,9 +234,8 @@ fn bench(b: &BenchArgs) -> Result<()> {
     let mut s = connect(&b.target)?;
     let ns = format!("{}-bench", b.target.kv_store_namespace);
     let mut rng = Rng::new(0xbe9c);
-    let items: Vec<(String, Vec<u8>)> = (0..b.values)
-        .map(|i| (format!("{ns}:{i}"), (0..size).map(|_| rng.next_u32() as u8).collect()))
-        .collect();
+    let items: Vec<(String, Vec<u8>)> =
+        (0..b.values).map(|i| (format!("{ns}:{i}"), (0..size).map(|_| rng.next_u32() as u8).collect())).collect();
     let keys: Vec<String> = items.iter().map(|i| i.0.clone()).collect();
     let total = size * u64::from(b.values);
     let (mut put, mut get) = (Vec::new(), Vec::new());

@@ -572,13 +572,17 @@ fn skip(test: &str, why: &str) {
 }
 
 /// `run --kv-store`: a second process given the same prompt fetches the first's full pages
-/// instead of prefilling them and generates the same tokens; `store stats`, `clear` and
+/// instead of prefilling them and generates the same tokens, and so does a prompt of a
+/// continuously batched run that joins after its twin was fed; `store stats`, `clear` and
 /// `bench` on the same server; FlexGen spilling its host tier to the store gives the tokens of
 /// FlexGen alone; an unreachable server and store options without a store are refused by name.
 #[test]
 fn a_second_process_reuses_the_first_ones_prefix_pages() {
     let Ok(url) = std::env::var("EXPERTKV_REDIS_URL") else {
-        return skip("a_second_process_reuses_the_first_ones_prefix_pages", "EXPERTKV_REDIS_URL is not set (scripts/test.sh starts a Redis server)");
+        return skip(
+            "a_second_process_reuses_the_first_ones_prefix_pages",
+            "EXPERTKV_REDIS_URL is not set (scripts/test.sh starts a Redis server)",
+        );
     };
     let path = tmp("store.gguf");
     let p = path.to_str().expect("utf-8 path");
@@ -587,7 +591,8 @@ fn a_second_process_reuses_the_first_ones_prefix_pages() {
     ok(&["store", "clear", "--kv-store", &url, "--kv-store-namespace", &ns]);
     let prompt = "the quick brown fox jumps over the lazy dog, twice over";
     let run = || {
-        let out = ok(&["run", "--model", p, "--prompt", prompt, "--tokens", "4", "--json", "--kv-store", &url, "--kv-store-namespace", &ns]);
+        let out =
+            ok(&["run", "--model", p, "--prompt", prompt, "--tokens", "4", "--json", "--kv-store", &url, "--kv-store-namespace", &ns]);
         let line = out.lines().rev().find(|l| l.starts_with('{')).expect("json line").to_string();
         (out, serde_json::from_str::<serde_json::Value>(&line).expect("json"))
     };
@@ -602,7 +607,21 @@ fn a_second_process_reuses_the_first_ones_prefix_pages() {
     assert_eq!(warm["generated_ids"], cold["generated_ids"], "{out}");
     assert!(out.contains("prompt tokens fetched instead of prefilled"), "{out}");
     // A MoEfied run labels its tokens (the route stage): refused by name, before any output.
-    let o = expertkv(&["run", "--model", p, "--prompt", prompt, "--tokens", "1", "--moe", "4:2", "--kv-store", &url, "--kv-store-namespace", &ns]);
+    let o = expertkv(&[
+        "run",
+        "--model",
+        p,
+        "--prompt",
+        prompt,
+        "--tokens",
+        "1",
+        "--moe",
+        "4:2",
+        "--kv-store",
+        &url,
+        "--kv-store-namespace",
+        &ns,
+    ]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("the route stage labels every token"), "{err}");
     assert!(!String::from_utf8_lossy(&o.stdout).contains(prompt), "the prompt printed before the refusal");
@@ -611,6 +630,38 @@ fn a_second_process_reuses_the_first_ones_prefix_pages() {
     assert_eq!(stats["keys"].as_u64(), Some(n / 16 * 2), "{stats}");
     assert_eq!(stats["models"], 1, "{stats}");
     assert!(ok(&["store", "clear", "--kv-store", &url, "--kv-store-namespace", &ns]).contains(&format!("deleted {} keys", n / 16 * 2)));
+    // Continuous batching: the third prompt joins once the first has been fed and stored, and
+    // reuses its pages; both generate the single run's tokens.
+    let prompts = tmp("store_prompts.txt");
+    std::fs::write(&prompts, format!("{prompt}\nan unrelated line of text, long enough for two full pages of tokens\n{prompt}\n"))
+        .expect("write");
+    let out = ok(&[
+        "run",
+        "--model",
+        p,
+        "--prompts",
+        prompts.to_str().expect("utf-8"),
+        "--batch",
+        "2",
+        "--tokens",
+        "4",
+        "--json",
+        "--kv-store",
+        &url,
+        "--kv-store-namespace",
+        &ns,
+    ]);
+    let lines: Vec<serde_json::Value> =
+        out.lines().filter(|l| l.starts_with('{')).map(|l| serde_json::from_str(l).expect("json")).collect();
+    let done: Vec<&serde_json::Value> = lines.iter().filter(|j| j.get("generated_ids").is_some()).collect();
+    assert_eq!(done.len(), 3, "{out}");
+    for c in done.iter().filter(|c| c["prompt"] != 1) {
+        assert_eq!(c["generated_ids"], cold["generated_ids"], "{out}");
+    }
+    let summary = lines.last().expect("the batch's line");
+    assert!(summary["kv_store"]["tokens_reused"].as_u64().is_some_and(|r| r >= (n - 1) / 16 * 16), "{out}");
+    assert!(out.contains("prompt tokens fetched instead of prefilled"), "{out}");
+    ok(&["store", "clear", "--kv-store", &url, "--kv-store-namespace", &ns]);
     let bench = ok(&["store", "bench", "--kv-store", &url, "--kv-store-namespace", &ns, "--values", "50", "--rounds", "1"]);
     let b: serde_json::Value = serde_json::from_str(bench.lines().find(|l| l.starts_with('{')).expect("json")).expect("json");
     assert!(b["fetch_gb_per_s"].as_f64().is_some_and(|g| g > 0.0) && b["store_gb_per_s"].as_f64().is_some_and(|g| g > 0.0), "{b}");
@@ -629,7 +680,10 @@ fn a_second_process_reuses_the_first_ones_prefix_pages() {
     assert!(out.contains("the page store holds") && out.contains(", 0 lost)") && !out.contains("warning:"), "{out}");
     let sent = out.split(" sent,").next().and_then(|s| s.rsplit('(').next()).and_then(|s| s.trim().parse::<u64>().ok());
     assert!(sent.is_some_and(|n| n > 0), "{out}");
-    assert!(ok(&["store", "stats", "--kv-store", &url, "--kv-store-namespace", &ns]).contains(": 0 keys under"), "spilled pages left behind");
+    assert!(
+        ok(&["store", "stats", "--kv-store", &url, "--kv-store-namespace", &ns]).contains(": 0 keys under"),
+        "spilled pages left behind"
+    );
     // Refusals, before the model loads.
     let o = expertkv(&["run", "--model", p, "--prompt", prompt, "--kv-store", "redis://127.0.0.1:1/0"]);
     let err = String::from_utf8_lossy(&o.stderr);
@@ -644,5 +698,9 @@ fn a_second_process_reuses_the_first_ones_prefix_pages() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && !err.contains("hunter2") && err.contains("***"), "{err}");
     let o = expertkv(&["run", "--model", p, "--prompt", prompt, "--kv-store", &url, "--codec", "int8"]);
-    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("a page codec is on"), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        !o.status.success() && String::from_utf8_lossy(&o.stderr).contains("a page codec is on"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
 }

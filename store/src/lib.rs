@@ -75,6 +75,16 @@ pub enum StoreError {
     Model(#[from] expertkv_core::Error),
 }
 
+impl StoreError {
+    /// As the model's error type (a model error as it was; the store's own as bad input).
+    pub fn into_core(self) -> expertkv_core::Error {
+        match self {
+            StoreError::Model(e) => e,
+            other => expertkv_core::Error::Input(other.to_string()),
+        }
+    }
+}
+
 /// Result of the store's operations.
 pub type Result<T> = std::result::Result<T, StoreError>;
 

@@ -419,6 +419,16 @@ impl PrefixStore {
     }
 }
 
+impl expertkv_model::batch::PrefixCache for PrefixStore {
+    fn fetch(&mut self, rt: &Runtime, m: &mut GpuLlama, seq: u32, ids: &[u32]) -> expertkv_core::Result<u32> {
+        PrefixStore::fetch(self, rt, m, seq, ids).map_err(StoreError::into_core)
+    }
+
+    fn store(&mut self, rt: &Runtime, m: &GpuLlama, seq: u32, ids: &[u32]) -> expertkv_core::Result<()> {
+        self.store_in_background(rt, m, seq, ids).map_err(StoreError::into_core)
+    }
+}
+
 /// What a background write hands back: the connection, and the pages and bytes it wrote.
 struct Written {
     store: Box<dyn PageStore>,

@@ -31,7 +31,8 @@ impl RedisStore {
         }
         let client = redis::Client::open(url).map_err(|e| StoreError::Options(format!("`{shown}`: {e}")))?;
         let addr = format!("{}", client.get_connection_info().addr());
-        let con = client.get_connection_with_timeout(timeout).map_err(|e| StoreError::Connect { addr: addr.clone(), message: e.to_string() })?;
+        let con =
+            client.get_connection_with_timeout(timeout).map_err(|e| StoreError::Connect { addr: addr.clone(), message: e.to_string() })?;
         let set = |con: &redis::Connection| -> redis::RedisResult<()> {
             con.set_read_timeout(Some(timeout))?;
             con.set_write_timeout(Some(timeout))
@@ -62,12 +63,7 @@ impl RedisStore {
     /// on it. A key the server evicts is a miss.
     pub fn set_max_memory(&mut self, bytes: u64) -> Result<()> {
         redis::cmd("CONFIG").arg("SET").arg("maxmemory").arg(bytes).query::<()>(&mut self.con).map_err(|e| self.err(e))?;
-        redis::cmd("CONFIG")
-            .arg("SET")
-            .arg("maxmemory-policy")
-            .arg("allkeys-lru")
-            .query::<()>(&mut self.con)
-            .map_err(|e| self.err(e))
+        redis::cmd("CONFIG").arg("SET").arg("maxmemory-policy").arg("allkeys-lru").query::<()>(&mut self.con).map_err(|e| self.err(e))
     }
 
     fn info_memory(&mut self) -> (Option<u64>, Option<u64>) {

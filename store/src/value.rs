@@ -150,7 +150,12 @@ pub fn encode(h: &PageHeader, words: &[u32]) -> Result<Vec<u8>> {
     h.codec.check(h.dtype, h.head_dim)?;
     let (p, tw, vw, hkv) = (h.page_size as usize, h.token_words(), h.vec_words(), h.kv_heads as usize);
     if words.len() != p * tw || h.tokens.len() != p {
-        return Err(StoreError::Options(format!("a page of {} words and {} tokens; {} and {p} expected", words.len(), h.tokens.len(), p * tw)));
+        return Err(StoreError::Options(format!(
+            "a page of {} words and {} tokens; {} and {p} expected",
+            words.len(),
+            h.tokens.len(),
+            p * tw
+        )));
     }
     let payload: Vec<u32> = match h.codec {
         StoreCodec::Raw => words.to_vec(),
@@ -326,7 +331,8 @@ mod tests {
     }
 
     fn page(h: &PageHeader, rng: &mut Rng) -> (Vec<f32>, Vec<u32>) {
-        let vals: Vec<f32> = (0..h.page_size as usize * 2 * h.kv_heads as usize * h.head_dim as usize).map(|_| rng.normal() as f32).collect();
+        let vals: Vec<f32> =
+            (0..h.page_size as usize * 2 * h.kv_heads as usize * h.head_dim as usize).map(|_| rng.normal() as f32).collect();
         let mut w = Vec::new();
         encode_values(&vals, h.dtype, &mut w);
         (vals, w)
@@ -338,7 +344,12 @@ mod tests {
     fn values_round_trip_and_foreign_values_are_refused() {
         let seed = 0x5701e;
         let mut rng = Rng::new(seed);
-        for (codec, dtype) in [(StoreCodec::Raw, KvDtype::F32), (StoreCodec::Raw, KvDtype::F16), (StoreCodec::Int8, KvDtype::F16), (StoreCodec::Int4, KvDtype::F16)] {
+        for (codec, dtype) in [
+            (StoreCodec::Raw, KvDtype::F32),
+            (StoreCodec::Raw, KvDtype::F16),
+            (StoreCodec::Int8, KvDtype::F16),
+            (StoreCodec::Int4, KvDtype::F16),
+        ] {
             let h = header(codec, dtype, &mut rng);
             let (vals, words) = page(&h, &mut rng);
             let v = encode(&h, &words).expect("encode");
@@ -356,7 +367,11 @@ mod tests {
                 assert!(worst < tol, "seed {seed}: {codec:?} worst error {worst}");
                 assert!(worst > 0.0, "seed {seed}: {codec:?} decoded exactly: not compressed?");
                 let raw_bytes = 4 * words.len();
-                assert!(v.len() * 100 < raw_bytes * if codec == StoreCodec::Int8 { 65 } else { 40 }, "{codec:?}: {} bytes of {raw_bytes}", v.len());
+                assert!(
+                    v.len() * 100 < raw_bytes * if codec == StoreCodec::Int8 { 65 } else { 40 },
+                    "{codec:?}: {} bytes of {raw_bytes}",
+                    v.len()
+                );
             }
             // Each field of the header in turn.
             let others = [

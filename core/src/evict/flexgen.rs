@@ -160,7 +160,8 @@ impl FlexGen {
                 .iter()
                 .flat_map(|(&li, pages)| pages.iter().enumerate().filter(|(_, p)| p.spilled.is_none()).map(move |(i, p)| (li, i, p)))
                 .map(|(li, i, p)| {
-                    let mass: f64 = (0..p.fill as usize).map(|s| f64::from(f32::from_bits(p.meta[s * mw + meta::attn(c.top_k as usize)]))).sum();
+                    let mass: f64 =
+                        (0..p.fill as usize).map(|s| f64::from(f32::from_bits(p.meta[s * mw + meta::attn(c.top_k as usize)]))).sum();
                     (mass, li, i)
                 })
                 .collect();
@@ -174,8 +175,7 @@ impl FlexGen {
         }
         let chosen = &resident[..over];
         let ids: Vec<u64> = (0..over as u64).map(|k| sp.next_id + k).collect();
-        let pages: Vec<(u64, &[u32])> =
-            chosen.iter().zip(&ids).map(|(&(_, li, i), &id)| (id, self.host[&li][i].data.as_slice())).collect();
+        let pages: Vec<(u64, &[u32])> = chosen.iter().zip(&ids).map(|(&(_, li, i), &id)| (id, self.host[&li][i].data.as_slice())).collect();
         match sp.tier.put_many(&pages) {
             Ok(()) => {
                 sp.next_id += over as u64;
@@ -298,7 +298,15 @@ impl FlexGen {
                 let hi = bounds[page as usize * 2 * d + d..page as usize * 2 * d + 2 * d].to_vec();
                 self.stats.bytes_to_host += c.page_bytes();
                 self.stats.offloaded_pages += 1;
-                self.host.entry(li as u32).or_default().push(HostPage { key: key as u32, fill, data, meta: meta_words, lo, hi, spilled: None });
+                self.host.entry(li as u32).or_default().push(HostPage {
+                    key: key as u32,
+                    fill,
+                    data,
+                    meta: meta_words,
+                    lo,
+                    hi,
+                    spilled: None,
+                });
                 // Out of its ring (order kept), back on the free stack.
                 let order: Vec<u32> = Self::ring_order(&t, key, r).into_iter().filter(|p| *p != page).collect();
                 let tail_fill = t.rings[key].fill;

@@ -148,7 +148,16 @@ impl GpuLlama {
     }
 
     #[allow(clippy::too_many_arguments)]
-    async fn append_prefix(&mut self, rt: &Runtime, seq: u32, n: u32, kv: &[Vec<u32>], all: &[(u32, u32)], batch: usize, k: usize) -> Result<()> {
+    async fn append_prefix(
+        &mut self,
+        rt: &Runtime,
+        seq: u32,
+        n: u32,
+        kv: &[Vec<u32>],
+        all: &[(u32, u32)],
+        batch: usize,
+        k: usize,
+    ) -> Result<()> {
         let tw = self.prefix_token_words();
         for part in all.chunks(batch) {
             let tokens: Vec<NewToken> = part

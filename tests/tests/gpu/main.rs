@@ -26,5 +26,5 @@ mod model;
 mod ops;
 mod pipeline;
 mod prefill;
-mod store;
 mod runtime;
+mod store;

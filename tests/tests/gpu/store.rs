@@ -10,8 +10,10 @@ use expertkv_core::config::KvDtype;
 use expertkv_core::rng::Rng;
 use expertkv_core::runtime::Runtime;
 use expertkv_model::SyntheticModel;
+use expertkv_model::batch::{BatchDecoder, BatchStats, Completion};
 use expertkv_model::forward::{GpuLlama, ModelOptions, PREFILL_CHUNK};
 use expertkv_model::gguf::{GgmlType, Gguf};
+use expertkv_model::tokenizer::Tokenizer;
 use expertkv_store::prefix::model_hash;
 use expertkv_store::{MemoryStore, PageStore, PrefixStore, RedisStore, StoreCodec, StoreError};
 
@@ -105,7 +107,8 @@ impl Case {
 }
 
 fn case(seed: u64, dtype: KvDtype) -> Case {
-    let spec = SyntheticModel { heads: 4, kv_heads: 2, head_dim: Some(64), context: 512, ..SyntheticModel::dense(seed) }.with_weights(GgmlType::Q8_0);
+    let spec = SyntheticModel { heads: 4, kv_heads: 2, head_dim: Some(64), context: 512, ..SyntheticModel::dense(seed) }
+        .with_weights(GgmlType::Q8_0);
     Case { file: spec.gguf(), opts: ModelOptions::new(1, 400).dtype(dtype) }
 }
 
@@ -135,7 +138,9 @@ fn a_prefix_from_the_store_gives_the_cold_prefill_logits() {
         let ctx = format!("seed {seed}: {dtype:?} K/V, {n} prompt tokens");
         let (cold_model, cold) = c.cold(rt, &ids, &next);
         let backends: Vec<(&str, Box<dyn PageStore>)> = match &redis {
-            Some(url) => vec![("memory", Box::new(MemoryStore::new())), ("redis", Box::new(RedisStore::connect(url, TIMEOUT).expect("redis")))],
+            Some(url) => {
+                vec![("memory", Box::new(MemoryStore::new())), ("redis", Box::new(RedisStore::connect(url, TIMEOUT).expect("redis")))]
+            }
             None => vec![("memory", Box::new(MemoryStore::new()))],
         };
         for (name, backend) in backends {
@@ -179,7 +184,11 @@ fn a_prefix_from_the_store_gives_the_cold_prefill_logits() {
                 let err = max_rel(&warm[0], &cold[0]);
                 assert!(err <= tol && err > 0.0, "{ctx}: {codec:?}: logits differ by {err} of their scale");
                 let raw_bytes = u64::from(reused) * c_token_bytes(&cold_model);
-                assert!(store.report.bytes_fetched * 100 < raw_bytes * if codec == StoreCodec::Int8 { 65 } else { 40 }, "{ctx}: {codec:?}: {} bytes for {raw_bytes} raw", store.report.bytes_fetched);
+                assert!(
+                    store.report.bytes_fetched * 100 < raw_bytes * if codec == StoreCodec::Int8 { 65 } else { 40 },
+                    "{ctx}: {codec:?}: {} bytes for {raw_bytes} raw",
+                    store.report.bytes_fetched
+                );
             }
         }
     }
@@ -252,7 +261,9 @@ fn concurrent_writers_and_a_killed_server() {
     let ids: Vec<u32> = (0..n).map(|_| rng.below(256)).collect();
     let (cold_model, cold) = c.cold(rt, &ids, &[]);
     drop(cold_model);
-    let connect = |url: &str| PrefixStore::new(Box::new(RedisStore::connect(url, TIMEOUT).expect("redis")), "w", c.hash(), StoreCodec::Raw, None).expect("store");
+    let connect = |url: &str| {
+        PrefixStore::new(Box::new(RedisStore::connect(url, TIMEOUT).expect("redis")), "w", c.hash(), StoreCodec::Raw, None).expect("store")
+    };
     std::thread::scope(|s| {
         for _ in 0..2 {
             let url = server.url.clone();
@@ -341,4 +352,55 @@ fn flexgen_spills_its_coldest_host_pages_to_the_store() {
     assert!(failed.contains("127.0.0.1"), "{failed}");
     assert!(got.iter().flatten().all(|x| x.is_finite()), "seed {seed}");
     assert_eq!(got[..30], want[..30], "seed {seed}: the steps before the kill");
+}
+
+/// Continuous batching with a store: a prompt joining after an earlier one with the same prefix
+/// was fed reuses its pages in the same run, and a second run (another model, the same store)
+/// reuses every prompt's full pages; every completion is the run without a store's, token for
+/// token. A model with a scheduler is refused a prefix cache, by name.
+#[test]
+fn continuous_batching_reuses_prefixes_within_and_across_runs() {
+    let rt = rt();
+    let seed = seeds("store_batch", 1)[0];
+    let mut rng = Rng::new(seed);
+    let spec = SyntheticModel { heads: 4, kv_heads: 2, head_dim: Some(64), context: 512, ..SyntheticModel::dense(seed) }
+        .with_weights(GgmlType::Q8_0);
+    let file = spec.gguf();
+    let g = Gguf::parse(&file).expect("gguf");
+    let tok = Tokenizer::from_gguf(&g).expect("tokenizer");
+    let word = |rng: &mut Rng| -> String { (0..3 + rng.below(5)).map(|_| char::from(b'a' + rng.below(26) as u8)).collect() };
+    let text = |rng: &mut Rng, words: u32| -> String { (0..words).map(|_| word(rng)).collect::<Vec<_>>().join(" ") };
+    let shared = text(&mut rng, 30);
+    // Two sequences: prompts 0 and 1 join at once (1 cannot reuse 0's pages yet); 3 joins once
+    // 0 has been fed and stored.
+    let prompts =
+        vec![shared.clone(), format!("{shared} {}", text(&mut rng, 4)), text(&mut rng, 25), format!("{shared} {}", text(&mut rng, 6))];
+    let opts = ModelOptions::new(2, 400);
+    let run = |store: Option<&mut PrefixStore>| -> (Vec<Completion>, BatchStats) {
+        let mut m = pollster::block_on(GpuLlama::load(rt, &g, opts.clone())).expect("load");
+        let mut dec = BatchDecoder::new(&mut m, &tok, 4).expect("decoder");
+        if let Some(s) = store {
+            dec = dec.with_prefix_cache(s).expect("a prefix cache");
+        }
+        pollster::block_on(dec.run(rt, &prompts, |_| ())).expect("batch")
+    };
+    let (alone, _) = run(None);
+    let ids: Vec<usize> = alone.iter().map(|c| c.prompt_ids.len()).collect();
+    let full = |i: usize| ((ids[i] - 1) / 16 * 16) as u64;
+    let mut store = PrefixStore::new(Box::new(MemoryStore::new()), "batch", model_hash(&file), StoreCodec::Raw, None).expect("store");
+    let (first, stats) = run(Some(&mut store));
+    store.finish();
+    assert_eq!(first, alone, "seed {seed}: the first run with a store");
+    // Prompt 3 shares prompt 0's full pages (prompt 0 is a prefix of it).
+    assert!(stats.prefix_tokens_reused >= (ids[0] / 16 * 16) as u64, "seed {seed}: reused {} within the run", stats.prefix_tokens_reused);
+    let (second, stats) = run(Some(&mut store));
+    assert_eq!(second, alone, "seed {seed}: the second run");
+    assert_eq!(stats.prefix_tokens_reused, (0..4).map(full).sum::<u64>(), "seed {seed}: the second run reuses every full page");
+    assert_eq!(store.report.refused, 0);
+    // A scheduler evicts between tokens: a restored prefix would not be where it put it.
+    let h2o = expertkv_core::evict::config::SchedulerConfig::parse("h2o").expect("h2o");
+    let evicting = opts.clone().scheduler(Some((h2o, 64)));
+    let mut m = pollster::block_on(GpuLlama::load(rt, &g, evicting)).expect("load");
+    let dec = BatchDecoder::new(&mut m, &tok, 4).expect("decoder");
+    assert!(dec.with_prefix_cache(&mut store).is_err_and(|e| e.to_string().contains("prefix")));
 }
