@@ -501,6 +501,39 @@ impl PoolConfig {
         by_bytes.min(by_index).min(u64::from(self.n_pages)) as u32
     }
 
+    /// Bytes [`crate::append::KvPool::new`] allocates for this pool on a device whose storage
+    /// bindings hold `max_binding` bytes: its K/V pages (raw and compressed) and every table
+    /// that lives as long as the pool (rings, page tables and lists, slot metadata, free stacks,
+    /// the low-rank basis). Per-step scratch, sized by each append, is not included. Equal to
+    /// [`crate::append::KvPool::pool_bytes_allocated`] once allocated.
+    pub fn pool_bytes(&self, max_binding: u64) -> u64 {
+        let buf = |bytes: u64| bytes.max(4).next_multiple_of(4);
+        let ppb = self.pages_per_buffer(max_binding).max(1);
+        let mut kv = 0;
+        let mut first = 0;
+        while first < self.n_pages {
+            let count = ppb.min(self.n_pages - first);
+            kv += buf(u64::from(count) * self.page_bytes());
+            first += count;
+        }
+        let codec_pages = u64::from(self.n_ids() - self.n_pages);
+        let slots = u64::from(self.n_ids()) * u64::from(self.page_size);
+        let tables = [
+            u64::from(self.n_keys()) * 16,
+            u64::from(self.n_keys()) * u64::from(self.ring_capacity) * 4,
+            u64::from(self.n_ids()) * 8,
+            u64::from(self.n_pages) * 4,
+            std::mem::size_of::<crate::gpu_data::PoolCtl>() as u64,
+            codec_pages * self.codec_page_bytes(),
+            codec_pages * 4,
+            self.basis_words() * 4,
+            slots * u64::from(self.meta_words()) * 4,
+            u64::from(self.n_lists()) * u64::from(self.max_pages_per_seq()) * 4,
+            u64::from(self.n_lists()) * 4,
+        ];
+        kv + tables.into_iter().map(buf).sum::<u64>()
+    }
+
     /// u32 words of one raw page: K then V of one KV head for `page_size` slots
     /// ([`PoolConfig::page_bytes`] / 4).
     pub fn page_words(&self) -> u32 {

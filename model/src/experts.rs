@@ -92,6 +92,44 @@ pub struct ExpertCache {
     pub last: ExpertTraffic,
 }
 
+/// What a MoE file's experts take on the GPU, before any is uploaded (what
+/// [`MoeFfn::gpu_bytes`] measures once they are).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExpertBytes {
+    /// One slot in every layer: an expert's gate, up and down weights as the kernels read them.
+    pub per_slot: u64,
+    /// Whatever the slots count: every layer's slot table.
+    pub fixed: u64,
+}
+
+impl ExpertBytes {
+    /// The experts of file `g` (`c` its configuration); `None` for a dense FFN.
+    pub fn of(g: &Gguf<'_>, c: &LlamaConfig) -> Result<Option<ExpertBytes>> {
+        let (e, h, f) = (c.expert_count, c.embedding_length, c.feed_forward_length);
+        if e == 0 {
+            return Ok(None);
+        }
+        let words = |fmt: WeightFormat, rows: u32, cols: u32| {
+            u64::from(rows) * u64::from(cols) / fmt.block_weights() as u64 * fmt.gpu_block_words() as u64
+        };
+        let pad = |bytes: u64| bytes.max(4).next_multiple_of(4);
+        let (mut per_slot, mut fixed) = (0, 0);
+        for l in 0..c.block_count {
+            let name = |s: &str| format!("blk.{l}.{s}.weight");
+            let fg = same_format(g, &name("ffn_gate_exps"), &name("ffn_up_exps"))?;
+            let fd = tensor_format(g, &name("ffn_down_exps"))?;
+            per_slot += 4 * (words(fg, 2 * f, h) + words(fd, h, f));
+            fixed += pad(4 * u64::from(e));
+        }
+        Ok(Some(ExpertBytes { per_slot, fixed }))
+    }
+
+    /// Bytes of `slots` slots per layer (every expert resident: `slots` = the expert count).
+    pub fn with_slots(&self, slots: u32) -> u64 {
+        self.fixed + self.per_slot * u64::from(slots)
+    }
+}
+
 /// The fewest slots a layer needs: every expert one step of `n_seqs` tokens can choose
 /// (`top_k` each) resident at once.
 pub fn min_slots(n_seqs: u32, top_k: u32, n_experts: u32) -> u32 {

@@ -295,6 +295,16 @@ impl MoeFfn {
         })
     }
 
+    /// Bytes its buffers take on the GPU: the experts' (or slots') gate/up and down weights and
+    /// the slot table.
+    pub fn gpu_bytes(&self) -> u64 {
+        let down = match &self.down {
+            MoeDown::Transposed(b) => b.size(),
+            MoeDown::Experts(m) => m.buffer.size(),
+        };
+        self.gate_up.buffer.size() + down + self.offsets.size()
+    }
+
     /// Room for `slots` of a MoE file's `n_experts` experts of `f` neurons (gate/up in `format`,
     /// down in `down_format`), none resident: the GPU tier of an expert cache
     /// ([`crate::experts::ExpertCache`] writes experts into slots and the slot table).

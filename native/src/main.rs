@@ -9,6 +9,7 @@ mod batch;
 mod bench;
 mod demo;
 mod eval;
+mod gpu_mem;
 mod info;
 mod plan;
 mod plot;

@@ -87,9 +87,15 @@ pub struct RunArgs {
     /// between a layer's router and its experts [default: every expert on the GPU].
     #[arg(long)]
     expert_slots: Option<String>,
-    /// Which expert leaves a slot for a missing one: lru or lfu (with --expert-slots).
+    /// Which expert leaves a slot for a missing one: lru or lfu (with --expert-slots or --gpu-mem).
     #[arg(long, default_value = "lru")]
     expert_policy: String,
+    /// One GPU memory budget (bytes, with K, M or G) for the K/V pool and a MoE file's experts:
+    /// the pool the run needs first, then as many expert slots per layer as the rest holds (the
+    /// others in host memory). A budget too small for the pool and one step's experts is refused
+    /// with the minimum. The rest of the model's weights are outside it.
+    #[arg(long, value_name = "BYTES")]
+    gpu_mem: Option<String>,
     /// End with one JSON line: the prompt's and the generated token ids, the text, the timings
     /// and the K/V in use (what scripts and the browser test compare).
     #[arg(long)]
@@ -297,6 +303,9 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     };
     let routing = a.routing.routing(shape)?;
     let expert_cache = expert_cache_config(a.expert_slots.as_deref(), &a.expert_policy, &lc)?;
+    if a.gpu_mem.is_some() && expert_cache.is_some() {
+        bail!("--gpu-mem sets the expert slots from the budget: give it or --expert-slots, not both");
+    }
     // An unreachable or misconfigured store is refused before the model loads. Under FlexGen
     // it is the tier below host memory; otherwise prompts share their prefix pages through it.
     let flexgen = matches!(scheduler, Some((SchedulerConfig::FlexGen, _)));
@@ -305,20 +314,30 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     let rt = gpu.runtime()?;
     println!("adapter: {} ({:?})", rt.info.name, rt.info.backend);
     let context = prompt.len() as u32 + a.tokens + 1 + a.time_steps;
+    let opts = ModelOptions::new(a.batch, context)
+        .dtype(dtype)
+        .scheduler(scheduler.clone())
+        .codec(codec)
+        .routing(routing)
+        .pyramid(a.pyramid)
+        .threshold(threshold)
+        .expert_cache(expert_cache);
+    // One budget for the pool and the experts: split before loading, measured after.
+    let (opts, mut gpu_mem) = match a.gpu_mem.as_deref() {
+        Some(spec) => {
+            let budget = crate::store::parse_bytes(spec).with_context(|| format!("--gpu-mem {spec}"))?;
+            let policy = expertkv_model::experts::ExpertPolicy::from_name(&a.expert_policy)?;
+            let (o, p) = crate::gpu_mem::plan(budget, &g, &lc, opts, policy, rt.max_binding_bytes())?;
+            (o, Some(p))
+        }
+        None => (opts, None),
+    };
     let t0 = std::time::Instant::now();
-    let mut m = pollster::block_on(GpuLlama::load(
-        &rt,
-        &g,
-        ModelOptions::new(a.batch, context)
-            .dtype(dtype)
-            .scheduler(scheduler.clone())
-            .codec(codec)
-            .routing(routing)
-            .pyramid(a.pyramid)
-            .threshold(threshold)
-            .expert_cache(expert_cache),
-    ))
-    .context("loading the model onto the GPU")?;
+    let mut m = pollster::block_on(GpuLlama::load(&rt, &g, opts)).context("loading the model onto the GPU")?;
+    if let Some(p) = &mut gpu_mem {
+        p.measure(&m)?;
+        println!("{}", p.line());
+    }
     if a.verify_evictions {
         if m.scheduler.is_none() {
             bail!(
@@ -546,6 +565,7 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
             "kv_bytes_in_use": bytes,
             "expert_cache": m.expert_cache().map(expert_cache_json),
             "kv_store": kv_store.as_ref().map(|s| &s.report),
+            "gpu_mem": gpu_mem,
             "adapter": rt.info.name,
         });
         println!("{line}");

@@ -704,3 +704,65 @@ fn a_second_process_reuses_the_first_ones_prefix_pages() {
         String::from_utf8_lossy(&o.stderr)
     );
 }
+
+/// `run --gpu-mem`: a budget that holds everything keeps every expert on the GPU; the exact
+/// minimum (the pool and one step's experts) gives the fewest slots, one byte less is refused
+/// with that minimum stated; in between, as many slots as fit. The bytes allocated are the
+/// planned ones, within the budget, and the tokens are the run without a budget's.
+#[test]
+fn one_gpu_budget_splits_between_the_pool_and_the_experts() {
+    let path = tmp("gpu_mem.gguf");
+    let p = path.to_str().expect("utf-8 path");
+    ok(&["synth", "--out", p, "--experts", "8", "--top-k", "2", "--layers", "2", "--untied-output", "--seed", "5"]);
+    let args = |extra: &[&str]| -> Vec<String> {
+        let mut v: Vec<String> =
+            ["run", "--model", p, "--prompt", "a budget for pages and experts", "--tokens", "6", "--json"].map(String::from).to_vec();
+        v.extend(extra.iter().map(|s| s.to_string()));
+        v
+    };
+    let run = |extra: &[&str]| -> (String, serde_json::Value) {
+        let a = args(extra);
+        let out = ok(&a.iter().map(String::as_str).collect::<Vec<_>>());
+        let line = out.lines().rev().find(|l| l.starts_with('{')).expect("json line").to_string();
+        (out, serde_json::from_str(&line).expect("json"))
+    };
+    let (_, alone) = run(&[]);
+    let (out, all) = run(&["--gpu-mem", "4G"]);
+    let g = &all["gpu_mem"];
+    assert_eq!(g["slots_per_layer"], 8, "{out}");
+    assert!(all["expert_cache"].is_null(), "{out}");
+    let (kv, eb, allocated) =
+        (g["kv_bytes"].as_u64().expect("kv"), g["expert_bytes"].as_u64().expect("experts"), g["allocated"].as_u64().expect("allocated"));
+    assert_eq!(allocated, kv + eb, "{out}");
+    assert!(out.contains("gpu-mem: 4.0 GiB budget"), "{out}");
+    assert_eq!(all["generated_ids"], alone["generated_ids"], "{out}");
+    // Each layer's slot table is 8 u32; the rest is 8 experts' weights in 2 layers.
+    let fixed = 2 * 8 * 4;
+    let per_slot = (eb - fixed) / 8;
+    assert_eq!(fixed + 8 * per_slot, eb, "{out}");
+    let least = kv + fixed + 2 * per_slot;
+    let a = args(&["--gpu-mem", &(least - 1).to_string()]);
+    let o = expertkv(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains(&format!("give at least {least} bytes")), "{err}");
+    for (budget, slots) in [(least, 2u32), (least + 3 * per_slot + per_slot / 2, 5)] {
+        let (out, r) = run(&["--gpu-mem", &budget.to_string(), "--expert-policy", "lfu"]);
+        assert_eq!(r["gpu_mem"]["slots_per_layer"], slots, "{out}");
+        assert_eq!(r["expert_cache"]["slots_per_layer"], slots, "{out}");
+        assert_eq!(r["expert_cache"]["policy"], "lfu", "{out}");
+        assert!(r["expert_cache"]["misses"].as_u64().is_some_and(|m| m > 0), "{out}");
+        let allocated = r["gpu_mem"]["allocated"].as_u64().expect("allocated");
+        assert!(allocated <= budget && allocated == kv + fixed + u64::from(slots) * per_slot, "{out}");
+        assert_eq!(r["generated_ids"], alone["generated_ids"], "{out}");
+    }
+    let a = args(&["--gpu-mem", "4G", "--expert-slots", "4"]);
+    let o = expertkv(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("not both"));
+    // A dense model: the pool alone, refused with its size when it does not fit.
+    let dense = tmp("gpu_mem_dense.gguf");
+    let d = dense.to_str().expect("utf-8 path");
+    ok(&["synth", "--out", d, "--experts", "0", "--layers", "1", "--untied-output"]);
+    let o = expertkv(&["run", "--model", d, "--prompt", "x", "--tokens", "2", "--gpu-mem", "1K"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("the K/V pool (1 sequence of") && err.contains("give at least"), "{err}");
+}

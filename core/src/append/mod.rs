@@ -306,6 +306,13 @@ impl KvPool {
         self.kv_buffers.iter().map(|b| b.size()).sum()
     }
 
+    /// Bytes allocated for the pool's pages (raw and compressed) and every table that lives as
+    /// long as it ([`PoolConfig::pool_bytes`] predicts them before allocating); per-step
+    /// scratch is not included.
+    pub fn pool_bytes_allocated(&self) -> u64 {
+        self.kv_bytes_allocated() + self.meta_bytes_allocated() + self.codec_kv.size() + self.codec_free.size() + self.codec_basis.size()
+    }
+
     /// Bytes allocated for everything else: rings, page tables, metadata, free stack.
     pub fn meta_bytes_allocated(&self) -> u64 {
         [&self.rings, &self.ring_pages, &self.page_meta, &self.free_stack, &self.ctl, &self.slot_meta, &self.page_list, &self.page_counts]

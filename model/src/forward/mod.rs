@@ -309,6 +309,12 @@ impl ModelOptions {
         }
     }
 
+    /// The pool these options give a model of configuration `cfg` ([`pool_config`]): its bytes
+    /// before loading are [`PoolConfig::pool_bytes`].
+    pub fn pool_config(&self, cfg: &LlamaConfig) -> PoolConfig {
+        pool_config(cfg, self.n_seqs, self.max_context, self.dtype, self.scheduler.as_ref(), self.codec, self.routing.as_ref())
+    }
+
     /// The same options with a MoE file's experts in tiers (`None`: every expert on the GPU).
     pub fn expert_cache(self, experts: Option<ExpertCacheConfig>) -> Self {
         ModelOptions { experts, ..self }
@@ -494,7 +500,6 @@ impl GpuLlama {
                 ));
             }
         }
-        let (n_shards, top_k, shard_map) = routing.as_ref().map_or((1, 1, ShardMap::ByExpert), |r| (r.n_shards, r.top_k, r.shard_map));
         if n_seqs == 0 || n_seqs > MAX_SEQS {
             return Err(Error::config("seqs", n_seqs, format!("the model decodes 1 to {MAX_SEQS} sequences together")));
         }
@@ -559,45 +564,7 @@ impl GpuLlama {
         let embed = matrix(rt, g, &["token_embd.weight"])?;
         let output = if g.tensor("output.weight").is_some() { Some(matrix(rt, g, &["output.weight"])?) } else { None };
         let out_norm = norm_buffer(rt, g, "output_norm.weight")?;
-        let page_size = MODEL_PAGE_SIZE;
-        // A ring may hold every page of its list (maps need not spread tokens evenly); every
-        // shard has its own newest page.
-        let pages_per_list = max_context.div_ceil(page_size) + n_shards;
-        let mut pool_cfg = PoolConfig {
-            layers: cfg.block_count,
-            kv_heads: cfg.head_count_kv,
-            head_dim: cfg.head_dim,
-            page_size,
-            dtype,
-            n_pages: cfg.block_count * n_seqs * cfg.head_count_kv * pages_per_list,
-            max_seqs: n_seqs,
-            n_shards,
-            ring_capacity: pages_per_list + 1,
-            top_k,
-            shard_map,
-            max_buffer_bytes: None,
-            codec: Codec::None,
-            codec_pages: 0,
-        };
-        if let Some((SchedulerConfig::FlexGen, budget)) = &scheduler {
-            // FlexGen's GPU tier: the budget's pages and every ring's newest, with room for a
-            // fetch's swap; the rest of the context lives in host memory.
-            let lists = cfg.block_count * n_seqs * cfg.head_count_kv;
-            pool_cfg.n_pages = pool_cfg.n_pages.min(lists * (budget.div_ceil(page_size) + 2 * n_shards + 2));
-        }
-        if codec != Codec::None {
-            // Raw pages only for every list's head page (and one to spare), plus, for the
-            // low-rank codecs, the calibration window's pages; the rest compressed. Under an
-            // evicting scheduler also the pages an eviction thaws: a token evicted a step
-            // touches at most one compressed page of its list (see `compress::Thaw`); a list
-            // that needs more than the raw pages free waits a step.
-            let lists = cfg.block_count * n_seqs * cfg.head_count_kv;
-            let window = if codec.is_low_rank() { LOW_RANK_CALIBRATION_TOKENS.min(max_context).div_ceil(page_size) } else { 0 };
-            let thaw = if scheduler.is_some() { n_shards + 2 } else { 0 };
-            pool_cfg.codec_pages = pool_cfg.n_pages;
-            pool_cfg.n_pages = lists * (2 + n_shards + window + thaw);
-            pool_cfg.codec = codec;
-        }
+        let pool_cfg = pool_config(&cfg, n_seqs, max_context, dtype, scheduler.as_ref(), codec, routing.as_ref());
         pool_cfg.validate()?;
         let mut pool = KvPool::new(rt, pool_cfg).await?;
         let labels = match &routing {
@@ -952,6 +919,12 @@ impl GpuLlama {
         }
         moe.routed = Some(RoutedMoe { router, before, after });
         rt.check("moe router")
+    }
+
+    /// Bytes a MoE file's experts take on the GPU ([`MoeFfn::gpu_bytes`] of every layer: every
+    /// expert, or the cache's slots); 0 for a dense FFN or MoEfied experts.
+    pub fn expert_bytes_allocated(&self) -> u64 {
+        self.moe.as_ref().filter(|m| m.native).map_or(0, |m| m.layers.iter().map(|(_, ffn)| ffn.gpu_bytes()).sum())
     }
 
     /// The expert tiers, when the experts are cached ([`ModelOptions::experts`]): slots, traffic.
@@ -1364,4 +1337,59 @@ fn native_experts(rt: &Runtime, g: &Gguf<'_>, c: &LlamaConfig) -> Result<Vec<(Gp
 /// reference's [`crate::math::argmax`].
 pub fn argmax(v: &[f32]) -> u32 {
     crate::math::argmax(v)
+}
+
+/// The pool [`GpuLlama::load`] allocates for `cfg` with these options (its pages sized for
+/// `max_context` tokens per sequence, or a scheduler's budget, or a codec's raw window):
+/// before loading, [`PoolConfig::pool_bytes`] gives its bytes.
+pub fn pool_config(
+    cfg: &LlamaConfig,
+    n_seqs: u32,
+    max_context: u32,
+    dtype: KvDtype,
+    scheduler: Option<&(SchedulerConfig, u32)>,
+    codec: Codec,
+    routing: Option<&KvRouting>,
+) -> PoolConfig {
+    let (n_shards, top_k, shard_map) = routing.map_or((1, 1, ShardMap::ByExpert), |r| (r.n_shards, r.top_k, r.shard_map));
+    let page_size = MODEL_PAGE_SIZE;
+    // A ring may hold every page of its list (maps need not spread tokens evenly); every
+    // shard has its own newest page.
+    let pages_per_list = max_context.div_ceil(page_size) + n_shards;
+    let mut pool_cfg = PoolConfig {
+        layers: cfg.block_count,
+        kv_heads: cfg.head_count_kv,
+        head_dim: cfg.head_dim,
+        page_size,
+        dtype,
+        n_pages: cfg.block_count * n_seqs * cfg.head_count_kv * pages_per_list,
+        max_seqs: n_seqs,
+        n_shards,
+        ring_capacity: pages_per_list + 1,
+        top_k,
+        shard_map,
+        max_buffer_bytes: None,
+        codec: Codec::None,
+        codec_pages: 0,
+    };
+    if let Some((SchedulerConfig::FlexGen, budget)) = scheduler {
+        // FlexGen's GPU tier: the budget's pages and every ring's newest, with room for a
+        // fetch's swap; the rest of the context lives in host memory.
+        let lists = cfg.block_count * n_seqs * cfg.head_count_kv;
+        pool_cfg.n_pages = pool_cfg.n_pages.min(lists * (budget.div_ceil(page_size) + 2 * n_shards + 2));
+    }
+    if codec != Codec::None {
+        // Raw pages only for every list's head page (and one to spare), plus, for the
+        // low-rank codecs, the calibration window's pages; the rest compressed. Under an
+        // evicting scheduler also the pages an eviction thaws: a token evicted a step
+        // touches at most one compressed page of its list (see `compress::Thaw`); a list
+        // that needs more than the raw pages free waits a step.
+        let lists = cfg.block_count * n_seqs * cfg.head_count_kv;
+        let window = if codec.is_low_rank() { LOW_RANK_CALIBRATION_TOKENS.min(max_context).div_ceil(page_size) } else { 0 };
+        let thaw = if scheduler.is_some() { n_shards + 2 } else { 0 };
+        pool_cfg.codec_pages = pool_cfg.n_pages;
+        pool_cfg.n_pages = lists * (2 + n_shards + window + thaw);
+        pool_cfg.codec = codec;
+    }
+    pool_cfg
 }

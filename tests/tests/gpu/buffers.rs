@@ -85,3 +85,19 @@ fn pool_crosses_the_real_binding_limit() {
         assert!((f64::from(*g) - w).abs() <= 2e-5 + 1e-4 * w.abs(), "seed {seed}: out[{i}] = {g}, reference {w}");
     }
 }
+
+/// The bytes a pool allocates for its pages and tables equal what its configuration predicts
+/// (`PoolConfig::pool_bytes`, which a GPU memory budget is planned with), for random shapes,
+/// pools split over several buffers, and compressed pools.
+#[test]
+fn a_pools_allocated_bytes_are_the_predicted_bytes() {
+    let rt = rt();
+    for seed in seeds("pool_bytes", 8) {
+        let mut rng = Rng::new(seed);
+        let cfg = if rng.below(2) == 0 { crate::append::random_config(&mut rng) } else { crate::compress::config(&mut rng) };
+        let pool = pollster::block_on(KvPool::new(rt, cfg.clone())).expect("pool");
+        let predicted = cfg.pool_bytes(rt.max_binding_bytes());
+        assert_eq!(pool.pool_bytes_allocated(), predicted, "seed {seed}: {cfg:?}");
+        assert!(predicted >= u64::from(cfg.n_pages) * cfg.page_bytes(), "seed {seed}");
+    }
+}

@@ -45,7 +45,7 @@ fn random_codec(rng: &mut Rng, d: u32) -> Codec {
     }
 }
 
-fn config(rng: &mut Rng) -> PoolConfig {
+pub fn config(rng: &mut Rng) -> PoolConfig {
     let d = [16u32, 32, 64, 128][rng.below(4) as usize];
     let shards = 1 + rng.below(2);
     let mut cfg = PoolConfig {
