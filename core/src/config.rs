@@ -502,9 +502,10 @@ impl PoolConfig {
     }
 
     /// Bytes [`crate::append::KvPool::new`] allocates for this pool on a device whose storage
-    /// bindings hold `max_binding` bytes: its K/V pages (raw and compressed) and every table
-    /// that lives as long as the pool (rings, page tables and lists, slot metadata, free stacks,
-    /// the low-rank basis). Per-step scratch, sized by each append, is not included. Equal to
+    /// bindings hold `max_binding` bytes: its K/V pages (raw and compressed) and the tables of
+    /// page state (rings, page tables and lists, slot metadata, free stacks, the low-rank basis).
+    /// Not included: per-step scratch (sized by each append), uniforms and the release pass's
+    /// per-ring counts (a word per ring). Equal to
     /// [`crate::append::KvPool::pool_bytes_allocated`] once allocated.
     pub fn pool_bytes(&self, max_binding: u64) -> u64 {
         let buf = |bytes: u64| bytes.max(4).next_multiple_of(4);

@@ -6,9 +6,11 @@
 //! rest holds, up to every expert. A budget that cannot hold the pool and one step's experts is
 //! refused with the minimum stated. After loading, the bytes the two sides allocated are
 //! measured and must be within the budget. The rest of the model (attention weights,
-//! embeddings, routers, per-step scratch) is outside the budget and reported beside it.
+//! embeddings, routers), per-step scratch and small uniforms are outside the budget.
 
 use anyhow::{Result, bail};
+use expertkv_core::config::Codec;
+use expertkv_core::evict::config::SchedulerConfig;
 use expertkv_model::LlamaConfig;
 use expertkv_model::experts::{ExpertBytes, ExpertCacheConfig, ExpertPolicy, min_slots};
 use expertkv_model::forward::{GpuLlama, ModelOptions};
@@ -22,7 +24,7 @@ use crate::fmt_bytes;
 pub struct GpuMemPlan {
     /// The budget, bytes.
     pub budget: u64,
-    /// The K/V pool's bytes (pages and tables), as planned.
+    /// The K/V side's bytes (the pool's pages and tables, QUEST's bounds), as planned.
     pub kv_bytes: u64,
     /// The experts' bytes as planned (0 for a dense model).
     pub expert_bytes: u64,
@@ -45,16 +47,22 @@ pub fn plan(
     policy: ExpertPolicy,
     max_binding: u64,
 ) -> Result<(ModelOptions, GpuMemPlan)> {
-    let kv = opts.pool_config(c).pool_bytes(max_binding);
+    let kv = opts.kv_bytes(c, max_binding)?;
     let seqs = if opts.n_seqs == 1 { "1 sequence".to_string() } else { format!("{} sequences", opts.n_seqs) };
+    let codec = if opts.codec == Codec::None { String::new() } else { format!(", {} pages", opts.codec.spec()) };
+    let flexgen = matches!(opts.scheduler, Some((SchedulerConfig::FlexGen, _)));
     let what_kv = match &opts.scheduler {
-        Some((s, b)) => format!("the K/V pool ({seqs}, {} keeping {b} tokens per layer and KV head)", s.name()),
-        None => format!("the K/V pool ({seqs} of {} tokens)", opts.max_context),
+        Some((SchedulerConfig::FlexGen, b)) => {
+            format!("the K/V pool ({seqs}, FlexGen's GPU tier of {b} tokens per layer and KV head{codec})")
+        }
+        _ => format!("the K/V pool ({seqs} of {} tokens{codec})", opts.max_context),
     };
+    let smaller =
+        if flexgen { "a smaller FlexGen --budget or a page codec" } else { "a page codec (--codec int4, say) or FlexGen's host tier" };
     let Some(eb) = ExpertBytes::of(g, c)? else {
         if kv > budget {
             bail!(
-                "--gpu-mem {}: {what_kv} needs {}; give at least {kv} bytes, or an evicting scheduler with a smaller --budget",
+                "--gpu-mem {}: {what_kv} needs {}; give at least {kv} bytes, or shrink the pool with {smaller}",
                 fmt_bytes(budget),
                 fmt_bytes(kv)
             );
@@ -75,7 +83,18 @@ pub fn plan(
             fmt_bytes(need)
         );
     }
+    if eb.per_slot == 0 {
+        bail!("--gpu-mem: this file's experts take no bytes on the GPU (a degenerate FFN shape)");
+    }
     let slots = (((budget - kv - eb.fixed) / eb.per_slot).min(u64::from(e))) as u32;
+    if flexgen && slots < e {
+        bail!(
+            "--gpu-mem {}: after {what_kv} ({}) it holds {slots} of the {e} experts per layer, and FlexGen's host tier does not run beside an expert cache; give at least {} bytes for every expert, or another scheduler",
+            fmt_bytes(budget),
+            fmt_bytes(kv),
+            kv + eb.with_slots(e)
+        );
+    }
     let cache = (slots < e).then_some(ExpertCacheConfig { slots, policy });
     let plan = GpuMemPlan {
         budget,
@@ -92,7 +111,7 @@ impl GpuMemPlan {
     /// Measure what `m` allocated for its pool and experts; an error if it is not what was
     /// planned or exceeds the budget.
     pub fn measure(&mut self, m: &GpuLlama) -> Result<()> {
-        let (kv, experts) = (m.pool.pool_bytes_allocated(), m.expert_bytes_allocated());
+        let (kv, experts) = (m.kv_bytes_allocated(), m.expert_bytes_allocated());
         self.allocated = kv + experts;
         if kv != self.kv_bytes || experts != self.expert_bytes || self.allocated > self.budget {
             bail!(

@@ -454,16 +454,18 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     ))?;
     let m = tm.llama();
     let generated = out.tokens;
+    // The first token comes straight from the prompt's last logits: prefill ends there.
+    let t2 = first_piece.unwrap_or_else(std::time::Instant::now);
+    let prefill_s = (t2 - t1).as_secs_f64();
+    let decode_s = t2.elapsed().as_secs_f64();
+    // Waiting for the store's writer is not decoding (its start, a read of the prompt's pages
+    // after the first token, is).
     if let Some(s) = &mut kv_store {
         if !stored? {
             s.store(&rt, m, 0, &prompt)?;
         }
         s.finish();
     }
-    // The first token comes straight from the prompt's last logits: prefill ends there.
-    let t2 = first_piece.unwrap_or_else(std::time::Instant::now);
-    let prefill_s = (t2 - t1).as_secs_f64();
-    let decode_s = t2.elapsed().as_secs_f64();
     println!();
     if let (Some(s), Some((cfg, budget))) = (&m.scheduler, &scheduler) {
         let lists = pollster::block_on(s.read_lists(&rt))?;

@@ -762,6 +762,25 @@ fn one_gpu_budget_splits_between_the_pool_and_the_experts() {
     let dense = tmp("gpu_mem_dense.gguf");
     let d = dense.to_str().expect("utf-8 path");
     ok(&["synth", "--out", d, "--experts", "0", "--layers", "1", "--untied-output"]);
+    // The K/V side counts QUEST's page bounds under QUEST and FlexGen (planned, then measured).
+    for sched in ["quest", "flexgen"] {
+        let out = ok(&[
+            "run",
+            "--model",
+            d,
+            "--prompt",
+            "a few words of a prompt",
+            "--tokens",
+            "2",
+            "--scheduler",
+            sched,
+            "--budget",
+            "16",
+            "--gpu-mem",
+            "64M",
+        ]);
+        assert!(out.contains("gpu-mem: 64.0 MiB budget: K/V pool"), "{out}");
+    }
     let o = expertkv(&["run", "--model", d, "--prompt", "x", "--tokens", "2", "--gpu-mem", "1K"]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("the K/V pool (1 sequence of") && err.contains("give at least"), "{err}");

@@ -290,7 +290,7 @@ impl PrefixStore {
         let max_pages = ids.len().saturating_sub(1) / ps;
         let chain = chain_hashes(self.model_hash, &ids[..max_pages * ps], ps as u32);
         let words_per_page = ps * m.prefix_token_words();
-        let mut kv: Vec<Vec<u32>> = (0..layers).map(|_| Vec::with_capacity(max_pages * words_per_page)).collect();
+        let mut kv: Vec<Vec<u32>> = vec![Vec::new(); layers as usize];
         let (mut pages, mut bytes) = (0usize, 0u64);
         let mut round_pages = FETCH_PAGES_PER_ROUND;
         'rounds: while pages < max_pages {
@@ -312,6 +312,9 @@ impl PrefixStore {
             let checked = check_all(&values, &headers);
             self.report.fetch_check_s += t_check.elapsed().as_secs_f64();
             let mut checked = checked.into_iter();
+            for buf in &mut kv {
+                buf.reserve(round.len() * words_per_page);
+            }
             for &p in &round {
                 let mut page_words = Vec::with_capacity(layers as usize);
                 let mut page_bytes = 0u64;
@@ -426,6 +429,13 @@ impl expertkv_model::batch::PrefixCache for PrefixStore {
 
     fn store(&mut self, rt: &Runtime, m: &GpuLlama, seq: u32, ids: &[u32]) -> expertkv_core::Result<()> {
         self.store_in_background(rt, m, seq, ids).map_err(StoreError::into_core)
+    }
+}
+
+impl Drop for PrefixStore {
+    /// A write in flight is finished, not cut off when the process ends.
+    fn drop(&mut self) {
+        self.finish();
     }
 }
 

@@ -49,7 +49,10 @@ impl RedisStore {
 
     fn check_len(&self, got: usize, asked: usize, what: &str) -> Result<()> {
         if got != asked {
-            return Err(StoreError::Server { addr: self.addr.clone(), message: format!("{what}: {got} replies to {asked} keys") });
+            return Err(StoreError::Server {
+                addr: self.addr.clone(),
+                message: format!("{what}: {got} replies where {asked} were asked for"),
+            });
         }
         Ok(())
     }
@@ -116,7 +119,7 @@ impl PageStore for RedisStore {
                 p.cmd("MGET").arg(part);
             }
             let replies: Vec<Vec<Option<Vec<u8>>>> = p.query(&mut self.con).map_err(|e| self.err(e))?;
-            self.check_len(replies.len(), trip.len().div_ceil(BATCH_KEYS), "MGET")?;
+            self.check_len(replies.len(), trip.len().div_ceil(BATCH_KEYS), "pipelined MGET commands")?;
             for (v, part) in replies.into_iter().zip(trip.chunks(BATCH_KEYS)) {
                 self.check_len(v.len(), part.len(), "MGET")?;
                 out.extend(v);

@@ -32,6 +32,28 @@ pub struct Quest {
 }
 
 impl Quest {
+    /// Bytes [`Quest::new`] allocates for a pool of configuration `c`: page bounds and tags,
+    /// the selected page lists and counts, the page keys (its small uniforms aside). Equal to
+    /// [`Quest::bytes_allocated`] once allocated.
+    pub fn bytes(c: &crate::config::PoolConfig) -> u64 {
+        let list_len = u64::from(c.n_lists()) * u64::from(c.max_pages_per_seq());
+        [
+            u64::from(c.n_pages) * 2 * u64::from(c.head_dim) * 4,
+            u64::from(c.n_pages) * 16,
+            list_len * 4,
+            u64::from(c.n_lists()) * 4,
+            list_len * 4,
+        ]
+        .into_iter()
+        .map(|b| b.max(4).next_multiple_of(4))
+        .sum()
+    }
+
+    /// Bytes its buffers hold (see [`Quest::bytes`]).
+    pub fn bytes_allocated(&self) -> u64 {
+        self.bounds.size() + self.sel_list.size() + self.sel_counts.size() + self._buffers.iter().map(wgpu::Buffer::size).sum::<u64>()
+    }
+
     /// `budget`: tokens attended per list (rounded up to whole pages).
     pub async fn new(rt: &Runtime, pool: &KvPool, budget: u32) -> Result<Quest> {
         let c = &pool.cfg;

@@ -315,6 +315,31 @@ impl ModelOptions {
         pool_config(cfg, self.n_seqs, self.max_context, self.dtype, self.scheduler.as_ref(), self.codec, self.routing.as_ref())
     }
 
+    /// Bytes the K/V side of a model of configuration `cfg` allocates with these options, on a
+    /// device whose storage bindings hold `max_binding` bytes: the pool's pages and tables, and
+    /// QUEST's page bounds and lists under QUEST or FlexGen ([`GpuLlama::kv_bytes_allocated`]
+    /// measures them once loaded). Refused where the options would not load (a sequence count
+    /// or context out of range, an invalid pool).
+    pub fn kv_bytes(&self, cfg: &LlamaConfig, max_binding: u64) -> Result<u64> {
+        if self.n_seqs == 0 || self.n_seqs > MAX_SEQS {
+            return Err(Error::config("seqs", self.n_seqs, format!("the model decodes 1 to {MAX_SEQS} sequences together")));
+        }
+        if self.max_context == 0 || self.max_context > cfg.context_length {
+            return Err(Error::config(
+                "context",
+                self.max_context,
+                format!("must be in 1..={} (the model's trained context)", cfg.context_length),
+            ));
+        }
+        let pool = self.pool_config(cfg);
+        pool.validate()?;
+        let quest = match &self.scheduler {
+            Some((SchedulerConfig::Quest | SchedulerConfig::FlexGen, _)) => Quest::bytes(&pool),
+            _ => 0,
+        };
+        Ok(pool.pool_bytes(max_binding) + quest)
+    }
+
     /// The same options with a MoE file's experts in tiers (`None`: every expert on the GPU).
     pub fn expert_cache(self, experts: Option<ExpertCacheConfig>) -> Self {
         ModelOptions { experts, ..self }
@@ -921,6 +946,14 @@ impl GpuLlama {
         rt.check("moe router")
     }
 
+    /// Bytes of the K/V pool's pages and tables ([`KvPool::pool_bytes_allocated`]) and of QUEST's
+    /// page bounds and lists where QUEST or FlexGen selects pages ([`Quest::bytes_allocated`]):
+    /// what [`ModelOptions::kv_bytes`] predicts.
+    pub fn kv_bytes_allocated(&self) -> u64 {
+        let quest = self.quest.as_ref().or(self.flexgen.as_ref().map(|(_, q)| q)).map_or(0, Quest::bytes_allocated);
+        self.pool.pool_bytes_allocated() + quest
+    }
+
     /// Bytes a MoE file's experts take on the GPU ([`MoeFfn::gpu_bytes`] of every layer: every
     /// expert, or the cache's slots); 0 for a dense FFN or MoEfied experts.
     pub fn expert_bytes_allocated(&self) -> u64 {
@@ -1355,28 +1388,29 @@ pub fn pool_config(
     let page_size = MODEL_PAGE_SIZE;
     // A ring may hold every page of its list (maps need not spread tokens evenly); every
     // shard has its own newest page.
-    let pages_per_list = max_context.div_ceil(page_size) + n_shards;
+    let pages_per_list = max_context.div_ceil(page_size).saturating_add(n_shards);
     let mut pool_cfg = PoolConfig {
         layers: cfg.block_count,
         kv_heads: cfg.head_count_kv,
         head_dim: cfg.head_dim,
         page_size,
         dtype,
-        n_pages: cfg.block_count * n_seqs * cfg.head_count_kv * pages_per_list,
+        n_pages: cfg.block_count.saturating_mul(n_seqs).saturating_mul(cfg.head_count_kv).saturating_mul(pages_per_list),
         max_seqs: n_seqs,
         n_shards,
-        ring_capacity: pages_per_list + 1,
+        ring_capacity: pages_per_list.saturating_add(1),
         top_k,
         shard_map,
         max_buffer_bytes: None,
         codec: Codec::None,
         codec_pages: 0,
     };
+    // Sizes saturate rather than wrap: a pool past u32 is refused by its validation.
     if let Some((SchedulerConfig::FlexGen, budget)) = scheduler {
         // FlexGen's GPU tier: the budget's pages and every ring's newest, with room for a
         // fetch's swap; the rest of the context lives in host memory.
-        let lists = cfg.block_count * n_seqs * cfg.head_count_kv;
-        pool_cfg.n_pages = pool_cfg.n_pages.min(lists * (budget.div_ceil(page_size) + 2 * n_shards + 2));
+        let lists = cfg.block_count.saturating_mul(n_seqs).saturating_mul(cfg.head_count_kv);
+        pool_cfg.n_pages = pool_cfg.n_pages.min(lists.saturating_mul(budget.div_ceil(page_size).saturating_add(2 * n_shards + 2)));
     }
     if codec != Codec::None {
         // Raw pages only for every list's head page (and one to spare), plus, for the
@@ -1384,11 +1418,11 @@ pub fn pool_config(
         // evicting scheduler also the pages an eviction thaws: a token evicted a step
         // touches at most one compressed page of its list (see `compress::Thaw`); a list
         // that needs more than the raw pages free waits a step.
-        let lists = cfg.block_count * n_seqs * cfg.head_count_kv;
+        let lists = cfg.block_count.saturating_mul(n_seqs).saturating_mul(cfg.head_count_kv);
         let window = if codec.is_low_rank() { LOW_RANK_CALIBRATION_TOKENS.min(max_context).div_ceil(page_size) } else { 0 };
         let thaw = if scheduler.is_some() { n_shards + 2 } else { 0 };
         pool_cfg.codec_pages = pool_cfg.n_pages;
-        pool_cfg.n_pages = lists * (2 + n_shards + window + thaw);
+        pool_cfg.n_pages = lists.saturating_mul(2 + n_shards + window + thaw);
         pool_cfg.codec = codec;
     }
     pool_cfg

@@ -88,7 +88,7 @@ fn pool_crosses_the_real_binding_limit() {
 
 /// The bytes a pool allocates for its pages and tables equal what its configuration predicts
 /// (`PoolConfig::pool_bytes`, which a GPU memory budget is planned with), for random shapes,
-/// pools split over several buffers, and compressed pools.
+/// pools split over several buffers, and compressed pools; so do QUEST's bounds and lists.
 #[test]
 fn a_pools_allocated_bytes_are_the_predicted_bytes() {
     let rt = rt();
@@ -99,5 +99,7 @@ fn a_pools_allocated_bytes_are_the_predicted_bytes() {
         let predicted = cfg.pool_bytes(rt.max_binding_bytes());
         assert_eq!(pool.pool_bytes_allocated(), predicted, "seed {seed}: {cfg:?}");
         assert!(predicted >= u64::from(cfg.n_pages) * cfg.page_bytes(), "seed {seed}");
+        let quest = pollster::block_on(expertkv_core::evict::quest::Quest::new(rt, &pool, cfg.page_size)).expect("quest");
+        assert_eq!(quest.bytes_allocated(), expertkv_core::evict::quest::Quest::bytes(&cfg), "seed {seed}: QUEST");
     }
 }
