@@ -1,9 +1,10 @@
 //! `run --gpu-mem BYTES`: one GPU memory budget for the K/V pool and a MoE file's experts.
 //!
-//! The split is planned before the model loads, from what each side allocates
-//! ([`PoolConfig::pool_bytes`], [`ExpertBytes`]): the K/V pool the run's options need (the
-//! whole context, or an evicting scheduler's budget), then as many expert slots per layer as the
-//! rest holds, up to every expert. A budget that cannot hold the pool and one step's experts is
+//! The split is planned before the model loads, from what each side will allocate
+//! ([`ModelOptions::kv_bytes`], [`ExpertBytes`]): the K/V side the run's options need (the pool
+//! for the whole context, or FlexGen's GPU tier, with a codec's compressed pages; QUEST's page
+//! bounds where QUEST or FlexGen selects pages), then as many expert slots per layer as the rest
+//! holds, up to every expert. A budget that cannot hold the pool and one step's experts is
 //! refused with the minimum stated. After loading, the bytes the two sides allocated are
 //! measured and must be within the budget. The rest of the model (attention weights,
 //! embeddings, routers), per-step scratch and small uniforms are outside the budget.

@@ -93,7 +93,7 @@ impl StoreCodec {
 /// fetch field by field.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PageHeader {
-    /// The model file's hash ([`crate::model_hash`]).
+    /// The model file's hash ([`crate::prefix::model_hash`]).
     pub model_hash: u64,
     /// The chained hash of the prefix before this page ([`crate::prefix::chain_hashes`]).
     pub prev_chain: u64,
