@@ -90,6 +90,9 @@ pub struct ExpertCache {
     pub total: ExpertTraffic,
     /// The last step's traffic.
     pub last: ExpertTraffic,
+    /// The last step's fetches: which expert went into which slot of which layer, replacing
+    /// whom.
+    pub last_fetches: Vec<crate::forward::trace::ExpertFetch>,
 }
 
 /// What a MoE file's experts take on the GPU, before any is uploaded (what
@@ -192,12 +195,13 @@ impl ExpertCache {
                 uses: vec![0; e as usize],
             });
         }
-        Ok((ExpertCache { cfg, layers, total: ExpertTraffic::default(), last: ExpertTraffic::default() }, ffns))
+        Ok((ExpertCache { cfg, layers, total: ExpertTraffic::default(), last: ExpertTraffic::default(), last_fetches: Vec::new() }, ffns))
     }
 
     /// Start a step's accounting.
     pub fn begin_step(&mut self) {
         self.last = ExpertTraffic::default();
+        self.last_fetches.clear();
     }
 
     /// Make every expert of `chosen` (layer `layer`'s choices this step, any order, repeats
@@ -236,6 +240,7 @@ impl ExpertCache {
             if let Some(old) = t.holder[v] {
                 t.slot_of[old as usize] = slots;
             }
+            self.last_fetches.push(crate::forward::trace::ExpertFetch { layer, expert: x, slot: v as u32, evicted: t.holder[v] });
             let [gate, up, dn] = &t.host[x as usize];
             let v64 = v as u64;
             // Slot v: gate rows at v * f, up rows at (slots + v) * f, down rows at v * hidden.

@@ -7,6 +7,7 @@ use clap::{Args, Parser, Subcommand};
 
 mod batch;
 mod bench;
+mod compare;
 mod demo;
 mod eval;
 mod gpu_mem;
@@ -91,6 +92,9 @@ enum Command {
     /// A real model's quality per scheduler and budget: perplexity, greedy agreement with the
     /// full cache, needle retrieval; a table and a plot.
     Eval(eval::EvalArgs),
+    /// Two model traces (`run --trace`) side by side: where their routing, expert residency and
+    /// K/V placement first part, and each one's traffic.
+    Compare(compare::CompareArgs),
     /// Write a random Llama GGUF, dense or with experts in llama.cpp's MoE layout, to try `run`
     /// and `eval` on shapes no shipped model has.
     Synth(synth::SynthArgs),
@@ -130,6 +134,7 @@ fn main() -> ExitCode {
         Command::Run(a) => run::run(&cli.gpu, a),
         Command::Eval(a) => eval::run(&cli.gpu, a),
         Command::Synth(a) => synth::run(a),
+        Command::Compare(a) => compare::run(a),
         Command::Soak(a) => soak::run(&cli.gpu, a),
         Command::Store(a) => store::run(a),
         Command::View(a) => view::run(&cli.gpu, a),

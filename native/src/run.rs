@@ -10,6 +10,7 @@ use expertkv_core::digest::{FNV_OFFSET, fnv1a};
 use expertkv_core::evict::config::{Budget, SchedulerConfig};
 use expertkv_core::route::config::RouterConfig;
 use expertkv_model::experts::{ExpertCache, ExpertCacheConfig, ExpertPolicy};
+use expertkv_model::forward::trace::{ModelTraceHeader, TraceSink};
 use expertkv_model::forward::{GpuLlama, ModelOptions};
 use expertkv_model::moe::{Calibration, MoeConfig, Moefication};
 use expertkv_model::text::{GenerateOptions, TextModel};
@@ -96,6 +97,11 @@ pub struct RunArgs {
     /// with the minimum. The rest of the model's weights are outside it.
     #[arg(long, value_name = "BYTES")]
     gpu_mem: Option<String>,
+    /// Record every pass (prefill chunk or decode step) into FILE, one JSON line each: the
+    /// tokens fed, each layer's chosen experts, expert fetches and weight bytes moved, K/V pages
+    /// in use and moved between tiers (`expertkv compare A B` sets two runs side by side).
+    #[arg(long, value_name = "FILE")]
+    trace: Option<std::path::PathBuf>,
     /// End with one JSON line: the prompt's and the generated token ids, the text, the timings
     /// and the K/V in use (what scripts and the browser test compare).
     #[arg(long)]
@@ -337,6 +343,18 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     if let Some(p) = &mut gpu_mem {
         p.measure(&m)?;
         println!("{}", p.line());
+    }
+    if let Some(file) = &a.trace {
+        let out = std::fs::File::create(file).with_context(|| format!("--trace: cannot create {}", file.display()))?;
+        let (e, k) = shape.unwrap_or((0, 0));
+        let args: Vec<String> = std::env::args().skip(1).collect();
+        let header = ModelTraceHeader::new(
+            &path.display().to_string(),
+            expertkv_core::digest::hash64(&bytes),
+            [lc.block_count, e, k, a.batch],
+            &args.join(" "),
+        );
+        m.record_trace(TraceSink::new(Box::new(std::io::BufWriter::new(out)), &header)?);
     }
     if a.verify_evictions {
         if m.scheduler.is_none() {

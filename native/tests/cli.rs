@@ -785,3 +785,90 @@ fn one_gpu_budget_splits_between_the_pool_and_the_experts() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("the K/V pool (1 sequence of") && err.contains("give at least"), "{err}");
 }
+
+/// `run --trace` writes one record per pass, aligned: every decode step's chosen experts per
+/// layer, the expert cache's fetches (whose bytes add up to what `run --json` reports moved),
+/// FlexGen's page moves; `compare` finds the all-resident and the cached run's routing equal
+/// and their residency parting at the first pass, and two cached runs equal throughout; a
+/// damaged trace is refused with its line.
+#[test]
+fn a_trace_aligns_routing_residency_and_pages_per_pass() {
+    use expertkv_model::forward::trace::{compare, read_model_trace};
+    let path = tmp("trace_moe.gguf");
+    let p = path.to_str().expect("utf-8 path");
+    ok(&["synth", "--out", p, "--experts", "8", "--top-k", "2", "--layers", "2", "--untied-output", "--seed", "9"]);
+    let traced = |name: &str, extra: &[&str]| {
+        let file = tmp(name);
+        let mut args = vec![
+            "run",
+            "--model",
+            p,
+            "--prompt",
+            "where the experts live",
+            "--tokens",
+            "5",
+            "--json",
+            "--trace",
+            file.to_str().expect("utf-8"),
+        ];
+        args.extend(extra);
+        let out = ok(&args);
+        let json: serde_json::Value = serde_json::from_str(out.lines().rev().find(|l| l.starts_with('{')).expect("json")).expect("json");
+        let (h, passes) = read_model_trace(std::io::BufReader::new(std::fs::File::open(&file).expect("trace"))).expect("a readable trace");
+        (file, json, h, passes)
+    };
+    let (fa, ja, ha, a) = traced("trace_a.jsonl", &[]);
+    let (fb, jb, _, b) = traced("trace_b.jsonl", &["--expert-slots", "2"]);
+    let (_, _, _, c) = traced("trace_c.jsonl", &["--expert-slots", "2"]);
+    assert_eq!((ha.layers, ha.experts, ha.top_k, ha.n_seqs), (2, 8, 2, 1));
+    let prompt = ja["prompt_ids"].as_array().expect("ids").len();
+    // Every forward pass: the prompt's tokens, then each generated token but the last.
+    assert_eq!(a.len(), prompt + 5 - 1, "{ja}");
+    for r in a.iter().filter(|r| !r.prefill) {
+        assert!(r.experts.len() == 2 && r.experts.iter().all(|l| l.len() == 2 && l.iter().all(|&e| e < 8)), "{r:?}");
+        assert!(r.fetched.is_empty() && r.kv_pages_in_use > 0, "{r:?}");
+    }
+    assert_eq!(jb["generated_ids"], ja["generated_ids"]);
+    let moved: u64 = b.iter().map(|r| r.expert_bytes).sum();
+    assert_eq!(Some(moved), jb["expert_cache"]["bytes_moved"].as_u64(), "{jb}");
+    assert_eq!(b.iter().map(|r| r.fetched.len() as u64).sum::<u64>(), jb["expert_cache"]["misses"].as_u64().expect("misses"));
+    let ab = compare(&a, &b);
+    assert_eq!((ab.routing_parts_at, ab.residency_parts_at, ab.kv_parts_at), (None, Some(0), None));
+    let bc = compare(&b, &c);
+    assert_eq!((bc.routing_parts_at, bc.residency_parts_at, bc.kv_parts_at), (None, None, None));
+    let out = ok(&["compare", fa.to_str().expect("utf-8"), fb.to_str().expect("utf-8")]);
+    assert!(
+        out.contains("routing (tokens, positions, chosen experts): equal") && out.contains("expert residency (fetches): parts at pass 0"),
+        "{out}"
+    );
+    // FlexGen on a dense model: the trace counts its page moves.
+    let dense = tmp("trace_dense.gguf");
+    let d = dense.to_str().expect("utf-8 path");
+    ok(&["synth", "--out", d, "--experts", "0", "--layers", "2", "--untied-output", "--seed", "3"]);
+    let file = tmp("trace_flexgen.jsonl");
+    let prompt = "a prompt long enough that FlexGen's host tier takes the oldest pages of every list";
+    ok(&[
+        "run",
+        "--model",
+        d,
+        "--prompt",
+        prompt,
+        "--tokens",
+        "6",
+        "--scheduler",
+        "flexgen",
+        "--budget",
+        "16",
+        "--trace",
+        file.to_str().expect("utf-8"),
+    ]);
+    let (_, f) = read_model_trace(std::io::BufReader::new(std::fs::File::open(&file).expect("trace"))).expect("trace");
+    assert!(f.iter().map(|r| r.kv_to_host).sum::<u64>() > 0, "{f:?}");
+    // A torn trace is refused with its line.
+    let text = std::fs::read_to_string(&fa).expect("trace");
+    let torn = tmp("trace_torn.jsonl");
+    std::fs::write(&torn, &text[..text.len() - 20]).expect("write");
+    let o = expertkv(&["compare", torn.to_str().expect("utf-8"), fb.to_str().expect("utf-8")]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains(&format!("line {}", a.len() + 1)), "{err}");
+}

@@ -33,6 +33,7 @@ use expertkv_core::runtime::dispatch::dispatches_encoded;
 mod prefill;
 mod prefix;
 mod timing;
+pub mod trace;
 use prefill::Prefill;
 use timing::StageMarks;
 pub use timing::StageTimer;
@@ -151,6 +152,8 @@ struct GpuMoe {
     act: wgpu::Buffer,
     /// The experts every layer chose in this step, `[layer][seq][k]`, read back once per step.
     log: wgpu::Buffer,
+    /// Those choices as the host last read them (for a trace).
+    last_chosen: Vec<u32>,
     /// Tokens routed to each (layer, expert) so far, `layer * E + e`.
     counts: Vec<u64>,
     /// Per layer: output projection, residual, RMSNorm, router, top-k, the chosen experts,
@@ -233,6 +236,8 @@ pub struct GpuLlama {
     /// Timestamps between the passes of every step and prefill chunk, while timing them
     /// ([`GpuLlama::time_stages`], [`GpuLlama::time_steps`]).
     timer: Option<StageTimer>,
+    /// Where each pass's record goes while recording ([`GpuLlama::record_trace`]).
+    trace: Option<trace::TraceSink>,
 }
 
 /// Sequences one model decodes together at most (the matrix-vector kernel takes them in
@@ -671,6 +676,7 @@ impl GpuLlama {
             calibration_max: LOW_RANK_CALIBRATION_TOKENS.min(max_context),
             dispatches: 0,
             timer: None,
+            trace: None,
             io: (embed, output, out_norm),
             prefill: None,
         };
@@ -891,6 +897,7 @@ impl GpuLlama {
             wts,
             act,
             log,
+            last_chosen: Vec::new(),
             counts: vec![0; (c.block_count * e) as usize],
             recorded,
             routed: None,
@@ -1101,6 +1108,9 @@ impl GpuLlama {
                     moe.counts[l * e + x as usize] += 1;
                 }
             }
+            if self.trace.is_some() {
+                moe.last_chosen = chosen.clone();
+            }
             if let Some(labels) = &self.labels {
                 let k = moe.top_k as usize;
                 let routed = labels.experts(rt).await?;
@@ -1140,6 +1150,9 @@ impl GpuLlama {
         }
         self.step += 1;
         self.dispatches = dispatches_encoded() - d0;
+        if self.trace.is_some() {
+            self.trace_pass(rt, tokens.len() as u32, Some(tokens)).await?;
+        }
         rt.read(&self.s.logits, 0, u64::from(n * c.vocab_size)).await
     }
 
