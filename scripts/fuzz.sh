@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Coverage-guided fuzzing of every reader of user data (fuzz/fuzz_targets: gguf, tokenizer,
-# trace, config, moe_cache) with libFuzzer, on the stable toolchain: the targets are built with
+# trace, config, moe_cache, model_trace) with libFuzzer, on the stable toolchain: the targets are built with
 # SanitizerCoverage and AddressSanitizer (RUSTC_BOOTSTRAP=1 unlocks -Zsanitizer; the sanitizer
 # runtimes ship with rustup's stable toolchain). Each target starts from its corpus in
 # fuzz/corpus/TARGET (small text seeds, kept in the repository) and the binary seeds the `seeds`
@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 runs="${1:-1000000}"
 shift || true
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(gguf tokenizer trace config moe_cache)
+[ ${#targets[@]} -gt 0 ] || targets=(gguf tokenizer trace config moe_cache model_trace)
 export RUSTC_BOOTSTRAP=1
 export RUSTFLAGS="-Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4 -Cllvm-args=-sanitizer-coverage-inline-8bit-counters \
 -Cllvm-args=-sanitizer-coverage-pc-table -Cllvm-args=-sanitizer-coverage-trace-compares --cfg fuzzing -Zsanitizer=address -Cforce-frame-pointers"
