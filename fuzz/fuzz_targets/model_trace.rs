@@ -5,8 +5,8 @@
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    if let Ok((_, passes)) = expertkv_model::forward::trace::read_model_trace(data) {
-        let c = expertkv_model::forward::trace::compare(&passes, &passes);
+    if let Ok(t) = expertkv_model::forward::trace::read_model_trace(data) {
+        let c = expertkv_model::forward::trace::compare(&t.passes, &t.passes);
         assert!(c.routing_parts_at.is_none() && c.residency_parts_at.is_none() && c.kv_parts_at.is_none());
     }
 });

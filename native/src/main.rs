@@ -93,7 +93,7 @@ enum Command {
     /// full cache, needle retrieval; a table and a plot.
     Eval(eval::EvalArgs),
     /// Two model traces (`run --trace`) side by side: where their routing, expert residency and
-    /// K/V placement first part, and each one's traffic.
+    /// K/V page counts first part, and each one's traffic.
     Compare(compare::CompareArgs),
     /// Write a random Llama GGUF, dense or with experts in llama.cpp's MoE layout, to try `run`
     /// and `eval` on shapes no shipped model has.

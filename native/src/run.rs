@@ -99,7 +99,8 @@ pub struct RunArgs {
     gpu_mem: Option<String>,
     /// Record every pass (prefill chunk or decode step) into FILE, one JSON line each: the
     /// tokens fed, each layer's chosen experts, expert fetches and weight bytes moved, K/V pages
-    /// in use and moved between tiers (`expertkv compare A B` sets two runs side by side).
+    /// in use and moved between tiers (`expertkv compare A B` sets two runs side by side). A
+    /// prefix restored from --kv-store is not a pass (positions jump past it).
     #[arg(long, value_name = "FILE")]
     trace: Option<std::path::PathBuf>,
     /// End with one JSON line: the prompt's and the generated token ids, the text, the timings
@@ -345,6 +346,9 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
         println!("{}", p.line());
     }
     if let Some(file) = &a.trace {
+        if a.time_steps > 0 {
+            bail!("--trace records the run's passes; --time-steps times passes outside it: give one or the other");
+        }
         let out = std::fs::File::create(file).with_context(|| format!("--trace: cannot create {}", file.display()))?;
         let (e, k) = shape.unwrap_or((0, 0));
         let args: Vec<String> = std::env::args().skip(1).collect();

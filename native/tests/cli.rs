@@ -790,7 +790,8 @@ fn one_gpu_budget_splits_between_the_pool_and_the_experts() {
 /// layer, the expert cache's fetches (whose bytes add up to what `run --json` reports moved),
 /// FlexGen's page moves; `compare` finds the all-resident and the cached run's routing equal
 /// and their residency parting at the first pass, and two cached runs equal throughout; a
-/// damaged trace is refused with its line.
+/// trace cut mid-record compares over its whole passes, and a damaged one is refused with its
+/// line.
 #[test]
 fn a_trace_aligns_routing_residency_and_pages_per_pass() {
     use expertkv_model::forward::trace::{compare, read_model_trace};
@@ -814,8 +815,9 @@ fn a_trace_aligns_routing_residency_and_pages_per_pass() {
         args.extend(extra);
         let out = ok(&args);
         let json: serde_json::Value = serde_json::from_str(out.lines().rev().find(|l| l.starts_with('{')).expect("json")).expect("json");
-        let (h, passes) = read_model_trace(std::io::BufReader::new(std::fs::File::open(&file).expect("trace"))).expect("a readable trace");
-        (file, json, h, passes)
+        let t = read_model_trace(std::io::BufReader::new(std::fs::File::open(&file).expect("trace"))).expect("a readable trace");
+        assert!(!t.torn);
+        (file, json, t.header, t.passes)
     };
     let (fa, ja, ha, a) = traced("trace_a.jsonl", &[]);
     let (fb, jb, _, b) = traced("trace_b.jsonl", &["--expert-slots", "2"]);
@@ -862,13 +864,32 @@ fn a_trace_aligns_routing_residency_and_pages_per_pass() {
         "--trace",
         file.to_str().expect("utf-8"),
     ]);
-    let (_, f) = read_model_trace(std::io::BufReader::new(std::fs::File::open(&file).expect("trace"))).expect("trace");
+    let f = read_model_trace(std::io::BufReader::new(std::fs::File::open(&file).expect("trace"))).expect("trace").passes;
     assert!(f.iter().map(|r| r.kv_to_host).sum::<u64>() > 0, "{f:?}");
-    // A torn trace is refused with its line.
+    // A trace cut mid-record (a killed run) compares over its whole passes and says so; a
+    // damaged record within it is refused with its line.
     let text = std::fs::read_to_string(&fa).expect("trace");
     let torn = tmp("trace_torn.jsonl");
     std::fs::write(&torn, &text[..text.len() - 20]).expect("write");
-    let o = expertkv(&["compare", torn.to_str().expect("utf-8"), fb.to_str().expect("utf-8")]);
+    let out = ok(&["compare", torn.to_str().expect("utf-8"), fb.to_str().expect("utf-8")]);
+    assert!(out.contains("cut short") && out.contains(&format!("compared over the first {}", a.len() - 1)), "{out}");
+    let damaged = tmp("trace_damaged.jsonl");
+    std::fs::write(&damaged, text.replacen("\"pass\":3,", "\"pass\":3,,", 1)).expect("write");
+    let o = expertkv(&["compare", damaged.to_str().expect("utf-8"), fb.to_str().expect("utf-8")]);
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success() && err.contains(&format!("line {}", a.len() + 1)), "{err}");
+    assert!(!o.status.success() && err.contains("line 5"), "{err}");
+    let o = expertkv(&[
+        "run",
+        "--model",
+        p,
+        "--prompt",
+        "x",
+        "--tokens",
+        "2",
+        "--time-steps",
+        "4",
+        "--trace",
+        damaged.to_str().expect("utf-8"),
+    ]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("give one or the other"));
 }

@@ -1151,7 +1151,7 @@ impl GpuLlama {
         self.step += 1;
         self.dispatches = dispatches_encoded() - d0;
         if self.trace.is_some() {
-            self.trace_pass(rt, tokens.len() as u32, Some(tokens)).await?;
+            self.trace_pass(rt, tokens.len() as u32, Some(tokens), None).await?;
         }
         rt.read(&self.s.logits, 0, u64::from(n * c.vocab_size)).await
     }

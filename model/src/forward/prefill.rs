@@ -98,7 +98,7 @@ impl GpuLlama {
             self.positions[seq as usize] += chunk.len() as u32;
             self.step += 1;
             if self.trace.is_some() {
-                self.trace_pass(rt, chunk.len() as u32, None).await?;
+                self.trace_pass(rt, chunk.len() as u32, None, Some(seq)).await?;
             }
         }
         self.dispatches = (dispatches_encoded() - d0) / ids.len().div_ceil(PREFILL_CHUNK as usize) as u64;

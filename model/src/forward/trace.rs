@@ -2,7 +2,8 @@
 //! tokens fed, the experts each layer chose, the experts fetched into GPU slots (and whom they
 //! replaced), the weight bytes moved, the K/V pages in use and the K/V pages moved between the
 //! GPU, host memory and a spill tier. Two runs' traces compare pass by pass
-//! ([`compare`], `expertkv compare A B`): where their routing or their residency first parts.
+//! ([`compare`], `expertkv compare A B`): where their routing, their residency or their K/V page
+//! counts first part.
 //!
 //! # Format (version 1)
 //!
@@ -14,27 +15,33 @@
 //! ```
 //!
 //! Every further line is one [`PassRecord`], written (and flushed) when its pass has finished,
-//! so a run that stops leaves whole passes behind:
+//! so a run that stops leaves whole passes behind (a run killed mid-write leaves its last line
+//! cut short, which the reader leaves out and reports):
 //!
 //! ```json
-//! {"pass":7,"prefill":false,"tokens":1,"fed":[104],"positions":[12],"experts":[[3,5],[0,7]],
+//! {"pass":7,"prefill":false,"seq":null,"tokens":1,"fed":[104],"positions":[12],"experts":[[3,5],[0,7]],
 //!  "fetched":[{"layer":1,"expert":7,"slot":2,"evicted":4}],"expert_hits":3,"expert_misses":1,
 //!  "expert_bytes":294912,"kv_pages_in_use":6,"kv_to_host":0,"kv_to_gpu":0,"kv_to_spill":0,
 //!  "kv_from_spill":0}
 //! ```
 //!
 //! - `fed`: the token each sequence was fed (decode passes; empty for a prefill chunk, whose
-//!   `tokens` says how many it fed).
+//!   `tokens` says how many it fed into sequence `seq`).
 //! - `experts`: per layer, each sequence's chosen experts (`n_seqs x top_k`), for decode passes
-//!   of a model with experts (MoE files and MoEfied models); empty otherwise.
+//!   of a model whose FFN has experts (MoE files and MoEfied models); empty otherwise (the route
+//!   stage's K/V labels under `--labels` are not recorded).
 //! - `fetched`: the experts an expert cache wrote into GPU slots this pass, with the expert each
 //!   replaced; `expert_hits`, `expert_misses`, `expert_bytes` count the cache's traffic.
 //! - `kv_pages_in_use`: raw and compressed pages the pool holds after the pass.
 //! - `kv_to_host`, `kv_to_gpu`: FlexGen's pages moved this pass; `kv_to_spill`,
 //!   `kv_from_spill`: between host memory and the spill tier (the page store).
 //!
+//! Not passes: a prefix restored from a page store (positions jump past it) and the steps
+//! `time_steps` times (refused with a trace).
+//!
 //! Readers refuse, with the line number, a missing or foreign header, another version, unknown
-//! fields, passes out of order and lines over [`MAX_LINE_BYTES`].
+//! fields, passes out of order and lines over [`MAX_LINE_BYTES`] (bounded before they are
+//! held).
 
 use std::io::{BufRead, Write};
 
@@ -113,6 +120,9 @@ pub struct PassRecord {
     pub pass: u64,
     /// A prefill chunk (else a decode step).
     pub prefill: bool,
+    /// The sequence a prefill chunk fed (`None` for a decode step, which feeds every one).
+    #[serde(default)]
+    pub seq: Option<u32>,
     /// Tokens the pass fed (all sequences').
     pub tokens: u32,
     /// Each sequence's token (decode steps).
@@ -169,19 +179,30 @@ impl TraceSink {
 impl crate::forward::GpuLlama {
     /// Record every later pass (prefill chunk or decode step) into `sink`, one line each, written
     /// when the pass has finished. Reading the pool's page count back costs one wait per pass.
-    pub fn record_trace(&mut self, sink: TraceSink) {
+    pub fn record_trace(&mut self, mut sink: TraceSink) {
+        if let Some((fg, _)) = &self.flexgen {
+            let t = &fg.stats;
+            sink.tier = [t.offloaded_pages, t.fetched_pages, t.pages_to_spill, t.pages_from_spill];
+        }
         self.trace = Some(sink);
     }
 
     /// The pass that just finished, into the trace: `fed` is the decode step's tokens (`None`
-    /// for a prefill chunk of `tokens` tokens).
-    pub(crate) async fn trace_pass(&mut self, rt: &expertkv_core::Runtime, tokens: u32, fed: Option<&[u32]>) -> Result<()> {
+    /// for a prefill chunk of `tokens` tokens into sequence `seq`).
+    pub(crate) async fn trace_pass(
+        &mut self,
+        rt: &expertkv_core::Runtime,
+        tokens: u32,
+        fed: Option<&[u32]>,
+        seq: Option<u32>,
+    ) -> Result<()> {
         let ctl = self.pool.read_ctl(rt).await?;
         let c = &self.pool.cfg;
         let kv_pages_in_use = (c.n_pages - ctl.free_top) + ((c.n_ids() - c.n_pages) - ctl.codec_free_top);
         let layers = self.cfg.block_count as usize;
         let mut r = PassRecord {
             prefill: fed.is_none(),
+            seq,
             tokens,
             fed: fed.map(<[u32]>::to_vec).unwrap_or_default(),
             positions: self.positions.clone(),
@@ -202,43 +223,77 @@ impl crate::forward::GpuLlama {
         if let Some((fg, _)) = &self.flexgen {
             let t = &fg.stats;
             let now = [t.offloaded_pages, t.fetched_pages, t.pages_to_spill, t.pages_from_spill];
-            [r.kv_to_host, r.kv_to_gpu, r.kv_to_spill, r.kv_from_spill] = std::array::from_fn(|i| now[i] - sink.tier[i]);
+            [r.kv_to_host, r.kv_to_gpu, r.kv_to_spill, r.kv_from_spill] = std::array::from_fn(|i| now[i].saturating_sub(sink.tier[i]));
             sink.tier = now;
         }
         sink.write(r)
     }
 }
 
-/// Read a model trace: its header and every pass, in order.
-pub fn read_model_trace(r: impl BufRead) -> Result<(ModelTraceHeader, Vec<PassRecord>)> {
-    let mut header = None;
+/// A model trace as read: its header, its passes, and whether its last line was torn.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelTrace {
+    /// The first line.
+    pub header: ModelTraceHeader,
+    /// Every whole pass, in order.
+    pub passes: Vec<PassRecord>,
+    /// The file ended in the middle of a record (a killed run): that record is left out.
+    pub torn: bool,
+}
+
+/// Read one line of at most [`MAX_LINE_BYTES`] (bounded before anything larger is held);
+/// `None` at the end; with whether it ended in a newline.
+fn next_line(r: &mut impl BufRead, n: usize, buf: &mut Vec<u8>) -> Result<Option<(String, bool)>> {
+    buf.clear();
+    let got = std::io::Read::take(&mut *r, MAX_LINE_BYTES as u64 + 1)
+        .read_until(b'\n', buf)
+        .map_err(|e| Error::Input(format!("model trace line {n}: {e}")))?;
+    if got == 0 {
+        return Ok(None);
+    }
+    if buf.len() > MAX_LINE_BYTES {
+        return Err(Error::Input(format!("model trace line {n}: over {MAX_LINE_BYTES} bytes")));
+    }
+    let whole = buf.ends_with(b"\n");
+    let s = std::str::from_utf8(buf).map_err(|e| Error::Input(format!("model trace line {n}: not UTF-8: {e}")))?;
+    Ok(Some((s.trim_end_matches(['\n', '\r']).to_string(), whole)))
+}
+
+/// Read a model trace: its header and every pass, in order. A last line cut short (no newline,
+/// not a record: the run was killed while writing it) is left out and reported in
+/// [`ModelTrace::torn`]; any other bad line is refused with its number.
+pub fn read_model_trace(mut r: impl BufRead) -> Result<ModelTrace> {
+    let mut buf = Vec::new();
+    let Some((first, _)) = next_line(&mut r, 1, &mut buf)? else {
+        return Err(Error::Input("the model trace is empty (no header)".into()));
+    };
+    let header: ModelTraceHeader =
+        serde_json::from_str(&first).map_err(|e| Error::Input(format!("model trace line 1: not an expertkv model trace header ({e})")))?;
+    if header.format != MODEL_TRACE_FORMAT {
+        return Err(Error::Input(format!("model trace line 1: format `{}`, not `{MODEL_TRACE_FORMAT}`", header.format)));
+    }
+    if header.version != MODEL_TRACE_VERSION {
+        return Err(Error::Input(format!("model trace line 1: version {}, this expertkv reads {MODEL_TRACE_VERSION}", header.version)));
+    }
     let mut passes: Vec<PassRecord> = Vec::new();
-    for (i, line) in r.lines().enumerate() {
-        let n = i + 1;
-        let line = line.map_err(|e| Error::Input(format!("model trace line {n}: {e}")))?;
-        if line.len() > MAX_LINE_BYTES {
-            return Err(Error::Input(format!("model trace line {n}: over {MAX_LINE_BYTES} bytes")));
-        }
-        if header.is_none() {
-            let h: ModelTraceHeader = serde_json::from_str(&line)
-                .map_err(|e| Error::Input(format!("model trace line 1: not an expertkv model trace header ({e})")))?;
-            if h.format != MODEL_TRACE_FORMAT {
-                return Err(Error::Input(format!("model trace line 1: format `{}`, not `{MODEL_TRACE_FORMAT}`", h.format)));
+    let mut torn = false;
+    let mut n = 1;
+    while let Some((line, whole)) = next_line(&mut r, n + 1, &mut buf)? {
+        n += 1;
+        let p: PassRecord = match serde_json::from_str(&line) {
+            Ok(p) => p,
+            Err(_) if !whole => {
+                torn = true;
+                break;
             }
-            if h.version != MODEL_TRACE_VERSION {
-                return Err(Error::Input(format!("model trace line 1: version {}, this expertkv reads {MODEL_TRACE_VERSION}", h.version)));
-            }
-            header = Some(h);
-            continue;
-        }
-        let p: PassRecord = serde_json::from_str(&line).map_err(|e| Error::Input(format!("model trace line {n}: {e}")))?;
+            Err(e) => return Err(Error::Input(format!("model trace line {n}: {e}"))),
+        };
         if p.pass != passes.len() as u64 {
             return Err(Error::Input(format!("model trace line {n}: pass {} where {} comes next", p.pass, passes.len())));
         }
         passes.push(p);
     }
-    let header = header.ok_or_else(|| Error::Input("the model trace is empty (no header)".into()))?;
-    Ok((header, passes))
+    Ok(ModelTrace { header, passes, torn })
 }
 
 /// Two traces side by side: the first pass where each aspect parts, and each one's totals.
@@ -246,14 +301,14 @@ pub fn read_model_trace(r: impl BufRead) -> Result<(ModelTraceHeader, Vec<PassRe
 pub struct TraceComparison {
     /// Passes in each.
     pub passes: [usize; 2],
-    /// The first pass whose fed tokens, positions or chosen experts differ (`None`: equal over
-    /// the passes both hold).
-    pub routing_parts_at: Option<u64>,
+    /// The first pass (index) whose fed tokens, positions or chosen experts differ (`None`:
+    /// equal over the passes both hold).
+    pub routing_parts_at: Option<usize>,
     /// The first pass whose expert fetches differ.
-    pub residency_parts_at: Option<u64>,
-    /// The first pass whose K/V pages in use or page moves differ.
-    pub kv_parts_at: Option<u64>,
-    /// Per trace: expert misses.
+    pub residency_parts_at: Option<usize>,
+    /// The first pass whose K/V page count or page moves differ.
+    pub kv_parts_at: Option<usize>,
+    /// Per trace: expert misses (sums saturate).
     pub expert_misses: [u64; 2],
     /// Per trace: weight bytes moved host-to-GPU.
     pub expert_bytes: [u64; 2],
@@ -263,12 +318,17 @@ pub struct TraceComparison {
 
 /// Compare two traces pass by pass.
 pub fn compare(a: &[PassRecord], b: &[PassRecord]) -> TraceComparison {
-    let first = |same: &dyn Fn(&PassRecord, &PassRecord) -> bool| a.iter().zip(b).find(|(x, y)| !same(x, y)).map(|(x, _)| x.pass);
-    let total = |t: &[PassRecord], f: &dyn Fn(&PassRecord) -> u64| t.iter().map(f).sum::<u64>();
+    let first = |same: &dyn Fn(&PassRecord, &PassRecord) -> bool| a.iter().zip(b).position(|(x, y)| !same(x, y));
+    let total = |t: &[PassRecord], f: &dyn Fn(&PassRecord) -> u64| t.iter().map(f).fold(0, u64::saturating_add);
     TraceComparison {
         passes: [a.len(), b.len()],
         routing_parts_at: first(&|x, y| {
-            x.prefill == y.prefill && x.tokens == y.tokens && x.fed == y.fed && x.positions == y.positions && x.experts == y.experts
+            x.prefill == y.prefill
+                && x.seq == y.seq
+                && x.tokens == y.tokens
+                && x.fed == y.fed
+                && x.positions == y.positions
+                && x.experts == y.experts
         }),
         residency_parts_at: first(&|x, y| x.fetched == y.fetched),
         kv_parts_at: first(&|x, y| {
@@ -277,7 +337,7 @@ pub fn compare(a: &[PassRecord], b: &[PassRecord]) -> TraceComparison {
         }),
         expert_misses: [total(a, &|p| p.expert_misses), total(b, &|p| p.expert_misses)],
         expert_bytes: [total(a, &|p| p.expert_bytes), total(b, &|p| p.expert_bytes)],
-        kv_pages_moved: [total(a, &|p| p.kv_to_host + p.kv_to_gpu), total(b, &|p| p.kv_to_host + p.kv_to_gpu)],
+        kv_pages_moved: [total(a, &|p| p.kv_to_host.saturating_add(p.kv_to_gpu)), total(b, &|p| p.kv_to_host.saturating_add(p.kv_to_gpu))],
     }
 }
 
@@ -289,8 +349,9 @@ mod tests {
         PassRecord { pass: i, tokens: 1, fed: vec![7], positions: vec![i as u32 + 1], experts, ..Default::default() }
     }
 
-    /// A written trace reads back whole; foreign, versioned, out-of-order and torn input is
-    /// refused with its line; a comparison finds the first pass where routing parts.
+    /// A written trace reads back whole, and a torn last line is left out and reported; foreign,
+    /// versioned, out-of-order and damaged input is refused with its line; a comparison finds
+    /// the first pass where routing parts, and its totals saturate.
     #[test]
     fn traces_round_trip_refuse_bad_lines_and_compare() {
         let h = ModelTraceHeader::new("m.gguf", 0xabc, [2, 8, 2, 1], "run");
@@ -311,8 +372,17 @@ mod tests {
             sink.write(p.clone()).expect("write");
         }
         let text = String::from_utf8(buf.lock().expect("lock").clone()).expect("utf-8");
-        let (h2, back) = read_model_trace(text.as_bytes()).expect("read");
-        assert_eq!((h2, &back), (h, &a));
+        let t = read_model_trace(text.as_bytes()).expect("read");
+        assert_eq!((&t.header, &t.passes, t.torn), (&h, &a, false));
+        // A killed run's last line, cut short: the whole passes before it, the cut reported.
+        let cut = read_model_trace(&text.as_bytes()[..text.len() - 10]).expect("a torn trace");
+        assert_eq!((&cut.passes[..], cut.torn), (&a[..3], true));
+        // Totals saturate instead of overflowing on crafted counts.
+        let mut big = a.clone();
+        for p in &mut big {
+            (p.expert_misses, p.kv_to_host, p.kv_to_gpu) = (u64::MAX, u64::MAX, 1);
+        }
+        assert_eq!(compare(&big, &big).expert_misses, [u64::MAX; 2]);
         let mut b = a.clone();
         b[2].experts[1][1] = 6;
         let c = compare(&a, &b);
@@ -324,7 +394,7 @@ mod tests {
             (text.replace("expertkv-model-trace", "other"), "format"),
             (text.replace("\"version\":1", "\"version\":2"), "version"),
             ([lines[0], lines[2]].join("\n"), "comes next"),
-            (format!("{}\n{}", lines[0], &lines[1][..lines[1].len() / 2]), "line 2"),
+            (format!("{}\n{}\n{}", lines[0], &lines[1][..lines[1].len() / 2], lines[2]), "line 2"),
             (text.replace("\"prefill\"", "\"prefil\""), "line 2"),
         ] {
             let e = read_model_trace(bad.as_bytes()).expect_err(why).to_string();
