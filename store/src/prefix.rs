@@ -393,15 +393,10 @@ impl PrefixStore {
         }
         let last = missing.iter().map(|k| k.0).max().unwrap_or(0) + 1;
         let kv = pollster::block_on(m.read_prefix(rt, seq, (last * ps) as u32))?;
-        let tw = m.prefix_token_words();
-        let pages: Vec<(String, PageHeader, Vec<u32>)> = missing
-            .into_iter()
-            .map(|(p, l, key)| {
-                let words = kv[l as usize][p * ps * tw..(p + 1) * ps * tw].to_vec();
-                (key, self.header(m, p, chain[p], l, ids), words)
-            })
-            .collect();
-        drop(kv);
+        // The pool's words go to the writer as read; it slices each page out of them.
+        let pages: Vec<(String, PageHeader, usize, usize)> =
+            missing.into_iter().map(|(p, l, key)| (key, self.header(m, p, chain[p], l, ids), p, l as usize)).collect();
+        let page_words = ps * m.prefix_token_words();
         self.report.store_s += t0.elapsed().as_secs_f64();
         let mut store = std::mem::replace(&mut self.store, Box::new(Busy { addr: self.report.addr.clone() }));
         let ttl_s = self.ttl_s;
@@ -409,8 +404,8 @@ impl PrefixStore {
             let t0 = Instant::now();
             let outcome = (|| -> Result<(u64, u64)> {
                 let mut items = Vec::with_capacity(pages.len());
-                for (key, header, words) in &pages {
-                    items.push((key.clone(), encode(header, words)?));
+                for (key, header, p, l) in pages {
+                    items.push((key, encode(&header, &kv[l][p * page_words..(p + 1) * page_words])?));
                 }
                 let bytes: u64 = items.iter().map(|(_, v)| v.len() as u64).sum();
                 store.put_many(&items, ttl_s)?;
