@@ -508,7 +508,7 @@ impl PoolConfig {
     /// per-ring counts (a word per ring). Equal to
     /// [`crate::append::KvPool::pool_bytes_allocated`] once allocated.
     pub fn pool_bytes(&self, max_binding: u64) -> u64 {
-        let buf = |bytes: u64| bytes.max(4).next_multiple_of(4);
+        let buf = crate::runtime::storage_size;
         let ppb = self.pages_per_buffer(max_binding).max(1);
         let mut kv = 0;
         let mut first = 0;
@@ -533,6 +533,11 @@ impl PoolConfig {
             u64::from(self.n_lists()) * 4,
         ];
         kv + tables.into_iter().map(buf).sum::<u64>()
+    }
+
+    /// Pages the pool holds, raw and compressed, by its control block's free-stack tops.
+    pub fn pages_in_use(&self, ctl: &crate::gpu_data::PoolCtl) -> u32 {
+        (self.n_pages - ctl.free_top) + (self.n_ids() - self.n_pages - ctl.codec_free_top)
     }
 
     /// u32 words of one raw page: K then V of one KV head for `page_size` slots

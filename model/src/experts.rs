@@ -112,17 +112,13 @@ impl ExpertBytes {
         if e == 0 {
             return Ok(None);
         }
-        let words = |fmt: WeightFormat, rows: u32, cols: u32| {
-            u64::from(rows) * u64::from(cols) / fmt.block_weights() as u64 * fmt.gpu_block_words() as u64
-        };
-        let pad = |bytes: u64| bytes.max(4).next_multiple_of(4);
         let (mut per_slot, mut fixed) = (0, 0);
         for l in 0..c.block_count {
             let name = |s: &str| format!("blk.{l}.{s}.weight");
             let fg = same_format(g, &name("ffn_gate_exps"), &name("ffn_up_exps"))?;
             let fd = tensor_format(g, &name("ffn_down_exps"))?;
-            per_slot += 4 * (words(fg, 2 * f, h) + words(fd, h, f));
-            fixed += pad(4 * u64::from(e));
+            per_slot += fg.gpu_bytes(2 * f, h) + fd.gpu_bytes(h, f);
+            fixed += expertkv_core::runtime::storage_size(4 * u64::from(e));
         }
         Ok(Some(ExpertBytes { per_slot, fixed }))
     }

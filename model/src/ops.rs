@@ -125,6 +125,12 @@ impl WeightFormat {
         }
     }
 
+    /// Bytes a `rows` x `cols` matrix in this format takes on the GPU (blocks as the kernels
+    /// read them; `cols` a whole number of blocks).
+    pub fn gpu_bytes(self, rows: u32, cols: u32) -> u64 {
+        u64::from(rows) * u64::from(cols) / self.block_weights() as u64 * self.gpu_block_words() as u64 * 4
+    }
+
     /// u32 words of one block on the GPU.
     pub fn gpu_block_words(self) -> usize {
         match self {
@@ -325,11 +331,8 @@ impl MoeFfn {
         {
             return Err(Error::Input(format!("{label}: {slots} slots for {n_experts} experts of {f} neurons x {hidden} features")));
         }
-        let words = |fmt: WeightFormat, rows: u32, cols: u32| {
-            u64::from(rows) * u64::from(cols) / fmt.block_weights() as u64 * fmt.gpu_block_words() as u64
-        };
         let matrix = |name: &str, fmt: WeightFormat, rows: u32, cols: u32| -> Result<GpuMatrix> {
-            let size = words(fmt, rows, cols) * 4;
+            let size = fmt.gpu_bytes(rows, cols);
             rt.fits_binding(format!("{label} {name}"), size)?;
             Ok(GpuMatrix { buffer: rt.storage(&format!("{label} {name}"), size), format: fmt, rows, cols })
         };

@@ -335,7 +335,7 @@ impl TextModel {
         let m = &self.llama;
         let c = &m.pool.cfg;
         let ctl = m.pool.read_ctl(rt).await?;
-        let pages_in_use = (c.n_pages - ctl.free_top) + ((c.n_ids() - c.n_pages) - ctl.codec_free_top);
+        let pages_in_use = c.pages_in_use(&ctl);
         let evicted = match &m.scheduler {
             Some(s) => s.read_lists(rt).await?.iter().map(|l| u64::from(l.evicted_total)).sum(),
             None => 0,

@@ -529,7 +529,7 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     // Raw and compressed pages, and their bytes as allocated (with a low-rank codec's basis).
     let ctl = pollster::block_on(m.pool.read_ctl(&rt))?;
     let pc = &m.pool.cfg;
-    let used = (pc.n_pages - ctl.free_top) + ((pc.n_ids() - pc.n_pages) - ctl.codec_free_top);
+    let used = pc.pages_in_use(&ctl);
     let bytes = pollster::block_on(m.kv_bytes_in_use(&rt))?;
     println!(
         "prefill: {} tokens{} in {:.2} s; decode: {} tokens in {:.2} s ({:.2} tokens/s, one submission per token, \

@@ -248,7 +248,7 @@ pub fn run(gpu: &GpuArgs, a: &SoakArgs) -> Result<()> {
             let w = Window {
                 step: step + 1,
                 cached,
-                pages_in_use: (cfg.n_pages - ctl.free_top) + (cfg.n_ids() - cfg.n_pages - ctl.codec_free_top),
+                pages_in_use: cfg.pages_in_use(&ctl),
                 finished,
                 steps_per_s: f64::from(step + 1 - window_start) / secs.max(1e-9),
                 host_rss_mib: rss_mib(),

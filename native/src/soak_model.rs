@@ -98,7 +98,7 @@ pub fn run(gpu: &GpuArgs, a: &SoakArgs, model: &std::path::Path, (min_len, max_l
             let w = Window {
                 step: total as u32,
                 cached,
-                pages_in_use: (cfg.n_pages - snap.ctl.free_top) + (cfg.n_ids() - cfg.n_pages - snap.ctl.codec_free_top),
+                pages_in_use: cfg.pages_in_use(&snap.ctl),
                 finished: finished.get(),
                 steps_per_s: (total - window.1) as f64 / secs.max(1e-9),
                 host_rss_mib: rss_mib(),

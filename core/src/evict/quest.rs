@@ -45,7 +45,7 @@ impl Quest {
             list_len * 4,
         ]
         .into_iter()
-        .map(|b| b.max(4).next_multiple_of(4))
+        .map(crate::runtime::storage_size)
         .sum()
     }
 

@@ -635,7 +635,7 @@ impl Runtime {
     pub fn storage(&self, label: &str, size: u64) -> wgpu::Buffer {
         self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some(label),
-            size: size.max(4).next_multiple_of(4),
+            size: storage_size(size),
             usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::COPY_SRC,
             mapped_at_creation: false,
         })
@@ -789,4 +789,10 @@ pub fn split_workgroups(n: u32) -> [u32; 2] {
 pub fn grid(n: u32) -> (u32, u32) {
     let groups = n.div_ceil(64).max(1);
     if groups <= 65_535 { (groups, 1) } else { (65_535, groups.div_ceil(65_535)) }
+}
+
+/// The bytes [`Runtime::storage`] allocates for a buffer of `size` bytes (at least 4, a whole
+/// number of words): what a prediction of allocated bytes must count.
+pub fn storage_size(size: u64) -> u64 {
+    size.max(4).next_multiple_of(4)
 }

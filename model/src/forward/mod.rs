@@ -326,16 +326,8 @@ impl ModelOptions {
     /// measures them once loaded). Refused where the options would not load (a sequence count
     /// or context out of range, an invalid pool).
     pub fn kv_bytes(&self, cfg: &LlamaConfig, max_binding: u64) -> Result<u64> {
-        if self.n_seqs == 0 || self.n_seqs > MAX_SEQS {
-            return Err(Error::config("seqs", self.n_seqs, format!("the model decodes 1 to {MAX_SEQS} sequences together")));
-        }
-        if self.max_context == 0 || self.max_context > cfg.context_length {
-            return Err(Error::config(
-                "context",
-                self.max_context,
-                format!("must be in 1..={} (the model's trained context)", cfg.context_length),
-            ));
-        }
+        check_seqs(self.n_seqs)?;
+        check_context(cfg, self.max_context)?;
         let pool = self.pool_config(cfg);
         pool.validate()?;
         let quest = match &self.scheduler {
@@ -530,22 +522,14 @@ impl GpuLlama {
                 ));
             }
         }
-        if n_seqs == 0 || n_seqs > MAX_SEQS {
-            return Err(Error::config("seqs", n_seqs, format!("the model decodes 1 to {MAX_SEQS} sequences together")));
-        }
+        check_seqs(n_seqs)?;
         if cfg.rope_dimension_count != cfg.head_dim {
             return Err(Error::Model(format!(
                 "llama.rope.dimension_count is {} of head_dim {}: partial rotary embeddings are implemented in the CPU reference only, not on the GPU",
                 cfg.rope_dimension_count, cfg.head_dim
             )));
         }
-        if max_context == 0 || max_context > cfg.context_length {
-            return Err(Error::config(
-                "context",
-                max_context,
-                format!("must be in 1..={} (the model's trained context)", cfg.context_length),
-            ));
-        }
+        check_context(&cfg, max_context)?;
         // The weight formats of the file's tensors (the norms and the rest are F32 or converted).
         let mut formats = vec![WeightFormat::F32];
         formats.extend(g.tensors().iter().filter_map(|t| WeightFormat::from_ggml(t.ggml_type()).ok()));
@@ -1383,6 +1367,22 @@ fn native_experts(rt: &Runtime, g: &Gguf<'_>, c: &LlamaConfig) -> Result<Vec<(Gp
 /// reference's [`crate::math::argmax`].
 pub fn argmax(v: &[f32]) -> u32 {
     crate::math::argmax(v)
+}
+
+/// `n_seqs` sequences decoded together: 1 to [`MAX_SEQS`].
+fn check_seqs(n_seqs: u32) -> Result<()> {
+    if n_seqs == 0 || n_seqs > MAX_SEQS {
+        return Err(Error::config("seqs", n_seqs, format!("the model decodes 1 to {MAX_SEQS} sequences together")));
+    }
+    Ok(())
+}
+
+/// `max_context` tokens per sequence: 1 to the model's trained context.
+fn check_context(cfg: &LlamaConfig, max_context: u32) -> Result<()> {
+    if max_context == 0 || max_context > cfg.context_length {
+        return Err(Error::config("context", max_context, format!("must be in 1..={} (the model's trained context)", cfg.context_length)));
+    }
+    Ok(())
 }
 
 /// The pool [`GpuLlama::load`] allocates for `cfg` with these options (its pages sized for

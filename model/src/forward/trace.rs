@@ -198,7 +198,7 @@ impl crate::forward::GpuLlama {
     ) -> Result<()> {
         let ctl = self.pool.read_ctl(rt).await?;
         let c = &self.pool.cfg;
-        let kv_pages_in_use = (c.n_pages - ctl.free_top) + ((c.n_ids() - c.n_pages) - ctl.codec_free_top);
+        let kv_pages_in_use = c.pages_in_use(&ctl);
         let layers = self.cfg.block_count as usize;
         let mut r = PassRecord {
             prefill: fed.is_none(),
