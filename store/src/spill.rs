@@ -3,11 +3,10 @@
 //! `{namespace}:spill:{run}:{id}`, each value with a magic, the format version, the run, the id,
 //! the word count and a checksum; a value that fails a check is a lost page, never data.
 
-use expertkv_core::digest::hash64;
 use expertkv_core::evict::flexgen::SpillTier;
 
 use crate::PageStore;
-use crate::value::FORMAT_VERSION;
+use crate::value::{FORMAT_VERSION, seal, unseal};
 
 const MAGIC: &[u8; 4] = b"EKVS";
 
@@ -44,21 +43,13 @@ impl StoreSpill {
         for w in words {
             b.extend_from_slice(&w.to_le_bytes());
         }
-        let sum = hash64(&b);
-        b.extend_from_slice(&sum.to_le_bytes());
-        b
+        seal(b)
     }
 
     fn decode(&self, id: u64, b: &[u8]) -> Option<Vec<u32>> {
         let head = 4 + 2 + 8 + 8 + 4;
-        if b.len() < head + 8 {
-            return None;
-        }
-        let (body, sum) = b.split_at(b.len() - 8);
+        let body = unseal(b).filter(|body| body.len() >= head && &body[..4] == MAGIC)?;
         let le64 = |s: &[u8]| s.try_into().ok().map(u64::from_le_bytes);
-        if le64(sum)? != hash64(body) || &body[..4] != MAGIC {
-            return None;
-        }
         let version = u16::from_le_bytes([body[4], body[5]]);
         let n = u32::from_le_bytes(body[22..26].try_into().ok()?) as usize;
         if version != FORMAT_VERSION || le64(&body[6..14])? != self.run || le64(&body[14..22])? != id || body.len() != head + 4 * n {

@@ -193,9 +193,22 @@ pub fn encode(h: &PageHeader, words: &[u32]) -> Result<Vec<u8>> {
     for w in &payload {
         b.extend_from_slice(&w.to_le_bytes());
     }
-    let sum = hash64(&b);
-    b.extend_from_slice(&sum.to_le_bytes());
-    Ok(b)
+    Ok(seal(b))
+}
+
+/// `body` with its checksum ([`hash64`], u64) appended: how every stored value ends (pages
+/// here, spilled pages in [`crate::spill`]).
+pub(crate) fn seal(mut body: Vec<u8>) -> Vec<u8> {
+    let sum = hash64(&body);
+    body.extend_from_slice(&sum.to_le_bytes());
+    body
+}
+
+/// The body of a value [`seal`]ed, if its checksum is right (`None`: damaged, or too short to
+/// hold one).
+pub(crate) fn unseal(bytes: &[u8]) -> Option<&[u8]> {
+    let (body, sum) = bytes.split_at_checked(bytes.len().checked_sub(8)?)?;
+    (hash64(body).to_le_bytes() == sum).then_some(body)
 }
 
 /// Reads little-endian fields off a value, every read bounds-checked.
@@ -238,11 +251,7 @@ pub fn decode(bytes: &[u8], want: &PageHeader) -> std::result::Result<Vec<u32>, 
     if bytes.len() < 12 {
         return Err(format!("{} bytes is too short for a page", bytes.len()));
     }
-    let (body, sum) = bytes.split_at(bytes.len() - 8);
-    let stored = u64::from_le_bytes(sum.try_into().map_err(|_| "checksum".to_string())?);
-    if hash64(body) != stored {
-        return Err("checksum mismatch".into());
-    }
+    let body = unseal(bytes).ok_or("checksum mismatch")?;
     let mut r = Reader { b: body, at: 0 };
     if r.take(4)? != MAGIC {
         return Err("not an expertkv page".into());
