@@ -30,7 +30,9 @@ pub fn hash64(bytes: &[u8]) -> u64 {
     let mut blocks = bytes.chunks_exact(32);
     for block in &mut blocks {
         for (lane, w) in lanes.iter_mut().zip(block.chunks_exact(8)) {
-            let w = u64::from_le_bytes(w.try_into().expect("8 bytes"));
+            let mut word = [0u8; 8];
+            word.copy_from_slice(w);
+            let w = u64::from_le_bytes(word);
             // The multiply carries a change only upwards; the shift brings the high half back
             // down, so changes in the top bits of two words cannot cancel. Both are bijections.
             let x = (*lane ^ w).wrapping_mul(FNV_PRIME);

@@ -26,9 +26,12 @@ pub const FETCH_PAGES_PER_ROUND: usize = 8;
 /// The most pages a fetch asks for in one round.
 pub const FETCH_PAGES_MAX_ROUND: usize = 256;
 
+/// A value's verdict: its words and stored size, or why it is not the page.
+type Checked = std::result::Result<(Vec<u32>, u64), String>;
+
 /// Each value checked against its expected header and decoded (`None`: the store had no
 /// value), with its stored size; on several threads when there are many.
-fn check_all(values: &[Option<Vec<u8>>], headers: &[PageHeader]) -> Vec<Option<std::result::Result<(Vec<u32>, u64), String>>> {
+fn check_all(values: &[Option<Vec<u8>>], headers: &[PageHeader]) -> Vec<Option<Checked>> {
     let one = |v: &Option<Vec<u8>>, h: &PageHeader| v.as_ref().map(|v| decode(v, h).map(|w| (w, v.len() as u64)));
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8);
     if threads < 2 || values.len() < 64 {
