@@ -147,9 +147,30 @@ impl SyntheticModel {
         }
         let seed = self.seed;
         // `[rows][cols]` (ggml dims `[cols, rows]`), normal with standard deviation `scale`.
+        // Tensors past 2^24 values (none a test makes) are drawn in parts of 2^22 on every core,
+        // each part its own stream, so a large file takes seconds, the same on any machine.
         let draw = |name: &str, n: u64, scale: f32| -> Vec<f32> {
-            let mut rng = Rng::new(seed ^ fnv1a(FNV_OFFSET, name.as_bytes()));
-            (0..n).map(|_| rng.normal() as f32 * scale).collect()
+            let stream = seed ^ fnv1a(FNV_OFFSET, name.as_bytes());
+            if n <= 1 << 24 {
+                let mut rng = Rng::new(stream);
+                return (0..n).map(|_| rng.normal() as f32 * scale).collect();
+            }
+            const PART: u64 = 1 << 22;
+            let parts: Vec<u64> = (0..n.div_ceil(PART)).collect();
+            let threads = std::thread::available_parallelism().map_or(1, |t| t.get());
+            let mut out = vec![0f32; n as usize];
+            std::thread::scope(|s| {
+                let per = parts.len().div_ceil(threads);
+                for (ids, chunk) in parts.chunks(per).zip(out.chunks_mut(per * PART as usize)) {
+                    s.spawn(move || {
+                        for (&p, part) in ids.iter().zip(chunk.chunks_mut(PART as usize)) {
+                            let mut rng = Rng::new(stream ^ p.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+                            part.iter_mut().for_each(|v| *v = rng.normal() as f32 * scale);
+                        }
+                    });
+                }
+            });
+            out
         };
         let f32s = |w: &mut GgufWriter, name: &str, dims: &[u64], data: Vec<f32>| {
             w.tensor(name, dims, GgmlType::F32, data.iter().flat_map(|v| v.to_le_bytes()).collect());
@@ -237,6 +258,22 @@ impl SyntheticModel {
 /// scale and 32 signed bytes; Q4_1 blocks of an f16 scale and minimum and 32 nibbles (value `j`
 /// in the low nibble of byte `j`, value `16 + j` in its high nibble), as ggml lays them out.
 fn quantize(format: GgmlType, data: &[f32]) -> Vec<u8> {
+    // Large tensors in parts of whole super-blocks on every core; each block is quantized alone,
+    // so the bytes are the same.
+    const PART: usize = 1 << 20;
+    if data.len() > PART {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let per = data.len().div_ceil(threads).next_multiple_of(256);
+        return std::thread::scope(|s| {
+            let parts: Vec<_> = data.chunks(per).map(|c| s.spawn(move || quantize_part(format, c))).collect();
+            parts.into_iter().flat_map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
+        });
+    }
+    quantize_part(format, data)
+}
+
+/// [`quantize`] on one thread.
+fn quantize_part(format: GgmlType, data: &[f32]) -> Vec<u8> {
     let f16 = |v: f32| half::f16::from_f32(v);
     match format {
         GgmlType::Q8_0 => data
