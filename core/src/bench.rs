@@ -261,12 +261,31 @@ pub async fn copy_roofline(rt: &Runtime, bytes: u64, warmup: u32, reps: u32) -> 
     Ok((k, m))
 }
 
-/// Host-to-GPU bandwidth through the queue (`write_buffer`, the path an expert fetched from
-/// host memory takes): `bytes` of a host pattern written into a GPU buffer, each run timed on
-/// the host from the call until the GPU has finished it, median over `reps` after `warmup`;
+/// How host memory reaches a GPU buffer in [`upload_bandwidth`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UploadPath {
+    /// `Queue::write_buffer`: the host copies into wgpu's staging memory, then the GPU copies.
+    WriteBuffer,
+    /// A copy command from a host-memory buffer ([`Runtime::host_copy_source`]): DMA only, the
+    /// path an expert cache's fetches take.
+    HostCopy,
+}
+
+impl UploadPath {
+    /// The path's name in benchmark records.
+    pub fn name(self) -> &'static str {
+        match self {
+            UploadPath::WriteBuffer => "write_buffer",
+            UploadPath::HostCopy => "host_copy",
+        }
+    }
+}
+
+/// Host-to-GPU bandwidth over `path`: `bytes` of a host pattern into a GPU buffer, each run timed
+/// on the host from the call until the GPU has finished it, median over `reps` after `warmup`;
 /// then the buffer's first and last words are read back and checked against the pattern.
 #[cfg(not(target_arch = "wasm32"))]
-pub async fn upload_bandwidth(rt: &Runtime, bytes: u64, warmup: u32, reps: u32) -> Result<Measurement> {
+pub async fn upload_bandwidth(rt: &Runtime, path: UploadPath, bytes: u64, warmup: u32, reps: u32) -> Result<Measurement> {
     let words = (bytes / 4).max(1);
     if words * 4 > rt.max_binding_bytes() || words > u64::from(u32::MAX) || reps == 0 {
         return Err(Error::Input(format!("upload bandwidth: {bytes} bytes, {reps} runs")));
@@ -274,11 +293,21 @@ pub async fn upload_bandwidth(rt: &Runtime, bytes: u64, warmup: u32, reps: u32) 
     let pattern = |i: u32| i.wrapping_mul(0x9E37_79B9) ^ 0x5bd1_e995;
     let host: Vec<u32> = (0..words as u32).map(pattern).collect();
     let buf = rt.storage("bench upload", words * 4);
+    let source = (path == UploadPath::HostCopy).then(|| rt.host_copy_source("bench upload (host)", &host));
     let mut times = Vec::with_capacity(reps as usize);
     for i in 0..warmup + reps {
         let t0 = std::time::Instant::now();
-        rt.queue.write_buffer(&buf, 0, bytemuck::cast_slice(&host));
-        rt.queue.submit([]);
+        match &source {
+            Some(src) => {
+                let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("bench upload") });
+                enc.copy_buffer_to_buffer(src, 0, &buf, 0, words * 4);
+                rt.queue.submit([enc.finish()]);
+            }
+            None => {
+                rt.queue.write_buffer(&buf, 0, bytemuck::cast_slice(&host));
+                rt.queue.submit([]);
+            }
+        }
         rt.wait()?;
         if i >= warmup {
             times.push(t0.elapsed().as_secs_f64() * 1e3);

@@ -3,7 +3,7 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
 use expertkv_core::attend::{AttendOptions, SplitVariant};
-use expertkv_core::bench::{AttendShape, BenchRecord, bench_attend, copy_roofline, gbps};
+use expertkv_core::bench::{AttendShape, BenchRecord, UploadPath, bench_attend, copy_roofline, gbps};
 use expertkv_core::config::{Codec, KvDtype};
 use expertkv_core::route::config::RouterConfig;
 use expertkv_core::runtime::Runtime;
@@ -15,8 +15,8 @@ use crate::{GpuArgs, fmt_bytes};
 enum Which {
     /// The copy roofline alone.
     Copy,
-    /// Host-to-GPU upload bandwidth through the queue (what an expert fetched from host memory
-    /// moves at), beside the copy roofline.
+    /// Host-to-GPU bandwidth, beside the copy roofline: through the queue's `write_buffer`, and
+    /// as a copy from a host-memory buffer (what an expert cache's fetch moves at).
     Upload,
     /// Decode attention over the paged pool.
     Attend,
@@ -290,18 +290,21 @@ pub fn run(gpu: &GpuArgs, a: &BenchArgs) -> Result<()> {
         Which::Copy | Which::Suite => return Ok(()),
         Which::Upload => {
             let bytes = if a.quick { 32 << 20 } else { (256u64 << 20).min(rt.max_binding_bytes()) };
-            let m = pollster::block_on(expertkv_core::bench::upload_bandwidth(&rt, bytes, warmup.min(3), reps.min(20)))
-                .context("upload bandwidth")?;
-            let rec = record(&rt, "upload", format!("{bytes}"), &m, bytes, copy_gbps, "write_buffer".into());
-            if a.json {
-                println!("{}", serde_json::to_string(&rec)?);
-            } else {
-                println!(
-                    "upload  {:>10} host-to-GPU  median {:.4} ms  {:>8.1} GB/s  (write_buffer, host clock; the words checked)",
-                    fmt_bytes(bytes),
-                    m.median_ms,
-                    rec.gbps
-                );
+            for path in [UploadPath::WriteBuffer, UploadPath::HostCopy] {
+                let m = pollster::block_on(expertkv_core::bench::upload_bandwidth(&rt, path, bytes, warmup.min(3), reps.min(20)))
+                    .with_context(|| format!("upload bandwidth ({})", path.name()))?;
+                let rec = record(&rt, "upload", format!("{bytes}"), &m, bytes, copy_gbps, path.name().into());
+                if a.json {
+                    println!("{}", serde_json::to_string(&rec)?);
+                } else {
+                    println!(
+                        "upload  {:>10} host-to-GPU  median {:.4} ms  {:>8.1} GB/s  ({}, host clock; the words checked)",
+                        fmt_bytes(bytes),
+                        m.median_ms,
+                        rec.gbps,
+                        path.name()
+                    );
+                }
             }
             return Ok(());
         }

@@ -349,7 +349,8 @@ impl Runtime {
         let wanted = wgpu::Features::SHADER_F16
             | wgpu::Features::SUBGROUP
             | wgpu::Features::TIMESTAMP_QUERY
-            | wgpu::Features::TIMESTAMP_QUERY_INSIDE_ENCODERS;
+            | wgpu::Features::TIMESTAMP_QUERY_INSIDE_ENCODERS
+            | wgpu::Features::MAPPABLE_PRIMARY_BUFFERS;
         wgpu::DeviceDescriptor {
             label: Some("expertkv"),
             required_features: adapter.features() & wanted,
@@ -709,22 +710,72 @@ impl Runtime {
         self.check("wait")
     }
 
+    /// A buffer in host memory holding `data` that copies read from
+    /// (`CommandEncoder::copy_buffer_to_buffer` as the source): the host tier of data the GPU
+    /// fetches by DMA, with no staging copy by the CPU at fetch time. With
+    /// `MAPPABLE_PRIMARY_BUFFERS` (native) it is a read-mappable buffer, which Vulkan places in
+    /// host memory (cached); elsewhere a write-mappable one (WebGPU's only copy source the host
+    /// fills directly), which some drivers place in the device's host-visible memory instead.
+    pub fn host_copy_source(&self, label: &str, data: &[u32]) -> wgpu::Buffer {
+        let mappable = self.device.features().contains(wgpu::Features::MAPPABLE_PRIMARY_BUFFERS);
+        let map = if mappable { wgpu::BufferUsages::MAP_READ } else { wgpu::BufferUsages::MAP_WRITE };
+        let buf = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(label),
+            size: (std::mem::size_of_val(data) as u64).max(4),
+            usage: map | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: true,
+        });
+        if !data.is_empty() {
+            // A buffer mapped at creation is mapped whole; this cannot fail.
+            if let Ok(mut view) = buf.slice(..).get_mapped_range_mut() {
+                view.copy_from_slice(bytemuck::cast_slice(data));
+            }
+        }
+        buf.unmap();
+        buf
+    }
+
+    /// Whether [`Runtime::host_copy_source`] puts its buffers in host memory through a
+    /// read-mappable buffer (native with `MAPPABLE_PRIMARY_BUFFERS`).
+    pub fn host_copy_sources_are_host_memory(&self) -> bool {
+        self.device.features().contains(wgpu::Features::MAPPABLE_PRIMARY_BUFFERS)
+    }
+
     /// Copy `count` elements of `T` from `buffer` (starting at element `first`) back to the host.
     pub async fn read<T: bytemuck::Pod>(&self, buffer: &wgpu::Buffer, first: u64, count: u64) -> Result<Vec<T>> {
+        let mut out = self.read_many::<T>(&[(buffer, first, count)]).await?;
+        Ok(out.pop().unwrap_or_default())
+    }
+
+    /// Several ranges (`(buffer, first element, count)`) read back with one copy each into one
+    /// staging buffer and one map: one wait for the GPU instead of one per range.
+    pub async fn read_many<T: bytemuck::Pod>(&self, ranges: &[(&wgpu::Buffer, u64, u64)]) -> Result<Vec<Vec<T>>> {
         let size = std::mem::size_of::<T>() as u64;
-        let bytes = count * size;
+        let spans: Vec<(u64, u64)> = ranges
+            .iter()
+            .scan(0u64, |at, &(_, _, count)| {
+                let start = *at;
+                *at += (count * size).next_multiple_of(4);
+                Some((start, count * size))
+            })
+            .collect();
+        let bytes = spans.last().map_or(0, |&(start, len)| start + len.next_multiple_of(4));
         if bytes == 0 {
-            return Ok(Vec::new());
+            return Ok(ranges.iter().map(|_| Vec::new()).collect());
         }
         let label = "readback".to_owned();
         let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("expertkv readback"),
-            size: bytes.next_multiple_of(4),
+            size: bytes,
             usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
         });
         let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("readback") });
-        enc.copy_buffer_to_buffer(buffer, first * size, &staging, 0, bytes.next_multiple_of(4));
+        for (&(buffer, first, _), &(start, len)) in ranges.iter().zip(&spans) {
+            if len > 0 {
+                enc.copy_buffer_to_buffer(buffer, first * size, &staging, start, len.next_multiple_of(4));
+            }
+        }
         self.queue.submit([enc.finish()]);
         let slot = Arc::new(Mutex::new(MapSlot::default()));
         {
@@ -741,7 +792,7 @@ impl Runtime {
         self.wait()?;
         MapFuture { slot }.await.map_err(|message| Error::Readback { label: label.clone(), message })?;
         let view = staging.slice(..).get_mapped_range().map_err(|e| Error::Readback { label: label.clone(), message: e.to_string() })?;
-        let out = bytemuck::pod_collect_to_vec::<u8, T>(&view[..bytes as usize]);
+        let out = spans.iter().map(|&(start, len)| bytemuck::pod_collect_to_vec::<u8, T>(&view[start as usize..(start + len) as usize])).collect();
         drop(view);
         staging.unmap();
         Ok(out)
