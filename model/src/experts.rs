@@ -1,12 +1,16 @@
 //! A MoE file's experts in tiers: a GPU expert cache of fixed slots per layer and host memory
-//! holding every expert as the GPU reads it. A step's experts are chosen on the GPU; between a
-//! layer's router and its experts the host reads the layer's choices, fetches the missing
-//! experts into slots (the victims chosen by [`ExpertPolicy`], never an expert the step still
-//! needs) and updates the layer's slot table, so the FFN reads every chosen expert from the GPU
-//! whatever was resident before: the logits equal the all-resident run's, bit for bit.
+//! holding every expert as the GPU reads it, in buffers the GPU copies from directly
+//! ([`Runtime::host_copy_source`]: a fetch is a DMA copy, no CPU staging). A step's experts are
+//! chosen on the GPU; between a layer's router and its experts the host reads the layer's
+//! choices, copies the missing experts into slots (the victims chosen by [`ExpertPolicy`],
+//! never an expert the step still needs) and updates the layer's slot table, so the FFN reads
+//! every chosen expert from the GPU whatever was resident before: the logits equal the
+//! all-resident run's, bit for bit. With [`ExpertPrefetch::Pregate`] the next layer's likely
+//! experts, its router's top k over this layer's FFN input, are copied while that layer's
+//! attention runs, so fewer choices wait.
 
 use crate::gguf::Gguf;
-use crate::ops::{MoeDown, MoeFfn, WeightFormat, pack_blocks, same_format, tensor_format};
+use crate::ops::{MoeDown, MoeFfn, pack_blocks, same_format, tensor_format};
 use crate::{Error, LlamaConfig, Result};
 use expertkv_core::runtime::Runtime;
 
@@ -17,17 +21,22 @@ pub enum ExpertPolicy {
     Lru,
     /// The least often chosen so far (ties: the least recently used).
     Lfu,
+    /// The lowest router score in the layer's latest scoring (the step's own scores when a
+    /// choice misses, the pre-gate's predicted ones when prefetching; ties: the least recently
+    /// used): the expert the router wants least now.
+    Score,
 }
 
 impl ExpertPolicy {
     /// Every policy, in `name` order.
-    pub const ALL: [ExpertPolicy; 2] = [ExpertPolicy::Lru, ExpertPolicy::Lfu];
+    pub const ALL: [ExpertPolicy; 3] = [ExpertPolicy::Lru, ExpertPolicy::Lfu, ExpertPolicy::Score];
 
     /// The policy's name on the command line.
     pub fn name(self) -> &'static str {
         match self {
             ExpertPolicy::Lru => "lru",
             ExpertPolicy::Lfu => "lfu",
+            ExpertPolicy::Score => "score",
         }
     }
 
@@ -40,24 +49,70 @@ impl ExpertPolicy {
     }
 }
 
-/// The GPU tier's size and its eviction policy.
+/// Whether experts are fetched before their layer routes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertPrefetch {
+    /// Only on demand: a chosen expert that is not resident is fetched after its layer's
+    /// router, before its FFN.
+    None,
+    /// Pre-gating: each layer's FFN input is also scored by the next layer's router; that top k
+    /// is fetched while the next layer's attention runs, and only what it missed waits.
+    Pregate,
+}
+
+impl ExpertPrefetch {
+    /// Every mode, in `name` order.
+    pub const ALL: [ExpertPrefetch; 2] = [ExpertPrefetch::None, ExpertPrefetch::Pregate];
+
+    /// The mode's name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            ExpertPrefetch::None => "none",
+            ExpertPrefetch::Pregate => "pregate",
+        }
+    }
+
+    /// The mode named `name` (an error listing the names otherwise).
+    pub fn from_name(name: &str) -> Result<ExpertPrefetch> {
+        Self::ALL
+            .into_iter()
+            .find(|p| p.name() == name)
+            .ok_or_else(|| Error::Input(format!("unknown expert prefetch `{name}`: one of {}", Self::ALL.map(ExpertPrefetch::name).join(", "))))
+    }
+}
+
+/// The GPU tier's size, its eviction policy and prefetch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ExpertCacheConfig {
     /// Expert slots per layer on the GPU.
     pub slots: u32,
     /// Which expert leaves a slot.
     pub policy: ExpertPolicy,
+    /// Whether experts are fetched ahead of their layer's router.
+    pub prefetch: ExpertPrefetch,
+}
+
+impl ExpertCacheConfig {
+    /// `slots` per layer under `policy`, fetched on demand only.
+    pub fn on_demand(slots: u32, policy: ExpertPolicy) -> Self {
+        ExpertCacheConfig { slots, policy, prefetch: ExpertPrefetch::None }
+    }
 }
 
 /// Hits, misses and bytes moved host-to-GPU for expert weights.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ExpertTraffic {
-    /// Chosen (layer, expert) pairs of a step already resident (each counted once a step).
+    /// Chosen (layer, expert) pairs of a step already resident when their layer routed,
+    /// prefetched ones included (each counted once a step).
     pub hits: u64,
-    /// Chosen (layer, expert) pairs fetched from host memory.
+    /// Chosen (layer, expert) pairs fetched after their layer routed (the FFN waits for them).
     pub misses: u64,
-    /// Weight bytes written to the GPU by those fetches.
+    /// Weight bytes copied to the GPU, on demand and ahead.
     pub bytes: u64,
+    /// Experts fetched ahead of their layer's router.
+    pub prefetched: u64,
+    /// Of those, the ones their layer then chose.
+    pub prefetch_used: u64,
 }
 
 impl ExpertTraffic {
@@ -65,20 +120,39 @@ impl ExpertTraffic {
     pub fn hit_rate(&self) -> f64 {
         self.hits as f64 / (self.hits + self.misses).max(1) as f64
     }
+
+    /// The sum of two counts (saturating).
+    pub fn add(&mut self, o: &ExpertTraffic) {
+        self.hits = self.hits.saturating_add(o.hits);
+        self.misses = self.misses.saturating_add(o.misses);
+        self.bytes = self.bytes.saturating_add(o.bytes);
+        self.prefetched = self.prefetched.saturating_add(o.prefetched);
+        self.prefetch_used = self.prefetch_used.saturating_add(o.prefetch_used);
+    }
 }
 
-/// One layer's experts in host memory (as [`pack_blocks`] lays them out) and its slots.
+/// One layer's experts in host memory and its slots.
 struct LayerTier {
-    /// Per expert: gate rows, up rows, down rows.
-    host: Vec<[Vec<u32>; 3]>,
+    /// Per expert: its gate rows, up rows and down rows (as [`pack_blocks`] lays them out), one
+    /// after the other in one host-memory buffer the GPU copies from
+    /// ([`Runtime::host_copy_source`]).
+    host: Vec<wgpu::Buffer>,
+    /// Bytes of one expert's gate (= up) rows and of its down rows.
+    gate_bytes: u64,
+    down_bytes: u64,
     /// Per expert: its slot, or `slots` when not resident (the GPU slot table's contents).
     slot_of: Vec<u32>,
     /// Per slot: the expert in it.
     holder: Vec<Option<u32>>,
     /// Per slot: the last step that used it.
     last_used: Vec<u64>,
+    /// Per slot: fetched ahead and not yet chosen.
+    ahead: Vec<bool>,
     /// Per expert: steps that chose it.
     uses: Vec<u64>,
+    /// Per expert: its router score in the layer's latest scoring (the highest over the
+    /// step's tokens).
+    score: Vec<f32>,
 }
 
 /// The expert tiers of a MoE file (see the module docs).
@@ -135,17 +209,55 @@ pub fn min_slots(n_seqs: u32, top_k: u32, n_experts: u32) -> u32 {
     n_seqs.saturating_mul(top_k).min(n_experts)
 }
 
+/// What a victim is chosen by, per slot and per expert.
+pub struct VictimKeys<'a> {
+    /// Per slot: the expert in it.
+    pub holder: &'a [Option<u32>],
+    /// Per slot: the last step that used it.
+    pub last_used: &'a [u64],
+    /// Per expert: steps that chose it.
+    pub uses: &'a [u64],
+    /// Per expert: its latest router score.
+    pub score: &'a [f32],
+}
+
 /// The slot a missing expert goes into: a free slot (the first), else among the slots whose
-/// expert `needed` (sorted) does not hold, the least recently used (`Lru`) or the least often
-/// chosen, then least recently used (`Lfu`); ties to the lower slot. `None` when every slot holds
-/// a needed expert.
-pub fn victim(policy: ExpertPolicy, holder: &[Option<u32>], last_used: &[u64], uses: &[u64], needed: &[u32]) -> Option<usize> {
-    holder.iter().position(Option::is_none).or_else(|| {
-        (0..holder.len()).filter(|&v| holder[v].is_some_and(|old| needed.binary_search(&old).is_err())).min_by_key(|&v| match policy {
-            ExpertPolicy::Lru => (0, last_used[v]),
-            ExpertPolicy::Lfu => (holder[v].map_or(0, |old| uses[old as usize]), last_used[v]),
-        })
+/// expert `needed` (sorted) does not hold, the least recently used (`Lru`), the least often
+/// chosen (`Lfu`) or the lowest scored (`Score`), those two then by least recent use; ties to
+/// the lower slot. `None` when every slot holds a needed expert.
+pub fn victim(policy: ExpertPolicy, k: &VictimKeys<'_>, needed: &[u32]) -> Option<usize> {
+    k.holder.iter().position(Option::is_none).or_else(|| {
+        let candidates = (0..k.holder.len()).filter(|&v| k.holder[v].is_some_and(|old| needed.binary_search(&old).is_err()));
+        let expert = |v: usize| k.holder[v].map_or(0, |x| x as usize);
+        match policy {
+            ExpertPolicy::Lru => candidates.min_by_key(|&v| k.last_used[v]),
+            ExpertPolicy::Lfu => candidates.min_by_key(|&v| (k.uses[expert(v)], k.last_used[v])),
+            ExpertPolicy::Score => candidates.min_by(|&a, &b| {
+                let (sa, sb) = (k.score[expert(a)], k.score[expert(b)]);
+                sa.total_cmp(&sb).then(k.last_used[a].cmp(&k.last_used[b])).then(a.cmp(&b))
+            }),
+        }
     })
+}
+
+impl LayerTier {
+    fn keys(&self) -> VictimKeys<'_> {
+        VictimKeys { holder: &self.holder, last_used: &self.last_used, uses: &self.uses, score: &self.score }
+    }
+
+    /// Set each expert's score to its highest over the tokens of `scores` (`[token][E]`).
+    fn rescore(&mut self, scores: &[f32]) {
+        let e = self.score.len();
+        if e == 0 || scores.len() < e {
+            return;
+        }
+        self.score.iter_mut().for_each(|s| *s = f32::NEG_INFINITY);
+        for row in scores.chunks_exact(e) {
+            for (s, &x) in self.score.iter_mut().zip(row) {
+                *s = s.max(x);
+            }
+        }
+    }
 }
 
 impl ExpertCache {
@@ -172,23 +284,38 @@ impl ExpertCache {
             let fd = tensor_format(g, &name("ffn_down_exps"))?;
             let [gate, up, down] = ["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"].map(|s| g.tensor_data(&name(s)));
             let (gate, up, down) = (gate?, up?, down?);
-            let split = |bytes: &[u8], fmt: WeightFormat, rows: u32, cols: u32, what: &str| -> Result<Vec<Vec<u32>>> {
+            let per = |bytes: &[u8], what: &str| -> Result<usize> {
                 let per = bytes.len() / e as usize;
                 if per * e as usize != bytes.len() {
                     return Err(Error::Model(format!("blk.{l}.{what}: {} bytes are not {e} experts", bytes.len())));
                 }
-                bytes.chunks_exact(per).map(|b| pack_blocks(fmt, rows, cols, b)).collect()
+                Ok(per)
             };
-            let (gs, us, ds) =
-                (split(gate, fg, f, h, "ffn_gate_exps")?, split(up, fg, f, h, "ffn_up_exps")?, split(down, fd, h, f, "ffn_down_exps")?);
-            let host = gs.into_iter().zip(us).zip(ds).map(|((a, b), d)| [a, b, d]).collect();
+            let (pg, pu, pd) = (per(gate, "ffn_gate_exps")?, per(up, "ffn_up_exps")?, per(down, "ffn_down_exps")?);
+            let (mut host, mut sizes) = (Vec::new(), (0, 0));
+            for x in 0..e as usize {
+                let mut words = pack_blocks(fg, f, h, &gate[x * pg..(x + 1) * pg])?;
+                let gate_words = words.len();
+                words.extend(pack_blocks(fg, f, h, &up[x * pu..(x + 1) * pu])?);
+                let down_words = pack_blocks(fd, h, f, &down[x * pd..(x + 1) * pd])?;
+                if words.len() != 2 * gate_words {
+                    return Err(Error::Model(format!("blk.{l}: an expert's gate and up rows differ in size")));
+                }
+                sizes = (gate_words as u64 * 4, down_words.len() as u64 * 4);
+                words.extend(down_words);
+                host.push(rt.host_copy_source(&format!("blk.{l} expert {x} (host)"), &words));
+            }
             ffns.push(MoeFfn::expert_slots(rt, &format!("blk.{l} experts"), (fg, fd), h, e, f, cfg.slots)?);
             layers.push(LayerTier {
                 host,
+                gate_bytes: sizes.0,
+                down_bytes: sizes.1,
                 slot_of: vec![cfg.slots; e as usize],
                 holder: vec![None; cfg.slots as usize],
                 last_used: vec![0; cfg.slots as usize],
+                ahead: vec![false; cfg.slots as usize],
                 uses: vec![0; e as usize],
+                score: vec![0.0; e as usize],
             });
         }
         Ok((ExpertCache { cfg, layers, total: ExpertTraffic::default(), last: ExpertTraffic::default(), last_fetches: Vec::new() }, ffns))
@@ -200,14 +327,32 @@ impl ExpertCache {
         self.last_fetches.clear();
     }
 
-    /// Make every expert of `chosen` (layer `layer`'s choices this step, any order, repeats
-    /// allowed) resident in `ffn`'s slots before the layer's FFN runs: hits are touched; each
-    /// missing expert is written into a free slot, else the policy's victim among the slots
-    /// this step does not need; the slot table follows. `step` orders the uses (LRU).
-    pub fn ensure(&mut self, rt: &Runtime, layer: u32, chosen: &[u32], step: u64, ffn: &MoeFfn) -> Result<()> {
+    /// Copy expert `x` of layer `l` into slot `v` (encoded on `enc`: DMA from the host tier).
+    fn fetch(&mut self, enc: &mut wgpu::CommandEncoder, layer: u32, x: u32, v: usize, ffn: &MoeFfn, ahead: bool) -> Result<()> {
         let slots = self.cfg.slots;
-        let policy = self.cfg.policy;
-        let t = self.layers.get_mut(layer as usize).ok_or_else(|| Error::Input(format!("expert cache: layer {layer}")))?;
+        let MoeDown::Experts(down) = &ffn.down else {
+            return Err(Error::Input("expert cache: the layer's experts are not slotted".into()));
+        };
+        let t = &mut self.layers[layer as usize];
+        if let Some(old) = t.holder[v] {
+            t.slot_of[old as usize] = slots;
+        }
+        self.last_fetches.push(crate::forward::trace::ExpertFetch { layer, expert: x, slot: v as u32, evicted: t.holder[v], ahead });
+        let (gw, dw, v64) = (t.gate_bytes, t.down_bytes, v as u64);
+        let src = &t.host[x as usize];
+        // Slot v: gate rows at v * f, up rows at (slots + v) * f, down rows at v * hidden.
+        enc.copy_buffer_to_buffer(src, 0, &ffn.gate_up.buffer, v64 * gw, gw);
+        enc.copy_buffer_to_buffer(src, gw, &ffn.gate_up.buffer, (u64::from(slots) + v64) * gw, gw);
+        enc.copy_buffer_to_buffer(src, 2 * gw, &down.buffer, v64 * dw, dw);
+        t.holder[v] = Some(x);
+        t.slot_of[x as usize] = v as u32;
+        self.last.bytes += 2 * gw + dw;
+        Ok(())
+    }
+
+    /// The layer's tier, or an error naming the layer.
+    fn check_layer(&self, layer: u32, chosen: &[u32]) -> Result<Vec<u32>> {
+        let t = self.layers.get(layer as usize).ok_or_else(|| Error::Input(format!("expert cache: layer {layer}")))?;
         let e = t.slot_of.len() as u32;
         let mut needed: Vec<u32> = chosen.to_vec();
         needed.sort_unstable();
@@ -215,66 +360,117 @@ impl ExpertCache {
         if let Some(bad) = needed.iter().find(|&&x| x >= e) {
             return Err(Error::Gpu { during: "expert cache".into(), message: format!("layer {layer} chose expert {bad} of {e}") });
         }
+        Ok(needed)
+    }
+
+    /// Make every expert of `chosen` (layer `layer`'s choices this step, any order, repeats
+    /// allowed) resident in `ffn`'s slots before the layer's FFN runs: hits are touched; each
+    /// missing expert is copied (on `enc`, which must be submitted before the FFN) into a free
+    /// slot, else the policy's victim among the slots this step does not need; the slot table
+    /// follows. `scores` are the layer's router scores this step (`[token][E]`, for the `Score`
+    /// policy; empty otherwise). `step` orders the uses (LRU).
+    #[allow(clippy::too_many_arguments)]
+    pub fn ensure(
+        &mut self,
+        rt: &Runtime,
+        enc: &mut wgpu::CommandEncoder,
+        layer: u32,
+        chosen: &[u32],
+        scores: &[f32],
+        step: u64,
+        ffn: &MoeFfn,
+    ) -> Result<()> {
+        let slots = self.cfg.slots;
+        let needed = self.check_layer(layer, chosen)?;
         if needed.len() as u32 > slots {
             return Err(Error::Input(format!("expert cache: layer {layer} needs {} experts at once, {slots} slots", needed.len())));
         }
-        let MoeDown::Experts(down) = &ffn.down else {
-            return Err(Error::Input("expert cache: the layer's experts are not slotted".into()));
-        };
+        self.layers[layer as usize].rescore(scores);
         let mut changed = false;
         for &x in &needed {
+            let t = &mut self.layers[layer as usize];
             t.uses[x as usize] += 1;
             let s = t.slot_of[x as usize];
             if s < slots {
                 t.last_used[s as usize] = step;
+                if std::mem::take(&mut t.ahead[s as usize]) {
+                    self.last.prefetch_used += 1;
+                }
                 self.last.hits += 1;
                 continue;
             }
-            let Some(v) = victim(policy, &t.holder, &t.last_used, &t.uses, &needed) else {
+            let Some(v) = victim(self.cfg.policy, &t.keys(), &needed) else {
                 return Err(Error::Input(format!("expert cache: no slot of layer {layer} is free of this step's experts")));
             };
-            if let Some(old) = t.holder[v] {
-                t.slot_of[old as usize] = slots;
-            }
-            self.last_fetches.push(crate::forward::trace::ExpertFetch { layer, expert: x, slot: v as u32, evicted: t.holder[v] });
-            let [gate, up, dn] = &t.host[x as usize];
-            let v64 = v as u64;
-            // Slot v: gate rows at v * f, up rows at (slots + v) * f, down rows at v * hidden.
-            let (gw, dw) = (gate.len() as u64 * 4, dn.len() as u64 * 4);
-            rt.queue.write_buffer(&ffn.gate_up.buffer, v64 * gw, bytemuck::cast_slice(gate));
-            rt.queue.write_buffer(&ffn.gate_up.buffer, (u64::from(slots) + v64) * gw, bytemuck::cast_slice(up));
-            rt.queue.write_buffer(&down.buffer, v64 * dw, bytemuck::cast_slice(dn));
-            t.holder[v] = Some(x);
-            t.slot_of[x as usize] = v as u32;
+            self.fetch(enc, layer, x, v, ffn, false)?;
+            let t = &mut self.layers[layer as usize];
             t.last_used[v] = step;
+            t.ahead[v] = false;
             self.last.misses += 1;
-            self.last.bytes += 2 * gw + dw;
+            changed = true;
+        }
+        // Prefetched experts the layer did not choose are ordinary residents from here on.
+        self.layers[layer as usize].ahead.iter_mut().for_each(|a| *a = false);
+        if changed {
+            rt.queue.write_buffer(&ffn.offsets, 0, bytemuck::cast_slice(&self.layers[layer as usize].slot_of));
+        }
+        Ok(())
+    }
+
+    /// Fetch layer `layer`'s predicted experts (`predicted`, as `chosen` in [`ExpertCache::ensure`];
+    /// `scores` the predicted router scores) ahead of its router, encoded on `enc`: each missing
+    /// one into a free slot, else the policy's victim among the slots the prediction does not
+    /// name. The layer's FFN must not run before `enc`'s copies (they may overlap whatever
+    /// comes between). Experts already resident are left as they are.
+    #[allow(clippy::too_many_arguments)]
+    pub fn prefetch(
+        &mut self,
+        rt: &Runtime,
+        enc: &mut wgpu::CommandEncoder,
+        layer: u32,
+        predicted: &[u32],
+        scores: &[f32],
+        step: u64,
+        ffn: &MoeFfn,
+    ) -> Result<()> {
+        let slots = self.cfg.slots;
+        let mut wanted = self.check_layer(layer, predicted)?;
+        wanted.truncate(slots as usize);
+        self.layers[layer as usize].rescore(scores);
+        let mut changed = false;
+        for &x in &wanted {
+            let t = &self.layers[layer as usize];
+            if t.slot_of[x as usize] < slots {
+                continue;
+            }
+            let Some(v) = victim(self.cfg.policy, &t.keys(), &wanted) else { break };
+            self.fetch(enc, layer, x, v, ffn, true)?;
+            let t = &mut self.layers[layer as usize];
+            t.last_used[v] = step;
+            t.ahead[v] = true;
+            self.last.prefetched += 1;
             changed = true;
         }
         if changed {
-            rt.queue.write_buffer(&ffn.offsets, 0, bytemuck::cast_slice(&t.slot_of));
+            rt.queue.write_buffer(&ffn.offsets, 0, bytemuck::cast_slice(&self.layers[layer as usize].slot_of));
         }
         Ok(())
     }
 
     /// Add the last step's traffic to the total.
     pub fn end_step(&mut self) {
-        self.total.hits += self.last.hits;
-        self.total.misses += self.last.misses;
-        self.total.bytes += self.last.bytes;
+        let last = self.last;
+        self.total.add(&last);
     }
 
     /// GPU bytes of every layer's slots (gate, up and down rows of each slot).
     pub fn gpu_bytes(&self) -> u64 {
-        self.layers
-            .iter()
-            .map(|t| t.host.first().map_or(0, |[a, b, d]| (a.len() + b.len() + d.len()) as u64 * 4) * u64::from(self.cfg.slots))
-            .sum()
+        self.layers.iter().map(|t| (2 * t.gate_bytes + t.down_bytes) * u64::from(self.cfg.slots)).sum()
     }
 
     /// Host bytes holding every expert.
     pub fn host_bytes(&self) -> u64 {
-        self.layers.iter().flat_map(|t| &t.host).map(|[a, b, d]| (a.len() + b.len() + d.len()) as u64 * 4).sum()
+        self.layers.iter().map(|t| (2 * t.gate_bytes + t.down_bytes) * t.host.len() as u64).sum()
     }
 
     /// Each layer's resident experts, by slot.
@@ -291,20 +487,50 @@ mod tests {
     /// ties to the lower slot; none when every slot is needed.
     #[test]
     fn victims_follow_the_policy_and_spare_the_step() {
-        let full = [Some(4), Some(1), Some(7), Some(2)];
+        const FULL: [Option<u32>; 4] = [Some(4), Some(1), Some(7), Some(2)];
         let last = [5, 3, 3, 9];
-        // Uses per expert 0..8.
+        // Uses and scores per expert 0..8.
         let uses = [0, 10, 1, 0, 2, 0, 0, 8, 0];
-        assert_eq!(victim(ExpertPolicy::Lru, &[Some(4), None, Some(7), None], &last, &uses, &[]), Some(1));
+        let score = [0.0, 0.5, 3.0, 0.0, -1.0, 0.0, 0.0, -1.0, 0.0];
+        let keys = |holder: &'static [Option<u32>]| VictimKeys { holder, last_used: &last, uses: &uses, score: &score };
+        assert_eq!(victim(ExpertPolicy::Lru, &keys(&[Some(4), None, Some(7), None]), &[]), Some(1));
         // LRU: slots 1 and 2 last used at 3: the lower; with expert 1 needed, slot 2.
-        assert_eq!(victim(ExpertPolicy::Lru, &full, &last, &uses, &[]), Some(1));
-        assert_eq!(victim(ExpertPolicy::Lru, &full, &last, &uses, &[1]), Some(2));
-        assert_eq!(victim(ExpertPolicy::Lru, &full, &last, &uses, &[1, 7]), Some(0));
+        assert_eq!(victim(ExpertPolicy::Lru, &keys(&FULL), &[]), Some(1));
+        assert_eq!(victim(ExpertPolicy::Lru, &keys(&FULL), &[1]), Some(2));
+        assert_eq!(victim(ExpertPolicy::Lru, &keys(&FULL), &[1, 7]), Some(0));
         // LFU: uses 2 (slot 0, expert 4), 10, 8, 1 (slot 3, expert 2): slot 3; then slot 0.
-        assert_eq!(victim(ExpertPolicy::Lfu, &full, &last, &uses, &[]), Some(3));
-        assert_eq!(victim(ExpertPolicy::Lfu, &full, &last, &uses, &[2]), Some(0));
-        assert_eq!(victim(ExpertPolicy::Lfu, &full, &last, &uses, &[1, 2, 4, 7]), None);
+        assert_eq!(victim(ExpertPolicy::Lfu, &keys(&FULL), &[]), Some(3));
+        assert_eq!(victim(ExpertPolicy::Lfu, &keys(&FULL), &[2]), Some(0));
+        assert_eq!(victim(ExpertPolicy::Lfu, &keys(&FULL), &[1, 2, 4, 7]), None);
+        // Score: experts 4 and 7 score -1 (slots 0 and 2): the one used less recently, slot 2;
+        // with 7 needed, slot 0; then expert 1 (0.5) before expert 2 (3.0).
+        assert_eq!(victim(ExpertPolicy::Score, &keys(&FULL), &[]), Some(2));
+        assert_eq!(victim(ExpertPolicy::Score, &keys(&FULL), &[7]), Some(0));
+        assert_eq!(victim(ExpertPolicy::Score, &keys(&FULL), &[4, 7]), Some(1));
+        assert_eq!(victim(ExpertPolicy::Score, &keys(&FULL), &[1, 2, 4, 7]), None);
         assert_eq!(min_slots(3, 2, 8), 6);
         assert_eq!(min_slots(8, 2, 8), 8);
+    }
+
+    #[test]
+    fn a_rescore_keeps_each_experts_best_token() {
+        let mut t = LayerTier {
+            host: Vec::new(),
+            gate_bytes: 0,
+            down_bytes: 0,
+            slot_of: vec![3; 3],
+            holder: vec![None; 3],
+            last_used: vec![0; 3],
+            ahead: vec![false; 3],
+            uses: vec![0; 3],
+            score: vec![0.0; 3],
+        };
+        t.rescore(&[1.0, -2.0, 0.5, 0.0, -3.0, 4.0]);
+        assert_eq!(t.score, [1.0, -2.0, 4.0]);
+        // Too few scores (the policy does not read them) leave the last ones.
+        t.rescore(&[]);
+        assert_eq!(t.score, [1.0, -2.0, 4.0]);
+        assert!(ExpertPrefetch::from_name("pregate").is_ok_and(|p| p == ExpertPrefetch::Pregate));
+        assert!(ExpertPrefetch::from_name("oracle").is_err_and(|e| e.to_string().contains("none, pregate")));
     }
 }

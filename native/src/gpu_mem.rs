@@ -13,7 +13,7 @@ use anyhow::{Result, bail};
 use expertkv_core::config::Codec;
 use expertkv_core::evict::config::SchedulerConfig;
 use expertkv_model::LlamaConfig;
-use expertkv_model::experts::{ExpertBytes, ExpertCacheConfig, ExpertPolicy, min_slots};
+use expertkv_model::experts::{ExpertBytes, ExpertCacheConfig, ExpertPolicy, ExpertPrefetch, min_slots};
 use expertkv_model::forward::{GpuLlama, ModelOptions};
 use expertkv_model::gguf::Gguf;
 use serde::Serialize;
@@ -39,13 +39,14 @@ pub struct GpuMemPlan {
 
 /// Split `budget` for the model `c` (file `g`) run with `opts` (whose `experts` is ignored) on a
 /// device with storage bindings of `max_binding` bytes: the options with the expert cache the
-/// budget allows, and the plan. `policy` picks the victims when not every expert fits.
+/// budget allows, and the plan. `policy` picks the victims and `prefetch` says whether experts
+/// are fetched ahead when not every expert fits.
 pub fn plan(
     budget: u64,
     g: &Gguf<'_>,
     c: &LlamaConfig,
     opts: ModelOptions,
-    policy: ExpertPolicy,
+    (policy, prefetch): (ExpertPolicy, ExpertPrefetch),
     max_binding: u64,
 ) -> Result<(ModelOptions, GpuMemPlan)> {
     let kv = opts.kv_bytes(c, max_binding)?;
@@ -96,7 +97,7 @@ pub fn plan(
             kv + eb.with_slots(e)
         );
     }
-    let cache = (slots < e).then_some(ExpertCacheConfig { slots, policy });
+    let cache = (slots < e).then_some(ExpertCacheConfig { slots, policy, prefetch });
     let plan = GpuMemPlan {
         budget,
         kv_bytes: kv,

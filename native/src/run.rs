@@ -9,7 +9,7 @@ use expertkv_core::config::{Codec, KvDtype};
 use expertkv_core::digest::{FNV_OFFSET, fnv1a};
 use expertkv_core::evict::config::{Budget, SchedulerConfig};
 use expertkv_core::route::config::RouterConfig;
-use expertkv_model::experts::{ExpertCache, ExpertCacheConfig, ExpertPolicy};
+use expertkv_model::experts::{ExpertCache, ExpertCacheConfig, ExpertPolicy, ExpertPrefetch};
 use expertkv_model::forward::trace::{ModelTraceHeader, TraceSink};
 use expertkv_model::forward::{GpuLlama, ModelOptions};
 use expertkv_model::moe::{Calibration, MoeConfig, Moefication};
@@ -88,9 +88,15 @@ pub struct RunArgs {
     /// between a layer's router and its experts [default: every expert on the GPU].
     #[arg(long)]
     expert_slots: Option<String>,
-    /// Which expert leaves a slot for a missing one: lru or lfu (with --expert-slots or --gpu-mem).
+    /// Which expert leaves a slot for a missing one: lru, lfu, or score (the lowest router score
+    /// in the layer's latest scoring) (with --expert-slots or --gpu-mem).
     #[arg(long, default_value = "lru")]
     expert_policy: String,
+    /// Fetch experts ahead of their layer's router: none (on demand only), or pregate (each
+    /// layer's FFN input scored by the next layer's router; that top k copied while the next
+    /// attention runs) (with --expert-slots or --gpu-mem).
+    #[arg(long, default_value = "none")]
+    expert_prefetch: String,
     /// One GPU memory budget (bytes, with K, M or G) for the K/V pool and a MoE file's experts:
     /// the pool the run needs first, then as many expert slots per layer as the rest holds (the
     /// others in host memory). A budget too small for the pool and one step's experts is refused
@@ -309,7 +315,10 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
         moe.as_ref().or(labels.as_ref()).map(|s| (s.config.experts as u32, s.config.top_k as u32))
     };
     let routing = a.routing.routing(shape)?;
-    let expert_cache = expert_cache_config(a.expert_slots.as_deref(), &a.expert_policy, &lc)?;
+    let expert_cache = expert_cache_config(a.expert_slots.as_deref(), &a.expert_policy, &a.expert_prefetch, &lc)?;
+    if a.expert_prefetch != "none" && a.expert_slots.is_none() && a.gpu_mem.is_none() {
+        bail!("--expert-prefetch fetches into an expert cache: give --expert-slots or --gpu-mem too");
+    }
     if a.gpu_mem.is_some() && expert_cache.is_some() {
         bail!("--gpu-mem sets the expert slots from the budget: give it or --expert-slots, not both");
     }
@@ -333,7 +342,7 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     let (opts, mut gpu_mem) = match a.gpu_mem.as_deref() {
         Some(spec) => {
             let budget = crate::store::parse_bytes(spec).with_context(|| format!("--gpu-mem {spec}"))?;
-            let policy = expertkv_model::experts::ExpertPolicy::from_name(&a.expert_policy)?;
+            let policy = (ExpertPolicy::from_name(&a.expert_policy)?, ExpertPrefetch::from_name(&a.expert_prefetch)?);
             let (o, p) = crate::gpu_mem::plan(budget, &g, &lc, opts, policy, rt.max_binding_bytes())?;
             (o, Some(p))
         }
@@ -563,6 +572,15 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
             100.0 * t.hit_rate(),
             fmt_bytes(t.bytes)
         );
+        if ec.cfg.prefetch != ExpertPrefetch::None {
+            println!(
+                "prefetch ({}): {} experts fetched ahead, {} of them then chosen ({:.0}%)",
+                ec.cfg.prefetch.name(),
+                t.prefetched,
+                t.prefetch_used,
+                100.0 * t.prefetch_used as f64 / t.prefetched.max(1) as f64
+            );
+        }
     }
     // Time per output token: between consecutive tokens reaching the host (p50, p99 nearest rank).
     let mut gaps: Vec<f64> = piece_times.windows(2).map(|w| (w[1] - w[0]).as_secs_f64() * 1e3).collect();
@@ -610,9 +628,10 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     Ok(())
 }
 
-/// `--expert-slots` (a count or a share of the layer's experts) and `--expert-policy` for the
-/// model `c`, or `None` without slots.
-pub(crate) fn expert_cache_config(slots: Option<&str>, policy: &str, c: &LlamaConfig) -> Result<Option<ExpertCacheConfig>> {
+/// `--expert-slots` (a count or a share of the layer's experts), `--expert-policy` and
+/// `--expert-prefetch` for the model `c`, or `None` without slots.
+pub(crate) fn expert_cache_config(slots: Option<&str>, policy: &str, prefetch: &str, c: &LlamaConfig) -> Result<Option<ExpertCacheConfig>> {
+    let (policy, prefetch) = (ExpertPolicy::from_name(policy)?, ExpertPrefetch::from_name(prefetch)?);
     let Some(spec) = slots else { return Ok(None) };
     if c.expert_count == 0 {
         bail!("--expert-slots: this model has a dense FFN (no experts to cache)");
@@ -632,7 +651,7 @@ pub(crate) fn expert_cache_config(slots: Option<&str>, policy: &str, c: &LlamaCo
             .parse()
             .with_context(|| format!("--expert-slots {spec}: a whole number of slots per layer, or a share such as 25%"))?,
     };
-    Ok(Some(ExpertCacheConfig { slots, policy: ExpertPolicy::from_name(policy)? }))
+    Ok(Some(ExpertCacheConfig { slots, policy, prefetch }))
 }
 
 /// The expert tiers' sizes and traffic, as `run --json` reports them.
@@ -641,6 +660,9 @@ fn expert_cache_json(c: &ExpertCache) -> serde_json::Value {
     serde_json::json!({
         "slots_per_layer": c.cfg.slots,
         "policy": c.cfg.policy.name(),
+        "prefetch": c.cfg.prefetch.name(),
+        "prefetched": t.prefetched,
+        "prefetch_used": t.prefetch_used,
         "gpu_bytes": c.gpu_bytes(),
         "host_bytes": c.host_bytes(),
         "hits": t.hits,

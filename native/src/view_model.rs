@@ -50,9 +50,12 @@ pub struct ModelFlags {
     /// [default: every expert on the GPU].
     #[arg(long)]
     pub expert_slots: Option<String>,
-    /// With --expert-slots: which expert leaves a slot (lru, lfu) [default: lru].
+    /// With --expert-slots: which expert leaves a slot (lru, lfu, score) [default: lru].
     #[arg(long)]
     pub expert_policy: Option<String>,
+    /// With --expert-slots: fetch experts ahead (none, pregate) [default: none].
+    #[arg(long)]
+    pub expert_prefetch: Option<String>,
 }
 
 /// A model run for the viewer: everything parsed and the MoEfication made before the window
@@ -108,7 +111,12 @@ impl ModelDriver {
             bail!("--text and --tokens: the model needs a prompt and at least one token to generate");
         }
         let lc = LlamaConfig::from_gguf(&g)?;
-        let experts = crate::run::expert_cache_config(f.expert_slots.as_deref(), f.expert_policy.as_deref().unwrap_or("lru"), &lc)?;
+        let experts = crate::run::expert_cache_config(
+            f.expert_slots.as_deref(),
+            f.expert_policy.as_deref().unwrap_or("lru"),
+            f.expert_prefetch.as_deref().unwrap_or("none"),
+            &lc,
+        )?;
         let (moe, labels) =
             (f.moe.as_deref().map(parse_moe).transpose()?.flatten(), f.labels.as_deref().map(parse_moe).transpose()?.flatten());
         if lc.expert_count > 0 && (moe.is_some() || labels.is_some()) {

@@ -215,6 +215,19 @@ fn run_and_eval_a_moe_file_with_its_own_experts() {
     let o = expertkv(&["run", "--model", model, "--tokens", "2", "--expert-slots", "1"]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("at least 2") && !err.contains("panicked"), "{err}");
+    // Pre-gating prefetch under the score policy: the same tokens, the prefetch reported.
+    let prefetch = ["--expert-slots", "25%", "--expert-prefetch", "pregate", "--expert-policy", "score"];
+    let out = ok(&[&["run", "--model", model, "--prompt", "Hello", "--tokens", "4", "--dtype", "f32", "--json"][..], &prefetch].concat());
+    assert!(out.contains("prefetch (pregate):"), "{out}");
+    let p: serde_json::Value = serde_json::from_str(out.lines().last().unwrap_or_default()).expect("a JSON last line");
+    assert_eq!(p["generated_ids"], j["generated_ids"], "{out}");
+    let ec = &p["expert_cache"];
+    assert_eq!((ec["prefetch"].as_str(), ec["policy"].as_str()), (Some("pregate"), Some("score")), "{ec}");
+    assert!(ec["prefetched"].as_u64().is_some_and(|n| n > 0), "{ec}");
+    // Prefetch without a cache to fetch into is refused by name.
+    let o = expertkv(&["run", "--model", model, "--tokens", "2", "--expert-prefetch", "pregate"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("--expert-slots or --gpu-mem") && !err.contains("panicked"), "{err}");
     let out = ok(&["run", "--model", model, "--prompt", "Hello", "--tokens", "4", "--router", "load-balance"]);
     assert!(out.contains("router: load-balance over the file's own experts"), "{out}");
     let out = ok(&[

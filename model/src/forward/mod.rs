@@ -9,7 +9,7 @@
 //! MoEfied, the experts chosen). Sequences decode together (one token each per step, up to
 //! [`MAX_SEQS`]).
 
-use crate::experts::{ExpertCache, ExpertCacheConfig};
+use crate::experts::{ExpertCache, ExpertCacheConfig, ExpertPolicy, ExpertPrefetch};
 use crate::labels::{KvLabels, KvRouting, LabelSource, ScoreInputs};
 use crate::moe::Moefication;
 use crate::ops::{GpuMatrix, ModelKernels, MoeFfn, Recorded, WeightFormat, same_format, tensor_format};
@@ -165,6 +165,16 @@ struct GpuMoe {
     /// layer's top-k and `experts` holds the experts' recording.
     cache: Option<ExpertCache>,
     experts: Vec<Recorded>,
+    /// With pre-gating prefetch: each layer's FFN input scored by the next layer's router
+    /// (`[seq][E]`), its top k (scratch), and that prediction per layer, `[layer][seq][k]`.
+    pregate: Option<Pregate>,
+}
+
+/// The buffers of pre-gating (see [`GpuMoe::pregate`]).
+struct Pregate {
+    scores: wgpu::Buffer,
+    sel: wgpu::Buffer,
+    log: wgpu::Buffer,
 }
 
 /// The expert FFN with the pipeline's router choosing the experts: per layer the part before
@@ -849,6 +859,11 @@ impl GpuLlama {
         let wts = rt.storage_init("moe weights", &vec![1f32; (n * k) as usize]);
         let log = rt.storage("moe choices", u64::from(c.block_count * n * k) * 4);
         let act = rt.storage("moe act", u64::from(n * k * max_size) * 4);
+        let pregate = cache.as_ref().filter(|c| c.cfg.prefetch == ExpertPrefetch::Pregate).map(|_| Pregate {
+            scores: rt.storage("moe pre-gate scores", u64::from(n * e) * 4),
+            sel: rt.storage("moe pre-gate sel", u64::from(n * k) * 4),
+            log: rt.storage("moe pre-gate choices", u64::from(c.block_count * n * k) * 4),
+        });
         let (kern, s) = (&self.kernels, &self.s);
         let share = !c.arch.renormalise_top_k();
         let (mut recorded, mut experts) = (Vec::new(), Vec::new());
@@ -859,6 +874,11 @@ impl GpuLlama {
             attention_output(rt, kern, c, w, s, self.attn.output(), n, &mut p)?;
             kern.matvec(rt, &mut p, router, &s.xn, &scores, n)?;
             kern.moe_topk(rt, &mut p, &scores, &sel, &log, l as u32 * n * k, n, e, k)?;
+            if let (Some(pg), Some((next, _))) = (&pregate, layers.get(l + 1)) {
+                // Pre-gating: the next layer's router over this layer's FFN input.
+                kern.matvec(rt, &mut p, next, &s.xn, &pg.scores, n)?;
+                kern.moe_topk(rt, &mut p, &pg.scores, &pg.sel, &pg.log, (l as u32 + 1) * n * k, n, e, k)?;
+            }
             if native {
                 kern.moe_weights(rt, &mut p, &scores, &sel, &wts, n, e, k, share)?;
             }
@@ -887,6 +907,7 @@ impl GpuLlama {
             routed: None,
             cache,
             experts,
+            pregate,
         });
         rt.check("moe upload")
     }
@@ -1048,27 +1069,51 @@ impl GpuLlama {
                 }
             }
         } else if let Some(moe) = self.moe.as_mut().filter(|m| m.cache.is_some()) {
-            // A segment per layer up to its top-k; its choices read, the missing experts fetched.
-            let last = segments.len() - 1;
+            // Segments: up to layer 0's top k; then per layer its experts, and up to the next
+            // layer's top k (the head after the last). Between them the host reads the layer's
+            // choices, copies the missing experts (before the layer's experts) and, prefetching,
+            // the next layer's predicted ones (after them, overlapping the next attention).
             let per_layer = u64::from(self.n_seqs * moe.top_k);
-            if let Some(cache) = &mut moe.cache {
-                cache.begin_step();
-            }
+            let (layers, n_scores) = (self.cfg.block_count as usize, u64::from(self.n_seqs * moe.n_experts));
+            let Some(cache) = &mut moe.cache else { unreachable!("filtered on the cache") };
+            let by_score = cache.cfg.policy == ExpertPolicy::Score;
+            cache.begin_step();
+            let mut segments = segments.into_iter();
+            rt.queue.submit(segments.next());
             let mut all = Vec::new();
-            for (l, cb) in segments.into_iter().enumerate() {
-                rt.queue.submit([cb]);
-                if l < last {
-                    let chosen: Vec<u32> = rt.read(&moe.log, l as u64 * per_layer, per_layer).await?;
-                    if let Some(cache) = &mut moe.cache {
-                        cache.ensure(rt, l as u32, &chosen, u64::from(self.step), &moe.layers[l].1)?;
-                    }
-                    all.extend(chosen);
+            for l in 0..layers {
+                let mut ranges = vec![(&moe.log, l as u64 * per_layer, per_layer)];
+                if by_score {
+                    ranges.push((&moe.scores, 0, n_scores));
                 }
+                let pre = moe.pregate.as_ref().filter(|_| l + 1 < layers);
+                if let Some(pg) = pre {
+                    ranges.push((&pg.log, (l as u64 + 1) * per_layer, per_layer));
+                    if by_score {
+                        ranges.push((&pg.scores, 0, n_scores));
+                    }
+                }
+                let mut read = rt.read_many::<u32>(&ranges).await?.into_iter();
+                let chosen = read.next().unwrap_or_default();
+                let scores: Vec<f32> = if by_score { bytemuck::cast_vec(read.next().unwrap_or_default()) } else { Vec::new() };
+                let step = u64::from(self.step);
+                let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("expert fetch") });
+                cache.ensure(rt, &mut enc, l as u32, &chosen, &scores, step, &moe.layers[l].1)?;
+                let mut cbs = vec![enc.finish()];
+                cbs.extend(segments.next());
+                if pre.is_some() {
+                    let predicted = read.next().unwrap_or_default();
+                    let scores: Vec<f32> = if by_score { bytemuck::cast_vec(read.next().unwrap_or_default()) } else { Vec::new() };
+                    let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("expert prefetch") });
+                    cache.prefetch(rt, &mut enc, l as u32 + 1, &predicted, &scores, step, &moe.layers[l + 1].1)?;
+                    cbs.push(enc.finish());
+                }
+                cbs.extend(segments.next());
+                rt.queue.submit(cbs);
+                all.extend(chosen);
             }
             cached_choices = Some(all);
-            if let Some(cache) = &mut moe.cache {
-                cache.end_step();
-            }
+            cache.end_step();
         } else {
             rt.queue.submit(segments);
         }
@@ -1269,6 +1314,9 @@ impl GpuLlama {
                         let next = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("model forward") });
                         segments.push(std::mem::replace(&mut enc, next).finish());
                         moe.experts[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("model experts")));
+                        // The next layer's predicted experts are copied here.
+                        let next = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("model forward") });
+                        segments.push(std::mem::replace(&mut enc, next).finish());
                     }
                     None => moe.recorded[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("model attention output and MoE"))),
                     Some(r) => {

@@ -110,6 +110,9 @@ pub struct ExpertFetch {
     pub slot: u32,
     /// The expert the slot held before, if any.
     pub evicted: Option<u32>,
+    /// Fetched ahead of the layer's router (prefetch), not on demand.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub ahead: bool,
 }
 
 /// One pass of the forward (see the module docs for each field).

@@ -1,25 +1,32 @@
 //! A MoE file's experts in tiers (`expertkv_model::experts`): with fewer GPU slots than the
 //! experts a step can choose from, the missing ones are fetched between a layer's router and its
-//! FFN, and the logits equal the all-resident run's bit for bit.
+//! FFN (and, prefetching, the next layer's predicted ones ahead of its router), and the logits
+//! equal the all-resident run's bit for bit.
 
 use expertkv_core::config::KvDtype;
 use expertkv_core::rng::Rng;
 use expertkv_model::SyntheticModel;
-use expertkv_model::experts::{ExpertCacheConfig, ExpertPolicy, min_slots};
+use expertkv_model::experts::{ExpertCacheConfig, ExpertPolicy, ExpertPrefetch, min_slots};
 use expertkv_model::forward::{GpuLlama, ModelOptions};
 use expertkv_model::gguf::{GgmlType, Gguf};
 
 use crate::common::{rt, seeds};
 
-/// Q8_0 and Q4_K files of 8 experts (top 2), 1 and 2 sequences, each policy at the fewest slots
-/// a step allows (misses nearly every step): every step's logits equal to the all-resident
-/// model's bit for bit; every chosen (layer, expert) a hit or a miss; the bytes moved those of
-/// the missed experts; the GPU holding only the slots.
+/// Q8_0 and Q4_K files of 8 experts (top 2), 1 and 2 sequences, each policy, with and without
+/// pre-gating prefetch, at the fewest slots a step allows (misses nearly every step): every
+/// step's logits equal to the all-resident model's bit for bit (so no copy ever replaced an
+/// expert its layer still needed); every chosen (layer, expert) a hit or a miss; the bytes moved
+/// those of the missed and prefetched experts; the GPU holding only the slots.
 #[test]
 fn an_expert_cache_smaller_than_the_experts_gives_the_all_resident_logits() {
     let rt = rt();
-    let cases = [(GgmlType::Q8_0, 1, ExpertPolicy::Lru), (GgmlType::Q4K, 1, ExpertPolicy::Lfu), (GgmlType::Q8_0, 2, ExpertPolicy::Lfu)];
-    for ((weights, n_seqs, policy), seed) in cases.into_iter().zip(seeds("model_expert_cache", cases.len() as u64)) {
+    let cases = [
+        (GgmlType::Q8_0, 1, ExpertPolicy::Lru, ExpertPrefetch::None),
+        (GgmlType::Q4K, 1, ExpertPolicy::Lfu, ExpertPrefetch::Pregate),
+        (GgmlType::Q8_0, 2, ExpertPolicy::Score, ExpertPrefetch::Pregate),
+        (GgmlType::Q8_0, 1, ExpertPolicy::Score, ExpertPrefetch::None),
+    ];
+    for ((weights, n_seqs, policy, prefetch), seed) in cases.into_iter().zip(seeds("model_expert_cache", cases.len() as u64)) {
         let mut rng = Rng::new(seed);
         let base = SyntheticModel::moe(seed, 8, 2);
         // K-quant rows are whole super-blocks of 256.
@@ -27,14 +34,15 @@ fn an_expert_cache_smaller_than_the_experts_gives_the_all_resident_logits() {
         let file = spec.gguf();
         let g = Gguf::parse(&file).expect("gguf");
         let slots = min_slots(n_seqs, 2, 8);
-        let ctx = format!("seed {seed}: {weights:?}, {n_seqs} sequences, {slots} slots, {policy:?}");
+        let ctx = format!("seed {seed}: {weights:?}, {n_seqs} sequences, {slots} slots, {policy:?}, prefetch {prefetch:?}");
         let opts = ModelOptions::new(n_seqs, 64).dtype(KvDtype::F32);
         let mut all = pollster::block_on(GpuLlama::load(rt, &g, opts.clone())).expect("load");
-        let mut cached =
-            pollster::block_on(GpuLlama::load(rt, &g, opts.expert_cache(Some(ExpertCacheConfig { slots, policy })))).expect("load cached");
+        let cfg = ExpertCacheConfig { slots, policy, prefetch };
+        let mut cached = pollster::block_on(GpuLlama::load(rt, &g, opts.expert_cache(Some(cfg)))).expect("load cached");
         assert!(cached.chunked_prefill_refusal().is_some_and(|w| w.contains("expert cache")), "{ctx}");
         let steps = 12;
         let mut chosen = 0u64;
+        let mut ahead = 0u64;
         for step in 0..steps {
             let tokens: Vec<u32> = (0..n_seqs).map(|_| rng.below(256)).collect();
             let before = all.expert_counts().to_vec();
@@ -45,14 +53,28 @@ fn an_expert_cache_smaller_than_the_experts_gives_the_all_resident_logits() {
             // Distinct (layer, expert) pairs chosen this step: each a hit or a miss.
             let after = all.expert_counts();
             chosen += after.iter().zip(&before).filter(|(a, b)| a > b).count() as u64;
+            let c = cached.expert_cache().expect("cache");
+            let fetched_ahead = c.last_fetches.iter().filter(|f| f.ahead).count() as u64;
+            assert_eq!(fetched_ahead, c.last.prefetched, "{ctx}: step {step}");
+            // Layer 0 has no layer before it to predict it.
+            assert!(c.last_fetches.iter().all(|f| !f.ahead || f.layer > 0), "{ctx}: step {step}");
+            ahead += fetched_ahead;
         }
         let c = cached.expert_cache().expect("cache");
         println!("{ctx}: {:?} over {steps} steps", c.total);
         assert_eq!(c.total.hits + c.total.misses, chosen, "{ctx}: {:?}", c.total);
-        assert!(c.total.misses >= u64::from(spec.layers) * u64::from(slots), "{ctx}: the cold start alone misses: {:?}", c.total);
+        let fetches = c.total.misses + c.total.prefetched;
+        assert!(fetches >= u64::from(spec.layers) * u64::from(slots), "{ctx}: the cold start alone fetches: {:?}", c.total);
         assert!(c.total.hits > 0, "{ctx}: {:?}", c.total);
         let expert_bytes = c.host_bytes() / u64::from(8 * spec.layers);
-        assert_eq!(c.total.bytes, c.total.misses * expert_bytes, "{ctx}");
+        assert_eq!(c.total.bytes, fetches * expert_bytes, "{ctx}");
+        assert_eq!(c.total.prefetched, ahead, "{ctx}");
+        assert!(c.total.prefetch_used <= c.total.prefetched, "{ctx}: {:?}", c.total);
+        if prefetch == ExpertPrefetch::Pregate {
+            assert!(c.total.prefetched > 0, "{ctx}: nothing was fetched ahead: {:?}", c.total);
+        } else {
+            assert_eq!((c.total.prefetched, c.total.prefetch_used), (0, 0), "{ctx}");
+        }
         assert_eq!(c.gpu_bytes(), c.host_bytes() / 8 * u64::from(slots), "{ctx}: only the slots are on the GPU");
         for (l, layer) in c.resident().iter().enumerate() {
             let mut r: Vec<u32> = layer.iter().flatten().copied().collect();
@@ -70,12 +92,12 @@ fn an_expert_cache_too_small_for_a_step_is_refused() {
     let rt = rt();
     let file = SyntheticModel::moe(3, 8, 2).with_weights(GgmlType::Q8_0).gguf();
     let g = Gguf::parse(&file).expect("gguf");
-    let cfg = ExpertCacheConfig { slots: 3, policy: ExpertPolicy::Lru };
+    let cfg = ExpertCacheConfig::on_demand(3, ExpertPolicy::Lru);
     let e = pollster::block_on(GpuLlama::load(rt, &g, ModelOptions::new(2, 32).expert_cache(Some(cfg)))).err().expect("refused");
     assert!(e.to_string().contains("at least 4"), "{e}");
     let dense = SyntheticModel::dense(3).gguf();
     let g = Gguf::parse(&dense).expect("gguf");
     let e = pollster::block_on(GpuLlama::load(rt, &g, ModelOptions::new(1, 32).expert_cache(Some(cfg)))).err().expect("refused");
     assert!(e.to_string().contains("needs a MoE file"), "{e}");
-    assert!(ExpertPolicy::from_name("mru").is_err_and(|e| e.to_string().contains("lru, lfu")));
+    assert!(ExpertPolicy::from_name("mru").is_err_and(|e| e.to_string().contains("lru, lfu, score")));
 }

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Expert tiers on a GPU. First the host-to-GPU bandwidth (`bench upload`: wgpu's write_buffer,
+# and a copy from a host-memory buffer, the path an expert fetch takes). Then synthetic MoE
+# files (8 experts, top 2, Q4_K) decoded with every expert resident, and with 2 of 8 slots per
+# layer (25% of the expert bytes) and 4 of 8 (50%), on demand and with pre-gating prefetch, each
+# a fresh process of 64 tokens: tokens/s, hits, prefetch accuracy, bytes moved per token, and the
+# zero-hit bound (every routed expert's bytes per token over the measured link) and the bound
+# the bytes actually moved set. Needs .bin/expertkv.xz and the Vulkan loader in .gl/.
+#   SHAPES="small mixtral" (default): small = 8 layers of 1024 x 2816 (4.9 MB an expert);
+#   mixtral = 4 layers of Mixtral-8x7B's width, 4096 x 14336 (99 MB an expert).
+set -u
+. bench/lib.sh
+h200_setup
+B=/tmp/expertkv; xz -dc .bin/expertkv.xz > $B; chmod +x $B
+$B bench upload --json > /tmp/upload.jsonl || exit 1
+python3 - <<'PY'
+import json
+for l in open("/tmp/upload.jsonl"):
+    r = json.loads(l)
+    if r["kernel"] == "upload":
+        print(json.dumps({"upload": r["variant"], "bytes": r["bytes"], "median_ms": round(r["median_ms"], 3), "gbps": round(r["gbps"], 2), "adapter": r["adapter"]}))
+PY
+link=$(python3 -c '
+import json
+print(max(json.loads(l)["gbps"] for l in open("/tmp/upload.jsonl") if json.loads(l).get("variant") == "host_copy"))')
+P="the budget holds the experts that fit"
+for shape in ${SHAPES:-small mixtral}; do
+  case $shape in
+    small) geo="--layers 8 --hidden 1024 --heads 16 --kv-heads 4 --ffn 2816" ;;
+    mixtral) geo="--layers 4 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336" ;;
+    *) echo "unknown shape $shape"; exit 1 ;;
+  esac
+  F=/root/$shape.gguf
+  [ -s $F ] || $B synth --out $F $geo --experts 8 --top-k 2 --weights q4_k --untied-output --context 2048 | tail -1
+  for mode in "all" "2 none lru" "2 pregate lru" "2 none lfu" "2 none score" "2 pregate score" "4 none lru" "4 pregate lru"; do
+    set -- $mode
+    if [ "$1" = all ]; then extra=""; else extra="--expert-slots $1 --expert-prefetch $2 --expert-policy $3"; fi
+    out=$($B run --model $F --prompt "$P" --tokens 64 --json $extra 2>&1 | grep '^{' | tail -1)
+    python3 - "$out" "$shape" "$mode" "$link" <<'PY'
+import json, sys
+j = json.loads(sys.argv[1]); c = j.get("expert_cache") or {}; link = float(sys.argv[4])
+fed = len(j["prompt_ids"]) + len(j["generated_ids"])
+row = {"shape": sys.argv[2], "mode": sys.argv[3], "tokens_per_s": round(j["tokens_per_s"], 1),
+       "tpot_ms_p50": round(j["tpot_ms_p50"], 2), "tpot_ms_p99": round(j["tpot_ms_p99"], 2), "generated": j["generated_ids"][:6]}
+if c:
+    per_tok = c["bytes_moved"] / fed
+    row.update({"hit_rate": round(c["hit_rate"], 3), "misses": c["misses"], "prefetched": c["prefetched"],
+                "prefetch_used": c["prefetch_used"], "MB_moved_per_token": round(per_tok / 1e6, 2),
+                "bound_tokens_per_s_at_link": round(link * 1e9 / per_tok, 1) if per_tok else None})
+print(json.dumps(row))
+PY
+  done
+done
