@@ -562,16 +562,19 @@ fn soak_checks_the_pool_under_churn() {
     assert!(out.lines().filter(|l| l.starts_with("| ") && !l.starts_with("| step")).count() >= 3, "a row per check: {out}");
 }
 
-/// `bench upload`: host-to-GPU bandwidth through the queue, the uploaded words checked, one JSON
-/// record beside the copy roofline's.
+/// `bench upload`: host-to-GPU bandwidth through the queue's `write_buffer` and as a copy from
+/// a host-memory buffer (the expert cache's path), the uploaded words checked, a JSON record
+/// each beside the copy roofline's.
 #[test]
 fn bench_upload_measures_the_host_to_gpu_path() {
     let out = ok(&["bench", "upload", "--quick", "--json", "--reps", "2"]);
     let recs: Vec<serde_json::Value> = out.lines().filter(|l| l.starts_with('{')).map(|l| serde_json::from_str(l).expect("json")).collect();
-    assert_eq!(recs.iter().map(|r| r["kernel"].as_str()).collect::<Vec<_>>(), [Some("copy"), Some("upload")], "{out}");
-    let up = &recs[1];
-    assert_eq!(up["bytes"].as_u64(), Some(32 << 20), "{up}");
-    assert!(up["gbps"].as_f64().is_some_and(|g| g.is_finite() && g > 0.0), "{up}");
+    assert_eq!(recs.iter().map(|r| r["kernel"].as_str()).collect::<Vec<_>>(), [Some("copy"), Some("upload"), Some("upload")], "{out}");
+    assert_eq!(recs[1..].iter().map(|r| r["variant"].as_str()).collect::<Vec<_>>(), [Some("write_buffer"), Some("host_copy")], "{out}");
+    for up in &recs[1..] {
+        assert_eq!(up["bytes"].as_u64(), Some(32 << 20), "{up}");
+        assert!(up["gbps"].as_f64().is_some_and(|g| g.is_finite() && g > 0.0), "{up}");
+    }
 }
 
 /// Record a test that could not run here (`scripts/test.sh` lists them).
