@@ -2,8 +2,9 @@
 # Expert tiers on a GPU. First the host-to-GPU bandwidth (`bench upload`: wgpu's write_buffer,
 # and a copy from a host-memory buffer, the path an expert fetch takes). Then synthetic MoE
 # files (8 experts, top 2, Q4_K) decoded with every expert resident, and with 2 of 8 slots per
-# layer (25% of the expert bytes) and 4 of 8 (50%), on demand and with pre-gating prefetch, each
-# a fresh process of 64 tokens: tokens/s, hits, prefetch accuracy, bytes moved per token, and the
+# layer (25% of the expert bytes), 4 of 8 (50%) and 6 of 8, on demand and with pre-gating
+# prefetch, under each eviction policy where it can differ (at 2 slots every policy must evict
+# the same), each a fresh process of 64 tokens, every row REPEAT times (default 2): tokens/s, hits, prefetch accuracy, bytes moved per token, and the
 # zero-hit bound (every routed expert's bytes per token over the measured link) and the bound
 # the bytes actually moved set. Needs .bin/expertkv.xz and the Vulkan loader in .gl/.
 #   SHAPES="small mixtral" (default): small = 8 layers of 1024 x 2816 (4.9 MB an expert);
@@ -32,7 +33,8 @@ for shape in ${SHAPES:-small mixtral}; do
   esac
   F=/root/$shape.gguf
   [ -s $F ] || $B synth --out $F $geo --experts 8 --top-k 2 --weights q4_k --untied-output --context 2048 | tail -1
-  for mode in "all" "2 none lru" "2 pregate lru" "2 none lfu" "2 none score" "2 pregate score" "4 none lru" "4 pregate lru"; do
+  for mode in "all" "2 none lru" "2 pregate lru" "4 none lru" "4 none lfu" "4 none score" "4 pregate lru" "4 pregate score" "6 none lru"; do
+   for rep in $(seq ${REPEAT:-2}); do
     set -- $mode
     if [ "$1" = all ]; then extra=""; else extra="--expert-slots $1 --expert-prefetch $2 --expert-policy $3"; fi
     out=$($B run --model $F --prompt "$P" --tokens 64 --json $extra 2>&1 | grep '^{' | tail -1)
@@ -46,8 +48,11 @@ if c:
     per_tok = c["bytes_moved"] / fed
     row.update({"hit_rate": round(c["hit_rate"], 3), "misses": c["misses"], "prefetched": c["prefetched"],
                 "prefetch_used": c["prefetch_used"], "MB_moved_per_token": round(per_tok / 1e6, 2),
-                "bound_tokens_per_s_at_link": round(link * 1e9 / per_tok, 1) if per_tok else None})
+                "bound_tokens_per_s_at_link": round(link * 1e9 / per_tok, 1) if per_tok else None,
+                # Every routed expert fetched: top 2 of the 8 experts' bytes in every layer.
+                "zero_hit_bound_tokens_per_s": round(link * 1e9 / (2 * c["host_bytes"] / 8), 1)})
 print(json.dumps(row))
 PY
+   done
   done
 done

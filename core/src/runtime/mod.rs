@@ -763,13 +763,7 @@ impl Runtime {
         if bytes == 0 {
             return Ok(ranges.iter().map(|_| Vec::new()).collect());
         }
-        let label = "readback".to_owned();
-        let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("expertkv readback"),
-            size: bytes,
-            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
+        let staging = self.staging("readback", bytes);
         let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("readback") });
         for (&(buffer, first, _), &(start, len)) in ranges.iter().zip(&spans) {
             if len > 0 {
@@ -777,6 +771,25 @@ impl Runtime {
             }
         }
         self.queue.submit([enc.finish()]);
+        let all: Vec<u8> = self.read_staging(&staging).await?;
+        Ok(spans.iter().map(|&(start, len)| bytemuck::pod_collect_to_vec::<u8, T>(&all[start as usize..(start + len) as usize])).collect())
+    }
+
+    /// A readable staging buffer (`MAP_READ | COPY_DST`) of `bytes`, for copies a caller encodes
+    /// into its own command buffers and reads with [`Runtime::read_staging`], over and over.
+    pub fn staging(&self, label: &str, bytes: u64) -> wgpu::Buffer {
+        self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(label),
+            size: bytes.next_multiple_of(4).max(4),
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        })
+    }
+
+    /// Wait for the work submitted so far, then read the whole of `staging` (a buffer from
+    /// [`Runtime::staging`] the submitted work copied into) and unmap it for its next use.
+    pub async fn read_staging<T: bytemuck::Pod>(&self, staging: &wgpu::Buffer) -> Result<Vec<T>> {
+        let label = "readback".to_owned();
         let slot = Arc::new(Mutex::new(MapSlot::default()));
         {
             let slot = slot.clone();
@@ -792,7 +805,8 @@ impl Runtime {
         self.wait()?;
         MapFuture { slot }.await.map_err(|message| Error::Readback { label: label.clone(), message })?;
         let view = staging.slice(..).get_mapped_range().map_err(|e| Error::Readback { label: label.clone(), message: e.to_string() })?;
-        let out = spans.iter().map(|&(start, len)| bytemuck::pod_collect_to_vec::<u8, T>(&view[start as usize..(start + len) as usize])).collect();
+        let usable = view.len() / std::mem::size_of::<T>() * std::mem::size_of::<T>();
+        let out = bytemuck::pod_collect_to_vec::<u8, T>(&view[..usable]);
         drop(view);
         staging.unmap();
         Ok(out)

@@ -168,6 +168,32 @@ struct GpuMoe {
     /// With pre-gating prefetch: each layer's FFN input scored by the next layer's router
     /// (`[seq][E]`), its top k (scratch), and that prediction per layer, `[layer][seq][k]`.
     pregate: Option<Pregate>,
+    /// With an expert cache, per layer: what the host reads after the layer's top k
+    /// ([`GpuMoe::sync_ranges`]), copied there by the layer's own segment.
+    sync: Vec<wgpu::Buffer>,
+}
+
+impl GpuMoe {
+    /// What the host reads after layer `l`'s top k, in order (buffer, first word, words): the
+    /// layer's choices; its router scores under the score policy; with pre-gating (not after
+    /// the last layer) the next layer's predicted choices and, under the score policy, scores.
+    fn sync_ranges(&self, l: usize, n_seqs: u32) -> Vec<(&wgpu::Buffer, u64, u64)> {
+        let Some(cache) = &self.cache else { return Vec::new() };
+        let per = u64::from(n_seqs * self.top_k);
+        let n_scores = u64::from(n_seqs * self.n_experts);
+        let by_score = cache.cfg.policy == ExpertPolicy::Score;
+        let mut r = vec![(&self.log, l as u64 * per, per)];
+        if by_score {
+            r.push((&self.scores, 0, n_scores));
+        }
+        if let Some(pg) = self.pregate.as_ref().filter(|_| l + 1 < self.layers.len()) {
+            r.push((&pg.log, (l as u64 + 1) * per, per));
+            if by_score {
+                r.push((&pg.scores, 0, n_scores));
+            }
+        }
+        r
+    }
 }
 
 /// The buffers of pre-gating (see [`GpuMoe::pregate`]).
@@ -908,7 +934,17 @@ impl GpuLlama {
             cache,
             experts,
             pregate,
+            sync: Vec::new(),
         });
+        if let Some(moe) = &mut self.moe {
+            moe.sync = (0..moe.layers.len())
+                .map(|l| {
+                    let words: u64 = moe.sync_ranges(l, n).iter().map(|r| r.2).sum();
+                    rt.staging(&format!("blk.{l} expert choices (host)"), words * 4)
+                })
+                .filter(|_| moe.cache.is_some())
+                .collect();
+        }
         rt.check("moe upload")
     }
 
@@ -1073,8 +1109,9 @@ impl GpuLlama {
             // layer's top k (the head after the last). Between them the host reads the layer's
             // choices, copies the missing experts (before the layer's experts) and, prefetching,
             // the next layer's predicted ones (after them, overlapping the next attention).
-            let per_layer = u64::from(self.n_seqs * moe.top_k);
-            let (layers, n_scores) = (self.cfg.block_count as usize, u64::from(self.n_seqs * moe.n_experts));
+            let layers = self.cfg.block_count as usize;
+            let sizes: Vec<Vec<usize>> =
+                (0..layers).map(|l| moe.sync_ranges(l, self.n_seqs).iter().map(|r| r.2 as usize).collect()).collect();
             let Some(cache) = &mut moe.cache else { unreachable!("filtered on the cache") };
             let by_score = cache.cfg.policy == ExpertPolicy::Score;
             cache.begin_step();
@@ -1082,18 +1119,15 @@ impl GpuLlama {
             rt.queue.submit(segments.next());
             let mut all = Vec::new();
             for l in 0..layers {
-                let mut ranges = vec![(&moe.log, l as u64 * per_layer, per_layer)];
-                if by_score {
-                    ranges.push((&moe.scores, 0, n_scores));
-                }
+                // The layer's segment copied its choices (and scores, and the prediction) here.
+                let words: Vec<u32> = rt.read_staging(&moe.sync[l]).await?;
+                let mut at = 0;
+                let mut read = sizes[l].iter().map(|&len| {
+                    let part = words.get(at..at + len).unwrap_or_default().to_vec();
+                    at += len;
+                    part
+                });
                 let pre = moe.pregate.as_ref().filter(|_| l + 1 < layers);
-                if let Some(pg) = pre {
-                    ranges.push((&pg.log, (l as u64 + 1) * per_layer, per_layer));
-                    if by_score {
-                        ranges.push((&pg.scores, 0, n_scores));
-                    }
-                }
-                let mut read = rt.read_many::<u32>(&ranges).await?.into_iter();
                 let chosen = read.next().unwrap_or_default();
                 let scores: Vec<f32> = if by_score { bytemuck::cast_vec(read.next().unwrap_or_default()) } else { Vec::new() };
                 let step = u64::from(self.step);
@@ -1311,6 +1345,12 @@ impl GpuLlama {
                         // The host reads the layer's choices and fetches the missing experts here.
                         moe.recorded[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("model attention output and router")));
                         marks.mark(&mut enc, "output and router");
+                        // What the host reads next, copied into the layer's staging buffer.
+                        let mut at = 0;
+                        for (src, first, words) in moe.sync_ranges(l as usize, n) {
+                            enc.copy_buffer_to_buffer(src, first * 4, &moe.sync[l as usize], at * 4, words * 4);
+                            at += words;
+                        }
                         let next = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("model forward") });
                         segments.push(std::mem::replace(&mut enc, next).finish());
                         moe.experts[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("model experts")));
