@@ -224,20 +224,77 @@ pub struct VictimKeys<'a> {
 /// The slot a missing expert goes into: a free slot (the first), else among the slots whose
 /// expert `needed` (sorted) does not hold, the least recently used (`Lru`), the least often
 /// chosen (`Lfu`) or the lowest scored (`Score`), those two then by least recent use; ties to
-/// the lower slot. `None` when every slot holds a needed expert.
+/// the lower expert. `None` when every slot holds a needed expert. Under `Lru` the residents of
+/// a cache of S slots are then always the S experts last used latest (ties: the higher
+/// experts), whatever the slot layout, so one run's [`ReuseCurve`] gives every size's hits.
 pub fn victim(policy: ExpertPolicy, k: &VictimKeys<'_>, needed: &[u32]) -> Option<usize> {
     k.holder.iter().position(Option::is_none).or_else(|| {
         let candidates = (0..k.holder.len()).filter(|&v| k.holder[v].is_some_and(|old| needed.binary_search(&old).is_err()));
         let expert = |v: usize| k.holder[v].map_or(0, |x| x as usize);
         match policy {
-            ExpertPolicy::Lru => candidates.min_by_key(|&v| k.last_used[v]),
-            ExpertPolicy::Lfu => candidates.min_by_key(|&v| (k.uses[expert(v)], k.last_used[v])),
+            ExpertPolicy::Lru => candidates.min_by_key(|&v| (k.last_used[v], expert(v))),
+            ExpertPolicy::Lfu => candidates.min_by_key(|&v| (k.uses[expert(v)], k.last_used[v], expert(v))),
             ExpertPolicy::Score => candidates.min_by(|&a, &b| {
                 let (sa, sb) = (k.score[expert(a)], k.score[expert(b)]);
-                sa.total_cmp(&sb).then(k.last_used[a].cmp(&k.last_used[b])).then(a.cmp(&b))
+                sa.total_cmp(&sb).then(k.last_used[a].cmp(&k.last_used[b])).then(expert(a).cmp(&expert(b)))
             }),
         }
     })
+}
+
+/// The LRU hit counts of every cache size from one run's routing (Mattson's stack distances):
+/// per layer each expert's last step, and per step each chosen expert's rank among the experts
+/// used before it (by last step, then expert: the order [`victim`] keeps them in). A cache of
+/// S slots on demand under LRU hits exactly the choices of rank below S, whatever S the run
+/// itself had: the routing does not depend on residency. Counted as the cache counts, each
+/// (layer, expert) once a step.
+#[derive(Clone, Debug, Default)]
+pub struct ReuseCurve {
+    /// Per layer, per expert: the last step that chose it.
+    last: Vec<Vec<Option<u64>>>,
+    /// Choices by rank (`by_rank[r]`: chosen experts with `r` others used more recently).
+    pub by_rank: Vec<u64>,
+    /// Choices of an expert never chosen before in its layer (a miss at any size).
+    pub cold: u64,
+}
+
+impl ReuseCurve {
+    /// An empty curve for `layers` layers of `experts` experts.
+    pub fn new(layers: u32, experts: u32) -> ReuseCurve {
+        ReuseCurve { last: vec![vec![None; experts as usize]; layers as usize], by_rank: vec![0; experts as usize], cold: 0 }
+    }
+
+    /// Record layer `layer`'s choices at `step` (any order, repeats allowed; experts out of
+    /// range are ignored, as the cache refuses them).
+    pub fn record(&mut self, layer: u32, chosen: &[u32], step: u64) {
+        let Some(last) = self.last.get_mut(layer as usize) else { return };
+        let mut needed: Vec<u32> = chosen.iter().copied().filter(|&x| (x as usize) < last.len()).collect();
+        needed.sort_unstable();
+        needed.dedup();
+        for &x in &needed {
+            match last[x as usize] {
+                None => self.cold += 1,
+                Some(t) => {
+                    let key = (t, x);
+                    let rank = last.iter().enumerate().filter(|&(y, ly)| ly.is_some_and(|u| (u, y as u32) > key)).count();
+                    self.by_rank[rank] += 1;
+                }
+            }
+        }
+        for &x in &needed {
+            last[x as usize] = Some(step);
+        }
+    }
+
+    /// Choices recorded (each (layer, expert) once a step).
+    pub fn references(&self) -> u64 {
+        self.cold + self.by_rank.iter().sum::<u64>()
+    }
+
+    /// Hits of an on-demand LRU cache of `slots` slots per layer over the recorded steps.
+    pub fn hits(&self, slots: u32) -> u64 {
+        self.by_rank.iter().take(slots as usize).sum()
+    }
 }
 
 impl LayerTier {
@@ -510,6 +567,45 @@ mod tests {
         assert_eq!(victim(ExpertPolicy::Score, &keys(&FULL), &[1, 2, 4, 7]), None);
         assert_eq!(min_slots(3, 2, 8), 6);
         assert_eq!(min_slots(8, 2, 8), 8);
+    }
+
+    /// The curve's hits at every size equal an LRU cache's of that size, simulated with
+    /// [`victim`] on random routing with repeats and temporal locality.
+    #[test]
+    fn reuse_curve_hits_are_every_lru_sizes_hits() {
+        let (experts, k) = (8u32, 3usize);
+        let mut rng = expertkv_core::rng::Rng::new(11);
+        let steps: Vec<Vec<u32>> = (0..300)
+            .map(|_| (0..k).map(|_| if rng.below(3) == 0 { rng.below(experts) } else { rng.below(3) }).collect())
+            .collect();
+        let mut curve = ReuseCurve::new(1, experts);
+        for (t, chosen) in steps.iter().enumerate() {
+            curve.record(0, chosen, t as u64 + 1);
+        }
+        for slots in k as u32..=experts {
+            let (mut holder, mut last_used) = (vec![None; slots as usize], vec![0u64; slots as usize]);
+            let (uses, score) = (vec![0; experts as usize], vec![0.0; experts as usize]);
+            let mut hits = 0;
+            for (t, chosen) in steps.iter().enumerate() {
+                let mut needed = chosen.clone();
+                needed.sort_unstable();
+                needed.dedup();
+                for &x in &needed {
+                    if let Some(s) = holder.iter().position(|&h| h == Some(x)) {
+                        hits += 1;
+                        last_used[s] = t as u64 + 1;
+                        continue;
+                    }
+                    let keys = VictimKeys { holder: &holder, last_used: &last_used, uses: &uses, score: &score };
+                    let v = victim(ExpertPolicy::Lru, &keys, &needed).expect("a victim");
+                    holder[v] = Some(x);
+                    last_used[v] = t as u64 + 1;
+                }
+            }
+            assert_eq!(curve.hits(slots), hits, "{slots} slots");
+        }
+        assert_eq!(curve.hits(experts) + curve.cold, curve.references());
+        assert!(curve.cold <= u64::from(experts) && curve.hits(k as u32) < curve.hits(experts));
     }
 
     #[test]

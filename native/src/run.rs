@@ -582,6 +582,15 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
             );
         }
     }
+    if let Some(r) = m.expert_reuse().filter(|r| r.references() > 0) {
+        // Fewer slots than one step's choices cannot exist.
+        let k = m.moe_shape().map_or(1, |(_, k)| k);
+        let least = expertkv_model::experts::min_slots(a.batch, k, r.by_rank.len() as u32);
+        let rates: Vec<String> = (least..=r.by_rank.len() as u32)
+            .map(|s| format!("{s}: {:.0}%", 100.0 * r.hits(s) as f64 / r.references() as f64))
+            .collect();
+        println!("expert reuse (decode steps' routing; an LRU cache's hit rate at each number of slots per layer): {}", rates.join(", "));
+    }
     // Time per output token: between consecutive tokens reaching the host (p50, p99 nearest rank).
     let mut gaps: Vec<f64> = piece_times.windows(2).map(|w| (w[1] - w[0]).as_secs_f64() * 1e3).collect();
     gaps.sort_by(f64::total_cmp);
@@ -606,6 +615,11 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
             "kv_pages_in_use": used,
             "kv_bytes_in_use": bytes,
             "expert_cache": m.expert_cache().map(expert_cache_json),
+            "expert_reuse": m.expert_reuse().map(|r| serde_json::json!({
+                "references": r.references(),
+                "cold": r.cold,
+                "lru_hits_by_slots": (1..=r.by_rank.len() as u32).map(|s| r.hits(s)).collect::<Vec<_>>(),
+            })),
             "kv_store": kv_store.as_ref().map(|s| &s.report),
             "gpu_mem": gpu_mem,
             "adapter": rt.info.name,

@@ -212,6 +212,11 @@ fn run_and_eval_a_moe_file_with_its_own_experts() {
     assert_eq!((ec["slots_per_layer"].as_u64(), ec["policy"].as_str()), (Some(2), Some("lru")), "{ec}");
     assert!(ec["misses"].as_u64().is_some_and(|m| m >= 4) && ec["bytes_moved"].as_u64().is_some_and(|b| b > 0), "{ec}");
     assert_eq!(ec["gpu_bytes"].as_u64().map(|g| g * 4), ec["host_bytes"].as_u64(), "{ec}");
+    // The run's reuse curve gives its LRU cache's hits at its own size (2 slots: index 1).
+    let reuse = &c["expert_reuse"];
+    assert_eq!(reuse["lru_hits_by_slots"][1], ec["hits"], "{reuse} {ec}");
+    assert_eq!(reuse["references"].as_u64(), Some(ec["hits"].as_u64().unwrap_or(0) + ec["misses"].as_u64().unwrap_or(0)), "{reuse}");
+    assert!(out.contains("expert reuse (decode steps' routing"), "{out}");
     let o = expertkv(&["run", "--model", model, "--tokens", "2", "--expert-slots", "1"]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("at least 2") && !err.contains("panicked"), "{err}");

@@ -9,7 +9,7 @@
 //! MoEfied, the experts chosen). Sequences decode together (one token each per step, up to
 //! [`MAX_SEQS`]).
 
-use crate::experts::{ExpertCache, ExpertCacheConfig, ExpertPolicy, ExpertPrefetch};
+use crate::experts::{ExpertCache, ExpertCacheConfig, ExpertPolicy, ExpertPrefetch, ReuseCurve};
 use crate::labels::{KvLabels, KvRouting, LabelSource, ScoreInputs};
 use crate::moe::Moefication;
 use crate::ops::{GpuMatrix, ModelKernels, MoeFfn, Recorded, WeightFormat, same_format, tensor_format};
@@ -156,6 +156,8 @@ struct GpuMoe {
     last_chosen: Vec<u32>,
     /// Tokens routed to each (layer, expert) so far, `layer * E + e`.
     counts: Vec<u64>,
+    /// The decode steps' routing as LRU stack distances: every cache size's hits.
+    reuse: ReuseCurve,
     /// Per layer: output projection, residual, RMSNorm, router, top-k, the chosen experts,
     /// residual (replacing [`Recording::ffn`]).
     recorded: Vec<Recorded>,
@@ -929,6 +931,7 @@ impl GpuLlama {
             log,
             last_chosen: Vec::new(),
             counts: vec![0; (c.block_count * e) as usize],
+            reuse: ReuseCurve::new(c.block_count, e),
             recorded,
             routed: None,
             cache,
@@ -1053,6 +1056,13 @@ impl GpuLlama {
         self.moe.as_ref().map(|m| (m.n_experts, m.top_k))
     }
 
+    /// The decode steps' routing as LRU stack distances ([`ReuseCurve`]: the hits an
+    /// on-demand LRU expert cache of any size would have had); `None` for the dense model.
+    /// Prefill chunks are not in it (an expert cache prefills a token a step).
+    pub fn expert_reuse(&self) -> Option<&ReuseCurve> {
+        self.moe.as_ref().map(|m| &m.reuse)
+    }
+
     /// Tokens routed to each (layer, expert) so far (`layer * E + e`); empty for the dense model.
     pub fn expert_counts(&self) -> &[u64] {
         self.moe.as_ref().map_or(&[], |m| &m.counts)
@@ -1118,11 +1128,11 @@ impl GpuLlama {
             let mut segments = segments.into_iter();
             rt.queue.submit(segments.next());
             let mut all = Vec::new();
-            for l in 0..layers {
+            for (l, sizes) in sizes.iter().enumerate() {
                 // The layer's segment copied its choices (and scores, and the prediction) here.
                 let words: Vec<u32> = rt.read_staging(&moe.sync[l]).await?;
                 let mut at = 0;
-                let mut read = sizes[l].iter().map(|&len| {
+                let mut read = sizes.iter().map(|&len| {
                     let part = words.get(at..at + len).unwrap_or_default().to_vec();
                     at += len;
                     part
@@ -1170,6 +1180,7 @@ impl GpuLlama {
                 for &x in sel {
                     moe.counts[l * e + x as usize] += 1;
                 }
+                moe.reuse.record(l as u32, sel, u64::from(self.step));
             }
             if self.trace.is_some() {
                 moe.last_chosen = chosen.clone();

@@ -25,6 +25,7 @@ fn an_expert_cache_smaller_than_the_experts_gives_the_all_resident_logits() {
         (GgmlType::Q4K, 1, ExpertPolicy::Lfu, ExpertPrefetch::Pregate),
         (GgmlType::Q8_0, 2, ExpertPolicy::Score, ExpertPrefetch::Pregate),
         (GgmlType::Q8_0, 1, ExpertPolicy::Score, ExpertPrefetch::None),
+        (GgmlType::Q8_0, 2, ExpertPolicy::Lru, ExpertPrefetch::None),
     ];
     for ((weights, n_seqs, policy, prefetch), seed) in cases.into_iter().zip(seeds("model_expert_cache", cases.len() as u64)) {
         let mut rng = Rng::new(seed);
@@ -70,6 +71,15 @@ fn an_expert_cache_smaller_than_the_experts_gives_the_all_resident_logits() {
         assert_eq!(c.total.bytes, fetches * expert_bytes, "{ctx}");
         assert_eq!(c.total.prefetched, ahead, "{ctx}");
         assert!(c.total.prefetch_used <= c.total.prefetched, "{ctx}: {:?}", c.total);
+        // On demand under LRU the hits are the reuse curve's at this size: the cached run's own
+        // and the all-resident run's (the same routing), and fewer than a larger cache's.
+        if (policy, prefetch) == (ExpertPolicy::Lru, ExpertPrefetch::None) {
+            for curve in [cached.expert_reuse(), all.expert_reuse()].map(|c| c.expect("a MoE model's curve")) {
+                assert_eq!(curve.hits(slots), c.total.hits, "{ctx}: {curve:?}");
+                assert_eq!(curve.references(), chosen, "{ctx}");
+                assert!(curve.hits(slots) < curve.hits(8), "{ctx}: {curve:?}");
+            }
+        }
         if prefetch == ExpertPrefetch::Pregate {
             assert!(c.total.prefetched > 0, "{ctx}: nothing was fetched ahead: {:?}", c.total);
         } else {
