@@ -97,6 +97,12 @@ pub struct RunArgs {
     /// attention runs) (with --expert-slots or --gpu-mem).
     #[arg(long, default_value = "none")]
     expert_prefetch: String,
+    /// Map the model file instead of reading it into memory: its pages come from the OS page
+    /// cache as the weights are uploaded and a MoE file's experts are copied into their host
+    /// tier, so host memory holds the experts once, not the file as well. The file must not be
+    /// changed while the run maps it (a truncated file ends the process with SIGBUS).
+    #[arg(long)]
+    mmap: bool,
     /// One GPU memory budget (bytes, with K, M or G) for the K/V pool and a MoE file's experts:
     /// the pool the run needs first, then as many expert slots per layer as the rest holds (the
     /// others in host memory). A budget too small for the pool and one step's experts is refused
@@ -267,17 +273,52 @@ impl<'a> Moefier<'a> {
 /// The model file's path (`--model`, else SmolLM2 under `EXPERTKV_MODELS_DIR` or `models/`) and
 /// its bytes; `run` and `eval` share it.
 pub fn read_model(model: Option<&std::path::Path>) -> Result<(std::path::PathBuf, Vec<u8>)> {
-    let path = model.map(std::path::Path::to_path_buf).unwrap_or_else(|| {
-        let dir = std::env::var("EXPERTKV_MODELS_DIR").unwrap_or_else(|_| "models".into());
-        std::path::Path::new(&dir).join("SmolLM2-135M-Instruct.Q4_1.gguf")
-    });
+    let path = model.map(std::path::Path::to_path_buf).unwrap_or_else(default_model);
     let bytes = std::fs::read(&path)
         .with_context(|| format!("cannot read the model {} (scripts/fetch_model.sh fetches SmolLM2-135M)", path.display()))?;
     Ok((path, bytes))
 }
 
+/// A model file's bytes: read into memory, or mapped ([`open_model`]).
+pub enum ModelBytes {
+    /// The whole file, read at start (a later change to the file cannot reach the run).
+    Read(Vec<u8>),
+    /// The file mapped read-only: its pages come from the OS page cache as they are used.
+    Mapped(memmap2::Mmap),
+}
+
+impl std::ops::Deref for ModelBytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            ModelBytes::Read(v) => v,
+            ModelBytes::Mapped(m) => m,
+        }
+    }
+}
+
+/// [`read_model`], or with `map` the file mapped instead of read.
+pub fn open_model(model: Option<&std::path::Path>, map: bool) -> Result<(std::path::PathBuf, ModelBytes)> {
+    if !map {
+        return read_model(model).map(|(p, b)| (p, ModelBytes::Read(b)));
+    }
+    let path = model.map(std::path::Path::to_path_buf).unwrap_or_else(default_model);
+    let file = std::fs::File::open(&path)
+        .with_context(|| format!("cannot open the model {} (scripts/fetch_model.sh fetches SmolLM2-135M)", path.display()))?;
+    // SAFETY: the mapping is read-only and private; the file must not be truncated while it is
+    // mapped (documented at `--mmap`), the one way a mapping's bytes can fail to be there.
+    let map = unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("cannot map the model {}", path.display()))?;
+    Ok((path, ModelBytes::Mapped(map)))
+}
+
+/// SmolLM2 under `EXPERTKV_MODELS_DIR` or `models/`.
+fn default_model() -> std::path::PathBuf {
+    let dir = std::env::var("EXPERTKV_MODELS_DIR").unwrap_or_else(|_| "models".into());
+    std::path::Path::new(&dir).join("SmolLM2-135M-Instruct.Q4_1.gguf")
+}
+
 pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
-    let (path, bytes) = read_model(a.model.as_deref())?;
+    let (path, bytes) = open_model(a.model.as_deref(), a.mmap)?;
     let g = Gguf::parse(&bytes).with_context(|| format!("{} is not a readable GGUF file", path.display()))?;
     let tok = Tokenizer::from_gguf(&g).context("the model's tokenizer")?;
     let batch = crate::batch::prompts(a)?;

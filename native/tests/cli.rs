@@ -220,6 +220,10 @@ fn run_and_eval_a_moe_file_with_its_own_experts() {
     let o = expertkv(&["run", "--model", model, "--tokens", "2", "--expert-slots", "1"]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("at least 2") && !err.contains("panicked"), "{err}");
+    // The file mapped instead of read: the same tokens.
+    let out = ok(&["run", "--model", model, "--prompt", "Hello", "--tokens", "4", "--dtype", "f32", "--json", "--expert-slots", "25%", "--mmap"]);
+    let m: serde_json::Value = serde_json::from_str(out.lines().last().unwrap_or_default()).expect("a JSON last line");
+    assert_eq!(m["generated_ids"], j["generated_ids"], "{out}");
     // Pre-gating prefetch under the score policy: the same tokens, the prefetch reported.
     let prefetch = ["--expert-slots", "25%", "--expert-prefetch", "pregate", "--expert-policy", "score"];
     let out = ok(&[&["run", "--model", model, "--prompt", "Hello", "--tokens", "4", "--dtype", "f32", "--json"][..], &prefetch].concat());
