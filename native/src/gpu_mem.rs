@@ -57,10 +57,16 @@ pub fn plan(
         Some((SchedulerConfig::FlexGen, b)) => {
             format!("the K/V pool ({seqs}, FlexGen's GPU tier of {b} tokens per layer and KV head{codec})")
         }
+        Some((s, b)) if s.keeps_budget_per_list() && opts.pyramid.is_none() => {
+            format!("the K/V pool ({seqs}, {} keeping {b} tokens per layer and KV head{codec})", s.name())
+        }
         _ => format!("the K/V pool ({seqs} of {} tokens{codec})", opts.max_context),
     };
-    let smaller =
-        if flexgen { "a smaller FlexGen --budget or a page codec" } else { "a page codec (--codec int4, say) or FlexGen's host tier" };
+    let smaller = if flexgen {
+        "a smaller FlexGen --budget or a page codec"
+    } else {
+        "a page codec (--codec int4, say), an evicting scheduler's budget (--scheduler h2o --budget N) or FlexGen's host tier"
+    };
     let Some(eb) = ExpertBytes::of(g, c)? else {
         if kv > budget {
             bail!(

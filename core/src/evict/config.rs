@@ -272,6 +272,15 @@ impl SchedulerConfig {
         ))
     }
 
+    /// Whether every page list keeps at most the budget after each eviction, whatever its
+    /// attention (H2O, StreamingLLM, LRU, LRU+): a pool for such a scheduler need hold only the
+    /// budget's pages per list. AdaKV splits a (layer, sequence) budget unevenly over heads,
+    /// DuoAttention's retrieval heads and FastV's early layers keep everything, QUEST and
+    /// FlexGen do not evict from the pool.
+    pub fn keeps_budget_per_list(&self) -> bool {
+        matches!(self, SchedulerConfig::H2o { .. } | SchedulerConfig::StreamingLlm { .. } | SchedulerConfig::Lru | SchedulerConfig::LruPlus { .. })
+    }
+
     /// Whether the policy runs on the shared GPU eviction kernels (`evict/*`).
     pub fn uses_evict_kernels(&self) -> bool {
         !matches!(self, SchedulerConfig::Quest | SchedulerConfig::FlexGen)

@@ -355,7 +355,8 @@ impl ModelOptions {
     /// The pool these options give a model of configuration `cfg` ([`pool_config`]): its bytes
     /// before loading are [`PoolConfig::pool_bytes`].
     pub fn pool_config(&self, cfg: &LlamaConfig) -> PoolConfig {
-        pool_config(cfg, self.n_seqs, self.max_context, self.dtype, self.scheduler.as_ref(), self.codec, self.routing.as_ref())
+        let kept = kept_per_list(self.scheduler.as_ref(), self.pyramid, self.routing.as_ref());
+        pool_config(cfg, self.n_seqs, self.max_context, self.dtype, self.scheduler.as_ref(), self.codec, self.routing.as_ref(), kept)
     }
 
     /// Bytes the K/V side of a model of configuration `cfg` allocates with these options, on a
@@ -616,7 +617,8 @@ impl GpuLlama {
         let embed = matrix(rt, g, &["token_embd.weight"])?;
         let output = if g.tensor("output.weight").is_some() { Some(matrix(rt, g, &["output.weight"])?) } else { None };
         let out_norm = norm_buffer(rt, g, "output_norm.weight")?;
-        let pool_cfg = pool_config(&cfg, n_seqs, max_context, dtype, scheduler.as_ref(), codec, routing.as_ref());
+        let kept = kept_per_list(scheduler.as_ref(), pyramid, routing.as_ref());
+        let pool_cfg = pool_config(&cfg, n_seqs, max_context, dtype, scheduler.as_ref(), codec, routing.as_ref(), kept);
         pool_cfg.validate()?;
         let mut pool = KvPool::new(rt, pool_cfg).await?;
         let labels = match &routing {
@@ -1487,6 +1489,19 @@ fn check_context(cfg: &LlamaConfig, max_context: u32) -> Result<()> {
 /// The pool [`GpuLlama::load`] allocates for `cfg` with these options (its pages sized for
 /// `max_context` tokens per sequence, or a scheduler's budget, or a codec's raw window):
 /// before loading, [`PoolConfig::pool_bytes`] gives its bytes.
+/// The most tokens a page list holds between evictions when the scheduler bounds every list
+/// by its budget ([`SchedulerConfig::keeps_budget_per_list`], with no PyramidKV layer shape and
+/// no EKVA split): the budget and the step's new token. `None` when a list may keep more.
+pub fn kept_per_list(scheduler: Option<&(SchedulerConfig, u32)>, pyramid: Option<f32>, routing: Option<&KvRouting>) -> Option<u32> {
+    let (s, budget) = scheduler?;
+    let split = routing.is_some_and(|r| r.allocator.is_some());
+    (s.keeps_budget_per_list() && pyramid.is_none() && !split).then(|| budget.saturating_add(1))
+}
+
+/// The pool of a model: every list's pages for `max_context` tokens, or, where each list keeps
+/// at most `kept` tokens ([`kept_per_list`]), for those (an evicting scheduler's memory is then
+/// its budget's, not the context's); FlexGen's GPU tier; a codec's compressed pages.
+#[allow(clippy::too_many_arguments)]
 pub fn pool_config(
     cfg: &LlamaConfig,
     n_seqs: u32,
@@ -1495,12 +1510,16 @@ pub fn pool_config(
     scheduler: Option<&(SchedulerConfig, u32)>,
     codec: Codec,
     routing: Option<&KvRouting>,
+    kept: Option<u32>,
 ) -> PoolConfig {
     let (n_shards, top_k, shard_map) = routing.map_or((1, 1, ShardMap::ByExpert), |r| (r.n_shards, r.top_k, r.shard_map));
     let page_size = MODEL_PAGE_SIZE;
     // A ring may hold every page of its list (maps need not spread tokens evenly); every
     // shard has its own newest page.
-    let pages_per_list = max_context.div_ceil(page_size).saturating_add(n_shards);
+    // Under a budget every list holds at most `kept` tokens once compacted: their pages, each
+    // shard's partial newest page, and one to spare for the step's append.
+    let full = max_context.div_ceil(page_size).saturating_add(n_shards);
+    let pages_per_list = kept.map_or(full, |k| k.div_ceil(page_size).saturating_add(2 * n_shards + 1).min(full));
     let mut pool_cfg = PoolConfig {
         layers: cfg.block_count,
         kv_heads: cfg.head_count_kv,

@@ -401,7 +401,7 @@ fn h2o_evicts_the_models_own_kv_down_to_the_budget() {
     let rt = rt();
     let budget = 16;
     let sched = SchedulerConfig::H2o { sinks: 2, window: 4 };
-    let mut m = pollster::block_on(GpuLlama::load(rt, &g, ModelOptions::new(1, 64).scheduler(Some((sched, budget))))).expect("load");
+    let mut m = pollster::block_on(GpuLlama::load(rt, &g, ModelOptions::new(1, 256).scheduler(Some((sched.clone(), budget))))).expect("load");
     let ids = tok.encode("The quick brown fox jumps over the lazy dog");
     assert!(ids.len() > budget as usize + 1, "the prompt must outgrow the budget: {} tokens", ids.len());
     for &t in &ids {
@@ -419,6 +419,18 @@ fn h2o_evicts_the_models_own_kv_down_to_the_budget() {
     let ctl = pollster::block_on(m.pool.read_ctl(rt)).expect("ctl");
     let lists_n = m.cfg.block_count * m.cfg.head_count_kv;
     assert!(m.pool.cfg.n_pages - ctl.free_top <= lists_n * budget.div_ceil(m.pool.cfg.page_size), "pages in use within the budget");
+    // The pool itself is the budget's: pages for the budget per list, not for the context of
+    // 256, and its allocated bytes are fewer than the full cache's pool.
+    let full = ModelOptions::new(1, 256);
+    let sized = full.clone().scheduler(Some((sched, budget)));
+    let (full_cfg, sized_cfg) = (full.pool_config(&m.cfg), sized.pool_config(&m.cfg));
+    assert_eq!(m.pool.cfg.n_pages, sized_cfg.n_pages);
+    assert!(sized_cfg.n_pages < full_cfg.n_pages, "{} pages against the full cache's {}", sized_cfg.n_pages, full_cfg.n_pages);
+    let max_binding = rt.max_binding_bytes();
+    assert_eq!(m.kv_bytes_allocated(), sized.kv_bytes(&m.cfg, max_binding).expect("kv bytes"));
+    assert!(m.kv_bytes_allocated() < full.kv_bytes(&m.cfg, max_binding).expect("kv bytes"));
+    // A list shape that may keep more than the budget (PyramidKV) keeps the full pool.
+    assert_eq!(sized.pyramid(Some(0.5)).pool_config(&m.cfg).n_pages, full_cfg.n_pages);
 }
 
 /// PyramidKV and the utility thresholds over the model's own attention (a synthetic file's):
