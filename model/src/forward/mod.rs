@@ -231,6 +231,9 @@ pub struct GpuLlama {
     attn: Attention,
     /// Evicts after every step down to its budget (tokens per layer x sequence x KV head).
     pub scheduler: Option<Scheduler>,
+    /// The pool holds this many tokens per list, the scheduler's budget ([`kept_per_list`]);
+    /// positions then run past the pool's pages, up to `max_context`.
+    kept_per_list: Option<u32>,
     /// QUEST: every layer's attention reads only the pages whose key bounds score highest for
     /// its queries (the cache stays whole).
     pub quest: Option<Quest>,
@@ -678,6 +681,7 @@ impl GpuLlama {
             (false, Some(_)) => return Err(Error::Input("an expert cache needs a MoE file (this model has a dense FFN)".into())),
         };
         let mut model = GpuLlama {
+            kept_per_list: kept,
             cfg,
             kernels,
             recorded,
@@ -1264,8 +1268,10 @@ impl GpuLlama {
         if let Some(t) = tokens.iter().find(|&&t| t >= self.cfg.vocab_size) {
             return Err(Error::Input(format!("token id {t} is outside the vocabulary ({})", self.cfg.vocab_size)));
         }
+        // A pool for the whole context holds its positions; one for a budget evicts down to it
+        // after every step, so positions run on to `max_context` (checked in `forward`).
         let cap = (self.pool.cfg.ring_capacity - 1) * self.pool.cfg.page_size - self.pool.cfg.page_size;
-        if let Some(p) = self.positions.iter().find(|&&p| p >= cap) {
+        if let Some(p) = self.positions.iter().find(|&&p| p >= cap && self.kept_per_list.is_none()) {
             return Err(Error::Input(format!("position {p} is past the context this model was loaded for ({cap} tokens)")));
         }
         // A low-rank codec fits its basis once the calibration window is in (its pages stayed
