@@ -74,10 +74,9 @@ impl ExpertPrefetch {
 
     /// The mode named `name` (an error listing the names otherwise).
     pub fn from_name(name: &str) -> Result<ExpertPrefetch> {
-        Self::ALL
-            .into_iter()
-            .find(|p| p.name() == name)
-            .ok_or_else(|| Error::Input(format!("unknown expert prefetch `{name}`: one of {}", Self::ALL.map(ExpertPrefetch::name).join(", "))))
+        Self::ALL.into_iter().find(|p| p.name() == name).ok_or_else(|| {
+            Error::Input(format!("unknown expert prefetch `{name}`: one of {}", Self::ALL.map(ExpertPrefetch::name).join(", ")))
+        })
     }
 }
 
@@ -575,9 +574,8 @@ mod tests {
     fn reuse_curve_hits_are_every_lru_sizes_hits() {
         let (experts, k) = (8u32, 3usize);
         let mut rng = expertkv_core::rng::Rng::new(11);
-        let steps: Vec<Vec<u32>> = (0..300)
-            .map(|_| (0..k).map(|_| if rng.below(3) == 0 { rng.below(experts) } else { rng.below(3) }).collect())
-            .collect();
+        let steps: Vec<Vec<u32>> =
+            (0..300).map(|_| (0..k).map(|_| if rng.below(3) == 0 { rng.below(experts) } else { rng.below(3) }).collect()).collect();
         let mut curve = ReuseCurve::new(1, experts);
         for (t, chosen) in steps.iter().enumerate() {
             curve.record(0, chosen, t as u64 + 1);

@@ -10,6 +10,7 @@ use expertkv_core::evict::config::{Budget, SchedulerConfig, Threshold};
 use expertkv_core::route::config::RouterConfig;
 use expertkv_core::runtime::Runtime;
 use expertkv_model::Moefication;
+use expertkv_model::experts::ExpertCacheConfig;
 use expertkv_model::forward::{GpuLlama, MODEL_PAGE_SIZE, ModelOptions, argmax};
 use expertkv_model::gguf::Gguf;
 use expertkv_model::labels::{KvRouting, LabelSource};
@@ -103,6 +104,18 @@ pub struct EvalArgs {
     /// Also draw perplexity against K/V bytes into this folder.
     #[arg(long, value_name = "DIR")]
     plot: Option<std::path::PathBuf>,
+    /// A MoE file's experts in a GPU cache of this many slots per layer (a count or a share such
+    /// as 25%), as `run --expert-slots`: every row but those whose experts a pipeline router
+    /// chooses (a cache fetches the plain top k) reports its hits and bytes moved a token; the
+    /// scores are the all-resident run's, bit for bit.
+    #[arg(long)]
+    expert_slots: Option<String>,
+    /// With --expert-slots: lru, lfu or score.
+    #[arg(long, default_value = "lru")]
+    expert_policy: String,
+    /// With --expert-slots: none or pregate.
+    #[arg(long, default_value = "none")]
+    expert_prefetch: String,
     /// One JSON object per configuration instead of a table.
     #[arg(long)]
     json: bool,
@@ -144,6 +157,10 @@ struct Row {
     /// With the route stage and a sparse FFN: the share of (token, layer) pairs whose first
     /// (pre-gated) label is the FFN's own first expert.
     label_agreement: Option<f64>,
+    /// With --expert-slots: the expert cache's hit rate.
+    expert_hit_rate: Option<f64>,
+    /// With --expert-slots: expert weight bytes moved host-to-GPU a token, in MB.
+    expert_mb_per_token: Option<f64>,
 }
 
 fn nll(logits: &[f32], target: u32) -> f64 {
@@ -159,6 +176,8 @@ struct Outcome {
     busiest_expert: Option<f64>,
     label_miss_rate: Option<f64>,
     label_agreement: Option<f64>,
+    /// The expert cache's hit rate and MB moved a token.
+    experts: Option<(f64, f64)>,
 }
 
 /// One evaluated configuration: the FFN (dense, MoEfied, or a MoE file's own experts) and the
@@ -183,6 +202,8 @@ struct Config {
     /// PyramidKV's ratio and the utility threshold, with `sched`.
     pyramid: Option<f32>,
     threshold: Threshold,
+    /// A MoE file's experts in a GPU cache (not with `router`).
+    experts: Option<ExpertCacheConfig>,
 }
 
 impl Config {
@@ -229,7 +250,8 @@ impl Config {
                 .codec(self.codec)
                 .routing(self.routing.clone())
                 .pyramid(self.sched.as_ref().and(self.pyramid))
-                .threshold(if self.sched.is_some() { self.threshold } else { Threshold::default() }),
+                .threshold(if self.sched.is_some() { self.threshold } else { Threshold::default() })
+                .expert_cache(self.experts.filter(|_| self.router.is_none())),
         ))?;
         if let Some(moe) = &self.moe {
             m.set_moe(rt, g, moe)?;
@@ -426,7 +448,16 @@ fn score(rt: &Runtime, g: &Gguf<'_>, ids: &[u32], c: &Config, bar: &ProgressBar)
         (m.scheduler.is_some() && !stats.is_empty()).then(|| stats.iter().map(|s| f64::from(s.miss)).sum::<f64>() / stats.len() as f64);
     let (same, of) = m.label_agreement();
     let label_agreement = (of > 0).then(|| same as f64 / of as f64);
-    Ok(Outcome { perplexity: (total / (ids.len() - 1) as f64).exp(), greedy, kv_bytes, busiest_expert, label_miss_rate, label_agreement })
+    let experts = m.expert_cache().map(|c| (c.total.hit_rate(), c.total.bytes as f64 / 1e6 / ids.len().max(1) as f64));
+    Ok(Outcome {
+        perplexity: (total / (ids.len() - 1) as f64).exp(),
+        greedy,
+        kv_bytes,
+        busiest_expert,
+        label_miss_rate,
+        label_agreement,
+        experts,
+    })
 }
 
 fn needle(rt: &Runtime, g: &Gguf<'_>, prompt: &[u32], tok: &Tokenizer, c: &Config, bar: &ProgressBar) -> Result<String> {
@@ -496,6 +527,7 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
         routing: None,
         pyramid: a.pyramid,
         threshold: a.threshold.as_deref().map_or(Ok(Threshold::default()), crate::demo::parse_threshold)?,
+        experts: crate::run::expert_cache_config(a.expert_slots.as_deref(), &a.expert_policy, &a.expert_prefetch, &lc)?,
     };
     let policies = Policies::parse(a, ids.len() as u32)?;
     if !policies.codecs.is_empty() && policies.scheds.iter().any(|s| SchedulerConfig::parse(s).is_ok_and(|s| !s.uses_evict_kernels())) {
@@ -633,6 +665,8 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
             needle_found: answer.as_ref().map(|s| s.contains(NEEDLE_ANSWER)),
             needle_answer: answer,
             busiest_expert: o.busiest_expert,
+            expert_hit_rate: o.experts.map(|e| e.0),
+            expert_mb_per_token: o.experts.map(|e| e.1),
         };
         if a.json {
             println!("{}", serde_json::to_string(&row)?);
@@ -642,12 +676,12 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
     bar.finish_and_clear();
     if !a.json {
         println!(
-            "| FFN | routing | codec | scheduler | budget | perplexity | greedy agreement | K/V in use | needle | busiest expert | label misses |"
+            "| FFN | routing | codec | scheduler | budget | perplexity | greedy agreement | K/V in use | needle | busiest expert | label misses | expert cache hits, MB a token |"
         );
-        println!("|---|---|---|---|---|---|---|---|---|---|---|");
+        println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
         for r in &rows {
             println!(
-                "| {} | {} | {} | {} | {} | {:.2} | {:.1}% | {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {:.2} | {:.1}% | {} | {} | {} | {} | {} |",
                 r.ffn,
                 r.routing,
                 r.codec,
@@ -666,7 +700,11 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
                     _ => "-".into(),
                 },
                 r.busiest_expert.map_or("-".into(), |b| format!("{:.0}%", 100.0 * b)),
-                r.label_miss_rate.map_or("-".into(), |m| format!("{:.1}%", 100.0 * m))
+                r.label_miss_rate.map_or("-".into(), |m| format!("{:.1}%", 100.0 * m)),
+                match (r.expert_hit_rate, r.expert_mb_per_token) {
+                    (Some(h), Some(mb)) => format!("{:.0}%, {mb:.2}", 100.0 * h),
+                    _ => "-".into(),
+                }
             );
         }
     }

@@ -627,9 +627,8 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
         // Fewer slots than one step's choices cannot exist.
         let k = m.moe_shape().map_or(1, |(_, k)| k);
         let least = expertkv_model::experts::min_slots(a.batch, k, r.by_rank.len() as u32);
-        let rates: Vec<String> = (least..=r.by_rank.len() as u32)
-            .map(|s| format!("{s}: {:.0}%", 100.0 * r.hits(s) as f64 / r.references() as f64))
-            .collect();
+        let rates: Vec<String> =
+            (least..=r.by_rank.len() as u32).map(|s| format!("{s}: {:.0}%", 100.0 * r.hits(s) as f64 / r.references() as f64)).collect();
         println!("expert reuse (decode steps' routing; an LRU cache's hit rate at each number of slots per layer): {}", rates.join(", "));
     }
     // Time per output token: between consecutive tokens reaching the host (p50, p99 nearest rank).

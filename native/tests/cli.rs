@@ -221,7 +221,8 @@ fn run_and_eval_a_moe_file_with_its_own_experts() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("at least 2") && !err.contains("panicked"), "{err}");
     // The file mapped instead of read: the same tokens.
-    let out = ok(&["run", "--model", model, "--prompt", "Hello", "--tokens", "4", "--dtype", "f32", "--json", "--expert-slots", "25%", "--mmap"]);
+    let out =
+        ok(&["run", "--model", model, "--prompt", "Hello", "--tokens", "4", "--dtype", "f32", "--json", "--expert-slots", "25%", "--mmap"]);
     let m: serde_json::Value = serde_json::from_str(out.lines().last().unwrap_or_default()).expect("a JSON last line");
     assert_eq!(m["generated_ids"], j["generated_ids"], "{out}");
     // Pre-gating prefetch under the score policy: the same tokens, the prefetch reported.
@@ -262,6 +263,35 @@ fn run_and_eval_a_moe_file_with_its_own_experts() {
     );
     assert_eq!(rows[1]["perplexity"], rows[0]["perplexity"], "the pipeline's top-k chooses as the file's router: {out}");
     assert_ne!(rows[2]["perplexity"], rows[0]["perplexity"], "hash routing chooses other experts: {out}");
+    // eval with the experts in a cache: the same perplexity, the cache's traffic per row (not
+    // the routed rows', whose pipeline router a cache does not take).
+    let cached_args = ["--expert-slots", "2", "--expert-policy", "score"];
+    let cached =
+        ok(&[
+            &[
+                "eval",
+                "--model",
+                model,
+                "--tokens",
+                "24",
+                "--needle-filler",
+                "0",
+                "--schedulers",
+                "none",
+                "--moe-routers",
+                "topk",
+                "--json",
+            ][..],
+            &cached_args,
+        ]
+        .concat());
+    let crows: Vec<serde_json::Value> =
+        cached.lines().filter(|l| l.starts_with('{')).map(|l| serde_json::from_str(l).expect("json row")).collect();
+    assert_eq!(crows.len(), 2, "{cached}");
+    assert_eq!(crows[0]["perplexity"], rows[0]["perplexity"], "{cached}");
+    assert!(crows[0]["expert_hit_rate"].as_f64().is_some_and(|h| h > 0.0 && h < 1.0), "{cached}");
+    assert!(crows[0]["expert_mb_per_token"].as_f64().is_some_and(|b| b > 0.0), "{cached}");
+    assert!(crows[1]["expert_hit_rate"].is_null() && crows[1]["perplexity"] == rows[1]["perplexity"], "{cached}");
     for args in [&["run", "--model", model, "--moe", "4:2"][..], &["eval", "--model", model, "--moe", "4:2"][..]] {
         let o = expertkv(args);
         let err = String::from_utf8_lossy(&o.stderr);

@@ -278,7 +278,10 @@ impl SchedulerConfig {
     /// DuoAttention's retrieval heads and FastV's early layers keep everything, QUEST and
     /// FlexGen do not evict from the pool.
     pub fn keeps_budget_per_list(&self) -> bool {
-        matches!(self, SchedulerConfig::H2o { .. } | SchedulerConfig::StreamingLlm { .. } | SchedulerConfig::Lru | SchedulerConfig::LruPlus { .. })
+        matches!(
+            self,
+            SchedulerConfig::H2o { .. } | SchedulerConfig::StreamingLlm { .. } | SchedulerConfig::Lru | SchedulerConfig::LruPlus { .. }
+        )
     }
 
     /// Whether the policy runs on the shared GPU eviction kernels (`evict/*`).

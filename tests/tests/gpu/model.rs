@@ -401,7 +401,8 @@ fn h2o_evicts_the_models_own_kv_down_to_the_budget() {
     let rt = rt();
     let budget = 16;
     let sched = SchedulerConfig::H2o { sinks: 2, window: 4 };
-    let mut m = pollster::block_on(GpuLlama::load(rt, &g, ModelOptions::new(1, 256).scheduler(Some((sched.clone(), budget))))).expect("load");
+    let mut m =
+        pollster::block_on(GpuLlama::load(rt, &g, ModelOptions::new(1, 256).scheduler(Some((sched.clone(), budget))))).expect("load");
     // Three times over: past the pages of a pool sized for the budget (its lists' rings wrap).
     let ids = tok.encode(&"The quick brown fox jumps over the lazy dog. ".repeat(3));
     let ring_tokens = (m.pool.cfg.ring_capacity * m.pool.cfg.page_size) as usize;
