@@ -104,18 +104,11 @@ pub struct EvalArgs {
     /// Also draw perplexity against K/V bytes into this folder.
     #[arg(long, value_name = "DIR")]
     plot: Option<std::path::PathBuf>,
-    /// A MoE file's experts in a GPU cache of this many slots per layer (a count or a share such
-    /// as 25%), as `run --expert-slots`: every row but those whose experts a pipeline router
-    /// chooses (a cache fetches the plain top k) reports its hits and bytes moved a token; the
-    /// scores are the all-resident run's, bit for bit.
-    #[arg(long)]
-    expert_slots: Option<String>,
-    /// With --expert-slots: lru, lfu or score.
-    #[arg(long, default_value = "lru")]
-    expert_policy: String,
-    /// With --expert-slots: none or pregate.
-    #[arg(long, default_value = "none")]
-    expert_prefetch: String,
+    /// With a MoE file: its experts in a GPU cache, as `run`'s; every row but those whose
+    /// experts a pipeline router chooses (a cache fetches the plain top k) reports the cache's
+    /// hits and bytes moved a token, the scores the all-resident run's, bit for bit.
+    #[command(flatten)]
+    experts: crate::experts_args::ExpertArgs,
     /// One JSON object per configuration instead of a table.
     #[arg(long)]
     json: bool,
@@ -527,7 +520,7 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
         routing: None,
         pyramid: a.pyramid,
         threshold: a.threshold.as_deref().map_or(Ok(Threshold::default()), crate::demo::parse_threshold)?,
-        experts: crate::run::expert_cache_config(a.expert_slots.as_deref(), &a.expert_policy, &a.expert_prefetch, &lc)?,
+        experts: a.experts.config(&lc)?,
     };
     let policies = Policies::parse(a, ids.len() as u32)?;
     if !policies.codecs.is_empty() && policies.scheds.iter().any(|s| SchedulerConfig::parse(s).is_ok_and(|s| !s.uses_evict_kernels())) {

@@ -10,6 +10,7 @@ mod bench;
 mod compare;
 mod demo;
 mod eval;
+mod experts_args;
 mod gpu_mem;
 mod info;
 mod plan;

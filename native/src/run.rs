@@ -9,7 +9,7 @@ use expertkv_core::config::{Codec, KvDtype};
 use expertkv_core::digest::{FNV_OFFSET, fnv1a};
 use expertkv_core::evict::config::{Budget, SchedulerConfig};
 use expertkv_core::route::config::RouterConfig;
-use expertkv_model::experts::{ExpertCache, ExpertCacheConfig, ExpertPolicy, ExpertPrefetch};
+use expertkv_model::experts::{ExpertCache, ExpertPrefetch};
 use expertkv_model::forward::trace::{ModelTraceHeader, TraceSink};
 use expertkv_model::forward::{GpuLlama, ModelOptions};
 use expertkv_model::moe::{Calibration, MoeConfig, Moefication};
@@ -83,20 +83,8 @@ pub struct RunArgs {
     router: Option<String>,
     #[command(flatten)]
     routing: crate::routing::RoutingArgs,
-    /// A MoE file's experts in tiers: this many GPU slots per layer (a count, or a share of the
-    /// layer's experts such as 25%), every expert in host memory, the missing ones fetched
-    /// between a layer's router and its experts [default: every expert on the GPU].
-    #[arg(long)]
-    expert_slots: Option<String>,
-    /// Which expert leaves a slot for a missing one: lru, lfu, or score (the lowest router score
-    /// in the layer's latest scoring) (with --expert-slots or --gpu-mem).
-    #[arg(long, default_value = "lru")]
-    expert_policy: String,
-    /// Fetch experts ahead of their layer's router: none (on demand only), or pregate (each
-    /// layer's FFN input scored by the next layer's router; that top k copied while the next
-    /// attention runs) (with --expert-slots or --gpu-mem).
-    #[arg(long, default_value = "none")]
-    expert_prefetch: String,
+    #[command(flatten)]
+    experts: crate::experts_args::ExpertArgs,
     /// Map the model file instead of reading it into memory: its pages come from the OS page
     /// cache as the weights are uploaded and a MoE file's experts are copied into their host
     /// tier, so host memory holds the experts once, not the file as well. The file must not be
@@ -356,8 +344,8 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
         moe.as_ref().or(labels.as_ref()).map(|s| (s.config.experts as u32, s.config.top_k as u32))
     };
     let routing = a.routing.routing(shape)?;
-    let expert_cache = expert_cache_config(a.expert_slots.as_deref(), &a.expert_policy, &a.expert_prefetch, &lc)?;
-    if a.expert_prefetch != "none" && a.expert_slots.is_none() && a.gpu_mem.is_none() {
+    let expert_cache = a.experts.config(&lc)?;
+    if a.experts.expert_prefetch != "none" && a.experts.expert_slots.is_none() && a.gpu_mem.is_none() {
         bail!("--expert-prefetch fetches into an expert cache: give --expert-slots or --gpu-mem too");
     }
     if a.gpu_mem.is_some() && expert_cache.is_some() {
@@ -383,8 +371,7 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     let (opts, mut gpu_mem) = match a.gpu_mem.as_deref() {
         Some(spec) => {
             let budget = crate::store::parse_bytes(spec).with_context(|| format!("--gpu-mem {spec}"))?;
-            let policy = (ExpertPolicy::from_name(&a.expert_policy)?, ExpertPrefetch::from_name(&a.expert_prefetch)?);
-            let (o, p) = crate::gpu_mem::plan(budget, &g, &lc, opts, policy, rt.max_binding_bytes())?;
+            let (o, p) = crate::gpu_mem::plan(budget, &g, &lc, opts, a.experts.policy()?, rt.max_binding_bytes())?;
             (o, Some(p))
         }
         None => (opts, None),
@@ -680,32 +667,6 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
         fg.release_spilled();
     }
     Ok(())
-}
-
-/// `--expert-slots` (a count or a share of the layer's experts), `--expert-policy` and
-/// `--expert-prefetch` for the model `c`, or `None` without slots.
-pub(crate) fn expert_cache_config(slots: Option<&str>, policy: &str, prefetch: &str, c: &LlamaConfig) -> Result<Option<ExpertCacheConfig>> {
-    let (policy, prefetch) = (ExpertPolicy::from_name(policy)?, ExpertPrefetch::from_name(prefetch)?);
-    let Some(spec) = slots else { return Ok(None) };
-    if c.expert_count == 0 {
-        bail!("--expert-slots: this model has a dense FFN (no experts to cache)");
-    }
-    let slots = match spec.strip_suffix('%') {
-        Some(p) => {
-            let share: f64 = p
-                .trim()
-                .parse()
-                .ok()
-                .filter(|v: &f64| *v > 0.0 && *v <= 100.0)
-                .with_context(|| format!("--expert-slots {spec}: a share in (0, 100]%"))?;
-            ((f64::from(c.expert_count) * share / 100.0).round() as u32).max(1)
-        }
-        None => spec
-            .trim()
-            .parse()
-            .with_context(|| format!("--expert-slots {spec}: a whole number of slots per layer, or a share such as 25%"))?,
-    };
-    Ok(Some(ExpertCacheConfig { slots, policy, prefetch }))
 }
 
 /// The expert tiers' sizes and traffic, as `run --json` reports them.

@@ -45,17 +45,9 @@ pub struct ModelFlags {
     /// With --model: how tokens map onto the shards (pikv, expert, token-block) [default: expert].
     #[arg(long)]
     pub shard_map: Option<String>,
-    /// With a MoE file: its experts in a GPU cache of this many slots per layer (a count or a
-    /// share such as 25%), the rest in host memory; the residency panel shows them
-    /// [default: every expert on the GPU].
-    #[arg(long)]
-    pub expert_slots: Option<String>,
-    /// With --expert-slots: which expert leaves a slot (lru, lfu, score) [default: lru].
-    #[arg(long)]
-    pub expert_policy: Option<String>,
-    /// With --expert-slots: fetch experts ahead (none, pregate) [default: none].
-    #[arg(long)]
-    pub expert_prefetch: Option<String>,
+    /// With a MoE file: its experts in a GPU cache, as `run`'s; the residency panel shows them.
+    #[command(flatten)]
+    pub experts: crate::experts_args::ExpertArgs,
 }
 
 /// A model run for the viewer: everything parsed and the MoEfication made before the window
@@ -111,12 +103,7 @@ impl ModelDriver {
             bail!("--text and --tokens: the model needs a prompt and at least one token to generate");
         }
         let lc = LlamaConfig::from_gguf(&g)?;
-        let experts = crate::run::expert_cache_config(
-            f.expert_slots.as_deref(),
-            f.expert_policy.as_deref().unwrap_or("lru"),
-            f.expert_prefetch.as_deref().unwrap_or("none"),
-            &lc,
-        )?;
+        let experts = f.experts.config(&lc)?;
         let (moe, labels) =
             (f.moe.as_deref().map(parse_moe).transpose()?.flatten(), f.labels.as_deref().map(parse_moe).transpose()?.flatten());
         if lc.expert_count > 0 && (moe.is_some() || labels.is_some()) {
@@ -331,8 +318,13 @@ mod tests {
         // A MoE file with its experts in 2 slots per layer: the residency follows the choices.
         let path = dir.join("moe.gguf");
         std::fs::write(&path, expertkv_model::SyntheticModel::moe(4, 8, 2).gguf()).expect("write");
-        let moe_flags =
-            ModelFlags { model: Some(path), text: "Hello".into(), tokens: 3, expert_slots: Some("2".into()), ..Default::default() };
+        let moe_flags = ModelFlags {
+            model: Some(path),
+            text: "Hello".into(),
+            tokens: 3,
+            experts: crate::experts_args::ExpertArgs { expert_slots: Some("2".into()), ..Default::default() },
+            ..Default::default()
+        };
         let mut d = ModelDriver::prepare(&moe_flags, &RunFlags { budget: Some("16".into()), ..Default::default() }).expect("prepare");
         d.build(&rt, &|_| {}).expect("build");
         for step in 0..3 {
