@@ -265,6 +265,15 @@ impl Driver for ModelDriver {
                 step: t(c.last),
                 total: t(c.total),
                 bytes: [c.gpu_bytes(), c.host_bytes()],
+                prefetch: [c.last.prefetched, c.last.prefetch_used, c.total.prefetched, c.total.prefetch_used],
+                reuse: m
+                    .expert_reuse()
+                    .filter(|u| u.references() > 0)
+                    .map(|u| {
+                        let least = expertkv_model::experts::min_slots(self.opts.n_seqs, m.moe_shape().map_or(1, |s| s.1), experts as u32);
+                        (least..=experts as u32).map(|s| (s, u.hits(s) as f32 / u.references() as f32)).collect()
+                    })
+                    .unwrap_or_default(),
             }
         });
         Ok(snap)

@@ -170,6 +170,19 @@ pub fn residency_panel(ui: &mut Ui, state: &ViewerState) {
         rate(r.total),
         fmt_bytes(r.total[2])
     ));
+    if r.prefetch[2] > 0 {
+        ui.small(format!(
+            "prefetch: {} fetched ahead this step, {} of them chosen; run: {} ahead, {:.0}% of them chosen",
+            r.prefetch[0],
+            r.prefetch[1],
+            r.prefetch[2],
+            100.0 * r.prefetch[3] as f64 / r.prefetch[2] as f64
+        ));
+    }
+    if !r.reuse.is_empty() {
+        let rates: Vec<String> = r.reuse.iter().map(|(s, h)| format!("{s}: {:.0}%", 100.0 * h)).collect();
+        ui.small(format!("an LRU cache of each size, on this run's routing: {}", rates.join(", ")));
+    }
     let label_w = 34.0;
     let cell_w = ((ui.available_width() - label_w) / r.experts.max(1) as f32).clamp(6.0, 40.0);
     let cell_h = if r.layers <= 4 { 22.0 } else { (140.0 / r.layers as f32).clamp(6.0, 22.0) };

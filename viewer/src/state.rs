@@ -142,6 +142,12 @@ pub struct ExpertResidency {
     pub total: [u64; 3],
     /// GPU bytes of the slots, and host bytes of every expert.
     pub bytes: [u64; 2],
+    /// Prefetch: experts fetched ahead this step and, of them, the ones chosen; the same since
+    /// the run began (all 0 without prefetch).
+    pub prefetch: [u64; 4],
+    /// The run's routing as an on-demand LRU cache of each size would have served it:
+    /// `(slots per layer, hit rate)`, from the fewest slots a step allows (empty: not known).
+    pub reuse: Vec<(u32, f32)>,
 }
 
 /// What a pipeline driver tells the viewer.

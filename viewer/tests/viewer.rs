@@ -401,6 +401,8 @@ fn expert_residency_panel_shows_the_slots_and_traffic() {
             step: [3, 3, 3 << 20],
             total: [120, 40, 40 << 20],
             bytes: [9 << 20, 24 << 20],
+            prefetch: [0; 4],
+            reuse: Vec::new(),
         });
     }
     let mut h = panel_harness(egui::vec2(640.0, 170.0), |ui| panels::residency_panel(ui, &s));
@@ -412,5 +414,16 @@ fn expert_residency_panel_shows_the_slots_and_traffic() {
     let mut p = panel_harness(egui::vec2(640.0, 60.0), |ui| panels::residency_panel(ui, &plain));
     p.run();
     p.get_by_label_contains("every expert on the GPU");
+    // With prefetch and the run's reuse curve, two more lines (text only: the snapshot above
+    // has neither).
+    let mut more = state(true);
+    if let (Some(latest), Some(r)) = (&mut more.latest, s.latest.as_ref().and_then(|l| l.residency.clone())) {
+        latest.residency =
+            Some(expertkv_viewer::state::ExpertResidency { prefetch: [2, 1, 40, 30], reuse: vec![(2, 0.3), (3, 0.44)], ..r });
+    }
+    let mut m = panel_harness(egui::vec2(640.0, 200.0), |ui| panels::residency_panel(ui, &more));
+    m.run();
+    m.get_by_label_contains("prefetch: 2 fetched ahead this step, 1 of them chosen; run: 40 ahead, 75% of them chosen");
+    m.get_by_label_contains("an LRU cache of each size, on this run's routing: 2: 30%, 3: 44%");
     snapshot(&mut h, "expert_residency");
 }
