@@ -74,10 +74,12 @@ pub fn run(gpu: &GpuArgs, a: &SoakArgs, model: &std::path::Path, (min_len, max_l
     let mut window = (std::time::Instant::now(), 0u64);
     while steps < u64::from(a.steps) {
         // A round: prompts of random lengths, a budget of generated tokens for the round.
-        let max_tokens = 1 + rng.below(max_len / 2);
+        // Every sequence between min_len and max_len tokens, prompt and generated together.
+        let lo = min_len.max(2).min(max_len);
+        let max_tokens = 1 + rng.below((max_len / 2).min(max_len - lo).max(1));
         let prompts: Vec<String> = (0..4 * a.seqs)
             .map(|_| {
-                let chars = min_len.max(2) + rng.below((max_len - max_tokens).max(min_len) / 2);
+                let chars = lo + rng.below((max_len.saturating_sub(max_tokens) + 1).saturating_sub(lo).max(1));
                 random_text(&mut rng, chars)
             })
             .collect();

@@ -599,6 +599,10 @@ fn soak_checks_the_pool_under_churn() {
     let out = ok(&[&args[..], &["--codec", "int4"]].concat());
     assert!(out.contains("the invariants held at every check and the pool was empty after every round"), "{out}");
     assert!(out.lines().filter(|l| l.starts_with("| ") && !l.starts_with("| step")).count() >= 3, "a row per check: {out}");
+    // Lengths near the top of the range fit the context (prompt and generated together).
+    let out =
+        ok(&["soak", "--model", model, "--steps", "30", "--check-every", "15", "--seqs", "2", "--lengths", "30:40", "--budget", "16"]);
+    assert!(out.contains("the invariants held at every check"), "{out}");
 }
 
 /// `bench upload`: host-to-GPU bandwidth through the queue's `write_buffer` and as a copy from
