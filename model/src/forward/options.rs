@@ -1,0 +1,217 @@
+//! What [`GpuLlama::load`] is asked for ([`ModelOptions`]) and the K/V pool it sizes from that
+//! ([`pool_config`]), with the checks both share.
+
+#[cfg(doc)]
+use super::GpuLlama;
+use super::{LOW_RANK_CALIBRATION_TOKENS, MAX_SEQS, MODEL_PAGE_SIZE};
+use crate::experts::ExpertCacheConfig;
+use crate::labels::KvRouting;
+use crate::{Error, Result, config::LlamaConfig};
+use expertkv_core::config::{Codec, KvDtype, PoolConfig, ShardMap};
+use expertkv_core::evict::config::{SchedulerConfig, Threshold};
+use expertkv_core::evict::quest::Quest;
+
+/// How [`GpuLlama::load`] sets the model's K/V pool up.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelOptions {
+    /// Sequences decoded together (1 to [`MAX_SEQS`]).
+    pub n_seqs: u32,
+    /// Tokens per sequence the pool holds.
+    pub max_context: u32,
+    /// How the pool stores K and V: [`KvDtype::F16`] (the default, packed pairs) or
+    /// [`KvDtype::F32`].
+    pub dtype: KvDtype,
+    /// An evicting scheduler and its budget (tokens per layer x sequence x KV head).
+    pub scheduler: Option<(SchedulerConfig, u32)>,
+    /// The page codec that compresses every page leaving its ring's head; [`Codec::None`] (the
+    /// default) keeps every page raw.
+    pub codec: Codec,
+    /// Route every layer's tokens to experts before their append (the slot metadata keeps them,
+    /// the shard map places them): the route stage's router, shards and allocator. The routing
+    /// source is a MoE file's router, else [`GpuLlama::set_moe`] or [`GpuLlama::set_labels`].
+    pub routing: Option<KvRouting>,
+    /// PyramidKV over the scheduler: the first layer's budget over the last's (linear in depth,
+    /// averaging the budget).
+    pub pyramid: Option<f32>,
+    /// The scheduler's utility threshold (fixed, or adapted to the kept attention share).
+    pub threshold: Threshold,
+    /// A MoE file's experts in tiers: this many GPU slots per layer, the rest in host memory
+    /// (see [`crate::experts`]); `None` uploads every expert.
+    pub experts: Option<ExpertCacheConfig>,
+}
+
+impl ModelOptions {
+    /// `n_seqs` sequences of up to `max_context` tokens, f16 K/V, full cache, no codec.
+    pub fn new(n_seqs: u32, max_context: u32) -> Self {
+        ModelOptions {
+            n_seqs,
+            max_context,
+            dtype: KvDtype::F16,
+            scheduler: None,
+            codec: Codec::None,
+            routing: None,
+            pyramid: None,
+            threshold: Threshold::default(),
+            experts: None,
+        }
+    }
+
+    /// The pool these options give a model of configuration `cfg` ([`pool_config`]): its bytes
+    /// before loading are [`PoolConfig::pool_bytes`].
+    pub fn pool_config(&self, cfg: &LlamaConfig) -> PoolConfig {
+        pool_config(
+            cfg,
+            self.n_seqs,
+            self.max_context,
+            self.dtype,
+            self.scheduler.as_ref(),
+            self.codec,
+            self.routing.as_ref(),
+            self.pyramid,
+        )
+    }
+
+    /// Bytes the K/V side of a model of configuration `cfg` allocates with these options, on a
+    /// device whose storage bindings hold `max_binding` bytes: the pool's pages and tables, and
+    /// QUEST's page bounds and lists under QUEST or FlexGen ([`GpuLlama::kv_bytes_allocated`]
+    /// measures them once loaded). Refused where the options would not load (a sequence count
+    /// or context out of range, an invalid pool).
+    pub fn kv_bytes(&self, cfg: &LlamaConfig, max_binding: u64) -> Result<u64> {
+        check_seqs(self.n_seqs)?;
+        check_context(cfg, self.max_context)?;
+        let pool = self.pool_config(cfg);
+        pool.validate()?;
+        let quest = match &self.scheduler {
+            Some((SchedulerConfig::Quest | SchedulerConfig::FlexGen, _)) => Quest::bytes(&pool),
+            _ => 0,
+        };
+        Ok(pool.pool_bytes(max_binding) + quest)
+    }
+
+    /// The same options with a MoE file's experts in tiers (`None`: every expert on the GPU).
+    pub fn expert_cache(self, experts: Option<ExpertCacheConfig>) -> Self {
+        ModelOptions { experts, ..self }
+    }
+
+    /// The same options with K/V stored as `dtype`.
+    pub fn dtype(self, dtype: KvDtype) -> Self {
+        ModelOptions { dtype, ..self }
+    }
+
+    /// The same options with `scheduler`: a scheduler and its budget in tokens per layer x sequence
+    /// x KV head, or `None` for the full cache.
+    pub fn scheduler(self, scheduler: Option<(SchedulerConfig, u32)>) -> Self {
+        ModelOptions { scheduler, ..self }
+    }
+
+    /// The same options with the page codec `codec`.
+    pub fn codec(self, codec: Codec) -> Self {
+        ModelOptions { codec, ..self }
+    }
+
+    /// The same options with the route stage `routing` (`None`: no routing labels, one shard).
+    pub fn routing(self, routing: Option<KvRouting>) -> Self {
+        ModelOptions { routing, ..self }
+    }
+
+    /// The same options with PyramidKV's ratio of the first layer's budget to the last's (needs an
+    /// evicting scheduler).
+    pub fn pyramid(self, pyramid: Option<f32>) -> Self {
+        ModelOptions { pyramid, ..self }
+    }
+
+    /// The same options with the scheduler's utility threshold (anything but the default needs an
+    /// evicting scheduler).
+    pub fn threshold(self, threshold: Threshold) -> Self {
+        ModelOptions { threshold, ..self }
+    }
+}
+
+/// `n_seqs` sequences decoded together: 1 to [`MAX_SEQS`].
+pub(super) fn check_seqs(n_seqs: u32) -> Result<()> {
+    if n_seqs == 0 || n_seqs > MAX_SEQS {
+        return Err(Error::config("seqs", n_seqs, format!("the model decodes 1 to {MAX_SEQS} sequences together")));
+    }
+    Ok(())
+}
+
+/// `max_context` tokens per sequence: 1 to the model's trained context.
+pub(super) fn check_context(cfg: &LlamaConfig, max_context: u32) -> Result<()> {
+    if max_context == 0 || max_context > cfg.context_length {
+        return Err(Error::config("context", max_context, format!("must be in 1..={} (the model's trained context)", cfg.context_length)));
+    }
+    Ok(())
+}
+
+/// The most tokens a page list holds between evictions when the scheduler bounds every list
+/// by its budget ([`SchedulerConfig::keeps_budget_per_list`], with no PyramidKV layer shape and
+/// no EKVA split): the budget and the step's new token. `None` when a list may keep more.
+pub fn kept_per_list(scheduler: Option<&(SchedulerConfig, u32)>, pyramid: Option<f32>, routing: Option<&KvRouting>) -> Option<u32> {
+    let (s, budget) = scheduler?;
+    let split = routing.is_some_and(|r| r.allocator.is_some());
+    (s.keeps_budget_per_list() && pyramid.is_none() && !split).then(|| budget.saturating_add(1))
+}
+
+/// The pool [`GpuLlama::load`] allocates for `cfg` with these options: every list's pages for
+/// `max_context` tokens, or, where each list keeps at most its budget ([`kept_per_list`]), for
+/// those (an evicting scheduler's memory is then its budget's, not the context's); FlexGen's
+/// GPU tier; a codec's compressed pages. Before loading, [`PoolConfig::pool_bytes`] gives its
+/// bytes.
+#[allow(clippy::too_many_arguments)]
+pub fn pool_config(
+    cfg: &LlamaConfig,
+    n_seqs: u32,
+    max_context: u32,
+    dtype: KvDtype,
+    scheduler: Option<&(SchedulerConfig, u32)>,
+    codec: Codec,
+    routing: Option<&KvRouting>,
+    pyramid: Option<f32>,
+) -> PoolConfig {
+    let kept = kept_per_list(scheduler, pyramid, routing);
+    let (n_shards, top_k, shard_map) = routing.map_or((1, 1, ShardMap::ByExpert), |r| (r.n_shards, r.top_k, r.shard_map));
+    let page_size = MODEL_PAGE_SIZE;
+    // A ring may hold every page of its list (maps need not spread tokens evenly); every
+    // shard has its own newest page.
+    // Under a budget every list holds at most `kept` tokens once compacted: their pages, each
+    // shard's partial newest page, and one to spare for the step's append.
+    let full = max_context.div_ceil(page_size).saturating_add(n_shards);
+    let pages_per_list = kept.map_or(full, |k| k.div_ceil(page_size).saturating_add(2 * n_shards + 1).min(full));
+    let mut pool_cfg = PoolConfig {
+        layers: cfg.block_count,
+        kv_heads: cfg.head_count_kv,
+        head_dim: cfg.head_dim,
+        page_size,
+        dtype,
+        n_pages: cfg.block_count.saturating_mul(n_seqs).saturating_mul(cfg.head_count_kv).saturating_mul(pages_per_list),
+        max_seqs: n_seqs,
+        n_shards,
+        ring_capacity: pages_per_list.saturating_add(1),
+        top_k,
+        shard_map,
+        max_buffer_bytes: None,
+        codec: Codec::None,
+        codec_pages: 0,
+    };
+    // Sizes saturate rather than wrap: a pool past u32 is refused by its validation.
+    if let Some((SchedulerConfig::FlexGen, budget)) = scheduler {
+        // FlexGen's GPU tier: the budget's pages and every ring's newest, with room for a
+        // fetch's swap; the rest of the context lives in host memory.
+        let lists = cfg.block_count.saturating_mul(n_seqs).saturating_mul(cfg.head_count_kv);
+        pool_cfg.n_pages = pool_cfg.n_pages.min(lists.saturating_mul(budget.div_ceil(page_size).saturating_add(2 * n_shards + 2)));
+    }
+    if codec != Codec::None {
+        // Raw pages only for every list's head page (and one to spare), plus, for the
+        // low-rank codecs, the calibration window's pages; the rest compressed. Under an
+        // evicting scheduler also the pages an eviction thaws: a token evicted a step
+        // touches at most one compressed page of its list (see `compress::Thaw`); a list
+        // that needs more than the raw pages free waits a step.
+        let lists = cfg.block_count.saturating_mul(n_seqs).saturating_mul(cfg.head_count_kv);
+        let window = if codec.is_low_rank() { LOW_RANK_CALIBRATION_TOKENS.min(max_context).div_ceil(page_size) } else { 0 };
+        let thaw = if scheduler.is_some() { n_shards + 2 } else { 0 };
+        pool_cfg.codec_pages = pool_cfg.n_pages;
+        pool_cfg.n_pages = lists.saturating_mul(2 + n_shards + window + thaw);
+        pool_cfg.codec = codec;
+    }
+    pool_cfg
+}
