@@ -735,12 +735,6 @@ impl Runtime {
         buf
     }
 
-    /// Whether [`Runtime::host_copy_source`] puts its buffers in host memory through a
-    /// read-mappable buffer (native with `MAPPABLE_PRIMARY_BUFFERS`).
-    pub fn host_copy_sources_are_host_memory(&self) -> bool {
-        self.device.features().contains(wgpu::Features::MAPPABLE_PRIMARY_BUFFERS)
-    }
-
     /// Copy `count` elements of `T` from `buffer` (starting at element `first`) back to the host.
     pub async fn read<T: bytemuck::Pod>(&self, buffer: &wgpu::Buffer, first: u64, count: u64) -> Result<Vec<T>> {
         let mut out = self.read_many::<T>(&[(buffer, first, count)]).await?;
@@ -771,8 +765,10 @@ impl Runtime {
             }
         }
         self.queue.submit([enc.finish()]);
-        let all: Vec<u8> = self.read_staging(&staging).await?;
-        Ok(spans.iter().map(|&(start, len)| bytemuck::pod_collect_to_vec::<u8, T>(&all[start as usize..(start + len) as usize])).collect())
+        self.with_mapped(&staging, |view| {
+            spans.iter().map(|&(start, len)| bytemuck::pod_collect_to_vec::<u8, T>(&view[start as usize..(start + len) as usize])).collect()
+        })
+        .await
     }
 
     /// A readable staging buffer (`MAP_READ | COPY_DST`) of `bytes`, for copies a caller encodes
@@ -789,6 +785,16 @@ impl Runtime {
     /// Wait for the work submitted so far, then read the whole of `staging` (a buffer from
     /// [`Runtime::staging`] the submitted work copied into) and unmap it for its next use.
     pub async fn read_staging<T: bytemuck::Pod>(&self, staging: &wgpu::Buffer) -> Result<Vec<T>> {
+        self.with_mapped(staging, |view| {
+            let usable = view.len() / std::mem::size_of::<T>() * std::mem::size_of::<T>();
+            bytemuck::pod_collect_to_vec::<u8, T>(&view[..usable])
+        })
+        .await
+    }
+
+    /// Wait for the work submitted so far, map the whole of `staging` for reading, hand its
+    /// bytes to `read` (one copy out, by `read`), and unmap it for its next use.
+    async fn with_mapped<R>(&self, staging: &wgpu::Buffer, read: impl FnOnce(&[u8]) -> R) -> Result<R> {
         let label = "readback".to_owned();
         let slot = Arc::new(Mutex::new(MapSlot::default()));
         {
@@ -805,8 +811,7 @@ impl Runtime {
         self.wait()?;
         MapFuture { slot }.await.map_err(|message| Error::Readback { label: label.clone(), message })?;
         let view = staging.slice(..).get_mapped_range().map_err(|e| Error::Readback { label: label.clone(), message: e.to_string() })?;
-        let usable = view.len() / std::mem::size_of::<T>() * std::mem::size_of::<T>();
-        let out = bytemuck::pod_collect_to_vec::<u8, T>(&view[..usable]);
+        let out = read(&view);
         drop(view);
         staging.unmap();
         Ok(out)
