@@ -297,6 +297,11 @@ impl ReuseCurve {
 }
 
 impl LayerTier {
+    /// Bytes of one expert: its gate, up and down rows.
+    fn expert_bytes(&self) -> u64 {
+        2 * self.gate_bytes + self.down_bytes
+    }
+
     fn keys(&self) -> VictimKeys<'_> {
         VictimKeys { holder: &self.holder, last_used: &self.last_used, uses: &self.uses, score: &self.score }
     }
@@ -402,11 +407,11 @@ impl ExpertCache {
         enc.copy_buffer_to_buffer(src, 2 * gw, &down.buffer, v64 * dw, dw);
         t.holder[v] = Some(x);
         t.slot_of[x as usize] = v as u32;
-        self.last.bytes += 2 * gw + dw;
+        self.last.bytes += t.expert_bytes();
         Ok(())
     }
 
-    /// The layer's tier, or an error naming the layer.
+    /// The distinct experts of `chosen`, sorted; an error for a layer or an expert out of range.
     fn check_layer(&self, layer: u32, chosen: &[u32]) -> Result<Vec<u32>> {
         let t = self.layers.get(layer as usize).ok_or_else(|| Error::Input(format!("expert cache: layer {layer}")))?;
         let e = t.slot_of.len() as u32;
@@ -521,12 +526,12 @@ impl ExpertCache {
 
     /// GPU bytes of every layer's slots (gate, up and down rows of each slot).
     pub fn gpu_bytes(&self) -> u64 {
-        self.layers.iter().map(|t| (2 * t.gate_bytes + t.down_bytes) * u64::from(self.cfg.slots)).sum()
+        self.layers.iter().map(|t| t.expert_bytes() * u64::from(self.cfg.slots)).sum()
     }
 
     /// Host bytes holding every expert.
     pub fn host_bytes(&self) -> u64 {
-        self.layers.iter().map(|t| (2 * t.gate_bytes + t.down_bytes) * t.host.len() as u64).sum()
+        self.layers.iter().map(|t| t.expert_bytes() * t.host.len() as u64).sum()
     }
 
     /// Each layer's resident experts, by slot.
