@@ -26,13 +26,7 @@ import json
 print(max(json.loads(l)["gbps"] for l in open("/tmp/upload.jsonl") if json.loads(l).get("variant") == "host_copy"))')
 P="the budget holds the experts that fit"
 for shape in ${SHAPES:-small mixtral}; do
-  case $shape in
-    small) geo="--layers 8 --hidden 1024 --heads 16 --kv-heads 4 --ffn 2816" ;;
-    mixtral) geo="--layers 4 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336" ;;
-    *) echo "unknown shape $shape"; exit 1 ;;
-  esac
-  F=/root/$shape.gguf
-  [ -s $F ] || $B synth --out $F $geo --experts 8 --top-k 2 --weights q4_k --untied-output --context 2048 | tail -1
+  F=$(moe_file $shape) || exit 1
   for mode in "all" "2 none lru" "2 pregate lru" "4 none lru" "4 none lfu" "4 none score" "4 pregate lru" "4 pregate score" "6 none lru"; do
    for rep in $(seq ${REPEAT:-2}); do
     set -- $mode

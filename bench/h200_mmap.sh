@@ -7,9 +7,7 @@ set -u
 . bench/lib.sh
 h200_setup
 B=/tmp/expertkv; xz -dc .bin/expertkv.xz > $B; chmod +x $B
-F=/root/mixtral.gguf
-[ -s $F ] || $B synth --out $F --layers 4 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 --experts 8 --top-k 2 \
-  --weights q4_k --untied-output --context 2048 | tail -1
+F=$(moe_file mixtral) || exit 1
 for m in "" "--mmap"; do
   python3 - $B run --model $F --prompt "the budget holds the experts that fit" --tokens 16 --expert-slots 2 --json $m <<'PY'
 import json, subprocess, sys, time

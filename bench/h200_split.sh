@@ -11,9 +11,7 @@ set -u
 . bench/lib.sh
 h200_setup
 B=/tmp/expertkv; xz -dc .bin/expertkv.xz > $B; chmod +x $B
-F=/root/small.gguf
-[ -s $F ] || $B synth --out $F --layers 8 --hidden 1024 --heads 16 --kv-heads 4 --ffn 2816 --experts 8 --top-k 2 \
-  --weights q4_k --untied-output --context 4096 | tail -1
+F=$(moe_file small) || exit 1
 P=$(python3 -c 'print(("the budget holds the pages and the experts that fit; " * 40)[:2000])')
 run() { $B run --model $F --prompt "$P" --tokens 64 --json "$@" 2>&1 | grep '^{' | tail -1; }
 full=$(run --gpu-mem 64G --scheduler h2o --budget 100%)
