@@ -10,7 +10,7 @@
 //! attention runs, so fewer choices wait.
 
 use crate::gguf::Gguf;
-use crate::ops::{MoeDown, MoeFfn, pack_blocks, same_format, tensor_format};
+use crate::ops::{MoeDown, MoeFfn, WeightFormat, pack_blocks, same_format, tensor_format};
 use crate::{Error, LlamaConfig, Result};
 use expertkv_core::runtime::Runtime;
 
@@ -99,7 +99,7 @@ impl ExpertCacheConfig {
 }
 
 /// Hits, misses and bytes moved host-to-GPU for expert weights.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct ExpertTraffic {
     /// Chosen (layer, expert) pairs of a step already resident when their layer routed,
     /// prefetched ones included (each counted once a step).
@@ -158,6 +158,8 @@ struct LayerTier {
 pub struct ExpertCache {
     /// Slots per layer and the policy.
     pub cfg: ExpertCacheConfig,
+    /// Experts each token chooses.
+    top_k: u32,
     layers: Vec<LayerTier>,
     /// Everything fetched since load.
     pub total: ExpertTraffic,
@@ -379,7 +381,71 @@ impl ExpertCache {
                 score: vec![0.0; e as usize],
             });
         }
-        Ok((ExpertCache { cfg, layers, total: ExpertTraffic::default(), last: ExpertTraffic::default(), last_fetches: Vec::new() }, ffns))
+        Ok((
+            ExpertCache {
+                cfg,
+                top_k: k,
+                layers,
+                total: ExpertTraffic::default(),
+                last: ExpertTraffic::default(),
+                last_fetches: Vec::new(),
+            },
+            ffns,
+        ))
+    }
+
+    /// The GPU tier remade for `cfg`: the old slot buffers (`old`, each layer's [`MoeFfn`] from
+    /// [`ExpertCache::load`] or an earlier resize) are dropped first, so the two never exist at
+    /// once, and the new slots start empty (every expert is fetched again on its next use). The
+    /// host tier, the traffic counters and each expert's use counts stay. The same slot count
+    /// keeps the slots and their experts; only the policy and prefetch change. Check the slot
+    /// count first ([`ExpertCache::check_slots`]): a refused resize has dropped `old`.
+    pub fn resize(&mut self, rt: &Runtime, cfg: ExpertCacheConfig, n_seqs: u32, old: Vec<MoeFfn>) -> Result<Vec<MoeFfn>> {
+        self.check_slots(cfg.slots, n_seqs)?;
+        if old.len() != self.layers.len() {
+            return Err(Error::Input(format!("expert cache: {} layers of slots for {} layers", old.len(), self.layers.len())));
+        }
+        if cfg.slots == self.cfg.slots {
+            self.cfg = cfg;
+            return Ok(old);
+        }
+        let shapes: Vec<_> = old
+            .iter()
+            .map(|f| {
+                let down = match &f.down {
+                    MoeDown::Experts(m) => m.format,
+                    MoeDown::Transposed(_) => WeightFormat::F32,
+                };
+                ((f.gate_up.format, down), f.hidden, f.n_experts, f.max_size)
+            })
+            .collect();
+        drop(old);
+        let mut ffns = Vec::new();
+        for (l, (formats, h, n, f)) in shapes.into_iter().enumerate() {
+            ffns.push(MoeFfn::expert_slots(rt, &format!("blk.{l} experts"), formats, h, n, f, cfg.slots)?);
+        }
+        let slots = cfg.slots as usize;
+        for t in &mut self.layers {
+            t.slot_of.iter_mut().for_each(|s| *s = cfg.slots);
+            t.holder = vec![None; slots];
+            t.last_used = vec![0; slots];
+            t.ahead = vec![false; slots];
+        }
+        self.cfg = cfg;
+        Ok(ffns)
+    }
+
+    /// Whether `slots` slots per layer hold one step's experts of `n_seqs` sequences (and no
+    /// more than every expert); the error states the range.
+    pub fn check_slots(&self, slots: u32, n_seqs: u32) -> Result<()> {
+        let e = self.layers.first().map_or(0, |t| t.slot_of.len() as u32);
+        let least = min_slots(n_seqs, self.top_k, e);
+        if slots < least || slots > e {
+            return Err(Error::Input(format!(
+                "expert cache: {slots} slots per layer; one step of {n_seqs} sequences chooses up to {least} of the {e} experts, so at least {least} and at most {e}"
+            )));
+        }
+        Ok(())
     }
 
     /// Start a step's accounting.

@@ -19,7 +19,7 @@ use expertkv_core::append::KvPool;
 use expertkv_core::append::format::NewToken;
 use expertkv_core::attend::{AttendOptions, Attention};
 use expertkv_core::config::KvDtype;
-use expertkv_core::evict::config::{SchedulerConfig, Threshold};
+use expertkv_core::evict::config::SchedulerConfig;
 use expertkv_core::evict::flexgen::FlexGen;
 use expertkv_core::evict::quest::Quest;
 use expertkv_core::evict::{AllocatorSpec, Scheduler};
@@ -33,10 +33,11 @@ use expertkv_core::runtime::dispatch::dispatches_encoded;
 mod options;
 mod prefill;
 mod prefix;
+mod reconfigure;
 mod timing;
 pub mod trace;
+use options::check_options;
 pub use options::{ModelOptions, kept_per_list, pool_config};
-use options::{check_context, check_seqs};
 use prefill::Prefill;
 use timing::StageMarks;
 pub use timing::StageTimer;
@@ -410,6 +411,74 @@ fn attention_output(
     Ok(())
 }
 
+/// The K/V side of a model: the pool and what reads or shapes it, and the step's recording
+/// (its bind groups hold the pool's and the attention's buffers). [`GpuLlama::load`] builds it
+/// after the weights; [`GpuLlama::reconfigure`] builds it again.
+struct KvSide {
+    kept_per_list: Option<u32>,
+    pool: KvPool,
+    labels: Option<KvLabels>,
+    attn: Attention,
+    quest: Option<Quest>,
+    flexgen: Option<(FlexGen, Quest)>,
+    scheduler: Option<Scheduler>,
+    s: Scratch,
+    recorded: Recording,
+}
+
+/// Build the K/V side `o` asks for (its `experts` aside) beside the model's weights.
+async fn kv_side(
+    rt: &Runtime,
+    cfg: &LlamaConfig,
+    kernels: &ModelKernels,
+    layers: &[Layer],
+    io: (&GpuMatrix, Option<&GpuMatrix>, &wgpu::Buffer),
+    o: &ModelOptions,
+) -> Result<KvSide> {
+    let ModelOptions { n_seqs, max_context, dtype, codec, pyramid, threshold, .. } = *o;
+    let (scheduler, routing) = (o.scheduler.clone(), o.routing.clone());
+    let kept_per_list = kept_per_list(scheduler.as_ref(), pyramid, routing.as_ref());
+    let pool_cfg = pool_config(cfg, n_seqs, max_context, dtype, scheduler.as_ref(), codec, routing.as_ref(), pyramid);
+    pool_cfg.validate()?;
+    let mut pool = KvPool::new(rt, pool_cfg).await?;
+    let labels = match &routing {
+        Some(r) => Some(KvLabels::new(rt, &mut pool, r, n_seqs, cfg.embedding_length).await?),
+        None => None,
+    };
+    let group = cfg.head_count / cfg.head_count_kv;
+    let mass = scheduler.as_ref().is_some_and(|(s, _)| s.evicts());
+    let attend_opts = AttendOptions { group, n_seqs, chunk_pages: 8, mass, ..Default::default() };
+    let (attn, quest) = match &scheduler {
+        Some((SchedulerConfig::Quest, budget)) => {
+            let mut q = Quest::new(rt, &pool, *budget).await?;
+            let attn = Attention::with_lists(rt, &pool, attend_opts, Some((&q.sel_list, &q.sel_counts))).await?;
+            q.bind(rt, &pool, &attn);
+            (attn, Some(q))
+        }
+        _ => (Attention::new(rt, &pool, attend_opts).await?, None),
+    };
+    let mut flexgen = None;
+    let scheduler = match scheduler {
+        Some((SchedulerConfig::FlexGen, budget)) => {
+            flexgen = Some((FlexGen::new(&pool, budget)?, Quest::new(rt, &pool, budget).await?));
+            None
+        }
+        Some((s, budget)) if s.uses_evict_kernels() => {
+            let allocator = routing.as_ref().and_then(|r| r.allocator).map(|cfg| AllocatorSpec {
+                cfg,
+                n_experts: routing.as_ref().map_or(1, |r| r.n_experts),
+                route_stats: labels.as_ref().map(|l| &l.router.stats),
+            });
+            Some(Scheduler::with_allocator(rt, &pool, s, budget, pyramid, threshold, allocator).await?)
+        }
+        _ => None,
+    };
+    let s = Scratch::new(rt, cfg, n_seqs, n_seqs);
+    let f16 = pool.cfg.dtype == KvDtype::F16;
+    let recorded = record(rt, kernels, cfg, layers, io, &s, (&attn.queries, attn.output()), n_seqs, f16, true)?;
+    Ok(KvSide { kept_per_list, pool, labels, attn, quest, flexgen, scheduler, s, recorded })
+}
+
 impl GpuLlama {
     /// Upload the model's weights and build its K/V pool as `opts` says: `n_seqs` sequences of
     /// up to `max_context` tokens each, K/V in `dtype`; with an evicting scheduler and its budget
@@ -422,51 +491,10 @@ impl GpuLlama {
     /// one. With both, an eviction first decodes the compressed pages it touches into raw ones
     /// (`compress::Thaw`), and the next step's compress pass re-encodes them.
     pub async fn load(rt: &Runtime, g: &Gguf<'_>, opts: ModelOptions) -> Result<GpuLlama> {
-        let ModelOptions { n_seqs, max_context, dtype, scheduler, codec, routing, pyramid, threshold, experts } = opts;
-        if experts.is_some() && matches!(scheduler, Some((SchedulerConfig::FlexGen, _))) {
-            return Err(Error::config(
-                "experts",
-                "cache",
-                "FlexGen's host tier splits the step by layer on its own: give one or the other",
-            ));
-        }
-        if !scheduler.as_ref().is_some_and(|(s, _)| s.uses_evict_kernels()) && (pyramid.is_some() || threshold != Threshold::default()) {
-            return Err(Error::config(
-                if pyramid.is_some() { "pyramid" } else { "threshold" },
-                scheduler.as_ref().map_or("none", |(s, _)| s.name()),
-                "shapes an evicting scheduler's budget: give one (h2o, streaming-llm, lru, lru-plus, adakv, duo, fastv-tokens)",
-            ));
-        }
-        if let Some((s, _)) = &scheduler {
-            s.check_codec(codec)?;
-        }
         let cfg = LlamaConfig::from_gguf(g)?;
         cfg.check_tensors(g)?;
-        if let Some(r) = &routing {
-            r.validate()?;
-            if cfg.expert_count > 0 && (r.n_experts, r.top_k) != (cfg.expert_count, cfg.expert_used_count) {
-                return Err(Error::config(
-                    "routing",
-                    format!("E{} k{}", r.n_experts, r.top_k),
-                    format!("a MoE file routes with its own {} experts, top {}", cfg.expert_count, cfg.expert_used_count),
-                ));
-            }
-            if r.allocator.is_some() && !scheduler.as_ref().is_some_and(|(s, _)| s.uses_evict_kernels()) {
-                return Err(Error::config(
-                    "allocator",
-                    "ekva",
-                    "splits an evicting scheduler's budget (h2o, streaming-llm, lru, lru-plus, adakv, duo, fastv-tokens): give one",
-                ));
-            }
-        }
-        check_seqs(n_seqs)?;
-        if cfg.rope_dimension_count != cfg.head_dim {
-            return Err(Error::Model(format!(
-                "llama.rope.dimension_count is {} of head_dim {}: partial rotary embeddings are implemented in the CPU reference only, not on the GPU",
-                cfg.rope_dimension_count, cfg.head_dim
-            )));
-        }
-        check_context(&cfg, max_context)?;
+        check_options(&cfg, &opts)?;
+        let ModelOptions { n_seqs, max_context, experts, .. } = opts.clone();
         // The weight formats of the file's tensors (the norms and the rest are F32 or converted).
         let mut formats = vec![WeightFormat::F32];
         formats.extend(g.tensors().iter().filter_map(|t| WeightFormat::from_ggml(t.ggml_type()).ok()));
@@ -515,56 +543,7 @@ impl GpuLlama {
         let embed = matrix(rt, g, &["token_embd.weight"])?;
         let output = if g.tensor("output.weight").is_some() { Some(matrix(rt, g, &["output.weight"])?) } else { None };
         let out_norm = norm_buffer(rt, g, "output_norm.weight")?;
-        let kept = kept_per_list(scheduler.as_ref(), pyramid, routing.as_ref());
-        let pool_cfg = pool_config(&cfg, n_seqs, max_context, dtype, scheduler.as_ref(), codec, routing.as_ref(), pyramid);
-        pool_cfg.validate()?;
-        let mut pool = KvPool::new(rt, pool_cfg).await?;
-        let labels = match &routing {
-            Some(r) => Some(KvLabels::new(rt, &mut pool, r, n_seqs, cfg.embedding_length).await?),
-            None => None,
-        };
-        let group = cfg.head_count / cfg.head_count_kv;
-        let mass = scheduler.as_ref().is_some_and(|(s, _)| s.evicts());
-        let attend_opts = AttendOptions { group, n_seqs, chunk_pages: 8, mass, ..Default::default() };
-        let (attn, quest) = match &scheduler {
-            Some((SchedulerConfig::Quest, budget)) => {
-                let mut q = Quest::new(rt, &pool, *budget).await?;
-                let attn = Attention::with_lists(rt, &pool, attend_opts, Some((&q.sel_list, &q.sel_counts))).await?;
-                q.bind(rt, &pool, &attn);
-                (attn, Some(q))
-            }
-            _ => (Attention::new(rt, &pool, attend_opts).await?, None),
-        };
-        let mut flexgen = None;
-        let scheduler = match scheduler {
-            Some((SchedulerConfig::FlexGen, budget)) => {
-                flexgen = Some((FlexGen::new(&pool, budget)?, Quest::new(rt, &pool, budget).await?));
-                None
-            }
-            Some((s, budget)) if s.uses_evict_kernels() => {
-                let allocator = routing.as_ref().and_then(|r| r.allocator).map(|cfg| AllocatorSpec {
-                    cfg,
-                    n_experts: routing.as_ref().map_or(1, |r| r.n_experts),
-                    route_stats: labels.as_ref().map(|l| &l.router.stats),
-                });
-                Some(Scheduler::with_allocator(rt, &pool, s, budget, pyramid, threshold, allocator).await?)
-            }
-            _ => None,
-        };
-        let s = Scratch::new(rt, &cfg, n_seqs, n_seqs);
-        let f16 = pool.cfg.dtype == KvDtype::F16;
-        let recorded = record(
-            rt,
-            &kernels,
-            &cfg,
-            &layers,
-            (&embed, output.as_ref(), &out_norm),
-            &s,
-            (&attn.queries, attn.output()),
-            n_seqs,
-            f16,
-            true,
-        )?;
+        let kv = kv_side(rt, &cfg, &kernels, &layers, (&embed, output.as_ref(), &out_norm), &opts).await?;
         rt.check("model upload")?;
         let (native, cache) = match (cfg.expert_count > 0, experts) {
             (true, None) => (Some(native_experts(rt, g, &cfg)?), None),
@@ -575,8 +554,9 @@ impl GpuLlama {
             (false, None) => (None, None),
             (false, Some(_)) => return Err(Error::Input("an expert cache needs a MoE file (this model has a dense FFN)".into())),
         };
+        let KvSide { kept_per_list, pool, labels, attn, quest, flexgen, scheduler, s, recorded } = kv;
         let mut model = GpuLlama {
-            kept_per_list: kept,
+            kept_per_list,
             cfg,
             kernels,
             recorded,

@@ -215,3 +215,54 @@ pub fn pool_config(
     }
     pool_cfg
 }
+
+/// The checks [`GpuLlama::load`] (and [`GpuLlama::reconfigure`]) make of `o` for the model
+/// `cfg` before allocating anything.
+pub(super) fn check_options(cfg: &LlamaConfig, o: &ModelOptions) -> Result<()> {
+    let ModelOptions { n_seqs, max_context, codec, pyramid, threshold, .. } = *o;
+    let (scheduler, routing, experts) = (&o.scheduler, &o.routing, &o.experts);
+    if experts.is_some() && matches!(scheduler, Some((SchedulerConfig::FlexGen, _))) {
+        return Err(Error::config("experts", "cache", "FlexGen's host tier splits the step by layer on its own: give one or the other"));
+    }
+    if !scheduler.as_ref().is_some_and(|(s, _)| s.uses_evict_kernels()) && (pyramid.is_some() || threshold != Threshold::default()) {
+        return Err(Error::config(
+            if pyramid.is_some() { "pyramid" } else { "threshold" },
+            scheduler.as_ref().map_or("none", |(s, _)| s.name()),
+            "shapes an evicting scheduler's budget: give one (h2o, streaming-llm, lru, lru-plus, adakv, duo, fastv-tokens)",
+        ));
+    }
+    if let Some((s, _)) = &scheduler {
+        s.check_codec(codec)?;
+    }
+    if let Some(r) = &routing {
+        r.validate()?;
+        if cfg.expert_count > 0 && (r.n_experts, r.top_k) != (cfg.expert_count, cfg.expert_used_count) {
+            return Err(Error::config(
+                "routing",
+                format!("E{} k{}", r.n_experts, r.top_k),
+                format!("a MoE file routes with its own {} experts, top {}", cfg.expert_count, cfg.expert_used_count),
+            ));
+        }
+        if r.allocator.is_some() && !scheduler.as_ref().is_some_and(|(s, _)| s.uses_evict_kernels()) {
+            return Err(Error::config(
+                "allocator",
+                "ekva",
+                "splits an evicting scheduler's budget (h2o, streaming-llm, lru, lru-plus, adakv, duo, fastv-tokens): give one",
+            ));
+        }
+    }
+    if let Some((s, b)) = scheduler.as_ref().filter(|(s, _)| s.uses_evict_kernels()) {
+        // What the scheduler would refuse once the pool exists.
+        s.validate(*b)?;
+        s.layer_budgets(*b, cfg.block_count, pyramid, MODEL_PAGE_SIZE)?;
+    }
+    check_seqs(n_seqs)?;
+    if cfg.rope_dimension_count != cfg.head_dim {
+        return Err(Error::Model(format!(
+            "llama.rope.dimension_count is {} of head_dim {}: partial rotary embeddings are implemented in the CPU reference only, not on the GPU",
+            cfg.rope_dimension_count, cfg.head_dim
+        )));
+    }
+    check_context(&cfg, max_context)?;
+    Ok(())
+}

@@ -111,3 +111,57 @@ fn an_expert_cache_too_small_for_a_step_is_refused() {
     assert!(e.to_string().contains("needs a MoE file"), "{e}");
     assert!(ExpertPolicy::from_name("mru").is_err_and(|e| e.to_string().contains("lru, lfu, score")));
 }
+
+/// One loaded MoE file re-balanced three times (`GpuLlama::reconfigure`): 2 expert slots and the
+/// full cache, then 3 slots and H2O's budget-sized pool, then 3 slots (kept, with their experts)
+/// and the full cache again. After each, a fresh sequence's logits equal those of a model loaded
+/// with the same options bit for bit, the pool and slots allocate exactly what the options
+/// predict (the budget's bytes, measured), and a refused change leaves the model usable.
+#[test]
+fn a_reconfigured_model_decodes_as_a_fresh_load_with_its_options() {
+    use expertkv_core::evict::config::SchedulerConfig;
+    use expertkv_model::experts::ExpertBytes;
+    let rt = rt();
+    for seed in seeds("model_reconfigure", 2) {
+        let mut rng = Rng::new(seed);
+        let file = SyntheticModel::moe(seed, 8, 2).with_weights(GgmlType::Q8_0).gguf();
+        let g = Gguf::parse(&file).expect("gguf");
+        let c = expertkv_model::LlamaConfig::from_gguf(&g).expect("config");
+        let eb = ExpertBytes::of(&g, &c).expect("bytes").expect("a MoE file");
+        let lru = |slots| Some(ExpertCacheConfig::on_demand(slots, ExpertPolicy::Lru));
+        let full = ModelOptions::new(1, 64).dtype(KvDtype::F32);
+        let h2o = full.clone().scheduler(Some((SchedulerConfig::default_for("h2o").expect("h2o"), 16)));
+        let plans = [full.clone().expert_cache(lru(2)), h2o.expert_cache(lru(3)), full.expert_cache(lru(3))];
+        let mut m = pollster::block_on(GpuLlama::load(rt, &g, plans[0].clone())).expect("load");
+        for (i, opts) in plans.iter().enumerate() {
+            let ctx = format!("seed {seed}: plan {i}");
+            if i > 0 {
+                let bad = opts.clone().expert_cache(None);
+                assert!(m.check_reconfigure(&bad).is_err_and(|e| e.to_string().contains("expert cache")), "{ctx}");
+                let few = opts.clone().expert_cache(lru(1));
+                assert!(m.check_reconfigure(&few).is_err_and(|e| e.to_string().contains("at least 2")), "{ctx}");
+                m = pollster::block_on(m.reconfigure(rt, opts.clone())).expect("reconfigure");
+            }
+            let max_binding = rt.max_binding_bytes();
+            assert_eq!(m.kv_bytes_allocated(), opts.kv_bytes(&c, max_binding).expect("kv bytes"), "{ctx}");
+            assert_eq!(m.expert_bytes_allocated(), eb.with_slots(opts.experts.expect("cache").slots), "{ctx}");
+            let before = m.expert_cache().expect("cache").total;
+            let mut fresh = pollster::block_on(GpuLlama::load(rt, &g, opts.clone())).expect("fresh load");
+            // Past H2O's budget of 16, so its evictions run on the rebuilt pool.
+            for step in 0..40 {
+                let t = [rng.below(256)];
+                let want = pollster::block_on(fresh.forward(rt, &t)).expect("fresh forward");
+                let got = pollster::block_on(m.forward(rt, &t)).expect("forward");
+                assert!(want.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()), "{ctx}: step {step}: logits differ");
+            }
+            let (now, f) = (m.expert_cache().expect("cache").total, fresh.expert_cache().expect("cache").total);
+            // The slots kept across the last change (3 to 3) start warm: fewer misses than cold.
+            let misses = now.misses - before.misses;
+            if i == 2 {
+                assert!(misses < f.misses, "{ctx}: {misses} misses kept, {} cold", f.misses);
+            } else {
+                assert_eq!(misses, f.misses, "{ctx}: new slots start empty");
+            }
+        }
+    }
+}
