@@ -19,6 +19,7 @@
 //! [`cpu::matvec`]).
 
 pub mod batch;
+pub mod budget;
 pub mod config;
 pub mod cpu;
 pub mod experts;
