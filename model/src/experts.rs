@@ -435,6 +435,19 @@ impl ExpertCache {
         Ok(ffns)
     }
 
+    /// Empty every slot (each layer's slot table on the GPU too, `ffns` in layer order): the
+    /// next step fetches every expert it chooses, as after a load. Counters and use counts stay.
+    pub fn empty(&mut self, rt: &Runtime, ffns: &[&MoeFfn]) {
+        let slots = self.cfg.slots;
+        for (t, ffn) in self.layers.iter_mut().zip(ffns) {
+            t.slot_of.iter_mut().for_each(|s| *s = slots);
+            t.holder.iter_mut().for_each(|h| *h = None);
+            t.last_used.iter_mut().for_each(|u| *u = 0);
+            t.ahead.iter_mut().for_each(|a| *a = false);
+            rt.queue.write_buffer(&ffn.offsets, 0, bytemuck::cast_slice(&t.slot_of));
+        }
+    }
+
     /// Whether `slots` slots per layer hold one step's experts of `n_seqs` sequences (and no
     /// more than every expert); the error states the range.
     pub fn check_slots(&self, slots: u32, n_seqs: u32) -> Result<()> {

@@ -892,6 +892,17 @@ impl GpuLlama {
         self.moe.as_ref().filter(|m| m.native).map_or(0, |m| m.layers.iter().map(|(_, ffn)| ffn.gpu_bytes()).sum())
     }
 
+    /// Empty the expert cache's slots, if the experts are cached: the next step fetches every
+    /// expert it chooses, as after a load (to start runs alike).
+    pub fn empty_expert_slots(&mut self, rt: &Runtime) {
+        if let Some(m) = &mut self.moe
+            && let Some(c) = &mut m.cache
+        {
+            let ffns: Vec<&MoeFfn> = m.layers.iter().map(|(_, f)| f).collect();
+            c.empty(rt, &ffns);
+        }
+    }
+
     /// The expert tiers, when the experts are cached ([`ModelOptions::experts`]): slots, traffic.
     pub fn expert_cache(&self) -> Option<&ExpertCache> {
         self.moe.as_ref().and_then(|m| m.cache.as_ref())

@@ -114,7 +114,7 @@ fn an_expert_cache_too_small_for_a_step_is_refused() {
 
 /// One loaded MoE file re-balanced three times (`GpuLlama::reconfigure`): 2 expert slots and the
 /// full cache, then 3 slots and H2O's budget-sized pool, then 3 slots (kept, with their experts)
-/// and the full cache again. After each, a fresh sequence's logits equal those of a model loaded
+/// and the full cache again; then once more with the slots emptied (`empty_expert_slots`). After each, a fresh sequence's logits equal those of a model loaded
 /// with the same options bit for bit, the pool and slots allocate exactly what the options
 /// predict (the budget's bytes, measured), and a refused change leaves the model usable.
 #[test]
@@ -131,7 +131,8 @@ fn a_reconfigured_model_decodes_as_a_fresh_load_with_its_options() {
         let lru = |slots| Some(ExpertCacheConfig::on_demand(slots, ExpertPolicy::Lru));
         let full = ModelOptions::new(1, 64).dtype(KvDtype::F32);
         let h2o = full.clone().scheduler(Some((SchedulerConfig::default_for("h2o").expect("h2o"), 16)));
-        let plans = [full.clone().expert_cache(lru(2)), h2o.expert_cache(lru(3)), full.expert_cache(lru(3))];
+        let plans =
+            [full.clone().expert_cache(lru(2)), h2o.expert_cache(lru(3)), full.clone().expert_cache(lru(3)), full.expert_cache(lru(3))];
         let mut m = pollster::block_on(GpuLlama::load(rt, &g, plans[0].clone())).expect("load");
         for (i, opts) in plans.iter().enumerate() {
             let ctx = format!("seed {seed}: plan {i}");
@@ -141,6 +142,10 @@ fn a_reconfigured_model_decodes_as_a_fresh_load_with_its_options() {
                 let few = opts.clone().expert_cache(lru(1));
                 assert!(m.check_reconfigure(&few).is_err_and(|e| e.to_string().contains("at least 2")), "{ctx}");
                 m = pollster::block_on(m.reconfigure(rt, opts.clone())).expect("reconfigure");
+            }
+            if i == 3 {
+                // The same 3 slots again, emptied: a cold start like a fresh load's.
+                m.empty_expert_slots(rt);
             }
             let max_binding = rt.max_binding_bytes();
             assert_eq!(m.kv_bytes_allocated(), opts.kv_bytes(&c, max_binding).expect("kv bytes"), "{ctx}");
