@@ -28,13 +28,15 @@ for line in sys.stdin:
 # moe_file SHAPE: the path of the synthetic Q4_K MoE file of that shape (8 experts, top 2),
 # written under /root by $B the first time, so scripts on a warm machine share it.
 #   small: 8 layers of 1024 x 2816 (4.9 MB an expert); mixtral: 4 layers of Mixtral-8x7B's
-#   width, 4096 x 14336 (99 MB an expert). Context 4096 for both.
+#   width, 4096 x 14336 (99 MB an expert); kv8: small's experts with 8 KV heads of 128 (32 KiB
+#   of K/V a token, so a 1,500-token context's pool weighs about a slot). Context 4096 for all.
 moe_file() {
     local geo f=/root/$1.gguf
     case $1 in
         small) geo="--layers 8 --hidden 1024 --heads 16 --kv-heads 4 --ffn 2816" ;;
         mixtral) geo="--layers 4 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336" ;;
-        *) echo "moe_file: unknown shape $1 (small or mixtral)" >&2; return 1 ;;
+        kv8) geo="--layers 8 --hidden 1024 --heads 8 --kv-heads 8 --ffn 2816" ;;
+        *) echo "moe_file: unknown shape $1 (small, mixtral or kv8)" >&2; return 1 ;;
     esac
     # shellcheck disable=SC2086
     [ -s "$f" ] || $B synth --out "$f" $geo --experts 8 --top-k 2 --weights q4_k --untied-output --context 4096 | tail -1 >&2

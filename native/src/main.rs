@@ -13,6 +13,7 @@ mod eval;
 mod experts_args;
 mod gpu_mem;
 mod info;
+mod mix;
 mod plan;
 mod plot;
 mod replay;
@@ -93,6 +94,9 @@ enum Command {
     /// A real model's quality per scheduler and budget: perplexity, greedy agreement with the
     /// full cache, needle retrieval; a table and a plot.
     Eval(eval::EvalArgs),
+    /// One GPU budget split between K/V pages and expert slots request by request over a mix of
+    /// short and long requests: the joint controller against fixed splits.
+    Mix(mix::MixArgs),
     /// Two model traces (`run --trace`) side by side: where their routing, expert residency and
     /// K/V page counts first part, and each one's traffic.
     Compare(compare::CompareArgs),
@@ -134,6 +138,7 @@ fn main() -> ExitCode {
         Command::Replay(a) => replay::run(&cli.gpu, a),
         Command::Run(a) => run::run(&cli.gpu, a),
         Command::Eval(a) => eval::run(&cli.gpu, a),
+        Command::Mix(a) => mix::run(&cli.gpu, a),
         Command::Synth(a) => synth::run(a),
         Command::Compare(a) => compare::run(a),
         Command::Soak(a) => soak::run(&cli.gpu, a),

@@ -952,3 +952,65 @@ fn a_trace_aligns_routing_residency_and_pages_per_pass() {
     ]);
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("give one or the other"));
 }
+
+/// `mix`: one model, a budget split request by request. The joint controller keeps every
+/// context whole (logits equal to the reference's: KL 0, the same top token every step) with
+/// more slots for the short requests than a fixed split gives; experts-first evicts the long one
+/// (KL above 0); MoE-Infinity's shares refuse it (the K/V share holds no page of it). Every
+/// request's measured allocation is within the budget; a dense file and a bad policy are refused.
+#[test]
+fn mix_splits_one_budget_request_by_request() {
+    let path = tmp("mix.gguf");
+    let p = path.to_str().expect("utf-8 path");
+    ok(&["synth", "--out", p, "--experts", "8", "--top-k", "2", "--layers", "2", "--ffn", "32", "--weights", "q8_0", "--untied-output"]);
+    let out = ok(&[
+        "mix",
+        "--model",
+        p,
+        "--gpu-mem",
+        "210K",
+        "--requests",
+        "2x8,1x192",
+        "--tokens",
+        "4",
+        "--policies",
+        "joint,0.75/0.15,experts-first:32",
+        "--json",
+    ]);
+    let rows: Vec<serde_json::Value> =
+        out.lines().filter(|l| l.starts_with("{\"measure\":\"mix_policy\"")).map(|l| serde_json::from_str(l).expect("json")).collect();
+    assert_eq!(rows.len(), 3, "{out}");
+    let row = |name: &str| rows.iter().map(|r| &r["row"]).find(|r| r["policy"] == name).expect("policy row");
+    let slots = |r: &serde_json::Value, prompt: u64| -> Vec<u64> {
+        let reqs = r["requests"].as_array().expect("requests");
+        reqs.iter()
+            .filter(|q| q["prompt"] == prompt && q["split"].is_object())
+            .map(|q| q["split"]["slots"].as_u64().expect("slots"))
+            .collect()
+    };
+    let total = 210 * 1024;
+    for r in &rows {
+        for q in r["row"]["requests"].as_array().expect("requests") {
+            assert!(q["allocated"].as_u64().is_some_and(|a| a <= total), "{out}");
+        }
+    }
+    let joint = row("joint");
+    assert_eq!((joint["all"]["served"].as_u64(), joint["all"]["mean_kl"].as_f64()), (Some(3), Some(0.0)), "{out}");
+    assert_eq!(joint["all"]["same_top"].as_f64(), Some(1.0), "{out}");
+    assert!(joint["requests"].as_array().expect("requests").iter().all(|q| q["split"]["h2o_budget"].is_null()), "{out}");
+    let (ef, mi) = (row("experts-first:32"), row("0.75/0.15"));
+    assert!(slots(joint, 8).iter().zip(slots(mi, 8)).all(|(j, f)| *j > f), "{out}");
+    assert!(ef["long"]["mean_kl"].as_f64().is_some_and(|k| k > 0.0), "{out}");
+    assert_eq!(ef["requests"].as_array().expect("requests").iter().filter(|q| q["split"]["h2o_budget"] == 32).count(), 1, "{out}");
+    assert!(
+        mi["requests"].as_array().expect("requests").iter().any(|q| q["refused"].as_str().is_some_and(|w| w.contains("holds no page"))),
+        "{out}"
+    );
+    let dense = tmp("mix_dense.gguf");
+    let d = dense.to_str().expect("utf-8 path");
+    ok(&["synth", "--out", d, "--experts", "0", "--layers", "1"]);
+    let o = expertkv(&["mix", "--model", d, "--gpu-mem", "1M"]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("dense FFN"));
+    let o = expertkv(&["mix", "--model", p, "--gpu-mem", "1M", "--policies", "60/60"]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("more than the total"));
+}
