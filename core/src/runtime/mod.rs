@@ -308,6 +308,39 @@ impl Runtime {
         Self::open(instance, adapter, opts.checks).await
     }
 
+    /// `n` devices for one process ([`crate::devices`]): the adapters `opts` allows of the best
+    /// kind on the first one's backend, one device on each; with fewer adapters than `n` they are opened again in turn, so
+    /// two devices opened from one adapter stand in for two GPUs. Each device has its own
+    /// instance, as [`Runtime::new`] makes.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub async fn open_many(opts: RuntimeOptions, n: u32) -> Result<Vec<Runtime>> {
+        if n == 0 {
+            return Err(Error::Input("open_many: zero devices".into()));
+        }
+        let mut out = Vec::new();
+        for i in 0..n {
+            let instance = new_instance(opts.backends);
+            let mut adapters = enumerate(&instance, opts.backends).await;
+            if let Some(want) = &opts.adapter {
+                let want_l = want.to_ascii_lowercase();
+                adapters.retain(|a| a.get_info().name.to_ascii_lowercase().contains(&want_l));
+            }
+            adapters.sort_by_key(|a| rank(a.get_info().device_type));
+            // Only the best kind on one backend: a discrete GPU does not pair with a CPU
+            // adapter, nor Vulkan with GL.
+            if let Some((best, backend)) = adapters.first().map(|a| (rank(a.get_info().device_type), a.get_info().backend)) {
+                adapters.retain(|a| rank(a.get_info().device_type) == best && a.get_info().backend == backend);
+            }
+            if adapters.is_empty() {
+                // The same refusal, with the adapters seen, as one device gets.
+                return Err(Runtime::new(opts).await.err().unwrap_or(Error::Input("open_many: no adapter".into())));
+            }
+            let k = i as usize % adapters.len();
+            out.push(Self::open(instance, adapters.swap_remove(k), opts.checks).await?);
+        }
+        Ok(out)
+    }
+
     async fn open(instance: wgpu::Instance, adapter: wgpu::Adapter, checks: ShaderChecks) -> Result<Runtime> {
         let mut info = adapter.get_info();
         if info.name.is_empty() {
