@@ -74,6 +74,8 @@ pub mod attend;
 pub mod bench;
 pub mod compress;
 pub mod config;
+#[cfg(not(target_arch = "wasm32"))]
+pub mod devices;
 pub mod digest;
 pub mod error;
 pub mod evict;

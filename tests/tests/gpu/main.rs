@@ -9,6 +9,7 @@ mod common;
 mod append;
 mod attend;
 mod compress;
+mod devices;
 mod evict;
 mod quest;
 mod route;

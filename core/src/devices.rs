@@ -1,0 +1,230 @@
+//! The pool's shards on several devices of one host (PiKV's placement across GPUs).
+//!
+//! A [`ShardedPool`] holds one [`KvPool`] per device, each with the whole pool's configuration,
+//! and places every shard on one device (shard `s` on device `s mod N`): a token goes to the
+//! device of the shard its position and top expert map to ([`ShardMap`]), so each device's page
+//! lists hold that device's shards' tokens and nothing else. Decode attention runs the split
+//! pass (flash-decoding's partial max, sum and unnormalised output per chunk of pages) on every
+//! device at once, each over its own pages; the partials cross to the host and are merged there
+//! as the reduce pass merges a device's chunks ([`merge_partials`]). The routing and placement
+//! decisions are the single-device run's, and the output is its output within f32 rounding (the
+//! chunks merge in another order).
+//!
+//! wgpu has no transfer between devices, so the merge goes through host-visible staging: one
+//! readback per device per step. The attention-mass pass (H2O's utilities) would need the merged
+//! (max, sum) sent back to every device, and is refused for now.
+
+use crate::append::KvPool;
+use crate::append::format::NewToken;
+use crate::attend::{AttendOptions, Attention};
+use crate::config::PoolConfig;
+use crate::error::{Error, Result};
+use crate::runtime::Runtime;
+
+/// One device's part of a [`ShardedPool`].
+pub struct DevicePart {
+    /// The pool on this device (every shard's rings exist; only this device's shards fill, and
+    /// its pages are what their rings hold at most).
+    pub pool: KvPool,
+    /// Decode attention over this device's pages (the split pass only is used).
+    pub attn: Attention,
+    /// Tokens appended here so far.
+    pub tokens: u64,
+    /// Appended to since its page lists were last gathered.
+    stale: bool,
+}
+
+/// What one [`ShardedPool::attend`] measured.
+#[derive(Clone, Debug)]
+pub struct ShardedAttend {
+    /// The attention output, `[seq][q_head][head_dim]`.
+    pub out: Vec<f32>,
+    /// Seconds from the first submission until every device's partials were read back.
+    pub split_and_read_s: f64,
+    /// Seconds of the host merge.
+    pub merge_s: f64,
+    /// Bytes of partials read back from all devices.
+    pub bytes_read: u64,
+}
+
+/// A pool whose shards are spread over several devices (see the module docs).
+pub struct ShardedPool {
+    /// The pool's configuration (every device's).
+    pub cfg: PoolConfig,
+    /// Per shard, the device holding it.
+    pub placement: Vec<u32>,
+    /// Per device, its pool and attention, in the order of the runtimes given to
+    /// [`ShardedPool::new`].
+    pub parts: Vec<DevicePart>,
+}
+
+impl ShardedPool {
+    /// A pool of `cfg` spread over the devices of `rts` (one part each, shard `s` on device `s mod
+    /// N`), with attention built as `opts` says on each. Refused: fewer shards than devices (a
+    /// device would hold nothing), fewer than two devices, or the attention-mass pass.
+    pub async fn new(rts: &[&Runtime], cfg: PoolConfig, opts: AttendOptions) -> Result<ShardedPool> {
+        let n = rts.len() as u32;
+        if n < 2 {
+            return Err(Error::Input(format!("sharded pool: {n} device(s); one device is the plain pool")));
+        }
+        if cfg.n_shards < n {
+            return Err(Error::Input(format!("sharded pool: {} shards over {n} devices would leave a device empty", cfg.n_shards)));
+        }
+        if opts.mass {
+            return Err(Error::Input(
+                "sharded pool: the attention-mass pass needs the merged (max, sum) on every device, which is not implemented".into(),
+            ));
+        }
+        let placement: Vec<u32> = (0..cfg.n_shards).map(|s| s % n).collect();
+        let mut parts = Vec::new();
+        for (d, rt) in rts.iter().enumerate() {
+            // Pages for this device's shards' rings only: at most what those rings hold.
+            let mine = placement.iter().filter(|&&p| p == d as u32).count() as u32;
+            let keys = cfg.layers.saturating_mul(cfg.max_seqs).saturating_mul(cfg.kv_heads).saturating_mul(mine);
+            let part_cfg = PoolConfig { n_pages: cfg.n_pages.min(keys.saturating_mul(cfg.ring_capacity)), ..cfg.clone() };
+            let pool = KvPool::new(rt, part_cfg).await?;
+            let attn = Attention::new(rt, &pool, opts.clone()).await?;
+            parts.push(DevicePart { pool, attn, tokens: 0, stale: false });
+        }
+        Ok(ShardedPool { placement, cfg, parts })
+    }
+
+    /// The device holding `token`'s shard.
+    pub fn device_of(&self, token: &NewToken) -> u32 {
+        let expert = token.experts.first().copied().unwrap_or(0);
+        let shard = self.cfg.shard_map.shard_from_token_expert(self.cfg.n_shards, token.position, expert);
+        self.placement[shard as usize]
+    }
+
+    /// Append `tokens` (K/V words `kv`, as [`KvPool::append`] takes them) at `step`: each token
+    /// to its shard's device (the page lists are gathered for attention by the next
+    /// [`ShardedPool::attend`]).
+    pub fn append(&mut self, rts: &[&Runtime], tokens: &[NewToken], kv: &[u32], step: u32) -> Result<()> {
+        self.check_rts(rts)?;
+        let per = if tokens.is_empty() { 0 } else { kv.len() / tokens.len() };
+        if per * tokens.len() != kv.len() {
+            return Err(Error::Input(format!("sharded append: {} K/V words for {} tokens", kv.len(), tokens.len())));
+        }
+        let devices: Vec<u32> = tokens.iter().map(|t| self.device_of(t)).collect();
+        for (d, (part, rt)) in self.parts.iter_mut().zip(rts).enumerate() {
+            let mine: Vec<usize> = (0..tokens.len()).filter(|&i| devices[i] == d as u32).collect();
+            if !mine.is_empty() {
+                let t: Vec<NewToken> = mine.iter().map(|&i| tokens[i].clone()).collect();
+                let words: Vec<u32> = mine.iter().flat_map(|&i| kv[i * per..(i + 1) * per].iter().copied()).collect();
+                part.pool.append(rt, &t, &words, step)?;
+                part.tokens += t.len() as u64;
+                part.stale = true;
+            }
+        }
+        Ok(())
+    }
+
+    /// Decode attention of layer `layer` for `queries` (`[seq][q_head][head_dim]`, f32) over
+    /// every device's pages: the page lists appended to since the last call gathered first
+    /// (outside the timing), then the split passes submitted on all devices, read back and
+    /// merged on the host.
+    pub async fn attend(&mut self, rts: &[&Runtime], layer: u32, step: u32, queries: &[f32]) -> Result<ShardedAttend> {
+        self.check_rts(rts)?;
+        for (part, rt) in self.parts.iter_mut().zip(rts).filter(|(p, _)| p.stale) {
+            part.pool.gather(rt)?;
+            rt.wait()?;
+            part.stale = false;
+        }
+        let t0 = std::time::Instant::now();
+        for (part, rt) in self.parts.iter().zip(rts) {
+            part.attn.set_queries(rt, queries)?;
+            part.attn.prepare(rt, layer, step);
+            let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("attend split (sharded)") });
+            {
+                let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("attend split"), timestamp_writes: None });
+                part.attn.encode_split(&mut pass);
+            }
+            rt.queue.submit([enc.finish()]);
+        }
+        let mut partials = Vec::new();
+        let mut bytes_read = 0;
+        for (part, rt) in self.parts.iter().zip(rts) {
+            let floats = part.attn.partials.size() / 4;
+            partials.push(rt.read::<f32>(&part.attn.partials, 0, floats).await?);
+            bytes_read += floats * 4;
+            rt.check("attend split (sharded)")?;
+        }
+        let split_and_read_s = t0.elapsed().as_secs_f64();
+        let t1 = std::time::Instant::now();
+        let a = &self.parts[0].attn;
+        let views: Vec<&[f32]> = partials.iter().map(Vec::as_slice).collect();
+        let out = merge_partials(&views, a.opts.n_seqs, a.q_heads(), self.cfg.head_dim)?;
+        Ok(ShardedAttend { out, split_and_read_s, merge_s: t1.elapsed().as_secs_f64(), bytes_read })
+    }
+
+    fn check_rts(&self, rts: &[&Runtime]) -> Result<()> {
+        if rts.len() != self.parts.len() {
+            return Err(Error::Input(format!("sharded pool: {} runtimes for {} devices", rts.len(), self.parts.len())));
+        }
+        for (part, rt) in self.parts.iter().zip(rts) {
+            rt.check_owner(part.pool.owner(), "this device's pool")?;
+        }
+        Ok(())
+    }
+}
+
+/// Merge the split passes' partials of several devices into the attention output
+/// (`[seq][q_head][head_dim]`), as the reduce pass merges one device's: per (seq, q_head), every
+/// record with a positive sum, rescaled to the largest max. Each device's partials are laid out
+/// `[seq][q_head][record][head_dim + 4]` (`max, sum, 0, 0, output`), any number of records per
+/// head. In f64, rounded to f32 at the end.
+pub fn merge_partials(devices: &[&[f32]], n_seqs: u32, q_heads: u32, head_dim: u32) -> Result<Vec<f32>> {
+    let (heads, rec) = ((n_seqs * q_heads) as usize, head_dim as usize + 4);
+    let mut per_head = Vec::new();
+    for p in devices {
+        if heads == 0 || p.len() < heads * rec || !(p.len() / rec).is_multiple_of(heads) {
+            return Err(Error::Input(format!("merge: {} partial floats are not {heads} heads of records of {rec}", p.len())));
+        }
+        per_head.push(p.len() / rec / heads);
+    }
+    let mut out = vec![0f32; heads * head_dim as usize];
+    for h in 0..heads {
+        let records =
+            || devices.iter().zip(&per_head).flat_map(move |(p, &n)| (0..n).map(move |r| &p[(h * n + r) * rec..(h * n + r + 1) * rec]));
+        let big_m = records().filter(|r| r[1] > 0.0).map(|r| f64::from(r[0])).fold(f64::NEG_INFINITY, f64::max);
+        if big_m == f64::NEG_INFINITY {
+            continue;
+        }
+        let mut sum = 0.0;
+        let mut acc = vec![0f64; head_dim as usize];
+        for r in records().filter(|r| r[1] > 0.0) {
+            let w = (f64::from(r[0]) - big_m).exp();
+            sum += f64::from(r[1]) * w;
+            for (a, &x) in acc.iter_mut().zip(&r[4..]) {
+                *a += f64::from(x) * w;
+            }
+        }
+        for (o, a) in out[h * head_dim as usize..(h + 1) * head_dim as usize].iter_mut().zip(&acc) {
+            *o = (a / sum) as f32;
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two devices' records of one head merge as one device holding both would.
+    #[test]
+    fn merging_two_devices_equals_merging_their_records_together() {
+        // (max, sum, 0, 0, out[2]) records; the empty one (sum 0) is skipped.
+        let a = [1.0f32, 2.0, 0.0, 0.0, 4.0, 6.0, 9.0, 0.0, 0.0, 0.0, 5.0, 5.0];
+        let b = [3.0f32, 1.0, 0.0, 0.0, 1.0, 2.0];
+        let both: Vec<f32> = a.iter().chain(&b).copied().collect();
+        let split = merge_partials(&[&a, &b], 1, 1, 2).unwrap();
+        // One device holding both: the records are re-laid out as 3 per head.
+        let one = merge_partials(&[&both], 1, 1, 2).unwrap();
+        assert_eq!(split, one);
+        // By hand: M = 3, L = 2 e^-2 + 1, out = (4 e^-2 + 1, 6 e^-2 + 2) / L.
+        let e = (-2f64).exp();
+        let l = 2.0 * e + 1.0;
+        assert!((f64::from(split[0]) - (4.0 * e + 1.0) / l).abs() < 1e-6 && (f64::from(split[1]) - (6.0 * e + 2.0) / l).abs() < 1e-6);
+        assert!(merge_partials(&[&a[..5]], 1, 1, 2).is_err());
+    }
+}

@@ -1,0 +1,128 @@
+//! The pool's shards on two devices (`expertkv_core::devices`): two devices opened from the one
+//! adapter stand in for two GPUs. Every token lands on the device of its shard, and decode
+//! attention split over both (each device's split pass, the partials merged on the host) equals
+//! the one-device pool's attention.
+
+use expertkv_core::append::KvPool;
+use expertkv_core::attend::{AttendOptions, Attention};
+use expertkv_core::config::{Codec, KvDtype, PoolConfig, ShardMap};
+use expertkv_core::devices::ShardedPool;
+use expertkv_core::rng::Rng;
+
+use crate::append::{random_batch, random_kv};
+use crate::common::{POISON_F32, rt, rt_trusted, seeds};
+
+/// Random pools of 2 or 4 shards (PiKV's map or by expert, top 1 or 2), several sequences and
+/// layers, filled in random batches on one device and on two: per layer, random queries give the
+/// same output within f32 rounding (the partials poisoned before each run); the devices hold
+/// exactly the tokens of their shards, and both hold some.
+#[test]
+fn shards_on_two_devices_attend_as_one_pool() {
+    let devices = [rt(), rt_trusted()];
+    for seed in seeds("sharded_pool", 4) {
+        let mut rng = Rng::new(seed);
+        let n_shards = [2u32, 4][rng.below(2) as usize];
+        let top_k = 1 + rng.below(2);
+        let shard_map = if rng.below(2) == 0 { ShardMap::ByExpert } else { ShardMap::Pikv { n_tok: n_shards, n_exp: n_shards } };
+        let ring = 6 + rng.below(6);
+        let mut cfg = PoolConfig {
+            layers: 1 + rng.below(2),
+            kv_heads: 1 + rng.below(2),
+            head_dim: [16u32, 32, 64][rng.below(3) as usize],
+            page_size: [4u32, 8, 16][rng.below(3) as usize],
+            dtype: if rng.below(2) == 0 { KvDtype::F16 } else { KvDtype::F32 },
+            n_pages: 0,
+            max_seqs: 1 + rng.below(3),
+            n_shards,
+            ring_capacity: ring,
+            top_k,
+            shard_map,
+            max_buffer_bytes: None,
+            codec: Codec::None,
+            codec_pages: 0,
+        };
+        cfg.n_pages = cfg.n_keys() * ring;
+        let opts = AttendOptions {
+            group: 1 + rng.below(4),
+            n_seqs: cfg.max_seqs,
+            chunk_pages: 1 + rng.below(4),
+            mass: false,
+            ..Default::default()
+        };
+        let ctx = format!("seed {seed}: {cfg:?}, group {}, chunk_pages {}", opts.group, opts.chunk_pages);
+        let rt = devices[0];
+        let mut one = pollster::block_on(KvPool::new(rt, cfg.clone())).expect("pool");
+        let attn = pollster::block_on(Attention::new(rt, &one, opts.clone())).expect("attention");
+        let mut two = pollster::block_on(ShardedPool::new(&devices, cfg.clone(), opts.clone())).unwrap_or_else(|e| panic!("{ctx}: {e}"));
+        let mut positions = vec![0u32; cfg.max_seqs as usize];
+        let mut on_device = [0u64; 2];
+        let target = cfg.n_shards * (ring - 1) * cfg.page_size / 2 * cfg.max_seqs / 2;
+        let mut step = 0;
+        while positions.iter().sum::<u32>() < target {
+            let n = 1 + rng.below(((ring - 1) * cfg.page_size).min(32)) as usize;
+            let tokens = random_batch(&mut rng, &cfg, &mut positions, n, false);
+            let kv = random_kv(&mut rng, &cfg, n);
+            for t in &tokens {
+                on_device[two.device_of(t) as usize] += 1;
+            }
+            one.append(rt, &tokens, &kv, step).expect("append");
+            one.gather(rt).expect("gather");
+            two.append(&devices, &tokens, &kv, step).unwrap_or_else(|e| panic!("{ctx}: {e}"));
+            step += 1;
+        }
+        assert_eq!(two.parts.iter().map(|p| p.tokens).collect::<Vec<_>>(), on_device, "{ctx}");
+        assert!(on_device.iter().all(|&n| n > 0), "{ctx}: a device holds nothing: {on_device:?}");
+        for (part, rt) in two.parts.iter().zip(devices) {
+            pollster::block_on(part.pool.check_errors(rt, 0)).unwrap_or_else(|e| panic!("{ctx}: {e}"));
+        }
+        for layer in 0..cfg.layers {
+            let q: Vec<f32> = (0..opts.n_seqs * attn.q_heads() * cfg.head_dim).map(|_| rng.normal() as f32 * 2.0).collect();
+            attn.set_queries(rt, &q).expect("queries");
+            rt.fill_u32(&attn.out, POISON_F32);
+            for (part, rt) in two.parts.iter().zip(devices) {
+                rt.fill_u32(&part.attn.partials, POISON_F32);
+            }
+            attn.run(rt, layer, step).expect("attend");
+            let want = pollster::block_on(attn.read_output(rt)).expect("output");
+            let got = pollster::block_on(two.attend(&devices, layer, step, &q)).unwrap_or_else(|e| panic!("{ctx}: {e}"));
+            assert_eq!(got.out.len(), want.len(), "{ctx}");
+            for (i, (g, w)) in got.out.iter().zip(&want).enumerate() {
+                let (g, w) = (f64::from(*g), f64::from(*w));
+                assert!((g - w).abs() <= 2e-5 + 1e-4 * w.abs(), "{ctx}: layer {layer} output[{i}]: two devices {g}, one {w}");
+            }
+            assert!(got.bytes_read > 0 && got.merge_s >= 0.0, "{ctx}");
+        }
+    }
+}
+
+/// One device, fewer shards than devices, or the attention-mass pass: refused by name.
+#[test]
+fn a_sharded_pool_refuses_what_it_cannot_split() {
+    let devices = [rt(), rt_trusted()];
+    let mut cfg = PoolConfig {
+        layers: 1,
+        kv_heads: 1,
+        head_dim: 16,
+        page_size: 4,
+        dtype: KvDtype::F32,
+        n_pages: 0,
+        max_seqs: 1,
+        n_shards: 1,
+        ring_capacity: 4,
+        top_k: 1,
+        shard_map: ShardMap::ByExpert,
+        max_buffer_bytes: None,
+        codec: Codec::None,
+        codec_pages: 0,
+    };
+    cfg.n_pages = cfg.n_keys() * 4;
+    let opts = AttendOptions { group: 1, n_seqs: 1, chunk_pages: 1, mass: false, ..Default::default() };
+    let err = |devs: &[&expertkv_core::runtime::Runtime], cfg: &PoolConfig, o: &AttendOptions| {
+        pollster::block_on(ShardedPool::new(devs, cfg.clone(), o.clone())).err().expect("refused").to_string()
+    };
+    assert!(err(&devices, &cfg, &opts).contains("leave a device empty"));
+    cfg.n_shards = 2;
+    cfg.n_pages = cfg.n_keys() * 4;
+    assert!(err(&devices[..1], &cfg, &opts).contains("one device is the plain pool"));
+    assert!(err(&devices, &cfg, &AttendOptions { mass: true, ..opts }).contains("attention-mass"));
+}
