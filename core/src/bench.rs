@@ -448,6 +448,41 @@ pub fn fill_random(
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<()> {
     let cfg = pool.cfg.clone();
+    let mut max_batch = pool.max_append_tokens(rt) as usize;
+    if cfg.codec != Codec::None {
+        max_batch = max_batch.min(CODEC_FILL_BATCH as usize);
+    }
+    let mut append = |toks: &[NewToken], kv: &[u32], step: u32| -> Result<()> {
+        pool.append(rt, toks, kv, step)?;
+        if pool.cfg.codec.is_low_rank() && !pool.calibrated {
+            pool.calibrate(rt, crate::compress::DEFAULT_BASIS_ITERS)?;
+        }
+        pool.compress(rt)?;
+        if step % 16 == 15 {
+            rt.wait()?;
+        }
+        Ok(())
+    };
+    random_tokens(&cfg, (batch, tokens), seed, interleave, max_batch, &mut append, progress)?;
+    rt.wait()?;
+    Ok(())
+}
+
+/// Where [`random_tokens`] hands each batch: `(tokens, kv words, step)`.
+pub type AppendFn<'a> = dyn FnMut(&[NewToken], &[u32], u32) -> Result<()> + 'a;
+
+/// The tokens and K/V words [`fill_random`] appends, handed to `append(tokens, kv, step)` in
+/// batches of at most `max_batch` (`batch` sequences of `tokens` each, `(batch, tokens)`), for
+/// any destination (one pool, or a [`crate::devices::ShardedPool`]).
+pub fn random_tokens(
+    cfg: &PoolConfig,
+    (batch, tokens): (u32, u32),
+    seed: u64,
+    interleave: u32,
+    mut max_batch: usize,
+    append: &mut AppendFn<'_>,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<()> {
     let per_token = (cfg.kv_heads * cfg.head_dim * 2) as usize;
     let distinct = 4096usize;
     let mut rng = Rng::new(seed);
@@ -455,15 +490,11 @@ pub fn fill_random(
     let mut words_block = Vec::new();
     encode_values(&values, cfg.dtype, &mut words_block);
     let wpt = words_block.len() / distinct;
-    let mut max_batch = pool.max_append_tokens(rt) as usize;
-    if cfg.codec != Codec::None {
-        max_batch = max_batch.min(CODEC_FILL_BATCH as usize);
-    }
     let total = u64::from(batch) * u64::from(tokens);
     let mut done = 0u64;
     let mut pending: Vec<(u32, u32)> = Vec::new();
     let mut step = 0u32;
-    let flush = |pending: &mut Vec<(u32, u32)>, pool: &mut KvPool, step: u32| -> Result<()> {
+    let mut flush = |pending: &mut Vec<(u32, u32)>, step: u32| -> Result<()> {
         let toks: Vec<NewToken> = pending
             .iter()
             .map(|&(seq, pos)| NewToken {
@@ -479,12 +510,8 @@ pub fn fill_random(
             let i = ((pos as usize) * 31 + seq as usize * 17) % distinct;
             kv.extend_from_slice(&words_block[i * wpt..(i + 1) * wpt]);
         }
-        pool.append(rt, &toks, &kv, step)?;
+        append(&toks, &kv, step)?;
         pending.clear();
-        if pool.cfg.codec.is_low_rank() && !pool.calibrated {
-            pool.calibrate(rt, crate::compress::DEFAULT_BASIS_ITERS)?;
-        }
-        pool.compress(rt)?;
         Ok(())
     };
     if interleave > 0 {
@@ -495,25 +522,21 @@ pub fn fill_random(
     } else {
         Box::new((0..batch).flat_map(|seq| (0..tokens).map(move |pos| (seq, pos))))
     };
-    {
-        for (seq, pos) in order {
-            pending.push((seq, pos));
-            if pending.len() == max_batch {
-                done += pending.len() as u64;
-                flush(&mut pending, pool, step)?;
-                step += 1;
-                if step.is_multiple_of(16) {
-                    rt.wait()?;
-                    progress(done, total);
-                }
+    for (seq, pos) in order {
+        pending.push((seq, pos));
+        if pending.len() == max_batch {
+            done += pending.len() as u64;
+            flush(&mut pending, step)?;
+            step += 1;
+            if step.is_multiple_of(16) {
+                progress(done, total);
             }
         }
     }
     if !pending.is_empty() {
         done += pending.len() as u64;
-        flush(&mut pending, pool, step)?;
+        flush(&mut pending, step)?;
     }
-    rt.wait()?;
     progress(done, total);
     Ok(())
 }

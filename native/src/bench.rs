@@ -22,6 +22,8 @@ enum Which {
     Attend,
     /// The routers' expert selection (bias + top-k).
     Route,
+    /// Decode attention with the pool's shards on several devices (`--devices N`) against one.
+    Devices,
     /// Every headline in one process: copy, attention (f16, int8, int4) at four shapes, routing,
     /// the decode step, the model's decode speed; rounds in a shuffled order, PyTorch
     /// interleaved with `--torch` (see `bench suite --help` and BENCHMARKS.md).
@@ -106,6 +108,10 @@ pub struct BenchArgs {
     /// low-rank[:rank=R], lora[:rank=R]); `none` is the baseline the others are compared with.
     #[arg(long, value_delimiter = ',', default_value = "none")]
     codecs: Vec<String>,
+    /// Devices: how many (the adapters `--adapter` allows, one device each, opened again in
+    /// turn when there are fewer adapters).
+    #[arg(long, default_value_t = 2)]
+    devices: u32,
     /// Routing: tokens per call.
     #[arg(long, default_value_t = 65536)]
     route_tokens: u32,
@@ -252,6 +258,28 @@ fn run_torch(script: &str, s: &AttendShape, reps: u32) -> Result<TorchLine> {
 }
 
 pub fn run(gpu: &GpuArgs, a: &BenchArgs) -> Result<()> {
+    if a.which == Which::Devices {
+        let defaults: Vec<(u32, u32)> = if a.quick { vec![(2, 4096), (1, 16384)] } else { vec![(8, 32768), (1, 131072)] };
+        let shapes = match (a.batch, a.tokens) {
+            (None, None) => defaults,
+            (bt, t) => vec![(bt.unwrap_or(1), t.unwrap_or(if a.quick { 4096 } else { 32768 }))],
+        };
+        let reps = a.reps.unwrap_or(if a.quick { 5 } else { 30 });
+        let b = crate::bench_devices::DevicesBench {
+            devices: a.devices,
+            shapes,
+            q_heads: a.q_heads,
+            kv_heads: a.kv_heads,
+            head_dim: a.head_dim,
+            dtype: KvDtype::parse(&a.dtype)?,
+            page_size: a.page_size,
+            chunk_pages: a.chunk_pages,
+            warmup: if a.quick { 1 } else { 3 },
+            reps,
+            json: a.json,
+        };
+        return crate::bench_devices::run(gpu, &b);
+    }
     let rt = gpu.runtime()?;
     if a.which == Which::Suite {
         let o = crate::suite::SuiteOptions {
@@ -287,7 +315,7 @@ pub fn run(gpu: &GpuArgs, a: &BenchArgs) -> Result<()> {
     }
     drop(ck);
     match a.which {
-        Which::Copy | Which::Suite => return Ok(()),
+        Which::Copy | Which::Suite | Which::Devices => return Ok(()),
         Which::Upload => {
             let bytes = if a.quick { 32 << 20 } else { (256u64 << 20).min(rt.max_binding_bytes()) };
             for path in [UploadPath::WriteBuffer, UploadPath::HostCopy] {

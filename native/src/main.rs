@@ -7,6 +7,7 @@ use clap::{Args, Parser, Subcommand};
 
 mod batch;
 mod bench;
+mod bench_devices;
 mod compare;
 mod demo;
 mod eval;

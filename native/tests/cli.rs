@@ -1014,3 +1014,19 @@ fn mix_splits_one_budget_request_by_request() {
     let o = expertkv(&["mix", "--model", p, "--gpu-mem", "1M", "--policies", "60/60"]);
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("more than the total"));
 }
+
+/// `bench devices`: two devices opened from the one adapter; every token on one of them, the
+/// merged output agreeing with one device's, the merge timed; one device is refused.
+#[test]
+fn bench_devices_splits_attention_over_two_devices() {
+    let out = ok(&["bench", "devices", "--quick", "--batch", "2", "--tokens", "512", "--reps", "2", "--json"]);
+    let line = out.lines().find(|l| l.starts_with('{')).expect("json line");
+    let j: serde_json::Value = serde_json::from_str(line).expect("json");
+    assert_eq!(j["devices"], 2, "{out}");
+    let held: Vec<u64> = j["tokens_per_device"].as_array().expect("per device").iter().map(|v| v.as_u64().expect("count")).collect();
+    assert!(held.len() == 2 && held.iter().sum::<u64>() == 1024 && held.iter().all(|&n| n > 0), "{out}");
+    assert!(j["worst_relative_difference"].as_f64().is_some_and(|d| d < 1e-3), "{out}");
+    assert!(j["merge_ms"].as_f64().is_some_and(|m| m > 0.0) && j["scaling"].as_f64().is_some_and(|s| s > 0.0), "{out}");
+    let o = expertkv(&["bench", "devices", "--quick", "--devices", "1"]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("give 2 or more"));
+}

@@ -263,6 +263,6 @@ pub(super) fn check_options(cfg: &LlamaConfig, o: &ModelOptions) -> Result<()> {
             cfg.rope_dimension_count, cfg.head_dim
         )));
     }
-    check_context(&cfg, max_context)?;
+    check_context(cfg, max_context)?;
     Ok(())
 }
