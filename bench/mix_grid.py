@@ -30,7 +30,8 @@ total = meta.get("gpu_mem", 0) / 2**20
 out.append(f'<text x="10" y="20" font-size="14">Decode tokens/s and KL to the whole cache, {total:.0f} MiB for K/V and expert slots</text>')
 out.append(f'<text x="10" y="40">requests {meta.get("requests", "?")}, {meta.get("tokens", "?")} tokens each; {meta.get("adapter", "")}</text>')
 for i, p in enumerate(shares):
-    out.append(f'<text x="{X0 + i * W + W / 2}" y="{Y0 + H * len(slots) + 18}" text-anchor="middle">H2O {p:g}%</text>')
+    label = "whole context" if p >= 100 else f"H2O {p:g}%"
+    out.append(f'<text x="{X0 + i * W + W / 2}" y="{Y0 + H * len(slots) + 18}" text-anchor="middle">{label}</text>')
 for j, s in enumerate(reversed(slots)):
     y = Y0 + j * H
     out.append(f'<text x="{X0 - 8}" y="{y + H / 2 + 4}" text-anchor="end">{s} slots</text>')

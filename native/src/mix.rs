@@ -73,6 +73,8 @@ struct Served {
     /// Why the policy could not serve it within the total.
     refused: Option<String>,
     allocated: u64,
+    /// Seconds re-balancing the model for this request (`GpuLlama::reconfigure`).
+    rebalance_s: f64,
     ttft_s: f64,
     /// Seconds of every decode step.
     steps_s: Vec<f64>,
@@ -208,6 +210,7 @@ fn summary(served: &[&Served]) -> serde_json::Value {
         "mean_kl": if compared > 0 { ok.iter().map(|s| s.kl_sum).sum::<f64>() / f64::from(compared) } else { 0.0 },
         "same_top": if compared > 0 { f64::from(ok.iter().map(|s| s.same_top).sum::<u32>()) / f64::from(compared) } else { 1.0 },
         "peak_allocated": ok.iter().map(|s| s.allocated).max().unwrap_or(0),
+        "rebalance_mean_ms": ok.iter().map(|s| s.rebalance_s).sum::<f64>() * 1e3 / ok.len().max(1) as f64,
     })
 }
 
@@ -315,8 +318,11 @@ pub fn run(gpu: &GpuArgs, a: &MixArgs) -> Result<()> {
                         continue;
                     }
                 };
+                let t = std::time::Instant::now();
                 m = pollster::block_on(m.reconfigure(&rt, options(&split)))?;
                 m.empty_expert_slots(&rt);
+                rt.wait()?;
+                let rebalance_s = t.elapsed().as_secs_f64();
                 let allocated = m.kv_bytes_allocated() + m.expert_bytes_allocated();
                 if allocated > total || allocated != split.bytes() {
                     bail!("{}: request {i} allocated {allocated} bytes where {} were planned within {total}", pol.spec(), split.bytes());
@@ -324,6 +330,7 @@ pub fn run(gpu: &GpuArgs, a: &MixArgs) -> Result<()> {
                 let (mut s, _) = serve(&rt, &mut m, p, a.tokens, Some(&references[i]))?;
                 s.split = Some(split);
                 s.allocated = allocated;
+                s.rebalance_s = rebalance_s;
                 let kv = split.h2o_budget.map_or("whole".to_string(), |b| format!("h2o {b}"));
                 let tps = s.steps_s.len() as f64 / s.steps_s.iter().sum::<f64>().max(1e-12);
                 println!(
@@ -372,7 +379,7 @@ pub fn run(gpu: &GpuArgs, a: &MixArgs) -> Result<()> {
             continue;
         }
         println!(
-            "{:<18} {:.1} tokens/s ({:.2}x the zero-hit bound, {:.2}x all resident), TPOT p50 {:.2} ms p99 {:.2} ms, TTFT {:.3} s, hits {:.0}%, {:.1} MB/token, KL {:.2e}, same top token {:.1}%, peak {} of {}; {} refused",
+            "{:<18} {:.1} tokens/s ({:.2}x the zero-hit bound, {:.2}x all resident), TPOT p50 {:.2} ms p99 {:.2} ms, TTFT {:.3} s, hits {:.0}%, {:.1} MB/token, KL {:.2e}, same top token {:.1}%, peak {} of {}, re-balanced in {:.1} ms; {} refused",
             pol.spec(),
             tps,
             tps / zero_hit,
@@ -386,6 +393,7 @@ pub fn run(gpu: &GpuArgs, a: &MixArgs) -> Result<()> {
             100.0 * s["same_top"].as_f64().unwrap_or(0.0),
             fmt_bytes(s["peak_allocated"].as_u64().unwrap_or(0)),
             fmt_bytes(total),
+            s["rebalance_mean_ms"].as_f64().unwrap_or(0.0),
             s["refused"]
         );
         rows.push(row);
