@@ -2,7 +2,7 @@
 //!
 //! A [`ShardedPool`] holds one [`KvPool`] per device, each with the whole pool's configuration,
 //! and places every shard on one device (shard `s` on device `s mod N`): a token goes to the
-//! device of the shard its position and top expert map to ([`ShardMap`]), so each device's page
+//! device of the shard its position and top expert map to ([`crate::config::ShardMap`]), so each device's page
 //! lists hold that device's shards' tokens and nothing else. Decode attention runs the split
 //! pass (flash-decoding's partial max, sum and unnormalised output per chunk of pages) on every
 //! device at once, each over its own pages; the partials cross to the host and are merged there

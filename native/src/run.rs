@@ -345,7 +345,7 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     };
     let routing = a.routing.routing(shape)?;
     let expert_cache = a.experts.config(&lc)?;
-    if a.experts.expert_prefetch != "none" && a.experts.expert_slots.is_none() && a.gpu_mem.is_none() {
+    if a.experts.policy()?.1 != ExpertPrefetch::None && a.experts.expert_slots.is_none() && a.gpu_mem.is_none() {
         bail!("--expert-prefetch fetches into an expert cache: give --expert-slots or --gpu-mem too");
     }
     if a.gpu_mem.is_some() && expert_cache.is_some() {
