@@ -275,7 +275,7 @@ pub struct GpuLlama {
     /// scheduler's included.
     dispatches: u64,
     /// The token embeddings, the separate LM head if any, and the final norm's gain.
-    io: (GpuMatrix, Option<GpuMatrix>, wgpu::Buffer),
+    io: Io,
     /// Chunked prefill's attention and scratch, made by the first [`GpuLlama::prefill`].
     prefill: Option<Prefill>,
     /// Timestamps between the passes of every step and prefill chunk, while timing them
@@ -479,6 +479,54 @@ async fn kv_side(
     Ok(KvSide { kept_per_list, pool, labels, attn, quest, flexgen, scheduler, s, recorded })
 }
 
+/// Tensors shared by [`GpuLlama::load`] and [`GpuLlama::reconfigure`]: the token embeddings, the
+/// separate LM head if any, and the final norm's gain.
+type Io = (GpuMatrix, Option<GpuMatrix>, wgpu::Buffer);
+
+impl GpuLlama {
+    /// A model of these weights and K/V side, no experts installed yet, at step 0 with every
+    /// sequence at position 0.
+    fn assemble(
+        cfg: LlamaConfig,
+        kernels: ModelKernels,
+        layers: Vec<Layer>,
+        io: Io,
+        kv: KvSide,
+        n_seqs: u32,
+        max_context: u32,
+    ) -> GpuLlama {
+        let KvSide { kept_per_list, pool, labels, attn, quest, flexgen, scheduler, s, recorded } = kv;
+        GpuLlama {
+            kept_per_list,
+            cfg,
+            kernels,
+            recorded,
+            layers,
+            pool,
+            attn,
+            scheduler,
+            quest,
+            flexgen,
+            labels,
+            agreement: (0, 0),
+            verify_evictions: false,
+            s,
+            moe: None,
+            n_seqs,
+            positions: vec![0; n_seqs as usize],
+            max_context,
+            step: 0,
+            calibration_tokens: LOW_RANK_CALIBRATION_TOKENS.min(max_context),
+            calibration_max: LOW_RANK_CALIBRATION_TOKENS.min(max_context),
+            dispatches: 0,
+            timer: None,
+            trace: None,
+            io,
+            prefill: None,
+        }
+    }
+}
+
 impl GpuLlama {
     /// Upload the model's weights and build its K/V pool as `opts` says: `n_seqs` sequences of
     /// up to `max_context` tokens each, K/V in `dtype`; with an evicting scheduler and its budget
@@ -554,35 +602,7 @@ impl GpuLlama {
             (false, None) => (None, None),
             (false, Some(_)) => return Err(Error::Input("an expert cache needs a MoE file (this model has a dense FFN)".into())),
         };
-        let KvSide { kept_per_list, pool, labels, attn, quest, flexgen, scheduler, s, recorded } = kv;
-        let mut model = GpuLlama {
-            kept_per_list,
-            cfg,
-            kernels,
-            recorded,
-            layers,
-            pool,
-            attn,
-            scheduler,
-            quest,
-            flexgen,
-            labels,
-            agreement: (0, 0),
-            verify_evictions: false,
-            s,
-            moe: None,
-            n_seqs,
-            positions: vec![0; n_seqs as usize],
-            max_context,
-            step: 0,
-            calibration_tokens: LOW_RANK_CALIBRATION_TOKENS.min(max_context),
-            calibration_max: LOW_RANK_CALIBRATION_TOKENS.min(max_context),
-            dispatches: 0,
-            timer: None,
-            trace: None,
-            io: (embed, output, out_norm),
-            prefill: None,
-        };
+        let mut model = GpuLlama::assemble(cfg, kernels, layers, (embed, output, out_norm), kv, n_seqs, max_context);
         if let Some(layers) = native {
             let (e, k) = (model.cfg.expert_count, model.cfg.expert_used_count);
             model.install_moe(rt, layers, e, k, true, cache)?;

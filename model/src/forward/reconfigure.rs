@@ -1,7 +1,7 @@
 //! Re-balancing a loaded model's GPU memory between its K/V pool and its expert slots
 //! ([`GpuLlama::reconfigure`]), without uploading the weights again.
 
-use super::{GpuLlama, KvSide, LOW_RANK_CALIBRATION_TOKENS, ModelOptions, check_options, kv_side};
+use super::{GpuLlama, ModelOptions, check_options, kv_side};
 use crate::{Error, Result};
 use expertkv_core::evict::config::SchedulerConfig;
 use expertkv_core::runtime::Runtime;
@@ -55,36 +55,8 @@ impl GpuLlama {
             None => None,
         };
         let kv = kv_side(rt, &cfg, &kernels, &layers, (&io.0, io.1.as_ref(), &io.2), &opts).await?;
-        let KvSide { kept_per_list, pool, labels, attn, quest, flexgen, scheduler, s, recorded } = kv;
-        let n_seqs = opts.n_seqs;
-        let mut model = GpuLlama {
-            kept_per_list,
-            cfg,
-            kernels,
-            recorded,
-            layers,
-            pool,
-            attn,
-            scheduler,
-            quest,
-            flexgen,
-            labels,
-            agreement: (0, 0),
-            verify_evictions,
-            s,
-            moe: None,
-            n_seqs,
-            positions: vec![0; n_seqs as usize],
-            max_context: opts.max_context,
-            step,
-            calibration_tokens: LOW_RANK_CALIBRATION_TOKENS.min(opts.max_context),
-            calibration_max: LOW_RANK_CALIBRATION_TOKENS.min(opts.max_context),
-            dispatches: 0,
-            timer: None,
-            trace,
-            io,
-            prefill: None,
-        };
+        let mut model = GpuLlama::assemble(cfg, kernels, layers, io, kv, opts.n_seqs, opts.max_context);
+        (model.step, model.trace, model.verify_evictions) = (step, trace, verify_evictions);
         if let Some((layers, e, k, native, cache, counts, reuse)) = experts {
             model.install_moe(rt, layers, e, k, native, cache)?;
             if let Some(m) = &mut model.moe {
