@@ -11,8 +11,10 @@
 //! chunks merge in another order).
 //!
 //! wgpu has no transfer between devices, so the merge goes through host-visible staging: one
-//! readback per device per step. The attention-mass pass (H2O's utilities) would need the merged
-//! (max, sum) sent back to every device, and is refused for now.
+//! readback per device per step. With the attention-mass pass (H2O's utilities), the merged
+//! (max, sum) of every query head is written back to every device, whose mass pass then adds
+//! each of its tokens' share of the whole softmax to the token's slot metadata, as one device
+//! holding every token would.
 
 use crate::append::KvPool;
 use crate::append::format::NewToken;
@@ -43,6 +45,9 @@ pub struct ShardedAttend {
     pub split_and_read_s: f64,
     /// Seconds of the host merge.
     pub merge_s: f64,
+    /// Seconds of the mass passes (the merged statistics written to every device, the passes
+    /// run and waited for); 0 without the mass pass.
+    pub mass_s: f64,
     /// Bytes of partials read back from all devices.
     pub bytes_read: u64,
 }
@@ -61,7 +66,7 @@ pub struct ShardedPool {
 impl ShardedPool {
     /// A pool of `cfg` spread over the devices of `rts` (one part each, shard `s` on device `s mod
     /// N`), with attention built as `opts` says on each. Refused: fewer shards than devices (a
-    /// device would hold nothing), fewer than two devices, or the attention-mass pass.
+    /// device would hold nothing), or fewer than two devices.
     pub async fn new(rts: &[&Runtime], cfg: PoolConfig, opts: AttendOptions) -> Result<ShardedPool> {
         let n = rts.len() as u32;
         if n < 2 {
@@ -69,11 +74,6 @@ impl ShardedPool {
         }
         if cfg.n_shards < n {
             return Err(Error::Input(format!("sharded pool: {} shards over {n} devices would leave a device empty", cfg.n_shards)));
-        }
-        if opts.mass {
-            return Err(Error::Input(
-                "sharded pool: the attention-mass pass needs the merged (max, sum) on every device, which is not implemented".into(),
-            ));
         }
         let placement: Vec<u32> = (0..cfg.n_shards).map(|s| s % n).collect();
         let mut parts = Vec::new();
@@ -153,8 +153,28 @@ impl ShardedPool {
         let t1 = std::time::Instant::now();
         let a = &self.parts[0].attn;
         let views: Vec<&[f32]> = partials.iter().map(Vec::as_slice).collect();
-        let out = merge_partials(&views, a.opts.n_seqs, a.q_heads(), self.cfg.head_dim)?;
-        Ok(ShardedAttend { out, split_and_read_s, merge_s: t1.elapsed().as_secs_f64(), bytes_read })
+        let merged = merge_partials(&views, a.opts.n_seqs, a.q_heads(), self.cfg.head_dim)?;
+        let merge_s = t1.elapsed().as_secs_f64();
+        let t2 = std::time::Instant::now();
+        if a.opts.mass {
+            let stats: Vec<f32> = merged.stats.iter().flatten().copied().collect();
+            for (part, rt) in self.parts.iter().zip(rts) {
+                rt.queue.write_buffer(&part.attn.stats, 0, bytemuck::cast_slice(&stats));
+                let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("attend mass (sharded)") });
+                {
+                    let mut pass =
+                        enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("attend mass"), timestamp_writes: None });
+                    part.attn.encode_mass(&mut pass);
+                }
+                rt.queue.submit([enc.finish()]);
+            }
+            for rt in rts {
+                rt.wait()?;
+                rt.check("attend mass (sharded)")?;
+            }
+        }
+        let mass_s = if a.opts.mass { t2.elapsed().as_secs_f64() } else { 0.0 };
+        Ok(ShardedAttend { out: merged.out, split_and_read_s, merge_s, mass_s, bytes_read })
     }
 
     fn check_rts(&self, rts: &[&Runtime]) -> Result<()> {
@@ -168,12 +188,22 @@ impl ShardedPool {
     }
 }
 
-/// Merge the split passes' partials of several devices into the attention output
-/// (`[seq][q_head][head_dim]`), as the reduce pass merges one device's: per (seq, q_head), every
-/// record with a positive sum, rescaled to the largest max. Each device's partials are laid out
+/// What [`merge_partials`] gives.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Merged {
+    /// The attention output, `[seq][q_head][head_dim]`.
+    pub out: Vec<f32>,
+    /// Per (seq, q_head), the softmax's (max, sum of exponentials) over every device's tokens,
+    /// as the reduce pass leaves in [`Attention::stats`]; (0, 0) for a head with no token.
+    pub stats: Vec<[f32; 2]>,
+}
+
+/// Merge the split passes' partials of several devices into the attention output and the
+/// softmax statistics, as the reduce pass merges one device's: per (seq, q_head), every record
+/// with a positive sum, rescaled to the largest max. Each device's partials are laid out
 /// `[seq][q_head][record][head_dim + 4]` (`max, sum, 0, 0, output`), any number of records per
 /// head. In f64, rounded to f32 at the end.
-pub fn merge_partials(devices: &[&[f32]], n_seqs: u32, q_heads: u32, head_dim: u32) -> Result<Vec<f32>> {
+pub fn merge_partials(devices: &[&[f32]], n_seqs: u32, q_heads: u32, head_dim: u32) -> Result<Merged> {
     let (heads, rec) = ((n_seqs * q_heads) as usize, head_dim as usize + 4);
     let mut per_head = Vec::new();
     for p in devices {
@@ -183,6 +213,7 @@ pub fn merge_partials(devices: &[&[f32]], n_seqs: u32, q_heads: u32, head_dim: u
         per_head.push(p.len() / rec / heads);
     }
     let mut out = vec![0f32; heads * head_dim as usize];
+    let mut stats = vec![[0f32; 2]; heads];
     for h in 0..heads {
         let records =
             || devices.iter().zip(&per_head).flat_map(move |(p, &n)| (0..n).map(move |r| &p[(h * n + r) * rec..(h * n + r + 1) * rec]));
@@ -202,8 +233,9 @@ pub fn merge_partials(devices: &[&[f32]], n_seqs: u32, q_heads: u32, head_dim: u
         for (o, a) in out[h * head_dim as usize..(h + 1) * head_dim as usize].iter_mut().zip(&acc) {
             *o = (a / sum) as f32;
         }
+        stats[h] = [big_m as f32, sum as f32];
     }
-    Ok(out)
+    Ok(Merged { out, stats })
 }
 
 #[cfg(test)]
@@ -221,6 +253,9 @@ mod tests {
         // One device holding both: the records are re-laid out as 3 per head.
         let one = merge_partials(&[&both], 1, 1, 2).unwrap();
         assert_eq!(split, one);
+        let e2 = (-2f64).exp();
+        assert_eq!(split.stats, vec![[3.0, (2.0 * e2 + 1.0) as f32]]);
+        let split = split.out;
         // By hand: M = 3, L = 2 e^-2 + 1, out = (4 e^-2 + 1, 6 e^-2 + 2) / L.
         let e = (-2f64).exp();
         let l = 2.0 * e + 1.0;

@@ -1026,6 +1026,13 @@ impl Attention {
         pass.set_pipeline(&self.reduce);
         pass.set_bind_group(0, &self.reduce_bg, &[]);
         pass.dispatch_counted(self.q_heads, self.opts.n_seqs, 1);
+        self.encode_mass(pass);
+    }
+
+    /// Encode the attention-mass pass alone (nothing without `opts.mass`): it reads the split
+    /// pass's scores and the final (max, sum) in `stats`, which the reduce pass writes, or
+    /// another device's merge ([`crate::devices`]).
+    pub fn encode_mass(&self, pass: &mut wgpu::ComputePass<'_>) {
         if let (Some(m), Some(bg)) = (&self.mass, &self.mass_bg) {
             pass.set_pipeline(m);
             pass.set_bind_group(0, bg, &[]);

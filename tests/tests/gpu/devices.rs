@@ -1,21 +1,28 @@
 //! The pool's shards on two devices (`expertkv_core::devices`): two devices opened from the one
 //! adapter stand in for two GPUs. Every token lands on the device of its shard, and decode
-//! attention split over both (each device's split pass, the partials merged on the host) equals
-//! the one-device pool's attention.
+//! attention split over both (each device's split pass, the partials merged on the host, the
+//! merged statistics sent back for the mass pass) equals the one-device pool's attention and
+//! attention mass.
+
+use std::collections::HashMap;
 
 use expertkv_core::append::KvPool;
 use expertkv_core::attend::{AttendOptions, Attention};
 use expertkv_core::config::{Codec, KvDtype, PoolConfig, ShardMap};
 use expertkv_core::devices::ShardedPool;
+use expertkv_core::gpu_data::meta;
+use expertkv_core::pipeline::pool_model_of;
 use expertkv_core::rng::Rng;
+use expertkv_core::runtime::Runtime;
 
 use crate::append::{random_batch, random_kv};
 use crate::common::{POISON_F32, rt, rt_trusted, seeds};
 
 /// Random pools of 2 or 4 shards (PiKV's map or by expert, top 1 or 2), several sequences and
 /// layers, filled in random batches on one device and on two: per layer, random queries give the
-/// same output within f32 rounding (the partials poisoned before each run); the devices hold
-/// exactly the tokens of their shards, and both hold some.
+/// same output within f32 rounding (the partials poisoned before each run), and every token's
+/// accumulated attention mass is the same on the device holding it; the devices hold exactly
+/// the tokens of their shards, and both hold some.
 #[test]
 fn shards_on_two_devices_attend_as_one_pool() {
     let devices = [rt(), rt_trusted()];
@@ -46,7 +53,7 @@ fn shards_on_two_devices_attend_as_one_pool() {
             group: 1 + rng.below(4),
             n_seqs: cfg.max_seqs,
             chunk_pages: 1 + rng.below(4),
-            mass: false,
+            mass: true,
             ..Default::default()
         };
         let ctx = format!("seed {seed}: {cfg:?}, group {}, chunk_pages {}", opts.group, opts.chunk_pages);
@@ -90,12 +97,53 @@ fn shards_on_two_devices_attend_as_one_pool() {
                 let (g, w) = (f64::from(*g), f64::from(*w));
                 assert!((g - w).abs() <= 2e-5 + 1e-4 * w.abs(), "{ctx}: layer {layer} output[{i}]: two devices {g}, one {w}");
             }
-            assert!(got.bytes_read > 0 && got.merge_s >= 0.0, "{ctx}");
+            assert!(
+                got.bytes_read > 0 && got.merge_s >= 0.0 && got.mass_s > 0.0,
+                "{ctx}: {} bytes read, merge {} s, mass {} s",
+                got.bytes_read,
+                got.merge_s,
+                got.mass_s
+            );
+        }
+        let want = token_mass(rt, &one);
+        let mut got = HashMap::new();
+        for (part, rt) in two.parts.iter().zip(devices) {
+            got.extend(token_mass(rt, &part.pool));
+        }
+        assert_eq!(got.len(), want.len(), "{ctx}: tokens held");
+        assert!(want.values().any(|&m| m > 0.0), "{ctx}: no mass accumulated");
+        for (k, w) in &want {
+            let g = got.get(k).unwrap_or_else(|| panic!("{ctx}: token {k:?} on no device"));
+            let (g, w) = (f64::from(*g), f64::from(*w));
+            assert!(
+                (g - w).abs() <= 1e-5 + 1e-4 * w.abs(),
+                "{ctx}: token (layer, seq, head, position) {k:?}: mass {g} on two devices, {w} on one"
+            );
         }
     }
 }
 
-/// One device, fewer shards than devices, or the attention-mass pass: refused by name.
+/// Every cached token's accumulated attention mass, by (layer, sequence, KV head, position).
+fn token_mass(rt: &Runtime, pool: &KvPool) -> HashMap<(u32, u32, u32, u32), f32> {
+    let model = pollster::block_on(pool_model_of(rt, pool)).expect("the pool read back");
+    let c = &pool.cfg;
+    let (mw, attn) = (c.meta_words() as usize, meta::attn(c.top_k as usize));
+    let mut out = HashMap::new();
+    for layer in 0..c.layers {
+        for seq in 0..c.max_seqs {
+            for head in 0..c.kv_heads {
+                for (page, slot) in model.tokens(layer, seq, head) {
+                    let m = (page as usize * c.page_size as usize + slot as usize) * mw;
+                    let position = model.slot_meta[m + meta::POSITION];
+                    out.insert((layer, seq, head, position), f32::from_bits(model.slot_meta[m + attn]));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// One device, or fewer shards than devices: refused by name.
 #[test]
 fn a_sharded_pool_refuses_what_it_cannot_split() {
     let devices = [rt(), rt_trusted()];
@@ -124,5 +172,4 @@ fn a_sharded_pool_refuses_what_it_cannot_split() {
     cfg.n_shards = 2;
     cfg.n_pages = cfg.n_keys() * 4;
     assert!(err(&devices[..1], &cfg, &opts).contains("one device is the plain pool"));
-    assert!(err(&devices, &cfg, &AttendOptions { mass: true, ..opts }).contains("attention-mass"));
 }
