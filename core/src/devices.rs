@@ -98,7 +98,8 @@ impl ShardedPool {
 
     /// Append `tokens` (K/V words `kv`, as [`KvPool::append`] takes them) at `step`: each token
     /// to its shard's device (the page lists are gathered for attention by the next
-    /// [`ShardedPool::attend`]).
+    /// [`ShardedPool::attend`]). A device's refusal (a full ring, say) is returned after the
+    /// devices before it have appended their share.
     pub fn append(&mut self, rts: &[&Runtime], tokens: &[NewToken], kv: &[u32], step: u32) -> Result<()> {
         self.check_rts(rts)?;
         let per = if tokens.is_empty() { 0 } else { kv.len() / tokens.len() };

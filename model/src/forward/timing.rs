@@ -5,8 +5,11 @@
 use std::collections::BTreeMap;
 
 use super::GpuLlama;
-use crate::{Error, Result};
+#[cfg(not(target_arch = "wasm32"))]
+use crate::Error;
+use crate::Result;
 use expertkv_core::runtime::Runtime;
+#[cfg(not(target_arch = "wasm32"))]
 use expertkv_core::runtime::dispatch::dispatches_encoded;
 
 /// Timestamps written between a step's passes (`write_timestamp` on the command encoder), each
@@ -84,6 +87,7 @@ impl StageTimer {
 }
 
 /// Decode steps [`GpuLlama::time_steps`] times stage by stage.
+#[cfg(not(target_arch = "wasm32"))]
 pub const PROFILED_STEPS: u32 = 5;
 
 /// The marks of one recording: the timer's first timestamp written by [`StageMarks::begin`], one
