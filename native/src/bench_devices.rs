@@ -9,6 +9,7 @@ use expertkv_core::config::{Codec, KvDtype};
 use expertkv_core::devices::ShardedPool;
 use expertkv_core::rng::Rng;
 use expertkv_core::runtime::Runtime;
+use expertkv_core::runtime::timer::median;
 use serde_json::json;
 
 use crate::GpuArgs;
@@ -26,11 +27,6 @@ pub struct DevicesBench {
     pub warmup: u32,
     pub reps: u32,
     pub json: bool,
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 pub fn run(gpu: &GpuArgs, b: &DevicesBench) -> Result<()> {
@@ -90,7 +86,7 @@ pub fn run(gpu: &GpuArgs, b: &DevicesBench) -> Result<()> {
                 merge.push(got.merge_s * 1e3);
             }
         }
-        let (s, w, sp, m) = (median(&mut single), median(&mut whole), median(&mut split), median(&mut merge));
+        let (s, w, sp, m) = (median(&single), median(&whole), median(&split), median(&merge));
         let held: Vec<u64> = sharded.parts.iter().map(|p| p.tokens).collect();
         if b.json {
             println!(

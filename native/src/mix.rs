@@ -155,7 +155,8 @@ fn serve(
             Some(r) => {
                 s.compared += 1;
                 s.kl_sum += kl(&r.log_probs[i], &lp);
-                s.same_top += u32::from(argmax(&logits) == argmax_f64(&r.log_probs[i]));
+                // The reference decoded greedily: its token is its top token.
+                s.same_top += u32::from(argmax(&logits) == r.ids[i]);
                 r.ids[i]
             }
             None => {
@@ -181,10 +182,6 @@ fn serve(
         prefetch_used: after.prefetch_used - before.prefetch_used,
     };
     Ok((s, reference.is_none().then_some(own)))
-}
-
-fn argmax_f64(v: &[f64]) -> u32 {
-    v.iter().enumerate().fold((0, f64::NEG_INFINITY), |(bi, bv), (i, &x)| if x > bv { (i, x) } else { (bi, bv) }).0 as u32
 }
 
 /// A policy's requests summed: decode tokens/s, p50/p99 time per output token, mean time to

@@ -240,22 +240,14 @@ fn run_and_eval_a_moe_file_with_its_own_experts() {
     assert!(!o.status.success() && err.contains("--expert-slots or --gpu-mem") && !err.contains("panicked"), "{err}");
     let out = ok(&["run", "--model", model, "--prompt", "Hello", "--tokens", "4", "--router", "load-balance"]);
     assert!(out.contains("router: load-balance over the file's own experts"), "{out}");
-    let out = ok(&[
-        "eval",
-        "--model",
-        model,
-        "--tokens",
-        "24",
-        "--needle-filler",
-        "0",
-        "--schedulers",
-        "none",
-        "--moe-routers",
-        "topk,hash",
-        "--json",
-    ]);
-    let rows: Vec<serde_json::Value> =
-        out.lines().filter(|l| l.starts_with('{')).map(|l| serde_json::from_str(l).expect("json row")).collect();
+    // eval's rows for the file's own router and the pipeline's, with `extra` flags.
+    let eval = |routers: &str, extra: &[&str]| -> (String, Vec<serde_json::Value>) {
+        let base = ["eval", "--model", model, "--tokens", "24", "--needle-filler", "0", "--schedulers", "none", "--json"];
+        let out = ok(&[&base[..], &["--moe-routers", routers], extra].concat());
+        let rows = out.lines().filter(|l| l.starts_with('{')).map(|l| serde_json::from_str(l).expect("json row")).collect();
+        (out, rows)
+    };
+    let (out, rows) = eval("topk,hash", &[]);
     assert_eq!(rows.len(), 3, "{out}");
     assert_eq!(
         (rows[0]["ffn"].as_str(), rows[1]["ffn"].as_str(), rows[2]["ffn"].as_str()),
@@ -265,28 +257,7 @@ fn run_and_eval_a_moe_file_with_its_own_experts() {
     assert_ne!(rows[2]["perplexity"], rows[0]["perplexity"], "hash routing chooses other experts: {out}");
     // eval with the experts in a cache: the same perplexity, the cache's traffic per row (not
     // the routed rows', whose pipeline router a cache does not take).
-    let cached_args = ["--expert-slots", "2", "--expert-policy", "score"];
-    let cached =
-        ok(&[
-            &[
-                "eval",
-                "--model",
-                model,
-                "--tokens",
-                "24",
-                "--needle-filler",
-                "0",
-                "--schedulers",
-                "none",
-                "--moe-routers",
-                "topk",
-                "--json",
-            ][..],
-            &cached_args,
-        ]
-        .concat());
-    let crows: Vec<serde_json::Value> =
-        cached.lines().filter(|l| l.starts_with('{')).map(|l| serde_json::from_str(l).expect("json row")).collect();
+    let (cached, crows) = eval("topk", &["--expert-slots", "2", "--expert-policy", "score"]);
     assert_eq!(crows.len(), 2, "{cached}");
     assert_eq!(crows[0]["perplexity"], rows[0]["perplexity"], "{cached}");
     assert!(crows[0]["expert_hit_rate"].as_f64().is_some_and(|h| h > 0.0 && h < 1.0), "{cached}");
