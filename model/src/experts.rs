@@ -603,6 +603,12 @@ impl ExpertCache {
         self.total.add(&last);
     }
 
+    /// Bytes of one expert of layer `layer` (gate, up and down rows): what one fetch copies (0
+    /// for a layer out of range).
+    pub fn layer_expert_bytes(&self, layer: u32) -> u64 {
+        self.layers.get(layer as usize).map_or(0, LayerTier::expert_bytes)
+    }
+
     /// GPU bytes of every layer's slots (gate, up and down rows of each slot).
     pub fn gpu_bytes(&self) -> u64 {
         self.layers.iter().map(|t| t.expert_bytes() * u64::from(self.cfg.slots)).sum()

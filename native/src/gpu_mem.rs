@@ -95,14 +95,6 @@ pub fn plan(
         bail!("--gpu-mem: this file's experts take no bytes on the GPU (a degenerate FFN shape)");
     }
     let slots = (((budget - kv - eb.fixed) / eb.per_slot).min(u64::from(e))) as u32;
-    if flexgen && slots < e {
-        bail!(
-            "--gpu-mem {}: after {what_kv} ({}) it holds {slots} of the {e} experts per layer, and FlexGen's host tier does not run beside an expert cache; give at least {} bytes for every expert, or another scheduler",
-            fmt_bytes(budget),
-            fmt_bytes(kv),
-            kv + eb.with_slots(e)
-        );
-    }
     let cache = (slots < e).then_some(ExpertCacheConfig { slots, policy, prefetch });
     let plan = GpuMemPlan {
         budget,

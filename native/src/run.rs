@@ -546,6 +546,18 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     }
     if let Some((fg, _)) = &m.flexgen {
         println!("{}", crate::demo::flexgen_line(&fg.stats));
+        let t = m.transfer_totals();
+        if m.expert_cache().is_some() {
+            println!(
+                "one transfer schedule: {} of {} steps that moved anything moved K/V pages and experts together ({} pages, {} experts on demand, {} ahead; {} to the GPU)",
+                t.steps_moving_both,
+                t.steps_moving,
+                t.pages,
+                t.experts,
+                t.experts_ahead,
+                crate::fmt_bytes(t.page_bytes + t.expert_bytes + t.ahead_bytes)
+            );
+        }
     }
     if let Some(line) = crate::routing::summary(&rt, m)? {
         println!("{line}");
@@ -642,6 +654,8 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
             "kv_pages_in_use": used,
             "kv_bytes_in_use": bytes,
             "expert_cache": m.expert_cache().map(expert_cache_json),
+            "flexgen": m.flexgen.as_ref().map(|(fg, _)| &fg.stats),
+            "transfers": m.transfer_totals(),
             "expert_reuse": m.expert_reuse().map(|r| serde_json::json!({
                 "references": r.references(),
                 "cold": r.cold,

@@ -89,6 +89,22 @@ pub struct TierStats {
     pub spill_failed: Option<String>,
 }
 
+/// A host page brought back to the GPU by [`FlexGen::fetch`], in place of the weakest resident
+/// page of its list, which went to host memory.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct PageFetch {
+    /// The list (layer, sequence, KV head) both pages belong to.
+    pub list: u32,
+    /// The GPU page: the weak page's before the swap, the fetched page's after.
+    pub gpu_page: u32,
+    /// The fetched page's bound on q.k for the layer's queries (max over the list's query heads).
+    pub bound: f64,
+    /// The bound of the resident page it replaced (always below `bound`).
+    pub evicted_bound: f64,
+    /// K/V bytes copied to the GPU (one page).
+    pub bytes: u64,
+}
+
 /// FlexGen placement over one pool: the pages held in host memory, per page list, and the tier's
 /// statistics.
 pub struct FlexGen {
@@ -97,6 +113,8 @@ pub struct FlexGen {
     host: HashMap<u32, Vec<HostPage>>,
     /// Host-tier size and traffic.
     pub stats: TierStats,
+    /// The pages [`FlexGen::fetch`] brought back since [`FlexGen::begin_step`], in order.
+    pub last_fetches: Vec<PageFetch>,
     spill: Option<Spill>,
 }
 
@@ -120,7 +138,18 @@ impl FlexGen {
                 format!("FlexGen needs at least one page ({} tokens) on the GPU", pool.cfg.page_size),
             ));
         }
-        Ok(FlexGen { budget_pages: budget.div_ceil(pool.cfg.page_size), host: HashMap::new(), stats: TierStats::default(), spill: None })
+        Ok(FlexGen {
+            budget_pages: budget.div_ceil(pool.cfg.page_size),
+            host: HashMap::new(),
+            stats: TierStats::default(),
+            last_fetches: Vec::new(),
+            spill: None,
+        })
+    }
+
+    /// Start a step: forget the last step's fetches ([`FlexGen::last_fetches`]).
+    pub fn begin_step(&mut self) {
+        self.last_fetches.clear();
     }
 
     /// Keep at most `host_limit_pages` pages' K/V words in host memory; the rest go to `tier`,
@@ -444,6 +473,13 @@ impl FlexGen {
                     tables.page_meta[wp] = PageMeta { owner: incoming.key, fill: incoming.fill };
                     tables.slot_meta[m0..m0 + c.page_size as usize * mw].copy_from_slice(&incoming.meta);
                     Self::write_page(rt, pool, weak_page, &incoming.data);
+                    self.last_fetches.push(PageFetch {
+                        list: li as u32,
+                        gpu_page: weak_page,
+                        bound: best_ub,
+                        evicted_bound: weak_ub,
+                        bytes: c.page_bytes(),
+                    });
                     self.stats.fetched_pages += 1;
                     self.stats.offloaded_pages += 1;
                     self.stats.bytes_to_gpu += c.page_bytes();

@@ -34,11 +34,14 @@ mod options;
 mod prefill;
 mod prefix;
 mod reconfigure;
+mod schedule;
 mod timing;
 pub mod trace;
 use options::check_options;
 pub use options::{ModelOptions, kept_per_list, pool_config};
 use prefill::Prefill;
+pub use schedule::{Moved, Part, Stage, Transfer, TransferTotals};
+use schedule::{Pause, Segment};
 use timing::StageMarks;
 pub use timing::StageTimer;
 
@@ -283,6 +286,10 @@ pub struct GpuLlama {
     timer: Option<StageTimer>,
     /// Where each pass's record goes while recording ([`GpuLlama::record_trace`]).
     trace: Option<trace::TraceSink>,
+    /// The last step's host-to-GPU transfers ([`GpuLlama::last_transfers`]) and every step's
+    /// summed.
+    transfers: Vec<Transfer>,
+    transfer_totals: TransferTotals,
 }
 
 /// Sequences one model decodes together at most (the matrix-vector kernel takes them in
@@ -523,6 +530,8 @@ impl GpuLlama {
             trace: None,
             io,
             prefill: None,
+            transfers: Vec::new(),
+            transfer_totals: TransferTotals::default(),
         }
     }
 }
@@ -1011,68 +1020,7 @@ impl GpuLlama {
         let d0 = dispatches_encoded();
         let segments = self.encode_step(rt, tokens)?;
         // With an expert cache, every layer's choices as the host read them between segments.
-        let mut cached_choices: Option<Vec<u32>> = None;
-        if self.flexgen.is_some() {
-            // A segment per layer up to its page lists (then the layer's fetch), and the rest.
-            let group = self.cfg.head_count / self.cfg.head_count_kv;
-            let last = segments.len() - 1;
-            for (l, cb) in segments.into_iter().enumerate() {
-                rt.queue.submit([cb]);
-                if l < last {
-                    let queries: Vec<f32> = rt.read_all(&self.attn.queries).await?;
-                    let bounds = self.flexgen_bounds(rt).await?;
-                    if let Some((fg, _)) = &mut self.flexgen {
-                        fg.fetch(rt, &self.pool, l as u32, &queries, group, &bounds).await?;
-                    }
-                }
-            }
-        } else if let Some(moe) = self.moe.as_mut().filter(|m| m.cache.is_some()) {
-            // Segments: up to layer 0's top k; then per layer its experts, and up to the next
-            // layer's top k (the head after the last). Between them the host reads the layer's
-            // choices, copies the missing experts (before the layer's experts) and, prefetching,
-            // the next layer's predicted ones (after them, overlapping the next attention).
-            let layers = self.cfg.block_count as usize;
-            let sizes: Vec<Vec<usize>> =
-                (0..layers).map(|l| moe.sync_ranges(l, self.n_seqs).iter().map(|r| r.2 as usize).collect()).collect();
-            let Some(cache) = &mut moe.cache else { unreachable!("filtered on the cache") };
-            let by_score = cache.cfg.policy == ExpertPolicy::Score;
-            cache.begin_step();
-            let mut segments = segments.into_iter();
-            rt.queue.submit(segments.next());
-            let mut all = Vec::new();
-            for (l, sizes) in sizes.iter().enumerate() {
-                // The layer's segment copied its choices (and scores, and the prediction) here.
-                let words: Vec<u32> = rt.read_staging(&moe.sync[l]).await?;
-                let mut at = 0;
-                let mut read = sizes.iter().map(|&len| {
-                    let part = words.get(at..at + len).unwrap_or_default().to_vec();
-                    at += len;
-                    part
-                });
-                let pre = moe.pregate.as_ref().filter(|_| l + 1 < layers);
-                let chosen = read.next().unwrap_or_default();
-                let scores: Vec<f32> = if by_score { bytemuck::cast_vec(read.next().unwrap_or_default()) } else { Vec::new() };
-                let step = u64::from(self.step);
-                let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("expert fetch") });
-                cache.ensure(rt, &mut enc, l as u32, &chosen, &scores, step, &moe.layers[l].1)?;
-                let mut cbs = vec![enc.finish()];
-                cbs.extend(segments.next());
-                if pre.is_some() {
-                    let predicted = read.next().unwrap_or_default();
-                    let scores: Vec<f32> = if by_score { bytemuck::cast_vec(read.next().unwrap_or_default()) } else { Vec::new() };
-                    let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("expert prefetch") });
-                    cache.prefetch(rt, &mut enc, l as u32 + 1, &predicted, &scores, step, &moe.layers[l + 1].1)?;
-                    cbs.push(enc.finish());
-                }
-                cbs.extend(segments.next());
-                rt.queue.submit(cbs);
-                all.extend(chosen);
-            }
-            cached_choices = Some(all);
-            cache.end_step();
-        } else {
-            rt.queue.submit(segments);
-        }
+        let cached_choices = self.submit_step(rt, segments).await?;
         rt.check("model forward")?;
         if let Some(t) = &mut self.timer {
             t.collect(rt, "decode").await?;
@@ -1166,7 +1114,7 @@ impl GpuLlama {
 
     /// Validate a step's tokens, fit a low-rank basis when its window is in, stage the step's
     /// records and record the whole step into one command buffer (see [`GpuLlama::forward`]).
-    fn encode_step(&mut self, rt: &Runtime, tokens: &[u32]) -> Result<Vec<wgpu::CommandBuffer>> {
+    fn encode_step(&mut self, rt: &Runtime, tokens: &[u32]) -> Result<Vec<Segment>> {
         let n = self.n_seqs;
         if tokens.len() != n as usize {
             return Err(Error::Input(format!("{} tokens for {n} sequences", tokens.len())));
@@ -1226,6 +1174,13 @@ impl GpuLlama {
         let rec = &self.recorded;
         let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("model forward") });
         let mut segments = Vec::new();
+        // The stages recorded since the last cut, and a cut: the recording so far becomes a
+        // segment the host acts after.
+        let mut stages = Vec::new();
+        let cut = |enc: &mut wgpu::CommandEncoder, stages: &mut Vec<Stage>, segments: &mut Vec<Segment>, then: Pause| {
+            let next = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("model forward") });
+            segments.push(Segment { cb: std::mem::replace(enc, next).finish(), stages: std::mem::take(stages), then: Some(then) });
+        };
         let pass_desc = |label| wgpu::ComputePassDescriptor { label: Some(label), timestamp_writes: None };
         let mut marks = StageMarks::begin(self.timer.as_mut(), &mut enc);
         rec.embed.encode(&mut enc.begin_compute_pass(&pass_desc("model embed")));
@@ -1246,8 +1201,7 @@ impl GpuLlama {
             }
             if self.flexgen.is_some() {
                 // FlexGen fetches the layer's host pages between here and its page lists.
-                let next = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("model forward") });
-                segments.push(std::mem::replace(&mut enc, next).finish());
+                cut(&mut enc, &mut stages, &mut segments, Pause::Pages(l));
             }
             self.pool.encode_gather_layer(&mut enc, l)?;
             marks.mark(&mut enc, "gather");
@@ -1263,6 +1217,7 @@ impl GpuLlama {
                 self.attn.encode(&mut pass);
             }
             marks.mark(&mut enc, "attention");
+            stages.push(Stage::attention(l));
             match &self.moe {
                 None => rec.ffn[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("model attention output and FFN"))),
                 Some(moe) => match &moe.routed {
@@ -1276,12 +1231,11 @@ impl GpuLlama {
                             enc.copy_buffer_to_buffer(src, first * 4, &moe.sync[l as usize], at * 4, words * 4);
                             at += words;
                         }
-                        let next = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("model forward") });
-                        segments.push(std::mem::replace(&mut enc, next).finish());
+                        cut(&mut enc, &mut stages, &mut segments, Pause::Experts(l));
                         moe.experts[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("model experts")));
-                        // The next layer's predicted experts are copied here.
-                        let next = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("model forward") });
-                        segments.push(std::mem::replace(&mut enc, next).finish());
+                        // The next layer's predicted experts are copied from here.
+                        stages.push(Stage::experts(l));
+                        cut(&mut enc, &mut stages, &mut segments, Pause::Ahead(l));
                     }
                     None => moe.recorded[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("model attention output and MoE"))),
                     Some(r) => {
@@ -1295,12 +1249,15 @@ impl GpuLlama {
                     }
                 },
             }
+            if self.moe.as_ref().is_some_and(|m| m.cache.is_none()) {
+                stages.push(Stage::experts(l));
+            }
             marks.mark(&mut enc, if self.moe.is_some() { "output and experts" } else { "output and FFN" });
         }
         rec.head.encode(&mut enc.begin_compute_pass(&pass_desc("model head")));
         marks.mark(&mut enc, "head");
         marks.finish(&mut enc);
-        segments.push(enc.finish());
+        segments.push(Segment { cb: enc.finish(), stages, then: None });
         Ok(segments)
     }
 

@@ -220,10 +220,7 @@ pub fn pool_config(
 /// `cfg` before allocating anything.
 pub(super) fn check_options(cfg: &LlamaConfig, o: &ModelOptions) -> Result<()> {
     let ModelOptions { n_seqs, max_context, codec, pyramid, threshold, .. } = *o;
-    let (scheduler, routing, experts) = (&o.scheduler, &o.routing, &o.experts);
-    if experts.is_some() && matches!(scheduler, Some((SchedulerConfig::FlexGen, _))) {
-        return Err(Error::config("experts", "cache", "FlexGen's host tier splits the step by layer on its own: give one or the other"));
-    }
+    let (scheduler, routing) = (&o.scheduler, &o.routing);
     if !scheduler.as_ref().is_some_and(|(s, _)| s.uses_evict_kernels()) && (pyramid.is_some() || threshold != Threshold::default()) {
         return Err(Error::config(
             if pyramid.is_some() { "pyramid" } else { "threshold" },

@@ -186,8 +186,9 @@ impl GpuLlama {
                 host = std::time::Duration::ZERO;
             }
             let h0 = std::time::Instant::now();
-            let cbs = self.encode_step(rt, &tokens)?;
-            rt.queue.submit(cbs);
+            // No pauses without a host tier or an expert cache: one segment.
+            let segments = self.encode_step(rt, &tokens)?;
+            rt.queue.submit(segments.into_iter().map(|s| s.cb));
             host += h0.elapsed();
             if let Some(t) = &mut self.timer
                 && profiled.contains(&i)

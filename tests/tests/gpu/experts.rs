@@ -170,3 +170,86 @@ fn a_reconfigured_model_decodes_as_a_fresh_load_with_its_options() {
         }
     }
 }
+
+/// FlexGen's host tier beside an expert cache: one schedule moves both in the same steps
+/// (`GpuLlama::last_transfers`). Against the same host tier with every expert resident, every
+/// step's logits are equal bit for bit and FlexGen moves the same pages. Every transfer is
+/// submitted before the stage that reads it; a demand fetch never evicts an expert its layer
+/// chose this step; a page fetch swaps out only a page with a lower bound, never one fetched
+/// earlier in the step; a prefetch waits behind its layer's page fetches. The pool and slots
+/// allocate what the options predict.
+#[test]
+fn one_schedule_moves_kv_pages_and_experts_in_the_same_step() {
+    use expertkv_core::evict::config::SchedulerConfig;
+    use expertkv_model::experts::ExpertBytes;
+    use expertkv_model::forward::{Moved, Stage};
+    let rt = rt();
+    let cases = [(1, ExpertPolicy::Lru, ExpertPrefetch::Pregate, 64), (2, ExpertPolicy::Score, ExpertPrefetch::None, 40)];
+    for ((n_seqs, policy, prefetch, steps), seed) in cases.into_iter().zip(seeds("model_flexgen_experts", cases.len() as u64)) {
+        let mut rng = Rng::new(seed);
+        let spec = SyntheticModel::moe(seed, 8, 2).with_weights(GgmlType::Q8_0);
+        let file = spec.gguf();
+        let g = Gguf::parse(&file).expect("gguf");
+        let c = expertkv_model::LlamaConfig::from_gguf(&g).expect("config");
+        let slots = min_slots(n_seqs, 2, 8);
+        let ctx = format!("seed {seed}: {n_seqs} sequences, {slots} slots, {policy:?}, prefetch {prefetch:?}");
+        let opts = ModelOptions::new(n_seqs, 96).dtype(KvDtype::F32).scheduler(Some((SchedulerConfig::FlexGen, 16)));
+        let mut all = pollster::block_on(GpuLlama::load(rt, &g, opts.clone())).expect("load");
+        let cached_opts = opts.clone().expert_cache(Some(ExpertCacheConfig { slots, policy, prefetch }));
+        let mut cached = pollster::block_on(GpuLlama::load(rt, &g, cached_opts.clone())).expect("load cached");
+        let eb = ExpertBytes::of(&g, &c).expect("bytes").expect("a MoE file");
+        assert_eq!(cached.kv_bytes_allocated(), cached_opts.kv_bytes(&c, rt.max_binding_bytes()).expect("kv bytes"), "{ctx}");
+        assert_eq!(cached.expert_bytes_allocated(), eb.with_slots(slots), "{ctx}");
+        let (mut both, mut pages, mut experts, mut ahead) = (0u32, 0u64, 0u64, 0u64);
+        for step in 0..steps {
+            let tokens: Vec<u32> = (0..n_seqs).map(|_| rng.below(256)).collect();
+            let before = all.expert_counts().to_vec();
+            let want = pollster::block_on(all.forward(rt, &tokens)).expect("forward");
+            let got = pollster::block_on(cached.forward(rt, &tokens)).expect("forward cached");
+            let ctx = format!("{ctx}: step {step}");
+            assert!(want.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()), "{ctx}: logits differ from the all-resident run's");
+            // The experts each layer chose this step (the all-resident run's routing is the same).
+            let chosen = |layer: u32, x: u32| all.expert_counts()[(layer * 8 + x) as usize] > before[(layer * 8 + x) as usize];
+            let page_moves = |m: &GpuLlama| -> Vec<_> {
+                m.last_transfers().iter().filter_map(|t| if let Moved::Page(p) = &t.moved { Some(*p) } else { None }).collect()
+            };
+            assert_eq!(page_moves(&cached), page_moves(&all), "{ctx}: the host tier moved other pages");
+            let log = cached.last_transfers();
+            let mut gpu_pages = Vec::new();
+            for (i, t) in log.iter().enumerate() {
+                let issued = t.issued_before.unwrap_or_else(|| panic!("{ctx}: transfer {i} submitted after every stage: {t:?}"));
+                assert!(issued <= t.needed_by, "{ctx}: transfer {i} submitted after the stage that reads it: {t:?}");
+                match &t.moved {
+                    Moved::Page(p) => {
+                        assert!(p.bound > p.evicted_bound, "{ctx}: {p:?}");
+                        assert!(!gpu_pages.contains(&p.gpu_page), "{ctx}: page {} fetched and swapped out in one step", p.gpu_page);
+                        gpu_pages.push(p.gpu_page);
+                        pages += 1;
+                    }
+                    Moved::Expert(f) if !f.ahead => {
+                        assert_eq!(t.needed_by, Stage::experts(f.layer), "{ctx}: {t:?}");
+                        assert!(chosen(f.layer, f.expert), "{ctx}: fetched an expert its layer did not choose: {f:?}");
+                        assert!(f.evicted.is_none_or(|x| !chosen(f.layer, x)), "{ctx}: evicted an expert its layer chose: {f:?}");
+                        experts += 1;
+                    }
+                    Moved::Expert(f) => {
+                        // Speculative copies ride behind the demand pages of their layer.
+                        let last_page = log.iter().rposition(|u| matches!(&u.moved, Moved::Page(_)) && u.needed_by.layer == f.layer);
+                        assert!(last_page.is_none_or(|p| p < i), "{ctx}: a prefetch went ahead of its layer's pages");
+                        assert_eq!(t.needed_by, Stage::experts(f.layer), "{ctx}: {t:?}");
+                        ahead += 1;
+                    }
+                }
+            }
+            let has = |page: bool| log.iter().any(|t| matches!(&t.moved, Moved::Page(_)) == page);
+            both += u32::from(has(true) && has(false));
+        }
+        println!("{ctx}: {pages} pages, {experts} experts on demand, {ahead} ahead; {both} steps moved both");
+        assert!(both > 0 && pages > 0 && experts > 0, "{ctx}: no step moved a page and an expert");
+        let t = cached.transfer_totals();
+        assert_eq!((t.steps_moving_both, t.pages, t.experts, t.experts_ahead), (u64::from(both), pages, experts, ahead), "{ctx}");
+        assert_eq!(ahead > 0, prefetch == ExpertPrefetch::Pregate, "{ctx}");
+        let (fa, fc) = (&all.flexgen.as_ref().expect("flexgen").0.stats, &cached.flexgen.as_ref().expect("flexgen").0.stats);
+        assert_eq!((fa.fetched_pages, fa.offloaded_pages), (fc.fetched_pages, fc.offloaded_pages), "{ctx}");
+    }
+}
