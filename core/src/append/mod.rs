@@ -729,16 +729,42 @@ impl KvPool {
         }
     }
 
+    /// A whole buffer as a readback range of u32 words.
+    fn whole(b: &wgpu::Buffer) -> (&wgpu::Buffer, u64, u64) {
+        (b, 0, b.size() / 4)
+    }
+
     /// Read the whole pool state but the K/V words back ([`KvPool::read_kv`] reads those).
     pub async fn snapshot(&self, rt: &Runtime) -> Result<PoolSnapshot> {
+        rt.check_owner(self.owner, "this pool")?;
+        // One readback for every table (a host tier reads them every layer of a step).
+        let mut ranges = vec![
+            Self::whole(&self.rings),
+            Self::whole(&self.ring_pages),
+            Self::whole(&self.page_meta),
+            Self::whole(&self.free_stack),
+            (&self.ctl, 0, (std::mem::size_of::<PoolCtl>() / 4) as u64),
+            Self::whole(&self.slot_meta),
+        ];
+        if self.codec.is_some() {
+            ranges.push(Self::whole(&self.codec_free));
+        }
+        let mut words = rt.read_many::<u32>(&ranges).await?.into_iter();
+        let mut next = || words.next().unwrap_or_default();
+        let (rings, ring_pages, page_meta, free_stack, ctl, slot_meta) = (next(), next(), next(), next(), next(), next());
+        // Whole elements only, as `Runtime::read_all` reads them.
+        fn cast<T: bytemuck::Pod>(words: &[u32]) -> Vec<T> {
+            let bytes: &[u8] = bytemuck::cast_slice(words);
+            bytemuck::pod_collect_to_vec(&bytes[..bytes.len() / std::mem::size_of::<T>() * std::mem::size_of::<T>()])
+        }
         Ok(PoolSnapshot {
-            rings: rt.read_all(&self.rings).await?,
-            ring_pages: rt.read_all(&self.ring_pages).await?,
-            page_meta: rt.read_all(&self.page_meta).await?,
-            free_stack: rt.read_all(&self.free_stack).await?,
-            ctl: self.read_ctl(rt).await?,
-            slot_meta: rt.read_all(&self.slot_meta).await?,
-            codec_free: if self.codec.is_some() { rt.read_all(&self.codec_free).await? } else { Vec::new() },
+            rings: cast(&rings),
+            ring_pages,
+            page_meta: cast(&page_meta),
+            free_stack,
+            ctl: cast::<PoolCtl>(&ctl).first().copied().unwrap_or_default(),
+            slot_meta,
+            codec_free: next(),
         })
     }
 

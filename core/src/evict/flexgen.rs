@@ -273,11 +273,11 @@ impl FlexGen {
             .sum()
     }
 
-    async fn read_page(rt: &Runtime, pool: &KvPool, page: u32) -> Result<Vec<u32>> {
+    /// Where a page's K/V words are: (buffer, first word, words).
+    fn page_range(pool: &KvPool, page: u32) -> (&wgpu::Buffer, u64, u64) {
         let ppb = pool.geo.pages_per_buffer;
-        let b = (page / ppb) as usize;
         let pw = u64::from(pool.cfg.page_words());
-        rt.read(&pool.kv_buffers[b], u64::from(page % ppb) * pw, pw).await
+        (&pool.kv_buffers[(page / ppb) as usize], u64::from(page % ppb) * pw, pw)
     }
 
     fn write_page(rt: &Runtime, pool: &KvPool, page: u32, data: &[u32]) {
@@ -297,6 +297,7 @@ impl FlexGen {
         let (r, ns, d) = (c.ring_capacity as usize, c.n_shards as usize, c.head_dim as usize);
         let mut t = Self::tables(rt, pool).await?;
         let mut changed = false;
+        let mut outgoing: Vec<(u32, u32, HostPage)> = Vec::new();
         for li in 0..c.n_lists() as usize {
             // Candidates: every ring's pages but its newest.
             let mut cand: Vec<(f64, u32, usize)> = Vec::new();
@@ -318,7 +319,6 @@ impl FlexGen {
             // Coldest first; ties to the lower page id.
             cand.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
             for &(_, page, key) in cand.iter().take((resident - keep) as usize) {
-                let data = Self::read_page(rt, pool, page).await?;
                 let fill = t.page_meta[page as usize].fill;
                 let mw = c.meta_words() as usize;
                 let m0 = (page * c.page_size) as usize * mw;
@@ -327,15 +327,12 @@ impl FlexGen {
                 let hi = bounds[page as usize * 2 * d + d..page as usize * 2 * d + 2 * d].to_vec();
                 self.stats.bytes_to_host += c.page_bytes();
                 self.stats.offloaded_pages += 1;
-                self.host.entry(li as u32).or_default().push(HostPage {
-                    key: key as u32,
-                    fill,
-                    data,
-                    meta: meta_words,
-                    lo,
-                    hi,
-                    spilled: None,
-                });
+                // Its words are read with every other page's once the lists are done.
+                outgoing.push((
+                    li as u32,
+                    page,
+                    HostPage { key: key as u32, fill, data: Vec::new(), meta: meta_words, lo, hi, spilled: None },
+                ));
                 // Out of its ring (order kept), back on the free stack.
                 let order: Vec<u32> = Self::ring_order(&t, key, r).into_iter().filter(|p| *p != page).collect();
                 let tail_fill = t.rings[key].fill;
@@ -345,6 +342,13 @@ impl FlexGen {
                 t.page_meta[page as usize] = PageMeta { owner: NO_OWNER, fill: 0 };
                 changed = true;
             }
+        }
+        // One readback for every page that leaves, in the order they left.
+        let ranges: Vec<_> = outgoing.iter().map(|(_, page, _)| Self::page_range(pool, *page)).collect();
+        let words = rt.read_many::<u32>(&ranges).await?;
+        for ((li, _, mut page), data) in outgoing.into_iter().zip(words) {
+            page.data = data;
+            self.host.entry(li).or_default().push(page);
         }
         if changed {
             Self::write_tables(rt, pool, &t);
@@ -365,6 +369,10 @@ impl FlexGen {
         // A GPU page a fetch filled this call holds the fetched page's bounds, not the ones
         // `bounds` was read with.
         let mut swapped: HashMap<u32, (Vec<f32>, Vec<f32>)> = HashMap::new();
+        // The pages swapped out (list, GPU page, the host page but its words) and the fetched
+        // pages' words with their GPU page.
+        let mut outgoing: Vec<(u32, u32, HostPage)> = Vec::new();
+        let mut incoming_words: Vec<(u32, Vec<u32>)> = Vec::new();
         fn page_bounds<'a>(swapped: &'a HashMap<u32, (Vec<f32>, Vec<f32>)>, bounds: &'a [f32], d: usize, p: u32) -> (&'a [f32], &'a [f32]) {
             match swapped.get(&p) {
                 Some((lo, hi)) => (lo, hi),
@@ -437,7 +445,6 @@ impl FlexGen {
                             }
                         }
                     }
-                    let out_data = Self::read_page(rt, pool, weak_page).await?;
                     let mw = c.meta_words() as usize;
                     let m0 = (weak_page * c.page_size) as usize * mw;
                     let out_meta = tables.slot_meta[m0..m0 + c.page_size as usize * mw].to_vec();
@@ -445,15 +452,22 @@ impl FlexGen {
                     let (out_lo, out_hi) = page_bounds(&swapped, bounds, d, weak_page);
                     let (out_lo, out_hi) = (out_lo.to_vec(), out_hi.to_vec());
                     swapped.insert(weak_page, (incoming.lo.clone(), incoming.hi.clone()));
-                    host.push(HostPage {
-                        key: weak_key as u32,
-                        fill: tables.page_meta[wp].fill,
-                        data: out_data,
-                        meta: out_meta,
-                        lo: out_lo,
-                        hi: out_hi,
-                        spilled: None,
-                    });
+                    // Its words are read after the decisions, with every other page's. It joins
+                    // the host pages then: its bound is below every resident page's, so it would
+                    // not be fetched back in this call anyway.
+                    outgoing.push((
+                        li as u32,
+                        weak_page,
+                        HostPage {
+                            key: weak_key as u32,
+                            fill: tables.page_meta[wp].fill,
+                            data: Vec::new(),
+                            meta: out_meta,
+                            lo: out_lo,
+                            hi: out_hi,
+                            spilled: None,
+                        },
+                    ));
                     // Out of the weak page's ring; the fetched page enters its own ring as the
                     // oldest page (the newest stays the one being filled).
                     let order: Vec<u32> = Self::ring_order(tables, weak_key, r).into_iter().filter(|p| *p != weak_page).collect();
@@ -472,7 +486,7 @@ impl FlexGen {
                     tables.ring_pages[key * r + ring.head as usize] = weak_page;
                     tables.page_meta[wp] = PageMeta { owner: incoming.key, fill: incoming.fill };
                     tables.slot_meta[m0..m0 + c.page_size as usize * mw].copy_from_slice(&incoming.meta);
-                    Self::write_page(rt, pool, weak_page, &incoming.data);
+                    incoming_words.push((weak_page, incoming.data));
                     self.last_fetches.push(PageFetch {
                         list: li as u32,
                         gpu_page: weak_page,
@@ -486,6 +500,17 @@ impl FlexGen {
                     self.stats.bytes_to_host += c.page_bytes();
                 }
             }
+        }
+        // One readback for every page swapped out (before any fetched page's words are
+        // written over them), then the fetched pages' words.
+        let ranges: Vec<_> = outgoing.iter().map(|(_, page, _)| Self::page_range(pool, *page)).collect();
+        let words = rt.read_many::<u32>(&ranges).await?;
+        for ((li, _, mut page), data) in outgoing.into_iter().zip(words) {
+            page.data = data;
+            self.host.entry(li).or_default().push(page);
+        }
+        for (page, data) in &incoming_words {
+            Self::write_page(rt, pool, *page, data);
         }
         if let Some(t) = &t {
             Self::write_tables(rt, pool, t);

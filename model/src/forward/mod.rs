@@ -989,15 +989,21 @@ impl GpuLlama {
         self.moe.as_ref().map_or(&[], |m| &m.counts)
     }
 
-    /// FlexGen: summarise the pages that changed (QUEST bounds) and read every page's bounds.
-    async fn flexgen_bounds(&self, rt: &Runtime) -> Result<Vec<f32>> {
-        let Some((_, q)) = &self.flexgen else { return Ok(Vec::new()) };
+    /// FlexGen: summarise the pages that changed (QUEST bounds) and read every page's bounds,
+    /// and with `queries` the attention's queries too, in one readback: (queries, bounds).
+    async fn flexgen_bounds(&self, rt: &Runtime, queries: bool) -> Result<(Vec<f32>, Vec<f32>)> {
+        let Some((_, q)) = &self.flexgen else { return Ok((Vec::new(), Vec::new())) };
         let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("flexgen bounds") });
         q.encode_summarize(
             &mut enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("flexgen bounds"), timestamp_writes: None }),
         );
         rt.queue.submit([enc.finish()]);
-        rt.read_all(&q.bounds).await
+        let whole = |b: &wgpu::Buffer| b.size() / 4;
+        let (qb, bb) = (&self.attn.queries, &q.bounds);
+        let ranges = if queries { vec![(qb, 0, whole(qb)), (bb, 0, whole(bb))] } else { vec![(bb, 0, whole(bb))] };
+        let mut read = rt.read_many::<f32>(&ranges).await?;
+        let bounds = read.pop().unwrap_or_default();
+        Ok((read.pop().unwrap_or_default(), bounds))
     }
 
     /// One token per sequence at its next position; returns the logits, `[seq][vocab]`.
@@ -1073,7 +1079,7 @@ impl GpuLlama {
         }
         if self.flexgen.is_some() {
             // This step's attention mass counts: the coldest pages past the budget go to host.
-            let bounds = self.flexgen_bounds(rt).await?;
+            let (_, bounds) = self.flexgen_bounds(rt, false).await?;
             if let Some((fg, _)) = &mut self.flexgen {
                 fg.offload(rt, &self.pool, &bounds).await?;
             }

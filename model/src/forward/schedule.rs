@@ -194,8 +194,7 @@ impl GpuLlama {
                 None => {}
                 Some(Pause::Pages(l)) => {
                     rt.queue.submit(pending.drain(..));
-                    let queries: Vec<f32> = rt.read_all(&self.attn.queries).await?;
-                    let bounds = self.flexgen_bounds(rt).await?;
+                    let (queries, bounds) = self.flexgen_bounds(rt, true).await?;
                     if let Some((fg, _)) = &mut self.flexgen {
                         let from = fg.last_fetches.len();
                         fg.fetch(rt, &self.pool, l, &queries, group, &bounds).await?;
