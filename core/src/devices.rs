@@ -3,15 +3,18 @@
 //! A [`ShardedPool`] holds one [`KvPool`] per device, each with the whole pool's configuration,
 //! and places every shard on one device (shard `s` on device `s mod N`): a token goes to the
 //! device of the shard its position and top expert map to ([`crate::config::ShardMap`]), so each device's page
-//! lists hold that device's shards' tokens and nothing else. Decode attention runs the split
-//! pass (flash-decoding's partial max, sum and unnormalised output per chunk of pages) on every
-//! device at once, each over its own pages; the partials cross to the host and are merged there
-//! as the reduce pass merges a device's chunks ([`merge_partials`]). The routing and placement
-//! decisions are the single-device run's, and the output is its output within f32 rounding (the
-//! chunks merge in another order).
+//! lists hold that device's shards' tokens and nothing else. Decode attention runs the split and
+//! reduce passes (flash-decoding over chunks of pages) on every device at once, each over its
+//! own pages: every device ends with its own output and softmax (max, sum) per query head. Those
+//! cross to the host, `head_dim + 2` floats a head a device, and merge there as the reduce pass
+//! merges a device's chunks ([`merge_partials`], one record per device). The routing and
+//! placement decisions are the single-device run's, and the output is its output within f32
+//! rounding (the chunks merge in another order).
 //!
 //! wgpu has no transfer between devices, so the merge goes through host-visible staging: one
-//! readback per device per step. With the attention-mass pass (H2O's utilities), the merged
+//! readback per device per step. Reducing on each device first keeps that readback and the host
+//! merge to a record per head and device, whatever the context (the split pass's partials are a
+//! record per chunk of pages). With the attention-mass pass (H2O's utilities), the merged
 //! (max, sum) of every query head is written back to every device, whose mass pass then adds
 //! each of its tokens' share of the whole softmax to the token's slot metadata, as one device
 //! holding every token would.
@@ -28,7 +31,8 @@ pub struct DevicePart {
     /// The pool on this device (every shard's rings exist; only this device's shards fill, and
     /// its pages are what their rings hold at most).
     pub pool: KvPool,
-    /// Decode attention over this device's pages (the split pass only is used).
+    /// Decode attention over this device's pages (split and reduce; the mass pass after the
+    /// merge).
     pub attn: Attention,
     /// Tokens appended here so far.
     pub tokens: u64,
@@ -41,14 +45,15 @@ pub struct DevicePart {
 pub struct ShardedAttend {
     /// The attention output, `[seq][q_head][head_dim]`.
     pub out: Vec<f32>,
-    /// Seconds from the first submission until every device's partials were read back.
-    pub split_and_read_s: f64,
+    /// Seconds from the first submission until every device's output and statistics were read
+    /// back.
+    pub attend_and_read_s: f64,
     /// Seconds of the host merge.
     pub merge_s: f64,
     /// Seconds of the mass passes (the merged statistics written to every device, the passes
     /// run and waited for); 0 without the mass pass.
     pub mass_s: f64,
-    /// Bytes of partials read back from all devices.
+    /// Bytes read back from all devices.
     pub bytes_read: u64,
 }
 
@@ -122,8 +127,8 @@ impl ShardedPool {
 
     /// Decode attention of layer `layer` for `queries` (`[seq][q_head][head_dim]`, f32) over
     /// every device's pages: the page lists appended to since the last call gathered first
-    /// (outside the timing), then the split passes submitted on all devices, read back and
-    /// merged on the host.
+    /// (outside the timing), then the split and reduce passes submitted on all devices, their
+    /// outputs and statistics read back and merged on the host.
     pub async fn attend(&mut self, rts: &[&Runtime], layer: u32, step: u32, queries: &[f32]) -> Result<ShardedAttend> {
         self.check_rts(rts)?;
         for (part, rt) in self.parts.iter_mut().zip(rts).filter(|(p, _)| p.stale) {
@@ -135,25 +140,41 @@ impl ShardedPool {
         for (part, rt) in self.parts.iter().zip(rts) {
             part.attn.set_queries(rt, queries)?;
             part.attn.prepare(rt, layer, step);
-            let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("attend split (sharded)") });
+            let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("attend (sharded)") });
             {
-                let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("attend split"), timestamp_writes: None });
+                let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("attend"), timestamp_writes: None });
                 part.attn.encode_split(&mut pass);
+                part.attn.encode_reduce(&mut pass);
             }
             rt.queue.submit([enc.finish()]);
         }
-        let mut partials = Vec::new();
+        let a = &self.parts[0].attn;
+        let (heads, d) = ((a.opts.n_seqs * a.q_heads()) as usize, self.cfg.head_dim as usize);
+        let mut records = Vec::new();
         let mut bytes_read = 0;
         for (part, rt) in self.parts.iter().zip(rts) {
-            let floats = part.attn.partials.size() / 4;
-            partials.push(rt.read::<f32>(&part.attn.partials, 0, floats).await?);
-            bytes_read += floats * 4;
-            rt.check("attend split (sharded)")?;
+            let (out, stats) = (&part.attn.out, &part.attn.stats);
+            let read = rt.read_many::<f32>(&[(out, 0, (heads * d) as u64), (stats, 0, 2 * heads as u64)]).await?;
+            bytes_read += ((heads * d + 2 * heads) * 4) as u64;
+            rt.check("attend (sharded)")?;
+            records.push(read);
         }
-        let split_and_read_s = t0.elapsed().as_secs_f64();
+        let attend_and_read_s = t0.elapsed().as_secs_f64();
         let t1 = std::time::Instant::now();
-        let a = &self.parts[0].attn;
-        let views: Vec<&[f32]> = partials.iter().map(Vec::as_slice).collect();
+        // Each device's (output, max, sum) as one split record a head: (max, sum, 0, 0, sum x output).
+        let as_records: Vec<Vec<f32>> = records
+            .iter()
+            .map(|r| {
+                let (out, stats) = (&r[0], &r[1]);
+                (0..heads)
+                    .flat_map(|h| {
+                        let (m, l) = (stats[2 * h], stats[2 * h + 1]);
+                        [m, l, 0.0, 0.0].into_iter().chain(out[h * d..(h + 1) * d].iter().map(move |&x| x * l))
+                    })
+                    .collect()
+            })
+            .collect();
+        let views: Vec<&[f32]> = as_records.iter().map(Vec::as_slice).collect();
         let merged = merge_partials(&views, a.opts.n_seqs, a.q_heads(), self.cfg.head_dim)?;
         let merge_s = t1.elapsed().as_secs_f64();
         let t2 = std::time::Instant::now();
@@ -175,7 +196,7 @@ impl ShardedPool {
             }
         }
         let mass_s = if a.opts.mass { t2.elapsed().as_secs_f64() } else { 0.0 };
-        Ok(ShardedAttend { out: merged.out, split_and_read_s, merge_s, mass_s, bytes_read })
+        Ok(ShardedAttend { out: merged.out, attend_and_read_s, merge_s, mass_s, bytes_read })
     }
 
     fn check_rts(&self, rts: &[&Runtime]) -> Result<()> {

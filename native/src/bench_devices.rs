@@ -1,6 +1,6 @@
 //! `expertkv bench devices`: decode attention with the pool's shards on several devices
 //! (`expertkv_core::devices`) against the same pool on one device: the scaling ratio, and what
-//! the cross-device merge costs per call (the partials' readback and the host merge).
+//! the cross-device merge costs per call (each device's output and statistics read back, the host merge).
 
 use anyhow::{Context, Result, bail};
 use expertkv_core::attend::{AttendOptions, Attention};
@@ -82,7 +82,7 @@ pub fn run(gpu: &GpuArgs, b: &DevicesBench) -> Result<()> {
             if i >= b.warmup {
                 single.push(single_s * 1e3);
                 whole.push(whole_s * 1e3);
-                split.push(got.split_and_read_s * 1e3);
+                split.push(got.attend_and_read_s * 1e3);
                 merge.push(got.merge_s * 1e3);
             }
         }
@@ -92,12 +92,12 @@ pub fn run(gpu: &GpuArgs, b: &DevicesBench) -> Result<()> {
             println!(
                 "{}",
                 json!({"measure": "attend_devices", "shape": shape.label(), "devices": b.devices, "adapter": rts[0].info.name,
-                       "one_device_ms": s, "devices_ms": w, "split_and_readback_ms": sp, "merge_ms": m, "scaling": s / w,
+                       "one_device_ms": s, "devices_ms": w, "attend_and_readback_ms": sp, "merge_ms": m, "scaling": s / w,
                        "tokens_per_device": held, "worst_relative_difference": worst, "reps": b.reps})
             );
         } else {
             println!(
-                "{}: one device {s:.3} ms (attention and its output read back); {} devices {w:.3} ms ({sp:.3} ms split on all and partials read back, {m:.3} ms host merge): {:.2}x; tokens per device {held:?}; outputs agree within {worst:.1e} (relative)",
+                "{}: one device {s:.3} ms (attention and its output read back); {} devices {w:.3} ms ({sp:.3} ms attention on all and outputs read back, {m:.3} ms host merge): {:.2}x; tokens per device {held:?}; outputs agree within {worst:.1e} (relative)",
                 shape.label(),
                 b.devices,
                 s / w

@@ -1023,10 +1023,16 @@ impl Attention {
     /// Encode split (one dispatch per pool buffer), reduce and, if enabled, mass into one pass.
     pub fn encode(&self, pass: &mut wgpu::ComputePass<'_>) {
         self.encode_split(pass);
+        self.encode_reduce(pass);
+        self.encode_mass(pass);
+    }
+
+    /// Encode the reduce pass alone: the split pass's partials merged into `out` and the final
+    /// (max, sum) per (seq, q_head) into `stats`.
+    pub fn encode_reduce(&self, pass: &mut wgpu::ComputePass<'_>) {
         pass.set_pipeline(&self.reduce);
         pass.set_bind_group(0, &self.reduce_bg, &[]);
         pass.dispatch_counted(self.q_heads, self.opts.n_seqs, 1);
-        self.encode_mass(pass);
     }
 
     /// Encode the attention-mass pass alone (nothing without `opts.mass`): it reads the split

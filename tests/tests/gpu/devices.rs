@@ -1,7 +1,7 @@
 //! The pool's shards on two devices (`expertkv_core::devices`): two devices opened from the one
 //! adapter stand in for two GPUs. Every token lands on the device of its shard, and decode
-//! attention split over both (each device's split pass, the partials merged on the host, the
-//! merged statistics sent back for the mass pass) equals the one-device pool's attention and
+//! attention split over both (each device's split and reduce passes, their outputs and softmax
+//! statistics merged on the host, the merged statistics sent back for the mass pass) equals the one-device pool's attention and
 //! attention mass.
 
 use std::collections::HashMap;
@@ -20,7 +20,8 @@ use crate::common::{POISON_F32, rt, rt_trusted, seeds};
 
 /// Random pools of 2 or 4 shards (PiKV's map or by expert, top 1 or 2), several sequences and
 /// layers, filled in random batches on one device and on two: per layer, random queries give the
-/// same output within f32 rounding (the partials poisoned before each run), and every token's
+/// same output within f32 rounding (the partials, outputs and statistics poisoned before each
+/// run), and every token's
 /// accumulated attention mass is the same on the device holding it; the devices hold exactly
 /// the tokens of their shards, and both hold some.
 #[test]
@@ -87,7 +88,9 @@ fn shards_on_two_devices_attend_as_one_pool() {
             attn.set_queries(rt, &q).expect("queries");
             rt.fill_u32(&attn.out, POISON_F32);
             for (part, rt) in two.parts.iter().zip(devices) {
-                rt.fill_u32(&part.attn.partials, POISON_F32);
+                for b in [&part.attn.partials, &part.attn.out, &part.attn.stats] {
+                    rt.fill_u32(b, POISON_F32);
+                }
             }
             attn.run(rt, layer, step).expect("attend");
             let want = pollster::block_on(attn.read_output(rt)).expect("output");
@@ -97,8 +100,10 @@ fn shards_on_two_devices_attend_as_one_pool() {
                 let (g, w) = (f64::from(*g), f64::from(*w));
                 assert!((g - w).abs() <= 2e-5 + 1e-4 * w.abs(), "{ctx}: layer {layer} output[{i}]: two devices {g}, one {w}");
             }
+            // A record of head_dim + 2 floats a head a device, whatever the context.
+            let heads = u64::from(opts.n_seqs * attn.q_heads());
             assert!(
-                got.bytes_read > 0 && got.merge_s >= 0.0 && got.mass_s > 0.0,
+                got.bytes_read == 2 * heads * u64::from(cfg.head_dim + 2) * 4 && got.merge_s >= 0.0 && got.mass_s > 0.0,
                 "{ctx}: {} bytes read, merge {} s, mass {} s",
                 got.bytes_read,
                 got.merge_s,
