@@ -28,7 +28,8 @@ j = json.loads(js[-1]); e = j.get("expert_cache") or {}; f = j.get("flexgen") or
 print(json.dumps({"run": label, "tokens_per_s": round(j["tokens_per_s"], 1), "tpot_ms_p50": round(j["tpot_ms_p50"] or 0, 2),
   "tpot_ms_p99": round(j["tpot_ms_p99"] or 0, 2), "ttft_s": round(j["ttft_s"], 2), "kv_MB_to_gpu": round(f.get("bytes_to_gpu", 0) / 1e6, 1),
   "kv_MB_to_host": round(f.get("bytes_to_host", 0) / 1e6, 1), "expert_MB_to_gpu": round(e.get("bytes_moved", 0) / 1e6, 1),
-  "hit_rate": round(e.get("hit_rate", 1), 3), "steps_moving_both": t.get("steps_moving_both", 0), "steps_moving": t.get("steps_moving", 0),
+  "hit_rate": round(e.get("hit_rate", 1), 3), "tier_read_s": round(t.get("tier_read_s", 0), 2), "tier_host_s": round(f.get("host_s", 0), 2),
+  "tier_page_read_s": round(f.get("page_read_s", 0), 2), "prefill_s": round(j["prefill_s"], 2), "decode_s": round(j["decode_s"], 2), "steps_moving_both": t.get("steps_moving_both", 0), "steps_moving": t.get("steps_moving", 0),
   "generated": j["generated_ids"][:12]}))
 ' "$label"
 done <<RUNS

@@ -738,6 +738,14 @@ impl KvPool {
     pub async fn snapshot(&self, rt: &Runtime) -> Result<PoolSnapshot> {
         rt.check_owner(self.owner, "this pool")?;
         // One readback for every table (a host tier reads them every layer of a step).
+        let words = rt.read_many::<u32>(&self.snapshot_ranges()).await?;
+        Ok(self.snapshot_from(words))
+    }
+
+    /// The readback ranges (buffer, first word, words) of a [`KvPool::snapshot`], for a caller
+    /// that reads them with other buffers in one [`Runtime::read_many`] and hands the words to
+    /// [`KvPool::snapshot_from`].
+    pub fn snapshot_ranges(&self) -> Vec<(&wgpu::Buffer, u64, u64)> {
         let mut ranges = vec![
             Self::whole(&self.rings),
             Self::whole(&self.ring_pages),
@@ -749,15 +757,20 @@ impl KvPool {
         if self.codec.is_some() {
             ranges.push(Self::whole(&self.codec_free));
         }
-        let mut words = rt.read_many::<u32>(&ranges).await?.into_iter();
-        let mut next = || words.next().unwrap_or_default();
-        let (rings, ring_pages, page_meta, free_stack, ctl, slot_meta) = (next(), next(), next(), next(), next(), next());
+        ranges
+    }
+
+    /// The snapshot read as [`KvPool::snapshot_ranges`] says, one word vector a range.
+    pub fn snapshot_from(&self, words: Vec<Vec<u32>>) -> PoolSnapshot {
         // Whole elements only, as `Runtime::read_all` reads them.
         fn cast<T: bytemuck::Pod>(words: &[u32]) -> Vec<T> {
             let bytes: &[u8] = bytemuck::cast_slice(words);
             bytemuck::pod_collect_to_vec(&bytes[..bytes.len() / std::mem::size_of::<T>() * std::mem::size_of::<T>()])
         }
-        Ok(PoolSnapshot {
+        let mut words = words.into_iter();
+        let mut next = || words.next().unwrap_or_default();
+        let (rings, ring_pages, page_meta, free_stack, ctl, slot_meta) = (next(), next(), next(), next(), next(), next());
+        PoolSnapshot {
             rings: cast(&rings),
             ring_pages,
             page_meta: cast(&page_meta),
@@ -765,7 +778,7 @@ impl KvPool {
             ctl: cast::<PoolCtl>(&ctl).first().copied().unwrap_or_default(),
             slot_meta,
             codec_free: next(),
-        })
+        }
     }
 
     /// All K/V words, pages in global order (concatenating the pool buffers).

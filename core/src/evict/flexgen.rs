@@ -18,7 +18,7 @@
 
 use std::collections::HashMap;
 
-use crate::append::KvPool;
+use crate::append::{KvPool, PoolSnapshot};
 use crate::error::{Error, Result};
 use crate::gpu_data::{NO_OWNER, PageMeta, PoolCtl, RingState, meta};
 use crate::runtime::Runtime;
@@ -87,6 +87,11 @@ pub struct TierStats {
     pub lost_pages: u64,
     /// Why the spill tier was switched off, if it was.
     pub spill_failed: Option<String>,
+    /// Seconds spent in fetches and offloads (the decisions, the pages' readbacks, the writes
+    /// staged), the reads of their queries, bounds and tables aside.
+    pub host_s: f64,
+    /// Of those, seconds waiting for the pages' readbacks.
+    pub page_read_s: f64,
 }
 
 /// A host page brought back to the GPU by [`FlexGen::fetch`], in place of the weakest resident
@@ -224,16 +229,15 @@ impl FlexGen {
         }
     }
 
-    async fn tables(rt: &Runtime, pool: &KvPool) -> Result<Tables> {
-        let s = pool.snapshot(rt).await?;
-        Ok(Tables {
+    fn tables(s: PoolSnapshot) -> Tables {
+        Tables {
             rings: s.rings,
             ring_pages: s.ring_pages,
             page_meta: s.page_meta,
             free_stack: s.free_stack,
             ctl: s.ctl,
             slot_meta: s.slot_meta,
-        })
+        }
     }
 
     fn write_tables(rt: &Runtime, pool: &KvPool, t: &Tables) {
@@ -293,9 +297,17 @@ impl FlexGen {
     /// Move the coldest pages past the budget of every list to the host (after attention, so
     /// this step's attention mass counts). `bounds` are the QUEST page bounds (`[page][min|max]`).
     pub async fn offload(&mut self, rt: &Runtime, pool: &KvPool, bounds: &[f32]) -> Result<()> {
+        let snapshot = pool.snapshot(rt).await?;
+        self.offload_with(rt, pool, bounds, snapshot).await
+    }
+
+    /// [`FlexGen::offload`] with the pool's tables already read ([`KvPool::snapshot`], after
+    /// the step's attention and nothing since), as a caller reading them with the bounds does.
+    pub async fn offload_with(&mut self, rt: &Runtime, pool: &KvPool, bounds: &[f32], snapshot: PoolSnapshot) -> Result<()> {
+        let t0 = std::time::Instant::now();
         let c = pool.cfg.clone();
         let (r, ns, d) = (c.ring_capacity as usize, c.n_shards as usize, c.head_dim as usize);
-        let mut t = Self::tables(rt, pool).await?;
+        let mut t = Self::tables(snapshot);
         let mut changed = false;
         let mut outgoing: Vec<(u32, u32, HostPage)> = Vec::new();
         for li in 0..c.n_lists() as usize {
@@ -345,7 +357,9 @@ impl FlexGen {
         }
         // One readback for every page that leaves, in the order they left.
         let ranges: Vec<_> = outgoing.iter().map(|(_, page, _)| Self::page_range(pool, *page)).collect();
+        let t1 = std::time::Instant::now();
         let words = rt.read_many::<u32>(&ranges).await?;
+        self.stats.page_read_s += t1.elapsed().as_secs_f64();
         for ((li, _, mut page), data) in outgoing.into_iter().zip(words) {
             page.data = data;
             self.host.entry(li).or_default().push(page);
@@ -355,6 +369,7 @@ impl FlexGen {
         }
         self.spill_past_limit(&c);
         self.update_host_stats(&c);
+        self.stats.host_s += t0.elapsed().as_secs_f64();
         Ok(())
     }
 
@@ -362,10 +377,27 @@ impl FlexGen {
     /// heads) beats the weakest resident page's, swapping that one out. `queries` are the
     /// layer's `[seq][q_head][d]`; `bounds` the QUEST bounds of resident pages.
     pub async fn fetch(&mut self, rt: &Runtime, pool: &KvPool, layer: u32, queries: &[f32], group: u32, bounds: &[f32]) -> Result<()> {
+        let snapshot = pool.snapshot(rt).await?;
+        self.fetch_with(rt, pool, layer, (queries, group), bounds, snapshot).await
+    }
+
+    /// [`FlexGen::fetch`] with the pool's tables already read ([`KvPool::snapshot`], after the
+    /// layer's append and nothing since), as a caller reading them with the queries and bounds
+    /// does. `queries` are the layer's queries and the query heads per KV head.
+    pub async fn fetch_with(
+        &mut self,
+        rt: &Runtime,
+        pool: &KvPool,
+        layer: u32,
+        (queries, group): (&[f32], u32),
+        bounds: &[f32],
+        snapshot: PoolSnapshot,
+    ) -> Result<()> {
+        let t0 = std::time::Instant::now();
         let c = pool.cfg.clone();
         let (r, ns, d) = (c.ring_capacity as usize, c.n_shards as usize, c.head_dim as usize);
         let hq = (c.kv_heads * group) as usize;
-        let mut t: Option<Tables> = None;
+        let mut t: Option<Tables> = Some(Self::tables(snapshot));
         // A GPU page a fetch filled this call holds the fetched page's bounds, not the ones
         // `bounds` was read with.
         let mut swapped: HashMap<u32, (Vec<f32>, Vec<f32>)> = HashMap::new();
@@ -397,10 +429,7 @@ impl FlexGen {
                         })
                         .fold(f64::NEG_INFINITY, f64::max)
                 };
-                let tables = match &mut t {
-                    Some(x) => x,
-                    None => t.insert(Self::tables(rt, pool).await?),
-                };
+                let Some(tables) = &mut t else { continue };
                 // Best host page against the weakest resident non-tail page, until none beats it.
                 while let Some((hi_i, best_ub)) =
                     host.iter().enumerate().map(|(i, p)| (i, ub(&p.lo, &p.hi))).max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(&a.0)))
@@ -504,7 +533,9 @@ impl FlexGen {
         // One readback for every page swapped out (before any fetched page's words are
         // written over them), then the fetched pages' words.
         let ranges: Vec<_> = outgoing.iter().map(|(_, page, _)| Self::page_range(pool, *page)).collect();
+        let t1 = std::time::Instant::now();
         let words = rt.read_many::<u32>(&ranges).await?;
+        self.stats.page_read_s += t1.elapsed().as_secs_f64();
         for ((li, _, mut page), data) in outgoing.into_iter().zip(words) {
             page.data = data;
             self.host.entry(li).or_default().push(page);
@@ -512,11 +543,12 @@ impl FlexGen {
         for (page, data) in &incoming_words {
             Self::write_page(rt, pool, *page, data);
         }
-        if let Some(t) = &t {
+        if let (Some(t), false) = (&t, incoming_words.is_empty()) {
             Self::write_tables(rt, pool, t);
         }
         self.spill_past_limit(&c);
         self.update_host_stats(&c);
+        self.stats.host_s += t0.elapsed().as_secs_f64();
         Ok(())
     }
 

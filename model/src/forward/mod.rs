@@ -140,6 +140,15 @@ struct Recording {
     head: Recorded,
 }
 
+/// What FlexGen's host decisions read: every page's bounds, the layer's queries (for a fetch),
+/// the pool's tables, and the seconds the readback took (waiting for the work before it).
+struct FlexGenInputs {
+    bounds: Vec<f32>,
+    queries: Vec<f32>,
+    snapshot: expertkv_core::append::PoolSnapshot,
+    read_s: f64,
+}
+
 /// The expert FFNs, recorded per layer: the router's weights (`[E][hidden]`, f32, scored with
 /// the matrix-vector kernel), its top-k, the chosen experts' weights, and the experts' FFN (the
 /// recorded bind groups hold the buffers). Either MoEfied ([`GpuLlama::set_moe`]: centroids,
@@ -989,10 +998,10 @@ impl GpuLlama {
         self.moe.as_ref().map_or(&[], |m| &m.counts)
     }
 
-    /// FlexGen: summarise the pages that changed (QUEST bounds) and read every page's bounds,
-    /// and with `queries` the attention's queries too, in one readback: (queries, bounds).
-    async fn flexgen_bounds(&self, rt: &Runtime, queries: bool) -> Result<(Vec<f32>, Vec<f32>)> {
-        let Some((_, q)) = &self.flexgen else { return Ok((Vec::new(), Vec::new())) };
+    /// FlexGen: summarise the pages that changed (QUEST bounds), then read every page's bounds,
+    /// the pool's tables and, with `queries`, the attention's queries, in one readback.
+    async fn flexgen_inputs(&self, rt: &Runtime, queries: bool) -> Result<FlexGenInputs> {
+        let Some((_, q)) = &self.flexgen else { return Err(Error::Input("no host tier".into())) };
         let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("flexgen bounds") });
         q.encode_summarize(
             &mut enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("flexgen bounds"), timestamp_writes: None }),
@@ -1000,10 +1009,19 @@ impl GpuLlama {
         rt.queue.submit([enc.finish()]);
         let whole = |b: &wgpu::Buffer| b.size() / 4;
         let (qb, bb) = (&self.attn.queries, &q.bounds);
-        let ranges = if queries { vec![(qb, 0, whole(qb)), (bb, 0, whole(bb))] } else { vec![(bb, 0, whole(bb))] };
-        let mut read = rt.read_many::<f32>(&ranges).await?;
-        let bounds = read.pop().unwrap_or_default();
-        Ok((read.pop().unwrap_or_default(), bounds))
+        let mut ranges = vec![(bb, 0, whole(bb))];
+        if queries {
+            ranges.push((qb, 0, whole(qb)));
+        }
+        let tables = self.pool.snapshot_ranges();
+        let first = ranges.len();
+        ranges.extend(tables);
+        let t0 = std::time::Instant::now();
+        let mut read = rt.read_many::<u32>(&ranges).await?;
+        let snapshot = self.pool.snapshot_from(read.split_off(first));
+        let mut read = read.into_iter().map(bytemuck::cast_vec::<u32, f32>);
+        let bounds = read.next().unwrap_or_default();
+        Ok(FlexGenInputs { bounds, queries: read.next().unwrap_or_default(), snapshot, read_s: t0.elapsed().as_secs_f64() })
     }
 
     /// One token per sequence at its next position; returns the logits, `[seq][vocab]`.
@@ -1079,9 +1097,10 @@ impl GpuLlama {
         }
         if self.flexgen.is_some() {
             // This step's attention mass counts: the coldest pages past the budget go to host.
-            let (_, bounds) = self.flexgen_bounds(rt, false).await?;
+            let i = self.flexgen_inputs(rt, false).await?;
+            self.transfer_totals.tier_read_s += i.read_s;
             if let Some((fg, _)) = &mut self.flexgen {
-                fg.offload(rt, &self.pool, &bounds).await?;
+                fg.offload_with(rt, &self.pool, &i.bounds, i.snapshot).await?;
             }
         }
         if let Some(l) = &self.labels {

@@ -84,7 +84,7 @@ pub struct Transfer {
 }
 
 /// Every step's transfers so far, summed ([`GpuLlama::transfer_totals`]).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
 pub struct TransferTotals {
     /// Steps that moved anything host-to-GPU.
     pub steps_moving: u64,
@@ -102,6 +102,10 @@ pub struct TransferTotals {
     pub experts_ahead: u64,
     /// Their bytes.
     pub ahead_bytes: u64,
+    /// Seconds the host waited at the host tier's pauses for its inputs (each layer's queries,
+    /// page bounds and the pool's tables, read after the work submitted before them), before
+    /// and after the step.
+    pub tier_read_s: f64,
 }
 
 impl TransferTotals {
@@ -194,10 +198,11 @@ impl GpuLlama {
                 None => {}
                 Some(Pause::Pages(l)) => {
                     rt.queue.submit(pending.drain(..));
-                    let (queries, bounds) = self.flexgen_bounds(rt, true).await?;
+                    let i = self.flexgen_inputs(rt, true).await?;
+                    self.transfer_totals.tier_read_s += i.read_s;
                     if let Some((fg, _)) = &mut self.flexgen {
                         let from = fg.last_fetches.len();
-                        fg.fetch(rt, &self.pool, l, &queries, group, &bounds).await?;
+                        fg.fetch_with(rt, &self.pool, l, (&i.queries, group), &i.bounds, i.snapshot).await?;
                         for f in &fg.last_fetches[from..] {
                             unplaced.push(self.transfers.len());
                             self.transfers.push(Transfer {
