@@ -44,7 +44,8 @@ pub struct GpuArgs {
     /// Backends to consider: vulkan, metal, dx12, gl (comma-separated). Env: EXPERTKV_BACKEND.
     #[arg(long, global = true)]
     backend: Option<String>,
-    /// Use the adapter whose name contains this text. Env: EXPERTKV_ADAPTER.
+    /// Use the adapter whose name contains this text; with several devices (`bench devices`), a
+    /// comma-separated list, one name per device. Env: EXPERTKV_ADAPTER.
     #[arg(long, global = true)]
     adapter: Option<String>,
     /// Keep wgpu's shader bounds checks on every kernel (default: off for kernels the tests

@@ -990,7 +990,9 @@ fn mix_splits_one_budget_request_by_request() {
 /// merged output agreeing with one device's, the merge timed; one device is refused.
 #[test]
 fn bench_devices_splits_attention_over_two_devices() {
-    let out = ok(&["bench", "devices", "--quick", "--batch", "2", "--tokens", "512", "--reps", "2", "--json"]);
+    // One adapter name per device (the same adapter twice here).
+    let out =
+        ok(&["bench", "devices", "--quick", "--batch", "2", "--tokens", "512", "--reps", "2", "--json", "--adapter", "llvmpipe,LLVMPIPE"]);
     let line = out.lines().find(|l| l.starts_with('{')).expect("json line");
     let j: serde_json::Value = serde_json::from_str(line).expect("json");
     assert_eq!(j["devices"], 2, "{out}");
@@ -1000,4 +1002,9 @@ fn bench_devices_splits_attention_over_two_devices() {
     assert!(j["merge_ms"].as_f64().is_some_and(|m| m > 0.0) && j["scaling"].as_f64().is_some_and(|s| s > 0.0), "{out}");
     let o = expertkv(&["bench", "devices", "--quick", "--devices", "1"]);
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("give 2 or more"));
+    for (list, says) in [("llvmpipe,no-such-gpu", "no-such-gpu"), ("llvmpipe,", "an empty name")] {
+        let o = expertkv(&["bench", "devices", "--quick", "--adapter", list]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(says), "{list}: {err}");
+    }
 }

@@ -309,21 +309,35 @@ impl Runtime {
     }
 
     /// `n` devices for one process ([`crate::devices`]): the adapters `opts` allows of the best
-    /// kind on the first one's backend, one device on each; with fewer adapters than `n` they are opened again in turn, so
-    /// two devices opened from one adapter stand in for two GPUs. Each device has its own
-    /// instance, as [`Runtime::new`] makes.
+    /// kind on the first one's backend, one device on each; with fewer adapters than `n` they
+    /// are opened again in turn, so two devices opened from one adapter stand in for two GPUs.
+    /// `opts.adapter` may list one name per device, comma-separated (device `i` takes the
+    /// `i`-th, the list repeating); devices that ask for the same name take its matching
+    /// adapters in turn. Each device has its own instance, as [`Runtime::new`] makes.
     #[cfg(not(target_arch = "wasm32"))]
     pub async fn open_many(opts: RuntimeOptions, n: u32) -> Result<Vec<Runtime>> {
         if n == 0 {
             return Err(Error::Input("open_many: zero devices".into()));
         }
+        let names: Vec<String> =
+            opts.adapter.as_deref().map_or(Vec::new(), |a| a.split(',').map(|x| x.trim().to_ascii_lowercase()).collect());
+        if names.iter().any(String::is_empty) {
+            return Err(Error::config("adapter", opts.adapter.clone().unwrap_or_default(), "an empty name in the list"));
+        }
         let mut out = Vec::new();
         for i in 0..n {
             let instance = new_instance(opts.backends);
             let mut adapters = enumerate(&instance, opts.backends).await;
-            if let Some(want) = &opts.adapter {
-                let want_l = want.to_ascii_lowercase();
-                adapters.retain(|a| a.get_info().name.to_ascii_lowercase().contains(&want_l));
+            // The name this device asks for, and how many devices before it asked for it too.
+            let mut turn = i as usize;
+            if !names.is_empty() {
+                let want_l = &names[i as usize % names.len()];
+                turn = (0..i as usize).filter(|&j| &names[j % names.len()] == want_l).count();
+                adapters.retain(|a| a.get_info().name.to_ascii_lowercase().contains(want_l.as_str()));
+                if adapters.is_empty() {
+                    let one = RuntimeOptions { adapter: Some(want_l.clone()), ..opts.clone() };
+                    return Err(Runtime::new(one).await.err().unwrap_or(Error::Input("open_many: no adapter".into())));
+                }
             }
             adapters.sort_by_key(|a| rank(a.get_info().device_type));
             // Only the best kind on one backend: a discrete GPU does not pair with a CPU
@@ -335,7 +349,7 @@ impl Runtime {
                 // The same refusal, with the adapters seen, as one device gets.
                 return Err(Runtime::new(opts).await.err().unwrap_or(Error::Input("open_many: no adapter".into())));
             }
-            let k = i as usize % adapters.len();
+            let k = turn % adapters.len();
             out.push(Self::open(instance, adapters.swap_remove(k), opts.checks).await?);
         }
         Ok(out)
