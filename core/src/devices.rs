@@ -7,7 +7,7 @@
 //! reduce passes (flash-decoding over chunks of pages) on every device at once, each over its
 //! own pages: every device ends with its own output and softmax (max, sum) per query head. Those
 //! cross to the host, `head_dim + 2` floats a head a device, and merge there as the reduce pass
-//! merges a device's chunks ([`merge_partials`], one record per device). The routing and
+//! merges a device's chunks ([`merge_reduced`], one record per device). The routing and
 //! placement decisions are the single-device run's, and the output is its output within f32
 //! rounding (the chunks merge in another order).
 //!
@@ -161,21 +161,8 @@ impl ShardedPool {
         }
         let attend_and_read_s = t0.elapsed().as_secs_f64();
         let t1 = std::time::Instant::now();
-        // Each device's (output, max, sum) as one split record a head: (max, sum, 0, 0, sum x output).
-        let as_records: Vec<Vec<f32>> = records
-            .iter()
-            .map(|r| {
-                let (out, stats) = (&r[0], &r[1]);
-                (0..heads)
-                    .flat_map(|h| {
-                        let (m, l) = (stats[2 * h], stats[2 * h + 1]);
-                        [m, l, 0.0, 0.0].into_iter().chain(out[h * d..(h + 1) * d].iter().map(move |&x| x * l))
-                    })
-                    .collect()
-            })
-            .collect();
-        let views: Vec<&[f32]> = as_records.iter().map(Vec::as_slice).collect();
-        let merged = merge_partials(&views, a.opts.n_seqs, a.q_heads(), self.cfg.head_dim)?;
+        let parts: Vec<(&[f32], &[f32])> = records.iter().map(|r| (r[0].as_slice(), r[1].as_slice())).collect();
+        let merged = merge_reduced(&parts, a.opts.n_seqs, a.q_heads(), self.cfg.head_dim)?;
         let merge_s = t1.elapsed().as_secs_f64();
         let t2 = std::time::Instant::now();
         if a.opts.mass {
@@ -210,7 +197,7 @@ impl ShardedPool {
     }
 }
 
-/// What [`merge_partials`] gives.
+/// What [`merge_reduced`] gives.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Merged {
     /// The attention output, `[seq][q_head][head_dim]`.
@@ -220,39 +207,41 @@ pub struct Merged {
     pub stats: Vec<[f32; 2]>,
 }
 
-/// Merge the split passes' partials of several devices into the attention output and the
-/// softmax statistics, as the reduce pass merges one device's: per (seq, q_head), every record
-/// with a positive sum, rescaled to the largest max. Each device's partials are laid out
-/// `[seq][q_head][record][head_dim + 4]` (`max, sum, 0, 0, output`), any number of records per
-/// head. In f64, rounded to f32 at the end.
-pub fn merge_partials(devices: &[&[f32]], n_seqs: u32, q_heads: u32, head_dim: u32) -> Result<Merged> {
-    let (heads, rec) = ((n_seqs * q_heads) as usize, head_dim as usize + 4);
-    let mut per_head = Vec::new();
-    for p in devices {
-        if heads == 0 || p.len() < heads * rec || !(p.len() / rec).is_multiple_of(heads) {
-            return Err(Error::Input(format!("merge: {} partial floats are not {heads} heads of records of {rec}", p.len())));
-        }
-        per_head.push(p.len() / rec / heads);
+/// Merge several devices' reduced attention into the output over all their tokens: each device
+/// gives its output `[seq][q_head][head_dim]` (normalised over its own tokens) and its softmax
+/// (max, sum of exponentials) per (seq, q_head), as the reduce pass writes them. Per head, the
+/// devices with a positive sum are rescaled to the largest max and weighted by their sums, as
+/// the reduce pass merges one device's chunks. In f64, rounded to f32 at the end.
+pub fn merge_reduced(devices: &[(&[f32], &[f32])], n_seqs: u32, q_heads: u32, head_dim: u32) -> Result<Merged> {
+    let (heads, d) = ((n_seqs * q_heads) as usize, head_dim as usize);
+    if let Some((out, stats)) = devices.iter().find(|(o, s)| o.len() != heads * d || s.len() != 2 * heads) {
+        return Err(Error::Input(format!(
+            "merge: {} output and {} statistics floats for {heads} heads of {d} (want {} and {})",
+            out.len(),
+            stats.len(),
+            heads * d,
+            2 * heads
+        )));
     }
-    let mut out = vec![0f32; heads * head_dim as usize];
+    let mut out = vec![0f32; heads * d];
     let mut stats = vec![[0f32; 2]; heads];
+    let mut acc = vec![0f64; d];
     for h in 0..heads {
-        let records =
-            || devices.iter().zip(&per_head).flat_map(move |(p, &n)| (0..n).map(move |r| &p[(h * n + r) * rec..(h * n + r + 1) * rec]));
-        let big_m = records().filter(|r| r[1] > 0.0).map(|r| f64::from(r[0])).fold(f64::NEG_INFINITY, f64::max);
+        let big_m = devices.iter().filter(|(_, s)| s[2 * h + 1] > 0.0).map(|(_, s)| f64::from(s[2 * h])).fold(f64::NEG_INFINITY, f64::max);
         if big_m == f64::NEG_INFINITY {
             continue;
         }
+        acc.fill(0.0);
         let mut sum = 0.0;
-        let mut acc = vec![0f64; head_dim as usize];
-        for r in records().filter(|r| r[1] > 0.0) {
-            let w = (f64::from(r[0]) - big_m).exp();
-            sum += f64::from(r[1]) * w;
-            for (a, &x) in acc.iter_mut().zip(&r[4..]) {
+        for (o, s) in devices.iter().filter(|(_, s)| s[2 * h + 1] > 0.0) {
+            // The device's sum at the common max weighs its normalised output.
+            let w = f64::from(s[2 * h + 1]) * (f64::from(s[2 * h]) - big_m).exp();
+            sum += w;
+            for (a, &x) in acc.iter_mut().zip(&o[h * d..(h + 1) * d]) {
                 *a += f64::from(x) * w;
             }
         }
-        for (o, a) in out[h * head_dim as usize..(h + 1) * head_dim as usize].iter_mut().zip(&acc) {
+        for (o, a) in out[h * d..(h + 1) * d].iter_mut().zip(&acc) {
             *o = (a / sum) as f32;
         }
         stats[h] = [big_m as f32, sum as f32];
@@ -264,24 +253,61 @@ pub fn merge_partials(devices: &[&[f32]], n_seqs: u32, q_heads: u32, head_dim: u
 mod tests {
     use super::*;
 
-    /// Two devices' records of one head merge as one device holding both would.
+    /// Softmax attention of one head over `scores` and `values` (`[token][d]`): (output, max,
+    /// sum of exponentials), in f64.
+    fn attend(scores: &[f64], values: &[Vec<f64>]) -> (Vec<f64>, f64, f64) {
+        let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let w: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+        let l: f64 = w.iter().sum();
+        let d = values[0].len();
+        let out = (0..d).map(|i| w.iter().zip(values).map(|(w, v)| w * v[i]).sum::<f64>() / l).collect();
+        (out, m, l)
+    }
+
+    /// Random tokens of two heads split over three devices (one holding nothing of the second
+    /// head): the merge of each device's reduced attention equals attention over all the tokens.
     #[test]
-    fn merging_two_devices_equals_merging_their_records_together() {
-        // (max, sum, 0, 0, out[2]) records; the empty one (sum 0) is skipped.
-        let a = [1.0f32, 2.0, 0.0, 0.0, 4.0, 6.0, 9.0, 0.0, 0.0, 0.0, 5.0, 5.0];
-        let b = [3.0f32, 1.0, 0.0, 0.0, 1.0, 2.0];
-        let both: Vec<f32> = a.iter().chain(&b).copied().collect();
-        let split = merge_partials(&[&a, &b], 1, 1, 2).unwrap();
-        // One device holding both: the records are re-laid out as 3 per head.
-        let one = merge_partials(&[&both], 1, 1, 2).unwrap();
-        assert_eq!(split, one);
-        let e2 = (-2f64).exp();
-        assert_eq!(split.stats, vec![[3.0, (2.0 * e2 + 1.0) as f32]]);
-        let split = split.out;
-        // By hand: M = 3, L = 2 e^-2 + 1, out = (4 e^-2 + 1, 6 e^-2 + 2) / L.
-        let e = (-2f64).exp();
-        let l = 2.0 * e + 1.0;
-        assert!((f64::from(split[0]) - (4.0 * e + 1.0) / l).abs() < 1e-6 && (f64::from(split[1]) - (6.0 * e + 2.0) / l).abs() < 1e-6);
-        assert!(merge_partials(&[&a[..5]], 1, 1, 2).is_err());
+    fn merging_devices_equals_attending_over_all_their_tokens() {
+        let mut rng = crate::rng::Rng::new(7);
+        let (heads, d) = (2usize, 4usize);
+        // Per device, per head: its tokens' scores and values.
+        let tokens = [[5usize, 3], [2, 0], [4, 6]];
+        let data: Vec<Vec<(Vec<f64>, Vec<Vec<f64>>)>> = tokens
+            .iter()
+            .map(|per_head| {
+                per_head
+                    .iter()
+                    .map(|&n| {
+                        ((0..n).map(|_| rng.normal() * 3.0).collect(), (0..n).map(|_| (0..d).map(|_| rng.normal()).collect()).collect())
+                    })
+                    .collect()
+            })
+            .collect();
+        let mut reduced = Vec::new();
+        for dev in &data {
+            let (mut out, mut stats) = (vec![0f32; heads * d], vec![0f32; 2 * heads]);
+            for (h, (sc, vals)) in dev.iter().enumerate() {
+                if sc.is_empty() {
+                    continue; // the reduce pass leaves (0, 0) and a zero output
+                }
+                let (o, m, l) = attend(sc, vals);
+                out[h * d..(h + 1) * d].iter_mut().zip(&o).for_each(|(x, y)| *x = *y as f32);
+                stats[2 * h] = m as f32;
+                stats[2 * h + 1] = l as f32;
+            }
+            reduced.push((out, stats));
+        }
+        let views: Vec<(&[f32], &[f32])> = reduced.iter().map(|(o, s)| (o.as_slice(), s.as_slice())).collect();
+        let merged = merge_reduced(&views, 1, heads as u32, d as u32).unwrap();
+        for h in 0..heads {
+            let sc: Vec<f64> = data.iter().flat_map(|dev| dev[h].0.clone()).collect();
+            let vals: Vec<Vec<f64>> = data.iter().flat_map(|dev| dev[h].1.clone()).collect();
+            let (want, m, l) = attend(&sc, &vals);
+            for (g, w) in merged.out[h * d..(h + 1) * d].iter().zip(&want) {
+                assert!((f64::from(*g) - w).abs() < 1e-5, "head {h}: {g} against {w}");
+            }
+            assert!((f64::from(merged.stats[h][0]) - m).abs() < 1e-5 && (f64::from(merged.stats[h][1]) - l).abs() < 1e-4 * l);
+        }
+        assert!(merge_reduced(&[(&reduced[0].0[..3], &reduced[0].1)], 1, heads as u32, d as u32).is_err());
     }
 }
