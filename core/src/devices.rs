@@ -270,9 +270,11 @@ mod tests {
     fn merging_devices_equals_attending_over_all_their_tokens() {
         let mut rng = crate::rng::Rng::new(7);
         let (heads, d) = (2usize, 4usize);
-        // Per device, per head: its tokens' scores and values.
+        // Per device, per head: its tokens.
         let tokens = [[5usize, 3], [2, 0], [4, 6]];
-        let data: Vec<Vec<(Vec<f64>, Vec<Vec<f64>>)>> = tokens
+        // Per device, per head: (scores, values).
+        type Head = (Vec<f64>, Vec<Vec<f64>>);
+        let data: Vec<Vec<Head>> = tokens
             .iter()
             .map(|per_head| {
                 per_head
