@@ -42,6 +42,23 @@ pub struct PoolSnapshot {
     pub codec_free: Vec<u32>,
 }
 
+/// Which pages each ring holds: the part of a [`PoolSnapshot`] a host tier's fetch reads.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RingTables {
+    /// One ring per shard key (see [`PoolSnapshot::rings`]).
+    pub rings: Vec<RingState>,
+    /// `ring_capacity` page ids per shard key (see [`PoolSnapshot::ring_pages`]).
+    pub ring_pages: Vec<u32>,
+    /// Per page id: owning shard key or `NO_OWNER`, and valid slots.
+    pub page_meta: Vec<PageMeta>,
+}
+
+/// Words read back as `T`s, whole elements only (as `Runtime::read_all` reads them).
+fn cast_words<T: bytemuck::Pod>(words: &[u32]) -> Vec<T> {
+    let bytes: &[u8] = bytemuck::cast_slice(words);
+    bytemuck::pod_collect_to_vec(&bytes[..bytes.len() / std::mem::size_of::<T>() * std::mem::size_of::<T>()])
+}
+
 /// The passes that compress full pages (`compress/plan.wgsl#count`, `#main`, `#assign`,
 /// `compress/encode`).
 pub(crate) struct CodecPasses {
@@ -760,22 +777,31 @@ impl KvPool {
         ranges
     }
 
+    /// The readback ranges of the tables that say which pages each ring holds (rings, ring
+    /// pages, page owners and fills), for [`KvPool::ring_tables_from`].
+    pub fn ring_tables_ranges(&self) -> Vec<(&wgpu::Buffer, u64, u64)> {
+        vec![Self::whole(&self.rings), Self::whole(&self.ring_pages), Self::whole(&self.page_meta)]
+    }
+
+    /// The ring tables read as [`KvPool::ring_tables_ranges`] says, one word vector a range.
+    pub fn ring_tables_from(&self, words: Vec<Vec<u32>>) -> RingTables {
+        let mut words = words.into_iter();
+        let mut next = || words.next().unwrap_or_default();
+        let (rings, ring_pages, page_meta) = (next(), next(), next());
+        RingTables { rings: cast_words(&rings), ring_pages, page_meta: cast_words(&page_meta) }
+    }
+
     /// The snapshot read as [`KvPool::snapshot_ranges`] says, one word vector a range.
     pub fn snapshot_from(&self, words: Vec<Vec<u32>>) -> PoolSnapshot {
-        // Whole elements only, as `Runtime::read_all` reads them.
-        fn cast<T: bytemuck::Pod>(words: &[u32]) -> Vec<T> {
-            let bytes: &[u8] = bytemuck::cast_slice(words);
-            bytemuck::pod_collect_to_vec(&bytes[..bytes.len() / std::mem::size_of::<T>() * std::mem::size_of::<T>()])
-        }
         let mut words = words.into_iter();
         let mut next = || words.next().unwrap_or_default();
         let (rings, ring_pages, page_meta, free_stack, ctl, slot_meta) = (next(), next(), next(), next(), next(), next());
         PoolSnapshot {
-            rings: cast(&rings),
+            rings: cast_words(&rings),
             ring_pages,
-            page_meta: cast(&page_meta),
+            page_meta: cast_words(&page_meta),
             free_stack,
-            ctl: cast::<PoolCtl>(&ctl).first().copied().unwrap_or_default(),
+            ctl: cast_words::<PoolCtl>(&ctl).first().copied().unwrap_or_default(),
             slot_meta,
             codec_free: next(),
         }

@@ -18,7 +18,7 @@
 
 use std::collections::HashMap;
 
-use crate::append::{KvPool, PoolSnapshot};
+use crate::append::{KvPool, PoolSnapshot, RingTables};
 use crate::error::{Error, Result};
 use crate::gpu_data::{NO_OWNER, PageMeta, PoolCtl, RingState, meta};
 use crate::runtime::Runtime;
@@ -240,13 +240,23 @@ impl FlexGen {
         }
     }
 
-    fn write_tables(rt: &Runtime, pool: &KvPool, t: &Tables) {
+    /// Write back the tables a move changes: the rings and page owners, and with `free` the
+    /// free stack and its top (an offload frees pages; a fetch's swap keeps the count). The
+    /// slots' metadata is written page by page where it changes.
+    fn write_tables(rt: &Runtime, pool: &KvPool, t: &Tables, free: bool) {
         rt.queue.write_buffer(&pool.rings, 0, bytemuck::cast_slice(&t.rings));
         rt.queue.write_buffer(&pool.ring_pages, 0, bytemuck::cast_slice(&t.ring_pages));
         rt.queue.write_buffer(&pool.page_meta, 0, bytemuck::cast_slice(&t.page_meta));
-        rt.queue.write_buffer(&pool.free_stack, 0, bytemuck::cast_slice(&t.free_stack));
-        rt.queue.write_buffer(&pool.ctl, 0, bytemuck::bytes_of(&t.ctl));
-        rt.queue.write_buffer(&pool.slot_meta, 0, bytemuck::cast_slice(&t.slot_meta));
+        if free {
+            rt.queue.write_buffer(&pool.free_stack, 0, bytemuck::cast_slice(&t.free_stack));
+            rt.queue.write_buffer(&pool.ctl, 0, bytemuck::bytes_of(&t.ctl));
+        }
+    }
+
+    /// Where a page's slot metadata is: (buffer, first word, words).
+    fn meta_range(pool: &KvPool, page: u32) -> (&wgpu::Buffer, u64, u64) {
+        let words = u64::from(pool.cfg.page_size * pool.cfg.meta_words());
+        (&pool.slot_meta, u64::from(page) * words, words)
     }
 
     /// Ring order of one ring's pages, oldest first.
@@ -365,7 +375,7 @@ impl FlexGen {
             self.host.entry(li).or_default().push(page);
         }
         if changed {
-            Self::write_tables(rt, pool, &t);
+            Self::write_tables(rt, pool, &t, true);
         }
         self.spill_past_limit(&c);
         self.update_host_stats(&c);
@@ -377,13 +387,14 @@ impl FlexGen {
     /// heads) beats the weakest resident page's, swapping that one out. `queries` are the
     /// layer's `[seq][q_head][d]`; `bounds` the QUEST bounds of resident pages.
     pub async fn fetch(&mut self, rt: &Runtime, pool: &KvPool, layer: u32, queries: &[f32], group: u32, bounds: &[f32]) -> Result<()> {
-        let snapshot = pool.snapshot(rt).await?;
-        self.fetch_with(rt, pool, layer, (queries, group), bounds, snapshot).await
+        let words = rt.read_many::<u32>(&pool.ring_tables_ranges()).await?;
+        self.fetch_with(rt, pool, layer, (queries, group), bounds, pool.ring_tables_from(words)).await
     }
 
-    /// [`FlexGen::fetch`] with the pool's tables already read ([`KvPool::snapshot`], after the
-    /// layer's append and nothing since), as a caller reading them with the queries and bounds
-    /// does. `queries` are the layer's queries and the query heads per KV head.
+    /// [`FlexGen::fetch`] with the pool's ring tables already read
+    /// ([`KvPool::ring_tables_ranges`], after the layer's append and nothing since), as a
+    /// caller reading them with the queries and bounds does. `queries` are the layer's queries
+    /// and the query heads per KV head.
     pub async fn fetch_with(
         &mut self,
         rt: &Runtime,
@@ -391,20 +402,24 @@ impl FlexGen {
         layer: u32,
         (queries, group): (&[f32], u32),
         bounds: &[f32],
-        snapshot: PoolSnapshot,
+        rings: RingTables,
     ) -> Result<()> {
         let t0 = std::time::Instant::now();
         let c = pool.cfg.clone();
         let (r, ns, d) = (c.ring_capacity as usize, c.n_shards as usize, c.head_dim as usize);
         let hq = (c.kv_heads * group) as usize;
-        let mut t: Option<Tables> = Some(Self::tables(snapshot));
+        // A fetch's swap moves pages between rings only: the free stack and the slots' metadata
+        // (read and written page by page) are not in its tables.
+        let RingTables { rings, ring_pages, page_meta } = rings;
+        let mut t: Option<Tables> =
+            Some(Tables { rings, ring_pages, page_meta, free_stack: Vec::new(), ctl: PoolCtl::default(), slot_meta: Vec::new() });
         // A GPU page a fetch filled this call holds the fetched page's bounds, not the ones
         // `bounds` was read with.
         let mut swapped: HashMap<u32, (Vec<f32>, Vec<f32>)> = HashMap::new();
         // The pages swapped out (list, GPU page, the host page but its words) and the fetched
         // pages' words with their GPU page.
         let mut outgoing: Vec<(u32, u32, HostPage)> = Vec::new();
-        let mut incoming_words: Vec<(u32, Vec<u32>)> = Vec::new();
+        let mut incoming_words: Vec<(u32, Vec<u32>, Vec<u32>)> = Vec::new();
         fn page_bounds<'a>(swapped: &'a HashMap<u32, (Vec<f32>, Vec<f32>)>, bounds: &'a [f32], d: usize, p: u32) -> (&'a [f32], &'a [f32]) {
             match swapped.get(&p) {
                 Some((lo, hi)) => (lo, hi),
@@ -474,9 +489,6 @@ impl FlexGen {
                             }
                         }
                     }
-                    let mw = c.meta_words() as usize;
-                    let m0 = (weak_page * c.page_size) as usize * mw;
-                    let out_meta = tables.slot_meta[m0..m0 + c.page_size as usize * mw].to_vec();
                     let wp = weak_page as usize;
                     let (out_lo, out_hi) = page_bounds(&swapped, bounds, d, weak_page);
                     let (out_lo, out_hi) = (out_lo.to_vec(), out_hi.to_vec());
@@ -491,7 +503,7 @@ impl FlexGen {
                             key: weak_key as u32,
                             fill: tables.page_meta[wp].fill,
                             data: Vec::new(),
-                            meta: out_meta,
+                            meta: Vec::new(),
                             lo: out_lo,
                             hi: out_hi,
                             spilled: None,
@@ -514,8 +526,7 @@ impl FlexGen {
                     }
                     tables.ring_pages[key * r + ring.head as usize] = weak_page;
                     tables.page_meta[wp] = PageMeta { owner: incoming.key, fill: incoming.fill };
-                    tables.slot_meta[m0..m0 + c.page_size as usize * mw].copy_from_slice(&incoming.meta);
-                    incoming_words.push((weak_page, incoming.data));
+                    incoming_words.push((weak_page, incoming.data, incoming.meta));
                     self.last_fetches.push(PageFetch {
                         list: li as u32,
                         gpu_page: weak_page,
@@ -530,21 +541,25 @@ impl FlexGen {
                 }
             }
         }
-        // One readback for every page swapped out (before any fetched page's words are
-        // written over them), then the fetched pages' words.
-        let ranges: Vec<_> = outgoing.iter().map(|(_, page, _)| Self::page_range(pool, *page)).collect();
+        // One readback for every page swapped out, its words and its slots' metadata (before
+        // any fetched page is written over it), then the fetched pages' words and metadata.
+        let ranges: Vec<_> =
+            outgoing.iter().flat_map(|(_, page, _)| [Self::page_range(pool, *page), Self::meta_range(pool, *page)]).collect();
         let t1 = std::time::Instant::now();
-        let words = rt.read_many::<u32>(&ranges).await?;
+        let mut words = rt.read_many::<u32>(&ranges).await?.into_iter();
         self.stats.page_read_s += t1.elapsed().as_secs_f64();
-        for ((li, _, mut page), data) in outgoing.into_iter().zip(words) {
-            page.data = data;
+        for (li, _, mut page) in outgoing {
+            page.data = words.next().unwrap_or_default();
+            page.meta = words.next().unwrap_or_default();
             self.host.entry(li).or_default().push(page);
         }
-        for (page, data) in &incoming_words {
+        for (page, data, meta_words) in &incoming_words {
             Self::write_page(rt, pool, *page, data);
+            let (buf, first, _) = Self::meta_range(pool, *page);
+            rt.queue.write_buffer(buf, first * 4, bytemuck::cast_slice(meta_words));
         }
         if let (Some(t), false) = (&t, incoming_words.is_empty()) {
-            Self::write_tables(rt, pool, t);
+            Self::write_tables(rt, pool, t, false);
         }
         self.spill_past_limit(&c);
         self.update_host_stats(&c);

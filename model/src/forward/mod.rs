@@ -145,8 +145,14 @@ struct Recording {
 struct FlexGenInputs {
     bounds: Vec<f32>,
     queries: Vec<f32>,
-    snapshot: expertkv_core::append::PoolSnapshot,
+    tables: FlexGenTables,
     read_s: f64,
+}
+
+/// The pool's tables a fetch reads (its rings) or an offload reads (all of them).
+enum FlexGenTables {
+    Rings(expertkv_core::append::RingTables),
+    Whole(expertkv_core::append::PoolSnapshot),
 }
 
 /// The expert FFNs, recorded per layer: the router's weights (`[E][hidden]`, f32, scored with
@@ -998,9 +1004,10 @@ impl GpuLlama {
         self.moe.as_ref().map_or(&[], |m| &m.counts)
     }
 
-    /// FlexGen: summarise the pages that changed (QUEST bounds), then read every page's bounds,
-    /// the pool's tables and, with `queries`, the attention's queries, in one readback.
-    async fn flexgen_inputs(&self, rt: &Runtime, queries: bool) -> Result<FlexGenInputs> {
+    /// FlexGen: summarise the pages that changed (QUEST bounds), then read in one readback every
+    /// page's bounds and either, for a fetch, the layer's queries and the pool's ring tables or,
+    /// for an offload, the pool's whole tables.
+    async fn flexgen_inputs(&self, rt: &Runtime, fetch: bool) -> Result<FlexGenInputs> {
         let Some((_, q)) = &self.flexgen else { return Err(Error::Input("no host tier".into())) };
         let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("flexgen bounds") });
         q.encode_summarize(
@@ -1010,18 +1017,24 @@ impl GpuLlama {
         let whole = |b: &wgpu::Buffer| b.size() / 4;
         let (qb, bb) = (&self.attn.queries, &q.bounds);
         let mut ranges = vec![(bb, 0, whole(bb))];
-        if queries {
+        if fetch {
             ranges.push((qb, 0, whole(qb)));
+            ranges.extend(self.pool.ring_tables_ranges());
+        } else {
+            ranges.extend(self.pool.snapshot_ranges());
         }
-        let tables = self.pool.snapshot_ranges();
-        let first = ranges.len();
-        ranges.extend(tables);
         let t0 = std::time::Instant::now();
         let mut read = rt.read_many::<u32>(&ranges).await?;
-        let snapshot = self.pool.snapshot_from(read.split_off(first));
+        let read_s = t0.elapsed().as_secs_f64();
+        let tables = read.split_off(if fetch { 2 } else { 1 });
         let mut read = read.into_iter().map(bytemuck::cast_vec::<u32, f32>);
         let bounds = read.next().unwrap_or_default();
-        Ok(FlexGenInputs { bounds, queries: read.next().unwrap_or_default(), snapshot, read_s: t0.elapsed().as_secs_f64() })
+        let tables = if fetch {
+            FlexGenTables::Rings(self.pool.ring_tables_from(tables))
+        } else {
+            FlexGenTables::Whole(self.pool.snapshot_from(tables))
+        };
+        Ok(FlexGenInputs { bounds, queries: read.next().unwrap_or_default(), tables, read_s })
     }
 
     /// One token per sequence at its next position; returns the logits, `[seq][vocab]`.
@@ -1099,8 +1112,8 @@ impl GpuLlama {
             // This step's attention mass counts: the coldest pages past the budget go to host.
             let i = self.flexgen_inputs(rt, false).await?;
             self.transfer_totals.tier_read_s += i.read_s;
-            if let Some((fg, _)) = &mut self.flexgen {
-                fg.offload_with(rt, &self.pool, &i.bounds, i.snapshot).await?;
+            if let (Some((fg, _)), FlexGenTables::Whole(snapshot)) = (&mut self.flexgen, i.tables) {
+                fg.offload_with(rt, &self.pool, &i.bounds, snapshot).await?;
             }
         }
         if let Some(l) = &self.labels {

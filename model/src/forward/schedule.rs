@@ -200,9 +200,9 @@ impl GpuLlama {
                     rt.queue.submit(pending.drain(..));
                     let i = self.flexgen_inputs(rt, true).await?;
                     self.transfer_totals.tier_read_s += i.read_s;
-                    if let Some((fg, _)) = &mut self.flexgen {
+                    if let (Some((fg, _)), super::FlexGenTables::Rings(rings)) = (&mut self.flexgen, i.tables) {
                         let from = fg.last_fetches.len();
-                        fg.fetch_with(rt, &self.pool, l, (&i.queries, group), &i.bounds, i.snapshot).await?;
+                        fg.fetch_with(rt, &self.pool, l, (&i.queries, group), &i.bounds, rings).await?;
                         for f in &fg.last_fetches[from..] {
                             unplaced.push(self.transfers.len());
                             self.transfers.push(Transfer {
