@@ -203,7 +203,8 @@ pub struct Merged {
     /// The attention output, `[seq][q_head][head_dim]`.
     pub out: Vec<f32>,
     /// Per (seq, q_head), the softmax's (max, sum of exponentials) over every device's tokens,
-    /// as the reduce pass leaves in [`Attention::stats`]; (0, 0) for a head with no token.
+    /// as the reduce pass leaves in [`Attention::stats`]; (0, 0) for a head with no token on any
+    /// device.
     pub stats: Vec<[f32; 2]>,
 }
 
@@ -290,7 +291,10 @@ mod tests {
             let (mut out, mut stats) = (vec![0f32; heads * d], vec![0f32; 2 * heads]);
             for (h, (sc, vals)) in dev.iter().enumerate() {
                 if sc.is_empty() {
-                    continue; // the reduce pass leaves (0, 0) and a zero output
+                    // As the reduce pass leaves a head with no token: the max at its floor, a
+                    // sum of 0, a zero output.
+                    stats[2 * h] = -3e38;
+                    continue;
                 }
                 let (o, m, l) = attend(sc, vals);
                 out[h * d..(h + 1) * d].iter_mut().zip(&o).for_each(|(x, y)| *x = *y as f32);

@@ -387,6 +387,12 @@ impl FlexGen {
     /// heads) beats the weakest resident page's, swapping that one out. `queries` are the
     /// layer's `[seq][q_head][d]`; `bounds` the QUEST bounds of resident pages.
     pub async fn fetch(&mut self, rt: &Runtime, pool: &KvPool, layer: u32, queries: &[f32], group: u32, bounds: &[f32]) -> Result<()> {
+        // Nothing of the layer in host memory: nothing to read.
+        let c = &pool.cfg;
+        let lists = layer * c.max_seqs * c.kv_heads..(layer + 1) * c.max_seqs * c.kv_heads;
+        if !self.host.iter().any(|(li, pages)| lists.contains(li) && !pages.is_empty()) {
+            return Ok(());
+        }
         let words = rt.read_many::<u32>(&pool.ring_tables_ranges()).await?;
         self.fetch_with(rt, pool, layer, (queries, group), bounds, pool.ring_tables_from(words)).await
     }
@@ -462,8 +468,16 @@ impl FlexGen {
                         }
                     }
                     let Some((weak_ub, weak_page, weak_key)) = weakest else { break };
-                    if best_ub <= weak_ub {
+                    // Only a strictly better bound swaps (a NaN bound, from NaN queries or keys,
+                    // never does: a page filled by this call must not be swapped out again).
+                    if best_ub.partial_cmp(&weak_ub) != Some(std::cmp::Ordering::Greater) {
                         break;
+                    }
+                    // The fetched page joins its own ring: refused before anything moves if that
+                    // ring is full (the weak page leaving it makes room when it is the same).
+                    let into = host[hi_i].key as usize;
+                    if into != weak_key && tables.rings[into].count as usize >= r {
+                        return Err(Error::Input(format!("FlexGen: ring {into} is full; cannot fetch a page back")));
                     }
                     // Swap: the weak page goes to the host, the selected page takes its GPU page.
                     let mut incoming = host.swap_remove(hi_i);
@@ -516,9 +530,6 @@ impl FlexGen {
                     Self::set_ring(tables, weak_key, r, &order, tail_fill, c.page_size);
                     let key = incoming.key as usize;
                     let ring = &mut tables.rings[key];
-                    if ring.count as usize >= r {
-                        return Err(Error::Input(format!("FlexGen: ring {key} is full; cannot fetch a page back")));
-                    }
                     ring.head = (ring.head + r as u32 - 1) % r as u32;
                     ring.count += 1;
                     if ring.count == 1 {

@@ -165,6 +165,7 @@ impl Pipeline {
             let bounds = self.refresh_bounds(rt).await?;
             let group = self.cfg.workload.group;
             if let Some((fg, _)) = &mut self.flexgen {
+                fg.begin_step();
                 for (layer, q) in queries.iter().enumerate() {
                     fg.fetch(rt, &self.pool, layer as u32, q, group, &bounds).await?;
                 }

@@ -312,8 +312,10 @@ impl Runtime {
     /// kind on the first one's backend, one device on each; with fewer adapters than `n` they
     /// are opened again in turn, so two devices opened from one adapter stand in for two GPUs.
     /// `opts.adapter` may list one name per device, comma-separated (device `i` takes the
-    /// `i`-th, the list repeating); devices that ask for the same name take its matching
-    /// adapters in turn. Each device has its own instance, as [`Runtime::new`] makes.
+    /// `i`-th, the list repeating): each name keeps the best kind and backend among the adapters
+    /// it matches, and devices that give the same name take its adapters in turn (two different
+    /// names that match one adapter both take it). Each device has its own instance, as
+    /// [`Runtime::new`] makes.
     #[cfg(not(target_arch = "wasm32"))]
     pub async fn open_many(opts: RuntimeOptions, n: u32) -> Result<Vec<Runtime>> {
         if n == 0 {
