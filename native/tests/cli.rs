@@ -549,7 +549,7 @@ fn soak_checks_the_pool_under_churn() {
     for extra in
         [&["--scheduler", "h2o"][..], &["--scheduler", "none", "--codec", "int4"][..], &["--scheduler", "h2o", "--codec", "int4"][..]]
     {
-        let mut args = vec!["soak", "--steps", "240", "--check-every", "80", "--lengths", "8:60", "--layers", "1", "--json"];
+        let mut args = vec!["soak", "--steps", "150", "--check-every", "50", "--lengths", "8:40", "--layers", "1", "--json"];
         args.extend(extra);
         let out = ok(&args);
         let rows: Vec<serde_json::Value> =
