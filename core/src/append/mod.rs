@@ -763,14 +763,12 @@ impl KvPool {
     /// that reads them with other buffers in one [`Runtime::read_many`] and hands the words to
     /// [`KvPool::snapshot_from`].
     pub fn snapshot_ranges(&self) -> Vec<(&wgpu::Buffer, u64, u64)> {
-        let mut ranges = vec![
-            Self::whole(&self.rings),
-            Self::whole(&self.ring_pages),
-            Self::whole(&self.page_meta),
+        let mut ranges = self.ring_tables_ranges();
+        ranges.extend([
             Self::whole(&self.free_stack),
             (&self.ctl, 0, (std::mem::size_of::<PoolCtl>() / 4) as u64),
             Self::whole(&self.slot_meta),
-        ];
+        ]);
         if self.codec.is_some() {
             ranges.push(Self::whole(&self.codec_free));
         }
@@ -792,14 +790,16 @@ impl KvPool {
     }
 
     /// The snapshot read as [`KvPool::snapshot_ranges`] says, one word vector a range.
-    pub fn snapshot_from(&self, words: Vec<Vec<u32>>) -> PoolSnapshot {
-        let mut words = words.into_iter();
+    pub fn snapshot_from(&self, mut words: Vec<Vec<u32>>) -> PoolSnapshot {
+        let rest = words.split_off(words.len().min(3));
+        let RingTables { rings, ring_pages, page_meta } = self.ring_tables_from(words);
+        let mut words = rest.into_iter();
         let mut next = || words.next().unwrap_or_default();
-        let (rings, ring_pages, page_meta, free_stack, ctl, slot_meta) = (next(), next(), next(), next(), next(), next());
+        let (free_stack, ctl, slot_meta) = (next(), next(), next());
         PoolSnapshot {
-            rings: cast_words(&rings),
+            rings,
             ring_pages,
-            page_meta: cast_words(&page_meta),
+            page_meta,
             free_stack,
             ctl: cast_words::<PoolCtl>(&ctl).first().copied().unwrap_or_default(),
             slot_meta,

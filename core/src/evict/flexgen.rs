@@ -295,13 +295,8 @@ impl FlexGen {
     }
 
     fn write_page(rt: &Runtime, pool: &KvPool, page: u32, data: &[u32]) {
-        let ppb = pool.geo.pages_per_buffer;
-        let b = (page / ppb) as usize;
-        rt.queue.write_buffer(
-            &pool.kv_buffers[b],
-            u64::from(page % ppb) * u64::from(pool.cfg.page_words()) * 4,
-            bytemuck::cast_slice(data),
-        );
+        let (buffer, first, _) = Self::page_range(pool, page);
+        rt.queue.write_buffer(buffer, first * 4, bytemuck::cast_slice(data));
     }
 
     /// Move the coldest pages past the budget of every list to the host (after attention, so
@@ -417,8 +412,7 @@ impl FlexGen {
         // A fetch's swap moves pages between rings only: the free stack and the slots' metadata
         // (read and written page by page) are not in its tables.
         let RingTables { rings, ring_pages, page_meta } = rings;
-        let mut t: Option<Tables> =
-            Some(Tables { rings, ring_pages, page_meta, free_stack: Vec::new(), ctl: PoolCtl::default(), slot_meta: Vec::new() });
+        let mut t = Tables { rings, ring_pages, page_meta, free_stack: Vec::new(), ctl: PoolCtl::default(), slot_meta: Vec::new() };
         // A GPU page a fetch filled this call holds the fetched page's bounds, not the ones
         // `bounds` was read with.
         let mut swapped: HashMap<u32, (Vec<f32>, Vec<f32>)> = HashMap::new();
@@ -450,7 +444,7 @@ impl FlexGen {
                         })
                         .fold(f64::NEG_INFINITY, f64::max)
                 };
-                let Some(tables) = &mut t else { continue };
+                let tables = &mut t;
                 // Best host page against the weakest resident non-tail page, until none beats it.
                 while let Some((hi_i, best_ub)) =
                     host.iter().enumerate().map(|(i, p)| (i, ub(&p.lo, &p.hi))).max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(&a.0)))
@@ -569,8 +563,8 @@ impl FlexGen {
             let (buf, first, _) = Self::meta_range(pool, *page);
             rt.queue.write_buffer(buf, first * 4, bytemuck::cast_slice(meta_words));
         }
-        if let (Some(t), false) = (&t, incoming_words.is_empty()) {
-            Self::write_tables(rt, pool, t, false);
+        if !incoming_words.is_empty() {
+            Self::write_tables(rt, pool, &t, false);
         }
         self.spill_past_limit(&c);
         self.update_host_stats(&c);

@@ -181,17 +181,19 @@ impl GpuLlama {
         }
         let mut chosen_all: Option<Vec<u32>> = (!sizes.is_empty()).then(Vec::new);
         let mut pending: Vec<wgpu::CommandBuffer> = Vec::new();
-        // Transfers submitted with no stage after them yet.
-        let mut unplaced: Vec<usize> = Vec::new();
+        // Transfers from here on were submitted with no stage after them yet (always the log's
+        // tail: transfers join it in submission order).
+        let mut placed = 0;
         // The next layer's prediction read at a layer's pause, and a prefetch held back behind
         // the next layer's page fetch.
         let mut predicted: Option<(Vec<u32>, Vec<f32>)> = None;
         let mut held: Option<(wgpu::CommandBuffer, Vec<Transfer>)> = None;
         for seg in segments {
             if let Some(&first) = seg.stages.first() {
-                for i in unplaced.drain(..) {
-                    self.transfers[i].issued_before = Some(first);
+                for t in &mut self.transfers[placed..] {
+                    t.issued_before = Some(first);
                 }
+                placed = self.transfers.len();
             }
             pending.push(seg.cb);
             match seg.then {
@@ -204,7 +206,6 @@ impl GpuLlama {
                         let from = fg.last_fetches.len();
                         fg.fetch_with(rt, &self.pool, l, (&i.queries, group), &i.bounds, rings).await?;
                         for f in &fg.last_fetches[from..] {
-                            unplaced.push(self.transfers.len());
                             self.transfers.push(Transfer {
                                 moved: Moved::Page(*f),
                                 bytes: f.bytes,
@@ -216,10 +217,7 @@ impl GpuLlama {
                     // The prefetch held for this layer follows its pages.
                     if let Some((cb, ts)) = held.take() {
                         pending.push(cb);
-                        for t in ts {
-                            unplaced.push(self.transfers.len());
-                            self.transfers.push(t);
-                        }
+                        self.transfers.extend(ts);
                     }
                 }
                 Some(Pause::Experts(l)) => {
@@ -244,7 +242,6 @@ impl GpuLlama {
                     pending.push(enc.finish());
                     let bytes = cache.layer_expert_bytes(l);
                     for f in &cache.last_fetches[from..] {
-                        unplaced.push(self.transfers.len());
                         self.transfers.push(Transfer {
                             moved: Moved::Expert(*f),
                             bytes,
@@ -277,10 +274,7 @@ impl GpuLlama {
                         held = Some((enc.finish(), ts));
                     } else {
                         pending.push(enc.finish());
-                        for t in ts {
-                            unplaced.push(self.transfers.len());
-                            self.transfers.push(t);
-                        }
+                        self.transfers.extend(ts);
                     }
                 }
             }
