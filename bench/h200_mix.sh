@@ -4,12 +4,13 @@
 # of each context) under the same total, drawn by bench/mix_grid.py. The synthetic file is
 # lib.sh's kv8 shape (8 layers, 8 experts of 1024 x 2816 Q4_K, top 2, 8 KV heads: 38.9 MB a slot
 # across the layers, 32 KiB of K/V a token). TOTAL (default 210M) holds the long requests' whole
-# pool beside 4 slots; REPEAT (default 2) rounds of the first run; GRID=0 skips the grid. Needs .bin/expertkv.xz and the Vulkan loader in .gl/.
+# pool beside 4 slots; REPEAT (default 2) rounds of the first run; GRID=0 skips the grid. SHAPE:
+# another of lib.sh's files (smollm2: SmolLM2-135M MoEfied, a trained model's routing). Needs .bin/expertkv.xz and the Vulkan loader in .gl/.
 set -u
 . bench/lib.sh
 h200_setup
 B=/tmp/expertkv; xz -dc .bin/expertkv.xz > $B; chmod +x $B
-F=$(moe_file kv8) || exit 1
+F=$(moe_file "${SHAPE:-kv8}") || exit 1
 O=${OUT:-/tmp}
 T=${TOTAL:-210M}
 $B mix --model "$F" --gpu-mem "$T" --requests "${REQUESTS:-3x128,2x1536}" --tokens 32 \

@@ -30,13 +30,20 @@ for line in sys.stdin:
 #   small: 8 layers of 1024 x 2816 (4.9 MB an expert); mixtral: 4 layers of Mixtral-8x7B's
 #   width, 4096 x 14336 (99 MB an expert); kv8: small's experts with 8 KV heads of 128 (32 KiB
 #   of K/V a token, so a 1,500-token context's pool weighs about a slot). Context 4096 for all.
+#   smollm2: not synthetic: SmolLM2-135M (models/, carried as bench/h200_model.sh says) MoEfied
+#   at 8 experts, top 4, fitted routers, written by `moefy` (30 layers, an expert 351 KiB).
 moe_file() {
     local geo f=/root/$1.gguf
+    if [ "$1" = smollm2 ]; then
+        [ -s "$f" ] || $B moefy --model models/SmolLM2-135M-Instruct.Q4_1.gguf --moe 8:4:fitted --out "$f" | tail -1 >&2
+        [ -s "$f" ] && echo "$f"
+        return
+    fi
     case $1 in
         small) geo="--layers 8 --hidden 1024 --heads 16 --kv-heads 4 --ffn 2816" ;;
         mixtral) geo="--layers 4 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336" ;;
         kv8) geo="--layers 8 --hidden 1024 --heads 8 --kv-heads 8 --ffn 2816" ;;
-        *) echo "moe_file: unknown shape $1 (small, mixtral or kv8)" >&2; return 1 ;;
+        *) echo "moe_file: unknown shape $1 (small, mixtral, kv8 or smollm2)" >&2; return 1 ;;
     esac
     # shellcheck disable=SC2086
     [ -s "$f" ] || $B synth --out "$f" $geo --experts 8 --top-k 2 --weights q4_k --untied-output --context 4096 | tail -1 >&2

@@ -2,6 +2,11 @@
 
 use crate::Result;
 use crate::gguf::{Gguf, model_err};
+use crate::moe::Gating;
+
+/// The metadata key that marks a MoE file whose chosen experts weigh 1 (value `unit`), written by
+/// [`crate::moe_file::write_moefied`].
+pub const UNIT_GATING_KEY: &str = "expertkv.expert_gating";
 
 /// The transformer families this crate runs (`general.architecture`), each with llama.cpp's
 /// tensor names and metadata keys (`<arch>.block_count`, ...).
@@ -131,6 +136,10 @@ pub struct LlamaConfig {
     /// Neurons of the shared expert (`qwen2moe.expert_shared_feed_forward_length`, else
     /// `feed_forward_length`, as llama.cpp reads it); 0 without one.
     pub shared_feed_forward_length: u32,
+    /// `expertkv.expert_gating` = `unit`: the chosen experts weigh 1 each, not their router's
+    /// softmax (a MoEfied dense model written as a MoE file, [`crate::moe_file`]); false
+    /// without the key.
+    pub unit_expert_weights: bool,
 }
 
 impl LlamaConfig {
@@ -184,6 +193,16 @@ impl LlamaConfig {
         } else {
             0
         };
+        let unit_expert_weights = match g.opt(UNIT_GATING_KEY, Gguf::get_str)? {
+            None => false,
+            Some("unit") if expert_count > 0 => true,
+            Some("unit") => return Err(model_err(format!("{UNIT_GATING_KEY} is `unit` but the file has no experts"))),
+            Some(other) => {
+                return Err(model_err(format!(
+                    "{UNIT_GATING_KEY} is `{other}`: `unit` (experts that weigh 1, a MoEfied model) is the only value read"
+                )));
+            }
+        };
         let c = LlamaConfig {
             arch,
             block_count: g.get_u32(&key("block_count"))?,
@@ -200,6 +219,7 @@ impl LlamaConfig {
             expert_count,
             expert_used_count,
             shared_feed_forward_length,
+            unit_expert_weights,
         };
         if c.expert_count > 0 && !(arch == Arch::Llama || arch.moe_only()) {
             return Err(model_err(format!(
@@ -232,6 +252,18 @@ impl LlamaConfig {
             return Err(model_err(format!("RMSNorm epsilon {} and RoPE base {} must be positive", c.rms_norm_eps, c.rope_freq_base)));
         }
         Ok(c)
+    }
+
+    /// How the router's chosen experts are weighted: [`Gating::Unit`] for a MoEfied file
+    /// ([`LlamaConfig::unit_expert_weights`]), else the architecture's softmax.
+    pub fn expert_gating(&self) -> Gating {
+        if self.unit_expert_weights {
+            Gating::Unit
+        } else if self.arch.renormalise_top_k() {
+            Gating::Softmax
+        } else {
+            Gating::SoftmaxShare
+        }
     }
 
     /// Query heads per KV head (grouped-query attention).

@@ -6,7 +6,8 @@
 //!   [`tokenizer`]: the vocabulary's byte-level BPE.
 //! - [`weights`]: the weights of a Llama-family model (llama, qwen2, qwen3, qwen3moe, olmoe, qwen2moe) ([`Matrix`] keeps the stored bytes);
 //!   [`cpu`]: the f32 reference forward pass with its own KV cache, over [`math`]'s building blocks; [`moe`]: MoEfication of its
-//!   FFNs into routed groups of neurons, or a MoE file's own experts; [`synthetic`]: small random
+//!   FFNs into routed groups of neurons, or a MoE file's own experts; [`moe_file`]: a
+//!   MoEfication written as a MoE file; [`synthetic`]: small random
 //!   models written as GGUF files for tests.
 //! - [`text`]: text in, text out for one sequence; [`batch`]: many prompts continuously
 //!   batched through one model of several sequences.
@@ -29,6 +30,7 @@ pub mod gpu_data;
 pub mod labels;
 pub mod math;
 pub mod moe;
+pub mod moe_file;
 pub mod ops;
 pub mod reference;
 pub mod synthetic;

@@ -191,7 +191,7 @@ impl MoeLayer {
 
     /// A MoE file's layer as it was trained: the router `ffn_gate_inp`, expert `e` the file's
     /// neurons `e * ffn .. (e + 1) * ffn`, weighted by `gating` ([`Gating::Softmax`] or
-    /// [`Gating::SoftmaxShare`]).
+    /// [`Gating::SoftmaxShare`]; [`Gating::Unit`] for a MoEfied model written as a MoE file).
     pub fn native(lw: &LayerWeights, layer: usize, gating: Gating) -> Result<Self> {
         let Some(router) = &lw.router else {
             return Err(Error::Model(format!("layer {layer} has no router (`ffn_gate_inp`): not a MoE file")));
@@ -203,9 +203,6 @@ impl MoeLayer {
             )));
         }
         let size = (neurons / e) as u32;
-        if gating == Gating::Unit {
-            return Err(Error::Model(format!("layer {layer}: a MoE file's experts are weighted by their router's softmax")));
-        }
         Ok(MoeLayer {
             hidden,
             gating,
@@ -297,6 +294,8 @@ pub struct Moefication {
     /// Calibration tokens the routers were fitted on ([`Moefication::fit_router`]); `None`: the
     /// centroid routers (or a MoE file's own).
     pub fitted: Option<usize>,
+    /// A MoE file's own experts ([`Moefication::native`]), not clustered here.
+    pub native: bool,
 }
 
 impl Moefication {
@@ -333,7 +332,7 @@ impl Moefication {
         };
         #[cfg(target_arch = "wasm32")]
         let layers: Vec<Result<MoeLayer>> = w.layers.iter().enumerate().map(|(l, lw)| MoeLayer::from_layer(lw, config, l)).collect();
-        Ok(Moefication { config: config.clone(), layers: layers.into_iter().collect::<Result<_>>()?, fitted: None })
+        Ok(Moefication { config: config.clone(), layers: layers.into_iter().collect::<Result<_>>()?, fitted: None, native: false })
     }
 
     /// Replace every layer's centroid router with a linear router fitted to the experts' actual
@@ -465,7 +464,7 @@ impl Moefication {
         if at != rest.len() {
             return Err(bad("trailing bytes"));
         }
-        Ok(Moefication { config, layers, fitted: (fitted != u32::MAX).then_some(fitted as usize) })
+        Ok(Moefication { config, layers, fitted: (fitted != u32::MAX).then_some(fitted as usize), native: false })
     }
 
     /// A MoE file's own experts and routers ([`MoeLayer::native`]), `k` = its
@@ -475,16 +474,16 @@ impl Moefication {
         if !w.is_moe() {
             return Err(Error::Model("the file has no experts of its own (`llama.expert_count` is 0)".into()));
         }
-        let gating = if c.arch.renormalise_top_k() { Gating::Softmax } else { Gating::SoftmaxShare };
+        let gating = c.expert_gating();
         let layers = w.layers.iter().enumerate().map(|(l, lw)| MoeLayer::native(lw, l, gating)).collect::<Result<Vec<_>>>()?;
         let config =
             MoeConfig { experts: c.expert_count as usize, top_k: c.expert_used_count as usize, seed: 0, iterations: 0, balanced: true };
-        Ok(Moefication { config, layers, fitted: None })
+        Ok(Moefication { config, layers, fitted: None, native: true })
     }
 
     /// Whether these are a MoE file's own experts ([`Moefication::native`]).
     pub fn is_native(&self) -> bool {
-        self.layers.first().is_some_and(|l| l.gating != Gating::Unit)
+        self.native
     }
 
     /// Whether these experts were made for a model of `w`'s shape: MoEfication for a dense model,

@@ -257,7 +257,7 @@ impl SyntheticModel {
 /// `data` (a multiple of 32 values) as `format`'s bytes: F32 as it is; Q8_0 blocks of an f16
 /// scale and 32 signed bytes; Q4_1 blocks of an f16 scale and minimum and 32 nibbles (value `j`
 /// in the low nibble of byte `j`, value `16 + j` in its high nibble), as ggml lays them out.
-fn quantize(format: GgmlType, data: &[f32]) -> Vec<u8> {
+pub(crate) fn quantize(format: GgmlType, data: &[f32]) -> Vec<u8> {
     // Large tensors in parts of whole super-blocks on every core; each block is quantized alone,
     // so the bytes are the same.
     const PART: usize = 1 << 20;

@@ -15,6 +15,7 @@ mod experts_args;
 mod gpu_mem;
 mod info;
 mod mix;
+mod moefy;
 mod plan;
 mod plot;
 mod replay;
@@ -105,6 +106,9 @@ enum Command {
     /// Write a random Llama GGUF, dense or with experts in llama.cpp's MoE layout, to try `run`
     /// and `eval` on shapes no shipped model has.
     Synth(synth::SynthArgs),
+    /// MoEfy a dense model (its FFN neurons clustered into experts, routers optionally fitted)
+    /// and write it as a MoE file, so the expert cache and the joint budget run on its routing.
+    Moefy(moefy::MoefyArgs),
     /// Decode for many steps with sequences finishing and joining, checking the pool's
     /// invariants every few hundred steps and recording host RSS and steps per second.
     Soak(soak::SoakArgs),
@@ -142,6 +146,7 @@ fn main() -> ExitCode {
         Command::Eval(a) => eval::run(&cli.gpu, a),
         Command::Mix(a) => mix::run(&cli.gpu, a),
         Command::Synth(a) => synth::run(a),
+        Command::Moefy(a) => moefy::run(a),
         Command::Compare(a) => compare::run(a),
         Command::Soak(a) => soak::run(&cli.gpu, a),
         Command::Store(a) => store::run(a),

@@ -408,7 +408,11 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     let c = m.cfg.clone();
     let arch = c.arch.name();
     let ffn = if c.expert_count > 0 {
-        let gating = if c.arch.renormalise_top_k() { "softmax-weighted" } else { "weighted by their share of the softmax" };
+        let gating = match c.expert_gating() {
+            expertkv_model::Gating::Unit => "each weighing 1 (MoEfied)",
+            expertkv_model::Gating::Softmax => "softmax-weighted",
+            expertkv_model::Gating::SoftmaxShare => "weighted by their share of the softmax",
+        };
         let shared = if c.arch.shared_expert() { format!(", a shared expert of {}", c.shared_feed_forward_length) } else { String::new() };
         format!("{} experts of {}, top-{} {gating}{shared}", c.expert_count, c.feed_forward_length, c.expert_used_count)
     } else {

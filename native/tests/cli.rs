@@ -301,6 +301,41 @@ fn moefication_is_cached_and_a_damaged_cache_replaced() {
     assert!(run().contains("loaded from the cache"));
 }
 
+/// `moefy` writes a dense model's MoEfication as a MoE file that `run` decodes with its experts
+/// weighing 1, through the expert cache too; what it cannot write is refused by name, and the
+/// model is never overwritten.
+#[test]
+fn moefy_writes_a_moe_file_run_decodes_through_the_expert_cache() {
+    let dense = tmp("moefy-dense.gguf");
+    let d = dense.to_str().expect("utf-8 path");
+    ok(&["synth", "--out", d, "--experts", "0", "--layers", "2", "--ffn", "128", "--weights", "q8_0", "--untied-output"]);
+    let moe = tmp("moefy-moe.gguf");
+    let m = moe.to_str().expect("utf-8 path");
+    let out = ok(&["moefy", "--model", d, "--moe", "4:2", "--out", m]);
+    assert!(out.contains("2 layers x 4 experts of 32 neurons, top 2, experts weigh 1") && out.contains("down as f16"), "{out}");
+    let out = ok(&["run", "--model", m, "--prompt", "Hi", "--tokens", "3", "--expert-slots", "2", "--json"]);
+    assert!(out.contains("4 experts of 32, top-2 each weighing 1 (MoEfied)"), "{out}");
+    let summary: serde_json::Value = out.lines().rev().find_map(|l| serde_json::from_str(l).ok()).expect("a JSON line");
+    let experts = &summary["expert_cache"];
+    assert!(experts["misses"].as_u64() > Some(0), "{out}");
+    let before = std::fs::read(&dense).expect("the model");
+    for (args, needle) in [
+        (&["--model", m, "--out", d][..], "already a MoE file"),
+        (&["--model", d, "--moe", "3:1", "--out", m][..], "do not split into 3 experts"),
+        (&["--model", d, "--moe", "8:2", "--down", "q8_0", "--out", m][..], "not whole blocks of 32 (give --down f16)"),
+        (&["--model", d, "--down", "q4_0", "--out", m][..], "expected q8_0, f16 or f32"),
+        (&["--model", d, "--moe", "dense", "--out", m][..], "give the experts to split into"),
+        (&["--model", d, "--moe", "4:2", "--out", d][..], "is the model itself"),
+    ] {
+        let o = expertkv(&[&["moefy"][..], args].concat());
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(needle) && !err.contains("panicked"), "{args:?}: {err}");
+    }
+    assert!(std::fs::read(&dense).expect("the model") == before, "a refused moefy changed the model");
+    let out = ok(&["moefy", "--model", d, "--moe", "4:2", "--down", "q8_0", "--out", m]);
+    assert!(out.contains("down as q8_0"), "{out}");
+}
+
 /// `synth` writes a random MoE file `run` decodes, and refuses impossible shapes by name.
 #[test]
 fn synth_writes_a_model_run_decodes() {

@@ -11,7 +11,7 @@
 
 use crate::experts::{ExpertCache, ExpertPolicy, ExpertPrefetch, ReuseCurve};
 use crate::labels::{KvLabels, LabelSource, ScoreInputs};
-use crate::moe::Moefication;
+use crate::moe::{Gating, Moefication};
 use crate::ops::{GpuMatrix, ModelKernels, MoeFfn, Recorded, WeightFormat, same_format, tensor_format};
 use crate::{Error, Result};
 use crate::{config::LlamaConfig, gguf::Gguf};
@@ -818,7 +818,7 @@ impl GpuLlama {
             log: rt.storage("moe pre-gate choices", u64::from(c.block_count * n * k) * 4),
         });
         let (kern, s) = (&self.kernels, &self.s);
-        let share = !c.arch.renormalise_top_k();
+        let share = softmax_share(c, native);
         let (mut recorded, mut experts) = (Vec::new(), Vec::new());
         for (l, ((router, ffn_l), w)) in layers.iter().zip(&self.layers).enumerate() {
             // Score the FFN input with the router, take the top k on the GPU, weight the chosen,
@@ -832,7 +832,7 @@ impl GpuLlama {
                 kern.matvec(rt, &mut p, next, &s.xn, &pg.scores, n)?;
                 kern.moe_topk(rt, &mut p, &pg.scores, &pg.sel, &pg.log, (l as u32 + 1) * n * k, n, e, k)?;
             }
-            if native {
+            if let Some(share) = share {
                 kern.moe_weights(rt, &mut p, &scores, &sel, &wts, n, e, k, share)?;
             }
             // With an expert cache the experts are a recording of their own: the host fetches
@@ -911,8 +911,8 @@ impl GpuLlama {
             kern.matvec(rt, &mut p, centroids, &s.xn, &moe.scores, n)?;
             before.push(p);
             let mut p = Recorded::default();
-            if moe.native {
-                kern.moe_weights(rt, &mut p, &moe.scores, &moe.sel, &moe.wts, n, e, k, !c.arch.renormalise_top_k())?;
+            if let Some(share) = softmax_share(c, moe.native) {
+                kern.moe_weights(rt, &mut p, &moe.scores, &moe.sel, &moe.wts, n, e, k, share)?;
             }
             kern.moe_ffn(rt, &mut p, ffn_l, &s.xn, &moe.sel, &moe.wts, &moe.act, &s.h, n, k, true)?;
             shared_expert(rt, kern, c, w, s, n, &mut p)?;
@@ -1333,6 +1333,18 @@ fn f32_matrix(rt: &Runtime, label: &str, rows: u32, cols: u32, v: &[f32]) -> Res
 /// `e` is neurons `e * ffn .. (e + 1) * ffn` of the stacked `ffn_gate_exps` / `ffn_up_exps`
 /// (their bytes as stored), `ffn_down_exps` re-laid as `[hidden][E * ffn]` f32, and the router
 /// `ffn_gate_inp` as f32.
+/// Whether the chosen experts are weighted by a kernel, and how: `Some(share)` for a MoE file's
+/// softmax (`share`: [`Gating::SoftmaxShare`]), `None` when they weigh 1 (MoEfied experts, or
+/// a MoEfied model written as a MoE file: the weights buffer keeps its 1s).
+pub(crate) fn softmax_share(c: &LlamaConfig, native: bool) -> Option<bool> {
+    match c.expert_gating() {
+        _ if !native => None,
+        Gating::Unit => None,
+        Gating::Softmax => Some(false),
+        Gating::SoftmaxShare => Some(true),
+    }
+}
+
 /// Every layer's router of a MoE file (`ffn_gate_inp`, `[E][hidden]` f32).
 fn native_routers(rt: &Runtime, g: &Gguf<'_>, c: &LlamaConfig) -> Result<Vec<GpuMatrix>> {
     (0..c.block_count)

@@ -169,8 +169,8 @@ impl GpuLlama {
                     attention_output(rt, kern, &c, w, s, pf.attn.output(), n, &mut p)?;
                     kern.matvec(rt, &mut p, router, &s.xn, scores, n)?;
                     kern.moe_topk(rt, &mut p, scores, sel, log, 0, n, e, k)?;
-                    if moe.native {
-                        kern.moe_weights(rt, &mut p, scores, sel, wts, n, e, k, !c.arch.renormalise_top_k())?;
+                    if let Some(share) = super::softmax_share(&c, moe.native) {
+                        kern.moe_weights(rt, &mut p, scores, sel, wts, n, e, k, share)?;
                     }
                     kern.moe_ffn(rt, &mut p, ffn_l, &s.xn, sel, wts, act, &s.h, n, k, true)?;
                     shared_expert(rt, kern, &c, w, s, n, &mut p)?;

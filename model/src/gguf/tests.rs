@@ -470,6 +470,7 @@ fn gguf_smollm2_hyperparameters_real() {
             expert_count: 0,
             expert_used_count: 0,
             shared_feed_forward_length: 0,
+            unit_expert_weights: false,
         }
     );
     assert_eq!(c.group_size(), 3);

@@ -95,6 +95,57 @@ fn an_expert_cache_smaller_than_the_experts_gives_the_all_resident_logits() {
     }
 }
 
+/// A MoEfied dense model written as a MoE file (`expertkv_model::moe_file`, down in Q8_0): on the
+/// GPU, all resident, its logits equal its CPU reference's (the chosen experts weigh 1: no
+/// softmax kernel runs) and its choices the reference's; with the fewest slots a step allows and
+/// pre-gating, the expert cache gives the all-resident logits bit for bit, with hits and misses.
+#[test]
+fn a_moefied_file_runs_as_its_reference_and_through_the_expert_cache() {
+    use expertkv_model::moe::{MoeConfig, Moefication, top_k};
+    use expertkv_model::moe_file::write_moefied;
+    use expertkv_model::ops::WeightFormat;
+    use expertkv_model::{CpuModel, LlamaConfig, LlamaWeights, Probe, Stage};
+    use std::sync::Arc;
+    let rt = rt();
+    let seed = seeds("model_moefied_file", 1)[0];
+    let mut rng = Rng::new(seed);
+    let dense = SyntheticModel { ffn: 128, ..SyntheticModel::dense(seed) }.with_weights(GgmlType::Q8_0).gguf();
+    let gd = Gguf::parse(&dense).expect("gguf");
+    let weights = |g: &Gguf<'_>| Arc::new(LlamaWeights::from_gguf(g, &LlamaConfig::from_gguf(g).expect("config")).expect("weights"));
+    let moe = Moefication::from_weights(&weights(&gd), &MoeConfig::new(4, 2)).expect("moefy");
+    let file = write_moefied(&gd, &moe, WeightFormat::Q8_0, "test").expect("write");
+    let g = Gguf::parse(&file).expect("the MoE file");
+    let cpu = CpuModel::new(weights(&g)).expect("cpu");
+    let opts = ModelOptions::new(1, 64).dtype(KvDtype::F32);
+    let mut all = pollster::block_on(GpuLlama::load(rt, &g, opts.clone())).expect("load");
+    assert_eq!(all.moe_shape(), Some((4, 2)), "seed {seed}");
+    let slots = min_slots(1, 2, 4);
+    let cfg = ExpertCacheConfig { slots, policy: ExpertPolicy::Lru, prefetch: ExpertPrefetch::Pregate };
+    let mut cached = pollster::block_on(GpuLlama::load(rt, &g, opts.expert_cache(Some(cfg)))).expect("load cached");
+    let mut cache = cpu.new_cache();
+    let mut counts = vec![0u64; 2 * 4];
+    for pos in 0..10u32 {
+        let t = rng.below(256);
+        let want = pollster::block_on(all.forward(rt, &[t])).expect("forward");
+        let got = pollster::block_on(cached.forward(rt, &[t])).expect("forward cached");
+        assert!(want.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()), "seed {seed}: position {pos}: cached logits differ");
+        let mut probe = |p: Probe<'_>| {
+            if p.stage == Stage::RouterScores {
+                for e in top_k(p.values, 2) {
+                    counts[p.layer * 4 + e] += 1;
+                }
+            }
+        };
+        let reference = cpu.forward_probed(t, pos, &mut cache, 2, true, &mut probe).expect("cpu forward");
+        let (err, max) =
+            (reference.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs())), reference.iter().fold(0f32, |m, a| m.max(a.abs())));
+        assert!(max > 0.1 && err <= 1e-4 * max, "seed {seed}: position {pos}: GPU vs CPU {err} (max {max})");
+    }
+    assert_eq!(all.expert_counts(), &counts[..], "seed {seed}: every layer's choices, GPU against CPU");
+    let c = cached.expert_cache().expect("cache");
+    assert!(c.total.hits > 0 && c.total.misses > 0, "seed {seed}: {:?}", c.total);
+}
+
 /// Too few slots for one step's experts, or a cache on a dense file, is refused at load with the
 /// minimum stated.
 #[test]
