@@ -5,7 +5,8 @@
 # lib.sh's kv8 shape (8 layers, 8 experts of 1024 x 2816 Q4_K, top 2, 8 KV heads: 38.9 MB a slot
 # across the layers, 32 KiB of K/V a token). TOTAL (default 210M) holds the long requests' whole
 # pool beside 4 slots; REPEAT (default 2) rounds of the first run; GRID=0 skips the grid. SHAPE:
-# another of lib.sh's files (smollm2: SmolLM2-135M MoEfied, a trained model's routing). Needs .bin/expertkv.xz and the Vulkan loader in .gl/.
+# another of lib.sh's files (smollm2: SmolLM2-135M MoEfied, a trained model's routing). MIX=0
+# skips the first run; GRID_SLOTS (default 2,3,4,5) the grid's slot counts. Needs .bin/expertkv.xz and the Vulkan loader in .gl/.
 set -u
 . bench/lib.sh
 h200_setup
@@ -13,9 +14,11 @@ B=/tmp/expertkv; xz -dc .bin/expertkv.xz > $B; chmod +x $B
 F=$(moe_file "${SHAPE:-kv8}") || exit 1
 O=${OUT:-/tmp}
 T=${TOTAL:-210M}
-$B mix --model "$F" --gpu-mem "$T" --requests "${REQUESTS:-3x128,2x1536}" --tokens 32 \
-  --policies joint,50/50,0.75/0.15,experts-first:256 --repeat "${REPEAT:-2}" --json 2>&1 | tee "$O/mix.txt"
+if [ "${MIX:-1}" != 0 ]; then
+  $B mix --model "$F" --gpu-mem "$T" --requests "${REQUESTS:-3x128,2x1536}" --tokens 32 \
+    --policies joint,50/50,0.75/0.15,experts-first:256 --repeat "${REPEAT:-2}" --json 2>&1 | tee "$O/mix.txt"
+fi
 [ "${GRID:-1}" = 0 ] && exit 0
-cells=$(python3 -c 'print(",".join(f"cell:{s}:{p}" for s in (2, 3, 4, 5) for p in (25, 50, 75, 100)))')
+cells=$(python3 -c "print(','.join(f'cell:{s}:{p}' for s in (${GRID_SLOTS:-2,3,4,5}) for p in (25, 50, 75, 100)))")
 $B mix --model "$F" --gpu-mem "$T" --requests "${GRID_REQUESTS:-1x128,1x1536}" --tokens 32 --policies "joint,$cells" --json 2>&1 | tee "$O/mix_grid.txt"
 python3 bench/mix_grid.py "$O/mix_grid.txt" "$O/mix_grid.svg"
