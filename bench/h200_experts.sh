@@ -14,8 +14,7 @@
 #   comma-separated (default below; "all" or "SLOTS PREFETCH POLICY"). TOKENS (default 64).
 set -u
 . bench/lib.sh
-h200_setup
-B=/tmp/expertkv; xz -dc .bin/expertkv.xz > $B; chmod +x $B
+h200_binary || exit 1
 $B bench upload --json > /tmp/upload.jsonl || exit 1
 python3 - <<'PY'
 import json

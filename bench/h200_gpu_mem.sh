@@ -5,8 +5,7 @@
 # process (64 tokens, one submission each). Needs .bin/expertkv.xz and the Vulkan loader in .gl/.
 set -u
 . bench/lib.sh
-h200_setup
-B=/tmp/expertkv; xz -dc .bin/expertkv.xz > $B; chmod +x $B
+h200_binary || exit 1
 F=/tmp/gpu_mem_moe.gguf
 $B synth --out $F --layers 8 --hidden 1024 --heads 16 --kv-heads 4 --ffn 2816 --experts 8 --top-k 2 \
   --weights q4_k --untied-output --context 2048 | tail -1

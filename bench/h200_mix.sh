@@ -9,8 +9,7 @@
 # skips the first run; GRID_SLOTS (default 2,3,4,5) the grid's slot counts. Needs .bin/expertkv.xz and the Vulkan loader in .gl/.
 set -u
 . bench/lib.sh
-h200_setup
-B=/tmp/expertkv; xz -dc .bin/expertkv.xz > $B; chmod +x $B
+h200_binary || exit 1
 F=$(moe_file "${SHAPE:-kv8}") || exit 1
 O=${OUT:-/tmp}
 T=${TOTAL:-210M}

@@ -5,8 +5,7 @@
 # /proc/PID/status, and the generated tokens compared. Needs .bin/expertkv.xz and .gl/.
 set -u
 . bench/lib.sh
-h200_setup
-B=/tmp/expertkv; xz -dc .bin/expertkv.xz > $B; chmod +x $B
+h200_binary || exit 1
 F=$(moe_file mixtral) || exit 1
 for m in "" "--mmap"; do
   python3 - $B run --model $F --prompt "the budget holds the experts that fit" --tokens 16 --expert-slots 2 --json $m <<'PY'

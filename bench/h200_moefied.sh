@@ -10,8 +10,7 @@
 # (carried in two parts, see bench/h200_model.sh), .bin/expertkv.xz and the Vulkan loader in .gl/.
 set -u
 . bench/lib.sh
-h200_setup
-B=/tmp/expertkv; xz -dc .bin/expertkv.xz > $B; chmod +x $B
+h200_binary || exit 1
 sha256sum models/SmolLM2-135M-Instruct.Q4_1.gguf
 F=$(moe_file smollm2) || exit 1
 echo "== eval: the MoE file, then the dense model MoEfied the same way"

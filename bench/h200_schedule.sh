@@ -9,8 +9,7 @@
 # Needs .bin/expertkv.xz and the Vulkan loader in .gl/.
 set -u
 . bench/lib.sh
-h200_setup
-B=/tmp/expertkv; xz -dc .bin/expertkv.xz > $B; chmod +x $B
+h200_binary || exit 1
 F=$(moe_file kv8) || exit 1
 P=$(python3 -c "import random; r = random.Random(7); print(''.join(r.choice('abcdefghij klmnop') for _ in range(${PROMPT_TOKENS:-1500})))")
 BUDGET=${BUDGET:-256}; SLOTS=${SLOTS:-4}

@@ -9,8 +9,7 @@
 # K/V budget costs on these random weights). Needs .bin/expertkv.xz and the Vulkan loader in .gl/.
 set -u
 . bench/lib.sh
-h200_setup
-B=/tmp/expertkv; xz -dc .bin/expertkv.xz > $B; chmod +x $B
+h200_binary || exit 1
 F=$(moe_file small) || exit 1
 P=$(python3 -c 'print(("the budget holds the pages and the experts that fit; " * 40)[:2000])')
 run() { $B run --model $F --prompt "$P" --tokens 64 --json "$@" 2>&1 | grep '^{' | tail -1; }

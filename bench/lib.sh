@@ -7,6 +7,14 @@ h200_setup() {
     export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
 }
 
+# h200_binary: h200_setup, then the release binary carried in .bin/expertkv.xz unpacked to $B
+# (/tmp/expertkv), where a warm machine's later calls find it too.
+h200_binary() {
+    h200_setup
+    B=/tmp/expertkv
+    xz -dc .bin/expertkv.xz > "$B" && chmod +x "$B"
+}
+
 # attend_rows LABEL: one line per attention record of `expertkv bench attend --json` on stdin
 # (the copy roofline's records skipped): the label, the shape, the whole attention's median ms,
 # the compressed pages' kernel alone, SDPA's ms and our ratio to it (with --torch), rho, GB/s

@@ -5,7 +5,7 @@
 //!
 //! What the file holds, and why:
 //! - **Gate and up rows** are the dense file's block rows copied in expert order (expert `e`'s
-//!   neurons are [`MoeLayer::expert`]`(e)`): no requantisation, so the experts compute what the
+//!   neurons are [`crate::MoeLayer::expert`]`(e)`): no requantisation, so the experts compute what the
 //!   MoEfied model's do.
 //! - **Down** splits the dense `Wdown` by *columns* (a neuron is a column), which breaks the
 //!   file's quantised blocks: it is dequantised and written in `down` ([`WeightFormat::F32`]

@@ -123,7 +123,7 @@ fn a_moefied_file_runs_as_its_reference_and_through_the_expert_cache() {
     let cfg = ExpertCacheConfig { slots, policy: ExpertPolicy::Lru, prefetch: ExpertPrefetch::Pregate };
     let mut cached = pollster::block_on(GpuLlama::load(rt, &g, opts.expert_cache(Some(cfg)))).expect("load cached");
     let mut cache = cpu.new_cache();
-    let mut counts = vec![0u64; 2 * 4];
+    let mut counts = [0u64; 2 * 4];
     for pos in 0..10u32 {
         let t = rng.below(256);
         let want = pollster::block_on(all.forward(rt, &[t])).expect("forward");
