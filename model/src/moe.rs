@@ -1119,15 +1119,19 @@ mod tests {
         let Some((dense, tok)) = test_model("moe_smollm2_router_against_oracle_real") else { return };
         let text_ids = prompt_ids(&tok, PERPLEXITY_TEXT);
         let mut report = vec![format!("dense: perplexity {:.2}", dense.perplexity(&text_ids).unwrap())];
-        let calib = dense.calibration(&prompt_ids(&tok, CALIBRATION_TEXT)).unwrap();
+        // The calibration text's first 160 tokens (the CPU run over all 327 took half the test's
+        // time; `expertkv eval --moe E:K:fitted` fits on all of them).
+        let mut calib_ids = prompt_ids(&tok, CALIBRATION_TEXT);
+        calib_ids.truncate(160);
+        let calib = dense.calibration(&calib_ids).unwrap();
         // Two shapes, a quarter of the experts each (the test suite's time; `expertkv eval
         // --moe` measures any others).
         for (e, k) in [(8, 2), (16, 4)] {
-            let moe = Arc::new(Moefication::from_weights(dense.weights(), &MoeConfig::new(e, k)).unwrap());
-            let routed = dense.with_moe(Some(moe)).unwrap();
+            let clustered = Moefication::from_weights(dense.weights(), &MoeConfig::new(e, k)).unwrap();
+            let routed = dense.with_moe(Some(Arc::new(clustered.clone()))).unwrap();
             let oracle = routed.clone().with_oracle_routing(true).unwrap();
             let (r, o) = (routed.perplexity(&text_ids).unwrap(), oracle.perplexity(&text_ids).unwrap());
-            let mut fitted = Moefication::from_weights(dense.weights(), &MoeConfig::new(e, k)).unwrap();
+            let mut fitted = clustered;
             let secs = fitted.fit_router(dense.weights(), &calib, DEFAULT_RIDGE).unwrap();
             assert_eq!(fitted.fitted, Some(calib.tokens()));
             let f = dense.with_moe(Some(Arc::new(fitted))).unwrap().perplexity(&text_ids).unwrap();
@@ -1142,8 +1146,9 @@ mod tests {
         eprintln!("{} tokens of PERPLEXITY_TEXT\n{}", text_ids.len(), report.join("\n"));
     }
 
-    /// E = 8 / k = 2 and E = 16 / k = 4: finite logits; prints the top token, greedy text and
-    /// perplexity (over the text's first 96 tokens) beside the dense model's.
+    /// E = 8 / k = 2: finite logits; prints the top token, greedy text and perplexity (over the
+    /// text's first 96 tokens) beside the dense model's (E = 16 / k = 4 runs in
+    /// `moe_smollm2_router_against_oracle_real`).
     #[test]
     fn moe_smollm2_e8_e16_real() {
         let Some((dense, tok)) = test_model("moe_smollm2_e8_e16_real") else { return };
@@ -1151,7 +1156,7 @@ mod tests {
         let mut text_ids = prompt_ids(&tok, PERPLEXITY_TEXT);
         text_ids.truncate(96);
         let mut report = Vec::new();
-        for (e, k) in [(0, 0), (8, 2), (16, 4)] {
+        for (e, k) in [(0, 0), (8, 2)] {
             let (model, cluster_s) = if e == 0 {
                 (dense.clone(), 0.0)
             } else {

@@ -105,7 +105,12 @@ pub fn write_moefied(g: &Gguf<'_>, moe: &Moefication, down: WeightFormat, from: 
             Some(done) => *done = true,
         }
         let ml = &moe.layers[l];
-        if ml.neurons.len() != ffn || ml.centroids.len() != e * hidden || (0..e).any(|x| ml.expert(x).len() != f) {
+        if ml.neurons.len() != ffn
+            || ml.neurons.iter().any(|&neuron| neuron as usize >= ffn)
+            || ml.centroids.len() != e * hidden
+            || ml.offsets.len() != e + 1
+            || (0..e).any(|x| ml.expert(x).len() != f)
+        {
             return Err(Error::Input(format!(
                 "layer {l}: the experts are not {e} groups of {f} neurons over {hidden} features (a balanced MoEfication is needed)"
             )));

@@ -2,6 +2,10 @@
 //! optionally fitted) and written as a MoE file in llama.cpp's Mixtral layout, so that the
 //! expert cache, `--gpu-mem`'s joint budget, `mix` and every MoE-file path run on a trained
 //! model's routing ([`expertkv_model::moe_file`] says what the file holds).
+//!
+//! The clustering reads every weight as f32 and the file is built in memory before it is
+//! written: SmolLM2's 98 MB file peaked at 739 MB of host memory (this machine, 2026-12-06,
+//! MoEfication from the cache), about 8x a 4-bit file's size, so an 8B model needs tens of GB.
 
 use crate::fmt_bytes;
 use crate::run::{Moefied, Moefier, parse_moe, read_model};
