@@ -261,20 +261,16 @@ mod tests {
         let reversed = w.finish();
         let gr = Gguf::parse(&reversed).expect("reversed file");
         let moe = Moefication::from_weights(&weights(&g), &MoeConfig::new(2, 1)).expect("moefy");
-        let a = Gguf::parse(&write_moefied(&g, &moe, WeightFormat::F16, "t").expect("ordered")).map(|f| {
+        // A written file's tensors by name, with their bytes.
+        let tensors = |file: Vec<u8>| {
+            let f = Gguf::parse(&file).expect("parse");
             let mut t: Vec<(String, Vec<u8>)> =
                 f.tensors().iter().map(|t| (t.name().to_string(), f.tensor_data(t.name()).expect("data").to_vec())).collect();
             t.sort();
             t
-        });
-        let out = write_moefied(&gr, &moe, WeightFormat::F16, "t").expect("reversed");
-        let b = Gguf::parse(&out).map(|f| {
-            let mut t: Vec<(String, Vec<u8>)> =
-                f.tensors().iter().map(|t| (t.name().to_string(), f.tensor_data(t.name()).expect("data").to_vec())).collect();
-            t.sort();
-            t
-        });
-        let (a, b) = (a.expect("parse"), b.expect("parse"));
+        };
+        let a = tensors(write_moefied(&g, &moe, WeightFormat::F16, "t").expect("ordered"));
+        let b = tensors(write_moefied(&gr, &moe, WeightFormat::F16, "t").expect("reversed"));
         assert_eq!(a.len(), 2 + 3 * 10, "embeddings, output norm, and per layer two norms, four attention and four expert tensors");
         assert!(a == b, "the reversed source gives other tensors");
     }

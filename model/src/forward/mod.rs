@@ -1329,10 +1329,6 @@ fn f32_matrix(rt: &Runtime, label: &str, rows: u32, cols: u32, v: &[f32]) -> Res
     GpuMatrix::upload(rt, label, WeightFormat::F32, rows, cols, &bytes)
 }
 
-/// A MoE file's experts and routers (shapes checked by [`LlamaConfig::check_tensors`]): expert
-/// `e` is neurons `e * ffn .. (e + 1) * ffn` of the stacked `ffn_gate_exps` / `ffn_up_exps`
-/// (their bytes as stored), `ffn_down_exps` re-laid as `[hidden][E * ffn]` f32, and the router
-/// `ffn_gate_inp` as f32.
 /// Whether the chosen experts are weighted by a kernel, and how: `Some(share)` for a MoE file's
 /// softmax (`share`: [`Gating::SoftmaxShare`]), `None` when they weigh 1 (MoEfied experts, or
 /// a MoEfied model written as a MoE file: the weights buffer keeps its 1s).
@@ -1360,6 +1356,10 @@ fn native_routers(rt: &Runtime, g: &Gguf<'_>, c: &LlamaConfig) -> Result<Vec<Gpu
         .collect()
 }
 
+/// A MoE file's experts and routers (shapes checked by [`LlamaConfig::check_tensors`]): expert
+/// `e` is neurons `e * ffn .. (e + 1) * ffn` of the stacked `ffn_gate_exps` / `ffn_up_exps`, every
+/// expert matrix as the file stores it ([`MoeFfn::upload_experts`]), and the router
+/// `ffn_gate_inp` as f32.
 fn native_experts(rt: &Runtime, g: &Gguf<'_>, c: &LlamaConfig) -> Result<Vec<(GpuMatrix, MoeFfn)>> {
     let (e, h, f) = (c.expert_count, c.embedding_length, c.feed_forward_length);
     let mut layers = Vec::new();
