@@ -38,6 +38,10 @@ pub struct RunArgs {
     /// line; with --time-steps, that line also holds the stages of a few of its steps.
     #[arg(long)]
     pub profile: bool,
+    /// Prompt tokens one prefill pass takes (1 to 1024): larger chunks make fewer, larger
+    /// products, smaller ones hold less scratch memory.
+    #[arg(long, default_value_t = expertkv_model::forward::PREFILL_CHUNK)]
+    pub prefill_chunk: u32,
     /// The model: a GGUF file (llama, qwen2, qwen3, qwen3moe, olmoe or qwen2moe architecture) [default: models/SmolLM2-135M-Instruct.Q4_1.gguf,
     /// fetched by scripts/fetch_model.sh].
     #[arg(long)]
@@ -366,7 +370,8 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
         .routing(routing)
         .pyramid(a.pyramid)
         .threshold(threshold)
-        .expert_cache(expert_cache);
+        .expert_cache(expert_cache)
+        .prefill_chunk(a.prefill_chunk);
     // One budget for the pool and the experts: split before loading, measured after.
     let (opts, mut gpu_mem) = match a.gpu_mem.as_deref() {
         Some(spec) => {
@@ -648,6 +653,7 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
             "prefill_s": prefill_s,
             "prefill_tokens_per_s": (prompt.len() - cached) as f64 / prefill_s.max(1e-9),
             "prefill_chunked": m.chunked_prefill_refusal().is_none() && prompt.len() > 1,
+            "prefill_chunk": a.prefill_chunk,
             "ttft_s": prefill_s,
             "tpot_ms_p50": tpot.as_ref().map(|t| t.0),
             "tpot_ms_p99": tpot.as_ref().map(|t| t.1),

@@ -296,6 +296,8 @@ pub struct GpuLlama {
     io: Io,
     /// Chunked prefill's attention and scratch, made by the first [`GpuLlama::prefill`].
     prefill: Option<Prefill>,
+    /// Prompt tokens a prefill pass takes at most ([`ModelOptions::prefill_chunk`]).
+    prefill_chunk: u32,
     /// Timestamps between the passes of every step and prefill chunk, while timing them
     /// ([`GpuLlama::time_stages`], [`GpuLlama::time_steps`]).
     timer: Option<StageTimer>,
@@ -311,8 +313,12 @@ pub struct GpuLlama {
 /// groups of [`crate::ops::MATVEC_MAX_TOKENS`]).
 pub const MAX_SEQS: u32 = 64;
 
-/// Tokens of a prompt one [`GpuLlama::prefill`] pass takes at most.
+/// Tokens of a prompt one [`GpuLlama::prefill`] pass takes at most, by default
+/// ([`ModelOptions::prefill_chunk`]).
 pub const PREFILL_CHUNK: u32 = 64;
+
+/// The largest [`ModelOptions::prefill_chunk`].
+pub const MAX_PREFILL_CHUNK: u32 = 1024;
 
 fn norm_buffer(rt: &Runtime, g: &Gguf<'_>, name: &str) -> Result<wgpu::Buffer> {
     Ok(rt.storage_init(name, &g.tensor_f32(name)?))
@@ -508,15 +514,8 @@ type Io = (GpuMatrix, Option<GpuMatrix>, wgpu::Buffer);
 impl GpuLlama {
     /// A model of these weights and K/V side, no experts installed yet, at step 0 with every
     /// sequence at position 0.
-    fn assemble(
-        cfg: LlamaConfig,
-        kernels: ModelKernels,
-        layers: Vec<Layer>,
-        io: Io,
-        kv: KvSide,
-        n_seqs: u32,
-        max_context: u32,
-    ) -> GpuLlama {
+    fn assemble(cfg: LlamaConfig, kernels: ModelKernels, layers: Vec<Layer>, io: Io, kv: KvSide, opts: &ModelOptions) -> GpuLlama {
+        let ModelOptions { n_seqs, max_context, prefill_chunk, .. } = *opts;
         let KvSide { kept_per_list, pool, labels, attn, quest, flexgen, scheduler, s, recorded } = kv;
         GpuLlama {
             kept_per_list,
@@ -545,6 +544,7 @@ impl GpuLlama {
             trace: None,
             io,
             prefill: None,
+            prefill_chunk,
             transfers: Vec::new(),
             transfer_totals: TransferTotals::default(),
         }
@@ -566,7 +566,7 @@ impl GpuLlama {
         let cfg = LlamaConfig::from_gguf(g)?;
         cfg.check_tensors(g)?;
         check_options(&cfg, &opts)?;
-        let ModelOptions { n_seqs, max_context, experts, .. } = opts.clone();
+        let ModelOptions { n_seqs, experts, .. } = opts.clone();
         // The weight formats of the file's tensors (the norms and the rest are F32 or converted).
         let mut formats = vec![WeightFormat::F32];
         formats.extend(g.tensors().iter().filter_map(|t| WeightFormat::from_ggml(t.ggml_type()).ok()));
@@ -587,7 +587,7 @@ impl GpuLlama {
                     let b = |name: &str| -> Result<wgpu::Buffer> {
                         let v = g.tensor_f32(&format!("blk.{l}.{name}.bias"))?;
                         // Repeated for every token of a step or a prefill chunk.
-                        let copies = n_seqs.max(PREFILL_CHUNK) as usize;
+                        let copies = MAX_SEQS.max(opts.prefill_chunk) as usize;
                         Ok(rt.storage_init(&format!("blk.{l}.{name}.bias x tokens"), &v.repeat(copies)))
                     };
                     Some([b("attn_q")?, b("attn_k")?, b("attn_v")?])
@@ -626,7 +626,7 @@ impl GpuLlama {
             (false, None) => (None, None),
             (false, Some(_)) => return Err(Error::Input("an expert cache needs a MoE file (this model has a dense FFN)".into())),
         };
-        let mut model = GpuLlama::assemble(cfg, kernels, layers, (embed, output, out_norm), kv, n_seqs, max_context);
+        let mut model = GpuLlama::assemble(cfg, kernels, layers, (embed, output, out_norm), kv, &opts);
         if let Some(layers) = native {
             let (e, k) = (model.cfg.expert_count, model.cfg.expert_used_count);
             model.install_moe(rt, layers, e, k, true, cache)?;

@@ -3,7 +3,7 @@
 
 #[cfg(doc)]
 use super::GpuLlama;
-use super::{LOW_RANK_CALIBRATION_TOKENS, MAX_SEQS, MODEL_PAGE_SIZE};
+use super::{LOW_RANK_CALIBRATION_TOKENS, MAX_PREFILL_CHUNK, MAX_SEQS, MODEL_PAGE_SIZE, PREFILL_CHUNK};
 use crate::experts::ExpertCacheConfig;
 use crate::labels::KvRouting;
 use crate::{Error, Result, config::LlamaConfig};
@@ -38,6 +38,10 @@ pub struct ModelOptions {
     /// A MoE file's experts in tiers: this many GPU slots per layer, the rest in host memory
     /// (see [`crate::experts`]); `None` uploads every expert.
     pub experts: Option<ExpertCacheConfig>,
+    /// Prompt tokens one [`GpuLlama::prefill`] pass takes at most (1 to [`MAX_PREFILL_CHUNK`];
+    /// [`PREFILL_CHUNK`] by default): larger chunks make fewer, larger products, smaller ones
+    /// hold less scratch memory (llama.cpp's micro-batch). Fixed at load.
+    pub prefill_chunk: u32,
 }
 
 impl ModelOptions {
@@ -53,6 +57,7 @@ impl ModelOptions {
             pyramid: None,
             threshold: Threshold::default(),
             experts: None,
+            prefill_chunk: PREFILL_CHUNK,
         }
     }
 
@@ -118,6 +123,11 @@ impl ModelOptions {
     /// evicting scheduler).
     pub fn pyramid(self, pyramid: Option<f32>) -> Self {
         ModelOptions { pyramid, ..self }
+    }
+
+    /// The same options with prompts prefilled `prefill_chunk` tokens a pass.
+    pub fn prefill_chunk(self, prefill_chunk: u32) -> Self {
+        ModelOptions { prefill_chunk, ..self }
     }
 
     /// The same options with the scheduler's utility threshold (anything but the default needs an
@@ -219,8 +229,11 @@ pub fn pool_config(
 /// The checks [`GpuLlama::load`] (and [`GpuLlama::reconfigure`]) make of `o` for the model
 /// `cfg` before allocating anything.
 pub(super) fn check_options(cfg: &LlamaConfig, o: &ModelOptions) -> Result<()> {
-    let ModelOptions { n_seqs, max_context, codec, pyramid, threshold, .. } = *o;
+    let ModelOptions { n_seqs, max_context, codec, pyramid, threshold, prefill_chunk, .. } = *o;
     let (scheduler, routing) = (&o.scheduler, &o.routing);
+    if prefill_chunk == 0 || prefill_chunk > MAX_PREFILL_CHUNK {
+        return Err(Error::config("prefill_chunk", prefill_chunk, format!("a prefill pass takes 1 to {MAX_PREFILL_CHUNK} tokens")));
+    }
     if !scheduler.as_ref().is_some_and(|(s, _)| s.uses_evict_kernels()) && (pyramid.is_some() || threshold != Threshold::default()) {
         return Err(Error::config(
             if pyramid.is_some() { "pyramid" } else { "threshold" },

@@ -1,8 +1,9 @@
-//! Chunked prefill ([`GpuLlama::prefill`]): a prompt through the model [`PREFILL_CHUNK`] tokens
-//! a forward pass, its K/V appended a chunk at a time, causal attention over the pool.
+//! Chunked prefill ([`GpuLlama::prefill`]): a prompt through the model a chunk of tokens
+//! ([`super::ModelOptions::prefill_chunk`]) a forward pass, its K/V appended a chunk at a time, causal
+//! attention over the pool.
 
 use super::timing::StageMarks;
-use super::{GpuLlama, PREFILL_CHUNK, Scratch, attention_output, record, shared_expert};
+use super::{GpuLlama, Scratch, attention_output, record, shared_expert};
 use crate::ops::Recorded;
 use crate::{Error, Result};
 use expertkv_core::append::format::NewToken;
@@ -11,7 +12,7 @@ use expertkv_core::runtime::Runtime;
 use expertkv_core::runtime::dispatch::dispatches_encoded;
 
 /// What a chunked prefill uses beside the decode step's buffers: the causal attention, scratch
-/// for [`PREFILL_CHUNK`] tokens, the last token's hidden state and its logits.
+/// for a chunk of tokens, the last token's hidden state and its logits.
 pub(super) struct Prefill {
     attn: expertkv_core::attend::prefill::PrefillAttention,
     s: Scratch,
@@ -19,6 +20,9 @@ pub(super) struct Prefill {
     /// With experts: the router's scores, the chosen experts, their weights (1 when MoEfied),
     /// the experts' activations and the choices, for a chunk.
     moe: Option<[wgpu::Buffer; 5]>,
+    /// Every token's logits of a chunk (`[chunk][vocab]`), made by the first
+    /// [`GpuLlama::prefill_logits`].
+    logits_all: Option<wgpu::Buffer>,
 }
 
 impl GpuLlama {
@@ -43,14 +47,27 @@ impl GpuLlama {
         }
     }
 
-    /// Feed `ids` to sequence `seq` (from its current position) [`PREFILL_CHUNK`] tokens a
-    /// forward pass: each chunk's Q/K/V for all its tokens in one product per layer, its K/V
+    /// Feed `ids` to sequence `seq` (from its current position) [`super::ModelOptions::prefill_chunk`]
+    /// tokens a forward pass: each chunk's Q/K/V for all its tokens in one product per layer, its K/V
     /// appended to the pool a chunk at a time, causal attention over the sequence's pages
     /// ([`expertkv_core::attend::prefill`]), the FFN over the chunk; returns the last token's
     /// logits (`[vocab]`). The other sequences are untouched; the result equals feeding the
     /// tokens one [`GpuLlama::forward`] at a time, within f32 rounding. Refused, before any GPU
     /// work, where [`GpuLlama::chunked_prefill_refusal`] says why.
     pub async fn prefill(&mut self, rt: &Runtime, seq: u32, ids: &[u32]) -> Result<Vec<f32>> {
+        self.prefill_chunks(rt, seq, ids, false).await
+    }
+
+    /// [`GpuLlama::prefill`] returning every token's logits (`[ids.len()][vocab]`, in order), as
+    /// feeding the tokens one [`GpuLlama::forward`] at a time gives them (within f32 rounding):
+    /// a text's perplexity a chunk a pass. The LM head runs on every token of a chunk (its
+    /// logits, `prefill_chunk x vocab` floats, read back after each chunk).
+    pub async fn prefill_logits(&mut self, rt: &Runtime, seq: u32, ids: &[u32]) -> Result<Vec<f32>> {
+        self.prefill_chunks(rt, seq, ids, true).await
+    }
+
+    /// [`GpuLlama::prefill`], with every token's logits when `every`.
+    async fn prefill_chunks(&mut self, rt: &Runtime, seq: u32, ids: &[u32], every: bool) -> Result<Vec<f32>> {
         if let Some(why) = self.chunked_prefill_refusal() {
             return Err(Error::Input(format!("chunked prefill: {why}; feed the prompt token by token")));
         }
@@ -69,13 +86,14 @@ impl GpuLlama {
                 cap.min(self.max_context)
             )));
         }
+        let chunk_tokens = self.prefill_chunk;
         if self.prefill.is_none() {
             let group = self.cfg.head_count / self.cfg.head_count_kv;
-            let attn = expertkv_core::attend::prefill::PrefillAttention::new(rt, &self.pool, group, PREFILL_CHUNK).await?;
-            let s = Scratch::new(rt, &self.cfg, PREFILL_CHUNK, 1);
+            let attn = expertkv_core::attend::prefill::PrefillAttention::new(rt, &self.pool, group, chunk_tokens).await?;
+            let s = Scratch::new(rt, &self.cfg, chunk_tokens, 1);
             let h_last = rt.storage("prefill last hidden", u64::from(self.cfg.embedding_length) * 4);
             let moe = self.moe.as_ref().map(|m| {
-                let (c, e, k) = (u64::from(PREFILL_CHUNK), u64::from(m.n_experts), u64::from(m.top_k));
+                let (c, e, k) = (u64::from(chunk_tokens), u64::from(m.n_experts), u64::from(m.top_k));
                 let max_size = u64::from(m.layers.iter().map(|(_, f)| f.max_size).max().unwrap_or(1).max(1));
                 [
                     rt.storage("prefill moe scores", c * e * 4),
@@ -85,13 +103,21 @@ impl GpuLlama {
                     rt.storage("prefill moe choices", c * k * 4),
                 ]
             });
-            self.prefill = Some(Prefill { attn, s, h_last, moe });
+            self.prefill = Some(Prefill { attn, s, h_last, moe, logits_all: None });
+        }
+        let vocab = u64::from(self.cfg.vocab_size);
+        if let Some(pf) = self.prefill.as_mut().filter(|pf| every && pf.logits_all.is_none()) {
+            pf.logits_all = Some(rt.storage("prefill every token's logits", u64::from(chunk_tokens) * vocab * 4));
         }
         let d0 = dispatches_encoded();
-        for chunk in ids.chunks(PREFILL_CHUNK as usize) {
-            let cbs = self.encode_prefill_chunk(rt, seq, chunk)?;
+        let mut all: Vec<f32> = Vec::new();
+        for chunk in ids.chunks(chunk_tokens as usize) {
+            let cbs = self.encode_prefill_chunk(rt, seq, chunk, every)?;
             rt.queue.submit(cbs);
             rt.check("model prefill")?;
+            if let Some(buf) = self.prefill.as_ref().and_then(|pf| pf.logits_all.as_ref()).filter(|_| every) {
+                all.extend(rt.read::<f32>(buf, 0, chunk.len() as u64 * vocab).await?);
+            }
             if let Some(t) = &mut self.timer {
                 t.collect(rt, "prefill").await?;
             }
@@ -101,15 +127,18 @@ impl GpuLlama {
                 self.trace_pass(rt, chunk.len() as u32, None, Some(seq)).await?;
             }
         }
-        self.dispatches = (dispatches_encoded() - d0) / ids.len().div_ceil(PREFILL_CHUNK as usize) as u64;
-        self.pool.check_errors(rt, PREFILL_CHUNK * self.cfg.block_count).await?;
+        self.dispatches = (dispatches_encoded() - d0) / ids.len().div_ceil(chunk_tokens as usize) as u64;
+        self.pool.check_errors(rt, chunk_tokens * self.cfg.block_count).await?;
+        if every {
+            return Ok(all);
+        }
         let Some(pf) = &self.prefill else { unreachable!("made above") };
-        rt.read(&pf.s.logits, 0, u64::from(self.cfg.vocab_size)).await
+        rt.read(&pf.s.logits, 0, vocab).await
     }
 
     /// One prefill chunk of sequence `seq` recorded into one command buffer (see
-    /// [`GpuLlama::prefill`]).
-    fn encode_prefill_chunk(&mut self, rt: &Runtime, seq: u32, chunk: &[u32]) -> Result<Vec<wgpu::CommandBuffer>> {
+    /// [`GpuLlama::prefill`]), the LM head on its last token, or on all of them when `every`.
+    fn encode_prefill_chunk(&mut self, rt: &Runtime, seq: u32, chunk: &[u32], every: bool) -> Result<Vec<wgpu::CommandBuffer>> {
         let c = self.cfg.clone();
         let n = chunk.len() as u32;
         let first = self.positions[seq as usize];
@@ -180,12 +209,17 @@ impl GpuLlama {
             }
             marks.mark(&mut enc, if self.moe.is_some() { "output and experts" } else { "output and FFN" });
         }
-        // The LM head on the chunk's last token only.
-        let h = u64::from(c.embedding_length) * 4;
-        enc.copy_buffer_to_buffer(&pf.s.h, u64::from(n - 1) * h, &pf.h_last, 0, h);
+        // The LM head on the chunk's last token only, or on every token.
         let head = output.unwrap_or(embed);
         let mut p = Recorded::default();
-        self.kernels.matvec_norm(rt, &mut p, head, &pf.h_last, out_norm, c.rms_norm_eps, &[(&pf.s.logits, head.rows)], 1)?;
+        match pf.logits_all.as_ref().filter(|_| every) {
+            Some(all) => self.kernels.matvec_norm(rt, &mut p, head, &pf.s.h, out_norm, c.rms_norm_eps, &[(all, head.rows)], n)?,
+            None => {
+                let h = u64::from(c.embedding_length) * 4;
+                enc.copy_buffer_to_buffer(&pf.s.h, u64::from(n - 1) * h, &pf.h_last, 0, h);
+                self.kernels.matvec_norm(rt, &mut p, head, &pf.h_last, out_norm, c.rms_norm_eps, &[(&pf.s.logits, head.rows)], 1)?;
+            }
+        }
         p.encode(&mut enc.begin_compute_pass(&pass_desc("prefill head")));
         marks.mark(&mut enc, "head");
         marks.finish(&mut enc);

@@ -55,7 +55,7 @@ impl GpuLlama {
             None => None,
         };
         let kv = kv_side(rt, &cfg, &kernels, &layers, (&io.0, io.1.as_ref(), &io.2), &opts).await?;
-        let mut model = GpuLlama::assemble(cfg, kernels, layers, io, kv, opts.n_seqs, opts.max_context);
+        let mut model = GpuLlama::assemble(cfg, kernels, layers, io, kv, &opts);
         (model.step, model.trace, model.verify_evictions) = (step, trace, verify_evictions);
         if let Some((layers, e, k, native, cache, counts, reuse)) = experts {
             model.install_moe(rt, layers, e, k, native, cache)?;
@@ -68,14 +68,17 @@ impl GpuLlama {
     }
 
     /// Whether [`GpuLlama::reconfigure`] takes `opts`: not the route stage (`routing`, labels),
-    /// FlexGen, the low-rank codecs (their calibration window belongs to a fresh load), a router
-    /// set with [`GpuLlama::set_moe_router`], a change between an expert cache and every expert
-    /// resident (a cache with as many slots as experts holds them all), or anything
-    /// [`GpuLlama::load`] refuses.
+    /// FlexGen, another prefill chunk, the low-rank codecs (their calibration window belongs to a
+    /// fresh load), a router set with [`GpuLlama::set_moe_router`], a change between an expert
+    /// cache and every expert resident (a cache with as many slots as experts holds them all), or
+    /// anything [`GpuLlama::load`] refuses.
     pub fn check_reconfigure(&self, opts: &ModelOptions) -> Result<()> {
         let refuse = |why: &str| Err(Error::Input(format!("reconfigure: {why}; load the model again with these options")));
         if opts.routing.is_some() || self.labels.is_some() {
             return refuse("the route stage's labels and shards are set up at load");
+        }
+        if opts.prefill_chunk != self.prefill_chunk {
+            return refuse("the prefill chunk sizes buffers made at load");
         }
         if matches!(opts.scheduler, Some((SchedulerConfig::FlexGen, _))) || self.flexgen.is_some() {
             return refuse("FlexGen's host tier is set up at load");
