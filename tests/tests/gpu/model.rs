@@ -45,9 +45,10 @@ fn cpu_model(g: &Gguf<'_>) -> CpuModel {
 }
 
 /// SmolLM2's greedy answer (" Paris.") and the perplexity of the prompt and that answer, from
-/// the GPU forward's logits at every position: pinned (the CPU f32 reference's value, a few
-/// digits) and within half a percent of the CPU reference on the same tokens. Every prompt and
-/// generated token's K/V of every layer sits in the pool.
+/// the GPU's logits at every position (the prompt's from one chunked prefill pass, the answer's
+/// from a decode step): pinned (the CPU f32 reference's value, a few digits) and within half a
+/// percent of the CPU reference on the same tokens. Every prompt and generated token's K/V of
+/// every layer sits in the pool.
 #[test]
 fn smollm2_says_paris_at_the_pinned_perplexity() {
     /// `CpuModel::perplexity` of "The capital of France is Paris." as SmolLM2 tokenizes it.
@@ -58,16 +59,14 @@ fn smollm2_says_paris_at_the_pinned_perplexity() {
     let rt = rt();
     let prompt = tok.encode("The capital of France is");
     let mut m = pollster::block_on(GpuLlama::load(rt, &g, ModelOptions::new(1, 64))).expect("load");
-    // Teacher-forced over the prompt, then greedy for two tokens.
+    // Teacher-forced over the prompt (one prefill pass, every position's logits), then greedy
+    // for two tokens (the first through a decode step).
     let mut ids = prompt.clone();
-    let mut nlls = Vec::new();
-    let mut logits = Vec::new();
-    for (i, &t) in prompt.iter().enumerate() {
-        logits = pollster::block_on(m.forward(rt, &[t])).expect("forward");
-        if i + 1 < prompt.len() {
-            nlls.push(nll(&logits, prompt[i + 1]));
-        }
-    }
+    let vocab = m.cfg.vocab_size as usize;
+    let all = pollster::block_on(m.prefill_logits(rt, 0, &prompt)).expect("prefill");
+    assert_eq!(all.len(), prompt.len() * vocab);
+    let mut nlls: Vec<f64> = all.chunks(vocab).zip(&prompt[1..]).map(|(l, &next)| nll(l, next)).collect();
+    let mut logits = all[(prompt.len() - 1) * vocab..].to_vec();
     for step in 0..2 {
         let next = expertkv_model::forward::argmax(&logits);
         nlls.push(nll(&logits, next));
@@ -634,15 +633,18 @@ fn every_evicting_scheduler_evicts_the_models_kv_as_the_reference_does() {
     for (name, file, opts) in cases {
         let g = Gguf::parse(file).expect("gguf");
         let codec = opts.codec;
+        let budget = opts.scheduler.as_ref().map_or(0, |(_, b)| *b as usize);
         let mut m = pollster::block_on(GpuLlama::load(rt, &g, opts)).unwrap_or_else(|e| panic!("{name}: load: {e}"));
         if codec.is_low_rank() {
             m.set_calibration_tokens(16).expect("calibration window");
         }
         // Every step from a few before the smallest layer budget fills (PyramidKV's last layer
-        // keeps 16 of the 24): each one's evictions checked against the reference. The steps
-        // before only append (checked below: nothing evicted yet), which the pool's tests cover.
-        let verify_from = if name.starts_with("pyramid") { 12 } else { 20 };
-        for (i, &t) in ids.iter().enumerate() {
+        // keeps 16 of the 24) to eight past the largest: each one's evictions checked against
+        // the reference. The steps before only append (checked below: nothing evicted yet),
+        // which the pool's tests cover.
+        let verify_from = if name.starts_with("pyramid") { 12 } else { budget - 2 };
+        let steps = if name.starts_with("pyramid") { ids.len() } else { budget + 8 };
+        for (i, &t) in ids[..steps].iter().enumerate() {
             if i == verify_from {
                 let lists = pollster::block_on(m.scheduler.as_ref().expect("scheduler").read_lists(rt)).expect("lists");
                 assert!(lists.iter().all(|l| l.evicted_total == 0), "seed {seed}: {name}: evicted before step {verify_from}, unchecked");
