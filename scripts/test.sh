@@ -10,10 +10,12 @@
 #   scripts/test.sh --quick   the same without the browser test and without fetching the trained
 #                             model (its tests are reported skipped if it is missing): the
 #                             day-to-day loop, a few minutes once built
-# Other arguments go to `cargo test` (a test-name filter, say). The slow set-up runs beside the
-# build: Debian packages, the model download and the wasm32 build go on in the background while
-# the native tests build. Each phase is timed; the summary at the end lists the phases, each test
-# binary and every test that could not run here (skipped, by name). Logs: target/test-logs/.
+# Other arguments go to `cargo test` (a test-name filter, say), which then runs the binaries one
+# after another. The slow set-up runs beside the build: Debian packages, the model download and
+# the wasm32 build go on in the background while the native tests build. The whole suite then
+# runs the GPU tests' binary beside every other binary and the browser test (two cores kept
+# busy). Each phase is timed; the summary at the end lists the phases, each test binary and every
+# test that could not run here (skipped, by name). Logs: target/test-logs/.
 set -euo pipefail
 # Background phases run in their own process groups, so a failure can stop them whole.
 set -m
@@ -26,7 +28,7 @@ for a in "$@"; do
     case "$a" in
         --quick) quick=1 ;;
         -h | --help)
-            sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
+            sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'
             exit 0
             ;;
         *) cargo_args+=("$a") ;;
@@ -41,6 +43,8 @@ export EXPERTKV_SKIPPED=$logs/skipped.txt
 : >"$EXPERTKV_SKIPPED"
 t0=$(date +%s)
 summary=()
+# The GPU tests' binary (tests/tests/gpu/main.rs), which runs beside the others.
+gpu_tests=tests/tests/gpu/main.rs
 failed=""
 
 # phase NAME START_SECONDS [NOTE]: one line of the summary.
@@ -50,7 +54,7 @@ phase() {
 
 report() {
     local status=$? pid
-    for pid in ${setup_pid:-} ${model_pid:-}; do
+    for pid in ${setup_pid:-} ${model_pid:-} ${gpu_lane:-}; do
         kill -- "-$pid" 2>/dev/null || true
     done
     [ -z "${redis_pid:-}" ] || kill "$redis_pid" 2>/dev/null || true
@@ -85,6 +89,58 @@ wait_job() {
         tail -40 "$3" >&2
         exit 1
     fi
+}
+
+# list_test_binaries ARTIFACTS_JSON: "folder<TAB>label<TAB>executable" for every test binary of
+# the build, labelled as cargo test labels them (tests/cli.rs, unittests src/lib.rs).
+list_test_binaries() {
+    python3 - "$1" <<'EOF'
+import json, os, sys
+for line in open(sys.argv[1]):
+    m = json.loads(line)
+    if m.get("reason") != "compiler-artifact" or not m.get("executable") or not m["profile"]["test"]:
+        continue
+    folder = os.path.dirname(m["manifest_path"])
+    src = os.path.relpath(m["target"]["src_path"], folder)
+    label = src if m["target"]["kind"] == ["test"] else "unittests " + src
+    print(f"{folder}\t{label}\t{m['executable']}")
+EOF
+}
+
+# run_lane LOG MATCH [--doc]: the test binaries whose label or path contains MATCH (with MATCH
+# empty: every binary but the GPU tests'), one after another from their package's folder as
+# cargo test runs them, every one even after a failure; then the doc-tests with --doc. Their
+# output goes to LOG, a line per binary to the terminal. Returns 1 when any failed, 124 when one
+# ran past 40 minutes.
+run_lane() {
+    local log=$1 match=$2 doc=${3:-} folder label exe out st=0 rc t
+    : >"$log"
+    while IFS=$'\t' read -r folder label exe; do
+        if [ -n "$match" ]; then
+            [[ "$folder/$label" == *"$match"* ]] || continue
+        else
+            [[ "$folder/$label" != *"$gpu_tests"* ]] || continue
+        fi
+        out=$(mktemp)
+        t=$(date +%s)
+        (cd "$folder" && with_timeout 2400 "$exe") </dev/null >"$out" 2>&1
+        rc=$?
+        { echo "     Running $label (${exe#"$PWD"/})"; cat "$out"; } >>"$log"
+        echo "  ${folder#"$PWD"/} $label: $(grep -E '^test result' "$out" | tail -1 | sed 's/;.*//') ($(($(date +%s) - t)) s)"
+        [ $rc = 0 ] || st=$([ $rc = 124 ] && echo 124 || echo 1)
+        rm -f "$out"
+    done <"$logs/binaries.tsv"
+    if [ "$doc" = --doc ]; then
+        out=$(mktemp)
+        t=$(date +%s)
+        with_timeout 2400 cargo test --workspace --locked --doc </dev/null >"$out" 2>&1
+        rc=$?
+        cat "$out" >>"$log"
+        echo "  doc-tests: $(grep -cE '^test result: ok' "$out") crates passed ($(($(date +%s) - t)) s)"
+        [ $rc = 0 ] || st=$([ $rc = 124 ] && echo 124 || echo 1)
+        rm -f "$out"
+    fi
+    return $st
 }
 
 # Background 1: Debian packages (lavapipe where no Vulkan driver exists; the browser test's
@@ -129,7 +185,9 @@ fi
 s=$(date +%s)
 [ -d target/debug ] || export CARGO_INCREMENTAL=0
 echo "test.sh: building the tests (log: target/test-logs/build.log)"
-if ! cargo test --workspace --locked --no-run ${cargo_args[@]+"${cargo_args[@]}"} >"$logs/build.log" 2>&1; then
+# The build's messages to build.log, cargo's list of what it built (JSON) to artifacts.json.
+if ! cargo test --workspace --locked --no-run --message-format=json-render-diagnostics ${cargo_args[@]+"${cargo_args[@]}"} \
+    >"$logs/artifacts.json" 2>"$logs/build.log"; then
     failed="the test build"
     tail -40 "$logs/build.log" >&2
     exit 1
@@ -167,30 +225,69 @@ redis-cli -p "$port" ping >/dev/null 2>&1 || {
     exit 1
 }
 
-s=$(date +%s)
-echo "test.sh: running the tests (log: target/test-logs/tests.log)"
-set +e
-# A hung test stops the run after 40 minutes, not CI's 90.
-with_timeout 2400 cargo test --workspace --locked ${cargo_args[@]+"${cargo_args[@]}"} 2>&1 | tee "$logs/tests.log" |
-    grep --line-buffered -E '^ *(Running|Doc-tests) |^test result|^failures:|panicked at'
-status=${PIPESTATUS[0]}
-set -e
-if [ "$status" != 0 ]; then
-    failed="cargo test$([ "$status" = 124 ] && echo " (timed out)")"
-    grep -E -A40 '^failures:$' "$logs/tests.log" | head -120 >&2
-    exit 1
-fi
-phase "tests (cargo test)" "$s"
-
-if [ $web = 1 ]; then
+# browser_test NOTE: wait for the wasm32 build, then the browser test (its output to browser.log
+# and the terminal); returns 1 when it fails.
+browser_test() {
+    local s rc
     s=$(date +%s)
     wait_job "$setup_pid" "the wasm32 build" "$logs/setup-and-web-build.log"
     phase "set-up and wasm32 build" "$setup_t0" "(in the background from the start)"
     phase "waiting for the wasm32 build" "$s"
     s=$(date +%s)
-    if ! EXPERTKV_BIN=target/debug/expertkv scripts/web.sh test-run 2>&1 | tee "$logs/browser.log"; then
-        failed="the browser test"
-        exit 1
+    EXPERTKV_BIN=target/debug/expertkv scripts/web.sh test-run >"$logs/browser.log" 2>&1
+    rc=$?
+    cat "$logs/browser.log"
+    phase "browser test" "$s" "$1"
+    return $rc
+}
+
+s=$(date +%s)
+echo "test.sh: running the tests (log: target/test-logs/tests.log)"
+browser=0
+if [ ${#cargo_args[@]} -gt 0 ]; then
+    # A filter or other cargo arguments: cargo runs the binaries one after another, then the
+    # browser test runs.
+    set +e
+    # A hung test stops the run after 40 minutes, not CI's 90.
+    with_timeout 2400 cargo test --workspace --locked "${cargo_args[@]}" 2>&1 | tee "$logs/tests.log" |
+        grep --line-buffered -E '^ *(Running|Doc-tests) |^test result|^failures:|panicked at'
+    status=${PIPESTATUS[0]}
+    phase "tests (cargo test)" "$s"
+    if [ "$status" = 0 ] && [ $web = 1 ]; then
+        browser_test "" || browser=1
     fi
-    phase "browser test" "$s"
+    set -e
+else
+    # The whole suite: the GPU tests' binary in a lane of its own beside every other binary, the
+    # doc-tests and the browser test. One at a time, the binaries leave about a quarter of the
+    # two cores idle (the GPU tests wait on lavapipe's queue, the command line's tests on the
+    # processes they start); side by side they fill them (here 457 s -> 322 s for the tests).
+    list_test_binaries "$logs/artifacts.json" >"$logs/binaries.tsv"
+    awk -F'\t' -v m="$gpu_tests" 'index($1 "/" $2, m) { f = 1 } END { exit !f }' "$logs/binaries.tsv" || {
+        failed="listing the test binaries (no $gpu_tests in $logs/binaries.tsv)"
+        exit 1
+    }
+    set +e
+    run_lane "$logs/tests-gpu.log" "$gpu_tests" &
+    gpu_lane=$!
+    run_lane "$logs/tests-rest.log" "" --doc
+    rest=$?
+    if [ $web = 1 ]; then
+        browser_test "(beside the GPU tests)" || browser=1
+    fi
+    wait "$gpu_lane"
+    gpu=$?
+    set -e
+    cat "$logs/tests-rest.log" "$logs/tests-gpu.log" >"$logs/tests.log"
+    status=$((rest > gpu ? rest : gpu))
+    phase "tests (every binary)" "$s" "(the GPU tests beside the rest)"
+fi
+if [ "$status" != 0 ]; then
+    failed="cargo test$([ "$status" = 124 ] && echo " (timed out)")$([ $browser = 1 ] && echo ", the browser test")"
+    grep -E -A40 '^failures:$' "$logs/tests.log" | head -120 >&2
+    exit 1
+fi
+if [ $browser = 1 ]; then
+    failed="the browser test"
+    exit 1
 fi
