@@ -1,6 +1,6 @@
 //! Chunked prefill ([`GpuLlama::prefill`]): a prompt through the model a chunk of tokens
-//! ([`super::ModelOptions::prefill_chunk`]) a forward pass, its K/V appended a chunk at a time, causal
-//! attention over the pool.
+//! ([`super::ModelOptions::prefill_chunk`]) a forward pass, its K/V appended a chunk at a time,
+//! causal attention over the pool.
 
 use super::timing::StageMarks;
 use super::{GpuLlama, Scratch, attention_output, record, shared_expert};
@@ -47,9 +47,9 @@ impl GpuLlama {
         }
     }
 
-    /// Feed `ids` to sequence `seq` (from its current position) [`super::ModelOptions::prefill_chunk`]
-    /// tokens a forward pass: each chunk's Q/K/V for all its tokens in one product per layer, its K/V
-    /// appended to the pool a chunk at a time, causal attention over the sequence's pages
+    /// Feed `ids` to sequence `seq` (from its current position) a chunk of tokens
+    /// ([`super::ModelOptions::prefill_chunk`]) a forward pass: each chunk's Q/K/V for all its
+    /// tokens in one product per layer, its K/V appended to the pool a chunk at a time, causal attention over the sequence's pages
     /// ([`expertkv_core::attend::prefill`]), the FFN over the chunk; returns the last token's
     /// logits (`[vocab]`). The other sequences are untouched; the result equals feeding the
     /// tokens one [`GpuLlama::forward`] at a time, within f32 rounding. Refused, before any GPU
@@ -61,7 +61,8 @@ impl GpuLlama {
     /// [`GpuLlama::prefill`] returning every token's logits (`[ids.len()][vocab]`, in order), as
     /// feeding the tokens one [`GpuLlama::forward`] at a time gives them (within f32 rounding):
     /// a text's perplexity a chunk a pass. The LM head runs on every token of a chunk (its
-    /// logits, `prefill_chunk x vocab` floats, read back after each chunk).
+    /// logits, `prefill_chunk x vocab` floats, read back after each chunk); refused where that
+    /// buffer exceeds the device's storage binding (a smaller chunk fits).
     pub async fn prefill_logits(&mut self, rt: &Runtime, seq: u32, ids: &[u32]) -> Result<Vec<f32>> {
         self.prefill_chunks(rt, seq, ids, true).await
     }
@@ -107,7 +108,9 @@ impl GpuLlama {
         }
         let vocab = u64::from(self.cfg.vocab_size);
         if let Some(pf) = self.prefill.as_mut().filter(|pf| every && pf.logits_all.is_none()) {
-            pf.logits_all = Some(rt.storage("prefill every token's logits", u64::from(chunk_tokens) * vocab * 4));
+            let bytes = u64::from(chunk_tokens) * vocab * 4;
+            rt.fits_binding("prefill every token's logits (a smaller prefill chunk fits)", bytes)?;
+            pf.logits_all = Some(rt.storage("prefill every token's logits", bytes));
         }
         let d0 = dispatches_encoded();
         let mut all: Vec<f32> = Vec::new();
