@@ -89,6 +89,17 @@ impl GpuLlama {
         }
         let chunk_tokens = self.prefill_chunk;
         if self.prefill.is_none() {
+            // A chunk's widest scratch (the FFN's gate and up products, or a MoE layer's
+            // activations) must fit one storage binding.
+            let c = &self.cfg;
+            let f = if c.expert_count == 0 { c.feed_forward_length } else { c.shared_feed_forward_length.max(1) };
+            let widest = [c.embedding_length, 2 * c.head_count_kv * c.head_dim, c.head_count * c.head_dim, 2 * f].into_iter().max();
+            let mut bytes = u64::from(chunk_tokens) * u64::from(widest.unwrap_or(1)) * 4;
+            if let Some(m) = &self.moe {
+                let max_size = u64::from(m.layers.iter().map(|(_, f)| f.max_size).max().unwrap_or(1));
+                bytes = bytes.max(u64::from(chunk_tokens) * u64::from(m.top_k) * max_size * 4);
+            }
+            rt.fits_binding("a prefill chunk's scratch (a smaller prefill chunk fits)", bytes)?;
             let group = self.cfg.head_count / self.cfg.head_count_kv;
             let attn = expertkv_core::attend::prefill::PrefillAttention::new(rt, &self.pool, group, chunk_tokens).await?;
             let s = Scratch::new(rt, &self.cfg, chunk_tokens, 1);
