@@ -49,11 +49,12 @@ impl GpuLlama {
 
     /// Feed `ids` to sequence `seq` (from its current position) a chunk of tokens
     /// ([`super::ModelOptions::prefill_chunk`]) a forward pass: each chunk's Q/K/V for all its
-    /// tokens in one product per layer, its K/V appended to the pool a chunk at a time, causal attention over the sequence's pages
-    /// ([`expertkv_core::attend::prefill`]), the FFN over the chunk; returns the last token's
-    /// logits (`[vocab]`). The other sequences are untouched; the result equals feeding the
-    /// tokens one [`GpuLlama::forward`] at a time, within f32 rounding. Refused, before any GPU
-    /// work, where [`GpuLlama::chunked_prefill_refusal`] says why.
+    /// tokens in one product per layer, its K/V appended to the pool a chunk at a time, causal
+    /// attention over the sequence's pages ([`expertkv_core::attend::prefill`]), the FFN over
+    /// the chunk; returns the last token's logits (`[vocab]`). The other sequences are
+    /// untouched; the result equals feeding the tokens one [`GpuLlama::forward`] at a time,
+    /// within f32 rounding. Refused, before any GPU work, where
+    /// [`GpuLlama::chunked_prefill_refusal`] says why.
     pub async fn prefill(&mut self, rt: &Runtime, seq: u32, ids: &[u32]) -> Result<Vec<f32>> {
         self.prefill_chunks(rt, seq, ids, false).await
     }
