@@ -102,12 +102,23 @@ struct Scratch {
 }
 
 impl Scratch {
+    /// Neurons of the dense-FFN scratch: a MoE file's serves its shared expert only.
+    fn ffn(cfg: &LlamaConfig) -> u32 {
+        if cfg.expert_count == 0 { cfg.feed_forward_length } else { cfg.shared_feed_forward_length.max(1) }
+    }
+
+    /// Floats a token takes in the widest of [`Scratch::new`]'s buffers but the logits (the FFN's
+    /// gate and up products, K and V packed, the queries or the hidden state).
+    fn widest_per_token(cfg: &LlamaConfig) -> u32 {
+        let (h, kv, q) = (cfg.embedding_length, cfg.head_count_kv * cfg.head_dim, cfg.head_count * cfg.head_dim);
+        [h, 2 * kv, q, 2 * Scratch::ffn(cfg)].into_iter().max().unwrap_or(1)
+    }
+
     /// Buffers for `n_tokens` tokens a pass (the decode step's sequences, or a prefill chunk),
     /// logits for `logits_tokens` of them.
     fn new(rt: &Runtime, cfg: &LlamaConfig, n_tokens: u32, logits_tokens: u32) -> Scratch {
         let (h, kv, vocab) = (cfg.embedding_length, cfg.head_count_kv * cfg.head_dim, cfg.vocab_size);
-        // A MoE file's dense-FFN scratch serves its shared expert only.
-        let f = if cfg.expert_count == 0 { cfg.feed_forward_length } else { cfg.shared_feed_forward_length.max(1) };
+        let f = Scratch::ffn(cfg);
         let buf = |label: &str, floats: u32| rt.storage(label, u64::from(n_tokens) * u64::from(floats) * 4);
         Scratch {
             tokens: buf("model tokens", 1),

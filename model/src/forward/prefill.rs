@@ -90,29 +90,26 @@ impl GpuLlama {
         }
         let chunk_tokens = self.prefill_chunk;
         if self.prefill.is_none() {
-            // A chunk's widest scratch (the FFN's gate and up products, or a MoE layer's
-            // activations) must fit one storage binding.
-            let c = &self.cfg;
-            let f = if c.expert_count == 0 { c.feed_forward_length } else { c.shared_feed_forward_length.max(1) };
-            let widest = [c.embedding_length, 2 * c.head_count_kv * c.head_dim, c.head_count * c.head_dim, 2 * f].into_iter().max();
-            let mut bytes = u64::from(chunk_tokens) * u64::from(widest.unwrap_or(1)) * 4;
-            if let Some(m) = &self.moe {
-                let max_size = u64::from(m.layers.iter().map(|(_, f)| f.max_size).max().unwrap_or(1));
-                bytes = bytes.max(u64::from(chunk_tokens) * u64::from(m.top_k) * max_size * 4);
-            }
-            rt.fits_binding("a prefill chunk's scratch (a smaller prefill chunk fits)", bytes)?;
+            // A chunk's widest scratch (the step's widest buffer, or a MoE layer's activations:
+            // the chosen experts' neurons) must fit one storage binding.
+            let c = u64::from(chunk_tokens);
+            let moe_act = self
+                .moe
+                .as_ref()
+                .map(|m| u64::from(m.top_k) * u64::from(m.layers.iter().map(|(_, f)| f.max_size).max().unwrap_or(1).max(1)));
+            let widest = u64::from(Scratch::widest_per_token(&self.cfg)).max(moe_act.unwrap_or(0));
+            rt.fits_binding("a prefill chunk's scratch (a smaller prefill chunk fits)", c * widest * 4)?;
             let group = self.cfg.head_count / self.cfg.head_count_kv;
             let attn = expertkv_core::attend::prefill::PrefillAttention::new(rt, &self.pool, group, chunk_tokens).await?;
             let s = Scratch::new(rt, &self.cfg, chunk_tokens, 1);
             let h_last = rt.storage("prefill last hidden", u64::from(self.cfg.embedding_length) * 4);
-            let moe = self.moe.as_ref().map(|m| {
-                let (c, e, k) = (u64::from(chunk_tokens), u64::from(m.n_experts), u64::from(m.top_k));
-                let max_size = u64::from(m.layers.iter().map(|(_, f)| f.max_size).max().unwrap_or(1).max(1));
+            let moe = self.moe.as_ref().zip(moe_act).map(|(m, act)| {
+                let (e, k) = (u64::from(m.n_experts), u64::from(m.top_k));
                 [
                     rt.storage("prefill moe scores", c * e * 4),
                     rt.storage("prefill moe sel", c * k * 4),
                     rt.storage_init("prefill moe weights", &vec![1f32; (c * k) as usize]),
-                    rt.storage("prefill moe act", c * k * max_size * 4),
+                    rt.storage("prefill moe act", c * act * 4),
                     rt.storage("prefill moe choices", c * k * 4),
                 ]
             });
