@@ -23,7 +23,8 @@ pub struct RoutingArgs {
     pub labels: Option<String>,
     /// The route stage's router, choosing each token's experts at every layer before its K/V
     /// are appended (hash, topk, load-balance, entropy, cache-aware, adaptive, hierarchical;
-    /// name or name:key=value,...) [default: topk].
+    /// name or name:key=value,...) [default: topk when the route stage is on: with --labels,
+    /// --shards, --shard-map or --allocator; off otherwise].
     #[arg(long, value_name = "ROUTER")]
     pub kv_router: Option<String>,
     /// Shards per (layer, sequence) of the K/V pool, a power of two [default: 1].
@@ -51,21 +52,26 @@ impl RoutingArgs {
     }
 
     /// The route stage for a routing source of `shape` (E, k): a MoE file's, --moe's or
-    /// --labels'; `None` when there is no source, and an error naming the option when an option
-    /// needs one.
+    /// --labels', when an option asks for it (--labels, --kv-router, --shards, --shard-map or
+    /// --allocator). `None` when none does: a MoE file or --moe alone routes only its FFN, so
+    /// its prompt is prefilled in chunks (the route stage labels token by token). An error
+    /// names the option when an option needs a source and there is none.
     pub fn routing(&self, shape: Option<(u32, u32)>) -> Result<Option<KvRouting>> {
+        let given = [
+            ("--kv-router", self.kv_router.is_some()),
+            ("--shards", self.shards.is_some()),
+            ("--shard-map", self.shard_map.is_some()),
+            ("--allocator", self.allocator.is_some()),
+        ];
         let Some((e, k)) = shape else {
-            let given = [
-                ("--kv-router", self.kv_router.is_some()),
-                ("--shards", self.shards.is_some()),
-                ("--shard-map", self.shard_map.is_some()),
-                ("--allocator", self.allocator.is_some()),
-            ];
             if let Some((name, _)) = given.iter().find(|(_, g)| *g) {
                 bail!("{name} routes the tokens to experts: give a routing source too (a MoE file, --moe E:K or --labels E:K)");
             }
             return Ok(None);
         };
+        if self.labels.is_none() && !given.iter().any(|(_, g)| *g) {
+            return Ok(None);
+        }
         let n_shards = self.shards.unwrap_or(1);
         let shard_map = ShardMap::parse(self.shard_map.as_deref().unwrap_or("expert"), n_shards)?;
         let router = self.kv_router.as_deref().map_or(Ok(RouterConfig::Topk), RouterConfig::parse)?;

@@ -340,7 +340,8 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     if moe.is_some() && labels.is_some() {
         bail!("--labels labels a dense FFN's tokens; with --moe the MoEfied FFN's own router labels them (give one)");
     }
-    // The route stage's source: a MoE file's router, else --moe's or --labels'.
+    // The route stage's source: a MoE file's router, else --moe's or --labels'; the stage runs
+    // when a routing option asks for it (RoutingArgs::routing).
     let lc = LlamaConfig::from_gguf(&g)?;
     let shape = if lc.expert_count > 0 {
         Some((lc.expert_count, lc.expert_used_count))

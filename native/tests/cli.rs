@@ -671,7 +671,7 @@ fn a_second_process_reuses_the_first_ones_prefix_pages() {
     assert_eq!(warm["kv_store"]["pages_stored"], 0, "{out}");
     assert_eq!(warm["generated_ids"], cold["generated_ids"], "{out}");
     assert!(out.contains("prompt tokens fetched instead of prefilled"), "{out}");
-    // A MoEfied run labels its tokens (the route stage): refused by name, before any output.
+    // A run whose route stage labels its tokens: refused by name, before any output.
     let o = expertkv(&[
         "run",
         "--model",
@@ -680,7 +680,7 @@ fn a_second_process_reuses_the_first_ones_prefix_pages() {
         prompt,
         "--tokens",
         "1",
-        "--moe",
+        "--labels",
         "4:2",
         "--kv-store",
         &url,
@@ -884,11 +884,18 @@ fn a_trace_aligns_routing_residency_and_pages_per_pass() {
         assert!(!t.torn);
         (file, json, t.header, t.passes)
     };
-    let (fa, ja, ha, a) = traced("trace_a.jsonl", &[]);
+    // The route stage feeds the prompt token by token, as the expert cache does.
+    let (fa, ja, ha, a) = traced("trace_a.jsonl", &["--kv-router", "topk"]);
     let (fb, jb, _, b) = traced("trace_b.jsonl", &["--expert-slots", "2"]);
     let (_, _, _, c) = traced("trace_c.jsonl", &["--expert-slots", "2"]);
     assert_eq!((ha.layers, ha.experts, ha.top_k, ha.n_seqs), (2, 8, 2, 1));
     let prompt = ja["prompt_ids"].as_array().expect("ids").len();
+    assert_eq!((&ja["prefill_chunked"], &jb["prefill_chunked"]), (&false.into(), &false.into()), "{ja}\n{jb}");
+    // A MoE file alone routes only its FFN: the prompt goes through in one chunk, to the same tokens.
+    let (_, jd, _, d) = traced("trace_d.jsonl", &[]);
+    assert_eq!(jd["prefill_chunked"], true, "{jd}");
+    assert_eq!(jd["generated_ids"], ja["generated_ids"]);
+    assert!(d[0].prefill && d[0].tokens as usize == prompt && d.len() == 1 + 4, "{d:?}");
     // Every forward pass: the prompt's tokens, then each generated token but the last.
     assert_eq!(a.len(), prompt + 5 - 1, "{ja}");
     for r in a.iter().filter(|r| !r.prefill) {
