@@ -16,6 +16,18 @@ use expertkv_core::runtime::dispatch::CountedDispatch;
 /// sequences.
 pub const MATVEC_MAX_TOKENS: u32 = 8;
 
+/// Calls of at least this many tokens (a prefill chunk) take the products' wide variant:
+/// [`WIDE_ROWS`] rows and [`WIDE_TOKENS`] tokens a workgroup, so each weight is dequantised once
+/// per 16 tokens and each input read once per 4 rows. Every output is the same arithmetic in the
+/// same order as in the one-row variant: the two agree bit for bit.
+pub const WIDE_MIN_TOKENS: u32 = 16;
+
+/// Rows of one workgroup of the wide variant (`ROWS` in `model/matvec.wgsl`).
+const WIDE_ROWS: u32 = 4;
+
+/// Tokens of one workgroup of the wide variant (`MAX_TOKENS` in `model/matvec.wgsl`).
+const WIDE_TOKENS: u32 = 16;
+
 /// How a matrix's weights sit in GPU memory (`common/quant.wgsl`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WeightFormat {
@@ -480,6 +492,8 @@ enum MatVecInput<'a> {
 pub struct ModelKernels {
     /// Per weight format (`WeightFormat::define`), for the formats asked for.
     matvec: Vec<Option<wgpu::ComputePipeline>>,
+    /// The wide variant ([`WIDE_MIN_TOKENS`]), per weight format.
+    matvec_wide: Vec<Option<wgpu::ComputePipeline>>,
     moe_gate_up: Vec<Option<wgpu::ComputePipeline>>,
     moe_down: wgpu::ComputePipeline,
     moe_down_q: Vec<Option<wgpu::ComputePipeline>>,
@@ -500,7 +514,8 @@ impl ModelKernels {
     /// The kernels, the weight-reading ones for each of `formats`.
     pub async fn new(rt: &Runtime, formats: &[WeightFormat]) -> Result<ModelKernels> {
         let n = WeightFormat::ALL.len();
-        let (mut matvec, mut embed, mut moe_gate_up, mut moe_down_q) = (vec![None; n], vec![None; n], vec![None; n], vec![None; n]);
+        let (mut matvec, mut matvec_wide, mut embed) = (vec![None; n], vec![None; n], vec![None; n]);
+        let (mut moe_gate_up, mut moe_down_q) = (vec![None; n], vec![None; n]);
         for f in formats {
             let i = f.define() as usize;
             if matvec[i].is_some() {
@@ -508,12 +523,15 @@ impl ModelKernels {
             }
             let d = [("FORMAT", format!("{i}u"))];
             matvec[i] = Some(rt.pipeline_with(Kernel::ModelMatVec, &d, &[]).await?);
+            let wide = [d[0].clone(), ("ROWS", format!("{WIDE_ROWS}u")), ("MAX_TOKENS", format!("{WIDE_TOKENS}u"))];
+            matvec_wide[i] = Some(rt.pipeline_with(Kernel::ModelMatVec, &wide, &[]).await?);
             embed[i] = Some(rt.pipeline_with(Kernel::ModelEmbed, &d, &[]).await?);
             moe_gate_up[i] = Some(rt.pipeline_with(Kernel::ModelMoeGateUp, &d, &[]).await?);
             moe_down_q[i] = Some(rt.pipeline_with(Kernel::ModelMoeDownQ, &d, &[]).await?);
         }
         Ok(ModelKernels {
             matvec,
+            matvec_wide,
             embed,
             moe_gate_up,
             moe_down: rt.pipeline(Kernel::ModelMoeDown, &[]).await?,
@@ -738,10 +756,13 @@ impl ModelKernels {
         );
         let y2 = outputs.get(1).map_or(&self.unused[1], |o| o.0);
         let y3 = outputs.get(2).map_or(&self.unused[2], |o| o.0);
-        let pipe = pick(&self.matvec, w.format)?;
-        let bg = rt.bind(Kernel::ModelMatVec.label(), pipe, &[&p, &w.buffer, x, outputs[0].0, g, y2, y3]);
-        let [x, y] = expertkv_core::runtime::split_workgroups(w.rows);
-        pass.dispatch(pipe, bg, [x, y, n_tokens.div_ceil(MATVEC_MAX_TOKENS)]);
+        let buffers = [&p, &w.buffer, x, outputs[0].0, g, y2, y3];
+        let (pipes, rows, tokens) =
+            if n_tokens >= WIDE_MIN_TOKENS { (&self.matvec_wide, WIDE_ROWS, WIDE_TOKENS) } else { (&self.matvec, 1, MATVEC_MAX_TOKENS) };
+        let pipe = pick(pipes, w.format)?;
+        let bg = rt.bind(Kernel::ModelMatVec.label(), pipe, &buffers);
+        let [x, y] = expertkv_core::runtime::split_workgroups(w.rows.div_ceil(rows));
+        pass.dispatch(pipe, bg, [x, y, n_tokens.div_ceil(tokens)]);
         Ok(())
     }
 

@@ -212,6 +212,17 @@ fn model_kernels_validate_for_every_weight_format() {
             }
         }
     }
+    // The products' wide variant (ROWS rows and MAX_TOKENS tokens a workgroup), as the model
+    // compiles it and around it.
+    for format in 0..9u32 {
+        for (rows, tokens) in [(4u32, 16u32), (2, 8), (3, 5)] {
+            let d = [("FORMAT", format!("{format}u")), ("ROWS", format!("{rows}u")), ("MAX_TOKENS", format!("{tokens}u"))];
+            let text = Kernel::ModelMatVec.resolved_with(&d).expect("defines resolve");
+            if let Err(e) = validate(&format!("model/matvec.wgsl {d:?}"), &text) {
+                failures.push(e);
+            }
+        }
+    }
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
 }
 

@@ -4,7 +4,7 @@
 
 use expertkv_core::rng::Rng;
 use expertkv_core::runtime::Runtime;
-use expertkv_model::ops::{GpuMatrix, MATVEC_MAX_TOKENS, ModelKernels, MoeFfn, WeightFormat};
+use expertkv_model::ops::{GpuMatrix, MATVEC_MAX_TOKENS, ModelKernels, MoeFfn, WIDE_MIN_TOKENS, WeightFormat};
 use expertkv_model::reference::ops as cpu;
 
 use crate::common::{POISON_F32, pick, replaying, rt, seeds};
@@ -93,7 +93,7 @@ fn close(got: &[f32], want: &[f64], scale: &[f64], tol: f64, ctx: &str) {
 fn matvec_and_embed_match_cpu_in_every_weight_format() {
     let rt = rt();
     let k = pollster::block_on(ModelKernels::new(rt, &WeightFormat::ALL)).expect("kernels");
-    let mut formats_seen = [0u32; WeightFormat::ALL.len()];
+    let (mut formats_seen, mut kernels_seen) = ([0u32; WeightFormat::ALL.len()], [0u32; 2]);
     for seed in seeds("model_matvec", 18) {
         let mut rng = Rng::new(seed);
         let format = pick(seed, &WeightFormat::ALL);
@@ -101,8 +101,11 @@ fn matvec_and_embed_match_cpu_in_every_weight_format() {
         let rows = 1 + rng.below(300);
         let bw = format.block_weights() as u32;
         let cols = bw * (1 + rng.below(384 / bw + 1));
-        // Past one workgroup's tokens too (a prefill chunk: groups of MATVEC_MAX_TOKENS).
-        let n = 1 + rng.below(3 * MATVEC_MAX_TOKENS);
+        // Both variants: one row a workgroup past one group of MATVEC_MAX_TOKENS (a decode
+        // batch), and the wide one from WIDE_MIN_TOKENS over several groups (a prefill chunk).
+        let wide = rng.below(2) == 1;
+        let n = if wide { WIDE_MIN_TOKENS + rng.below(64) } else { 1 + rng.below(WIDE_MIN_TOKENS - 1) };
+        kernels_seen[usize::from(wide)] += 1;
         let ctx = format!("seed {seed}: {format:?} {rows} x {cols}, {n} tokens");
         let bytes = random_blocks(&mut rng, format, rows, cols, true);
         let w = GpuMatrix::upload(rt, "w", format, rows, cols, &bytes).expect("upload");
@@ -121,6 +124,20 @@ fn matvec_and_embed_match_cpu_in_every_weight_format() {
             })
             .collect();
         close(&got, &want, &scale, 1e-5, &ctx);
+        // The wide variant is the one-row variant bit for bit: the same tokens in calls of
+        // fewer than WIDE_MIN_TOKENS (a prompt's tokens give the same values in any chunk).
+        if wide {
+            let mut narrow: Vec<f32> = Vec::new();
+            for part in x.chunks((WIDE_MIN_TOKENS - 1) as usize * cols as usize) {
+                let m = (part.len() / cols as usize) as u32;
+                let (xp, yp) = (rt.storage_init("x part", part), rt.storage("y part", u64::from(m * rows) * 4));
+                rt.fill_u32(&yp, POISON_F32);
+                run(rt, "matvec part", |p| k.matvec(rt, p, &w, &xp, &yp, m).expect("matvec"));
+                narrow.extend(pollster::block_on(rt.read_all::<f32>(&yp)).expect("read"));
+            }
+            let same = got.iter().zip(&narrow).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same && got.len() == narrow.len(), "{ctx}: the wide variant differs from the one-row variant");
+        }
         // The same product added to what y holds (the residual stream).
         let y0 = normals(&mut rng, (n * rows) as usize);
         rt.queue.write_buffer(&y, 0, bytemuck::cast_slice(&y0));
@@ -199,6 +216,7 @@ fn matvec_and_embed_match_cpu_in_every_weight_format() {
     }
     if !replaying() {
         assert!(formats_seen.iter().all(|&c| c > 0), "every format drawn: {formats_seen:?}");
+        assert!(kernels_seen.iter().all(|&c| c > 0), "both kernels drawn: {kernels_seen:?}");
     }
     // Bad shapes are refused with a message, not a panic.
     assert!(GpuMatrix::upload(rt, "w", WeightFormat::Q4_1, 2, 33, &[0; 40]).is_err());
