@@ -12,8 +12,9 @@
 #     f16, SDPA; CUDA events), where PyTorch is installed.
 # With .bin/old.xz (an earlier release binary) every row runs with it too, labelled `old`: the
 # baseline measured in the same call. With .bin/gpu-tests.xz (the `gpu` test binary of
-# expertkv-tests) the products' test runs on this GPU first: the wide variant must equal the
-# one-row variant bit for bit on this driver too.
+# expertkv-tests) the products' and the chunked prefill's tests run on this GPU first (the
+# prefill's tiled products against the CPU, the same bits in any chunking, the chunked prefill
+# against token by token).
 # Needs .bin/expertkv.xz and the Vulkan loader in .gl/. CHUNKS, MOE_CHUNKS, REPEAT override.
 set -u
 . bench/lib.sh
@@ -25,7 +26,7 @@ if [ -s .bin/old.xz ]; then
 fi
 if [ -s .bin/gpu-tests.xz ]; then
   xz -dc .bin/gpu-tests.xz > /tmp/gpu-tests && chmod +x /tmp/gpu-tests
-  (cd tests && /tmp/gpu-tests ops::matvec_and_embed 2>&1 | grep -E "^test |test result|panicked|seed")
+  (cd tests && /tmp/gpu-tests ops::matvec_and_embed prefill::chunked 2>&1 | grep -E "^test |test result|panicked|seed")
 fi
 dense=/root/llama8b4.gguf
 [ -s "$dense" ] || $B synth --out "$dense" --layers 4 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 --experts 0 \

@@ -14,8 +14,8 @@ pub struct MatVecParams {
     /// Input features: columns of W and floats per token of x (a multiple of the format's block, 32
     /// or 256).
     pub cols: u32,
-    /// Tokens in this call (in groups of [`crate::ops::MATVEC_MAX_TOKENS`], or of 16 from
-    /// [`crate::ops::WIDE_MIN_TOKENS`]).
+    /// Tokens in this call (in groups of [`crate::ops::MATVEC_MAX_TOKENS`], or tiles of
+    /// [`crate::ops::MATMUL_TILE`] in the prefill's products).
     pub n_tokens: u32,
     /// 1: y += W x (a residual in the same pass), 0: y = W x.
     pub accumulate: u32,

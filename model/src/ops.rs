@@ -16,17 +16,9 @@ use expertkv_core::runtime::dispatch::CountedDispatch;
 /// sequences.
 pub const MATVEC_MAX_TOKENS: u32 = 8;
 
-/// Calls of at least this many tokens (a prefill chunk) take the products' wide variant:
-/// [`WIDE_ROWS`] rows and [`WIDE_TOKENS`] tokens a workgroup, so each weight is dequantised once
-/// per 16 tokens and each input read once per 4 rows. Every output is the same arithmetic in the
-/// same order as in the one-row variant: the two agree bit for bit.
-pub const WIDE_MIN_TOKENS: u32 = 16;
-
-/// Rows of one workgroup of the wide variant (`ROWS` in `model/matvec.wgsl`).
-const WIDE_ROWS: u32 = 4;
-
-/// Tokens of one workgroup of the wide variant (`MAX_TOKENS` in `model/matvec.wgsl`).
-const WIDE_TOKENS: u32 = 16;
+/// Tokens and rows of one workgroup of the prefill's tiled products (`TILE` in
+/// `model/matmul.wgsl`; see [`ModelKernels::for_prefill`]).
+pub const MATMUL_TILE: u32 = 64;
 
 /// How a matrix's weights sit in GPU memory (`common/quant.wgsl`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -489,11 +481,14 @@ enum MatVecInput<'a> {
 }
 
 /// The compiled model kernels.
+#[derive(Clone)]
 pub struct ModelKernels {
     /// Per weight format (`WeightFormat::define`), for the formats asked for.
     matvec: Vec<Option<wgpu::ComputePipeline>>,
-    /// The wide variant ([`WIDE_MIN_TOKENS`]), per weight format.
-    matvec_wide: Vec<Option<wgpu::ComputePipeline>>,
+    /// The prefill's tiled products, per weight format.
+    matmul: Vec<Option<wgpu::ComputePipeline>>,
+    /// The products run tiled ([`ModelKernels::for_prefill`]).
+    tiled: bool,
     moe_gate_up: Vec<Option<wgpu::ComputePipeline>>,
     moe_down: wgpu::ComputePipeline,
     moe_down_q: Vec<Option<wgpu::ComputePipeline>>,
@@ -514,7 +509,7 @@ impl ModelKernels {
     /// The kernels, the weight-reading ones for each of `formats`.
     pub async fn new(rt: &Runtime, formats: &[WeightFormat]) -> Result<ModelKernels> {
         let n = WeightFormat::ALL.len();
-        let (mut matvec, mut matvec_wide, mut embed) = (vec![None; n], vec![None; n], vec![None; n]);
+        let (mut matvec, mut matmul, mut embed) = (vec![None; n], vec![None; n], vec![None; n]);
         let (mut moe_gate_up, mut moe_down_q) = (vec![None; n], vec![None; n]);
         for f in formats {
             let i = f.define() as usize;
@@ -523,15 +518,15 @@ impl ModelKernels {
             }
             let d = [("FORMAT", format!("{i}u"))];
             matvec[i] = Some(rt.pipeline_with(Kernel::ModelMatVec, &d, &[]).await?);
-            let wide = [d[0].clone(), ("ROWS", format!("{WIDE_ROWS}u")), ("MAX_TOKENS", format!("{WIDE_TOKENS}u"))];
-            matvec_wide[i] = Some(rt.pipeline_with(Kernel::ModelMatVec, &wide, &[]).await?);
+            matmul[i] = Some(rt.pipeline_with(Kernel::ModelMatMul, &d, &[]).await?);
             embed[i] = Some(rt.pipeline_with(Kernel::ModelEmbed, &d, &[]).await?);
             moe_gate_up[i] = Some(rt.pipeline_with(Kernel::ModelMoeGateUp, &d, &[]).await?);
             moe_down_q[i] = Some(rt.pipeline_with(Kernel::ModelMoeDownQ, &d, &[]).await?);
         }
         Ok(ModelKernels {
             matvec,
-            matvec_wide,
+            matmul,
+            tiled: false,
             embed,
             moe_gate_up,
             moe_down: rt.pipeline(Kernel::ModelMoeDown, &[]).await?,
@@ -545,6 +540,16 @@ impl ModelKernels {
             moe_weights: rt.pipeline(Kernel::ModelMoeWeights, &[]).await?,
             unused: ["gain", "y2", "y3"].map(|b| rt.storage(&format!("model/matvec unused {b}"), 16)),
         })
+    }
+
+    /// These kernels with every matrix product tiled (`model/matmul.wgsl`: tiles of
+    /// [`MATMUL_TILE`] rows x [`MATMUL_TILE`] tokens, each weight dequantised once a tile where
+    /// the matrix-vector kernel reads it once per [`MATVEC_MAX_TOKENS`] tokens): the prefill's
+    /// products. Each output is summed over the columns in one fixed order, so a token's
+    /// products do not depend on the chunk it came in; they agree with the matrix-vector
+    /// kernel's (a decode step's) within f32 rounding.
+    pub fn for_prefill(&self) -> ModelKernels {
+        ModelKernels { tiled: true, ..self.clone() }
     }
 
     /// Pack `n_tokens` tokens' K and V (`[n_tokens][floats]` f32 each) into the pool's append
@@ -757,10 +762,13 @@ impl ModelKernels {
         let y2 = outputs.get(1).map_or(&self.unused[1], |o| o.0);
         let y3 = outputs.get(2).map_or(&self.unused[2], |o| o.0);
         let buffers = [&p, &w.buffer, x, outputs[0].0, g, y2, y3];
-        let (pipes, rows, tokens) =
-            if n_tokens >= WIDE_MIN_TOKENS { (&self.matvec_wide, WIDE_ROWS, WIDE_TOKENS) } else { (&self.matvec, 1, MATVEC_MAX_TOKENS) };
+        let (kernel, pipes, rows, tokens) = if self.tiled {
+            (Kernel::ModelMatMul, &self.matmul, MATMUL_TILE, MATMUL_TILE)
+        } else {
+            (Kernel::ModelMatVec, &self.matvec, 1, MATVEC_MAX_TOKENS)
+        };
         let pipe = pick(pipes, w.format)?;
-        let bg = rt.bind(Kernel::ModelMatVec.label(), pipe, &buffers);
+        let bg = rt.bind(kernel.label(), pipe, &buffers);
         let [x, y] = expertkv_core::runtime::split_workgroups(w.rows.div_ceil(rows));
         pass.dispatch(pipe, bg, [x, y, n_tokens.div_ceil(tokens)]);
         Ok(())

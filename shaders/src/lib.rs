@@ -89,6 +89,7 @@ sources! {
     EVICT_QUEST_SUMMARIZE => "evict/quest_summarize.wgsl",
     EVICT_QUEST_SELECT => "evict/quest_select.wgsl",
     MODEL_MATVEC => "model/matvec.wgsl",
+    MODEL_MATMUL => "model/matmul.wgsl",
     MODEL_MOE => "model/moe.wgsl",
     MODEL_NORM_ROPE => "model/norm_rope.wgsl",
     MODEL_KV_PACK => "model/kv_pack.wgsl",
@@ -304,6 +305,8 @@ kernels! {
     EvictQuestSelect => "evict/quest_select.wgsl" [],
     /// Model: matrix-vector products with block-format weights dequantised as read.
     ModelMatVec => "model/matvec.wgsl" [],
+    /// Model: the same products tiled for a prefill chunk (each weight dequantised once a tile).
+    ModelMatMul => "model/matmul.wgsl" [],
     /// Model: RMS normalisation of each token, times the gain.
     ModelRmsNorm => "model/norm_rope.wgsl" # "rmsnorm" [],
     /// Model: rotary position embedding of the queries and the keys in one dispatch, in place.

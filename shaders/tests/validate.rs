@@ -204,21 +204,10 @@ fn route_topk_validates_for_every_define() {
 fn model_kernels_validate_for_every_weight_format() {
     let mut failures = Vec::new();
     // FORMAT_* of common/quant.wgsl: F32, Q8_0, Q4_1, F16, BF16, Q4_0, Q4_K, Q5_K, Q6_K.
-    for kernel in [Kernel::ModelMatVec, Kernel::ModelEmbed, Kernel::ModelMoeGateUp, Kernel::ModelMoeDown] {
+    for kernel in [Kernel::ModelMatVec, Kernel::ModelMatMul, Kernel::ModelEmbed, Kernel::ModelMoeGateUp, Kernel::ModelMoeDown] {
         for format in 0..9u32 {
             let text = kernel.resolved_with(&[("FORMAT", format!("{format}u"))]).expect("defines resolve");
             if let Err(e) = validate(&format!("{} FORMAT={format}", kernel.label()), &text) {
-                failures.push(e);
-            }
-        }
-    }
-    // The products' wide variant (ROWS rows and MAX_TOKENS tokens a workgroup), as the model
-    // compiles it and around it.
-    for format in 0..9u32 {
-        for (rows, tokens) in [(4u32, 16u32), (2, 8), (3, 5)] {
-            let d = [("FORMAT", format!("{format}u")), ("ROWS", format!("{rows}u")), ("MAX_TOKENS", format!("{tokens}u"))];
-            let text = Kernel::ModelMatVec.resolved_with(&d).expect("defines resolve");
-            if let Err(e) = validate(&format!("model/matvec.wgsl {d:?}"), &text) {
                 failures.push(e);
             }
         }

@@ -320,8 +320,8 @@ pub struct GpuLlama {
     transfer_totals: TransferTotals,
 }
 
-/// Sequences one model decodes together at most (the products take them in groups of
-/// [`crate::ops::MATVEC_MAX_TOKENS`], or of 16 from [`crate::ops::WIDE_MIN_TOKENS`]).
+/// Sequences one model decodes together at most (the matrix-vector kernel takes them in
+/// groups of [`crate::ops::MATVEC_MAX_TOKENS`]).
 pub const MAX_SEQS: u32 = 64;
 
 /// Tokens of a prompt one [`GpuLlama::prefill`] pass takes at most, by default

@@ -4,7 +4,7 @@
 
 use super::timing::StageMarks;
 use super::{GpuLlama, Scratch, attention_output, record, shared_expert};
-use crate::ops::Recorded;
+use crate::ops::{ModelKernels, Recorded};
 use crate::{Error, Result};
 use expertkv_core::append::format::NewToken;
 use expertkv_core::config::{Codec, KvDtype};
@@ -23,6 +23,8 @@ pub(super) struct Prefill {
     /// Every token's logits of a chunk (`[chunk][vocab]`), made by the first
     /// [`GpuLlama::prefill_logits`].
     logits_all: Option<wgpu::Buffer>,
+    /// The model's kernels with the products tiled ([`ModelKernels::for_prefill`]).
+    kernels: ModelKernels,
 }
 
 impl GpuLlama {
@@ -113,7 +115,7 @@ impl GpuLlama {
                     rt.storage("prefill moe choices", c * k * 4),
                 ]
             });
-            self.prefill = Some(Prefill { attn, s, h_last, moe, logits_all: None });
+            self.prefill = Some(Prefill { attn, s, h_last, moe, logits_all: None, kernels: self.kernels.for_prefill() });
         }
         let vocab = u64::from(self.cfg.vocab_size);
         if let Some(pf) = self.prefill.as_mut().filter(|pf| every && pf.logits_all.is_none()) {
@@ -177,7 +179,7 @@ impl GpuLlama {
         let Some(pf) = &self.prefill else { return Err(Error::Input("prefill: not set up".into())) };
         let rec = record(
             rt,
-            &self.kernels,
+            &pf.kernels,
             &c,
             &self.layers,
             (embed, output, out_norm),
@@ -205,7 +207,7 @@ impl GpuLlama {
                 (Some(moe), Some([scores, sel, wts, act, log])) => {
                     // The experts over the chunk, as `install_moe` records them for a step.
                     let (w, (router, ffn_l)) = (&self.layers[l as usize], &moe.layers[l as usize]);
-                    let (kern, s, e, k) = (&self.kernels, &pf.s, moe.n_experts, moe.top_k);
+                    let (kern, s, e, k) = (&pf.kernels, &pf.s, moe.n_experts, moe.top_k);
                     let mut p = Recorded::default();
                     attention_output(rt, kern, &c, w, s, pf.attn.output(), n, &mut p)?;
                     kern.matvec(rt, &mut p, router, &s.xn, scores, n)?;
@@ -221,11 +223,12 @@ impl GpuLlama {
             }
             marks.mark(&mut enc, if self.moe.is_some() { "output and experts" } else { "output and FFN" });
         }
-        // The LM head on the chunk's last token only, or on every token.
+        // The LM head on every token (tiled), or on the chunk's last token only (the decode
+        // step's matrix-vector kernel: one token).
         let head = output.unwrap_or(embed);
         let mut p = Recorded::default();
         match pf.logits_all.as_ref().filter(|_| every) {
-            Some(all) => self.kernels.matvec_norm(rt, &mut p, head, &pf.s.h, out_norm, c.rms_norm_eps, &[(all, head.rows)], n)?,
+            Some(all) => pf.kernels.matvec_norm(rt, &mut p, head, &pf.s.h, out_norm, c.rms_norm_eps, &[(all, head.rows)], n)?,
             None => {
                 let h = u64::from(c.embedding_length) * 4;
                 enc.copy_buffer_to_buffer(&pf.s.h, u64::from(n - 1) * h, &pf.h_last, 0, h);

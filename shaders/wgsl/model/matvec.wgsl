@@ -1,14 +1,11 @@
 // model: y[b][o] = sum_i W[o][i] x'[b][i] (or y[b][o] += that, with `accumulate`: a residual
 // added in the same pass) for the call's tokens b, W in one of the block formats of
 // common/quant.wgsl, dequantised in registers as it is read (no f32 copy of W exists). One
-// workgroup per (ROWS output rows, group of MAX_TOKENS tokens: workgroup z); its invocations take
-// the rows' weights four at a time in turn (common/quant.wgsl's weights4: neighbouring
-// invocations read neighbouring words of W and x), each against every token of the group, then
-// sum over the workgroup (a fixed tree, so the result does not depend on timing, nor on how many
-// tokens the call has). A decode step takes one row and 8 tokens a workgroup; calls of many
-// tokens (a prefill chunk) take ROWS = 4 and MAX_TOKENS = 16, so each weight is dequantised once
-// per 16 tokens and each input serves 4 rows. Every output is the same arithmetic in the same
-// order whatever ROWS and MAX_TOKENS are: the two variants agree bit for bit.
+// workgroup per (output row, group of MAX_TOKENS tokens: workgroup z); its invocations take the
+// row's weights four at a time in turn (common/quant.wgsl's weights4: neighbouring invocations
+// read neighbouring words of W and x), each against every token of the group, then sum over the
+// workgroup (a fixed tree, so the result does not depend on timing, nor on how many tokens the
+// call has).
 //
 // What x' is (`input`), so the pass before a product needs no dispatch of its own:
 //   0: x as given, [n_tokens][cols];
@@ -24,7 +21,6 @@
 //!import common/quant.wgsl
 //!define FORMAT 0u
 //!define MAX_TOKENS 8u
-//!define ROWS 1u
 
 // must match `MatVecParams` in model/src/gpu_data.rs
 struct MatVecParams {
@@ -51,51 +47,31 @@ fn weight_word(i: u32) -> u32 {
 }
 
 const WG: u32 = 64u;
-// Outputs summed over the workgroup at a time (at least MAX_TOKENS: the norm's sums share `red`).
-const SUMS: u32 = 16u;
-const OUTPUTS: u32 = ROWS * MAX_TOKENS;
-var<workgroup> red: array<f32, SUMS * WG>;  // [output][WG]
+var<workgroup> red: array<f32, MAX_TOKENS * WG>;  // [token][WG]
 var<workgroup> inv_rms: array<f32, MAX_TOKENS>;
 
-// Sums red[o][..] into red[o][0] for each of the first `n` outputs (a fixed tree).
-fn reduce_sums(t: u32, n: u32) {
+// Sums red[b][..] into red[b][0] for each of the group's `nt` tokens (a fixed tree).
+fn reduce_tokens(t: u32, nt: u32) {
     for (var off = WG / 2u; off > 0u; off = off / 2u) {
         if (t < off) {
-            for (var o = 0u; o < n; o++) {
-                red[o * WG + t] += red[o * WG + t + off];
+            for (var b = 0u; b < nt; b++) {
+                red[b * WG + t] += red[b * WG + t + off];
             }
         }
         workgroupBarrier();
     }
 }
 
-fn store(b: u32, row: u32, v: f32) {
-    let s1 = params.split1;
-    let s2 = params.split2;
-    if (row < s1) {
-        let o = b * s1 + row;
-        y[o] = select(v, y[o] + v, params.accumulate != 0u);
-    } else if (row < s1 + s2) {
-        let o = b * s2 + row - s1;
-        y2[o] = select(v, y2[o] + v, params.accumulate != 0u);
-    } else {
-        let s3 = params.rows - s1 - s2;
-        let o = b * s3 + row - s1 - s2;
-        y3[o] = select(v, y3[o] + v, params.accumulate != 0u);
-    }
-}
-
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t: u32) {
-    let row0 = (wg.x + wg.y * 65535u) * ROWS;
+    let row = wg.x + wg.y * 65535u;
     // The group's tokens: tb + b for b < nt.
     let tb = wg.z * MAX_TOKENS;
-    // Uniform: every invocation of a workgroup has the same rows and group.
-    if (row0 >= params.rows || tb >= params.n_tokens) {
+    // Uniform: every invocation of a workgroup has the same row and group.
+    if (row >= params.rows || tb >= params.n_tokens) {
         return;
     }
     let nt = min(params.n_tokens - tb, MAX_TOKENS);
-    let nr = min(params.rows - row0, ROWS);
     if (params.input == 1u) {
         for (var b = 0u; b < nt; b++) {
             var s = 0.0;
@@ -106,25 +82,20 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
             red[b * WG + t] = s;
         }
         workgroupBarrier();
-        reduce_sums(t, nt);
+        reduce_tokens(t, nt);
         if (t < nt) {
             inv_rms[t] = inverseSqrt(red[t * WG] / f32(params.cols) + params.eps);
         }
         workgroupBarrier();
     }
-    var acc: array<f32, OUTPUTS>; // [row r][token b]
-    for (var o = 0u; o < OUTPUTS; o++) {
-        acc[o] = 0.0;
+    var acc: array<f32, MAX_TOKENS>;
+    for (var b = 0u; b < MAX_TOKENS; b++) {
+        acc[b] = 0.0;
     }
-    // Invocation t takes quarters t, t + WG, ... of the rows (4 consecutive weights each), so
+    // Invocation t takes quarters t, t + WG, ... of the row (4 consecutive weights each), so
     // neighbours read neighbouring words of W and of x.
     for (var qi = t; qi < params.cols / 4u; qi += WG) {
-        var wv: array<vec4<f32>, ROWS>;
-        for (var r = 0u; r < ROWS; r++) {
-            if (r < nr) {
-                wv[r] = weights4(row0 + r, qi / 8u, qi % 8u, params.cols);
-            }
-        }
+        let wv = weights4(row, qi / 8u, qi % 8u, params.cols);
         let i0 = 4u * qi;
         var gq = vec4<f32>(1.0);
         if (params.input == 1u) {
@@ -151,29 +122,31 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
                         xv = vec4<f32>(x[x0], x[x0 + 1u], x[x0 + 2u], x[x0 + 3u]);
                     }
                 }
-                for (var r = 0u; r < ROWS; r++) {
-                    acc[r * MAX_TOKENS + b] += dot(wv[r], xv);
-                }
+                acc[b] += dot(wv, xv);
             }
         }
     }
-    // SUMS outputs at a time (up to the last one written: a decode step's one row sums only
-    // its tokens): each invocation's partial sums, the tree, then one output an invocation.
-    let last = (nr - 1u) * MAX_TOKENS + nt;  // past the last output written
-    for (var o0 = 0u; o0 < last; o0 += SUMS) {
-        let n = min(last - o0, SUMS);
-        workgroupBarrier();
-        for (var o = 0u; o < n; o++) {
-            red[o * WG + t] = acc[o0 + o];
-        }
-        workgroupBarrier();
-        reduce_sums(t, n);
-        if (t < n) {
-            let r = (o0 + t) / MAX_TOKENS;
-            let b = (o0 + t) % MAX_TOKENS;
-            if (r < nr && b < nt) {
-                store(tb + b, row0 + r, red[t * WG]);
-            }
+    workgroupBarrier();
+    for (var b = 0u; b < nt; b++) {
+        red[b * WG + t] = acc[b];
+    }
+    workgroupBarrier();
+    reduce_tokens(t, nt);
+    if (t < nt) {
+        let v = red[t * WG];
+        let b = tb + t;
+        let s1 = params.split1;
+        let s2 = params.split2;
+        if (row < s1) {
+            let o = b * s1 + row;
+            y[o] = select(v, y[o] + v, params.accumulate != 0u);
+        } else if (row < s1 + s2) {
+            let o = b * s2 + row - s1;
+            y2[o] = select(v, y2[o] + v, params.accumulate != 0u);
+        } else {
+            let s3 = params.rows - s1 - s2;
+            let o = b * s3 + row - s1 - s2;
+            y3[o] = select(v, y3[o] + v, params.accumulate != 0u);
         }
     }
 }

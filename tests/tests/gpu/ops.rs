@@ -4,7 +4,7 @@
 
 use expertkv_core::rng::Rng;
 use expertkv_core::runtime::Runtime;
-use expertkv_model::ops::{GpuMatrix, MATVEC_MAX_TOKENS, ModelKernels, MoeFfn, WIDE_MIN_TOKENS, WeightFormat};
+use expertkv_model::ops::{GpuMatrix, MATMUL_TILE, MATVEC_MAX_TOKENS, ModelKernels, MoeFfn, WeightFormat};
 use expertkv_model::reference::ops as cpu;
 
 use crate::common::{POISON_F32, pick, replaying, rt, seeds};
@@ -93,6 +93,7 @@ fn close(got: &[f32], want: &[f64], scale: &[f64], tol: f64, ctx: &str) {
 fn matvec_and_embed_match_cpu_in_every_weight_format() {
     let rt = rt();
     let k = pollster::block_on(ModelKernels::new(rt, &WeightFormat::ALL)).expect("kernels");
+    let prefill = k.for_prefill();
     let (mut formats_seen, mut kernels_seen) = ([0u32; WeightFormat::ALL.len()], [0u32; 2]);
     for seed in seeds("model_matvec", 18) {
         let mut rng = Rng::new(seed);
@@ -101,12 +102,14 @@ fn matvec_and_embed_match_cpu_in_every_weight_format() {
         let rows = 1 + rng.below(300);
         let bw = format.block_weights() as u32;
         let cols = bw * (1 + rng.below(384 / bw + 1));
-        // Both variants: one row a workgroup past one group of MATVEC_MAX_TOKENS (a decode
-        // batch), and the wide one from WIDE_MIN_TOKENS over several groups (a prefill chunk).
-        let wide = rng.below(2) == 1;
-        let n = if wide { WIDE_MIN_TOKENS + rng.below(64) } else { 1 + rng.below(WIDE_MIN_TOKENS - 1) };
-        kernels_seen[usize::from(wide)] += 1;
-        let ctx = format!("seed {seed}: {format:?} {rows} x {cols}, {n} tokens");
+        // Both kernels: the matrix-vector one past one group of MATVEC_MAX_TOKENS (a decode
+        // batch), and the prefill's tiled one past two tiles of tokens (its rows: up to 300,
+        // past four tiles).
+        let tiled = rng.below(2) == 1;
+        let n = if tiled { 1 + rng.below(2 * MATMUL_TILE + 8) } else { 1 + rng.below(3 * MATVEC_MAX_TOKENS) };
+        kernels_seen[usize::from(tiled)] += 1;
+        let k = if tiled { &prefill } else { &k };
+        let ctx = format!("seed {seed}: {format:?} {rows} x {cols}, {n} tokens, tiled {tiled}");
         let bytes = random_blocks(&mut rng, format, rows, cols, true);
         let w = GpuMatrix::upload(rt, "w", format, rows, cols, &bytes).expect("upload");
         let wf = cpu::dequant_matrix(format, rows, cols, &bytes).expect("dequant");
@@ -124,19 +127,20 @@ fn matvec_and_embed_match_cpu_in_every_weight_format() {
             })
             .collect();
         close(&got, &want, &scale, 1e-5, &ctx);
-        // The wide variant is the one-row variant bit for bit: the same tokens in calls of
-        // fewer than WIDE_MIN_TOKENS (a prompt's tokens give the same values in any chunk).
-        if wide {
-            let mut narrow: Vec<f32> = Vec::new();
-            for part in x.chunks((WIDE_MIN_TOKENS - 1) as usize * cols as usize) {
+        // Tiled, a token's products do not depend on the chunk it came in: the same tokens in
+        // calls of a random size give the same bits.
+        if tiled && n > 1 {
+            let size = 1 + rng.below(n - 1);
+            let mut parts: Vec<f32> = Vec::new();
+            for part in x.chunks(size as usize * cols as usize) {
                 let m = (part.len() / cols as usize) as u32;
                 let (xp, yp) = (rt.storage_init("x part", part), rt.storage("y part", u64::from(m * rows) * 4));
                 rt.fill_u32(&yp, POISON_F32);
                 run(rt, "matvec part", |p| k.matvec(rt, p, &w, &xp, &yp, m).expect("matvec"));
-                narrow.extend(pollster::block_on(rt.read_all::<f32>(&yp)).expect("read"));
+                parts.extend(pollster::block_on(rt.read_all::<f32>(&yp)).expect("read"));
             }
-            let same = got.iter().zip(&narrow).all(|(a, b)| a.to_bits() == b.to_bits());
-            assert!(same && got.len() == narrow.len(), "{ctx}: the wide variant differs from the one-row variant");
+            let same = got.len() == parts.len() && got.iter().zip(&parts).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{ctx}: tiled in calls of {size} tokens, the products differ");
         }
         // The same product added to what y holds (the residual stream).
         let y0 = normals(&mut rng, (n * rows) as usize);

@@ -89,7 +89,9 @@ fn chunked_prefill_equals_token_by_token() {
             pollster::block_on(chunked.prefill(rt, 0, &ids)).expect("prefill")
         };
         assert_eq!(chunked.positions, vec![n], "{ctx}");
-        let tol = 1e-4;
+        // The products sum in another order than the decode step's (tiled, a fixed order over
+        // the columns, against a tree): f32 rounding, which f16 K/V round again (2^-11).
+        let tol = if dtype == KvDtype::F16 { 5e-4 } else { 1e-4 };
         let rows: Vec<&[f32]> = if every { got.chunks(want[0].len()).collect() } else { vec![&got] };
         let wanted_rows = &want[want.len() - rows.len()..];
         assert_eq!(rows.len(), wanted_rows.len(), "{ctx}: every={every}");
