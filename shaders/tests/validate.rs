@@ -215,6 +215,46 @@ fn model_kernels_validate_for_every_weight_format() {
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
 }
 
+/// Workgroup memory a kernel declares, in bytes (naga's layout of its `var<workgroup>`s).
+fn workgroup_bytes(text: &str) -> u32 {
+    let module = naga::front::wgsl::parse_str(text).expect("parses");
+    let mut layouter = naga::proc::Layouter::default();
+    layouter.update(module.to_ctx()).expect("layout");
+    module
+        .global_variables
+        .iter()
+        .filter(|(_, g)| g.space == naga::AddressSpace::WorkGroup)
+        .map(|(_, g)| layouter[g.ty].size)
+        .sum()
+}
+
+/// The model's kernels run wherever the model loads, the browser included: each fits WebGPU's
+/// default 16 KiB of workgroup memory in every weight format (a device with no more than that
+/// must still load a model).
+#[test]
+fn model_kernels_fit_webgpus_default_workgroup_memory() {
+    let model = [
+        Kernel::ModelMatVec,
+        Kernel::ModelMatMul,
+        Kernel::ModelEmbed,
+        Kernel::ModelMoeGateUp,
+        Kernel::ModelMoeDown,
+        Kernel::ModelMoeDownQ,
+        Kernel::ModelRmsNorm,
+        Kernel::ModelRopeQk,
+        Kernel::ModelKvPack,
+        Kernel::ModelMoeTopk,
+        Kernel::ModelMoeWeights,
+    ];
+    for kernel in model {
+        for format in 0..9u32 {
+            let text = kernel.resolved_with(&[("FORMAT", format!("{format}u"))]).or_else(|_| kernel.resolved()).expect("resolves");
+            let bytes = workgroup_bytes(&text);
+            assert!(bytes <= 16_384, "{} FORMAT={format}: {bytes} bytes of workgroup memory", kernel.label());
+        }
+    }
+}
+
 /// Decimal float literals of every WGSL file, as written.
 fn float_literals(text: &str) -> Vec<String> {
     let b = text.as_bytes();

@@ -1,10 +1,11 @@
 // model: model/matvec.wgsl's product for a prefill chunk's tokens, tiled: y[b][o] = sum_i W[o][i]
 // x'[b][i] (or y += that), with matvec's parameters, bindings, inputs (x, RMSNorm of x times g,
 // SwiGLU of x) and up to three outputs. One workgroup per tile of TILE output rows x TILE tokens
-// (rows: workgroups x and y, tokens: z). It walks the columns a block of 32 at a time: the
-// tile's 32 columns of W dequantised once into workgroup memory (common/quant.wgsl's weights4;
+// (rows: workgroups x and y, tokens: z). It walks the columns 16 at a time (half a block): the
+// tile's 16 columns of W dequantised once into workgroup memory (common/quant.wgsl's weights4;
 // each weight then serves TILE tokens, where matvec re-reads it for every MAX_TOKENS tokens),
-// the tokens' 32 inputs beside them, and each invocation accumulates a 4 x 4 block of outputs
+// the tokens' 16 inputs beside them (10 KiB together: WebGPU's 16 KiB of workgroup memory
+// holds them), and each invocation accumulates a 4 x 4 block of outputs
 // (tokens ty + 16 i, rows tx + 16 j). Each output is summed over the columns in order: a fixed
 // order, whatever the tile, the call's tokens or timing, so a prompt's products are the same in
 // any chunking. matvec sums a tree instead: the two agree within f32 rounding.
@@ -37,12 +38,12 @@ fn weight_word(i: u32) -> u32 {
 }
 
 const TILE: u32 = 64u;
-// A block's quarters (4 weights each), and the stride of a tile line in workgroup memory (one
-// vec4 of padding, so the 16 lines an invocation group reads at once are spread).
-const QUARTERS: u32 = 8u;
-const STRIDE: u32 = 9u;
-var<workgroup> ws: array<vec4<f32>, 576>;  // [TILE rows][STRIDE]: the block's weights
-var<workgroup> xs: array<vec4<f32>, 576>;  // [TILE tokens][STRIDE]: the block's inputs
+// A step's quarters (4 weights each: half a block), and the stride of a tile line in workgroup
+// memory (one vec4 of padding, so the 16 lines an invocation group reads at once are spread).
+const QUARTERS: u32 = 4u;
+const STRIDE: u32 = 5u;
+var<workgroup> ws: array<vec4<f32>, 320>;  // [TILE rows][STRIDE]: the step's weights
+var<workgroup> xs: array<vec4<f32>, 320>;  // [TILE tokens][STRIDE]: the step's inputs
 var<workgroup> part: array<f32, 256>;      // input 1: partial sums of squares, [TILE][4]
 var<workgroup> inv_rms: array<f32, TILE>;
 
@@ -114,25 +115,22 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     let tx = t % 16u;
     let ty = t / 16u;
     var acc: array<f32, 16>; // [token i][row c]
-    for (var blk = 0u; blk < params.cols / 32u; blk++) {
-        // The tile's 512 quarters of W and of x, two of each per invocation: neighbours take
-        // neighbouring quarters of a line.
-        //!unroll
-        for (var h = 0u; h < 2u; h++) {
-            let q = t + 256u * h;
-            let l = q / QUARTERS;
-            let j = q % QUARTERS;
-            var wv = vec4<f32>(0.0);
-            if (row0 + l < params.rows) {
-                wv = weights4(row0 + l, blk, j, params.cols);
-            }
-            ws[l * STRIDE + j] = wv;
-            var xv = vec4<f32>(0.0);
-            if (l < nt) {
-                xv = inputs4(tok0 + l, l, 32u * blk + 4u * j);
-            }
-            xs[l * STRIDE + j] = xv;
+    for (var half = 0u; half < params.cols / 16u; half++) {
+        // The tile's 256 quarters of W and of x, one of each per invocation: neighbours take
+        // neighbouring quarters of a line (quarter j of the step is quarter 4 (half % 2) + j of
+        // block half / 2).
+        let l = t / QUARTERS;
+        let j = t % QUARTERS;
+        var wv = vec4<f32>(0.0);
+        if (row0 + l < params.rows) {
+            wv = weights4(row0 + l, half / 2u, 4u * (half % 2u) + j, params.cols);
         }
+        ws[l * STRIDE + j] = wv;
+        var xv = vec4<f32>(0.0);
+        if (l < nt) {
+            xv = inputs4(tok0 + l, l, 16u * half + 4u * j);
+        }
+        xs[l * STRIDE + j] = xv;
         workgroupBarrier();
         for (var j = 0u; j < QUARTERS; j++) {
             var wq: array<vec4<f32>, 4>;
