@@ -249,6 +249,32 @@ pub struct MoeFfn {
     pub hidden: u32,
 }
 
+/// Experts of a layer [`ModelKernels::moe_ffn_grouped`] can group (its counters sit in
+/// workgroup memory: `MAX_EXPERTS` in `model/moe_tiled.wgsl`).
+pub const MOE_GROUPED_MAX_EXPERTS: u32 = 128;
+
+/// Scratch of [`ModelKernels::moe_ffn_grouped`] for up to `n_tokens` tokens.
+pub struct MoeGroups {
+    /// `[n_experts][n_tokens]` u32: the (token, choice) pairs that chose each expert.
+    pub lists: wgpu::Buffer,
+    /// `[n_experts]` u32: how many.
+    pub counts: wgpu::Buffer,
+    /// `[n_tokens * top_k][hidden]` f32: each pair's down product.
+    pub out: wgpu::Buffer,
+}
+
+impl MoeGroups {
+    /// Scratch for `n_tokens` tokens choosing `top_k` of `n_experts` experts of a `hidden`-wide FFN.
+    pub fn new(rt: &Runtime, n_tokens: u32, n_experts: u32, top_k: u32, hidden: u32) -> MoeGroups {
+        let (n, e) = (u64::from(n_tokens), u64::from(n_experts));
+        MoeGroups {
+            lists: rt.storage("model/moe groups lists", e * n * 4),
+            counts: rt.storage("model/moe groups counts", e * 4),
+            out: rt.storage("model/moe groups out", n * u64::from(top_k) * u64::from(hidden) * 4),
+        }
+    }
+}
+
 /// Where a MoE FFN's down projection lives on the GPU.
 pub enum MoeDown {
     /// MoEfied experts (neuron groups of a dense FFN, which split the columns of the file's
@@ -492,6 +518,11 @@ pub struct ModelKernels {
     moe_gate_up: Vec<Option<wgpu::ComputePipeline>>,
     moe_down: wgpu::ComputePipeline,
     moe_down_q: Vec<Option<wgpu::ComputePipeline>>,
+    /// A prefill chunk's MoE file experts grouped by expert (`model/moe_tiled.wgsl`).
+    moe_group: wgpu::ComputePipeline,
+    moe_gate_up_tiled: Vec<Option<wgpu::ComputePipeline>>,
+    moe_down_tiled: Vec<Option<wgpu::ComputePipeline>>,
+    moe_combine: wgpu::ComputePipeline,
     embed: Vec<Option<wgpu::ComputePipeline>>,
     rmsnorm: wgpu::ComputePipeline,
     rope_qk: wgpu::ComputePipeline,
@@ -511,6 +542,7 @@ impl ModelKernels {
         let n = WeightFormat::ALL.len();
         let (mut matvec, mut matmul, mut embed) = (vec![None; n], vec![None; n], vec![None; n]);
         let (mut moe_gate_up, mut moe_down_q) = (vec![None; n], vec![None; n]);
+        let (mut moe_gate_up_tiled, mut moe_down_tiled) = (vec![None; n], vec![None; n]);
         for f in formats {
             let i = f.define() as usize;
             if matvec[i].is_some() {
@@ -522,6 +554,8 @@ impl ModelKernels {
             embed[i] = Some(rt.pipeline_with(Kernel::ModelEmbed, &d, &[]).await?);
             moe_gate_up[i] = Some(rt.pipeline_with(Kernel::ModelMoeGateUp, &d, &[]).await?);
             moe_down_q[i] = Some(rt.pipeline_with(Kernel::ModelMoeDownQ, &d, &[]).await?);
+            moe_gate_up_tiled[i] = Some(rt.pipeline_with(Kernel::ModelMoeGateUpTiled, &d, &[]).await?);
+            moe_down_tiled[i] = Some(rt.pipeline_with(Kernel::ModelMoeDownTiled, &d, &[]).await?);
         }
         Ok(ModelKernels {
             matvec,
@@ -531,6 +565,10 @@ impl ModelKernels {
             moe_gate_up,
             moe_down: rt.pipeline(Kernel::ModelMoeDown, &[]).await?,
             moe_down_q,
+            moe_group: rt.pipeline(Kernel::ModelMoeGroup, &[]).await?,
+            moe_gate_up_tiled,
+            moe_down_tiled,
+            moe_combine: rt.pipeline(Kernel::ModelMoeCombine, &[]).await?,
             rmsnorm: rt.pipeline(Kernel::ModelRmsNorm, &[]).await?,
             rope_qk: rt.pipeline(Kernel::ModelRopeQk, &[]).await?,
             swiglu_gated: rt.pipeline(Kernel::ModelSwigluGated, &[]).await?,
@@ -843,6 +881,78 @@ impl ModelKernels {
             }
         }
         Ok(())
+    }
+
+    /// [`ModelKernels::moe_ffn`] for a prefill chunk of a MoE file's experts (all resident in
+    /// their slots), grouped by expert (`model/moe_tiled.wgsl`): the (token, choice) pairs listed
+    /// per expert, each expert's gate/up and down products tiled over its pairs (each weight
+    /// dequantised once per 64 of them, where `moe_ffn` reads it once per pair), then each
+    /// token's choices summed in order into `y`. Every output is one fixed sum, so a token gives
+    /// the same bits in any chunk. `None` (use `moe_ffn`) for MoEfied experts or more than
+    /// [`MOE_GROUPED_MAX_EXPERTS`] experts.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_ffn_grouped(
+        &self,
+        rt: &Runtime,
+        pass: &mut impl DispatchSink,
+        m: &MoeFfn,
+        (x, sel, wts, act, y): (&wgpu::Buffer, &wgpu::Buffer, &wgpu::Buffer, &wgpu::Buffer, &wgpu::Buffer),
+        g: &MoeGroups,
+        n_tokens: u32,
+        top_k: u32,
+        accumulate: bool,
+    ) -> Result<Option<()>> {
+        let MoeDown::Experts(down) = &m.down else { return Ok(None) };
+        if m.n_experts > MOE_GROUPED_MAX_EXPERTS {
+            return Ok(None);
+        }
+        if n_tokens == 0 || top_k == 0 || top_k > m.n_experts {
+            return Err(Error::Input(format!("moe_ffn_grouped: {n_tokens} tokens, top-{top_k} of {} experts", m.n_experts)));
+        }
+        let pairs = u64::from(n_tokens) * u64::from(top_k);
+        if act.size() < pairs * u64::from(m.max_size) * 4
+            || sel.size() < pairs * 4
+            || wts.size() < pairs * 4
+            || g.out.size() < pairs * u64::from(m.hidden) * 4
+            || g.lists.size() < u64::from(m.n_experts) * u64::from(n_tokens) * 4
+            || g.counts.size() < u64::from(m.n_experts) * 4
+        {
+            return Err(Error::Input("moe_ffn_grouped: scratch buffers too small".into()));
+        }
+        let p = rt.uniform(
+            "model/moe grouped params",
+            &MoeParams {
+                hidden: m.hidden,
+                ffn: m.ffn,
+                top_k,
+                max_size: m.max_size,
+                n_tokens,
+                n_experts: m.n_experts,
+                accumulate: u32::from(accumulate),
+                slotted: 1,
+            },
+        );
+        let bg = rt.bind_at(Kernel::ModelMoeGroup.label(), &self.moe_group, &[(0, &p), (4, sel), (6, &g.lists), (9, &g.counts)]);
+        pass.dispatch(&self.moe_group, bg, [1, 1, 1]);
+        let tiles = n_tokens.div_ceil(MATMUL_TILE);
+        let pipe = pick(&self.moe_gate_up_tiled, m.gate_up.format)?;
+        let bg = rt.bind_at(
+            Kernel::ModelMoeGateUpTiled.label(),
+            pipe,
+            &[(0, &p), (1, &m.gate_up.buffer), (2, x), (3, act), (5, &m.offsets), (6, &g.lists), (8, wts), (9, &g.counts)],
+        );
+        pass.dispatch(pipe, bg, [m.max_size.div_ceil(MATMUL_TILE), tiles, m.n_experts]);
+        let pipe = pick(&self.moe_down_tiled, down.format)?;
+        let bg = rt.bind_at(
+            Kernel::ModelMoeDownTiled.label(),
+            pipe,
+            &[(0, &p), (1, &down.buffer), (3, act), (5, &m.offsets), (6, &g.lists), (9, &g.counts), (10, &g.out)],
+        );
+        pass.dispatch(pipe, bg, [m.hidden.div_ceil(MATMUL_TILE), tiles, m.n_experts]);
+        let bg = rt.bind_at(Kernel::ModelMoeCombine.label(), &self.moe_combine, &[(0, &p), (7, y), (10, &g.out)]);
+        let (gx, gy) = expertkv_core::runtime::grid(n_tokens * m.hidden);
+        pass.dispatch(&self.moe_combine, bg, [gx, gy, 1]);
+        Ok(Some(()))
     }
 
     /// Rows `tokens[b]` of `w`, dequantised (y: `[n_tokens][cols]`).

@@ -90,6 +90,7 @@ sources! {
     EVICT_QUEST_SELECT => "evict/quest_select.wgsl",
     MODEL_MATVEC => "model/matvec.wgsl",
     MODEL_MATMUL => "model/matmul.wgsl",
+    MODEL_MOE_TILED => "model/moe_tiled.wgsl",
     MODEL_MOE => "model/moe.wgsl",
     MODEL_NORM_ROPE => "model/norm_rope.wgsl",
     MODEL_KV_PACK => "model/kv_pack.wgsl",
@@ -317,6 +318,14 @@ kernels! {
     ModelEmbed => "model/norm_rope.wgsl" # "embed" [],
     /// Model: add a residual, elementwise.
     ModelResidual => "model/norm_rope.wgsl" # "residual" [],
+    /// Model, a MoE file's experts in a prefill chunk: the (token, choice) pairs listed per expert.
+    ModelMoeGroup => "model/moe_tiled.wgsl" # "moe_group" [],
+    /// Model, a MoE file's experts in a prefill chunk: gate and up products tiled per expert.
+    ModelMoeGateUpTiled => "model/moe_tiled.wgsl" # "moe_gate_up_tiled" [],
+    /// Model, a MoE file's experts in a prefill chunk: down products tiled per expert.
+    ModelMoeDownTiled => "model/moe_tiled.wgsl" # "moe_down_tiled" [],
+    /// Model, a MoE file's experts in a prefill chunk: each token's choices summed in order.
+    ModelMoeCombine => "model/moe_tiled.wgsl" # "moe_combine" [],
     /// Model, MoE FFN: gate and up products of the chosen experts' neurons, activated and weighted.
     ModelMoeGateUp => "model/moe.wgsl" # "moe_gate_up" [],
     /// Model, MoE FFN: down projection of the chosen experts' activations, in a fixed order.

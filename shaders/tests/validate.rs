@@ -204,7 +204,15 @@ fn route_topk_validates_for_every_define() {
 fn model_kernels_validate_for_every_weight_format() {
     let mut failures = Vec::new();
     // FORMAT_* of common/quant.wgsl: F32, Q8_0, Q4_1, F16, BF16, Q4_0, Q4_K, Q5_K, Q6_K.
-    for kernel in [Kernel::ModelMatVec, Kernel::ModelMatMul, Kernel::ModelEmbed, Kernel::ModelMoeGateUp, Kernel::ModelMoeDown] {
+    for kernel in [
+        Kernel::ModelMatVec,
+        Kernel::ModelMatMul,
+        Kernel::ModelEmbed,
+        Kernel::ModelMoeGateUp,
+        Kernel::ModelMoeDown,
+        Kernel::ModelMoeGateUpTiled,
+        Kernel::ModelMoeDownTiled,
+    ] {
         for format in 0..9u32 {
             let text = kernel.resolved_with(&[("FORMAT", format!("{format}u"))]).expect("defines resolve");
             if let Err(e) = validate(&format!("{} FORMAT={format}", kernel.label()), &text) {
@@ -240,6 +248,10 @@ fn model_kernels_fit_webgpus_default_workgroup_memory() {
         Kernel::ModelMoeGateUp,
         Kernel::ModelMoeDown,
         Kernel::ModelMoeDownQ,
+        Kernel::ModelMoeGroup,
+        Kernel::ModelMoeGateUpTiled,
+        Kernel::ModelMoeDownTiled,
+        Kernel::ModelMoeCombine,
         Kernel::ModelRmsNorm,
         Kernel::ModelRopeQk,
         Kernel::ModelKvPack,

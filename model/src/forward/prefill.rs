@@ -4,7 +4,7 @@
 
 use super::timing::StageMarks;
 use super::{GpuLlama, Scratch, attention_output, record, shared_expert};
-use crate::ops::{ModelKernels, Recorded};
+use crate::ops::{MOE_GROUPED_MAX_EXPERTS, ModelKernels, MoeDown, MoeGroups, Recorded};
 use crate::{Error, Result};
 use expertkv_core::append::format::NewToken;
 use expertkv_core::config::{Codec, KvDtype};
@@ -25,6 +25,9 @@ pub(super) struct Prefill {
     logits_all: Option<wgpu::Buffer>,
     /// The model's kernels with the products tiled ([`ModelKernels::for_prefill`]).
     kernels: ModelKernels,
+    /// A MoE file's experts grouped by expert over the chunk
+    /// ([`ModelKernels::moe_ffn_grouped`]), where they can be.
+    groups: Option<MoeGroups>,
 }
 
 impl GpuLlama {
@@ -115,7 +118,12 @@ impl GpuLlama {
                     rt.storage("prefill moe choices", c * k * 4),
                 ]
             });
-            self.prefill = Some(Prefill { attn, s, h_last, moe, logits_all: None, kernels: self.kernels.for_prefill() });
+            let groups = self.moe.as_ref().filter(|m| m.n_experts <= MOE_GROUPED_MAX_EXPERTS).and_then(|m| {
+                let slotted = m.layers.iter().all(|(_, f)| matches!(f.down, MoeDown::Experts(_)));
+                slotted.then(|| MoeGroups::new(rt, chunk_tokens, m.n_experts, m.top_k, self.cfg.embedding_length))
+            });
+            let kernels = self.kernels.for_prefill();
+            self.prefill = Some(Prefill { attn, s, h_last, moe, logits_all: None, kernels, groups });
         }
         let vocab = u64::from(self.cfg.vocab_size);
         if let Some(pf) = self.prefill.as_mut().filter(|pf| every && pf.logits_all.is_none()) {
@@ -215,7 +223,13 @@ impl GpuLlama {
                     if let Some(share) = super::softmax_share(&c, moe.native) {
                         kern.moe_weights(rt, &mut p, scores, sel, wts, n, e, k, share)?;
                     }
-                    kern.moe_ffn(rt, &mut p, ffn_l, &s.xn, sel, wts, act, &s.h, n, k, true)?;
+                    let grouped = match &pf.groups {
+                        Some(g) => kern.moe_ffn_grouped(rt, &mut p, ffn_l, (&s.xn, sel, wts, act, &s.h), g, n, k, true)?,
+                        None => None,
+                    };
+                    if grouped.is_none() {
+                        kern.moe_ffn(rt, &mut p, ffn_l, &s.xn, sel, wts, act, &s.h, n, k, true)?;
+                    }
                     shared_expert(rt, kern, &c, w, s, n, &mut p)?;
                     p.encode(&mut enc.begin_compute_pass(&pass_desc("prefill attention output and MoE")));
                 }

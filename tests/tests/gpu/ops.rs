@@ -4,7 +4,7 @@
 
 use expertkv_core::rng::Rng;
 use expertkv_core::runtime::Runtime;
-use expertkv_model::ops::{GpuMatrix, MATMUL_TILE, MATVEC_MAX_TOKENS, ModelKernels, MoeFfn, WeightFormat};
+use expertkv_model::ops::{GpuMatrix, MATMUL_TILE, MATVEC_MAX_TOKENS, ModelKernels, MoeFfn, MoeGroups, WeightFormat};
 use expertkv_model::reference::ops as cpu;
 
 use crate::common::{POISON_F32, pick, replaying, rt, seeds};
@@ -348,9 +348,12 @@ fn moe_file_experts_match_cpu_in_every_weight_format() {
         let f = down_format.block_weights() as u32 * (1 + rng.below(320 / down_format.block_weights() as u32));
         let experts = 1 + rng.below(6);
         let top_k = 1 + rng.below(experts);
-        let n = 1 + rng.below(2 * MATVEC_MAX_TOKENS);
+        // Every other case grouped by expert as a prefill chunk is (moe_ffn_grouped), over up to
+        // two tiles of 64 pairs per expert.
+        let grouped = i % 2 == 1;
+        let n = if grouped { 1 + rng.below(2 * MATMUL_TILE + 8) } else { 1 + rng.below(2 * MATVEC_MAX_TOKENS) };
         let ctx = format!(
-            "seed {seed}: gate/up {format:?}, down {down_format:?}, hidden {hidden}, {experts} experts of {f}, top-{top_k}, {n} tokens"
+            "seed {seed}: gate/up {format:?}, down {down_format:?}, hidden {hidden}, {experts} experts of {f}, top-{top_k}, {n} tokens, grouped {grouped}"
         );
         let gate = random_blocks(&mut rng, format, experts * f, hidden, false);
         let up = random_blocks(&mut rng, format, experts * f, hidden, false);
@@ -385,8 +388,36 @@ fn moe_file_experts_match_cpu_in_every_weight_format() {
         let resid: Vec<f32> = normals(&mut rng, (n * hidden) as usize);
         let y = rt.storage_init("y", &resid);
         rt.fill_u32(&act, POISON_F32);
-        run(rt, "moe experts", |p| k.moe_ffn(rt, p, &m, &xb, &sb, &wb, &act, &y, n, top_k, true).expect("moe_ffn"));
+        let groups = MoeGroups::new(rt, n, experts, top_k, hidden);
+        rt.fill_u32(&groups.out, POISON_F32);
+        run(rt, "moe experts", |p| {
+            if grouped {
+                let done = k.moe_ffn_grouped(rt, p, &m, (&xb, &sb, &wb, &act, &y), &groups, n, top_k, true).expect("moe_ffn_grouped");
+                assert_eq!(done, Some(()), "{ctx}: a MoE file's experts group");
+            } else {
+                k.moe_ffn(rt, p, &m, &xb, &sb, &wb, &act, &y, n, top_k, true).expect("moe_ffn");
+            }
+        });
         let got: Vec<f32> = pollster::block_on(rt.read_all(&y)).expect("read");
+        // Grouped, a token's output does not depend on the tokens beside it: the same tokens in
+        // calls of a random size give the same bits.
+        if grouped && n > 1 {
+            let size = 1 + rng.below(n - 1) as usize;
+            let mut parts: Vec<f32> = Vec::new();
+            for (c, xs) in x.chunks(size * h).enumerate() {
+                let m_n = (xs.len() / h) as u32;
+                let r = (c * size * top_k as usize)..((c * size + m_n as usize) * top_k as usize);
+                let (xp, sp, wp) = (rt.storage_init("x", xs), rt.storage_init("sel", &sel[r.clone()]), rt.storage_init("wts", &wts[r]));
+                let yp = rt.storage_init("y", &resid[c * size * h..c * size * h + xs.len()]);
+                let (ap, gp) = (rt.storage("act", u64::from(m_n * top_k * f) * 4), MoeGroups::new(rt, m_n, experts, top_k, hidden));
+                run(rt, "moe part", |p| {
+                    k.moe_ffn_grouped(rt, p, &m, (&xp, &sp, &wp, &ap, &yp), &gp, m_n, top_k, true).expect("moe_ffn_grouped");
+                });
+                parts.extend(pollster::block_on(rt.read_all::<f32>(&yp)).expect("read"));
+            }
+            let first = parts.iter().zip(&got).position(|(a, b)| a.to_bits() != b.to_bits());
+            assert!(parts.len() == got.len() && first.is_none(), "{ctx}: grouped in calls of {size} tokens, the outputs differ from {first:?}");
+        }
         let want: Vec<f64> = cpu::moe_ffn(&gate_up, &down_t, &offsets, h, &x, &sel, &wts, top_k as usize, n as usize)
             .iter()
             .zip(&resid)
