@@ -12,8 +12,8 @@ use expertkv_core::runtime::Runtime;
 use expertkv_core::runtime::dispatch::CountedDispatch;
 
 /// Tokens one matrix-vector workgroup takes (`MAX_TOKENS` in `model/matvec.wgsl`): a call takes
-/// any number, in groups of this many (a prefill chunk), and a decode step at most this many
-/// sequences.
+/// any number, in groups of this many (a decode step's sequences; the prefill's products are
+/// tiled, [`ModelKernels::for_prefill`]).
 pub const MATVEC_MAX_TOKENS: u32 = 8;
 
 /// Tokens and rows of one workgroup of the prefill's tiled products (`TILE` in
@@ -511,18 +511,22 @@ enum MatVecInput<'a> {
 pub struct ModelKernels {
     /// Per weight format (`WeightFormat::define`), for the formats asked for.
     matvec: Vec<Option<wgpu::ComputePipeline>>,
-    /// The prefill's tiled products, per weight format.
+    /// The weight formats asked for.
+    formats: Vec<WeightFormat>,
+    /// The prefill's kernels, built by [`ModelKernels::for_prefill`] (a model that never
+    /// prefills in chunks, or the browser's first load, compiles none of them): the tiled
+    /// products per weight format, and whether the products run tiled.
     matmul: Vec<Option<wgpu::ComputePipeline>>,
-    /// The products run tiled ([`ModelKernels::for_prefill`]).
     tiled: bool,
     moe_gate_up: Vec<Option<wgpu::ComputePipeline>>,
     moe_down: wgpu::ComputePipeline,
     moe_down_q: Vec<Option<wgpu::ComputePipeline>>,
-    /// A prefill chunk's MoE file experts grouped by expert (`model/moe_tiled.wgsl`).
-    moe_group: wgpu::ComputePipeline,
+    /// A prefill chunk's MoE file experts grouped by expert (`model/moe_tiled.wgsl`), built by
+    /// [`ModelKernels::for_prefill`].
+    moe_group: Option<wgpu::ComputePipeline>,
     moe_gate_up_tiled: Vec<Option<wgpu::ComputePipeline>>,
     moe_down_tiled: Vec<Option<wgpu::ComputePipeline>>,
-    moe_combine: wgpu::ComputePipeline,
+    moe_combine: Option<wgpu::ComputePipeline>,
     embed: Vec<Option<wgpu::ComputePipeline>>,
     rmsnorm: wgpu::ComputePipeline,
     rope_qk: wgpu::ComputePipeline,
@@ -540,9 +544,8 @@ impl ModelKernels {
     /// The kernels, the weight-reading ones for each of `formats`.
     pub async fn new(rt: &Runtime, formats: &[WeightFormat]) -> Result<ModelKernels> {
         let n = WeightFormat::ALL.len();
-        let (mut matvec, mut matmul, mut embed) = (vec![None; n], vec![None; n], vec![None; n]);
+        let (mut matvec, mut embed) = (vec![None; n], vec![None; n]);
         let (mut moe_gate_up, mut moe_down_q) = (vec![None; n], vec![None; n]);
-        let (mut moe_gate_up_tiled, mut moe_down_tiled) = (vec![None; n], vec![None; n]);
         for f in formats {
             let i = f.define() as usize;
             if matvec[i].is_some() {
@@ -550,25 +553,23 @@ impl ModelKernels {
             }
             let d = [("FORMAT", format!("{i}u"))];
             matvec[i] = Some(rt.pipeline_with(Kernel::ModelMatVec, &d, &[]).await?);
-            matmul[i] = Some(rt.pipeline_with(Kernel::ModelMatMul, &d, &[]).await?);
             embed[i] = Some(rt.pipeline_with(Kernel::ModelEmbed, &d, &[]).await?);
             moe_gate_up[i] = Some(rt.pipeline_with(Kernel::ModelMoeGateUp, &d, &[]).await?);
             moe_down_q[i] = Some(rt.pipeline_with(Kernel::ModelMoeDownQ, &d, &[]).await?);
-            moe_gate_up_tiled[i] = Some(rt.pipeline_with(Kernel::ModelMoeGateUpTiled, &d, &[]).await?);
-            moe_down_tiled[i] = Some(rt.pipeline_with(Kernel::ModelMoeDownTiled, &d, &[]).await?);
         }
         Ok(ModelKernels {
             matvec,
-            matmul,
+            formats: formats.to_vec(),
+            matmul: vec![None; n],
             tiled: false,
             embed,
             moe_gate_up,
             moe_down: rt.pipeline(Kernel::ModelMoeDown, &[]).await?,
             moe_down_q,
-            moe_group: rt.pipeline(Kernel::ModelMoeGroup, &[]).await?,
-            moe_gate_up_tiled,
-            moe_down_tiled,
-            moe_combine: rt.pipeline(Kernel::ModelMoeCombine, &[]).await?,
+            moe_group: None,
+            moe_gate_up_tiled: vec![None; n],
+            moe_down_tiled: vec![None; n],
+            moe_combine: None,
             rmsnorm: rt.pipeline(Kernel::ModelRmsNorm, &[]).await?,
             rope_qk: rt.pipeline(Kernel::ModelRopeQk, &[]).await?,
             swiglu_gated: rt.pipeline(Kernel::ModelSwigluGated, &[]).await?,
@@ -585,9 +586,23 @@ impl ModelKernels {
     /// the matrix-vector kernel reads it once per [`MATVEC_MAX_TOKENS`] tokens): the prefill's
     /// products. Each output is summed over the columns in one fixed order, so a token's
     /// products do not depend on the chunk it came in; they agree with the matrix-vector
-    /// kernel's (a decode step's) within f32 rounding.
-    pub fn for_prefill(&self) -> ModelKernels {
-        ModelKernels { tiled: true, ..self.clone() }
+    /// kernel's (a decode step's) within f32 rounding. Builds the prefill's kernels (those and
+    /// [`ModelKernels::moe_ffn_grouped`]'s) for the formats these kernels were made for.
+    pub async fn for_prefill(&self, rt: &Runtime) -> Result<ModelKernels> {
+        let mut k = ModelKernels { tiled: true, ..self.clone() };
+        for f in &self.formats {
+            let i = f.define() as usize;
+            if k.matmul[i].is_some() {
+                continue;
+            }
+            let d = [("FORMAT", format!("{i}u"))];
+            k.matmul[i] = Some(rt.pipeline_with(Kernel::ModelMatMul, &d, &[]).await?);
+            k.moe_gate_up_tiled[i] = Some(rt.pipeline_with(Kernel::ModelMoeGateUpTiled, &d, &[]).await?);
+            k.moe_down_tiled[i] = Some(rt.pipeline_with(Kernel::ModelMoeDownTiled, &d, &[]).await?);
+        }
+        k.moe_group = Some(rt.pipeline(Kernel::ModelMoeGroup, &[]).await?);
+        k.moe_combine = Some(rt.pipeline(Kernel::ModelMoeCombine, &[]).await?);
+        Ok(k)
     }
 
     /// Pack `n_tokens` tokens' K and V (`[n_tokens][floats]` f32 each) into the pool's append
@@ -889,7 +904,8 @@ impl ModelKernels {
     /// dequantised once per 64 of them, where `moe_ffn` reads it once per pair), then each
     /// token's choices summed in order into `y`. Every output is one fixed sum, so a token gives
     /// the same bits in any chunk. `None` (use `moe_ffn`) for MoEfied experts or more than
-    /// [`MOE_GROUPED_MAX_EXPERTS`] experts.
+    /// [`MOE_GROUPED_MAX_EXPERTS`] experts. Needs the kernels of [`ModelKernels::for_prefill`];
+    /// each token's choices must be distinct experts (a top k's are).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_ffn_grouped(
         &self,
@@ -932,8 +948,11 @@ impl ModelKernels {
                 slotted: 1,
             },
         );
-        let bg = rt.bind_at(Kernel::ModelMoeGroup.label(), &self.moe_group, &[(0, &p), (4, sel), (6, &g.lists), (9, &g.counts)]);
-        pass.dispatch(&self.moe_group, bg, [1, 1, 1]);
+        let (Some(group), Some(combine)) = (&self.moe_group, &self.moe_combine) else {
+            return Err(Error::Input("moe_ffn_grouped: the grouped kernels are built by ModelKernels::for_prefill".into()));
+        };
+        let bg = rt.bind_at(Kernel::ModelMoeGroup.label(), group, &[(0, &p), (4, sel), (6, &g.lists), (9, &g.counts)]);
+        pass.dispatch(group, bg, [1, 1, 1]);
         let tiles = n_tokens.div_ceil(MATMUL_TILE);
         let pipe = pick(&self.moe_gate_up_tiled, m.gate_up.format)?;
         let bg = rt.bind_at(
@@ -949,9 +968,9 @@ impl ModelKernels {
             &[(0, &p), (1, &down.buffer), (3, act), (5, &m.offsets), (6, &g.lists), (9, &g.counts), (10, &g.out)],
         );
         pass.dispatch(pipe, bg, [m.hidden.div_ceil(MATMUL_TILE), tiles, m.n_experts]);
-        let bg = rt.bind_at(Kernel::ModelMoeCombine.label(), &self.moe_combine, &[(0, &p), (7, y), (10, &g.out)]);
+        let bg = rt.bind_at(Kernel::ModelMoeCombine.label(), combine, &[(0, &p), (7, y), (10, &g.out)]);
         let (gx, gy) = expertkv_core::runtime::grid(n_tokens * m.hidden);
-        pass.dispatch(&self.moe_combine, bg, [gx, gy, 1]);
+        pass.dispatch(combine, bg, [gx, gy, 1]);
         Ok(Some(()))
     }
 

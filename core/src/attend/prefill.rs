@@ -14,8 +14,11 @@ use crate::runtime::{Runtime, RuntimeId};
 
 use super::MAX_GROUP;
 
-/// Pages per split workgroup (as the decode split's default chunk).
-const CHUNK_PAGES: u32 = 8;
+/// Pages per split workgroup the model uses ([`PrefillAttention::new`]'s `chunk_pages`), as the
+/// decode split's default: the partials (a chunk's queries x query heads x context chunks) of a
+/// prefill chunk of 256 tokens take what a chunk of 64 took at 8 pages, and the chunk's queries
+/// fill the GPU without more context chunks.
+pub const PREFILL_CHUNK_PAGES: u32 = 32;
 
 /// One layer's uniforms and bind groups.
 struct Layer {
@@ -40,6 +43,7 @@ pub struct PrefillAttention {
     q_heads: u32,
     kv_heads: u32,
     n_chunks: u32,
+    chunk_pages: u32,
     n_buffers: u32,
     scale: f32,
     staged: u32,
@@ -47,9 +51,10 @@ pub struct PrefillAttention {
 }
 
 impl PrefillAttention {
-    /// For `pool`'s layers, `group` query heads per KV head and chunks of up to `max_queries`
-    /// queries.
-    pub async fn new(rt: &Runtime, pool: &KvPool, group: u32, max_queries: u32) -> Result<PrefillAttention> {
+    /// For `pool`'s layers, `group` query heads per KV head, chunks of up to `max_queries`
+    /// queries, and `chunk_pages` pages per split workgroup (1 to
+    /// [`super::MAX_CHUNK_PAGES`]; [`PREFILL_CHUNK_PAGES`] for the model).
+    pub async fn new(rt: &Runtime, pool: &KvPool, group: u32, max_queries: u32, chunk_pages: u32) -> Result<PrefillAttention> {
         rt.check_owner(pool.owner(), "the pool")?;
         let cfg = &pool.cfg;
         if cfg.codec != crate::config::Codec::None {
@@ -61,8 +66,11 @@ impl PrefillAttention {
         if max_queries == 0 || max_queries > 65_535 {
             return Err(Error::config("max_queries", max_queries, "must be in 1..=65535"));
         }
+        if chunk_pages == 0 || chunk_pages > super::MAX_CHUNK_PAGES {
+            return Err(Error::config("chunk_pages", chunk_pages, format!("must be in 1..={}", super::MAX_CHUNK_PAGES)));
+        }
         let (d, q_heads) = (cfg.head_dim, cfg.kv_heads * group);
-        let n_chunks = cfg.max_pages_per_seq().div_ceil(CHUNK_PAGES);
+        let n_chunks = cfg.max_pages_per_seq().div_ceil(chunk_pages);
         let n_buffers = pool.n_buffers() as u32;
         let (nq, qh) = (u64::from(max_queries), u64::from(q_heads));
         let partial_floats = nq * qh * u64::from(n_buffers) * u64::from(n_chunks) * u64::from(d + 4);
@@ -117,6 +125,7 @@ impl PrefillAttention {
             q_heads,
             kv_heads: cfg.kv_heads,
             n_chunks,
+            chunk_pages,
             n_buffers,
             scale: 1.0 / (d as f32).sqrt(),
             staged: 0,
@@ -138,7 +147,7 @@ impl PrefillAttention {
                 group: self.group,
                 q_heads: self.q_heads,
                 n_chunks: self.n_chunks,
-                chunk_pages: CHUNK_PAGES,
+                chunk_pages: self.chunk_pages,
                 n_buffers: self.n_buffers,
                 write_scores: 0,
                 max_tokens: 1,

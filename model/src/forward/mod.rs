@@ -325,8 +325,9 @@ pub struct GpuLlama {
 pub const MAX_SEQS: u32 = 64;
 
 /// Tokens of a prompt one [`GpuLlama::prefill`] pass takes at most, by default
-/// ([`ModelOptions::prefill_chunk`]).
-pub const PREFILL_CHUNK: u32 = 64;
+/// ([`ModelOptions::prefill_chunk`]): the tiled products fill the GPU from about 256 tokens (a
+/// chunk of 64 makes a 4096-row product only 64 workgroups).
+pub const PREFILL_CHUNK: u32 = 256;
 
 /// The largest [`ModelOptions::prefill_chunk`].
 pub const MAX_PREFILL_CHUNK: u32 = 1024;

@@ -105,7 +105,8 @@ impl GpuLlama {
             let widest = u64::from(Scratch::widest_per_token(&self.cfg)).max(moe_act.unwrap_or(0));
             rt.fits_binding("a prefill chunk's scratch (a smaller prefill chunk fits)", c * widest * 4)?;
             let group = self.cfg.head_count / self.cfg.head_count_kv;
-            let attn = expertkv_core::attend::prefill::PrefillAttention::new(rt, &self.pool, group, chunk_tokens).await?;
+            use expertkv_core::attend::prefill::{PREFILL_CHUNK_PAGES, PrefillAttention};
+            let attn = PrefillAttention::new(rt, &self.pool, group, chunk_tokens, PREFILL_CHUNK_PAGES).await?;
             let s = Scratch::new(rt, &self.cfg, chunk_tokens, 1);
             let h_last = rt.storage("prefill last hidden", u64::from(self.cfg.embedding_length) * 4);
             let moe = self.moe.as_ref().zip(moe_act).map(|(m, act)| {
@@ -115,14 +116,18 @@ impl GpuLlama {
                     rt.storage("prefill moe sel", c * k * 4),
                     rt.storage_init("prefill moe weights", &vec![1f32; (c * k) as usize]),
                     rt.storage("prefill moe act", c * act * 4),
-                    rt.storage("prefill moe choices", c * k * 4),
+                    rt.storage("prefill moe choices", c * k * u64::from(self.cfg.block_count) * 4),
                 ]
             });
+            // A MoE file's experts grouped by expert where they can be (their per-pair outputs
+            // within a storage binding; else the per-token kernels).
             let groups = self.moe.as_ref().filter(|m| m.n_experts <= MOE_GROUPED_MAX_EXPERTS).and_then(|m| {
                 let slotted = m.layers.iter().all(|(_, f)| matches!(f.down, MoeDown::Experts(_)));
-                slotted.then(|| MoeGroups::new(rt, chunk_tokens, m.n_experts, m.top_k, self.cfg.embedding_length))
+                let out = c * u64::from(m.top_k) * u64::from(self.cfg.embedding_length) * 4;
+                let fits = rt.fits_binding("the grouped experts' outputs", out).is_ok();
+                (slotted && fits).then(|| MoeGroups::new(rt, chunk_tokens, m.n_experts, m.top_k, self.cfg.embedding_length))
             });
-            let kernels = self.kernels.for_prefill();
+            let kernels = self.kernels.for_prefill(rt).await?;
             self.prefill = Some(Prefill { attn, s, h_last, moe, logits_all: None, kernels, groups });
         }
         let vocab = u64::from(self.cfg.vocab_size);
@@ -139,6 +144,16 @@ impl GpuLlama {
             rt.check("model prefill")?;
             if let Some(buf) = self.prefill.as_ref().and_then(|pf| pf.logits_all.as_ref()).filter(|_| every) {
                 all.extend(rt.read::<f32>(buf, 0, chunk.len() as u64 * vocab).await?);
+            }
+            // The chunk's expert choices into the counts a decode step adds to.
+            if let (Some(moe), Some([.., log])) = (self.moe.as_mut(), self.prefill.as_ref().and_then(|pf| pf.moe.as_ref())) {
+                let (e, per_layer) = (moe.n_experts as usize, chunk.len() * moe.top_k as usize);
+                let chosen: Vec<u32> = rt.read(log, 0, (per_layer * self.cfg.block_count as usize) as u64).await?;
+                for (l, sel) in chosen.chunks(per_layer).enumerate() {
+                    for &x in sel {
+                        moe.counts[l * e + (x as usize).min(e - 1)] += 1;
+                    }
+                }
             }
             if let Some(t) = &mut self.timer {
                 t.collect(rt, "prefill").await?;
@@ -219,7 +234,8 @@ impl GpuLlama {
                     let mut p = Recorded::default();
                     attention_output(rt, kern, &c, w, s, pf.attn.output(), n, &mut p)?;
                     kern.matvec(rt, &mut p, router, &s.xn, scores, n)?;
-                    kern.moe_topk(rt, &mut p, scores, sel, log, 0, n, e, k)?;
+                    // Every layer's choices kept, for the expert counts (read after the chunk).
+                    kern.moe_topk(rt, &mut p, scores, sel, log, l * n * k, n, e, k)?;
                     if let Some(share) = super::softmax_share(&c, moe.native) {
                         kern.moe_weights(rt, &mut p, scores, sel, wts, n, e, k, share)?;
                     }

@@ -273,7 +273,7 @@ fn attend_subgroup_unchecked_gpu_match_cpu() {
 /// them.
 #[test]
 fn attend_prefill_gpu_match_cpu() {
-    use expertkv_core::attend::prefill::PrefillAttention;
+    use expertkv_core::attend::prefill::{PREFILL_CHUNK_PAGES, PrefillAttention};
     use expertkv_core::reference::attend::attend_prefill;
     let rt = rt();
     for seed in seeds("attend_prefill", 8) {
@@ -284,7 +284,13 @@ fn attend_prefill_gpu_match_cpu() {
         let (seq, layer) = (rng.below(cfg.max_seqs), rng.below(cfg.layers));
         let n = 1 + rng.below((cfg.page_size * 2).min(32));
         let first = 10_000 + rng.below(100);
-        let ctx = format!("seed {seed}: {cfg:?}, group {}, {n} queries of sequence {seq}, layer {layer}", case.group);
+        // Pages per split workgroup: from one (every page its own partial, merged by the reduce)
+        // to more than any list holds.
+        let chunk_pages = [1u32, 2, 3, 8, PREFILL_CHUNK_PAGES][rng.below(5) as usize];
+        let ctx = format!(
+            "seed {seed}: {cfg:?}, group {}, {n} queries of sequence {seq}, layer {layer}, {chunk_pages} pages a split",
+            case.group
+        );
         let mut positions = vec![0u32; cfg.max_seqs as usize];
         positions[seq as usize] = first;
         let tokens: Vec<_> = random_batch(&mut rng, &cfg, &mut positions.clone(), n as usize, false)
@@ -299,7 +305,7 @@ fn attend_prefill_gpu_match_cpu() {
         pool.append(rt, &tokens, &kv, 99).expect("append the chunk");
         model.append(&tokens, &kv, 99).expect("append the chunk");
         pool.gather(rt).expect("gather");
-        let mut attn = pollster::block_on(PrefillAttention::new(rt, &pool, case.group, n)).expect("prefill attention");
+        let mut attn = pollster::block_on(PrefillAttention::new(rt, &pool, case.group, n, chunk_pages)).expect("prefill attention");
         let d = cfg.head_dim;
         let q: Vec<f32> = (0..n * cfg.kv_heads * case.group * d).map(|_| rng.normal() as f32).collect();
         rt.queue.write_buffer(&attn.queries, 0, bytemuck::cast_slice(&q));
@@ -321,6 +327,6 @@ fn attend_prefill_gpu_match_cpu() {
     cfg.codec = Codec::parse("int8").expect("int8");
     cfg.codec_pages = cfg.n_pages;
     let pool = pollster::block_on(KvPool::new(rt, cfg)).expect("pool");
-    let e = pollster::block_on(PrefillAttention::new(rt, &pool, 1, 4)).err().expect("refused");
+    let e = pollster::block_on(PrefillAttention::new(rt, &pool, 1, 4, PREFILL_CHUNK_PAGES)).err().expect("refused");
     assert!(e.to_string().contains("raw pages only"), "{e}");
 }

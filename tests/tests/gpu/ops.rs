@@ -93,7 +93,7 @@ fn close(got: &[f32], want: &[f64], scale: &[f64], tol: f64, ctx: &str) {
 fn matvec_and_embed_match_cpu_in_every_weight_format() {
     let rt = rt();
     let k = pollster::block_on(ModelKernels::new(rt, &WeightFormat::ALL)).expect("kernels");
-    let prefill = k.for_prefill();
+    let prefill = pollster::block_on(k.for_prefill(rt)).expect("the prefill's kernels");
     let (mut formats_seen, mut kernels_seen) = ([0u32; WeightFormat::ALL.len()], [0u32; 2]);
     for seed in seeds("model_matvec", 18) {
         let mut rng = Rng::new(seed);
@@ -337,6 +337,7 @@ fn moe_ffn_matches_cpu_in_every_weight_format() {
 fn moe_file_experts_match_cpu_in_every_weight_format() {
     let rt = rt();
     let k = pollster::block_on(ModelKernels::new(rt, &WeightFormat::ALL)).expect("kernels");
+    let kp = pollster::block_on(k.for_prefill(rt)).expect("the prefill's kernels");
     let mut formats_seen = [0u32; WeightFormat::ALL.len()];
     for (i, seed) in seeds("model_moe_file_experts", 18).into_iter().enumerate() {
         let mut rng = Rng::new(seed);
@@ -392,7 +393,7 @@ fn moe_file_experts_match_cpu_in_every_weight_format() {
         rt.fill_u32(&groups.out, POISON_F32);
         run(rt, "moe experts", |p| {
             if grouped {
-                let done = k.moe_ffn_grouped(rt, p, &m, (&xb, &sb, &wb, &act, &y), &groups, n, top_k, true).expect("moe_ffn_grouped");
+                let done = kp.moe_ffn_grouped(rt, p, &m, (&xb, &sb, &wb, &act, &y), &groups, n, top_k, true).expect("moe_ffn_grouped");
                 assert_eq!(done, Some(()), "{ctx}: a MoE file's experts group");
             } else {
                 k.moe_ffn(rt, p, &m, &xb, &sb, &wb, &act, &y, n, top_k, true).expect("moe_ffn");
@@ -411,7 +412,7 @@ fn moe_file_experts_match_cpu_in_every_weight_format() {
                 let yp = rt.storage_init("y", &resid[c * size * h..c * size * h + xs.len()]);
                 let (ap, gp) = (rt.storage("act", u64::from(m_n * top_k * f) * 4), MoeGroups::new(rt, m_n, experts, top_k, hidden));
                 run(rt, "moe part", |p| {
-                    k.moe_ffn_grouped(rt, p, &m, (&xp, &sp, &wp, &ap, &yp), &gp, m_n, top_k, true).expect("moe_ffn_grouped");
+                    kp.moe_ffn_grouped(rt, p, &m, (&xp, &sp, &wp, &ap, &yp), &gp, m_n, top_k, true).expect("moe_ffn_grouped");
                 });
                 parts.extend(pollster::block_on(rt.read_all::<f32>(&yp)).expect("read"));
             }

@@ -104,6 +104,10 @@ fn chunked_prefill_equals_token_by_token() {
             let (a, b) = (pollster::block_on(one.forward(rt, &[t])).expect("a"), pollster::block_on(chunked.forward(rt, &[t])).expect("b"));
             assert!(max_rel(&b, &a) <= tol, "{ctx}: decode step {step} after the prefill differs by {}", max_rel(&b, &a));
         }
+        // The experts chosen in the prefill count as a decode step's do.
+        assert_eq!(chunked.expert_counts(), one.expert_counts(), "{ctx}: expert counts");
+        let total: u64 = chunked.expert_counts().iter().sum();
+        assert_eq!(total, if experts > 0 { u64::from((n + 3) * 2 * 2) } else { 0 }, "{ctx}: every choice counted");
         check_stage_times(&chunked.stage_times(), n.div_ceil(chunk), 3, experts > 0, rt.device.features().contains(wanted), &ctx);
     }
     // Where a policy acts between tokens, chunked prefill is refused by name, before any work;

@@ -11,7 +11,7 @@ use expertkv_core::rng::Rng;
 use expertkv_core::runtime::Runtime;
 use expertkv_model::SyntheticModel;
 use expertkv_model::batch::{BatchDecoder, BatchStats, Completion};
-use expertkv_model::forward::{GpuLlama, ModelOptions, PREFILL_CHUNK};
+use expertkv_model::forward::{GpuLlama, ModelOptions};
 use expertkv_model::gguf::{GgmlType, Gguf};
 use expertkv_model::tokenizer::Tokenizer;
 use expertkv_store::prefix::model_hash;
@@ -106,10 +106,13 @@ impl Case {
     }
 }
 
+/// The prefill chunk of these tests' models (prompts run past one).
+const CHUNK: u32 = 64;
+
 fn case(seed: u64, dtype: KvDtype) -> Case {
     let spec = SyntheticModel { heads: 4, kv_heads: 2, head_dim: Some(64), context: 512, ..SyntheticModel::dense(seed) }
         .with_weights(GgmlType::Q8_0);
-    Case { file: spec.gguf(), opts: ModelOptions::new(1, 400).dtype(dtype) }
+    Case { file: spec.gguf(), opts: ModelOptions::new(1, 400).dtype(dtype).prefill_chunk(CHUNK) }
 }
 
 fn max_rel(a: &[f32], b: &[f32]) -> f32 {
@@ -132,7 +135,7 @@ fn a_prefix_from_the_store_gives_the_cold_prefill_logits() {
         let dtype = if i % 2 == 0 { KvDtype::F16 } else { KvDtype::F32 };
         let c = case(seed, dtype);
         // Past a prefill chunk, ending mid-page (or on a page boundary every other case).
-        let n = PREFILL_CHUNK + 16 * (1 + rng.below(4)) + if i < 2 { 1 + rng.below(15) } else { 0 };
+        let n = CHUNK + 16 * (1 + rng.below(4)) + if i < 2 { 1 + rng.below(15) } else { 0 };
         let ids: Vec<u32> = (0..n).map(|_| rng.below(256)).collect();
         let next = [rng.below(256), rng.below(256)];
         let ctx = format!("seed {seed}: {dtype:?} K/V, {n} prompt tokens");
