@@ -690,11 +690,37 @@ fn a_second_process_reuses_the_first_ones_prefix_pages() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("the route stage labels every token"), "{err}");
     assert!(!String::from_utf8_lossy(&o.stdout).contains(prompt), "the prompt printed before the refusal");
+    // A MoEfied run prefills in chunks and keeps its own pages (its keys fold the MoEfication
+    // in): it misses the dense run's, then a second process reuses its own.
+    let moefied = || {
+        let out = ok(&[
+            "run",
+            "--model",
+            p,
+            "--prompt",
+            prompt,
+            "--tokens",
+            "2",
+            "--json",
+            "--moe",
+            "4:2",
+            "--kv-store",
+            &url,
+            "--kv-store-namespace",
+            &ns,
+        ]);
+        let line = out.lines().rev().find(|l| l.starts_with('{')).expect("json line").to_string();
+        serde_json::from_str::<serde_json::Value>(&line).expect("json")
+    };
+    let (moe_cold, moe_warm) = (moefied(), moefied());
+    assert_eq!((&moe_cold["kv_store"]["tokens_reused"], &moe_cold["prefill_chunked"]), (&0.into(), &true.into()), "{moe_cold}");
+    assert_eq!(moe_warm["kv_store"]["tokens_reused"].as_u64(), Some((n - 1) / 16 * 16), "{moe_warm}");
+    assert_eq!(moe_warm["generated_ids"], moe_cold["generated_ids"]);
     let stats: serde_json::Value =
         serde_json::from_str(ok(&["store", "stats", "--kv-store", &url, "--kv-store-namespace", &ns, "--json"]).trim()).expect("json");
-    assert_eq!(stats["keys"].as_u64(), Some(n / 16 * 2), "{stats}");
-    assert_eq!(stats["models"], 1, "{stats}");
-    assert!(ok(&["store", "clear", "--kv-store", &url, "--kv-store-namespace", &ns]).contains(&format!("deleted {} keys", n / 16 * 2)));
+    assert_eq!(stats["keys"].as_u64(), Some(n / 16 * 4), "{stats}");
+    assert_eq!(stats["models"], 2, "{stats}");
+    assert!(ok(&["store", "clear", "--kv-store", &url, "--kv-store-namespace", &ns]).contains(&format!("deleted {} keys", n / 16 * 4)));
     // Continuous batching: the third prompt joins once the first has been fed and stored, and
     // reuses its pages; both generate the single run's tokens.
     let prompts = tmp("store_prompts.txt");
