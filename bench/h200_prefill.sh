@@ -15,7 +15,8 @@
 # expertkv-tests) the products' and the chunked prefill's tests run on this GPU first (the
 # prefill's tiled products against the CPU, the same bits in any chunking, the chunked prefill
 # against token by token).
-# Needs .bin/expertkv.xz and the Vulkan loader in .gl/. CHUNKS, MOE_CHUNKS, REPEAT override.
+# Needs .bin/expertkv.xz and the Vulkan loader in .gl/. CHUNKS, MOE_CHUNKS (empty: no MoE rows),
+# REPEAT and PROMPT_TOKENS (default 2000; the files' context is 4096) override.
 set -u
 . bench/lib.sh
 h200_binary || exit 1
@@ -32,8 +33,9 @@ dense=/root/llama8b4.gguf
 [ -s "$dense" ] || $B synth --out "$dense" --layers 4 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 --experts 0 \
   --weights q4_k --untied-output --context 4096 | tail -1
 moe=$(moe_file mixtral) || exit 1
-# About 2,000 tokens of the synthetic byte-level vocabulary (a token a byte).
-prompt=$(python3 -c 'print(("The capital of France is Paris, and the river is the Seine. " * 40)[:2000])')
+# PROMPT_TOKENS tokens of the synthetic byte-level vocabulary (a token a byte).
+n_prompt=${PROMPT_TOKENS:-2000}
+prompt=$(python3 -c 'import sys; print(("The capital of France is Paris, and the river is the Seine. " * 80)[:int(sys.argv[1])])' "$n_prompt")
 row() { # LABEL BIN FILE CHUNK
   for r in $(seq "${REPEAT:-2}"); do
     $2 run --model "$3" --prompt "$prompt" --tokens 2 --prefill-chunk "$4" --profile --json 2>&1 |
@@ -59,12 +61,12 @@ print(sys.argv[1], sys.argv[2], "chunk", sys.argv[3], "run", sys.argv[4], "promp
 for lb in $bins; do
   label=${lb%%:*} bin=${lb#*:}
   for c in ${CHUNKS:-16 32 64 128 256 512 1024}; do row "$label" "$bin" "$dense" "$c"; done
-  for c in ${MOE_CHUNKS:-64 256}; do row "$label" "$bin" "$moe" "$c"; done
+  for c in ${MOE_CHUNKS-64 256}; do row "$label" "$bin" "$moe" "$c"; done
   $bin run --model "$dense" --prompt "Hi" --tokens 2 --time-steps 200 --json 2>&1 | grep '"decode_steps"' |
     python3 -c 'import json,sys; j=json.loads(sys.stdin.read()); print(sys.argv[1], "decode batch 1: %.2f tokens/s, %.3f ms a step (wall)" % (j["tokens_per_s"], j["wall_ms_per_step"]))' "$label"
 done
 if python3 -c 'import torch' 2>/dev/null; then
   ids=$($B run --model "$dense" --prompt "Hi" --tokens 1 --json 2>&1 | grep '"prompt_ids"' |
     python3 -c 'import json,sys; print(",".join(map(str, json.load(sys.stdin)["prompt_ids"])))')
-  python3 bench/torch_model.py --model "$dense" --ids "$ids" --tokens 1 --bench --batch 1 --prefill 2000 --steps 8 2>&1 | grep '"prefill"\|Error'
+  python3 bench/torch_model.py --model "$dense" --ids "$ids" --tokens 1 --bench --batch 1 --prefill "$n_prompt" --steps 8 2>&1 | grep '"prefill"\|Error'
 fi
