@@ -27,7 +27,7 @@ if [ -s .bin/old.xz ]; then
 fi
 if [ -s .bin/gpu-tests.xz ]; then
   xz -dc .bin/gpu-tests.xz > /tmp/gpu-tests && chmod +x /tmp/gpu-tests
-  (cd tests && /tmp/gpu-tests ops::matvec_and_embed ops::moe_file_experts prefill::chunked 2>&1 | grep -E "^test |test result|panicked|seed")
+  (cd tests && /tmp/gpu-tests ops::matvec_and_embed ops::moe_file_experts prefill::chunked attend::attend_prefill 2>&1 | grep -E "^test |test result|panicked|seed")
 fi
 dense=/root/llama8b4.gguf
 [ -s "$dense" ] || $B synth --out "$dense" --layers 4 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 --experts 0 \
