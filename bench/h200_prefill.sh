@@ -21,10 +21,7 @@ set -u
 . bench/lib.sh
 h200_binary || exit 1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-bins="new:$B"
-if [ -s .bin/old.xz ]; then
-  xz -dc .bin/old.xz > /tmp/expertkv_old && chmod +x /tmp/expertkv_old && bins="old:/tmp/expertkv_old $bins"
-fi
+h200_bins
 if [ -s .bin/gpu-tests.xz ]; then
   xz -dc .bin/gpu-tests.xz > /tmp/gpu-tests && chmod +x /tmp/gpu-tests
   (cd tests && /tmp/gpu-tests ops::matvec_and_embed ops::moe_file_experts prefill::chunked attend::attend_prefill 2>&1 | grep -E "^test |test result|panicked|seed")
@@ -38,24 +35,7 @@ n_prompt=${PROMPT_TOKENS:-2000}
 prompt=$(python3 -c 'import sys; print(("The capital of France is Paris, and the river is the Seine. " * 80)[:int(sys.argv[1])])' "$n_prompt")
 row() { # LABEL BIN FILE CHUNK
   for r in $(seq "${REPEAT:-2}"); do
-    $2 run --model "$3" --prompt "$prompt" --tokens 2 --prefill-chunk "$4" --profile --json 2>&1 |
-      python3 -c '
-import json, sys
-run = gpu = None
-for line in sys.stdin:
-    if line.startswith("{"):
-        j = json.loads(line)
-        if "prefill_tokens_per_s" in j:
-            run = j
-        elif j.get("measure") == "gpu_stages":
-            gpu = j
-n = len(run["prompt_ids"])
-ttft, tps = run["prefill_s"], run["prefill_tokens_per_s"]
-pf = (gpu or {}).get("prefill") or {}
-g = pf.get("total_ms", float("nan"))
-print(sys.argv[1], sys.argv[2], "chunk", sys.argv[3], "run", sys.argv[4], "prompt %d tokens: TTFT %.4f s, %.1f tokens/s;" % (n, ttft, tps),
-      "GPU time of the prefill passes %.2f ms, %.1f tokens/s;" % (g, n / g * 1e3), "chunked", run["prefill_chunked"], "passes", pf.get("recordings"))
-' "$1" "$(basename "$3")" "$4" "$r"
+    $2 run --model "$3" --prompt "$prompt" --tokens 2 --prefill-chunk "$4" --profile --json 2>&1 | prefill_row "$1" "$(basename "$3")" "$4" "$r"
   done
 }
 for lb in $bins; do

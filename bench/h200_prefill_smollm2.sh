@@ -16,32 +16,13 @@ if [ ! -s "$M" ]; then
 fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 sha256sum "$M"
-bins="new:$B"
-if [ -s .bin/old.xz ]; then
-  xz -dc .bin/old.xz > /tmp/expertkv_old && chmod +x /tmp/expertkv_old && bins="old:/tmp/expertkv_old $bins"
-fi
+h200_bins
 LONG=$(python3 -c 'print(" ".join(open("bench/data/harbour_town.txt").read().split()[:1500]))')
 for lb in $bins; do
   label=${lb%%:*} bin=${lb#*:}
   for c in ${CHUNKS:-64 256}; do
     for r in 1 2; do
-      $bin run --model "$M" --prompt "$LONG" --tokens 2 --prefill-chunk "$c" --profile --json 2>&1 | python3 -c '
-import json, sys
-run = gpu = None
-for line in sys.stdin:
-    if line.startswith("{"):
-        j = json.loads(line)
-        if "prefill_tokens_per_s" in j:
-            run = j
-        elif j.get("measure") == "gpu_stages":
-            gpu = j
-n = len(run["prompt_ids"])
-pf = (gpu or {}).get("prefill") or {}
-g = pf.get("total_ms", float("nan"))
-print(sys.argv[1], "SmolLM2 chunk", sys.argv[2], "run", sys.argv[3], "prompt %d tokens: TTFT %.4f s;" % (n, run["prefill_s"]),
-      "GPU time of the prefill passes %.2f ms, %.1f tokens/s;" % (g, n / g * 1e3), "chunked", run["prefill_chunked"],
-      "stages", {k: round(v, 1) for k, v in (pf.get("stages_ms") or {}).items()})
-' "$label" "$c" "$r"
+      $bin run --model "$M" --prompt "$LONG" --tokens 2 --prefill-chunk "$c" --profile --json 2>&1 | prefill_row "$label" SmolLM2 "$c" "$r"
     done
   done
 done

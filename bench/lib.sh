@@ -15,6 +15,16 @@ h200_binary() {
     xz -dc .bin/expertkv.xz > "$B" && chmod +x "$B"
 }
 
+# h200_bins: after h200_binary, `bins` lists "label:path" pairs to run in turn: new:$B, and
+# first old:/tmp/expertkv_old where .bin/old.xz (an earlier release binary) is carried, so a
+# baseline runs in the same call.
+h200_bins() {
+    bins="new:$B"
+    if [ -s .bin/old.xz ]; then
+        xz -dc .bin/old.xz > /tmp/expertkv_old && chmod +x /tmp/expertkv_old && bins="old:/tmp/expertkv_old $bins"
+    fi
+}
+
 # attend_rows LABEL: one line per attention record of `expertkv bench attend --json` on stdin
 # (the copy roofline's records skipped): the label, the shape, the whole attention's median ms,
 # the compressed pages' kernel alone, SDPA's ms and our ratio to it (with --torch), rho, GB/s
@@ -56,4 +66,29 @@ moe_file() {
     # shellcheck disable=SC2086
     [ -s "$f" ] || $B synth --out "$f" $geo --experts 8 --top-k 2 --weights q4_k --untied-output --context 4096 | tail -1 >&2
     echo "$f"
+}
+
+# prefill_row LABEL NAME CHUNK RUN: one line from `expertkv run --profile --json` on stdin: the
+# prompt's tokens, the time to first token, the prefill passes' GPU time and rate (`gpu_stages`),
+# whether the prompt went in chunks, the passes and each stage's milliseconds.
+prefill_row() {
+    python3 -c '
+import json, sys
+run = gpu = None
+for line in sys.stdin:
+    if line.startswith("{"):
+        j = json.loads(line)
+        if "prefill_tokens_per_s" in j:
+            run = j
+        elif j.get("measure") == "gpu_stages":
+            gpu = j
+n = len(run["prompt_ids"])
+pf = (gpu or {}).get("prefill") or {}
+g = pf.get("total_ms", float("nan"))
+stages = {k: round(v, 1) for k, v in (pf.get("stages_ms") or {}).items()}
+print(sys.argv[1], sys.argv[2], "chunk", sys.argv[3], "run", sys.argv[4],
+      "prompt %d tokens: TTFT %.4f s, %.1f tokens/s;" % (n, run["prefill_s"], run["prefill_tokens_per_s"]),
+      "GPU time of the prefill passes %.2f ms, %.1f tokens/s;" % (g, n / g * 1e3),
+      "chunked", run["prefill_chunked"], "passes", pf.get("recordings"), "stages", stages)
+' "$@"
 }

@@ -287,6 +287,23 @@ pub enum MoeDown {
 }
 
 impl MoeFfn {
+    /// The expert kernels' uniform for a call of `n_tokens` tokens choosing `top_k` experts.
+    fn params(&self, rt: &Runtime, n_tokens: u32, top_k: u32, accumulate: bool) -> wgpu::Buffer {
+        rt.uniform(
+            "model/moe params",
+            &MoeParams {
+                hidden: self.hidden,
+                ffn: self.ffn,
+                top_k,
+                max_size: self.max_size,
+                n_tokens,
+                n_experts: self.n_experts,
+                accumulate: u32::from(accumulate),
+                slotted: u32::from(matches!(self.down, MoeDown::Experts(_))),
+            },
+        )
+    }
+
     /// A MoE file's own experts, every matrix as the file stores it: `gate` and `up`
     /// (`ffn_gate_exps`, `ffn_up_exps`: `[n_experts * f][hidden]` in `format`) and `down`
     /// (`ffn_down_exps`: `[n_experts * hidden][f]` in `down_format`), `n_experts` experts of `f`
@@ -856,19 +873,7 @@ impl ModelKernels {
         {
             return Err(Error::Input("moe_ffn: scratch buffers too small".into()));
         }
-        let p = rt.uniform(
-            "model/moe params",
-            &MoeParams {
-                hidden: m.hidden,
-                ffn: m.ffn,
-                top_k,
-                max_size: m.max_size,
-                n_tokens,
-                n_experts: m.n_experts,
-                accumulate: u32::from(accumulate),
-                slotted: u32::from(matches!(m.down, MoeDown::Experts(_))),
-            },
-        );
+        let p = m.params(rt, n_tokens, top_k, accumulate);
         let pipe = pick(&self.moe_gate_up, m.gate_up.format)?;
         let bg = rt.bind_at(
             Kernel::ModelMoeGateUp.label(),
@@ -935,19 +940,7 @@ impl ModelKernels {
         {
             return Err(Error::Input("moe_ffn_grouped: scratch buffers too small".into()));
         }
-        let p = rt.uniform(
-            "model/moe grouped params",
-            &MoeParams {
-                hidden: m.hidden,
-                ffn: m.ffn,
-                top_k,
-                max_size: m.max_size,
-                n_tokens,
-                n_experts: m.n_experts,
-                accumulate: u32::from(accumulate),
-                slotted: 1,
-            },
-        );
+        let p = m.params(rt, n_tokens, top_k, accumulate);
         let (Some(group), Some(combine)) = (&self.moe_group, &self.moe_combine) else {
             return Err(Error::Input("moe_ffn_grouped: the grouped kernels are built by ModelKernels::for_prefill".into()));
         };

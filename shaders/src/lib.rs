@@ -88,6 +88,7 @@ sources! {
     EVICT_EKVA => "evict/ekva.wgsl",
     EVICT_QUEST_SUMMARIZE => "evict/quest_summarize.wgsl",
     EVICT_QUEST_SELECT => "evict/quest_select.wgsl",
+    MODEL_PRODUCTS => "model/products.wgsl",
     MODEL_MATVEC => "model/matvec.wgsl",
     MODEL_MATMUL => "model/matmul.wgsl",
     MODEL_MOE_TILED => "model/moe_tiled.wgsl",
