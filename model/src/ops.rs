@@ -287,6 +287,12 @@ pub enum MoeDown {
 }
 
 impl MoeFfn {
+    /// Whether [`ModelKernels::moe_ffn_grouped`] takes these experts: a MoE file's own (in
+    /// slots), at most [`MOE_GROUPED_MAX_EXPERTS`] of them.
+    pub fn groupable(&self) -> bool {
+        matches!(self.down, MoeDown::Experts(_)) && self.n_experts <= MOE_GROUPED_MAX_EXPERTS
+    }
+
     /// The expert kernels' uniform for a call of `n_tokens` tokens choosing `top_k` experts.
     fn params(&self, rt: &Runtime, n_tokens: u32, top_k: u32, accumulate: bool) -> wgpu::Buffer {
         rt.uniform(
@@ -908,9 +914,9 @@ impl ModelKernels {
     /// per expert, each expert's gate/up and down products tiled over its pairs (each weight
     /// dequantised once per 64 of them, where `moe_ffn` reads it once per pair), then each
     /// token's choices summed in order into `y`. Every output is one fixed sum, so a token gives
-    /// the same bits in any chunk. `None` (use `moe_ffn`) for MoEfied experts or more than
-    /// [`MOE_GROUPED_MAX_EXPERTS`] experts. Needs the kernels of [`ModelKernels::for_prefill`];
-    /// each token's choices must be distinct experts (a top k's are).
+    /// the same bits in any chunk. Refused for experts it does not take ([`MoeFfn::groupable`]:
+    /// `moe_ffn` runs those). Needs the kernels of [`ModelKernels::for_prefill`]; each token's
+    /// choices must be distinct experts (a top k's are).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_ffn_grouped(
         &self,
@@ -922,11 +928,12 @@ impl ModelKernels {
         n_tokens: u32,
         top_k: u32,
         accumulate: bool,
-    ) -> Result<Option<()>> {
-        let MoeDown::Experts(down) = &m.down else { return Ok(None) };
-        if m.n_experts > MOE_GROUPED_MAX_EXPERTS {
-            return Ok(None);
-        }
+    ) -> Result<()> {
+        let (MoeDown::Experts(down), true) = (&m.down, m.groupable()) else {
+            return Err(Error::Input(format!(
+                "moe_ffn_grouped: takes a MoE file's own experts, at most {MOE_GROUPED_MAX_EXPERTS} (moe_ffn runs the rest)"
+            )));
+        };
         if n_tokens == 0 || top_k == 0 || top_k > m.n_experts {
             return Err(Error::Input(format!("moe_ffn_grouped: {n_tokens} tokens, top-{top_k} of {} experts", m.n_experts)));
         }
@@ -964,7 +971,7 @@ impl ModelKernels {
         let bg = rt.bind_at(Kernel::ModelMoeCombine.label(), combine, &[(0, &p), (7, y), (10, &g.out)]);
         let (gx, gy) = expertkv_core::runtime::grid(n_tokens * m.hidden);
         pass.dispatch(combine, bg, [gx, gy, 1]);
-        Ok(Some(()))
+        Ok(())
     }
 
     /// Rows `tokens[b]` of `w`, dequantised (y: `[n_tokens][cols]`).

@@ -232,6 +232,18 @@ impl GpuMoe {
 }
 
 /// The buffers of pre-gating (see [`GpuMoe::pregate`]).
+impl GpuMoe {
+    /// Add a pass's choices (`[layer][per_layer]` expert ids) to the (layer, expert) counts.
+    fn count(&mut self, chosen: &[u32], per_layer: usize) {
+        let e = self.n_experts as usize;
+        for (l, sel) in chosen.chunks(per_layer).enumerate() {
+            for &x in sel {
+                self.counts[l * e + x as usize] += 1;
+            }
+        }
+    }
+}
+
 struct Pregate {
     scores: wgpu::Buffer,
     sel: wgpu::Buffer,
@@ -1078,17 +1090,14 @@ impl GpuLlama {
         let n = self.n_seqs;
         self.pool.check_errors(rt, n * c.block_count).await?;
         if let Some(moe) = &mut self.moe {
-            let e = moe.n_experts as usize;
             let per_layer = (n * moe.top_k) as usize;
             let log = moe.routed.as_ref().map_or(&moe.log, |r| &r.router.experts);
             let chosen: Vec<u32> = match cached_choices {
                 Some(read) => read,
                 None => rt.read(log, 0, (per_layer * c.block_count as usize) as u64).await?,
             };
+            moe.count(&chosen, per_layer);
             for (l, sel) in chosen.chunks(per_layer).enumerate() {
-                for &x in sel {
-                    moe.counts[l * e + x as usize] += 1;
-                }
                 moe.reuse.record(l as u32, sel, u64::from(self.step));
             }
             if self.trace.is_some() {

@@ -4,7 +4,7 @@
 
 use super::timing::StageMarks;
 use super::{GpuLlama, Scratch, attention_output, record, shared_expert};
-use crate::ops::{MOE_GROUPED_MAX_EXPERTS, ModelKernels, MoeDown, MoeGroups, Recorded};
+use crate::ops::{ModelKernels, MoeGroups, Recorded};
 use crate::{Error, Result};
 use expertkv_core::append::format::NewToken;
 use expertkv_core::config::{Codec, KvDtype};
@@ -121,11 +121,11 @@ impl GpuLlama {
             });
             // A MoE file's experts grouped by expert where they can be (their per-pair outputs
             // within a storage binding; else the per-token kernels).
-            let groups = self.moe.as_ref().filter(|m| m.n_experts <= MOE_GROUPED_MAX_EXPERTS).and_then(|m| {
-                let slotted = m.layers.iter().all(|(_, f)| matches!(f.down, MoeDown::Experts(_)));
+            let groups = self.moe.as_ref().and_then(|m| {
+                let groupable = m.layers.iter().all(|(_, f)| f.groupable());
                 let out = c * u64::from(m.top_k) * u64::from(self.cfg.embedding_length) * 4;
                 let fits = rt.fits_binding("the grouped experts' outputs", out).is_ok();
-                (slotted && fits).then(|| MoeGroups::new(rt, chunk_tokens, m.n_experts, m.top_k, self.cfg.embedding_length))
+                (groupable && fits).then(|| MoeGroups::new(rt, chunk_tokens, m.n_experts, m.top_k, self.cfg.embedding_length))
             });
             let kernels = self.kernels.for_prefill(rt).await?;
             self.prefill = Some(Prefill { attn, s, h_last, moe, logits_all: None, kernels, groups });
@@ -147,13 +147,9 @@ impl GpuLlama {
             }
             // The chunk's expert choices into the counts a decode step adds to.
             if let (Some(moe), Some([.., log])) = (self.moe.as_mut(), self.prefill.as_ref().and_then(|pf| pf.moe.as_ref())) {
-                let (e, per_layer) = (moe.n_experts as usize, chunk.len() * moe.top_k as usize);
+                let per_layer = chunk.len() * moe.top_k as usize;
                 let chosen: Vec<u32> = rt.read(log, 0, (per_layer * self.cfg.block_count as usize) as u64).await?;
-                for (l, sel) in chosen.chunks(per_layer).enumerate() {
-                    for &x in sel {
-                        moe.counts[l * e + (x as usize).min(e - 1)] += 1;
-                    }
-                }
+                moe.count(&chosen, per_layer);
             }
             if let Some(t) = &mut self.timer {
                 t.collect(rt, "prefill").await?;
@@ -239,12 +235,9 @@ impl GpuLlama {
                     if let Some(share) = super::softmax_share(&c, moe.native) {
                         kern.moe_weights(rt, &mut p, scores, sel, wts, n, e, k, share)?;
                     }
-                    let grouped = match &pf.groups {
+                    match &pf.groups {
                         Some(g) => kern.moe_ffn_grouped(rt, &mut p, ffn_l, (&s.xn, sel, wts, act, &s.h), g, n, k, true)?,
-                        None => None,
-                    };
-                    if grouped.is_none() {
-                        kern.moe_ffn(rt, &mut p, ffn_l, &s.xn, sel, wts, act, &s.h, n, k, true)?;
+                        None => kern.moe_ffn(rt, &mut p, ffn_l, &s.xn, sel, wts, act, &s.h, n, k, true)?,
                     }
                     shared_expert(rt, kern, &c, w, s, n, &mut p)?;
                     p.encode(&mut enc.begin_compute_pass(&pass_desc("prefill attention output and MoE")));
