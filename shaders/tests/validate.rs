@@ -228,12 +228,7 @@ fn workgroup_bytes(text: &str) -> u32 {
     let module = naga::front::wgsl::parse_str(text).expect("parses");
     let mut layouter = naga::proc::Layouter::default();
     layouter.update(module.to_ctx()).expect("layout");
-    module
-        .global_variables
-        .iter()
-        .filter(|(_, g)| g.space == naga::AddressSpace::WorkGroup)
-        .map(|(_, g)| layouter[g.ty].size)
-        .sum()
+    module.global_variables.iter().filter(|(_, g)| g.space == naga::AddressSpace::WorkGroup).map(|(_, g)| layouter[g.ty].size).sum()
 }
 
 /// The model's kernels run wherever the model loads, the browser included: each fits WebGPU's

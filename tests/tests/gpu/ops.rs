@@ -418,7 +418,10 @@ fn moe_file_experts_match_cpu_in_every_weight_format() {
                 parts.extend(pollster::block_on(rt.read_all::<f32>(&yp)).expect("read"));
             }
             let first = parts.iter().zip(&got).position(|(a, b)| a.to_bits() != b.to_bits());
-            assert!(parts.len() == got.len() && first.is_none(), "{ctx}: grouped in calls of {size} tokens, the outputs differ from {first:?}");
+            assert!(
+                parts.len() == got.len() && first.is_none(),
+                "{ctx}: grouped in calls of {size} tokens, the outputs differ from {first:?}"
+            );
         }
         let want: Vec<f64> = cpu::moe_ffn(&gate_up, &down_t, &offsets, h, &x, &sel, &wts, top_k as usize, n as usize)
             .iter()
