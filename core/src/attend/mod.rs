@@ -164,6 +164,15 @@ pub const MAX_GROUP: u32 = 8;
 /// The most pages per split chunk ([`AttendOptions::chunk_pages`]); the split kernels size
 /// their per-chunk workgroup arrays by it.
 pub const MAX_CHUNK_PAGES: u32 = 64;
+
+/// Refuse pages per split chunk outside 1 to [`MAX_CHUNK_PAGES`] (the decode split's and the
+/// prefill's).
+pub(crate) fn check_chunk_pages(chunk_pages: u32) -> Result<()> {
+    if chunk_pages == 0 || chunk_pages > MAX_CHUNK_PAGES {
+        return Err(Error::config("chunk_pages", chunk_pages, format!("must be in 1..={MAX_CHUNK_PAGES}")));
+    }
+    Ok(())
+}
 /// The most [`AttendOptions::tokens_in_flight`] accepted.
 pub const MAX_TOKENS_IN_FLIGHT: u32 = 8;
 
@@ -503,9 +512,7 @@ impl Attention {
         if !(1..=MAX_TOKENS_IN_FLIGHT).contains(&opts.tokens_in_flight) {
             return Err(Error::config("tokens_in_flight", opts.tokens_in_flight, format!("must be in 1..={MAX_TOKENS_IN_FLIGHT}")));
         }
-        if opts.chunk_pages == 0 || opts.chunk_pages > MAX_CHUNK_PAGES {
-            return Err(Error::config("chunk_pages", opts.chunk_pages, format!("must be in 1..={MAX_CHUNK_PAGES}")));
-        }
+        check_chunk_pages(opts.chunk_pages)?;
         if !opts.rescale_slack.is_finite() || opts.rescale_slack > MAX_RESCALE_SLACK {
             return Err(Error::config("rescale_slack", opts.rescale_slack, format!("must be finite and at most {MAX_RESCALE_SLACK}")));
         }

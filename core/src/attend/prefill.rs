@@ -66,9 +66,7 @@ impl PrefillAttention {
         if max_queries == 0 || max_queries > 65_535 {
             return Err(Error::config("max_queries", max_queries, "must be in 1..=65535"));
         }
-        if chunk_pages == 0 || chunk_pages > super::MAX_CHUNK_PAGES {
-            return Err(Error::config("chunk_pages", chunk_pages, format!("must be in 1..={}", super::MAX_CHUNK_PAGES)));
-        }
+        super::check_chunk_pages(chunk_pages)?;
         let (d, q_heads) = (cfg.head_dim, cfg.kv_heads * group);
         let n_chunks = cfg.max_pages_per_seq().div_ceil(chunk_pages);
         let n_buffers = pool.n_buffers() as u32;
