@@ -10,6 +10,13 @@
 //!   whose pool does not fit beside one step's experts is evicted, to the largest H2O budget
 //!   that does. Experts cost bytes moved per miss (fewer with more slots, never more); an
 //!   eviction costs quality, so quality comes first and speed takes the rest.
+//! - **Online** (the controller, not told how long a request will run): at admission the
+//!   pool holds the prompt and every byte the expert slots leave, the slots as many as fit
+//!   beside the prompt's pool. When the context fills the pool, [`SplitPolicy::grow`] gives K/V
+//!   one slot per layer or more (as few as the context needs) and the pool every byte left, and
+//!   [`crate::forward::GpuLlama::reconfigure_live`] moves the live K/V across. A live context
+//!   stays whole: one that no longer fits beside one step's experts is refused at that token
+//!   (a prompt too long at admission is evicted, as under joint).
 //! - **Fixed** shares (50/50; MoE-Infinity's experts 0.75 / K/V 0.15): the pool is its share's
 //!   size whatever the request, and a context past it is evicted to what the share holds.
 //! - **Experts-first** behind a K/V floor (FreeToken): the pool holds the floor's tokens, the
@@ -26,6 +33,9 @@ pub enum SplitPolicy {
     /// The joint controller: the whole context in K/V when it fits beside one step's experts,
     /// every other byte in expert slots.
     Joint,
+    /// The joint controller told only the prompt: the pool grows, slot by slot, as the context
+    /// does ([`SplitPolicy::grow`]).
+    Online,
     /// Fixed shares of the total for the experts and for K/V (the rest unused).
     Fixed {
         /// The experts' share of the total, 0 to 1.
@@ -134,7 +144,7 @@ impl SplitInputs<'_> {
 }
 
 impl SplitPolicy {
-    /// `joint`, `E/K` (shares of the total for experts and K/V: `50/50`, `0.75/0.15`),
+    /// `joint`, `online`, `E/K` (shares of the total for experts and K/V: `50/50`, `0.75/0.15`),
     /// `experts-first:TOKENS`, or `cell:SLOTS:PERCENT` (H2O keeping PERCENT of each context; 100
     /// keeps it whole).
     pub fn parse(spec: &str) -> Result<SplitPolicy> {
@@ -150,6 +160,9 @@ impl SplitPolicy {
         };
         if spec == "joint" {
             return Ok(SplitPolicy::Joint);
+        }
+        if spec == "online" {
+            return Ok(SplitPolicy::Online);
         }
         if let Some(t) = spec.strip_prefix("experts-first:") {
             let floor = t.parse().ok().filter(|&f: &u32| f > 0).ok_or_else(|| bad("the floor is a token count above 0"))?;
@@ -171,21 +184,23 @@ impl SplitPolicy {
             }
             return Ok(SplitPolicy::Fixed { experts, kv });
         }
-        Err(bad("give joint, E/K (50/50, 0.75/0.15), experts-first:TOKENS or cell:SLOTS:PERCENT"))
+        Err(bad("give joint, online, E/K (50/50, 0.75/0.15), experts-first:TOKENS or cell:SLOTS:PERCENT"))
     }
 
     /// The policy as [`SplitPolicy::parse`] reads it.
     pub fn spec(&self) -> String {
         match *self {
             SplitPolicy::Joint => "joint".into(),
+            SplitPolicy::Online => "online".into(),
             SplitPolicy::Fixed { experts, kv } => format!("{experts}/{kv}"),
             SplitPolicy::ExpertsFirst { floor } => format!("experts-first:{floor}"),
             SplitPolicy::Cell { slots, share } => format!("cell:{slots}:{}", share * 100.0),
         }
     }
 
-    /// The split for a request of `context` tokens (prompt and generated), or why this policy
-    /// cannot serve it within the total (the minimum stated).
+    /// The split for a request of `context` tokens (prompt and generated; for
+    /// [`SplitPolicy::Online`], what is known at admission: the prompt and its first token), or
+    /// why this policy cannot serve it within the total (the minimum stated).
     pub fn split(&self, inp: &SplitInputs<'_>, context: u32) -> Result<Split> {
         let total = inp.total;
         let refuse = |what: String| Err(Error::Input(format!("split {}: {what}", self.spec())));
@@ -194,7 +209,8 @@ impl SplitPolicy {
         }
         let least_bytes = inp.experts.with_slots(inp.least);
         let s = match *self {
-            SplitPolicy::Joint => {
+            SplitPolicy::Online if (inp.kv_bytes)(context, None)? + least_bytes <= total => self.grow(inp, context)?,
+            SplitPolicy::Joint | SplitPolicy::Online => {
                 let whole = (inp.kv_bytes)(context, None)?;
                 if whole + least_bytes <= total {
                     inp.split(inp.slots_in(total - whole), context, None)?
@@ -204,7 +220,10 @@ impl SplitPolicy {
                             "{total} bytes hold neither the context's pool nor one page beside one step's experts ({least_bytes} bytes)"
                         ));
                     };
-                    inp.split(inp.slots_in(total - (inp.kv_bytes)(context, Some(b))?), context, Some(b))?
+                    // Online does not know the request's length: its evicted pool is built for
+                    // the model's context (H2O's pages are its budget's, whatever the context).
+                    let tokens = if *self == SplitPolicy::Online { inp.max_context } else { context };
+                    inp.split(inp.slots_in(total - (inp.kv_bytes)(tokens, Some(b))?), tokens, Some(b))?
                 }
             }
             SplitPolicy::Fixed { experts, kv } => {
@@ -244,6 +263,33 @@ impl SplitPolicy {
     }
 }
 
+impl SplitPolicy {
+    /// [`SplitPolicy::Online`]'s split for a live context of `context` tokens kept whole: the
+    /// most slots that fit beside its pool, and the pool every byte they leave (up to the
+    /// model's context). Refused, with the figures, when the context no longer fits whole beside
+    /// one step's experts. Any policy may ask; only online's splits change with it.
+    pub fn grow(&self, inp: &SplitInputs<'_>, context: u32) -> Result<Split> {
+        let total = inp.total;
+        let least_bytes = inp.experts.with_slots(inp.least);
+        if context == 0 || context > inp.max_context {
+            return Err(Error::Input(format!("split online: a context of {context} tokens; the model's is {}", inp.max_context)));
+        }
+        let whole = (inp.kv_bytes)(context, None)?;
+        if whole + least_bytes > total {
+            return Err(Error::Input(format!(
+                "split online: a live context of {context} tokens needs {whole} bytes of K/V beside one step's experts ({least_bytes}), over the total of {total}; a live context is not evicted"
+            )));
+        }
+        let slots = inp.slots_in(total - whole);
+        let tokens = inp.tokens_within(total - inp.experts.with_slots(slots))?.max(context);
+        let s = inp.split(slots, tokens, None)?;
+        if s.slots < inp.least || s.bytes() > total {
+            return Err(Error::Input(format!("split online: {} slots and {} bytes within {total}", s.slots, s.bytes())));
+        }
+        Ok(s)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -274,6 +320,30 @@ mod tests {
         let s = SplitPolicy::Joint.split(&inp, 90).unwrap();
         assert_eq!((s.slots, s.h2o_budget, s.kv_bytes), (2, Some(64), 8000));
         assert!(s.bytes() <= 10_010);
+    }
+
+    #[test]
+    fn online_gives_the_pool_every_byte_the_slots_leave_and_grows_a_slot_at_a_time() {
+        let inp = inputs(10_010, &pool);
+        let online = SplitPolicy::parse("online").unwrap();
+        assert_eq!(online.spec(), "online");
+        // A 20-token prompt: 8 slots (8,010 bytes), the pool every byte left, 20 tokens.
+        let s = online.split(&inp, 20).unwrap();
+        assert_eq!((s.slots, s.pool_tokens, s.h2o_budget, s.bytes()), (8, 20, None, 10_010));
+        // A 25-token prompt: 7 slots, the pool the 3,000 bytes they leave: 30 tokens.
+        let s = online.split(&inp, 25).unwrap();
+        assert_eq!((s.slots, s.pool_tokens, s.kv_bytes, s.expert_bytes), (7, 30, 3000, 7010));
+        // The context fills the pool at 30: growing to 31 costs one slot and gives 40 tokens.
+        let g = online.grow(&inp, 31).unwrap();
+        assert_eq!((g.slots, g.pool_tokens, g.h2o_budget), (6, 40, None));
+        // 75 tokens: 2 slots, 80 tokens of pool; 81 no longer fit beside one step's experts.
+        let g = online.grow(&inp, 75).unwrap();
+        assert_eq!((g.slots, g.pool_tokens, g.bytes()), (2, 80, 10_010));
+        assert!(online.grow(&inp, 81).is_err_and(|e| e.to_string().contains("not evicted")));
+        // A prompt too long at admission is evicted as under joint, its pool built for the
+        // model's context (H2O's pages are the budget's).
+        let s = online.split(&inp, 90).unwrap();
+        assert_eq!((s.slots, s.pool_tokens, s.h2o_budget), (2, 4096, Some(64)));
     }
 
     #[test]
@@ -312,7 +382,7 @@ mod tests {
         for bad in ["", "half", "cell:3", "cell:0:50", "cell:3:0", "experts-first:0", "0/0.5"] {
             assert!(SplitPolicy::parse(bad).is_err(), "{bad}");
         }
-        for p in ["joint", "0.75/0.15", "experts-first:30", "cell:3:50"] {
+        for p in ["joint", "online", "0.75/0.15", "experts-first:30", "cell:3:50"] {
             assert_eq!(SplitPolicy::parse(&SplitPolicy::parse(p).unwrap().spec()).unwrap(), SplitPolicy::parse(p).unwrap());
         }
     }

@@ -5,7 +5,9 @@
 //! The model is loaded once. Every request (a random prompt fed token by token, then `--tokens`
 //! more) gets its policy's split and the model is re-balanced for it
 //! ([`GpuLlama::reconfigure`]: the pool rebuilt, the expert slots too when their count changes),
-//! the weights kept. The bytes the pool and the slots allocate are measured for every request and
+//! the weights kept. The online split is told only the prompt: when the context fills its pool,
+//! the model is re-balanced mid-request ([`GpuLlama::reconfigure_live`], the K/V carried across)
+//! and the wait counts in that step's time. The bytes the pool and the slots allocate are measured for every request and
 //! must be within the total. The policies run interleaved, request by request (after a run with
 //! every expert resident), each from empty slots, so drift in the machine's speed falls on every
 //! policy alike; `--repeat` runs the requests again.
@@ -47,7 +49,8 @@ pub struct MixArgs {
     /// Tokens generated per request.
     #[arg(long, default_value_t = 32)]
     tokens: u32,
-    /// Split policies, comma-separated: joint, E/K shares (50/50, 0.75/0.15),
+    /// Split policies, comma-separated: joint, online (joint told only the prompt, growing the
+    /// pool as the context does), E/K shares (50/50, 0.75/0.15),
     /// experts-first:TOKENS, cell:SLOTS:PERCENT (H2O keeping PERCENT of each context).
     #[arg(long, default_value = "joint,50/50,0.75/0.15,experts-first:256")]
     policies: String,
@@ -69,12 +72,19 @@ pub struct MixArgs {
 #[derive(Clone, Debug, Default, serde::Serialize)]
 struct Served {
     prompt: u32,
+    /// The split the request ran under (the last one, where the online split grew).
     split: Option<Split>,
+    /// The online split's split at admission, before it grew.
+    admitted: Option<Split>,
     /// Why the policy could not serve it within the total.
     refused: Option<String>,
     allocated: u64,
     /// Seconds re-balancing the model for this request (`GpuLlama::reconfigure`).
     rebalance_s: f64,
+    /// Times the online split grew the pool mid-request, and the seconds it took
+    /// (`GpuLlama::reconfigure_live`, inside the TTFT or the step that waited).
+    grown: u32,
+    grow_s: f64,
     ttft_s: f64,
     /// Seconds of every decode step.
     steps_s: Vec<f64>,
@@ -131,23 +141,64 @@ fn percentile(v: &[f64], q: f64) -> f64 {
     s[((s.len() - 1) as f64 * q).round() as usize]
 }
 
+/// How [`serve`] grows the pool when a request's context fills it (the online split): the
+/// split for a live context of this many tokens, and the options that make it.
+type Grow<'a> = &'a dyn Fn(u32) -> anyhow::Result<(Split, ModelOptions)>;
+
 /// Feed `prompt` token by token, then decode `tokens` steps: greedy, or fed the reference's
-/// tokens and compared with its logits.
+/// tokens and compared with its logits. With `grow`, a context that fills the pool re-balances
+/// the model there (`GpuLlama::reconfigure_live`, its seconds counted in the step that waited);
+/// a growth the total cannot hold ends the request as refused. The model comes back either way.
 fn serve(
     rt: &expertkv_core::Runtime,
-    m: &mut GpuLlama,
+    mut m: GpuLlama,
     prompt: &[u32],
     tokens: u32,
     reference: Option<&Reference>,
-) -> Result<(Served, Option<Reference>)> {
+    grow: Option<Grow<'_>>,
+) -> Result<(GpuLlama, Served, Option<Reference>)> {
     let cache = |m: &GpuLlama| m.expert_cache().map(|c| c.total).unwrap_or_default();
+    let mut s = Served { prompt: prompt.len() as u32, ..Default::default() };
+    // Before each token: room for it in the pool, made by growing it when there is a `grow`.
+    let room = |m: GpuLlama, s: &mut Served| -> Result<(GpuLlama, bool)> {
+        let (Some(grow), true) = (grow, m.positions[0] >= m.max_context()) else { return Ok((m, true)) };
+        let (split, opts) =
+            match grow(m.positions[0] + 1).and_then(|(sp, o)| m.check_reconfigure_live(&o).map(|()| (sp, o)).map_err(Into::into)) {
+                Ok(p) => p,
+                Err(why) => {
+                    s.refused = Some(format!("at token {}: {why}", m.positions[0]));
+                    return Ok((m, false));
+                }
+            };
+        let t = std::time::Instant::now();
+        let m = pollster::block_on(m.reconfigure_live(rt, opts))?;
+        rt.wait()?;
+        s.grow_s += t.elapsed().as_secs_f64();
+        s.grown += 1;
+        s.split = Some(split);
+        s.allocated = s.allocated.max(m.kv_bytes_allocated() + m.expert_bytes_allocated());
+        if m.kv_bytes_allocated() + m.expert_bytes_allocated() != split.bytes() {
+            bail!(
+                "growing to {} tokens allocated {} bytes where {} were planned",
+                split.pool_tokens,
+                m.kv_bytes_allocated() + m.expert_bytes_allocated(),
+                split.bytes()
+            );
+        }
+        Ok((m, true))
+    };
     let t0 = std::time::Instant::now();
     let mut logits = Vec::new();
     for &t in prompt {
+        let ok;
+        (m, ok) = room(m, &mut s)?;
+        if !ok {
+            return Ok((m, s, None));
+        }
         logits = pollster::block_on(m.forward(rt, &[t]))?;
     }
-    let mut s = Served { prompt: prompt.len() as u32, ttft_s: t0.elapsed().as_secs_f64(), ..Default::default() };
-    let before = cache(m);
+    s.ttft_s = t0.elapsed().as_secs_f64();
+    let before = cache(&m);
     let mut own = Reference { ids: Vec::new(), log_probs: Vec::new() };
     for i in 0..tokens as usize {
         let lp = log_softmax(&logits);
@@ -170,10 +221,15 @@ fn serve(
             break;
         }
         let t = std::time::Instant::now();
+        let ok;
+        (m, ok) = room(m, &mut s)?;
+        if !ok {
+            return Ok((m, s, None));
+        }
         logits = pollster::block_on(m.forward(rt, &[next]))?;
         s.steps_s.push(t.elapsed().as_secs_f64());
     }
-    let after = cache(m);
+    let after = cache(&m);
     s.traffic = ExpertTraffic {
         hits: after.hits - before.hits,
         misses: after.misses - before.misses,
@@ -181,7 +237,7 @@ fn serve(
         prefetched: after.prefetched - before.prefetched,
         prefetch_used: after.prefetch_used - before.prefetch_used,
     };
-    Ok((s, reference.is_none().then_some(own)))
+    Ok((m, s, reference.is_none().then_some(own)))
 }
 
 /// A policy's requests summed: decode tokens/s, p50/p99 time per output token, mean time to
@@ -208,6 +264,8 @@ fn summary(served: &[&Served]) -> serde_json::Value {
         "same_top": if compared > 0 { f64::from(ok.iter().map(|s| s.same_top).sum::<u32>()) / f64::from(compared) } else { 1.0 },
         "peak_allocated": ok.iter().map(|s| s.allocated).max().unwrap_or(0),
         "rebalance_mean_ms": ok.iter().map(|s| s.rebalance_s).sum::<f64>() * 1e3 / ok.len().max(1) as f64,
+        "grown": ok.iter().map(|s| s.grown).sum::<u32>(),
+        "grow_mean_ms": ok.iter().map(|s| s.grow_s).sum::<f64>() * 1e3 / f64::from(ok.iter().map(|s| s.grown).sum::<u32>().max(1)),
     })
 }
 
@@ -283,7 +341,8 @@ pub fn run(gpu: &GpuArgs, a: &MixArgs) -> Result<()> {
     let mut reference_served = Vec::new();
     for p in &prompts {
         m = pollster::block_on(m.reconfigure(&rt, options(&all)))?;
-        let (s, r) = serve(&rt, &mut m, p, a.tokens, None)?;
+        let (back, s, r) = serve(&rt, m, p, a.tokens, None, None)?;
+        m = back;
         references.push(r.context("the reference pass keeps its tokens")?);
         reference_served.push(s);
     }
@@ -302,9 +361,12 @@ pub fn run(gpu: &GpuArgs, a: &MixArgs) -> Result<()> {
         for (i, p) in prompts.iter().enumerate() {
             m = pollster::block_on(m.reconfigure(&rt, options(&all)))?;
             m.empty_expert_slots(&rt);
-            resident.push(serve(&rt, &mut m, p, a.tokens, Some(&references[i]))?.0);
+            let (back, s, _) = serve(&rt, m, p, a.tokens, Some(&references[i]), None)?;
+            m = back;
+            resident.push(s);
             for (pol, out) in policies.iter().zip(&mut served) {
-                let context = p.len() as u32 + a.tokens;
+                // Online is told the prompt and its first token; the others the whole request.
+                let context = if *pol == SplitPolicy::Online { p.len() as u32 + 1 } else { p.len() as u32 + a.tokens };
                 // A split the policy cannot make, or the model cannot take, is that request refused.
                 let planned = pol.split(&inputs, context).and_then(|s| m.check_reconfigure(&options(&s)).map(|()| s));
                 let split = match planned {
@@ -324,14 +386,37 @@ pub fn run(gpu: &GpuArgs, a: &MixArgs) -> Result<()> {
                 if allocated > total || allocated != split.bytes() {
                     bail!("{}: request {i} allocated {allocated} bytes where {} were planned within {total}", pol.spec(), split.bytes());
                 }
-                let (mut s, _) = serve(&rt, &mut m, p, a.tokens, Some(&references[i]))?;
-                s.split = Some(split);
-                s.allocated = allocated;
+                let grow = |context: u32| -> Result<(Split, ModelOptions)> {
+                    let s = pol.grow(&inputs, context)?;
+                    Ok((s, options(&s)))
+                };
+                let online = (*pol == SplitPolicy::Online && split.h2o_budget.is_none()).then_some(&grow as Grow<'_>);
+                let (back, mut s, _) = serve(&rt, m, p, a.tokens, Some(&references[i]), online)?;
+                m = back;
+                if let Some(why) = &s.refused {
+                    println!("  {:<18} round {round} request {i} ({:>5} tokens): refused {why}", pol.spec(), p.len());
+                    out.push(s);
+                    continue;
+                }
+                s.admitted = (s.grown > 0).then_some(split);
+                s.split = s.split.or(Some(split));
+                s.allocated = s.allocated.max(allocated);
                 s.rebalance_s = rebalance_s;
+                let split = s.split.unwrap_or(split);
                 let kv = split.h2o_budget.map_or("whole".to_string(), |b| format!("h2o {b}"));
+                let grew = if s.grown > 0 {
+                    format!(
+                        " (grown {} times to {} tokens, {:.1} ms each)",
+                        s.grown,
+                        split.pool_tokens,
+                        s.grow_s * 1e3 / f64::from(s.grown)
+                    )
+                } else {
+                    String::new()
+                };
                 let tps = s.steps_s.len() as f64 / s.steps_s.iter().sum::<f64>().max(1e-12);
                 println!(
-                    "  {:<18} round {round} request {i} ({:>5} tokens): {} slots, K/V {kv:<10} {} + {} = {}; {tps:.1} tokens/s, TTFT {:.3} s, hits {:.0}%, KL {:.2e}",
+                    "  {:<18} round {round} request {i} ({:>5} tokens): {} slots, K/V {kv:<10} {} + {} = {}{grew}; {tps:.1} tokens/s, TTFT {:.3} s, hits {:.0}%, KL {:.2e}",
                     pol.spec(),
                     p.len(),
                     split.slots,

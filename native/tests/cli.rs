@@ -1054,6 +1054,36 @@ fn mix_splits_one_budget_request_by_request() {
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("more than the total"));
 }
 
+/// `mix`'s online split, told only the prompt: it admits a short request with more slots than
+/// the joint split (sized for the whole request) gives, grows the pool mid-request with the K/V
+/// carried across (every step's logits the reference's: KL 0), stays within the total, and
+/// refuses, at the token, a context that no longer fits whole beside one step's experts.
+#[test]
+fn mix_online_grows_the_pool_mid_request() {
+    let path = tmp("mix_online.gguf");
+    let p = path.to_str().expect("utf-8 path");
+    ok(&["synth", "--out", p, "--experts", "8", "--top-k", "2", "--layers", "2", "--ffn", "32", "--weights", "q8_0", "--untied-output"]);
+    let run = |budget: &str| {
+        ok(&["mix", "--model", p, "--gpu-mem", budget, "--requests", "1x8", "--tokens", "40", "--policies", "joint,online", "--json"])
+    };
+    let out = run("210K");
+    let rows: Vec<serde_json::Value> =
+        out.lines().filter(|l| l.starts_with("{\"measure\":\"mix_policy\"")).map(|l| serde_json::from_str(l).expect("json")).collect();
+    let row = |name: &str| rows.iter().map(|r| &r["row"]).find(|r| r["policy"] == name).expect("policy row");
+    let (joint, online) = (row("joint"), row("online"));
+    let q = &online["requests"][0];
+    assert_eq!((online["all"]["served"].as_u64(), online["all"]["mean_kl"].as_f64()), (Some(1), Some(0.0)), "{out}");
+    assert!(online["all"]["grown"].as_u64().is_some_and(|g| g >= 1) && q["grow_s"].as_f64().is_some_and(|t| t > 0.0), "{out}");
+    let (first, last) = (q["admitted"]["slots"].as_u64().expect("admitted"), q["split"]["slots"].as_u64().expect("split"));
+    assert!(first > last && first > joint["requests"][0]["split"]["slots"].as_u64().expect("joint slots"), "{out}");
+    assert!(
+        q["split"]["pool_tokens"].as_u64().is_some_and(|t| t >= 48) && q["allocated"].as_u64().is_some_and(|a| a <= 210 * 1024),
+        "{out}"
+    );
+    let out = run("80K");
+    assert!(out.contains("refused at token 16") && out.contains("a live context is not evicted"), "{out}");
+}
+
 /// `bench devices`: two devices opened from the one adapter; every token on one of them, the
 /// merged output agreeing with one device's, the merge timed; one device is refused.
 #[test]

@@ -37,6 +37,19 @@ impl GpuLlama {
     /// no page codec, no route stage and no pipeline router over the experts (a MoE file's own
     /// router or a MoEfication's top k is fine). `None` when it can.
     pub fn chunked_prefill_refusal(&self) -> Option<&'static str> {
+        self.kv_order_refusal().or_else(|| {
+            self.moe
+                .as_ref()
+                .is_some_and(|m| m.cache.is_some())
+                .then_some("the expert cache fetches each step's experts between a layer's router and its FFN")
+        })
+    }
+
+    /// Why K/V cannot be put into the pool other than token by token through the decode step
+    /// (a chunked prefill's or a restored prefix's): a policy acting between tokens (an evicting
+    /// scheduler, QUEST, a host tier), a page codec, the route stage or a pipeline router over
+    /// the experts (both place a token's K/V by its routing). `None` when it can.
+    pub(super) fn kv_order_refusal(&self) -> Option<&'static str> {
         if self.scheduler.is_some() || self.quest.is_some() || self.flexgen.is_some() {
             Some("a scheduler acts after every token")
         } else if self.pool.cfg.codec != Codec::None {
@@ -45,8 +58,6 @@ impl GpuLlama {
             Some("the route stage labels every token")
         } else if self.moe.as_ref().is_some_and(|m| m.routed.is_some()) {
             Some("one of the pipeline's routers chooses the experts step by step")
-        } else if self.moe.as_ref().is_some_and(|m| m.cache.is_some()) {
-            Some("the expert cache fetches each step's experts between a layer's router and its FFN")
         } else {
             None
         }

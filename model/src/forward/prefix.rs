@@ -15,11 +15,12 @@ use expertkv_core::gpu_data::meta;
 use expertkv_core::runtime::Runtime;
 
 impl GpuLlama {
-    /// Why a prefix cannot be read or restored here: the same conditions as chunked prefill
+    /// Why a prefix cannot be read or restored here: the K/V conditions of chunked prefill
     /// (raw pages, no policy acting between tokens, no route stage), since a restored prefix
-    /// must stand where a prefill's tokens would. `None` when it can.
+    /// must stand where a prefill's tokens would. An expert cache does not matter (it holds
+    /// weights, not K/V). `None` when it can.
     pub fn prefix_refusal(&self) -> Option<&'static str> {
-        self.chunked_prefill_refusal()
+        self.kv_order_refusal()
     }
 
     /// Words per token of one layer in [`GpuLlama::read_prefix`]'s format: K then V of every KV

@@ -1,5 +1,6 @@
 //! Re-balancing a loaded model's GPU memory between its K/V pool and its expert slots
-//! ([`GpuLlama::reconfigure`]), without uploading the weights again.
+//! ([`GpuLlama::reconfigure`]), without uploading the weights again; between requests, or in
+//! the middle of one with its sequences' K/V carried across ([`GpuLlama::reconfigure_live`]).
 
 use super::{GpuLlama, ModelOptions, check_options, kv_side};
 use crate::{Error, Result};
@@ -65,6 +66,58 @@ impl GpuLlama {
         }
         rt.check("reconfigure")?;
         Ok(model)
+    }
+
+    /// [`GpuLlama::reconfigure`] in the middle of a request: every sequence's K/V is read out
+    /// to host memory ([`GpuLlama::read_prefix`]), the old pool and slots are dropped, the new
+    /// ones made, and each sequence restored at its position ([`GpuLlama::restore_prefix`]), so
+    /// decoding goes on where it stopped and the logits are those the model would have given
+    /// without the change, bit for bit (the words are the append's own; the slots hold other
+    /// experts but the same bytes of the ones the kernels read). The GPU never holds both pools:
+    /// the carried K/V waits in host memory. The expert slots start empty when their count
+    /// changes.
+    ///
+    /// Refused, with the model kept, where [`GpuLlama::check_reconfigure_live`] refuses. An error
+    /// after the pool is dropped (the device out of memory) loses the model and the sequences.
+    pub async fn reconfigure_live(self, rt: &Runtime, opts: ModelOptions) -> Result<GpuLlama> {
+        self.check_reconfigure_live(&opts)?;
+        let positions = self.positions.clone();
+        let mut carried = Vec::with_capacity(positions.len());
+        for (seq, &n) in positions.iter().enumerate() {
+            carried.push(if n == 0 { Vec::new() } else { self.read_prefix(rt, seq as u32, n).await? });
+        }
+        let mut model = self.reconfigure(rt, opts).await?;
+        for (seq, (&n, kv)) in positions.iter().zip(&carried).enumerate() {
+            model.restore_prefix(rt, seq as u32, n, kv).await?;
+        }
+        Ok(model)
+    }
+
+    /// Whether [`GpuLlama::reconfigure_live`] takes `opts`: what [`GpuLlama::check_reconfigure`]
+    /// takes, with raw pages and no policy between tokens (the conditions a restored prefix
+    /// needs, [`GpuLlama::prefix_refusal`]), as many sequences, K/V stored alike, and room for every sequence's
+    /// next token.
+    pub fn check_reconfigure_live(&self, opts: &ModelOptions) -> Result<()> {
+        self.check_reconfigure(opts)?;
+        let refuse = |why: String| Err(Error::Input(format!("reconfiguring live sequences: {why}")));
+        if let Some(why) = self.prefix_refusal() {
+            return refuse(format!("their K/V cannot be carried across: {why}"));
+        }
+        if opts.scheduler.is_some() || opts.codec != expertkv_core::config::Codec::None {
+            return refuse("the new pool must keep raw pages and no scheduler to take the K/V back".into());
+        }
+        if opts.n_seqs != self.n_seqs {
+            return refuse(format!("{} sequences live, {} asked for", self.n_seqs, opts.n_seqs));
+        }
+        if opts.dtype != self.pool.cfg.dtype {
+            return refuse(format!("their K/V is {:?}; the new pool must store the same", self.pool.cfg.dtype));
+        }
+        if let Some(&p) = self.positions.iter().max()
+            && p >= opts.max_context
+        {
+            return refuse(format!("a sequence holds {p} tokens; a pool of {} per sequence leaves no room", opts.max_context));
+        }
+        Ok(())
     }
 
     /// Whether [`GpuLlama::reconfigure`] takes `opts`: not the route stage (`routing`, labels),

@@ -222,6 +222,53 @@ fn a_reconfigured_model_decodes_as_a_fresh_load_with_its_options() {
     }
 }
 
+/// A model re-balanced in the middle of a request (`GpuLlama::reconfigure_live`, the online
+/// split's growth): two sequences 20 tokens in, the pool grown from 24 to 64 tokens a sequence
+/// and the expert slots cut from 6 to 4. Every step's logits, before and after, equal those of
+/// a model loaded with the final options and never changed, bit for bit (the K/V carried
+/// across through host memory); the pool and slots allocate what the new options predict.
+/// Changes that cannot carry the K/V are refused first, and the model decodes on.
+#[test]
+fn a_model_reconfigured_mid_request_decodes_on_as_if_never_changed() {
+    use expertkv_core::evict::config::SchedulerConfig;
+    use expertkv_model::experts::ExpertBytes;
+    let rt = rt();
+    for seed in seeds("model_reconfigure_live", 1) {
+        let mut rng = Rng::new(seed);
+        let file = SyntheticModel::moe(seed, 8, 2).with_weights(GgmlType::Q8_0).gguf();
+        let g = Gguf::parse(&file).expect("gguf");
+        let c = expertkv_model::LlamaConfig::from_gguf(&g).expect("config");
+        let eb = ExpertBytes::of(&g, &c).expect("bytes").expect("a MoE file");
+        let lru = |slots| Some(ExpertCacheConfig::on_demand(slots, ExpertPolicy::Lru));
+        let grown = ModelOptions::new(2, 64).expert_cache(lru(4));
+        let mut m = pollster::block_on(GpuLlama::load(rt, &g, ModelOptions::new(2, 24).expert_cache(lru(6)))).expect("load");
+        let mut want = pollster::block_on(GpuLlama::load(rt, &g, grown.clone())).expect("load");
+        for step in 0..40 {
+            let ctx = format!("seed {seed}: step {step}");
+            if step == 20 {
+                let h2o = grown.clone().scheduler(Some((SchedulerConfig::default_for("h2o").expect("h2o"), 16)));
+                let refused = [
+                    (h2o, "no scheduler"),
+                    (grown.clone().dtype(KvDtype::F32), "the same"),
+                    (ModelOptions::new(2, 20).expert_cache(lru(4)), "holds 20 tokens"),
+                    (ModelOptions::new(1, 64).expert_cache(lru(4)), "2 sequences live"),
+                ];
+                for (opts, why) in refused {
+                    assert!(m.check_reconfigure_live(&opts).is_err_and(|e| e.to_string().contains(why)), "{ctx}: {why}");
+                }
+                m = pollster::block_on(m.reconfigure_live(rt, grown.clone())).expect("reconfigure_live");
+                assert_eq!(m.positions, vec![20, 20], "{ctx}");
+                assert_eq!(m.kv_bytes_allocated(), grown.kv_bytes(&c, rt.max_binding_bytes()).expect("kv bytes"), "{ctx}");
+                assert_eq!(m.expert_bytes_allocated(), eb.with_slots(4), "{ctx}");
+            }
+            let t = [rng.below(256), rng.below(256)];
+            let a = pollster::block_on(want.forward(rt, &t)).expect("forward");
+            let b = pollster::block_on(m.forward(rt, &t)).expect("forward");
+            assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "{ctx}: logits differ");
+        }
+    }
+}
+
 /// FlexGen's host tier beside an expert cache: one schedule moves both in the same steps
 /// (`GpuLlama::last_transfers`). Against the same host tier with every expert resident, every
 /// step's logits are equal bit for bit and FlexGen moves the same pages. Every transfer is
