@@ -328,6 +328,131 @@ pub async fn upload_bandwidth(rt: &Runtime, path: UploadPath, bytes: u64, warmup
     })
 }
 
+/// A host-to-GPU copy and a compute dispatch on wgpu's one queue: each alone, and both in one
+/// submission (either order, no resource shared), on the host clock. Whether the two ran at
+/// once is what an expert cache's prefetch can gain from: it copies the next layer's experts
+/// while this layer computes.
+#[derive(Clone, Debug, Serialize)]
+pub struct Overlap {
+    /// Bytes the copy moves (from a host-memory buffer, [`Runtime::host_copy_source`]).
+    pub bytes: u64,
+    /// Flops of the compute dispatch ([`FmaKernel`], sized to take about as long as the copy).
+    pub flops: u64,
+    /// Median milliseconds of the copy alone.
+    pub copy_ms: f64,
+    /// Median milliseconds of the dispatch alone.
+    pub compute_ms: f64,
+    /// Median milliseconds of the copy, then the dispatch, in one submission.
+    pub copy_then_compute_ms: f64,
+    /// Median milliseconds of the dispatch, then the copy, in one submission.
+    pub compute_then_copy_ms: f64,
+    /// Runs each median is over (the four interleaved, run by run).
+    pub samples: usize,
+}
+
+impl Overlap {
+    /// The share of the shorter operation hidden under the longer, in the better order: 0 when
+    /// the two ran one after the other, 1 when together they took as long as the longer one.
+    pub fn hidden(&self) -> f64 {
+        let together = self.copy_then_compute_ms.min(self.compute_then_copy_ms);
+        (self.copy_ms + self.compute_ms - together) / self.copy_ms.min(self.compute_ms).max(1e-9)
+    }
+}
+
+/// Measure [`Overlap`] for a copy of `bytes`: the dispatch's iterations are scaled so it takes
+/// about as long as the copy; then `reps` runs of each of the four (after `warmup`), interleaved
+/// so drift falls on all alike. The copied words and the dispatch's outputs are checked against
+/// the host's pattern and [`fma_reference`].
+#[cfg(not(target_arch = "wasm32"))]
+pub async fn copy_compute_overlap(rt: &Runtime, bytes: u64, warmup: u32, reps: u32) -> Result<Overlap> {
+    let words = (bytes / 4).max(1);
+    if words * 4 > rt.max_binding_bytes() || words > u64::from(u32::MAX) || reps == 0 {
+        return Err(Error::Input(format!("copy and compute overlap: {bytes} bytes, {reps} runs")));
+    }
+    let pattern = |i: u32| i.wrapping_mul(0x85EB_CA6B) ^ 0xC2B2_AE35;
+    let host: Vec<u32> = (0..words as u32).map(pattern).collect();
+    let src = rt.host_copy_source("bench overlap (host)", &host);
+    let dst = rt.storage("bench overlap", words * 4);
+    let invocations = 1 << 20;
+    // How long is the copy, and how many iterations take the dispatch as long.
+    let timed = |enc: wgpu::CommandEncoder| -> Result<f64> {
+        let t0 = std::time::Instant::now();
+        rt.queue.submit([enc.finish()]);
+        rt.wait()?;
+        Ok(t0.elapsed().as_secs_f64() * 1e3)
+    };
+    let encoder = || rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("bench overlap") });
+    let copy = |enc: &mut wgpu::CommandEncoder| enc.copy_buffer_to_buffer(&src, 0, &dst, 0, words * 4);
+    let compute = |enc: &mut wgpu::CommandEncoder, k: &FmaKernel| {
+        let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("bench overlap"), timestamp_writes: None });
+        k.encode(&mut pass);
+    };
+    let mut copy_ms = Vec::new();
+    for _ in 0..warmup.max(3) {
+        let mut enc = encoder();
+        copy(&mut enc);
+        copy_ms.push(timed(enc)?);
+    }
+    let probe = FmaKernel::new(rt, invocations, 64).await?;
+    let mut probe_ms = Vec::new();
+    for _ in 0..warmup.max(3) {
+        let mut enc = encoder();
+        compute(&mut enc, &probe);
+        probe_ms.push(timed(enc)?);
+    }
+    let iters = (64.0 * median(&copy_ms) / median(&probe_ms).max(1e-6)).clamp(1.0, f64::from(1u32 << 20)) as u32;
+    let k = FmaKernel::new(rt, invocations, iters).await?;
+    let mut ms: [Vec<f64>; 4] = Default::default();
+    for i in 0..warmup + reps {
+        let runs: [&dyn Fn(&mut wgpu::CommandEncoder); 4] = [
+            &|e| copy(e),
+            &|e| compute(e, &k),
+            &|e| {
+                copy(e);
+                compute(e, &k);
+            },
+            &|e| {
+                compute(e, &k);
+                copy(e);
+            },
+        ];
+        for (run, out) in runs.iter().zip(&mut ms) {
+            let mut enc = encoder();
+            run(&mut enc);
+            let t = timed(enc)?;
+            if i >= warmup {
+                out.push(t);
+            }
+        }
+    }
+    let n = words.min(1024);
+    let head: Vec<u32> = rt.read(&dst, 0, n).await?;
+    let tail: Vec<u32> = rt.read(&dst, words - n, n).await?;
+    let want = |first: u64| (first..first + n).map(|i| pattern(i as u32)).collect::<Vec<u32>>();
+    if head != want(0) || tail != want(words - n) {
+        return Err(Error::Gpu { during: "copy and compute overlap".into(), message: "the copied words differ from the host's".into() });
+    }
+    let outs: Vec<f32> = rt.read(&k.out, 0, 4 * 64).await?;
+    for (i, got) in outs.chunks(4).enumerate() {
+        let want = fma_reference(i as u32, iters);
+        if got.iter().zip(want).any(|(&g, w)| (f64::from(g) - w).abs() > 1e-3 * w.abs().max(1.0)) {
+            return Err(Error::Gpu {
+                during: "copy and compute overlap".into(),
+                message: format!("invocation {i}: {got:?}, the reference {want:?}"),
+            });
+        }
+    }
+    Ok(Overlap {
+        bytes: words * 4,
+        flops: k.flops(),
+        copy_ms: median(&ms[0]),
+        compute_ms: median(&ms[1]),
+        copy_then_compute_ms: median(&ms[2]),
+        compute_then_copy_ms: median(&ms[3]),
+        samples: reps as usize,
+    })
+}
+
 /// Shape of one attention benchmark.
 #[derive(Clone, Debug, Serialize)]
 pub struct AttendShape {

@@ -16,7 +16,8 @@ enum Which {
     /// The copy roofline alone.
     Copy,
     /// Host-to-GPU bandwidth, beside the copy roofline: through the queue's `write_buffer`, and
-    /// as a copy from a host-memory buffer (what an expert cache's fetch moves at).
+    /// as a copy from a host-memory buffer (what an expert cache's fetch moves at); then whether
+    /// such a copy runs beside a compute dispatch submitted with it (what a prefetch can hide).
     Upload,
     /// Decode attention over the paged pool.
     Attend,
@@ -333,6 +334,26 @@ pub fn run(gpu: &GpuArgs, a: &BenchArgs) -> Result<()> {
                         path.name()
                     );
                 }
+            }
+            let o = pollster::block_on(expertkv_core::bench::copy_compute_overlap(&rt, bytes, warmup.min(3), reps.min(20)))
+                .context("a copy beside a compute dispatch")?;
+            if a.json {
+                let mut v = serde_json::to_value(&o)?;
+                v["measure"] = "copy_compute_overlap".into();
+                v["hidden"] = o.hidden().into();
+                v["adapter"] = rt.info.name.clone().into();
+                println!("{v}");
+            } else {
+                println!(
+                    "overlap {:>10} host-to-GPU copy {:.3} ms, {:.1} GFLOP dispatch {:.3} ms; in one submission {:.3} ms (copy first), {:.3} ms (dispatch first): {:.0}% of the shorter hidden (host clock; the words and sums checked)",
+                    fmt_bytes(o.bytes),
+                    o.copy_ms,
+                    o.flops as f64 / 1e9,
+                    o.compute_ms,
+                    o.copy_then_compute_ms,
+                    o.compute_then_copy_ms,
+                    100.0 * o.hidden()
+                );
             }
             return Ok(());
         }
