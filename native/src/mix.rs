@@ -6,18 +6,19 @@
 //! more) gets its policy's split and the model is re-balanced for it
 //! ([`GpuLlama::reconfigure`]: the pool rebuilt, the expert slots too when their count changes),
 //! the weights kept. The online split is told only the prompt: when the context fills its pool,
-//! the model is re-balanced mid-request ([`GpuLlama::reconfigure_live`], the K/V carried across)
-//! and the wait counts in that step's time. The bytes the pool and the slots allocate are measured for every request and
-//! must be within the total. The policies run interleaved, request by request (after a run with
-//! every expert resident), each from empty slots, so drift in the machine's speed falls on every
-//! policy alike; `--repeat` runs the requests again.
+//! the model is re-balanced mid-request ([`GpuLlama::reconfigure_live`], the K/V carried
+//! across) and the wait counts in that step's time. The bytes the pool and the slots allocate
+//! are measured for every request (and every growth) and must be within the total. The policies
+//! run interleaved, request by request (after a run with every expert resident), each from empty
+//! slots, so drift in the machine's speed falls on every policy alike; `--repeat` runs the
+//! requests again.
 //!
 //! Quality is measured against a reference pass with the whole context and every expert in a
 //! slot: each policy's decode steps are fed the reference's greedy tokens (teacher forcing), and
 //! every step's logits are compared with the reference's (KL divergence, same top token). Speed
-//! is the decode steps' (time per output token, p50 and p99), the prompt's (time to first
-//! token) and the expert traffic, with the host-to-GPU copy bandwidth measured at the start:
-//! the zero-hit bound (every routed expert copied every token) is that bandwidth over the routed
+//! is the decode steps' (time per output token, p50 and p99), the prompt's (time to first token)
+//! and the expert traffic, with the host-to-GPU copy bandwidth measured at the start: the
+//! zero-hit bound (every routed expert copied every token) is that bandwidth over the routed
 //! expert bytes per token.
 
 use anyhow::{Context, Result, bail};
@@ -52,7 +53,7 @@ pub struct MixArgs {
     /// Split policies, comma-separated: joint, online (joint told only the prompt, growing the
     /// pool as the context does), E/K shares (50/50, 0.75/0.15),
     /// experts-first:TOKENS, cell:SLOTS:PERCENT (H2O keeping PERCENT of each context).
-    #[arg(long, default_value = "joint,50/50,0.75/0.15,experts-first:256")]
+    #[arg(long, default_value = "joint,online,50/50,0.75/0.15,experts-first:256")]
     policies: String,
     /// Which resident expert a miss replaces: lru, lfu or score.
     #[arg(long, default_value = "lru")]
