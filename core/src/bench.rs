@@ -338,6 +338,9 @@ pub struct Overlap {
     pub bytes: u64,
     /// Flops of the compute dispatch ([`FmaKernel`], sized to take about as long as the copy).
     pub flops: u64,
+    /// Median milliseconds of an empty submission (the submit and wait every figure below
+    /// includes once).
+    pub empty_ms: f64,
     /// Median milliseconds of the copy alone.
     pub copy_ms: f64,
     /// Median milliseconds of the dispatch alone.
@@ -351,16 +354,20 @@ pub struct Overlap {
 }
 
 impl Overlap {
-    /// The share of the shorter operation hidden under the longer, in the better order: 0 when
-    /// the two ran one after the other, 1 when together they took as long as the longer one.
+    /// The share of the shorter operation hidden under the longer, in the better order, each
+    /// time less the empty submission's: 0 when the two ran one after the other, 1 when
+    /// together they took as long as the longer one.
     pub fn hidden(&self) -> f64 {
-        let together = self.copy_then_compute_ms.min(self.compute_then_copy_ms);
-        (self.copy_ms + self.compute_ms - together) / self.copy_ms.min(self.compute_ms).max(1e-9)
+        let net = |ms: f64| (ms - self.empty_ms).max(0.0);
+        let together = net(self.copy_then_compute_ms.min(self.compute_then_copy_ms));
+        let (copy, compute) = (net(self.copy_ms), net(self.compute_ms));
+        (copy + compute - together) / copy.min(compute).max(1e-9)
     }
 }
 
 /// Measure [`Overlap`] for a copy of `bytes`: the dispatch's iterations are scaled so it takes
-/// about as long as the copy; then `reps` runs of each of the four (after `warmup`), interleaved
+/// about as long as the copy; then `reps` runs of each of the four and of an empty submission
+/// (after `warmup`), interleaved
 /// so drift falls on all alike. The copied words and the dispatch's outputs are checked against
 /// the host's pattern and [`fma_reference`].
 #[cfg(not(target_arch = "wasm32"))]
@@ -402,9 +409,10 @@ pub async fn copy_compute_overlap(rt: &Runtime, bytes: u64, warmup: u32, reps: u
     }
     let iters = (64.0 * median(&copy_ms) / median(&probe_ms).max(1e-6)).clamp(1.0, f64::from(1u32 << 20)) as u32;
     let k = FmaKernel::new(rt, invocations, iters).await?;
-    let mut ms: [Vec<f64>; 4] = Default::default();
+    let mut ms: [Vec<f64>; 5] = Default::default();
     for i in 0..warmup + reps {
-        let runs: [&dyn Fn(&mut wgpu::CommandEncoder); 4] = [
+        let runs: [&dyn Fn(&mut wgpu::CommandEncoder); 5] = [
+            &|_| {},
             &|e| copy(e),
             &|e| compute(e, &k),
             &|e| {
@@ -445,10 +453,11 @@ pub async fn copy_compute_overlap(rt: &Runtime, bytes: u64, warmup: u32, reps: u
     Ok(Overlap {
         bytes: words * 4,
         flops: k.flops(),
-        copy_ms: median(&ms[0]),
-        compute_ms: median(&ms[1]),
-        copy_then_compute_ms: median(&ms[2]),
-        compute_then_copy_ms: median(&ms[3]),
+        empty_ms: median(&ms[0]),
+        copy_ms: median(&ms[1]),
+        compute_ms: median(&ms[2]),
+        copy_then_compute_ms: median(&ms[3]),
+        compute_then_copy_ms: median(&ms[4]),
         samples: reps as usize,
     })
 }

@@ -345,13 +345,14 @@ pub fn run(gpu: &GpuArgs, a: &BenchArgs) -> Result<()> {
                 println!("{v}");
             } else {
                 println!(
-                    "overlap {:>10} host-to-GPU copy {:.3} ms, {:.1} GFLOP dispatch {:.3} ms; in one submission {:.3} ms (copy first), {:.3} ms (dispatch first): {:.0}% of the shorter hidden (host clock; the words and sums checked)",
+                    "overlap {:>10} host-to-GPU copy {:.3} ms, {:.1} GFLOP dispatch {:.3} ms; in one submission {:.3} ms (copy first), {:.3} ms (dispatch first), an empty submission {:.3} ms: {:.0}% of the shorter hidden (host clock; the words and sums checked)",
                     fmt_bytes(o.bytes),
                     o.copy_ms,
                     o.flops as f64 / 1e9,
                     o.compute_ms,
                     o.copy_then_compute_ms,
                     o.compute_then_copy_ms,
+                    o.empty_ms,
                     100.0 * o.hidden()
                 );
             }

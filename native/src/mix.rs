@@ -75,7 +75,7 @@ struct Served {
     prompt: u32,
     /// The split the request ran under (the last one, where the online split grew).
     split: Option<Split>,
-    /// The online split's split at admission, before it grew.
+    /// The online split's split at admission, where it grew or was refused mid-request.
     admitted: Option<Split>,
     /// Why the policy could not serve it within the total.
     refused: Option<String>,
@@ -163,14 +163,15 @@ fn serve(
     // Before each token: room for it in the pool, made by growing it when there is a `grow`.
     let room = |m: GpuLlama, s: &mut Served| -> Result<(GpuLlama, bool)> {
         let (Some(grow), true) = (grow, m.positions[0] >= m.max_context()) else { return Ok((m, true)) };
-        let (split, opts) =
-            match grow(m.positions[0] + 1).and_then(|(sp, o)| m.check_reconfigure_live(&o).map(|()| (sp, o)).map_err(Into::into)) {
-                Ok(p) => p,
-                Err(why) => {
-                    s.refused = Some(format!("at token {}: {why}", m.positions[0]));
-                    return Ok((m, false));
-                }
-            };
+        // Only the total refuses a growth; options the model cannot take are a bug, not a refusal.
+        let (split, opts) = match grow(m.positions[0] + 1) {
+            Ok(p) => p,
+            Err(why) => {
+                s.refused = Some(format!("at token {}: {why}", m.positions[0]));
+                return Ok((m, false));
+            }
+        };
+        m.check_reconfigure_live(&opts)?;
         let t = std::time::Instant::now();
         let m = pollster::block_on(m.reconfigure_live(rt, opts))?;
         rt.wait()?;
@@ -394,12 +395,12 @@ pub fn run(gpu: &GpuArgs, a: &MixArgs) -> Result<()> {
                 let online = (*pol == SplitPolicy::Online && split.h2o_budget.is_none()).then_some(&grow as Grow<'_>);
                 let (back, mut s, _) = serve(&rt, m, p, a.tokens, Some(&references[i]), online)?;
                 m = back;
+                s.admitted = (s.grown > 0 || s.refused.is_some()).then_some(split);
                 if let Some(why) = &s.refused {
                     println!("  {:<18} round {round} request {i} ({:>5} tokens): refused {why}", pol.spec(), p.len());
                     out.push(s);
                     continue;
                 }
-                s.admitted = (s.grown > 0).then_some(split);
                 s.split = s.split.or(Some(split));
                 s.allocated = s.allocated.max(allocated);
                 s.rebalance_s = rebalance_s;
@@ -423,7 +424,7 @@ pub fn run(gpu: &GpuArgs, a: &MixArgs) -> Result<()> {
                     split.slots,
                     fmt_bytes(split.kv_bytes),
                     fmt_bytes(split.expert_bytes),
-                    fmt_bytes(allocated),
+                    fmt_bytes(split.bytes()),
                     s.ttft_s,
                     100.0 * s.traffic.hit_rate(),
                     s.kl_sum / f64::from(s.compared.max(1))

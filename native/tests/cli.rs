@@ -619,12 +619,12 @@ fn bench_upload_measures_the_host_to_gpu_path() {
     let out = ok(&["bench", "upload", "--quick", "--json", "--reps", "2"]);
     let mut recs: Vec<serde_json::Value> =
         out.lines().filter(|l| l.starts_with('{')).map(|l| serde_json::from_str(l).expect("json")).collect();
-    // Last, the copy beside a compute dispatch on the one queue: four positive medians and the
-    // share hidden between 0 and 1 (within the host clock's noise).
+    // Last, the copy beside a compute dispatch on the one queue: four medians above the empty
+    // submission's and the share hidden between 0 and 1 (within the host clock's noise).
     let o = recs.pop().expect("the overlap line");
     assert_eq!((o["measure"].as_str(), o["bytes"].as_u64()), (Some("copy_compute_overlap"), Some(32 << 20)), "{out}");
     for k in ["copy_ms", "compute_ms", "copy_then_compute_ms", "compute_then_copy_ms"] {
-        assert!(o[k].as_f64().is_some_and(|t| t > 0.0), "{k}: {o}");
+        assert!(o[k].as_f64().is_some_and(|t| t > 0.0 && t > o["empty_ms"].as_f64().unwrap_or(f64::MAX)), "{k}: {o}");
     }
     assert!(o["hidden"].as_f64().is_some_and(|h| h.is_finite() && h < 1.5) && o["flops"].as_u64().is_some_and(|f| f > 0), "{o}");
     assert_eq!(recs.iter().map(|r| r["kernel"].as_str()).collect::<Vec<_>>(), [Some("copy"), Some("upload"), Some("upload")], "{out}");

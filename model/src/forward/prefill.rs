@@ -49,7 +49,7 @@ impl GpuLlama {
     /// (a chunked prefill's or a restored prefix's): a policy acting between tokens (an evicting
     /// scheduler, QUEST, a host tier), a page codec, the route stage or a pipeline router over
     /// the experts (both place a token's K/V by its routing). `None` when it can.
-    pub(super) fn kv_order_refusal(&self) -> Option<&'static str> {
+    pub fn kv_order_refusal(&self) -> Option<&'static str> {
         if self.scheduler.is_some() || self.quest.is_some() || self.flexgen.is_some() {
             Some("a scheduler acts after every token")
         } else if self.pool.cfg.codec != Codec::None {

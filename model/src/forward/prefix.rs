@@ -15,12 +15,15 @@ use expertkv_core::gpu_data::meta;
 use expertkv_core::runtime::Runtime;
 
 impl GpuLlama {
-    /// Why a prefix cannot be read or restored here: the K/V conditions of chunked prefill
-    /// (raw pages, no policy acting between tokens, no route stage), since a restored prefix
-    /// must stand where a prefill's tokens would. An expert cache does not matter (it holds
-    /// weights, not K/V). `None` when it can.
+    /// Why a stored prefix cannot be taken up here: the same conditions as chunked prefill
+    /// (raw pages, no policy acting between tokens, no route stage, no expert cache), since a
+    /// restored prefix must stand where this model's own prefill would have put it, bit for bit
+    /// (a model that must feed its prompt token by token computes its K/V in another order).
+    /// `None` when it can. [`GpuLlama::read_prefix`] and [`GpuLlama::restore_prefix`]
+    /// themselves ask less ([`GpuLlama::kv_order_refusal`]: a model's own K/V, carried across
+    /// [`GpuLlama::reconfigure_live`], needs no prefill to match).
     pub fn prefix_refusal(&self) -> Option<&'static str> {
-        self.kv_order_refusal()
+        self.chunked_prefill_refusal()
     }
 
     /// Words per token of one layer in [`GpuLlama::read_prefix`]'s format: K then V of every KV
@@ -32,7 +35,7 @@ impl GpuLlama {
     /// The K/V of positions `0..n` of sequence `seq`, per layer: `[layer][position][K heads,
     /// V heads][storage words]`. Every position must be in the pool (a prefilled prompt's are).
     pub async fn read_prefix(&self, rt: &Runtime, seq: u32, n: u32) -> Result<Vec<Vec<u32>>> {
-        if let Some(why) = self.prefix_refusal() {
+        if let Some(why) = self.kv_order_refusal() {
             return Err(Error::Input(format!("reading a prefix: {why}")));
         }
         if seq >= self.n_seqs || n > self.positions[seq as usize] {
@@ -111,7 +114,7 @@ impl GpuLlama {
     /// holds what prefilling those tokens would have left, and decoding or a prefill goes on
     /// from position `n`. Refused, with nothing changed, on a shape that is not this model's.
     pub async fn restore_prefix(&mut self, rt: &Runtime, seq: u32, n: u32, kv: &[Vec<u32>]) -> Result<()> {
-        if let Some(why) = self.prefix_refusal() {
+        if let Some(why) = self.kv_order_refusal() {
             return Err(Error::Input(format!("restoring a prefix: {why}")));
         }
         if seq >= self.n_seqs || self.positions[seq as usize] != 0 {

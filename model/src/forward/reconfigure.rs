@@ -12,7 +12,8 @@ impl GpuLlama {
     /// scheduler and step recording are built again (every sequence starts empty, at position
     /// 0), and a cached MoE file's GPU tier is remade with `opts.experts`' slots
     /// ([`crate::experts::ExpertCache::resize`]: empty slots, unless the count is unchanged).
-    /// The weights, the experts' host tier, the routing counts and the reuse curve stay; the
+    /// The weights, the experts' host tier, the routing counts, the reuse curve, the transfer
+    /// totals, the trace and the stage timer ([`GpuLlama::time_stages`]) stay; the
     /// step counter runs on, as it does when a sequence is released and another joins. The old
     /// pool and slots are dropped before the new ones are made, so the two never hold GPU memory
     /// at once.
@@ -38,6 +39,8 @@ impl GpuLlama {
             step,
             trace,
             verify_evictions,
+            timer,
+            transfer_totals,
             ..
         } = self;
         // Everything that holds the old pool's or slots' buffers goes first.
@@ -58,6 +61,7 @@ impl GpuLlama {
         let kv = kv_side(rt, &cfg, &kernels, &layers, (&io.0, io.1.as_ref(), &io.2), &opts).await?;
         let mut model = GpuLlama::assemble(cfg, kernels, layers, io, kv, &opts);
         (model.step, model.trace, model.verify_evictions) = (step, trace, verify_evictions);
+        (model.timer, model.transfer_totals) = (timer, transfer_totals);
         if let Some((layers, e, k, native, cache, counts, reuse)) = experts {
             model.install_moe(rt, layers, e, k, native, cache)?;
             if let Some(m) = &mut model.moe {
@@ -75,32 +79,37 @@ impl GpuLlama {
     /// without the change, bit for bit (the words are the append's own; the slots hold other
     /// experts but the same bytes of the ones the kernels read). The GPU never holds both pools:
     /// the carried K/V waits in host memory. The expert slots start empty when their count
-    /// changes.
+    /// changes; the step counter goes on as if nothing had been appended.
     ///
-    /// Refused, with the model kept, where [`GpuLlama::check_reconfigure_live`] refuses. An error
-    /// after the pool is dropped (the device out of memory) loses the model and the sequences.
+    /// Refused where [`GpuLlama::check_reconfigure_live`] refuses, which it calls first; call
+    /// that to keep the model on a refusal, since this takes it. Any later error (a readback, the
+    /// device out of memory) loses the model and its sequences.
     pub async fn reconfigure_live(self, rt: &Runtime, opts: ModelOptions) -> Result<GpuLlama> {
         self.check_reconfigure_live(&opts)?;
-        let positions = self.positions.clone();
+        let (positions, step) = (self.positions.clone(), self.step);
         let mut carried = Vec::with_capacity(positions.len());
         for (seq, &n) in positions.iter().enumerate() {
             carried.push(if n == 0 { Vec::new() } else { self.read_prefix(rt, seq as u32, n).await? });
         }
         let mut model = self.reconfigure(rt, opts).await?;
         for (seq, (&n, kv)) in positions.iter().zip(&carried).enumerate() {
-            model.restore_prefix(rt, seq as u32, n, kv).await?;
+            if n > 0 {
+                model.restore_prefix(rt, seq as u32, n, kv).await?;
+            }
         }
+        // Restoring counts a step per sequence; the request's steps go on from where they were.
+        model.step = step;
         Ok(model)
     }
 
     /// Whether [`GpuLlama::reconfigure_live`] takes `opts`: what [`GpuLlama::check_reconfigure`]
     /// takes, with raw pages and no policy between tokens (the conditions a restored prefix
-    /// needs, [`GpuLlama::prefix_refusal`]), as many sequences, K/V stored alike, and room for every sequence's
+    /// needs, [`GpuLlama::kv_order_refusal`]), as many sequences, K/V stored alike, and room for every sequence's
     /// next token.
     pub fn check_reconfigure_live(&self, opts: &ModelOptions) -> Result<()> {
         self.check_reconfigure(opts)?;
         let refuse = |why: String| Err(Error::Input(format!("reconfiguring live sequences: {why}")));
-        if let Some(why) = self.prefix_refusal() {
+        if let Some(why) = self.kv_order_refusal() {
             return refuse(format!("their K/V cannot be carried across: {why}"));
         }
         if opts.scheduler.is_some() || opts.codec != expertkv_core::config::Codec::None {

@@ -227,7 +227,8 @@ fn a_reconfigured_model_decodes_as_a_fresh_load_with_its_options() {
 /// and the expert slots cut from 6 to 4. Every step's logits, before and after, equal those of
 /// a model loaded with the final options and never changed, bit for bit (the K/V carried
 /// across through host memory); the pool and slots allocate what the new options predict.
-/// Changes that cannot carry the K/V are refused first, and the model decodes on.
+/// Changes that cannot carry the K/V are refused first, and the model decodes on. Then a dense
+/// file with one sequence prefilled and the other empty: the same, the empty one staying empty.
 #[test]
 fn a_model_reconfigured_mid_request_decodes_on_as_if_never_changed() {
     use expertkv_core::evict::config::SchedulerConfig;
@@ -265,6 +266,23 @@ fn a_model_reconfigured_mid_request_decodes_on_as_if_never_changed() {
             let a = pollster::block_on(want.forward(rt, &t)).expect("forward");
             let b = pollster::block_on(m.forward(rt, &t)).expect("forward");
             assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "{ctx}: logits differ");
+        }
+        let dense = SyntheticModel::dense(seed).with_weights(GgmlType::Q8_0).gguf();
+        let g = Gguf::parse(&dense).expect("gguf");
+        let grown = ModelOptions::new(2, 64);
+        let mut m = pollster::block_on(GpuLlama::load(rt, &g, ModelOptions::new(2, 24))).expect("load");
+        let mut want = pollster::block_on(GpuLlama::load(rt, &g, grown.clone())).expect("load");
+        let ids: Vec<u32> = (0..20).map(|_| rng.below(256)).collect();
+        let a = pollster::block_on(want.prefill(rt, 0, &ids)).expect("prefill");
+        let b = pollster::block_on(m.prefill(rt, 0, &ids)).expect("prefill");
+        assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "seed {seed}: dense prefill");
+        m = pollster::block_on(m.reconfigure_live(rt, grown)).expect("reconfigure_live with an empty sequence");
+        assert_eq!(m.positions, vec![20, 0], "seed {seed}");
+        for step in 0..12 {
+            let t = [rng.below(256), rng.below(256)];
+            let a = pollster::block_on(want.forward(rt, &t)).expect("forward");
+            let b = pollster::block_on(m.forward(rt, &t)).expect("forward");
+            assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "seed {seed}: dense step {step}: logits differ");
         }
     }
 }
