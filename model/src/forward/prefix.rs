@@ -10,6 +10,7 @@
 
 use super::GpuLlama;
 use crate::{Error, Result};
+use expertkv_core::append::PoolSnapshot;
 use expertkv_core::append::format::NewToken;
 use expertkv_core::gpu_data::meta;
 use expertkv_core::runtime::Runtime;
@@ -35,18 +36,36 @@ impl GpuLlama {
     /// The K/V of positions `0..n` of sequence `seq`, per layer: `[layer][position][K heads,
     /// V heads][storage words]`. Every position must be in the pool (a prefilled prompt's are).
     pub async fn read_prefix(&self, rt: &Runtime, seq: u32, n: u32) -> Result<Vec<Vec<u32>>> {
+        let mut out = self.read_prefixes(rt, &[(seq, n)]).await?;
+        Ok(out.pop().unwrap_or_default())
+    }
+
+    /// [`GpuLlama::read_prefix`] of several `(sequence, positions)` at once, from one snapshot
+    /// of the pool's tables; every request is checked before anything is read.
+    pub(super) async fn read_prefixes(&self, rt: &Runtime, wanted: &[(u32, u32)]) -> Result<Vec<Vec<Vec<u32>>>> {
         if let Some(why) = self.kv_order_refusal() {
             return Err(Error::Input(format!("reading a prefix: {why}")));
         }
-        if seq >= self.n_seqs || n > self.positions[seq as usize] {
-            return Err(Error::Input(format!(
-                "reading {n} positions of sequence {seq}: it holds {} (of {} sequences)",
-                self.positions.get(seq as usize).copied().unwrap_or(0),
-                self.n_seqs
-            )));
+        for &(seq, n) in wanted {
+            if seq >= self.n_seqs || n > self.positions[seq as usize] {
+                return Err(Error::Input(format!(
+                    "reading {n} positions of sequence {seq}: it holds {} (of {} sequences)",
+                    self.positions.get(seq as usize).copied().unwrap_or(0),
+                    self.n_seqs
+                )));
+            }
         }
-        let c = self.pool.cfg.clone();
         let snap = self.pool.snapshot(rt).await?;
+        let mut out = Vec::with_capacity(wanted.len());
+        for &(seq, n) in wanted {
+            out.push(self.prefix_words(rt, &snap, seq, n).await?);
+        }
+        Ok(out)
+    }
+
+    /// One sequence's positions `0..n`, found in `snap` (the pool's tables now), per layer.
+    async fn prefix_words(&self, rt: &Runtime, snap: &PoolSnapshot, seq: u32, n: u32) -> Result<Vec<Vec<u32>>> {
+        let c = &self.pool.cfg;
         let (r, ns, mw, vw) = (c.ring_capacity as usize, c.n_shards as usize, c.meta_words() as usize, c.vec_words() as usize);
         let (pw, ppb) = (u64::from(c.page_words()), self.pool.geo.pages_per_buffer);
         let hkv = c.kv_heads as usize;

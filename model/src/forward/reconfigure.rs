@@ -86,16 +86,13 @@ impl GpuLlama {
     /// device out of memory) loses the model and its sequences.
     pub async fn reconfigure_live(self, rt: &Runtime, opts: ModelOptions) -> Result<GpuLlama> {
         self.check_reconfigure_live(&opts)?;
-        let (positions, step) = (self.positions.clone(), self.step);
-        let mut carried = Vec::with_capacity(positions.len());
-        for (seq, &n) in positions.iter().enumerate() {
-            carried.push(if n == 0 { Vec::new() } else { self.read_prefix(rt, seq as u32, n).await? });
-        }
+        let step = self.step;
+        // The sequences holding tokens, read out from one snapshot of the pool's tables.
+        let live: Vec<(u32, u32)> = (0..self.n_seqs).zip(self.positions.iter().copied()).filter(|&(_, n)| n > 0).collect();
+        let carried = self.read_prefixes(rt, &live).await?;
         let mut model = self.reconfigure(rt, opts).await?;
-        for (seq, (&n, kv)) in positions.iter().zip(&carried).enumerate() {
-            if n > 0 {
-                model.restore_prefix(rt, seq as u32, n, kv).await?;
-            }
+        for (&(seq, n), kv) in live.iter().zip(&carried) {
+            model.restore_prefix(rt, seq, n, kv).await?;
         }
         // Restoring counts a step per sequence; the request's steps go on from where they were.
         model.step = step;
