@@ -281,19 +281,51 @@ impl UploadPath {
     }
 }
 
+/// The words a host-to-GPU benchmark uploads: a pattern over `bytes / 4` words (within one
+/// storage binding), and the check of a GPU buffer's first and last 1,024 against it.
+#[cfg(not(target_arch = "wasm32"))]
+struct UploadPattern {
+    words: u64,
+    host: Vec<u32>,
+}
+
+#[cfg(not(target_arch = "wasm32"))]
+impl UploadPattern {
+    fn word(i: u32) -> u32 {
+        i.wrapping_mul(0x9E37_79B9) ^ 0x5bd1_e995
+    }
+
+    /// The pattern for `bytes`, refused (as `what`) past a storage binding or with no timed run.
+    fn new(rt: &Runtime, bytes: u64, reps: u32, what: &str) -> Result<UploadPattern> {
+        let words = (bytes / 4).max(1);
+        if words * 4 > rt.max_binding_bytes() || words > u64::from(u32::MAX) || reps == 0 {
+            return Err(Error::Input(format!("{what}: {bytes} bytes, {reps} runs")));
+        }
+        Ok(UploadPattern { words, host: (0..words as u32).map(Self::word).collect() })
+    }
+
+    /// Whether `buf` begins and ends with the pattern's words.
+    async fn check(&self, rt: &Runtime, buf: &wgpu::Buffer, what: &str) -> Result<()> {
+        let (words, n) = (self.words, self.words.min(1024));
+        let head: Vec<u32> = rt.read(buf, 0, n).await?;
+        let tail: Vec<u32> = rt.read(buf, words - n, n).await?;
+        let want = |first: u64| (first..first + n).map(|i| Self::word(i as u32)).collect::<Vec<u32>>();
+        if head != want(0) || tail != want(words - n) {
+            return Err(Error::Gpu { during: what.into(), message: "the uploaded words differ from the host's".into() });
+        }
+        Ok(())
+    }
+}
+
 /// Host-to-GPU bandwidth over `path`: `bytes` of a host pattern into a GPU buffer, each run timed
 /// on the host from the call until the GPU has finished it, median over `reps` after `warmup`;
 /// then the buffer's first and last words are read back and checked against the pattern.
 #[cfg(not(target_arch = "wasm32"))]
 pub async fn upload_bandwidth(rt: &Runtime, path: UploadPath, bytes: u64, warmup: u32, reps: u32) -> Result<Measurement> {
-    let words = (bytes / 4).max(1);
-    if words * 4 > rt.max_binding_bytes() || words > u64::from(u32::MAX) || reps == 0 {
-        return Err(Error::Input(format!("upload bandwidth: {bytes} bytes, {reps} runs")));
-    }
-    let pattern = |i: u32| i.wrapping_mul(0x9E37_79B9) ^ 0x5bd1_e995;
-    let host: Vec<u32> = (0..words as u32).map(pattern).collect();
+    let up = UploadPattern::new(rt, bytes, reps, "upload bandwidth")?;
+    let (words, host) = (up.words, &up.host);
     let buf = rt.storage("bench upload", words * 4);
-    let source = (path == UploadPath::HostCopy).then(|| rt.host_copy_source("bench upload (host)", &host));
+    let source = (path == UploadPath::HostCopy).then(|| rt.host_copy_source("bench upload (host)", host));
     let mut times = Vec::with_capacity(reps as usize);
     for i in 0..warmup + reps {
         let t0 = std::time::Instant::now();
@@ -304,7 +336,7 @@ pub async fn upload_bandwidth(rt: &Runtime, path: UploadPath, bytes: u64, warmup
                 rt.queue.submit([enc.finish()]);
             }
             None => {
-                rt.queue.write_buffer(&buf, 0, bytemuck::cast_slice(&host));
+                rt.queue.write_buffer(&buf, 0, bytemuck::cast_slice(host));
                 rt.queue.submit([]);
             }
         }
@@ -313,13 +345,7 @@ pub async fn upload_bandwidth(rt: &Runtime, path: UploadPath, bytes: u64, warmup
             times.push(t0.elapsed().as_secs_f64() * 1e3);
         }
     }
-    let n = words.min(1024);
-    let head: Vec<u32> = rt.read(&buf, 0, n).await?;
-    let tail: Vec<u32> = rt.read(&buf, words - n, n).await?;
-    let want = |first: u64| (first..first + n).map(|i| pattern(i as u32)).collect::<Vec<u32>>();
-    if head != want(0) || tail != want(words - n) {
-        return Err(Error::Gpu { during: "upload bandwidth".into(), message: "the uploaded words differ from the host's".into() });
-    }
+    up.check(rt, &buf, "upload bandwidth").await?;
     Ok(Measurement {
         median_ms: median(&times),
         min_ms: times.iter().copied().fold(f64::INFINITY, f64::min),
@@ -372,13 +398,9 @@ impl Overlap {
 /// the host's pattern and [`fma_reference`].
 #[cfg(not(target_arch = "wasm32"))]
 pub async fn copy_compute_overlap(rt: &Runtime, bytes: u64, warmup: u32, reps: u32) -> Result<Overlap> {
-    let words = (bytes / 4).max(1);
-    if words * 4 > rt.max_binding_bytes() || words > u64::from(u32::MAX) || reps == 0 {
-        return Err(Error::Input(format!("copy and compute overlap: {bytes} bytes, {reps} runs")));
-    }
-    let pattern = |i: u32| i.wrapping_mul(0x85EB_CA6B) ^ 0xC2B2_AE35;
-    let host: Vec<u32> = (0..words as u32).map(pattern).collect();
-    let src = rt.host_copy_source("bench overlap (host)", &host);
+    let up = UploadPattern::new(rt, bytes, reps, "copy and compute overlap")?;
+    let words = up.words;
+    let src = rt.host_copy_source("bench overlap (host)", &up.host);
     let dst = rt.storage("bench overlap", words * 4);
     let invocations = 1 << 20;
     // How long is the copy, and how many iterations take the dispatch as long.
@@ -433,13 +455,7 @@ pub async fn copy_compute_overlap(rt: &Runtime, bytes: u64, warmup: u32, reps: u
             }
         }
     }
-    let n = words.min(1024);
-    let head: Vec<u32> = rt.read(&dst, 0, n).await?;
-    let tail: Vec<u32> = rt.read(&dst, words - n, n).await?;
-    let want = |first: u64| (first..first + n).map(|i| pattern(i as u32)).collect::<Vec<u32>>();
-    if head != want(0) || tail != want(words - n) {
-        return Err(Error::Gpu { during: "copy and compute overlap".into(), message: "the copied words differ from the host's".into() });
-    }
+    up.check(rt, &dst, "copy and compute overlap").await?;
     let outs: Vec<f32> = rt.read(&k.out, 0, 4 * 64).await?;
     for (i, got) in outs.chunks(4).enumerate() {
         let want = fma_reference(i as u32, iters);
