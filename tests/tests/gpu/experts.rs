@@ -163,6 +163,18 @@ fn an_expert_cache_too_small_for_a_step_is_refused() {
     assert!(ExpertPolicy::from_name("mru").is_err_and(|e| e.to_string().contains("lru, lfu, score")));
 }
 
+/// An on-demand LRU cache of `slots` slots a layer, as the re-balancing tests' options take it.
+fn lru(slots: u32) -> Option<ExpertCacheConfig> {
+    Some(ExpertCacheConfig::on_demand(slots, ExpertPolicy::Lru))
+}
+
+/// A MoE file's configuration and the bytes its expert slots take.
+fn config_and_expert_bytes(g: &Gguf<'_>) -> (expertkv_model::LlamaConfig, expertkv_model::experts::ExpertBytes) {
+    let c = expertkv_model::LlamaConfig::from_gguf(g).expect("config");
+    let eb = expertkv_model::experts::ExpertBytes::of(g, &c).expect("bytes").expect("a MoE file");
+    (c, eb)
+}
+
 /// One loaded MoE file re-balanced three times (`GpuLlama::reconfigure`): 2 expert slots and the
 /// full cache, then 3 slots and H2O's budget-sized pool, then 3 slots (kept, with their experts)
 /// and the full cache again; then once more with the slots emptied (`empty_expert_slots`). After each, a fresh sequence's logits equal those of a model loaded
@@ -171,15 +183,12 @@ fn an_expert_cache_too_small_for_a_step_is_refused() {
 #[test]
 fn a_reconfigured_model_decodes_as_a_fresh_load_with_its_options() {
     use expertkv_core::evict::config::SchedulerConfig;
-    use expertkv_model::experts::ExpertBytes;
     let rt = rt();
     for seed in seeds("model_reconfigure", 1) {
         let mut rng = Rng::new(seed);
         let file = SyntheticModel::moe(seed, 8, 2).with_weights(GgmlType::Q8_0).gguf();
         let g = Gguf::parse(&file).expect("gguf");
-        let c = expertkv_model::LlamaConfig::from_gguf(&g).expect("config");
-        let eb = ExpertBytes::of(&g, &c).expect("bytes").expect("a MoE file");
-        let lru = |slots| Some(ExpertCacheConfig::on_demand(slots, ExpertPolicy::Lru));
+        let (c, eb) = config_and_expert_bytes(&g);
         let full = ModelOptions::new(1, 64).dtype(KvDtype::F32);
         let h2o = full.clone().scheduler(Some((SchedulerConfig::default_for("h2o").expect("h2o"), 16)));
         let plans =
@@ -232,15 +241,12 @@ fn a_reconfigured_model_decodes_as_a_fresh_load_with_its_options() {
 #[test]
 fn a_model_reconfigured_mid_request_decodes_on_as_if_never_changed() {
     use expertkv_core::evict::config::SchedulerConfig;
-    use expertkv_model::experts::ExpertBytes;
     let rt = rt();
     for seed in seeds("model_reconfigure_live", 1) {
         let mut rng = Rng::new(seed);
         let file = SyntheticModel::moe(seed, 8, 2).with_weights(GgmlType::Q8_0).gguf();
         let g = Gguf::parse(&file).expect("gguf");
-        let c = expertkv_model::LlamaConfig::from_gguf(&g).expect("config");
-        let eb = ExpertBytes::of(&g, &c).expect("bytes").expect("a MoE file");
-        let lru = |slots| Some(ExpertCacheConfig::on_demand(slots, ExpertPolicy::Lru));
+        let (c, eb) = config_and_expert_bytes(&g);
         let grown = ModelOptions::new(2, 64).expert_cache(lru(4));
         let mut m = pollster::block_on(GpuLlama::load(rt, &g, ModelOptions::new(2, 24).expert_cache(lru(6)))).expect("load");
         let mut want = pollster::block_on(GpuLlama::load(rt, &g, grown.clone())).expect("load");
