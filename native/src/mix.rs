@@ -143,8 +143,20 @@ fn percentile(v: &[f64], q: f64) -> f64 {
 }
 
 /// How [`serve`] grows the pool when a request's context fills it (the online split): the
-/// split for a live context of this many tokens, and the options that make it.
-type Grow<'a> = &'a dyn Fn(u32) -> anyhow::Result<(Split, ModelOptions)>;
+/// split for a live context of this many tokens and the options that make it, within `total`.
+struct Grow<'a> {
+    split: &'a dyn Fn(u32) -> anyhow::Result<(Split, ModelOptions)>,
+    total: u64,
+}
+
+/// The bytes `m`'s pool and slots allocate, which must be `split`'s and within `total`.
+fn allocated_as_planned(m: &GpuLlama, split: &Split, total: u64, what: &str) -> Result<u64> {
+    let allocated = m.kv_bytes_allocated() + m.expert_bytes_allocated();
+    if allocated > total || allocated != split.bytes() {
+        bail!("{what} allocated {allocated} bytes where {} were planned within {total}", split.bytes());
+    }
+    Ok(allocated)
+}
 
 /// Feed `prompt` token by token, then decode `tokens` steps: greedy, or fed the reference's
 /// tokens and compared with its logits. With `grow`, a context that fills the pool re-balances
@@ -162,9 +174,9 @@ fn serve(
     let mut s = Served { prompt: prompt.len() as u32, ..Default::default() };
     // Before each token: room for it in the pool, made by growing it when there is a `grow`.
     let room = |m: GpuLlama, s: &mut Served| -> Result<(GpuLlama, bool)> {
-        let (Some(grow), true) = (grow, m.positions[0] >= m.max_context()) else { return Ok((m, true)) };
+        let (Some(grow), true) = (&grow, m.positions[0] >= m.max_context()) else { return Ok((m, true)) };
         // Only the total refuses a growth; options the model cannot take are a bug, not a refusal.
-        let (split, opts) = match grow(m.positions[0] + 1) {
+        let (split, opts) = match (grow.split)(m.positions[0] + 1) {
             Ok(p) => p,
             Err(why) => {
                 s.refused = Some(format!("at token {}: {why}", m.positions[0]));
@@ -178,15 +190,8 @@ fn serve(
         s.grow_s += t.elapsed().as_secs_f64();
         s.grown += 1;
         s.split = Some(split);
-        s.allocated = s.allocated.max(m.kv_bytes_allocated() + m.expert_bytes_allocated());
-        if m.kv_bytes_allocated() + m.expert_bytes_allocated() != split.bytes() {
-            bail!(
-                "growing to {} tokens allocated {} bytes where {} were planned",
-                split.pool_tokens,
-                m.kv_bytes_allocated() + m.expert_bytes_allocated(),
-                split.bytes()
-            );
-        }
+        let allocated = allocated_as_planned(&m, &split, grow.total, &format!("growing to {} tokens", split.pool_tokens))?;
+        s.allocated = s.allocated.max(allocated);
         Ok((m, true))
     };
     let t0 = std::time::Instant::now();
@@ -384,15 +389,12 @@ pub fn run(gpu: &GpuArgs, a: &MixArgs) -> Result<()> {
                 m.empty_expert_slots(&rt);
                 rt.wait()?;
                 let rebalance_s = t.elapsed().as_secs_f64();
-                let allocated = m.kv_bytes_allocated() + m.expert_bytes_allocated();
-                if allocated > total || allocated != split.bytes() {
-                    bail!("{}: request {i} allocated {allocated} bytes where {} were planned within {total}", pol.spec(), split.bytes());
-                }
+                let allocated = allocated_as_planned(&m, &split, total, &format!("{}: request {i}", pol.spec()))?;
                 let grow = |context: u32| -> Result<(Split, ModelOptions)> {
                     let s = pol.grow(&inputs, context)?;
                     Ok((s, options(&s)))
                 };
-                let online = (*pol == SplitPolicy::Online && split.h2o_budget.is_none()).then_some(&grow as Grow<'_>);
+                let online = (*pol == SplitPolicy::Online && split.h2o_budget.is_none()).then_some(Grow { split: &grow, total });
                 let (back, mut s, _) = serve(&rt, m, p, a.tokens, Some(&references[i]), online)?;
                 m = back;
                 s.admitted = (s.grown > 0 || s.refused.is_some()).then_some(split);
