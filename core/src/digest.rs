@@ -131,16 +131,16 @@ impl DecisionDigest {
             self.words(r.experts.iter().map(|&e| u64::from(e)));
             self.words([r.pages_read, r.pages_in_use, r.tokens_evicted, r.slots_moved, r.pages_freed]);
         }
-        let stats = p.router.read_stats(rt).await?;
+        let stats = p.router().read_stats(rt).await?;
         self.words(stats.iter().flat_map(|s| [u64::from(s.appended), u64::from(s.resident), u64::from(s.count)]));
-        let snap = p.pool.snapshot(rt).await?;
+        let snap = p.kv.pool.snapshot(rt).await?;
         self.words(snap.rings.iter().flat_map(|r| [u64::from(r.head), u64::from(r.count), u64::from(r.fill)]));
         self.words(snap.page_meta.iter().flat_map(|m| [u64::from(m.owner), u64::from(m.fill)]));
         let top = (snap.ctl.free_top as usize).min(snap.free_stack.len());
         self.words(snap.free_stack[..top].iter().map(|&x| u64::from(x)));
         let c = snap.ctl;
         self.words([c.free_top, c.codec_free_top, c.tokens_appended, c.pages_released, c.pages_evicted, c.ring_overflows].map(u64::from));
-        self.fingerprint.extend(output_fingerprint(&p.attn.read_output(rt).await?));
+        self.fingerprint.extend(output_fingerprint(&p.kv.attn.read_output(rt).await?));
         self.steps += 1;
         Ok(())
     }

@@ -86,6 +86,7 @@ pub mod reference;
 pub mod rng;
 pub mod route;
 pub mod runtime;
+pub mod step;
 pub mod trace;
 pub mod workload;
 

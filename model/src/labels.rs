@@ -15,12 +15,12 @@
 use crate::math::{dot, rms_norm};
 use crate::ops::{GpuMatrix, ModelKernels, Recorded};
 use crate::{Error, Result};
-use expertkv_core::append::{KvPool, Routed, StagedRouting};
 use expertkv_core::config::ShardMap;
 use expertkv_core::evict::config::EkvaConfig;
 use expertkv_core::route::config::RouterConfig;
 use expertkv_core::route::{RouteShape, Router};
 use expertkv_core::runtime::Runtime;
+use expertkv_core::step::RouteSpec;
 
 /// Where the model's routing labels come from (named in every output that shows them).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -81,12 +81,19 @@ impl KvRouting {
     }
 }
 
-/// The route stage of every layer: the engine's router and the append's routing passes (made
-/// with the pool), and, once a routing source is installed, its scoring dispatches.
+impl KvRouting {
+    /// The route stage these labels need on the K/V side ([`expertkv_core::step::KvSideConfig`]):
+    /// `tokens` a layer and step.
+    pub fn route_spec(&self, tokens: u32) -> RouteSpec {
+        RouteSpec { router: self.router.clone(), n_experts: self.n_experts, max_tokens: tokens, ema: 0.1 }
+    }
+}
+
+/// The route stage's scores on the model: once a routing source is installed, each layer's
+/// tokens scored by its router from the residual stream, written into the route stage's
+/// logits (the router itself, with its statistics, is the K/V side's:
+/// [`expertkv_core::step::KvSide::route`]).
 pub(crate) struct KvLabels {
-    pub router: Router,
-    /// Per layer: the append's pass copying the router's choice into the token records.
-    staged: Vec<StagedRouting>,
     scores: wgpu::Buffer,
     xr: wgpu::Buffer,
     /// The routing source, once installed ([`KvLabels::install`]).
@@ -107,32 +114,26 @@ pub(crate) struct ScoreInputs<'a> {
 }
 
 impl KvLabels {
-    /// The route stage of `pool` (its top k and layers are the router's) for `n` tokens per
-    /// layer and step, with no routing source yet.
-    pub(crate) async fn new(rt: &Runtime, pool: &mut KvPool, routing: &KvRouting, n: u32, hidden: u32) -> Result<KvLabels> {
+    /// Scores for `n` tokens a layer and step of `routing`'s experts, with no routing source yet.
+    pub(crate) fn new(rt: &Runtime, routing: &KvRouting, n: u32, hidden: u32) -> Result<KvLabels> {
         routing.validate()?;
-        let shape = RouteShape { n_experts: routing.n_experts, top_k: routing.top_k, layers: pool.cfg.layers, max_tokens: n };
-        let mut router = Router::new(rt, routing.router.clone(), shape, 0.1).await?;
-        router.bind_pool(rt, pool)?;
-        let routed = Routed { experts: &router.experts, gates: &router.gates, per_layer: n, row_stride: n };
-        let staged =
-            (0..pool.cfg.layers).map(|l| pool.bind_staged_routing(rt, routed, l, n)).collect::<std::result::Result<Vec<_>, _>>()?;
         let xr = rt.storage("labels xr", u64::from(n * hidden) * 4);
         let scores = rt.storage("labels scores", u64::from(n * routing.n_experts) * 4);
-        Ok(KvLabels { router, staged, scores, xr, source: None, recorded: Vec::new(), _weights: Vec::new() })
+        Ok(KvLabels { scores, xr, source: None, recorded: Vec::new(), _weights: Vec::new() })
     }
 
-    /// Score with `weights` (per layer `[E][hidden]` f32, row-major) from now on.
+    /// Score with `weights` (per layer `[E][hidden]` f32, row-major) from now on, for `router`'s
+    /// layers, experts and tokens.
     pub(crate) fn install(
         &mut self,
         rt: &Runtime,
         kernels: &ModelKernels,
-        source: LabelSource,
+        (source, router): (LabelSource, &Router),
         weights: &[Vec<f32>],
         inputs: ScoreInputs<'_>,
     ) -> Result<()> {
         let ScoreInputs { h, ffn_norms, hidden, eps } = inputs;
-        let RouteShape { n_experts: e, layers, max_tokens: n, .. } = self.router.shape;
+        let RouteShape { n_experts: e, layers, max_tokens: n, .. } = router.shape;
         if self.source.is_some() {
             return Err(Error::config(
                 "labels",
@@ -161,47 +162,27 @@ impl KvLabels {
         rt.check("routing labels")
     }
 
-    /// Stage every layer's router parameters for this step (tokens numbered consecutively over
-    /// the steps and layers: the hash router's ids).
-    pub(crate) fn prepare(&self, rt: &Runtime, step: u32) -> Result<()> {
-        let RouteShape { layers, max_tokens: n, .. } = self.router.shape;
-        for l in 0..layers {
-            self.router.prepare(rt, l, n, step.wrapping_mul(n * layers).wrapping_add(l * n))?;
-        }
-        Ok(())
-    }
-
-    /// Score layer `l`'s tokens and route them (once the layer's input is in the residual
-    /// stream, before its append).
-    pub(crate) fn encode(&self, enc: &mut wgpu::CommandEncoder, l: u32) {
-        let RouteShape { n_experts: e, max_tokens: n, .. } = self.router.shape;
+    /// Score layer `l`'s tokens into `router`'s logits (once the layer's input is in the
+    /// residual stream; the route stage routes them before the layer's append).
+    pub(crate) fn encode_scores<P>(&self, rec: &mut expertkv_core::step::Recorder<'_, P>, router: &Router, l: u32) {
+        let RouteShape { n_experts: e, max_tokens: n, .. } = router.shape;
         let (e, n64) = (u64::from(e), u64::from(n));
-        self.recorded[l as usize].encode(&mut enc.begin_compute_pass(&pass("model route scores")));
-        enc.copy_buffer_to_buffer(&self.scores, 0, &self.router.logits, u64::from(l) * n64 * e * 4, n64 * e * 4);
-        self.router.encode(&mut enc.begin_compute_pass(&pass("model route")), l, n);
-    }
-
-    /// The experts the route stage chose in the last step, `[layer][token][k]`, in one read
-    /// (the router's rows per layer are exactly the step's tokens).
-    pub(crate) async fn experts(&self, rt: &Runtime) -> Result<Vec<u32>> {
-        let RouteShape { layers, max_tokens, top_k, .. } = self.router.shape;
-        rt.read(&self.router.experts, 0, u64::from(layers * max_tokens * top_k)).await
-    }
-
-    /// Their gates, laid out as [`KvLabels::experts`].
-    pub(crate) async fn gates(&self, rt: &Runtime) -> Result<Vec<f32>> {
-        let RouteShape { layers, max_tokens, top_k, .. } = self.router.shape;
-        rt.read(&self.router.gates, 0, u64::from(layers * max_tokens * top_k)).await
-    }
-
-    /// The append's routing pass of layer `l`.
-    pub(crate) fn staged(&self, l: u32) -> &StagedRouting {
-        &self.staged[l as usize]
+        rec.pass("route", |p| self.recorded[l as usize].encode(p));
+        rec.enc().copy_buffer_to_buffer(&self.scores, 0, &router.logits, u64::from(l) * n64 * e * 4, n64 * e * 4);
     }
 }
 
-fn pass(label: &str) -> wgpu::ComputePassDescriptor<'_> {
-    wgpu::ComputePassDescriptor { label: Some(label), timestamp_writes: None }
+/// The experts the route stage chose in the last step, `[layer][token][k]`, in one read (the
+/// router's rows per layer are exactly the step's tokens).
+pub(crate) async fn routed_experts(rt: &Runtime, router: &Router) -> Result<Vec<u32>> {
+    let RouteShape { layers, max_tokens, top_k, .. } = router.shape;
+    rt.read(&router.experts, 0, u64::from(layers * max_tokens * top_k)).await
+}
+
+/// Their gates, laid out as [`routed_experts`].
+pub(crate) async fn routed_gates(rt: &Runtime, router: &Router) -> Result<Vec<f32>> {
+    let RouteShape { layers, max_tokens, top_k, .. } = router.shape;
+    rt.read(&router.gates, 0, u64::from(layers * max_tokens * top_k)).await
 }
 
 /// The CPU reference of the route stage's scores: `W_router . ffn_norm(x)` for a layer input

@@ -333,10 +333,10 @@ impl TextModel {
     /// The sequence's K/V: context, pages and bytes in use against a full f16 cache, evictions.
     pub async fn stats(&self, rt: &Runtime) -> Result<KvStats> {
         let m = &self.llama;
-        let c = &m.pool.cfg;
-        let ctl = m.pool.read_ctl(rt).await?;
+        let c = &m.kv.pool.cfg;
+        let ctl = m.kv.pool.read_ctl(rt).await?;
         let pages_in_use = c.pages_in_use(&ctl);
-        let evicted = match &m.scheduler {
+        let evicted = match &m.kv.scheduler {
             Some(s) => s.read_lists(rt).await?.iter().map(|l| u64::from(l.evicted_total)).sum(),
             None => 0,
         };

@@ -72,8 +72,8 @@ pub fn run(
         s.finish();
     }
     let secs = t0.elapsed().as_secs_f64();
-    let ctl = pollster::block_on(m.pool.read_ctl(rt))?;
-    let used = m.pool.cfg.n_pages - ctl.free_top;
+    let ctl = pollster::block_on(m.kv.pool.read_ctl(rt))?;
+    let used = m.kv.pool.cfg.n_pages - ctl.free_top;
     println!(
         "batch: {} prompts, {n} sequences at a time, {} steps in {secs:.2} s: {} prompt and {} generated tokens \
 ({:.2} tokens/s in all); {} idle sequence-steps; {} dispatches per step ({:.1} per layer); K/V pages in use after: {used}",

@@ -361,16 +361,16 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
             rt.info.backend,
             rt.info.device_type,
             rt.tier.name(),
-            p.attn.describe(),
+            p.kv.attn.describe(),
             rt.checks.name()
         );
         println!(
             "pool: {} pages x {} = {} of K/V in {} buffer(s), {} of metadata",
             pool_cfg.n_pages,
             fmt_bytes(pool_cfg.page_bytes()),
-            fmt_bytes(p.pool.kv_bytes_allocated()),
-            p.pool.n_buffers(),
-            fmt_bytes(p.pool.meta_bytes_allocated())
+            fmt_bytes(p.kv.pool.kv_bytes_allocated()),
+            p.kv.pool.n_buffers(),
+            fmt_bytes(p.kv.pool.meta_bytes_allocated())
         );
         if pool_cfg.codec != Codec::None {
             println!(
@@ -378,7 +378,7 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
                 pool_cfg.codec.name(),
                 pool_cfg.codec_pages,
                 fmt_bytes(pool_cfg.codec_page_bytes()),
-                fmt_bytes(p.pool.codec_bytes_allocated()),
+                fmt_bytes(p.kv.pool.codec_bytes_allocated()),
                 fmt_bytes(pool_cfg.codec_page_bytes() / u64::from(pool_cfg.page_size)),
                 fmt_bytes(pool_cfg.page_bytes() / u64::from(pool_cfg.page_size))
             );
@@ -398,9 +398,7 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
         if p.fused() {
             println!("decode steps: one submission each (no host round trip)");
         } else {
-            println!(
-                "decode steps: staged submissions (the CPU lockstep, the full-cache reference, a host tier or QUEST read back mid-step)"
-            );
+            println!("decode steps: staged submissions (the CPU lockstep, the full-cache reference or a host tier read back mid-step)");
         }
         if let (Some(sch), Ok(Some(b))) = (&cfg.scheduler, cfg.budget_tokens()) {
             println!(
@@ -513,7 +511,7 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
             .collect();
         println!("ekva budget split at the last eviction ({total} tokens): {}", parts.join(", "));
     }
-    if let Some((fg, _)) = &p.flexgen
+    if let Some((fg, _)) = &p.kv.flexgen
         && !a.json
     {
         println!("{}", flexgen_line(&fg.stats));
@@ -534,7 +532,7 @@ pub fn run(gpu: &GpuArgs, a: &DemoArgs) -> Result<()> {
             println!("metrics: {}", path.display());
         }
     }
-    if let Some(q) = &p.quest
+    if let Some(q) = &p.kv.quest
         && !a.json
     {
         println!("quest: attention reads at most {} pages per (layer, sequence, KV head) list", q.keep_pages);

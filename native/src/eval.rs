@@ -438,7 +438,7 @@ fn score(rt: &Runtime, g: &Gguf<'_>, ids: &[u32], c: &Config, bar: &ProgressBar)
     });
     let stats = pollster::block_on(m.label_stats(rt))?;
     let label_miss_rate =
-        (m.scheduler.is_some() && !stats.is_empty()).then(|| stats.iter().map(|s| f64::from(s.miss)).sum::<f64>() / stats.len() as f64);
+        (m.kv.scheduler.is_some() && !stats.is_empty()).then(|| stats.iter().map(|s| f64::from(s.miss)).sum::<f64>() / stats.len() as f64);
     let (same, of) = m.label_agreement();
     let label_agreement = (of > 0).then(|| same as f64 / of as f64);
     let experts = m.expert_cache().map(|c| (c.total.hit_rate(), c.total.bytes as f64 / 1e6 / ids.len().max(1) as f64));

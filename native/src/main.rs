@@ -22,13 +22,11 @@ mod replay;
 mod routing;
 mod run;
 mod soak;
-mod soak_model;
 mod store;
 mod suite;
 mod sweep;
 mod synth;
 mod view;
-mod view_model;
 
 #[derive(Parser)]
 #[command(name = "expertkv", version, about = "Expert-aware KV cache management for MoE decoding, on wgpu")]

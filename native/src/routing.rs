@@ -88,7 +88,7 @@ impl RoutingArgs {
 pub fn summary(rt: &Runtime, m: &GpuLlama) -> Result<Option<String>> {
     let (Some(source), Some(router)) = (m.label_source(), m.label_router()) else { return Ok(None) };
     let stats = pollster::block_on(m.label_stats(rt))?;
-    let c = &m.pool.cfg;
+    let c = &m.kv.pool.cfg;
     let e = stats.len() / c.layers.max(1) as usize;
     if e == 0 {
         return Ok(None);

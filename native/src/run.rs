@@ -404,7 +404,7 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
         m.record_trace(TraceSink::new(Box::new(std::io::BufWriter::new(out)), &header)?);
     }
     if a.verify_evictions {
-        if m.scheduler.is_none() {
+        if m.kv.scheduler.is_none() {
             bail!(
                 "--verify-evictions checks an evicting scheduler's evictions: give --scheduler (h2o, streaming-llm, lru, lru-plus, adakv, duo, fastv-tokens)"
             );
@@ -434,7 +434,7 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
         c.head_dim,
         c.vocab_size,
         t0.elapsed().as_secs_f64(),
-        fmt_bytes(m.pool.cfg.page_bytes() * u64::from(m.pool.cfg.n_pages)),
+        fmt_bytes(m.kv.pool.cfg.page_bytes() * u64::from(m.kv.pool.cfg.n_pages)),
         dtype.name()
     );
     if moe.is_some() && c.expert_count > 0 {
@@ -473,7 +473,7 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
         m.set_labels(&rt, &experts).context("the labelling router")?;
         println!("labels: {} experts per layer, top-{} per token, the FFN dense; {how}", spec.config.experts, spec.config.top_k);
     }
-    if let (Some((tier, limit)), Some((fg, _))) = (spill, m.flexgen.as_mut()) {
+    if let (Some((tier, limit)), Some((fg, _))) = (spill, m.kv.flexgen.as_mut()) {
         fg.set_spill(Box::new(tier), limit)?;
     }
     if let (Some(_), Some(why)) = (&kv_store, m.prefix_refusal()) {
@@ -481,7 +481,7 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     }
     if let Some(prompts) = &batch {
         crate::batch::run(&rt, &mut m, &tok, prompts, kv_store.as_mut(), a)?;
-        if let Some((fg, _)) = m.flexgen.as_mut() {
+        if let Some((fg, _)) = m.kv.flexgen.as_mut() {
             fg.release_spilled();
         }
         return Ok(());
@@ -536,7 +536,7 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
         s.finish();
     }
     println!();
-    if let (Some(s), Some((cfg, budget))) = (&m.scheduler, &scheduler) {
+    if let (Some(s), Some((cfg, budget))) = (&m.kv.scheduler, &scheduler) {
         let lists = pollster::block_on(s.read_lists(&rt))?;
         let evicted: u64 = lists.iter().map(|l| u64::from(l.evicted_total)).sum();
         let checked = if a.verify_evictions { "; every eviction equal to the CPU reference's" } else { "" };
@@ -554,7 +554,7 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
         };
         println!("scheduler {}: {budget} tokens per (layer, KV head); {evicted} token K/V evicted over the run{thaw}{checked}", cfg.name());
     }
-    if let Some((fg, _)) = &m.flexgen {
+    if let Some((fg, _)) = &m.kv.flexgen {
         println!("{}", crate::demo::flexgen_line(&fg.stats));
         let t = m.transfer_totals();
         if m.expert_cache().is_some() {
@@ -586,8 +586,8 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
         );
     }
     // Raw and compressed pages, and their bytes as allocated (with a low-rank codec's basis).
-    let ctl = pollster::block_on(m.pool.read_ctl(&rt))?;
-    let pc = &m.pool.cfg;
+    let ctl = pollster::block_on(m.kv.pool.read_ctl(&rt))?;
+    let pc = &m.kv.pool.cfg;
     let used = pc.pages_in_use(&ctl);
     let bytes = pollster::block_on(m.kv_bytes_in_use(&rt))?;
     println!(
@@ -665,7 +665,7 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
             "kv_pages_in_use": used,
             "kv_bytes_in_use": bytes,
             "expert_cache": m.expert_cache().map(expert_cache_json),
-            "flexgen": m.flexgen.as_ref().map(|(fg, _)| &fg.stats),
+            "flexgen": m.kv.flexgen.as_ref().map(|(fg, _)| &fg.stats),
             "transfers": m.transfer_totals(),
             "expert_reuse": m.expert_reuse().map(|r| serde_json::json!({
                 "references": r.references(),
@@ -688,7 +688,7 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
         println!("{r}");
     }
     // FlexGen's pages in the page store are this run's only: removed as it ends.
-    if let Some((fg, _)) = tm.llama_mut().flexgen.as_mut() {
+    if let Some((fg, _)) = tm.llama_mut().kv.flexgen.as_mut() {
         fg.release_spilled();
     }
     Ok(())

@@ -156,7 +156,7 @@ pub fn run(gpu: &GpuArgs, a: &SweepArgs) -> Result<()> {
         } else {
             None
         };
-        let pc = &p.pool.cfg;
+        let pc = &p.kv.pool.cfg;
         let row = Row {
             router: router.name().into(),
             scheduler: sched_label,

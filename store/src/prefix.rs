@@ -225,7 +225,7 @@ impl PrefixStore {
     }
 
     fn key(&self, m: &GpuLlama, chain: u64, layer: u32) -> String {
-        let c = &m.pool.cfg;
+        let c = &m.kv.pool.cfg;
         format!(
             "{}:{:016x}:{}-{}-p{}-h{}x{}:{chain:016x}:{layer}",
             self.namespace,
@@ -241,14 +241,14 @@ impl PrefixStore {
     /// The key of page `page` (positions `page * page_size..`) of `ids`, layer `layer`; `None`
     /// past the prompt's full pages.
     pub fn page_key(&self, m: &GpuLlama, ids: &[u32], page: usize, layer: u32) -> Option<String> {
-        let ps = m.pool.cfg.page_size as usize;
+        let ps = m.kv.pool.cfg.page_size as usize;
         let end = (page + 1).checked_mul(ps).filter(|&e| e <= ids.len())?;
         let chain = chain_hashes(self.model_hash, &ids[..end], ps as u32);
         Some(self.key(m, chain[page + 1], layer))
     }
 
     fn header(&self, m: &GpuLlama, page: usize, prev_chain: u64, layer: u32, ids: &[u32]) -> PageHeader {
-        let c = &m.pool.cfg;
+        let c = &m.kv.pool.cfg;
         let ps = c.page_size as usize;
         PageHeader {
             model_hash: self.model_hash,
@@ -274,7 +274,7 @@ impl PrefixStore {
         if let Some(why) = m.prefix_refusal() {
             return Err(StoreError::Options(format!("prefix reuse needs a pool a prefill can fill: {why}")));
         }
-        self.codec.check(m.pool.cfg.dtype, m.pool.cfg.head_dim)?;
+        self.codec.check(m.kv.pool.cfg.dtype, m.kv.pool.cfg.head_dim)?;
         Ok(true)
     }
 
@@ -288,7 +288,7 @@ impl PrefixStore {
             return Ok(0);
         }
         let t0 = Instant::now();
-        let ps = m.pool.cfg.page_size as usize;
+        let ps = m.kv.pool.cfg.page_size as usize;
         let layers = m.cfg.block_count;
         let max_pages = ids.len().saturating_sub(1) / ps;
         let chain = chain_hashes(self.model_hash, &ids[..max_pages * ps], ps as u32);
@@ -373,7 +373,7 @@ impl PrefixStore {
             return Ok(());
         }
         let t0 = Instant::now();
-        let ps = m.pool.cfg.page_size as usize;
+        let ps = m.kv.pool.cfg.page_size as usize;
         let held = m.positions.get(seq as usize).copied().unwrap_or(0) as usize;
         let n_pages = ids.len().min(held) / ps;
         if n_pages == 0 {

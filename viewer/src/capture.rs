@@ -13,7 +13,7 @@ use crate::state::{ExpertGrid, RunInfo, Snapshot, Source, Tiers, TraceStep};
 pub fn run_info(rt: &Runtime, p: &Pipeline, source: Source) -> RunInfo {
     RunInfo {
         config: p.cfg.clone(),
-        pool: p.pool.cfg.clone(),
+        pool: p.kv.pool.cfg.clone(),
         budget_tokens: p.cfg.budget_tokens().ok().flatten(),
         adapter: format!("{} ({:?})", rt.info.name, rt.info.backend),
         source,
@@ -22,9 +22,9 @@ pub fn run_info(rt: &Runtime, p: &Pipeline, source: Source) -> RunInfo {
 
 /// Everything the panels need after `p.step()` returned `report`.
 pub async fn capture(rt: &Runtime, p: &Pipeline, report: StepReport) -> expertkv_core::Result<Snapshot> {
-    let stats = p.router.read_stats(rt).await?;
-    let host = p.flexgen.as_ref().map_or(0, |(fg, _)| fg.stats.host_pages);
-    capture_pool(rt, &p.pool, (&stats, p.cfg.workload.n_experts as usize), host, report).await
+    let stats = p.router().read_stats(rt).await?;
+    let host = p.kv.flexgen.as_ref().map_or(0, |(fg, _)| fg.stats.host_pages);
+    capture_pool(rt, &p.kv.pool, (&stats, p.cfg.workload.n_experts as usize), host, report).await
 }
 
 /// A snapshot of any engine's pool (the synthetic pipeline's or a model's): `stats` are the

@@ -115,8 +115,8 @@ pub async fn load_model(bytes: Vec<u8>, policy: JsValue) -> Result<JsValue, JsVa
         "vocab": c.vocab_size,
         "experts": c.expert_count,
         "context": model.llama().max_context(),
-        "scheduler": model.llama().scheduler.as_ref().map(|s| s.cfg.name()),
-        "codec": model.llama().pool.cfg.codec.name(),
+        "scheduler": model.llama().kv.scheduler.as_ref().map(|s| s.cfg.name()),
+        "codec": model.llama().kv.pool.cfg.codec.name(),
     });
     if model_view::shown() {
         model_view::send(Event::Started(Box::new(model_view::run_info(&rt, &model, "the GGUF file given to loadModel"))));

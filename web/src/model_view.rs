@@ -127,17 +127,17 @@ pub(crate) fn run_info(rt: &Runtime, model: &TextModel, name: &str) -> RunInfo {
     cfg.steps = m.max_context();
     cfg.workload.prompt_len = 0;
     cfg.router = expertkv_core::route::config::RouterConfig::Topk;
-    cfg.page_size = m.pool.cfg.page_size;
-    cfg.dtype = m.pool.cfg.dtype;
-    cfg.codec = m.pool.cfg.codec;
-    cfg.scheduler = m.scheduler.as_ref().map(|s| s.cfg.clone());
-    let budget = m.scheduler.as_ref().map(|s| s.budget);
+    cfg.page_size = m.kv.pool.cfg.page_size;
+    cfg.dtype = m.kv.pool.cfg.dtype;
+    cfg.codec = m.kv.pool.cfg.codec;
+    cfg.scheduler = m.kv.scheduler.as_ref().map(|s| s.cfg.clone());
+    let budget = m.kv.scheduler.as_ref().map(|s| s.budget);
     if let Some(b) = budget {
         cfg.budget = b.to_string();
     }
     RunInfo {
         config: cfg,
-        pool: m.pool.cfg.clone(),
+        pool: m.kv.pool.cfg.clone(),
         budget_tokens: budget,
         adapter: format!("{} ({:?})", rt.info.name, rt.info.backend),
         source: Source::Model { path: name.to_string(), labels: "none (the JS API loads no route stage)".into() },

@@ -166,6 +166,8 @@ pub struct Routed<'a> {
     pub per_layer: u32,
     /// Router rows between the first tokens of consecutive layers (its `max_tokens`).
     pub row_stride: u32,
+    /// The router layer of the batch's first tokens (a batch of one layer after another).
+    pub first_layer: u32,
 }
 
 /// The routing pass of one staged batch ([`KvPool::bind_staged_routing`]).
@@ -308,9 +310,15 @@ impl KvPool {
     /// Most tokens one append may carry: a ring must not wrap onto pages written in the same
     /// batch, the write pass dispatches one row per token, and the staged K/V must fit a binding.
     pub fn max_append_tokens(&self, rt: &Runtime) -> u32 {
-        let token_bytes = u64::from(2 * self.cfg.kv_heads * self.cfg.vec_words()) * 4;
+        Self::max_append_tokens_of(rt, &self.cfg)
+    }
+
+    /// [`KvPool::max_append_tokens`] of a pool of configuration `cfg` (validated), before it
+    /// is made.
+    pub fn max_append_tokens_of(rt: &Runtime, cfg: &PoolConfig) -> u32 {
+        let token_bytes = u64::from(2 * cfg.kv_heads * cfg.vec_words()) * 4;
         let fits = (rt.max_binding_bytes() / token_bytes).min(u64::from(MAX_APPEND_TOKENS)) as u32;
-        ((self.cfg.ring_capacity - 1) * self.cfg.page_size).min(fits)
+        (cfg.ring_capacity.saturating_sub(1) * cfg.page_size).min(fits)
     }
 
     /// Storage buffers the raw K/V pages are split over.
@@ -461,8 +469,9 @@ impl KvPool {
                 r.per_layer, r.row_stride
             )));
         }
-        let apply_bg = routed.map(|r| self.apply_routing_bind(rt, &s.new_tokens, r, n, 0));
-        self.encode_append_passes(enc, n, apply_bg.as_ref(), timestamps);
+        let apply_bg = routed.map(|r| self.apply_routing_bind(rt, &s.new_tokens, r, n, r.first_layer * r.row_stride));
+        let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("append/append"), timestamp_writes: timestamps });
+        self.encode_append_dispatches(&mut pass, n, apply_bg.as_ref());
         Ok(())
     }
 
@@ -484,17 +493,10 @@ impl KvPool {
         Ok(())
     }
 
-    /// The append's pass over `n` tokens already in the scratch buffers.
-    fn encode_append_passes(
-        &self,
-        enc: &mut wgpu::CommandEncoder,
-        n: u32,
-        apply_bg: Option<&wgpu::BindGroup>,
-        timestamps: Option<wgpu::ComputePassTimestampWrites<'_>>,
-    ) {
+    /// The append's dispatches over `n` tokens already in the scratch buffers.
+    fn encode_append_dispatches(&self, pass: &mut wgpu::ComputePass<'_>, n: u32, apply_bg: Option<&wgpu::BindGroup>) {
         let Some(s) = self.scratch.as_ref() else { return };
         let kvw = 2 * self.cfg.kv_heads * self.cfg.vec_words();
-        let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("append/append"), timestamp_writes: timestamps });
         if let Some(bg) = apply_bg {
             pass.set_pipeline(&self.apply_pipe);
             pass.set_bind_group(0, bg, &[]);
@@ -547,8 +549,8 @@ impl KvPool {
     }
 
     /// Append staged batch `batch` ([`KvPool::stage_append`]) with its K/V taken from `kv` on the
-    /// GPU (per token K then V of every KV head in storage words, as [`KvPool::append`] takes
-    /// them), recorded into `enc`: nothing crosses to the host.
+    /// GPU from byte `kv_offset` on (per token K then V of every KV head in storage words, as
+    /// [`KvPool::append`] takes them), recorded into `enc`: nothing crosses to the host.
     ///
     /// With `routing` ([`KvPool::bind_staged_routing`] for this batch), the tokens' experts and
     /// gates are first copied from the router's output on the GPU, replacing the staged ones.
@@ -556,7 +558,23 @@ impl KvPool {
         &self,
         enc: &mut wgpu::CommandEncoder,
         batch: u32,
-        kv: &wgpu::Buffer,
+        (kv, kv_offset): (&wgpu::Buffer, u64),
+        routing: Option<&StagedRouting>,
+    ) -> Result<()> {
+        self.copy_staged_batch(enc, batch, (kv, kv_offset), routing)?;
+        let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("append/append"), timestamp_writes: None });
+        self.encode_staged_dispatches(&mut pass, routing);
+        Ok(())
+    }
+
+    /// The copies of [`KvPool::encode_staged_append`]: batch `batch`'s token records and K/V
+    /// into the append's scratch (checked: a staged batch, K/V within `kv`, `routing` bound for
+    /// this scratch). [`KvPool::encode_staged_dispatches`] then appends them.
+    pub fn copy_staged_batch(
+        &self,
+        enc: &mut wgpu::CommandEncoder,
+        batch: u32,
+        (kv, kv_offset): (&wgpu::Buffer, u64),
         routing: Option<&StagedRouting>,
     ) -> Result<()> {
         let (Some((buf, per_batch, batches)), Some(s)) = (self.staged.as_ref(), self.scratch.as_ref()) else {
@@ -567,15 +585,12 @@ impl KvPool {
         }
         let tw = u64::from(token_words(self.cfg.top_k)) * 4;
         let kv_bytes = u64::from(*per_batch) * u64::from(2 * self.cfg.kv_heads * self.cfg.vec_words()) * 4;
-        if kv.size() < kv_bytes {
+        if kv.size() < kv_offset.saturating_add(kv_bytes) {
             return Err(Error::Input(format!(
-                "staged append: the K/V buffer holds {} bytes, {per_batch} tokens need {kv_bytes}",
+                "staged append: the K/V buffer holds {} bytes, {per_batch} tokens from byte {kv_offset} need {kv_bytes}",
                 kv.size()
             )));
         }
-        let rec = tw * u64::from(*per_batch);
-        enc.copy_buffer_to_buffer(buf, rec * u64::from(batch), &s.new_tokens, 0, rec);
-        enc.copy_buffer_to_buffer(kv, 0, &s.new_kv, 0, kv_bytes);
         if let Some(r) = routing
             && (r.per_batch != *per_batch || r.scratch_capacity != s.capacity)
         {
@@ -584,8 +599,22 @@ impl KvPool {
                 r.per_batch
             )));
         }
-        self.encode_append_passes(enc, *per_batch, routing.map(|r| &r.bind), None);
+        let rec = tw * u64::from(*per_batch);
+        enc.copy_buffer_to_buffer(buf, rec * u64::from(batch), &s.new_tokens, 0, rec);
+        enc.copy_buffer_to_buffer(kv, kv_offset, &s.new_kv, 0, kv_bytes);
         Ok(())
+    }
+
+    /// The append passes of the batch [`KvPool::copy_staged_batch`] copied in.
+    pub fn encode_staged_dispatches(&self, pass: &mut wgpu::ComputePass<'_>, routing: Option<&StagedRouting>) {
+        let per_batch = self.staged.as_ref().map_or(0, |s| s.1);
+        self.encode_append_dispatches(pass, per_batch, routing.map(|r| &r.bind));
+    }
+
+    /// Whether `routing` still serves staged batches of `per_batch` tokens (the scratch it
+    /// writes into was not reallocated since it was bound).
+    pub fn staged_routing_fits(&self, routing: &StagedRouting, per_batch: u32) -> bool {
+        routing.per_batch == per_batch && self.scratch.as_ref().is_some_and(|s| s.capacity == routing.scratch_capacity)
     }
 
     /// The routing pass of a staged batch of `per_batch` tokens that is router layer `layer`
@@ -649,17 +678,28 @@ impl KvPool {
     /// (the layer's parameters are copied in place), so one submission can gather layer after
     /// layer between appends.
     pub fn encode_gather_layer(&self, enc: &mut wgpu::CommandEncoder, layer: u32) -> Result<()> {
+        self.copy_gather_params(enc, layer)?;
+        let mut pass =
+            enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some(Kernel::AppendGatherPages.label()), timestamp_writes: None });
+        self.encode_gather_dispatch(&mut pass);
+        Ok(())
+    }
+
+    /// The copy of [`KvPool::encode_gather_layer`]: layer `layer`'s gather parameters into place.
+    pub fn copy_gather_params(&self, enc: &mut wgpu::CommandEncoder, layer: u32) -> Result<()> {
         if layer >= self.cfg.layers {
             return Err(Error::Input(format!("gather: layer {layer} of {}", self.cfg.layers)));
         }
         let pb = std::mem::size_of::<GatherParams>() as u64;
         enc.copy_buffer_to_buffer(&self.gather_layers, pb * u64::from(layer), &self.gather_params, 0, pb);
-        let mut pass =
-            enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some(Kernel::AppendGatherPages.label()), timestamp_writes: None });
+        Ok(())
+    }
+
+    /// The gather of the layer whose parameters [`KvPool::copy_gather_params`] put in place.
+    pub fn encode_gather_dispatch(&self, pass: &mut wgpu::ComputePass<'_>) {
         pass.set_pipeline(&self.gather_pipe);
         pass.set_bind_group(0, &self.gather_bg, &[]);
         pass.dispatch_counted(self.cfg.max_seqs * self.cfg.kv_heads, 1, 1);
-        Ok(())
     }
 
     /// The runtime the pool was made with.

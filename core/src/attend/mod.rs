@@ -479,6 +479,8 @@ pub struct Attention {
     stage: Option<(wgpu::Buffer, wgpu::Buffer, u32)>,
     /// Layers the last staging call staged (the buffers may hold more from an earlier one).
     staged: u32,
+    /// Layers whose queries the last [`Attention::stage_queries`] staged.
+    staged_queries: u32,
     /// See [`Attention::int8_query_scores`].
     int8_query: bool,
     /// The tile kernel reads the raw pages too: the raw split pass does not run.
@@ -789,6 +791,7 @@ impl Attention {
             scale: 1.0 / (d as f32).sqrt(),
             stage: None,
             staged: 0,
+            staged_queries: 0,
             int8_query: quant_fast.is_some_and(|f| f.bits == 4) || quant_tile.is_some() || quant_coop.is_some(),
             raw_fused,
             opts,
@@ -884,10 +887,18 @@ impl Attention {
         rt.queue.write_buffer(&self.params, 0, bytemuck::bytes_of(&self.params_for(layer, step)));
     }
 
-    /// Stage every layer's queries (`queries[layer]`) for one submission: then
+    /// Stage every layer's queries (`queries[layer]`) and parameters for one submission: then
     /// [`Attention::encode_layer_inputs`] copies layer i's parameters and queries in place
     /// inside the command stream, before that layer's pass.
     pub fn stage_layers(&mut self, rt: &Runtime, step: u32, queries: &[Vec<f32>]) -> Result<()> {
+        self.stage_queries(rt, queries)?;
+        self.stage_params(rt, step, queries.len() as u32);
+        Ok(())
+    }
+
+    /// Stage every layer's queries (`queries[layer]`, each `[seq][q_head][head_dim]`; NaN or
+    /// infinity refused) for [`Attention::encode_layer_queries`].
+    pub fn stage_queries(&mut self, rt: &Runtime, queries: &[Vec<f32>]) -> Result<()> {
         let qn = (self.opts.n_seqs * self.q_heads * self.head_dim) as usize;
         let layers = queries.len() as u32;
         for (l, q) in queries.iter().enumerate() {
@@ -898,11 +909,10 @@ impl Attention {
                 return Err(Error::Input(format!("layer {l} queries: value {i} is {} (not finite)", q[i])));
             }
         }
-        let (pb, qb) = self.ensure_stage(rt, layers);
-        self.staged = layers;
-        let Some((sp, sq, _)) = &self.stage else { unreachable!("stage allocated above") };
+        let (_, qb) = self.ensure_stage(rt, layers);
+        self.staged_queries = layers;
+        let Some((_, sq, _)) = &self.stage else { unreachable!("stage allocated above") };
         for (l, q) in queries.iter().enumerate() {
-            rt.queue.write_buffer(sp, pb * l as u64, bytemuck::bytes_of(&self.params_for(l as u32, step)));
             rt.queue.write_buffer(sq, qb * l as u64, bytemuck::cast_slice(q));
         }
         Ok(())
@@ -926,7 +936,15 @@ impl Attention {
     /// Copy layer `layer`'s staged parameters and queries into place (before its pass).
     pub fn encode_layer_inputs(&self, enc: &mut wgpu::CommandEncoder, layer: u32) -> Result<()> {
         self.encode_layer_params(enc, layer)?;
-        let Some((_, sq, _)) = &self.stage else { unreachable!("checked by encode_layer_params") };
+        self.encode_layer_queries(enc, layer)
+    }
+
+    /// Copy layer `layer`'s staged queries ([`Attention::stage_queries`]) into
+    /// [`Attention::queries`].
+    pub fn encode_layer_queries(&self, enc: &mut wgpu::CommandEncoder, layer: u32) -> Result<()> {
+        let Some((_, sq, _)) = self.stage.as_ref().filter(|_| layer < self.staged_queries) else {
+            return Err(Error::Input(format!("layer {layer}'s queries were not staged (stage_queries)")));
+        };
         let qb = u64::from(self.opts.n_seqs * self.q_heads * self.head_dim) * 4;
         enc.copy_buffer_to_buffer(sq, qb * u64::from(layer), &self.queries, 0, qb);
         Ok(())

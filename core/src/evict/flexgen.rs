@@ -383,13 +383,18 @@ impl FlexGen {
     /// layer's `[seq][q_head][d]`; `bounds` the QUEST bounds of resident pages.
     pub async fn fetch(&mut self, rt: &Runtime, pool: &KvPool, layer: u32, queries: &[f32], group: u32, bounds: &[f32]) -> Result<()> {
         // Nothing of the layer in host memory: nothing to read.
-        let c = &pool.cfg;
-        let lists = layer * c.max_seqs * c.kv_heads..(layer + 1) * c.max_seqs * c.kv_heads;
-        if !self.host.iter().any(|(li, pages)| lists.contains(li) && !pages.is_empty()) {
+        if !self.has_host_pages(&pool.cfg, layer) {
             return Ok(());
         }
         let words = rt.read_many::<u32>(&pool.ring_tables_ranges()).await?;
         self.fetch_with(rt, pool, layer, (queries, group), bounds, pool.ring_tables_from(words)).await
+    }
+
+    /// Whether any list of layer `layer` has pages in host memory (a fetch has nothing to bring
+    /// back otherwise).
+    pub fn has_host_pages(&self, c: &crate::config::PoolConfig, layer: u32) -> bool {
+        let lists = layer * c.max_seqs * c.kv_heads..(layer + 1) * c.max_seqs * c.kv_heads;
+        self.host.iter().any(|(li, pages)| lists.contains(li) && !pages.is_empty())
     }
 
     /// [`FlexGen::fetch`] with the pool's ring tables already read

@@ -166,7 +166,7 @@ impl Pipeline {
         counts: &[u32],
     ) -> Result<()> {
         use crate::reference::quest::{QUEST_BOUND_RTOL, key_bound, page_bounds, select_pages, upper_bound};
-        let c = &self.pool.cfg;
+        let c = &self.kv.pool.cfg;
         let (d, step) = (c.head_dim as usize, self.step);
         // The bounds are summarised before layer 0's selection: compared there, used everywhere.
         let bounds: Vec<f32> = if layer == 0 { rt.read_all(&qs.bounds).await? } else { Vec::new() };
@@ -188,13 +188,13 @@ impl Pipeline {
                 )));
             }
         }
-        let (group, maxp) = (self.attn.opts.group as usize, c.max_pages_per_seq() as usize);
-        for seq in 0..self.attn.opts.n_seqs {
+        let (group, maxp) = (self.kv.attn.opts.group as usize, c.max_pages_per_seq() as usize);
+        for seq in 0..self.kv.attn.opts.n_seqs {
             for head in 0..c.kv_heads {
                 let li = model.list_index(layer, seq, head) as usize;
                 let list = model.page_list(layer, seq, head);
                 let heads: Vec<&[f32]> = (0..group)
-                    .map(|g| &q[((seq as usize * self.attn.q_heads() as usize) + head as usize * group + g) * d..][..d])
+                    .map(|g| &q[((seq as usize * self.kv.attn.q_heads() as usize) + head as usize * group + g) * d..][..d])
                     .collect();
                 for (j, &page) in list.iter().enumerate() {
                     let Some(b) = &refs[page as usize] else { continue };
@@ -227,22 +227,22 @@ impl Pipeline {
     pub(super) async fn check_layer(&mut self, rt: &Runtime, layer: u32, q: &[f32]) -> Result<()> {
         use crate::reference::attend::{ATTENTION_ATOL, ATTENTION_RTOL};
         let Some(model) = &self.model else { return Ok(()) };
-        let out = self.attn.read_output(rt).await?;
-        let selection = match &self.quest {
+        let out = self.kv.attn.read_output(rt).await?;
+        let selection = match &self.kv.quest {
             Some(qs) => Some((rt.read_all::<u32>(&qs.sel_list).await?, rt.read_all::<u32>(&qs.sel_counts).await?)),
             None => None,
         };
-        let maxp = self.pool.cfg.max_pages_per_seq() as usize;
+        let maxp = self.kv.pool.cfg.max_pages_per_seq() as usize;
         let pick = |seq: u32, head: u32| -> Vec<u32> {
             let li = model.list_index(layer, seq, head) as usize;
             selection.as_ref().map_or_else(Vec::new, |(sel, counts)| sel[li * maxp..li * maxp + counts[li] as usize].to_vec())
         };
         let pages: Option<&dyn Fn(u32, u32) -> Vec<u32>> = if selection.is_some() { Some(&pick) } else { None };
-        if let (Some(qs), Some((sel, counts))) = (&self.quest, &selection) {
+        if let (Some(qs), Some((sel, counts))) = (&self.kv.quest, &selection) {
             self.check_quest(rt, qs, model, layer, q, sel, counts).await?;
         }
-        let reference = self.attn.cpu_reference(model, layer, q, pages);
-        let tol = self.attn.output_tolerance(model, layer, q, pages, &reference.out);
+        let reference = self.kv.attn.cpu_reference(model, layer, q, pages);
+        let tol = self.kv.attn.output_tolerance(model, layer, q, pages, &reference.out);
         let step = self.step;
         for (i, ((g, w), t)) in out.iter().zip(&reference.out).zip(&tol).enumerate() {
             let err = (f64::from(*g) - w).abs();
@@ -255,14 +255,14 @@ impl Pipeline {
             self.checked.worst_share = self.checked.worst_share.max(err / t);
         }
         self.checked.attention += 1;
-        let gpu: Vec<u32> = rt.read_all(&self.pool.slot_meta).await?;
-        let cfg = &self.pool.cfg;
+        let gpu: Vec<u32> = rt.read_all(&self.kv.pool.slot_meta).await?;
+        let cfg = &self.kv.pool.cfg;
         let (mw, attn_word) = (cfg.meta_words() as usize, meta::attn(cfg.top_k as usize));
         let mut want = model.slot_meta.clone();
         if want.len() != gpu.len() {
             return Err(verify_err(format!("slot metadata of {} words, the reference {}", gpu.len(), want.len())));
         }
-        if self.attn.opts.mass {
+        if self.kv.attn.opts.mass {
             for &(seq, head, page, slot, w) in &reference.mass {
                 let m = (page * cfg.page_size + slot) as usize * mw;
                 let (prev, got) = (f64::from(f32::from_bits(want[m + attn_word])), f64::from(f32::from_bits(gpu[m + attn_word])));
@@ -300,8 +300,8 @@ impl Pipeline {
         let Some(model) = &self.model else {
             return Ok(None);
         };
-        compare_pool(rt, &self.pool, model).await?;
-        let layer = self.pool.cfg.layers - 1;
+        compare_pool(rt, &self.kv.pool, model).await?;
+        let layer = self.kv.pool.cfg.layers - 1;
         let tokens_checked = (0..self.cfg.workload.n_seqs).map(|s| model.tokens(layer, s, 0).len() as u64).sum();
         let c = self.checked;
         Ok(Some(VerifyReport {

@@ -10,28 +10,24 @@
 mod config;
 mod lockstep;
 mod report;
-mod stages;
+mod run;
 
 pub use config::DemoConfig;
 pub use lockstep::{VerifyReport, check_eviction, compare_pool, pool_model_of};
 pub use report::{LayerRecord, ReportParts, StageTimes, StepReport};
 
 use lockstep::Checked;
-use report::Slot;
-use stages::Stages;
+use run::Stages;
 
 use crate::append::KvPool;
 use crate::attend::{AttendOptions, Attention};
 use crate::config::{Codec, KvDtype};
 use crate::error::{Error, Result};
 use crate::evict::config::SchedulerConfig;
-use crate::evict::flexgen::FlexGen;
-use crate::evict::quest::Quest;
-use crate::evict::{AllocatorSpec, Scheduler};
 use crate::reference::append::decode_words;
-use crate::route::{RouteShape, Router};
+use crate::route::Router;
 use crate::runtime::Runtime;
-use crate::runtime::timer::GpuTimer;
+use crate::step::{KvSide, KvSideConfig, RouteSpec, StepTimer, Timing};
 use crate::workload::{GenToken, Workload};
 use crate::{append::format::encode_values, reference::PoolModel};
 
@@ -41,35 +37,31 @@ struct Reference {
     attn: Attention,
 }
 
-/// A demo run's decode pipeline: the KV pool with its router, attention and scheduler on the GPU,
-/// fed by the synthetic workload, one [`Pipeline::step`] at a time after [`Pipeline::prefill`].
+/// A demo run's decode pipeline: the K/V side of the step ([`KvSide`]: the pool with its router,
+/// attention and policy on the GPU), fed by the synthetic workload, one [`Pipeline::step`] at a
+/// time after [`Pipeline::prefill`].
 pub struct Pipeline {
     /// The configuration the run was built from.
     pub cfg: DemoConfig,
-    /// The KV pool: the budgeted cache with a scheduler or a codec, else the whole cache.
-    pub pool: KvPool,
-    /// Decode attention over `pool` (under QUEST, over its selected pages).
-    pub attn: Attention,
-    /// The route stage: each new token's experts, with the statistics the routers keep on the GPU.
-    pub router: Router,
-    /// The evicting scheduler; `None` without one, and under QUEST and FlexGen, which select or
-    /// place pages instead.
-    pub scheduler: Option<Scheduler>,
-    /// QUEST page selection, when it is the configured scheduler.
-    pub quest: Option<Quest>,
-    /// FlexGen placement, with the QUEST page bounds it scores host pages by.
-    pub flexgen: Option<(FlexGen, Quest)>,
+    /// The pool, its attention, the route stage (always on: the workload's router logits) and
+    /// the policy over the pool.
+    pub kv: KvSide,
     /// The generator of the run's tokens (K, V, router logits) and queries.
     pub workload: Workload,
     reference: Option<Reference>,
     model: Option<PoolModel>,
-    timer: Option<GpuTimer>,
+    timer: Option<StepTimer>,
     step: u32,
     /// Tokens routed so far (the hash router numbers tokens by this).
     routed_tokens: u32,
     last_queries: Vec<f32>,
     /// Prompt positions per prefill batch.
     prefill_chunk: u32,
+    /// Low-rank codecs: positions every sequence holds before the basis is fitted (the first
+    /// prefill batch).
+    calibration_window: u32,
+    /// A run's K/V words, every layer's (grown as needed).
+    kv_stage: Option<wgpu::Buffer>,
     checked: Checked,
 }
 
@@ -94,38 +86,29 @@ fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
     if den > 0.0 { (num / den).sqrt() } else { num.sqrt() }
 }
 
+/// Timed passes of a step of `layers` layers at most: route, append, compress, gather and
+/// attention per layer; evict and the miss recount.
+fn timed_passes(layers: u32) -> u32 {
+    5 * layers + 2
+}
+
 impl Pipeline {
-    /// Check `cfg` and build the run on `rt`: the pool, router, attention and scheduler, a CPU
-    /// lockstep with `verify`, and a full-cache reference pool with `reference_attention` where a
-    /// scheduler or codec shrinks the cache. Runs the kernels once over the empty pool so that the
-    /// first step's time is the step's own.
+    /// Check `cfg` and build the run on `rt`: the K/V side ([`KvSide::new`]), a CPU lockstep
+    /// with `verify`, and a full-cache reference pool with `reference_attention` where a
+    /// scheduler or codec shrinks the cache. Runs the kernels once over the empty pool so that
+    /// the first step's time is the step's own.
     pub async fn new(rt: &Runtime, cfg: DemoConfig) -> Result<Pipeline> {
         let budget = cfg.budget_tokens()?;
-        if let Some(s) = &cfg.scheduler {
-            s.check_codec(cfg.codec)?;
-        }
-        if let (Some(s), Some(b)) = (&cfg.scheduler, budget) {
-            s.validate(b)?;
-        }
-        if let Some(a) = &cfg.allocator {
-            a.validate()?;
-            if !cfg.scheduler.as_ref().is_some_and(SchedulerConfig::uses_evict_kernels) {
-                return Err(Error::config(
-                    "allocator",
-                    "ekva",
-                    format!(
-                        "the EKVA allocator splits an evicting scheduler's budgets (h2o, streaming-llm, lru, lru-plus, adakv, duo, fastv-tokens), not {}",
-                        cfg.scheduler.as_ref().map_or("none", |s| s.name())
-                    ),
-                ));
-            }
-        }
         cfg.layer_budgets()?;
+        if cfg.verify && matches!(cfg.scheduler, Some(SchedulerConfig::FlexGen)) {
+            return Err(Error::config("verify", true, "FlexGen moves pages through the host; run it with --no-verify"));
+        }
         let pool_cfg = cfg.pool_config();
         let workload = Workload::new(cfg.workload.clone())?;
         let w = &cfg.workload;
-        let pool = KvPool::new(rt, pool_cfg.clone()).await?;
-        if pool.max_append_tokens(rt) < w.n_seqs * w.layers {
+        pool_cfg.validate()?;
+        let max_pool_append = KvPool::max_append_tokens_of(rt, &pool_cfg);
+        if max_pool_append < w.n_seqs * w.layers {
             return Err(Error::config(
                 "seqs",
                 w.n_seqs,
@@ -137,8 +120,7 @@ impl Pipeline {
         } else {
             None
         };
-        let max_append =
-            reference_pool.as_ref().map_or(pool.max_append_tokens(rt), |r| r.max_append_tokens(rt).min(pool.max_append_tokens(rt)));
+        let max_append = reference_pool.as_ref().map_or(max_pool_append, |r| r.max_append_tokens(rt).min(max_pool_append));
         let mut positions = prefill_positions(max_append, w.n_seqs, w.layers);
         if let (Some(b), true) = (budget, cfg.scheduler.as_ref().is_some_and(SchedulerConfig::evicts)) {
             positions = positions.min(cfg.evicting_chunk(b));
@@ -153,71 +135,44 @@ impl Pipeline {
             }
             positions = positions.min(cfg.calibration);
         }
-        let shape = RouteShape { n_experts: w.n_experts, top_k: w.top_k, layers: w.layers, max_tokens: positions * w.n_seqs };
-        let mut router = Router::new(rt, cfg.router.clone(), shape, cfg.route_ema).await?;
-        router.bind_pool(rt, &pool)?;
-        let attend_opts = AttendOptions {
+        let kv_cfg = KvSideConfig {
+            pool: pool_cfg.clone(),
+            policy: cfg.scheduler.clone().zip(budget),
+            pyramid: cfg.pyramid,
+            threshold: cfg.threshold,
+            allocator: cfg.allocator,
             group: w.group,
-            n_seqs: w.n_seqs,
             chunk_pages: cfg.chunk_pages,
-            // The attention-mass pass feeds the evicting and placing schedulers (utilities,
-            // kept-attention share); the full cache, QUEST and the codecs do without it.
-            mass: cfg.scheduler.as_ref().is_some_and(|s| !matches!(s, SchedulerConfig::Quest)),
-            variant: None,
-            ..Default::default()
+            route: Some(RouteSpec {
+                router: cfg.router.clone(),
+                n_experts: w.n_experts,
+                max_tokens: positions * w.n_seqs,
+                ema: cfg.route_ema,
+            }),
         };
-        let mut flexgen = None;
-        let (attn, scheduler, quest) = match (&cfg.scheduler, budget) {
-            (Some(SchedulerConfig::FlexGen), Some(b)) => {
-                flexgen = Some((FlexGen::new(&pool, b)?, Quest::new(rt, &pool, b).await?));
-                (Attention::new(rt, &pool, attend_opts.clone()).await?, None, None)
-            }
-            (Some(SchedulerConfig::Quest), Some(b)) => {
-                let mut q = Quest::new(rt, &pool, b).await?;
-                let attn = Attention::with_lists(rt, &pool, attend_opts.clone(), Some((&q.sel_list, &q.sel_counts))).await?;
-                q.bind(rt, &pool, &attn);
-                (attn, None, Some(q))
-            }
-            (Some(s), Some(b)) => (
-                Attention::new(rt, &pool, attend_opts.clone()).await?,
-                Some(
-                    Scheduler::with_allocator(
-                        rt,
-                        &pool,
-                        s.clone(),
-                        b,
-                        cfg.pyramid,
-                        cfg.threshold,
-                        cfg.allocator.map(|a| AllocatorSpec { cfg: a, n_experts: w.n_experts, route_stats: Some(&router.stats) }),
-                    )
-                    .await?,
-                ),
-                None,
-            ),
-            _ => (Attention::new(rt, &pool, attend_opts.clone()).await?, None, None),
-        };
+        let kv = KvSide::new(rt, &kv_cfg).await?;
         let reference = match reference_pool {
             Some(rpool) => {
-                let rattn = Attention::new(rt, &rpool, AttendOptions { mass: false, ..attend_opts }).await?;
+                let opts =
+                    AttendOptions { group: w.group, n_seqs: w.n_seqs, chunk_pages: cfg.chunk_pages, mass: false, ..Default::default() };
+                let rattn = Attention::new(rt, &rpool, opts).await?;
                 Some(Reference { pool: rpool, attn: rattn })
             }
             None => None,
         };
         // Some drivers compile on first dispatch: run the kernels once over the empty pool (no
         // page is touched) so that the first step's time is the step's.
-        pool.gather(rt)?;
-        attn.run(rt, 0, 0)?;
+        kv.pool.gather(rt)?;
+        kv.attn.run(rt, 0, 0)?;
         rt.wait()?;
-        let timer = GpuTimer::new(rt, Slot::pairs(w.layers));
+        let timer = StepTimer::new(rt, timed_passes(w.layers), Timing::Passes);
         let model = cfg.verify.then(|| PoolModel::new(&pool_cfg));
+        // The first prefill batch is the calibration window (it holds at most `calibration`
+        // positions).
+        let calibration_window = positions.min(w.prompt_len).max(1);
         Ok(Pipeline {
             cfg,
-            pool,
-            attn,
-            router,
-            scheduler,
-            quest,
-            flexgen,
+            kv,
             workload,
             reference,
             model,
@@ -226,23 +181,18 @@ impl Pipeline {
             routed_tokens: 0,
             last_queries: Vec::new(),
             prefill_chunk: positions,
+            calibration_window,
+            kv_stage: None,
             checked: Checked::default(),
         })
     }
 
-    /// Summarise changed pages (QUEST bounds) and read every page's bounds back.
-    async fn refresh_bounds(&self, rt: &Runtime) -> Result<Vec<f32>> {
-        let Some((_, q)) = &self.flexgen else {
-            return Ok(Vec::new());
-        };
-        let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("evict/quest_summarize") });
-        {
-            let mut pass =
-                enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("evict/quest_summarize"), timestamp_writes: None });
-            q.encode_summarize(&mut pass);
+    /// The route stage's router (the workload's tokens are always routed).
+    pub fn router(&self) -> &Router {
+        match &self.kv.route {
+            Some(r) => &r.router,
+            None => unreachable!("Pipeline::new builds the route stage"),
         }
-        rt.queue.submit([enc.finish()]);
-        rt.read_all(&q.bounds).await
     }
 
     /// Append the prompt of every sequence, routed on the GPU (with a scheduler: attend and
@@ -252,7 +202,7 @@ impl Pipeline {
         let total = u64::from(w.prompt_len) * u64::from(w.n_seqs * w.layers);
         let mut done = 0;
         let mut left = w.prompt_len;
-        let attend = self.scheduler.is_some() || self.flexgen.is_some();
+        let attend = self.kv.scheduler.is_some() || self.kv.flexgen.is_some();
         while left > 0 {
             let positions = self.prefill_chunk.min(left);
             let tokens = self.workload.next_positions(positions);
@@ -266,9 +216,9 @@ impl Pipeline {
         self.update_miss(rt)?;
         rt.wait()?;
         // For the message of an exhausted pool: the pages the whole prompt takes.
-        let c = &self.pool.cfg;
+        let c = &self.kv.pool.cfg;
         let prompt_pages = w.prompt_len.div_ceil(c.page_size) * w.n_seqs * w.layers * c.kv_heads;
-        self.pool.check_errors(rt, prompt_pages).await?;
+        self.kv.pool.check_errors(rt, prompt_pages).await?;
         if let Some(r) = &self.reference {
             r.pool.check_errors(rt, prompt_pages).await?;
         }
@@ -277,29 +227,20 @@ impl Pipeline {
 
     /// Recount each expert's cached tokens and miss rate (after the prefill).
     fn update_miss(&self, rt: &Runtime) -> Result<()> {
-        let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("route/miss") });
-        self.router
-            .encode_miss(&mut enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("route/miss"), timestamp_writes: None }))?;
-        rt.queue.submit([enc.finish()]);
-        Ok(())
+        self.router().update_miss(rt)
     }
 
     /// Whether a step runs as one submission with no host round trip: nothing on the side needs
-    /// the host mid-step (no CPU lockstep, no full-cache reference, no host tier, no QUEST
-    /// selection, a low-rank basis already fitted).
+    /// the host mid-step (no CPU lockstep, no full-cache reference, no host tier).
     pub fn fused(&self) -> bool {
-        self.model.is_none()
-            && self.reference.is_none()
-            && self.flexgen.is_none()
-            && self.quest.is_none()
-            && (!self.pool.cfg.codec.is_low_rank() || self.pool.calibrated)
+        self.model.is_none() && self.reference.is_none() && self.kv.flexgen.is_none()
     }
 
     /// This step's synthetic inputs: every layer's new tokens, then every layer's queries (the
     /// order the generator has always drawn them in, so runs repeat).
     fn next_inputs(&mut self) -> (Vec<GenToken>, Vec<Vec<f32>>) {
         let tokens = self.workload.next_tokens();
-        let queries = (0..self.pool.cfg.layers).map(|l| self.workload.queries(l)).collect();
+        let queries = (0..self.kv.pool.cfg.layers).map(|l| self.workload.queries(l)).collect();
         (tokens, queries)
     }
 
@@ -308,25 +249,25 @@ impl Pipeline {
         #[cfg(not(target_arch = "wasm32"))]
         let t0 = std::time::Instant::now();
         let n_seqs = self.cfg.workload.n_seqs;
-        let layers = self.pool.cfg.layers;
+        let layers = self.kv.pool.cfg.layers;
         let (tokens, queries) = self.next_inputs();
         let st = Stages { per_layer: n_seqs, timed: true, fused: self.fused(), attend: true, miss: true };
         let attention_error = self.run_stages(rt, &tokens, queries, st).await?;
         rt.wait()?;
-        let ctl = self.pool.check_errors(rt, n_seqs * layers).await?;
+        let ctl = self.kv.pool.check_errors(rt, n_seqs * layers).await?;
         let gpu = match &self.timer {
-            Some(t) => Some(StageTimes::from_pairs(&t.read_ms(rt, Slot::pairs(layers)).await?, layers)),
+            Some(t) => Some(StageTimes::from_stage_ms(&t.read(rt).await?)),
             None => None,
         };
         #[cfg(not(target_arch = "wasm32"))]
         let host_ms = t0.elapsed().as_secs_f64() * 1e3;
         #[cfg(target_arch = "wasm32")]
         let host_ms = f64::NAN;
-        let parts =
-            ReportParts { pool: &self.pool, router: Some(&self.router), scheduler: self.scheduler.as_ref(), quest: self.quest.as_ref() };
+        let kv = &self.kv;
+        let parts = ReportParts { pool: &kv.pool, router: Some(self.router()), scheduler: kv.scheduler.as_ref(), quest: kv.quest.as_ref() };
         let mut report = StepReport::collect(rt, parts, ctl, (self.step, self.workload.position(0)), gpu, host_ms).await?;
         report.attention_error = attention_error;
-        if let Some((fg, _)) = &self.flexgen {
+        if let Some((fg, _)) = &self.kv.flexgen {
             report.host_kv_bytes = fg.stats.host_bytes;
             report.tier_bytes_moved = fg.stats.bytes_to_host + fg.stats.bytes_to_gpu;
         }
@@ -341,17 +282,18 @@ impl Pipeline {
     /// every compressed page against the same tokens in the full f16 cache (pages pair up by
     /// their place in the page lists, which both pools build alike). `None` without both.
     pub async fn reconstruction_error(&self, rt: &Runtime) -> Result<Option<(f64, f64)>> {
-        let (Some(r), true) = (&self.reference, self.pool.cfg.codec != Codec::None) else {
+        let (Some(r), true) = (&self.reference, self.kv.pool.cfg.codec != Codec::None) else {
             return Ok(None);
         };
-        let c = &self.pool.cfg;
+        let pool = &self.kv.pool;
+        let c = &pool.cfg;
         let rc = &r.pool.cfg;
-        let (lists, counts) = self.pool.read_page_lists(rt).await?;
+        let (lists, counts) = pool.read_page_lists(rt).await?;
         let (rlists, rcounts) = r.pool.read_page_lists(rt).await?;
-        let codec_kv = self.pool.read_codec_kv(rt).await?;
-        let basis = self.pool.read_basis(rt).await?;
+        let codec_kv = pool.read_codec_kv(rt).await?;
+        let basis = pool.read_basis(rt).await?;
         let rkv = r.pool.read_kv(rt).await?;
-        let meta: Vec<crate::gpu_data::PageMeta> = rt.read_all(&self.pool.page_meta).await?;
+        let meta: Vec<crate::gpu_data::PageMeta> = rt.read_all(&pool.page_meta).await?;
         let cw = c.codec.page_words(c.page_size, c.head_dim) as usize;
         let (rpw, vw) = (rc.page_words() as usize, rc.vec_words() as usize);
         let maxp = c.max_pages_per_seq() as usize;

@@ -1,44 +1,11 @@
-//! What a step reports: per-stage GPU times (and where each stage's timestamps sit in the step's
-//! timer), the step's counters, and the per-layer records a trace keeps.
+//! What a step reports: per-stage GPU times, the step's counters, and the per-layer records a
+//! trace keeps.
 
 use serde::{Deserialize, Serialize};
 
 use super::Pipeline;
 use crate::error::Result;
 use crate::runtime::Runtime;
-
-/// A stage's timestamp pair in a step's timer: route, append, gather, one attention pass per
-/// layer, evict, miss recount, compress.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Slot {
-    Route,
-    Append,
-    Gather,
-    Attend(u32),
-    Evict,
-    Miss,
-    Compress,
-}
-
-impl Slot {
-    /// The pair's index in a timer of a `layers`-layer step.
-    pub(crate) fn index(self, layers: u32) -> u32 {
-        match self {
-            Slot::Route => 0,
-            Slot::Append => 1,
-            Slot::Gather => 2,
-            Slot::Attend(layer) => 3 + layer,
-            Slot::Evict => 3 + layers,
-            Slot::Miss => 4 + layers,
-            Slot::Compress => 5 + layers,
-        }
-    }
-
-    /// Timestamp pairs of a `layers`-layer step.
-    pub(crate) fn pairs(layers: u32) -> u32 {
-        6 + layers
-    }
-}
 
 /// GPU time of each stage of one step (milliseconds).
 #[derive(Clone, Debug, Default, Serialize)]
@@ -61,17 +28,18 @@ pub struct StageTimes {
 }
 
 impl StageTimes {
-    /// From a step's timestamp pairs in the timer's order: route, append, gather, one attend
-    /// pass per layer, evict, miss recount, compress.
-    pub(super) fn from_pairs(ms: &[f64], layers: u32) -> StageTimes {
+    /// From a step's milliseconds per stage ([`crate::step::StepTimer::read`]), each summed
+    /// over the layers; a stage that did not run took 0.
+    pub(super) fn from_stage_ms(ms: &std::collections::BTreeMap<&'static str, f64>) -> StageTimes {
+        let get = |stage: &str| ms.get(stage).copied().unwrap_or(0.0);
         StageTimes {
-            route_ms: ms[Slot::Route.index(layers) as usize],
-            append_ms: ms[Slot::Append.index(layers) as usize],
-            compress_ms: ms[Slot::Compress.index(layers) as usize],
-            gather_ms: ms[Slot::Gather.index(layers) as usize],
-            attend_ms: (0..layers).map(|l| ms[Slot::Attend(l).index(layers) as usize]).sum(),
-            evict_ms: ms[Slot::Evict.index(layers) as usize],
-            miss_ms: ms[Slot::Miss.index(layers) as usize],
+            route_ms: get("route"),
+            append_ms: get("append"),
+            compress_ms: get("compress"),
+            gather_ms: get("gather"),
+            attend_ms: get("attention"),
+            evict_ms: get("evict"),
+            miss_ms: get("miss"),
         }
     }
 
@@ -342,17 +310,17 @@ impl Pipeline {
     /// What the last step did at every layer, for a trace (`crate::trace`): call right after
     /// [`Pipeline::step`].
     pub async fn trace_records(&self, rt: &Runtime) -> Result<Vec<LayerRecord>> {
-        let c = &self.pool.cfg;
+        let c = &self.kv.pool.cfg;
         let w = &self.cfg.workload;
         let lists_per_layer = (c.max_seqs * c.kv_heads) as usize;
         let maxp = c.max_pages_per_seq() as usize;
-        let (lists, counts) = match &self.quest {
+        let (lists, counts) = match &self.kv.quest {
             Some(q) => (rt.read_all::<u32>(&q.sel_list).await?, rt.read_all::<u32>(&q.sel_counts).await?),
-            None => self.pool.read_page_lists(rt).await?,
+            None => self.kv.pool.read_page_lists(rt).await?,
         };
-        let rings: Vec<crate::gpu_data::RingState> = rt.read_all(&self.pool.rings).await?;
+        let rings: Vec<crate::gpu_data::RingState> = rt.read_all(&self.kv.pool.rings).await?;
         let keys_per_layer = lists_per_layer * c.n_shards as usize;
-        let (sched_lists, ring_counts) = match &self.scheduler {
+        let (sched_lists, ring_counts) = match &self.kv.scheduler {
             Some(s) => (s.read_lists(rt).await?, s.read_ring_counts(rt).await?),
             None => (Vec::new(), Vec::new()),
         };
@@ -380,7 +348,7 @@ impl Pipeline {
             out.push(LayerRecord {
                 step: self.step.saturating_sub(1),
                 layer,
-                experts: self.router.read_experts(rt, layer, w.n_seqs).await?,
+                experts: self.router().read_experts(rt, layer, w.n_seqs).await?,
                 pages_read,
                 bytes_read,
                 pages_in_use,

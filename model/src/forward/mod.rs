@@ -15,24 +15,21 @@ use crate::moe::{Gating, Moefication};
 use crate::ops::{GpuMatrix, ModelKernels, MoeFfn, Recorded, WeightFormat, same_format, tensor_format};
 use crate::{Error, Result};
 use crate::{config::LlamaConfig, gguf::Gguf};
-use expertkv_core::append::KvPool;
 use expertkv_core::append::format::NewToken;
-use expertkv_core::attend::{AttendOptions, Attention};
 use expertkv_core::config::KvDtype;
-use expertkv_core::evict::config::SchedulerConfig;
-use expertkv_core::evict::flexgen::FlexGen;
 use expertkv_core::evict::quest::Quest;
-use expertkv_core::evict::{AllocatorSpec, Scheduler};
 use expertkv_core::gpu_data::ExpertStats;
-use expertkv_core::pipeline::{ReportParts, StepReport, check_eviction, compare_pool, pool_model_of};
+use expertkv_core::pipeline::{ReportParts, StepReport};
 use expertkv_core::route::config::RouterConfig;
 use expertkv_core::route::{RouteShape, Router};
 use expertkv_core::runtime::Runtime;
 use expertkv_core::runtime::dispatch::dispatches_encoded;
+use expertkv_core::step::{self, Attend, Checks, KvSide, Recorder, Run, Segment};
 
 mod options;
 mod prefill;
 mod prefix;
+mod products;
 mod reconfigure;
 mod schedule;
 mod timing;
@@ -40,9 +37,9 @@ pub mod trace;
 use options::check_options;
 pub use options::{ModelOptions, kept_per_list, pool_config};
 use prefill::Prefill;
+use products::Products;
+use schedule::Pause;
 pub use schedule::{Moved, Part, Stage, Transfer, TransferTotals};
-use schedule::{Pause, Segment};
-use timing::StageMarks;
 pub use timing::StageTimer;
 
 /// Slots per page of the model's K/V pool.
@@ -151,21 +148,6 @@ struct Recording {
     head: Recorded,
 }
 
-/// What FlexGen's host decisions read: every page's bounds, the layer's queries (for a fetch),
-/// the pool's tables, and the seconds the readback took (waiting for the work before it).
-struct FlexGenInputs {
-    bounds: Vec<f32>,
-    queries: Vec<f32>,
-    tables: FlexGenTables,
-    read_s: f64,
-}
-
-/// The pool's tables a fetch reads (its rings) or an offload reads (all of them).
-enum FlexGenTables {
-    Rings(expertkv_core::append::RingTables),
-    Whole(expertkv_core::append::PoolSnapshot),
-}
-
 /// The expert FFNs, recorded per layer: the router's weights (`[E][hidden]`, f32, scored with
 /// the matrix-vector kernel), its top-k, the chosen experts' weights, and the experts' FFN (the
 /// recorded bind groups hold the buffers). Either MoEfied ([`GpuLlama::set_moe`]: centroids,
@@ -270,24 +252,20 @@ pub struct GpuLlama {
     /// Each layer's matrices (the MoEfied FFN's recording takes its attention output from here;
     /// the recorded bind groups keep every other buffer alive).
     layers: Vec<Layer>,
-    /// The paged K/V pool: pages of [`MODEL_PAGE_SIZE`] slots, held by a page list per (layer,
-    /// sequence, KV head), K/V in [`ModelOptions::dtype`] (and compressed pages under a codec).
-    pub pool: KvPool,
-    attn: Attention,
-    /// Evicts after every step down to its budget (tokens per layer x sequence x KV head).
-    pub scheduler: Option<Scheduler>,
+    /// The K/V side of the step ([`KvSide`], configured from [`ModelOptions`]): the paged pool
+    /// (pages of [`MODEL_PAGE_SIZE`] slots, a page list per (layer, sequence, KV head), K/V in
+    /// [`ModelOptions::dtype`], compressed pages under a codec), its attention, the route stage
+    /// and the policy over the pool: an evicting scheduler (run after every step down to its
+    /// budget, tokens per layer x sequence x KV head), QUEST (attention reads only the pages whose
+    /// key bounds score highest for its queries) or FlexGen's host tier (each layer's best host
+    /// pages fetched before its attention, the coldest pages past the budget moved out after
+    /// the step).
+    pub kv: KvSide,
     /// The pool holds this many tokens per list, the scheduler's budget ([`kept_per_list`]);
     /// positions then run past the pool's pages, up to `max_context`.
     kept_per_list: Option<u32>,
-    /// QUEST: every layer's attention reads only the pages whose key bounds score highest for
-    /// its queries (the cache stays whole).
-    pub quest: Option<Quest>,
-    /// FlexGen's host tier: each layer's step is submitted up to its page lists, its queries
-    /// read back, and the host pages whose QUEST bound beats the weakest resident page's fetched
-    /// in; after the step the coldest pages past the budget move to host memory.
-    pub flexgen: Option<(FlexGen, Quest)>,
-    /// The route stage: every layer's tokens routed to experts before their append
-    /// ([`ModelOptions::routing`]).
+    /// The route stage's scores ([`ModelOptions::routing`]): every layer's tokens scored by a
+    /// routing source's router before the route stage routes them and their append.
     labels: Option<KvLabels>,
     /// Tokens whose first label matched the FFN's first expert, and tokens compared (a sparse
     /// FFN with labels: see [`GpuLlama::label_agreement`]).
@@ -463,17 +441,13 @@ fn attention_output(
     Ok(())
 }
 
-/// The K/V side of a model: the pool and what reads or shapes it, and the step's recording
-/// (its bind groups hold the pool's and the attention's buffers). [`GpuLlama::load`] builds it
-/// after the weights; [`GpuLlama::reconfigure`] builds it again.
-struct KvSide {
+/// The K/V side of a model ([`KvSide`]) and what binds it: the route stage's scores and the
+/// step's scratch and recording (its bind groups hold the pool's and the attention's buffers).
+/// [`GpuLlama::load`] builds it after the weights; [`GpuLlama::reconfigure`] builds it again.
+struct KvParts {
     kept_per_list: Option<u32>,
-    pool: KvPool,
+    kv: KvSide,
     labels: Option<KvLabels>,
-    attn: Attention,
-    quest: Option<Quest>,
-    flexgen: Option<(FlexGen, Quest)>,
-    scheduler: Option<Scheduler>,
     s: Scratch,
     recorded: Recording,
 }
@@ -486,49 +460,17 @@ async fn kv_side(
     layers: &[Layer],
     io: (&GpuMatrix, Option<&GpuMatrix>, &wgpu::Buffer),
     o: &ModelOptions,
-) -> Result<KvSide> {
-    let ModelOptions { n_seqs, max_context, dtype, codec, pyramid, threshold, .. } = *o;
-    let (scheduler, routing) = (o.scheduler.clone(), o.routing.clone());
-    let kept_per_list = kept_per_list(scheduler.as_ref(), pyramid, routing.as_ref());
-    let pool_cfg = pool_config(cfg, n_seqs, max_context, dtype, scheduler.as_ref(), codec, routing.as_ref(), pyramid);
-    pool_cfg.validate()?;
-    let mut pool = KvPool::new(rt, pool_cfg).await?;
-    let labels = match &routing {
-        Some(r) => Some(KvLabels::new(rt, &mut pool, r, n_seqs, cfg.embedding_length).await?),
+) -> Result<KvParts> {
+    let kept_per_list = kept_per_list(o.scheduler.as_ref(), o.pyramid, o.routing.as_ref());
+    let kv = KvSide::new(rt, &o.kv_side_config(cfg)).await?;
+    let labels = match &o.routing {
+        Some(r) => Some(KvLabels::new(rt, r, o.n_seqs, cfg.embedding_length)?),
         None => None,
     };
-    let group = cfg.head_count / cfg.head_count_kv;
-    let mass = scheduler.as_ref().is_some_and(|(s, _)| s.evicts());
-    let attend_opts = AttendOptions { group, n_seqs, chunk_pages: 8, mass, ..Default::default() };
-    let (attn, quest) = match &scheduler {
-        Some((SchedulerConfig::Quest, budget)) => {
-            let mut q = Quest::new(rt, &pool, *budget).await?;
-            let attn = Attention::with_lists(rt, &pool, attend_opts, Some((&q.sel_list, &q.sel_counts))).await?;
-            q.bind(rt, &pool, &attn);
-            (attn, Some(q))
-        }
-        _ => (Attention::new(rt, &pool, attend_opts).await?, None),
-    };
-    let mut flexgen = None;
-    let scheduler = match scheduler {
-        Some((SchedulerConfig::FlexGen, budget)) => {
-            flexgen = Some((FlexGen::new(&pool, budget)?, Quest::new(rt, &pool, budget).await?));
-            None
-        }
-        Some((s, budget)) if s.uses_evict_kernels() => {
-            let allocator = routing.as_ref().and_then(|r| r.allocator).map(|cfg| AllocatorSpec {
-                cfg,
-                n_experts: routing.as_ref().map_or(1, |r| r.n_experts),
-                route_stats: labels.as_ref().map(|l| &l.router.stats),
-            });
-            Some(Scheduler::with_allocator(rt, &pool, s, budget, pyramid, threshold, allocator).await?)
-        }
-        _ => None,
-    };
-    let s = Scratch::new(rt, cfg, n_seqs, n_seqs);
-    let f16 = pool.cfg.dtype == KvDtype::F16;
-    let recorded = record(rt, kernels, cfg, layers, io, &s, (&attn.queries, attn.output()), n_seqs, f16, true)?;
-    Ok(KvSide { kept_per_list, pool, labels, attn, quest, flexgen, scheduler, s, recorded })
+    let s = Scratch::new(rt, cfg, o.n_seqs, o.n_seqs);
+    let f16 = kv.pool.cfg.dtype == KvDtype::F16;
+    let recorded = record(rt, kernels, cfg, layers, io, &s, (&kv.attn.queries, kv.attn.output()), o.n_seqs, f16, true)?;
+    Ok(KvParts { kept_per_list, kv, labels, s, recorded })
 }
 
 /// Tensors shared by [`GpuLlama::load`] and [`GpuLlama::reconfigure`]: the token embeddings, the
@@ -538,20 +480,16 @@ type Io = (GpuMatrix, Option<GpuMatrix>, wgpu::Buffer);
 impl GpuLlama {
     /// A model of these weights and K/V side, no experts installed yet, at step 0 with every
     /// sequence at position 0.
-    fn assemble(cfg: LlamaConfig, kernels: ModelKernels, layers: Vec<Layer>, io: Io, kv: KvSide, opts: &ModelOptions) -> GpuLlama {
+    fn assemble(cfg: LlamaConfig, kernels: ModelKernels, layers: Vec<Layer>, io: Io, kv: KvParts, opts: &ModelOptions) -> GpuLlama {
         let ModelOptions { n_seqs, max_context, prefill_chunk, .. } = *opts;
-        let KvSide { kept_per_list, pool, labels, attn, quest, flexgen, scheduler, s, recorded } = kv;
+        let KvParts { kept_per_list, kv, labels, s, recorded } = kv;
         GpuLlama {
             kept_per_list,
             cfg,
             kernels,
             recorded,
             layers,
-            pool,
-            attn,
-            scheduler,
-            quest,
-            flexgen,
+            kv,
             labels,
             agreement: (0, 0),
             verify_evictions: false,
@@ -738,10 +676,10 @@ impl GpuLlama {
 
     /// The route stage was set up for `moe`'s experts and top k.
     fn check_label_shape(&self, moe: &Moefication) -> Result<()> {
-        let Some(l) = &self.labels else {
+        let Some(router) = self.label_router_stage() else {
             return Err(Error::config("labels", moe.config.experts, "load the model with ModelOptions::routing to route its tokens"));
         };
-        let (e, k) = (l.router.shape.n_experts, l.router.shape.top_k);
+        let (e, k) = (router.shape.n_experts, router.shape.top_k);
         if (e, k) != (moe.config.experts as u32, moe.config.top_k as u32) {
             return Err(Error::config(
                 "routing",
@@ -754,14 +692,19 @@ impl GpuLlama {
 
     /// Install the route stage's scoring over `routers` (per layer `[E][hidden]` f32).
     fn install_labels(&mut self, rt: &Runtime, source: LabelSource, routers: &[Vec<f32>]) -> Result<()> {
-        let Some(labels) = &mut self.labels else { return Ok(()) };
+        let (Some(labels), Some(route)) = (&mut self.labels, &self.kv.route) else { return Ok(()) };
         let inputs = ScoreInputs {
             h: &self.s.h,
             ffn_norms: self.layers.iter().map(|w| &w.ffn_norm).collect(),
             hidden: self.cfg.embedding_length,
             eps: self.cfg.rms_norm_eps,
         };
-        labels.install(rt, &self.kernels, source, routers, inputs)
+        labels.install(rt, &self.kernels, (source, &route.router), routers, inputs)
+    }
+
+    /// The route stage's router, when the tokens are routed.
+    fn label_router_stage(&self) -> Option<&Router> {
+        self.labels.as_ref().and(self.kv.route.as_ref()).map(|r| &r.router)
     }
 
     /// Where the tokens' routing labels come from, once a source is installed.
@@ -771,14 +714,14 @@ impl GpuLlama {
 
     /// The route stage's router configuration.
     pub fn label_router(&self) -> Option<&RouterConfig> {
-        self.labels.as_ref().map(|l| &l.router.cfg)
+        self.label_router_stage().map(|r| &r.cfg)
     }
 
     /// The route stage's statistics per (layer, expert), `layer * E + e`: tokens routed (ever
     /// appended), resident in the pool, load and miss rate.
     pub async fn label_stats(&self, rt: &Runtime) -> Result<Vec<ExpertStats>> {
-        match &self.labels {
-            Some(l) => Ok(l.router.read_stats(rt).await?),
+        match self.label_router_stage() {
+            Some(r) => Ok(r.read_stats(rt).await?),
             None => Ok(Vec::new()),
         }
     }
@@ -786,24 +729,21 @@ impl GpuLlama {
     /// The experts the route stage chose for the last step's tokens and their gates, both
     /// `[layer][seq][k]` (empty without the route stage).
     pub async fn step_labels(&self, rt: &Runtime) -> Result<(Vec<u32>, Vec<f32>)> {
-        let Some(l) = &self.labels else { return Ok((Vec::new(), Vec::new())) };
-        Ok((l.experts(rt).await?, l.gates(rt).await?))
+        let Some(r) = self.label_router_stage() else { return Ok((Vec::new(), Vec::new())) };
+        Ok((crate::labels::routed_experts(rt, r).await?, crate::labels::routed_gates(rt, r).await?))
     }
 
     /// The last step's report, as the synthetic pipeline's ([`StepReport::collect`]): pool
     /// occupancy by tier and shard, the route stage's per-expert statistics, evictions and kept
     /// attention, EKVA's split, QUEST's bytes read. No GPU times (`gpu: None`).
     pub async fn step_report(&self, rt: &Runtime) -> Result<StepReport> {
-        let parts = ReportParts {
-            pool: &self.pool,
-            router: self.labels.as_ref().map(|l| &l.router),
-            scheduler: self.scheduler.as_ref(),
-            quest: self.quest.as_ref(),
-        };
-        let ctl = self.pool.read_ctl(rt).await?;
+        let kv = &self.kv;
+        let parts =
+            ReportParts { pool: &kv.pool, router: self.label_router_stage(), scheduler: kv.scheduler.as_ref(), quest: kv.quest.as_ref() };
+        let ctl = kv.pool.read_ctl(rt).await?;
         let context = self.positions.first().copied().unwrap_or(0);
         let mut report = StepReport::collect(rt, parts, ctl, (self.step.saturating_sub(1), context), None, f64::NAN).await?;
-        if let Some((fg, _)) = &self.flexgen {
+        if let Some((fg, _)) = &self.kv.flexgen {
             report.host_kv_bytes = fg.stats.host_bytes;
             report.tier_bytes_moved = fg.stats.bytes_to_host + fg.stats.bytes_to_gpu;
         }
@@ -848,7 +788,7 @@ impl GpuLlama {
             // Score the FFN input with the router, take the top k on the GPU, weight the chosen,
             // then evaluate only those experts' neurons.
             let mut p = Recorded::default();
-            attention_output(rt, kern, c, w, s, self.attn.output(), n, &mut p)?;
+            attention_output(rt, kern, c, w, s, self.kv.attn.output(), n, &mut p)?;
             kern.matvec(rt, &mut p, router, &s.xn, &scores, n)?;
             kern.moe_topk(rt, &mut p, &scores, &sel, &log, l as u32 * n * k, n, e, k)?;
             if let (Some(pg), Some((next, _))) = (&pregate, layers.get(l + 1)) {
@@ -931,7 +871,7 @@ impl GpuLlama {
         let (mut before, mut after) = (Vec::new(), Vec::new());
         for ((centroids, ffn_l), w) in moe.layers.iter().zip(&self.layers) {
             let mut p = Recorded::default();
-            attention_output(rt, kern, c, w, s, self.attn.output(), n, &mut p)?;
+            attention_output(rt, kern, c, w, s, self.kv.attn.output(), n, &mut p)?;
             kern.matvec(rt, &mut p, centroids, &s.xn, &moe.scores, n)?;
             before.push(p);
             let mut p = Recorded::default();
@@ -950,8 +890,9 @@ impl GpuLlama {
     /// page bounds and lists where QUEST or FlexGen selects pages ([`Quest::bytes_allocated`]):
     /// what [`ModelOptions::kv_bytes`] predicts.
     pub fn kv_bytes_allocated(&self) -> u64 {
-        let quest = self.quest.as_ref().or(self.flexgen.as_ref().map(|(_, q)| q)).map_or(0, Quest::bytes_allocated);
-        self.pool.pool_bytes_allocated() + quest
+        let kv = &self.kv;
+        let quest = kv.quest.as_ref().or(kv.flexgen.as_ref().map(|(_, q)| q)).map_or(0, Quest::bytes_allocated);
+        kv.pool.pool_bytes_allocated() + quest
     }
 
     /// Bytes a MoE file's experts take on the GPU ([`MoeFfn::gpu_bytes`] of every layer: every
@@ -988,8 +929,8 @@ impl GpuLlama {
 
     /// Bytes of the pool's pages in use (raw pages and compressed pages), as allocated.
     pub async fn kv_bytes_in_use(&self, rt: &Runtime) -> Result<u64> {
-        let c = &self.pool.cfg;
-        let ctl = self.pool.read_ctl(rt).await?;
+        let c = &self.kv.pool.cfg;
+        let ctl = self.kv.pool.read_ctl(rt).await?;
         let raw = u64::from(c.n_pages - ctl.free_top);
         let codec = u64::from((c.n_ids() - c.n_pages) - ctl.codec_free_top);
         Ok(raw * c.page_bytes() + codec * c.codec_page_bytes() + self.codec_basis_bytes())
@@ -997,7 +938,8 @@ impl GpuLlama {
 
     /// Bytes of the low-rank codecs' basis (part of [`GpuLlama::kv_bytes_in_use`]); 0 otherwise.
     pub fn codec_basis_bytes(&self) -> u64 {
-        if self.pool.cfg.codec.is_low_rank() { self.pool.codec_basis.size() } else { 0 }
+        let pool = &self.kv.pool;
+        if pool.cfg.codec.is_low_rank() { pool.codec_basis.size() } else { 0 }
     }
 
     /// Fit the low-rank basis after `tokens` positions instead of [`LOW_RANK_CALIBRATION_TOKENS`]
@@ -1028,49 +970,18 @@ impl GpuLlama {
         self.moe.as_ref().map_or(&[], |m| &m.counts)
     }
 
-    /// FlexGen: summarise the pages that changed (QUEST bounds), then read in one readback every
-    /// page's bounds and either, for a fetch, the layer's queries and the pool's ring tables or,
-    /// for an offload, the pool's whole tables.
-    async fn flexgen_inputs(&self, rt: &Runtime, fetch: bool) -> Result<FlexGenInputs> {
-        let Some((_, q)) = &self.flexgen else { return Err(Error::Input("no host tier".into())) };
-        let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("flexgen bounds") });
-        q.encode_summarize(
-            &mut enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("flexgen bounds"), timestamp_writes: None }),
-        );
-        rt.queue.submit([enc.finish()]);
-        let whole = |b: &wgpu::Buffer| b.size() / 4;
-        let (qb, bb) = (&self.attn.queries, &q.bounds);
-        let mut ranges = vec![(bb, 0, whole(bb))];
-        if fetch {
-            ranges.push((qb, 0, whole(qb)));
-            ranges.extend(self.pool.ring_tables_ranges());
-        } else {
-            ranges.extend(self.pool.snapshot_ranges());
-        }
-        let t0 = std::time::Instant::now();
-        let mut read = rt.read_many::<u32>(&ranges).await?;
-        let read_s = t0.elapsed().as_secs_f64();
-        let tables = read.split_off(if fetch { 2 } else { 1 });
-        let mut read = read.into_iter().map(bytemuck::cast_vec::<u32, f32>);
-        let bounds = read.next().unwrap_or_default();
-        let tables = if fetch {
-            FlexGenTables::Rings(self.pool.ring_tables_from(tables))
-        } else {
-            FlexGenTables::Whole(self.pool.snapshot_from(tables))
-        };
-        Ok(FlexGenInputs { bounds, queries: read.next().unwrap_or_default(), tables, read_s })
-    }
-
     /// One token per sequence at its next position; returns the logits, `[seq][vocab]`.
     ///
-    /// The whole step is one submission: per layer the projections, RoPE and the K/V packed into
-    /// the pool's layout ([`ModelKernels::kv_pack`]), the pool's append of that layer's tokens
-    /// ([`KvPool::encode_staged_append`], records staged once per step), compression of pages
-    /// that left their ring's head, the layer's page lists ([`KvPool::encode_gather_layer`]),
-    /// attention (the Q projection and RoPE write its query buffer, the output projection reads its
-    /// output buffer), and the FFN (dense, or the MoEfied router's
-    /// top-k on the GPU then only the chosen experts). The host reads the logits back, and the
-    /// experts chosen in every layer once at the end (MoEfied models).
+    /// The step runs the decode step's stage sequence ([`expertkv_core::step::record`]) with the
+    /// model's products as its source: per layer the projections, RoPE and the K/V packed into
+    /// the pool's layout ([`ModelKernels::kv_pack`]; the Q projection and RoPE write the
+    /// attention's query buffer), the route stage, the pool's append of the layer's tokens,
+    /// compression of pages that left their ring's head, the layer's page lists, attention, and
+    /// the FFN (dense, or the router's top-k on the GPU then only the chosen experts; the output
+    /// projection reads the attention's output buffer); after the last layer the LM head, the
+    /// scheduler's eviction and the route stage's miss recount. One submission, unless the host
+    /// tier or an expert cache acts between layers. The host reads the logits back, and the
+    /// experts chosen in every layer once at the end.
     pub async fn forward(&mut self, rt: &Runtime, tokens: &[u32]) -> Result<Vec<f32>> {
         if let Some(p) = self.positions.iter().find(|&&p| p >= self.max_context) {
             return Err(Error::Input(format!(
@@ -1088,7 +999,12 @@ impl GpuLlama {
         }
         let c = self.cfg.clone();
         let n = self.n_seqs;
-        self.pool.check_errors(rt, n * c.block_count).await?;
+        self.kv.pool.check_errors(rt, n * c.block_count).await?;
+        let labels = self.label_router_stage();
+        let routed = match (&self.moe, labels) {
+            (Some(_), Some(r)) => Some(crate::labels::routed_experts(rt, r).await?),
+            _ => None,
+        };
         if let Some(moe) = &mut self.moe {
             let per_layer = (n * moe.top_k) as usize;
             let log = moe.routed.as_ref().map_or(&moe.log, |r| &r.router.experts);
@@ -1103,9 +1019,8 @@ impl GpuLlama {
             if self.trace.is_some() {
                 moe.last_chosen = chosen.clone();
             }
-            if let Some(labels) = &self.labels {
+            if let Some(routed) = routed {
                 let k = moe.top_k as usize;
-                let routed = labels.experts(rt).await?;
                 let same = routed.chunks(k).zip(chosen.chunks(k)).filter(|(a, b)| a[0] == b[0]).count();
                 self.agreement.0 += same as u64;
                 self.agreement.1 += (routed.len() / k) as u64;
@@ -1113,33 +1028,6 @@ impl GpuLlama {
         }
         for p in &mut self.positions {
             *p += 1;
-        }
-        if let Some(sch) = &self.scheduler {
-            // The page lists must be current: this step appended to every layer.
-            self.pool.gather(rt)?;
-            if self.verify_evictions {
-                rt.wait()?;
-                let mut reference = pool_model_of(rt, &self.pool).await?;
-                let before = sch.read_lists(rt).await?;
-                sch.run(rt, self.step, &self.positions)?;
-                let after = sch.read_lists(rt).await?;
-                check_eviction(rt, sch, &mut reference, self.step, &self.positions, &before, &after).await?;
-                compare_pool(rt, &self.pool, &reference).await?;
-            } else {
-                sch.run(rt, self.step, &self.positions)?;
-            }
-        }
-        if self.flexgen.is_some() {
-            // This step's attention mass counts: the coldest pages past the budget go to host.
-            let i = self.flexgen_inputs(rt, false).await?;
-            self.transfer_totals.tier_read_s += i.read_s;
-            if let (Some((fg, _)), FlexGenTables::Whole(snapshot)) = (&mut self.flexgen, i.tables) {
-                fg.offload_with(rt, &self.pool, &i.bounds, snapshot).await?;
-            }
-        }
-        if let Some(l) = &self.labels {
-            // Each (layer, expert)'s tokens still resident: the cache-aware router's misses.
-            l.router.update_miss(rt)?;
         }
         self.step += 1;
         self.dispatches = dispatches_encoded() - d0;
@@ -1156,9 +1044,9 @@ impl GpuLlama {
         if seq >= self.n_seqs {
             return Err(Error::Input(format!("sequence {seq}: the model decodes {} sequences", self.n_seqs)));
         }
-        self.pool.release_sequence(rt, seq)?;
-        if let Some((fg, _)) = &mut self.flexgen {
-            fg.release_sequence(&self.pool.cfg, seq);
+        self.kv.pool.release_sequence(rt, seq)?;
+        if let Some((fg, _)) = &mut self.kv.flexgen {
+            fg.release_sequence(&self.kv.pool.cfg, seq);
         }
         self.positions[seq as usize] = 0;
         Ok(())
@@ -1172,8 +1060,8 @@ impl GpuLlama {
     }
 
     /// Validate a step's tokens, fit a low-rank basis when its window is in, stage the step's
-    /// records and record the whole step into one command buffer (see [`GpuLlama::forward`]).
-    fn encode_step(&mut self, rt: &Runtime, tokens: &[u32]) -> Result<Vec<Segment>> {
+    /// inputs and record the step (see [`GpuLlama::forward`]).
+    fn encode_step(&mut self, rt: &Runtime, tokens: &[u32]) -> Result<Vec<Segment<Pause>>> {
         let n = self.n_seqs;
         if tokens.len() != n as usize {
             return Err(Error::Input(format!("{} tokens for {n} sequences", tokens.len())));
@@ -1183,25 +1071,21 @@ impl GpuLlama {
         }
         // A pool for the whole context holds its positions; one for a budget evicts down to it
         // after every step, so positions run on to `max_context` (checked in `forward`).
-        let cap = (self.pool.cfg.ring_capacity - 1) * self.pool.cfg.page_size - self.pool.cfg.page_size;
+        let pc = &self.kv.pool.cfg;
+        let cap = (pc.ring_capacity - 1) * pc.page_size - pc.page_size;
         if let Some(p) = self.positions.iter().find(|&&p| p >= cap && self.kept_per_list.is_none()) {
             return Err(Error::Input(format!("position {p} is past the context this model was loaded for ({cap} tokens)")));
         }
         // A low-rank codec fits its basis once the calibration window is in (its pages stayed
         // raw); this step then compresses them.
-        if self.pool.cfg.codec.is_low_rank() && !self.pool.calibrated && self.positions.iter().all(|&p| p >= self.calibration_tokens) {
-            self.pool.calibrate(rt, expertkv_core::compress::DEFAULT_BASIS_ITERS)?;
-        }
-        if let Some(l) = &self.labels {
-            if l.source.is_none() {
-                return Err(Error::Input(
-                    "the model was loaded to route its tokens (ModelOptions::routing) but has no routing source: a MoE file, set_moe or set_labels".into(),
-                ));
-            }
-            l.prepare(rt, self.step)?;
+        self.kv.calibrate_if_due(rt, &self.positions, self.calibration_tokens, expertkv_core::compress::DEFAULT_BASIS_ITERS)?;
+        if self.labels.as_ref().is_some_and(|l| l.source.is_none()) {
+            return Err(Error::Input(
+                "the model was loaded to route its tokens (ModelOptions::routing) but has no routing source: a MoE file, set_moe or set_labels".into(),
+            ));
         }
         let c = self.cfg.clone();
-        let k = self.pool.cfg.top_k as usize;
+        let k = self.kv.pool.cfg.top_k as usize;
         rt.queue.write_buffer(&self.s.tokens, 0, bytemuck::cast_slice(tokens));
         rt.queue.write_buffer(&self.s.positions, 0, bytemuck::cast_slice(&self.positions));
         let new: Vec<NewToken> = (0..c.block_count)
@@ -1216,108 +1100,34 @@ impl GpuLlama {
                 })
             })
             .collect();
-        self.pool.stage_append(rt, &new, n, self.step)?;
-        self.attn.stage_params(rt, self.step, c.block_count);
-        if let Some(q) = &self.quest {
-            for l in 0..c.block_count {
-                q.prepare(rt, l, &self.attn);
-            }
-        }
+        // The scheduler evicts with every sequence's length after the step. Tokens are
+        // numbered consecutively over the steps and layers (the hash router's ids).
+        let lens: Vec<u32> = self.positions.iter().map(|p| p + 1).collect();
+        let token_offset = self.step.wrapping_mul(n * c.block_count);
+        self.kv.prepare(rt, &new, n, self.step, token_offset, Some(&lens))?;
         if let Some(r) = self.moe.as_ref().and_then(|m| m.routed.as_ref()) {
             // Tokens are numbered consecutively over the steps (the hash router's ids).
             for l in 0..c.block_count {
                 r.router.prepare(rt, l, n, self.step.wrapping_mul(n))?;
             }
         }
-        let s = &self.s;
-        let rec = &self.recorded;
-        let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("model forward") });
-        let mut segments = Vec::new();
-        // The stages recorded since the last cut, and a cut: the recording so far becomes a
-        // segment the host acts after.
-        let mut stages = Vec::new();
-        let cut = |enc: &mut wgpu::CommandEncoder, stages: &mut Vec<Stage>, segments: &mut Vec<Segment>, then: Pause| {
-            let next = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("model forward") });
-            segments.push(Segment { cb: std::mem::replace(enc, next).finish(), stages: std::mem::take(stages), then: Some(then) });
+        let source = Products {
+            rec: &self.recorded,
+            s: &self.s,
+            moe: self.moe.as_ref(),
+            labels: self.labels.as_ref().zip(self.kv.route.as_ref()).map(|(l, r)| (l, &r.router)),
+            n,
         };
-        let pass_desc = |label| wgpu::ComputePassDescriptor { label: Some(label), timestamp_writes: None };
-        let mut marks = StageMarks::begin(self.timer.as_mut(), &mut enc);
-        rec.embed.encode(&mut enc.begin_compute_pass(&pass_desc("model embed")));
-        marks.mark(&mut enc, "embed");
-        for l in 0..c.block_count {
-            rec.attention_inputs[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("model attention inputs")));
-            marks.mark(&mut enc, "attention inputs");
-            if let Some(labels) = &self.labels {
-                labels.encode(&mut enc, l);
-                marks.mark(&mut enc, "route stage");
-            }
-            self.pool.encode_staged_append(&mut enc, l, &s.kv_words, self.labels.as_ref().map(|x| x.staged(l)))?;
-            marks.mark(&mut enc, "append");
-            if self.pool.ready_to_compress() {
-                // Pages that left their ring's head are compressed now.
-                self.pool.encode_compress(&mut enc.begin_compute_pass(&pass_desc("model compress")));
-                marks.mark(&mut enc, "compress");
-            }
-            if self.flexgen.is_some() {
-                // FlexGen fetches the layer's host pages between here and its page lists.
-                cut(&mut enc, &mut stages, &mut segments, Pause::Pages(l));
-            }
-            self.pool.encode_gather_layer(&mut enc, l)?;
-            marks.mark(&mut enc, "gather");
-            self.attn.encode_layer_params(&mut enc, l)?;
-            {
-                let mut pass = enc.begin_compute_pass(&pass_desc("model attention"));
-                if let Some(q) = &self.quest {
-                    // This layer's pages are all appended: refresh the bounds of those that
-                    // changed, then select for the layer's queries.
-                    q.encode_summarize(&mut pass);
-                    q.encode_select(&mut pass, l)?;
-                }
-                self.attn.encode(&mut pass);
-            }
-            marks.mark(&mut enc, "attention");
-            stages.push(Stage::attention(l));
-            match &self.moe {
-                None => rec.ffn[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("model attention output and FFN"))),
-                Some(moe) => match &moe.routed {
-                    None if moe.cache.is_some() => {
-                        // The host reads the layer's choices and fetches the missing experts here.
-                        moe.recorded[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("model attention output and router")));
-                        marks.mark(&mut enc, "output and router");
-                        // What the host reads next, copied into the layer's staging buffer.
-                        let mut at = 0;
-                        for (src, first, words) in moe.sync_ranges(l as usize, n) {
-                            enc.copy_buffer_to_buffer(src, first * 4, &moe.sync[l as usize], at * 4, words * 4);
-                            at += words;
-                        }
-                        cut(&mut enc, &mut stages, &mut segments, Pause::Experts(l));
-                        moe.experts[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("model experts")));
-                        // The next layer's predicted experts are copied from here.
-                        stages.push(Stage::experts(l));
-                        cut(&mut enc, &mut stages, &mut segments, Pause::Ahead(l));
-                    }
-                    None => moe.recorded[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("model attention output and MoE"))),
-                    Some(r) => {
-                        let (e, k) = (u64::from(moe.n_experts), u64::from(moe.top_k));
-                        let (li, nn) = (u64::from(l), u64::from(n));
-                        r.before[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("model attention output and router scores")));
-                        enc.copy_buffer_to_buffer(&moe.scores, 0, &r.router.logits, li * nn * e * 4, nn * e * 4);
-                        r.router.encode(&mut enc.begin_compute_pass(&pass_desc("model router")), l, n);
-                        enc.copy_buffer_to_buffer(&r.router.experts, li * nn * k * 4, &moe.sel, 0, nn * k * 4);
-                        r.after[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("model MoE")));
-                    }
-                },
-            }
-            if self.moe.as_ref().is_some_and(|m| m.cache.is_none()) {
-                stages.push(Stage::experts(l));
-            }
-            marks.mark(&mut enc, if self.moe.is_some() { "output and experts" } else { "output and FFN" });
-        }
-        rec.head.encode(&mut enc.begin_compute_pass(&pass_desc("model head")));
-        marks.mark(&mut enc, "head");
-        marks.finish(&mut enc);
-        segments.push(Segment { cb: enc.finish(), stages, then: None });
-        Ok(segments)
+        let run = Run {
+            per_layer: n,
+            attend: Attend::Decode,
+            evict: true,
+            miss: true,
+            checks: Checks { layers: false, evict: self.verify_evictions },
+        };
+        let mut rec = Recorder::new(rt, "model forward", self.timer.as_mut().map(|t| &mut t.timer));
+        step::record(&self.kv, &source, &mut rec, run)?;
+        Ok(rec.finish())
     }
 
     /// Greedy decoding of one sequence (the model must be loaded for one): feeds `prompt`, then

@@ -10,6 +10,7 @@ use crate::{Error, Result, config::LlamaConfig};
 use expertkv_core::config::{Codec, KvDtype, PoolConfig, ShardMap};
 use expertkv_core::evict::config::{SchedulerConfig, Threshold};
 use expertkv_core::evict::quest::Quest;
+use expertkv_core::step::KvSideConfig;
 
 /// How [`GpuLlama::load`] sets the model's K/V pool up.
 #[derive(Clone, Debug, PartialEq)]
@@ -74,6 +75,22 @@ impl ModelOptions {
             self.routing.as_ref(),
             self.pyramid,
         )
+    }
+
+    /// The K/V side these options give a model of configuration `cfg`
+    /// ([`expertkv_core::step::KvSide::new`] builds it): the pool ([`pool_config`]), the policy
+    /// over it, the route stage, attention over 8 pages a split chunk.
+    pub fn kv_side_config(&self, cfg: &LlamaConfig) -> KvSideConfig {
+        KvSideConfig {
+            pool: self.pool_config(cfg),
+            policy: self.scheduler.clone(),
+            pyramid: self.pyramid,
+            threshold: self.threshold,
+            allocator: self.routing.as_ref().and_then(|r| r.allocator),
+            group: cfg.head_count / cfg.head_count_kv.max(1),
+            chunk_pages: 8,
+            route: self.routing.as_ref().map(|r| r.route_spec(self.n_seqs)),
+        }
     }
 
     /// Bytes the K/V side of a model of configuration `cfg` allocates with these options, on a
@@ -229,22 +246,13 @@ pub fn pool_config(
 /// The checks [`GpuLlama::load`] (and [`GpuLlama::reconfigure`]) make of `o` for the model
 /// `cfg` before allocating anything.
 pub(super) fn check_options(cfg: &LlamaConfig, o: &ModelOptions) -> Result<()> {
-    let ModelOptions { n_seqs, max_context, codec, pyramid, threshold, prefill_chunk, .. } = *o;
-    let (scheduler, routing) = (&o.scheduler, &o.routing);
+    let ModelOptions { n_seqs, max_context, pyramid, prefill_chunk, .. } = *o;
     if prefill_chunk == 0 || prefill_chunk > MAX_PREFILL_CHUNK {
         return Err(Error::config("prefill_chunk", prefill_chunk, format!("a prefill pass takes 1 to {MAX_PREFILL_CHUNK} tokens")));
     }
-    if !scheduler.as_ref().is_some_and(|(s, _)| s.uses_evict_kernels()) && (pyramid.is_some() || threshold != Threshold::default()) {
-        return Err(Error::config(
-            if pyramid.is_some() { "pyramid" } else { "threshold" },
-            scheduler.as_ref().map_or("none", |(s, _)| s.name()),
-            "shapes an evicting scheduler's budget: give one (h2o, streaming-llm, lru, lru-plus, adakv, duo, fastv-tokens)",
-        ));
-    }
-    if let Some((s, _)) = &scheduler {
-        s.check_codec(codec)?;
-    }
-    if let Some(r) = &routing {
+    check_seqs(n_seqs)?;
+    check_context(cfg, max_context)?;
+    if let Some(r) = &o.routing {
         r.validate()?;
         if cfg.expert_count > 0 && (r.n_experts, r.top_k) != (cfg.expert_count, cfg.expert_used_count) {
             return Err(Error::config(
@@ -253,26 +261,18 @@ pub(super) fn check_options(cfg: &LlamaConfig, o: &ModelOptions) -> Result<()> {
                 format!("a MoE file routes with its own {} experts, top {}", cfg.expert_count, cfg.expert_used_count),
             ));
         }
-        if r.allocator.is_some() && !scheduler.as_ref().is_some_and(|(s, _)| s.uses_evict_kernels()) {
-            return Err(Error::config(
-                "allocator",
-                "ekva",
-                "splits an evicting scheduler's budget (h2o, streaming-llm, lru, lru-plus, adakv, duo, fastv-tokens): give one",
-            ));
-        }
     }
-    if let Some((s, b)) = scheduler.as_ref().filter(|(s, _)| s.uses_evict_kernels()) {
-        // What the scheduler would refuse once the pool exists.
-        s.validate(*b)?;
+    // What the K/V side would refuse once made: the policy with the codec, its budget and
+    // shapes, EKVA.
+    o.kv_side_config(cfg).validate()?;
+    if let Some((s, b)) = o.scheduler.as_ref().filter(|(s, _)| s.uses_evict_kernels()) {
         s.layer_budgets(*b, cfg.block_count, pyramid, MODEL_PAGE_SIZE)?;
     }
-    check_seqs(n_seqs)?;
     if cfg.rope_dimension_count != cfg.head_dim {
         return Err(Error::Model(format!(
             "llama.rope.dimension_count is {} of head_dim {}: partial rotary embeddings are implemented in the CPU reference only, not on the GPU",
             cfg.rope_dimension_count, cfg.head_dim
         )));
     }
-    check_context(cfg, max_context)?;
     Ok(())
 }

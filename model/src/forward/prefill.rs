@@ -2,14 +2,16 @@
 //! ([`super::ModelOptions::prefill_chunk`]) a forward pass, its K/V appended a chunk at a time,
 //! causal attention over the pool.
 
-use super::timing::StageMarks;
-use super::{GpuLlama, Scratch, attention_output, record, shared_expert};
-use crate::ops::{ModelKernels, MoeGroups, Recorded};
+use super::schedule::Pause;
+use super::{GpuLlama, GpuMoe, Layer, Recording, Scratch, attention_output, record, shared_expert};
+use crate::config::LlamaConfig;
+use crate::ops::{GpuMatrix, ModelKernels, MoeGroups, Recorded};
 use crate::{Error, Result};
 use expertkv_core::append::format::NewToken;
 use expertkv_core::config::{Codec, KvDtype};
 use expertkv_core::runtime::Runtime;
 use expertkv_core::runtime::dispatch::dispatches_encoded;
+use expertkv_core::step::{self, Attend, Checks, Recorder, Run, Source};
 
 /// What a chunked prefill uses beside the decode step's buffers: the causal attention, scratch
 /// for a chunk of tokens, the last token's hidden state and its logits.
@@ -50,9 +52,9 @@ impl GpuLlama {
     /// scheduler, QUEST, a host tier), a page codec, the route stage or a pipeline router over
     /// the experts (both place a token's K/V by its routing). `None` when it can.
     pub fn kv_order_refusal(&self) -> Option<&'static str> {
-        if self.scheduler.is_some() || self.quest.is_some() || self.flexgen.is_some() {
+        if self.kv.scheduler.is_some() || self.kv.quest.is_some() || self.kv.flexgen.is_some() {
             Some("a scheduler acts after every token")
-        } else if self.pool.cfg.codec != Codec::None {
+        } else if self.kv.pool.cfg.codec != Codec::None {
             Some("a page codec is on")
         } else if self.labels.is_some() {
             Some("the route stage labels every token")
@@ -95,7 +97,8 @@ impl GpuLlama {
         if let Some(t) = ids.iter().find(|&&t| t >= self.cfg.vocab_size) {
             return Err(Error::Input(format!("token id {t} is outside the vocabulary ({})", self.cfg.vocab_size)));
         }
-        let cap = (self.pool.cfg.ring_capacity - 1) * self.pool.cfg.page_size - self.pool.cfg.page_size;
+        let pc = &self.kv.pool.cfg;
+        let cap = (pc.ring_capacity - 1) * pc.page_size - pc.page_size;
         let at = self.positions[seq as usize];
         if u64::from(at) + ids.len() as u64 > u64::from(cap.min(self.max_context)) {
             return Err(Error::Input(format!(
@@ -117,7 +120,7 @@ impl GpuLlama {
             rt.fits_binding("a prefill chunk's scratch (a smaller prefill chunk fits)", c * widest * 4)?;
             let group = self.cfg.head_count / self.cfg.head_count_kv;
             use expertkv_core::attend::prefill::{PREFILL_CHUNK_PAGES, PrefillAttention};
-            let attn = PrefillAttention::new(rt, &self.pool, group, chunk_tokens, PREFILL_CHUNK_PAGES).await?;
+            let attn = PrefillAttention::new(rt, &self.kv.pool, group, chunk_tokens, PREFILL_CHUNK_PAGES).await?;
             let s = Scratch::new(rt, &self.cfg, chunk_tokens, 1);
             let h_last = rt.storage("prefill last hidden", u64::from(self.cfg.embedding_length) * 4);
             let moe = self.moe.as_ref().zip(moe_act).map(|(m, act)| {
@@ -172,7 +175,7 @@ impl GpuLlama {
             }
         }
         self.dispatches = (dispatches_encoded() - d0) / ids.len().div_ceil(chunk_tokens as usize) as u64;
-        self.pool.check_errors(rt, chunk_tokens * self.cfg.block_count).await?;
+        self.kv.pool.check_errors(rt, chunk_tokens * self.cfg.block_count).await?;
         if every {
             return Ok(all);
         }
@@ -181,12 +184,13 @@ impl GpuLlama {
     }
 
     /// One prefill chunk of sequence `seq` recorded into one command buffer (see
-    /// [`GpuLlama::prefill`]), the LM head on its last token, or on all of them when `every`.
+    /// [`GpuLlama::prefill`]): the decode step's stage sequence over the chunk, with causal
+    /// attention, the LM head on its last token, or on all of them when `every`.
     fn encode_prefill_chunk(&mut self, rt: &Runtime, seq: u32, chunk: &[u32], every: bool) -> Result<Vec<wgpu::CommandBuffer>> {
         let c = self.cfg.clone();
         let n = chunk.len() as u32;
         let first = self.positions[seq as usize];
-        let k = self.pool.cfg.top_k as usize;
+        let k = self.kv.pool.cfg.top_k as usize;
         let Some(pf) = &mut self.prefill else { return Err(Error::Input("prefill: not set up".into())) };
         pf.attn.stage(rt, seq, first, n)?;
         let positions: Vec<u32> = (first..first + n).collect();
@@ -203,11 +207,11 @@ impl GpuLlama {
                 })
             })
             .collect();
-        self.pool.stage_append(rt, &new, n, self.step)?;
-        let f16 = self.pool.cfg.dtype == KvDtype::F16;
+        self.kv.prepare(rt, &new, n, self.step, 0, None)?;
+        let f16 = self.kv.pool.cfg.dtype == KvDtype::F16;
         let (embed, output, out_norm) = (&self.io.0, self.io.1.as_ref(), &self.io.2);
         let Some(pf) = &self.prefill else { return Err(Error::Input("prefill: not set up".into())) };
-        let rec = record(
+        let recording = record(
             rt,
             &pf.kernels,
             &c,
@@ -219,59 +223,96 @@ impl GpuLlama {
             f16,
             false,
         )?;
-        let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("model prefill") });
-        let pass_desc = |label| wgpu::ComputePassDescriptor { label: Some(label), timestamp_writes: None };
-        let mut marks = StageMarks::begin(self.timer.as_mut(), &mut enc);
-        rec.embed.encode(&mut enc.begin_compute_pass(&pass_desc("prefill embed")));
-        marks.mark(&mut enc, "embed");
-        for l in 0..c.block_count {
-            rec.attention_inputs[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("prefill attention inputs")));
-            marks.mark(&mut enc, "attention inputs");
-            self.pool.encode_staged_append(&mut enc, l, &pf.s.kv_words, None)?;
-            marks.mark(&mut enc, "append");
-            self.pool.encode_gather_layer(&mut enc, l)?;
-            marks.mark(&mut enc, "gather");
-            pf.attn.encode(&mut enc.begin_compute_pass(&pass_desc("prefill attention")), l)?;
-            marks.mark(&mut enc, "attention");
-            match (&self.moe, &pf.moe) {
-                (Some(moe), Some([scores, sel, wts, act, log])) => {
-                    // The experts over the chunk, as `install_moe` records them for a step.
-                    let (w, (router, ffn_l)) = (&self.layers[l as usize], &moe.layers[l as usize]);
-                    let (kern, s, e, k) = (&pf.kernels, &pf.s, moe.n_experts, moe.top_k);
-                    let mut p = Recorded::default();
-                    attention_output(rt, kern, &c, w, s, pf.attn.output(), n, &mut p)?;
-                    kern.matvec(rt, &mut p, router, &s.xn, scores, n)?;
-                    // Every layer's choices kept, for the expert counts (read after the chunk).
-                    kern.moe_topk(rt, &mut p, scores, sel, log, l * n * k, n, e, k)?;
-                    if let Some(share) = super::softmax_share(&c, moe.native) {
-                        kern.moe_weights(rt, &mut p, scores, sel, wts, n, e, k, share)?;
-                    }
-                    match &pf.groups {
-                        Some(g) => kern.moe_ffn_grouped(rt, &mut p, ffn_l, (&s.xn, sel, wts, act, &s.h), g, n, k, true)?,
-                        None => kern.moe_ffn(rt, &mut p, ffn_l, &s.xn, sel, wts, act, &s.h, n, k, true)?,
-                    }
-                    shared_expert(rt, kern, &c, w, s, n, &mut p)?;
-                    p.encode(&mut enc.begin_compute_pass(&pass_desc("prefill attention output and MoE")));
-                }
-                _ => rec.ffn[l as usize].encode(&mut enc.begin_compute_pass(&pass_desc("prefill attention output and FFN"))),
-            }
-            marks.mark(&mut enc, if self.moe.is_some() { "output and experts" } else { "output and FFN" });
+        let source = ChunkProducts {
+            rt,
+            cfg: &c,
+            pf,
+            rec: &recording,
+            layers: &self.layers,
+            moe: self.moe.as_ref(),
+            head: (output.unwrap_or(embed), out_norm, &self.kernels),
+            n,
+            every,
+        };
+        let run = Run { per_layer: n, attend: Attend::Prefill(&pf.attn), evict: false, miss: false, checks: Checks::default() };
+        let mut rec = Recorder::new(rt, "model prefill", self.timer.as_mut().map(|t| &mut t.timer));
+        step::record(&self.kv, &source, &mut rec, run)?;
+        Ok(rec.finish().into_iter().map(|seg| seg.cb).collect())
+    }
+}
+
+/// A prefill chunk's products as the step's source: the decode step's, over the chunk's tokens
+/// with the tiled kernels, a MoE file's experts grouped by expert where they can be, the LM head
+/// on the chunk's last token (or every token's).
+struct ChunkProducts<'a> {
+    rt: &'a Runtime,
+    cfg: &'a LlamaConfig,
+    pf: &'a Prefill,
+    rec: &'a Recording,
+    layers: &'a [Layer],
+    moe: Option<&'a GpuMoe>,
+    /// The LM head, the final norm's gain, and the decode step's kernels (a single token's head).
+    head: (&'a GpuMatrix, &'a wgpu::Buffer, &'a ModelKernels),
+    n: u32,
+    every: bool,
+}
+
+impl Source<Pause> for ChunkProducts<'_> {
+    fn begin(&self, rec: &mut Recorder<'_, Pause>) -> Result<()> {
+        rec.pass("embed", |p| self.rec.embed.encode(p));
+        Ok(())
+    }
+
+    fn layer_inputs(&self, rec: &mut Recorder<'_, Pause>, layer: u32) -> Result<()> {
+        rec.pass("attention inputs", |p| self.rec.attention_inputs[layer as usize].encode(p));
+        Ok(())
+    }
+
+    fn kv_words(&self, _layer: u32) -> (&wgpu::Buffer, u64) {
+        (&self.pf.s.kv_words, 0)
+    }
+
+    fn layer_output(&self, rec: &mut Recorder<'_, Pause>, l: u32) -> Result<()> {
+        let (rt, c, pf, n) = (self.rt, self.cfg, self.pf, self.n);
+        let (Some(moe), Some([scores, sel, wts, act, log])) = (self.moe, &pf.moe) else {
+            rec.pass("output and FFN", |p| self.rec.ffn[l as usize].encode(p));
+            return Ok(());
+        };
+        // The experts over the chunk, as `install_moe` records them for a step.
+        let (w, (router, ffn_l)) = (&self.layers[l as usize], &moe.layers[l as usize]);
+        let (kern, s, e, k) = (&pf.kernels, &pf.s, moe.n_experts, moe.top_k);
+        let mut p = Recorded::default();
+        attention_output(rt, kern, c, w, s, pf.attn.output(), n, &mut p)?;
+        kern.matvec(rt, &mut p, router, &s.xn, scores, n)?;
+        // Every layer's choices kept, for the expert counts (read after the chunk).
+        kern.moe_topk(rt, &mut p, scores, sel, log, l * n * k, n, e, k)?;
+        if let Some(share) = super::softmax_share(c, moe.native) {
+            kern.moe_weights(rt, &mut p, scores, sel, wts, n, e, k, share)?;
         }
+        match &pf.groups {
+            Some(g) => kern.moe_ffn_grouped(rt, &mut p, ffn_l, (&s.xn, sel, wts, act, &s.h), g, n, k, true)?,
+            None => kern.moe_ffn(rt, &mut p, ffn_l, &s.xn, sel, wts, act, &s.h, n, k, true)?,
+        }
+        shared_expert(rt, kern, c, w, s, n, &mut p)?;
+        rec.pass("output and experts", |pass| p.encode(pass));
+        Ok(())
+    }
+
+    fn end(&self, rec: &mut Recorder<'_, Pause>) -> Result<()> {
         // The LM head on every token (tiled), or on the chunk's last token only (the decode
         // step's matrix-vector kernel: one token).
-        let head = output.unwrap_or(embed);
+        let (rt, c, pf, n) = (self.rt, self.cfg, self.pf, self.n);
+        let (head, out_norm, step_kernels) = self.head;
         let mut p = Recorded::default();
-        match pf.logits_all.as_ref().filter(|_| every) {
+        match pf.logits_all.as_ref().filter(|_| self.every) {
             Some(all) => pf.kernels.matvec_norm(rt, &mut p, head, &pf.s.h, out_norm, c.rms_norm_eps, &[(all, head.rows)], n)?,
             None => {
                 let h = u64::from(c.embedding_length) * 4;
-                enc.copy_buffer_to_buffer(&pf.s.h, u64::from(n - 1) * h, &pf.h_last, 0, h);
-                self.kernels.matvec_norm(rt, &mut p, head, &pf.h_last, out_norm, c.rms_norm_eps, &[(&pf.s.logits, head.rows)], 1)?;
+                rec.enc().copy_buffer_to_buffer(&pf.s.h, u64::from(n - 1) * h, &pf.h_last, 0, h);
+                step_kernels.matvec_norm(rt, &mut p, head, &pf.h_last, out_norm, c.rms_norm_eps, &[(&pf.s.logits, head.rows)], 1)?;
             }
         }
-        p.encode(&mut enc.begin_compute_pass(&pass_desc("prefill head")));
-        marks.mark(&mut enc, "head");
-        marks.finish(&mut enc);
-        Ok(vec![enc.finish()])
+        rec.pass("head", |pass| p.encode(pass));
+        Ok(())
     }
 }

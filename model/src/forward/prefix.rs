@@ -30,7 +30,7 @@ impl GpuLlama {
     /// Words per token of one layer in [`GpuLlama::read_prefix`]'s format: K then V of every KV
     /// head.
     pub fn prefix_token_words(&self) -> usize {
-        (2 * self.pool.cfg.kv_heads * self.pool.cfg.vec_words()) as usize
+        (2 * self.kv.pool.cfg.kv_heads * self.kv.pool.cfg.vec_words()) as usize
     }
 
     /// The K/V of positions `0..n` of sequence `seq`, per layer: `[layer][position][K heads,
@@ -55,7 +55,7 @@ impl GpuLlama {
                 )));
             }
         }
-        let snap = self.pool.snapshot(rt).await?;
+        let snap = self.kv.pool.snapshot(rt).await?;
         let mut out = Vec::with_capacity(wanted.len());
         for &(seq, n) in wanted {
             out.push(self.prefix_words(rt, &snap, seq, n).await?);
@@ -65,9 +65,9 @@ impl GpuLlama {
 
     /// One sequence's positions `0..n`, found in `snap` (the pool's tables now), per layer.
     async fn prefix_words(&self, rt: &Runtime, snap: &PoolSnapshot, seq: u32, n: u32) -> Result<Vec<Vec<u32>>> {
-        let c = &self.pool.cfg;
+        let c = &self.kv.pool.cfg;
         let (r, ns, mw, vw) = (c.ring_capacity as usize, c.n_shards as usize, c.meta_words() as usize, c.vec_words() as usize);
-        let (pw, ppb) = (u64::from(c.page_words()), self.pool.geo.pages_per_buffer);
+        let (pw, ppb) = (u64::from(c.page_words()), self.kv.pool.geo.pages_per_buffer);
         let hkv = c.kv_heads as usize;
         let tw = 2 * hkv * vw;
         let mut out = Vec::with_capacity(c.layers as usize);
@@ -106,7 +106,7 @@ impl GpuLlama {
             let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("prefix read") });
             for (i, &p) in pages.iter().enumerate() {
                 let b = (p / ppb) as usize;
-                enc.copy_buffer_to_buffer(&self.pool.kv_buffers[b], u64::from(p % ppb) * pw * 4, &staging, i as u64 * pw * 4, pw * 4);
+                enc.copy_buffer_to_buffer(&self.kv.pool.kv_buffers[b], u64::from(p % ppb) * pw * 4, &staging, i as u64 * pw * 4, pw * 4);
             }
             rt.queue.submit([enc.finish()]);
             let words: Vec<u32> = rt.read(&staging, 0, pages.len() as u64 * pw).await?;
@@ -153,16 +153,16 @@ impl GpuLlama {
         if n >= self.max_context {
             return Err(Error::Input(format!("a prefix of {n} tokens leaves no room in a context of {}", self.max_context)));
         }
-        let k = self.pool.cfg.top_k as usize;
-        let batch = self.pool.max_append_tokens(rt).clamp(1, 4096) as usize;
+        let k = self.kv.pool.cfg.top_k as usize;
+        let batch = self.kv.pool.max_append_tokens(rt).clamp(1, 4096) as usize;
         // Token records ordered [layer][position], appended a batch at a time.
         let all: Vec<(u32, u32)> = (0..self.cfg.block_count).flat_map(|l| (0..n).map(move |p| (l, p))).collect();
         let appended = self.append_prefix(rt, seq, n, kv, &all, batch, k).await;
         if let Err(e) = appended {
             // Nothing of a refused prefix stays: the pool's error flags are read (and cleared),
             // the sequence's pages go back, and the append's error is the one returned.
-            let _ = self.pool.check_errors(rt, n * self.cfg.block_count).await;
-            let _ = self.pool.release_sequence(rt, seq);
+            let _ = self.kv.pool.check_errors(rt, n * self.cfg.block_count).await;
+            let _ = self.kv.pool.release_sequence(rt, seq);
             return Err(e);
         }
         self.positions[seq as usize] = n;
@@ -191,9 +191,9 @@ impl GpuLlama {
             for &(l, p) in part {
                 words.extend_from_slice(&kv[l as usize][p as usize * tw..(p as usize + 1) * tw]);
             }
-            self.pool.append(rt, &tokens, &words, self.step)?;
+            self.kv.pool.append(rt, &tokens, &words, self.step)?;
         }
-        self.pool.check_errors(rt, n * self.cfg.block_count).await?;
+        self.kv.pool.check_errors(rt, n * self.cfg.block_count).await?;
         Ok(())
     }
 }

@@ -27,10 +27,8 @@ impl GpuLlama {
             cfg,
             kernels,
             layers,
-            pool,
-            attn,
-            scheduler,
-            quest,
+            kv,
+            labels,
             s,
             recorded,
             moe,
@@ -44,7 +42,7 @@ impl GpuLlama {
             ..
         } = self;
         // Everything that holds the old pool's or slots' buffers goes first.
-        drop((recorded, prefill, scheduler, quest, attn, s, pool));
+        drop((recorded, prefill, labels, s, kv));
         let experts = match moe {
             Some(m) => {
                 let (e, k, native, counts, reuse) = (m.n_experts, m.top_k, m.native, m.counts, m.reuse);
@@ -115,8 +113,8 @@ impl GpuLlama {
         if opts.n_seqs != self.n_seqs {
             return refuse(format!("{} sequences live, {} asked for", self.n_seqs, opts.n_seqs));
         }
-        if opts.dtype != self.pool.cfg.dtype {
-            return refuse(format!("their K/V is {:?}; the new pool must store the same", self.pool.cfg.dtype));
+        if opts.dtype != self.kv.pool.cfg.dtype {
+            return refuse(format!("their K/V is {:?}; the new pool must store the same", self.kv.pool.cfg.dtype));
         }
         if let Some(&p) = self.positions.iter().max()
             && p >= opts.max_context
@@ -139,7 +137,7 @@ impl GpuLlama {
         if opts.prefill_chunk != self.prefill_chunk {
             return refuse("the prefill chunk sizes buffers made at load");
         }
-        if matches!(opts.scheduler, Some((SchedulerConfig::FlexGen, _))) || self.flexgen.is_some() {
+        if matches!(opts.scheduler, Some((SchedulerConfig::FlexGen, _))) || self.kv.flexgen.is_some() {
             return refuse("FlexGen's host tier is set up at load");
         }
         if opts.codec.is_low_rank() {

@@ -28,7 +28,10 @@ use super::trace::ExpertFetch;
 use crate::Result;
 use crate::experts::ExpertPolicy;
 use expertkv_core::evict::flexgen::PageFetch;
+use expertkv_core::pipeline::{check_eviction, compare_pool, pool_model_of};
+use expertkv_core::reference::PoolModel;
 use expertkv_core::runtime::Runtime;
+use expertkv_core::step::{KvPause, Segment, StepStage};
 
 /// A stage of a step that a transfer can be needed by, in step order (a layer's attention, then
 /// its experts, then the next layer's).
@@ -47,6 +50,15 @@ pub enum Part {
     Attention,
     /// The layer's expert FFN (reads its expert slots).
     Experts,
+}
+
+impl From<StepStage> for Stage {
+    fn from(s: StepStage) -> Stage {
+        match s {
+            StepStage::Attention(l) => Stage::attention(l),
+            StepStage::Output(l) => Stage::experts(l),
+        }
+    }
 }
 
 impl Stage {
@@ -139,9 +151,11 @@ impl TransferTotals {
 /// Where a step's recording stops for the host, after a [`Segment`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Pause {
-    /// Layer `l`'s queries are written and its tokens appended: its host-tier pages are fetched
-    /// before its page lists are gathered (the host reads the queries and page bounds).
-    Pages(u32),
+    /// The K/V side's: after layer `l`'s append (FlexGen fetches the layer's host pages before
+    /// its page lists are gathered: the host reads the queries and page bounds), and around the
+    /// eviction (FlexGen's offload; the eviction's check against the CPU reference with
+    /// [`GpuLlama::verify_evictions`]).
+    Kv(KvPause),
     /// Layer `l`'s router chose and its choices were copied for the host: the missing experts are
     /// copied before its FFN.
     Experts(u32),
@@ -150,26 +164,31 @@ pub(super) enum Pause {
     Ahead(u32),
 }
 
-/// A piece of a step's recording: the stages it runs and where the host acts after it.
-pub(super) struct Segment {
-    pub cb: wgpu::CommandBuffer,
-    /// The stages the segment runs, in order.
-    pub stages: Vec<Stage>,
-    pub then: Option<Pause>,
+impl From<KvPause> for Pause {
+    fn from(p: KvPause) -> Pause {
+        Pause::Kv(p)
+    }
+}
+
+/// The eviction check's reference (see [`GpuLlama::verify_evictions`]): the pool as the GPU
+/// held it before the scheduler ran, and the lists then.
+struct EvictionCheck {
+    reference: PoolModel,
+    before: Vec<expertkv_core::gpu_data::ListState>,
 }
 
 impl GpuLlama {
     /// Submit a step's segments, acting at their pauses: FlexGen's page fetches, the expert
     /// cache's demand fetches and prefetches, logged in [`GpuLlama::last_transfers`]. Returns
     /// every layer's choices as the host read them, with an expert cache.
-    pub(super) async fn submit_step(&mut self, rt: &Runtime, segments: Vec<Segment>) -> Result<Option<Vec<u32>>> {
+    pub(super) async fn submit_step(&mut self, rt: &Runtime, segments: Vec<Segment<Pause>>) -> Result<Option<Vec<u32>>> {
         self.transfers.clear();
-        if let Some((fg, _)) = &mut self.flexgen {
+        if let Some((fg, _)) = &mut self.kv.flexgen {
             fg.begin_step();
         }
         let layers = self.cfg.block_count as usize;
-        let group = self.cfg.head_count / self.cfg.head_count_kv;
         let step = u64::from(self.step);
+        let mut check: Option<EvictionCheck> = None;
         let sizes: Vec<Vec<usize>> = match &self.moe {
             Some(m) if m.cache.is_some() => {
                 (0..layers).map(|l| m.sync_ranges(l, self.n_seqs).iter().map(|r| r.2 as usize).collect()).collect()
@@ -191,33 +210,52 @@ impl GpuLlama {
         for seg in segments {
             if let Some(&first) = seg.stages.first() {
                 for t in &mut self.transfers[placed..] {
-                    t.issued_before = Some(first);
+                    t.issued_before = Some(first.into());
                 }
                 placed = self.transfers.len();
             }
             pending.push(seg.cb);
             match seg.then {
                 None => {}
-                Some(Pause::Pages(l)) => {
+                Some(Pause::Kv(KvPause::Appended(l))) => {
                     rt.queue.submit(pending.drain(..));
-                    let i = self.flexgen_inputs(rt, true).await?;
-                    self.transfer_totals.tier_read_s += i.read_s;
-                    if let (Some((fg, _)), super::FlexGenTables::Rings(rings)) = (&mut self.flexgen, i.tables) {
-                        let from = fg.last_fetches.len();
-                        fg.fetch_with(rt, &self.pool, l, (&i.queries, group), &i.bounds, rings).await?;
-                        for f in &fg.last_fetches[from..] {
-                            self.transfers.push(Transfer {
-                                moved: Moved::Page(*f),
-                                bytes: f.bytes,
-                                needed_by: Stage::attention(l),
-                                issued_before: None,
-                            });
-                        }
+                    let (fetched, read_s) = self.kv.fetch_host_pages(rt, l).await?;
+                    self.transfer_totals.tier_read_s += read_s;
+                    for f in fetched {
+                        self.transfers.push(Transfer {
+                            moved: Moved::Page(f),
+                            bytes: f.bytes,
+                            needed_by: Stage::attention(l),
+                            issued_before: None,
+                        });
                     }
                     // The prefetch held for this layer follows its pages.
                     if let Some((cb, ts)) = held.take() {
                         pending.push(cb);
                         self.transfers.extend(ts);
+                    }
+                }
+                Some(Pause::Kv(KvPause::Attended(_))) => {}
+                Some(Pause::Kv(KvPause::BeforeEvict)) => {
+                    rt.queue.submit(pending.drain(..));
+                    if self.kv.flexgen.is_some() {
+                        // This step's attention mass counts: the coldest pages past the budget go
+                        // to host memory.
+                        self.transfer_totals.tier_read_s += self.kv.offload_host_pages(rt).await?;
+                    }
+                    if let (Some(sch), true) = (&self.kv.scheduler, self.verify_evictions) {
+                        rt.wait()?;
+                        check =
+                            Some(EvictionCheck { reference: pool_model_of(rt, &self.kv.pool).await?, before: sch.read_lists(rt).await? });
+                    }
+                }
+                Some(Pause::Kv(KvPause::Evicted)) => {
+                    rt.queue.submit(pending.drain(..));
+                    if let (Some(sch), Some(mut c)) = (&self.kv.scheduler, check.take()) {
+                        let after = sch.read_lists(rt).await?;
+                        let lens: Vec<u32> = self.positions.iter().map(|p| p + 1).collect();
+                        check_eviction(rt, sch, &mut c.reference, self.step, &lens, &c.before, &after).await?;
+                        compare_pool(rt, &self.kv.pool, &c.reference).await?;
                     }
                 }
                 Some(Pause::Experts(l)) => {
@@ -270,7 +308,7 @@ impl GpuLlama {
                         .iter()
                         .map(|f| Transfer { moved: Moved::Expert(*f), bytes, needed_by: Stage::experts(next), issued_before: None })
                         .collect();
-                    if self.flexgen.is_some() {
+                    if self.kv.flexgen.is_some() {
                         held = Some((enc.finish(), ts));
                     } else {
                         pending.push(enc.finish());

@@ -11,17 +11,15 @@ use crate::Result;
 use expertkv_core::runtime::Runtime;
 #[cfg(not(target_arch = "wasm32"))]
 use expertkv_core::runtime::dispatch::dispatches_encoded;
+use expertkv_core::step::{StepTimer, Timing};
 
-/// Timestamps written between a step's passes (`write_timestamp` on the command encoder), each
-/// labelled with the stage that ran since the one before: the GPU time of embed, attention
-/// inputs, append, gather, attention, FFN or experts and head, summed over the layers. Needs the
-/// device's `TIMESTAMP_QUERY_INSIDE_ENCODERS`.
+/// Timestamps written between a step's passes (`write_timestamp` on the command encoder,
+/// [`Timing::Marks`]), each labelled with the stage that ran since the one before: the GPU time
+/// of embed, attention inputs, route, append, compress, gather, attention, FFN or experts, head,
+/// evict and the miss recount, summed over the layers. Needs the device's
+/// `TIMESTAMP_QUERY_INSIDE_ENCODERS`.
 pub struct StageTimer {
-    set: wgpu::QuerySet,
-    resolve: wgpu::Buffer,
-    capacity: u32,
-    period_ns: f64,
-    labels: Vec<&'static str>,
+    pub(super) timer: StepTimer,
     /// Every collected recording's kind (decode or prefill) and stage times
     /// ([`StageTimer::collect`]).
     log: Vec<(&'static str, BTreeMap<&'static str, f64>)>,
@@ -30,57 +28,13 @@ pub struct StageTimer {
 impl StageTimer {
     /// Room for `capacity` timestamps; `None` when the device cannot write them between passes.
     pub fn new(rt: &Runtime, capacity: u32) -> Option<StageTimer> {
-        let wanted = wgpu::Features::TIMESTAMP_QUERY | wgpu::Features::TIMESTAMP_QUERY_INSIDE_ENCODERS;
-        if !rt.device.features().contains(wanted) || capacity < 2 {
-            return None;
-        }
-        let set = rt.device.create_query_set(&wgpu::QuerySetDescriptor {
-            label: Some("model stage timer"),
-            ty: wgpu::QueryType::Timestamp,
-            count: capacity,
-        });
-        let resolve = rt.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("model stage timer resolve"),
-            size: u64::from(capacity) * 8,
-            usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
-            mapped_at_creation: false,
-        });
-        Some(StageTimer { set, resolve, capacity, period_ns: f64::from(rt.caps.timestamp_period_ns), labels: Vec::new(), log: Vec::new() })
-    }
-
-    /// The first timestamp of a recording (forgets the last one's labels).
-    fn start(&mut self, enc: &mut wgpu::CommandEncoder) {
-        self.labels.clear();
-        self.mark(enc, "");
-    }
-
-    /// A timestamp ending `stage` (the work recorded since the previous mark). Past the
-    /// capacity, marks are dropped and their time goes to the next one kept.
-    fn mark(&mut self, enc: &mut wgpu::CommandEncoder, stage: &'static str) {
-        if (self.labels.len() as u32) < self.capacity {
-            enc.write_timestamp(&self.set, self.labels.len() as u32);
-            self.labels.push(stage);
-        }
-    }
-
-    /// Resolve the recording's timestamps (after its last mark).
-    fn finish(&self, enc: &mut wgpu::CommandEncoder) {
-        if self.labels.len() >= 2 {
-            enc.resolve_query_set(&self.set, 0..self.labels.len() as u32, &self.resolve, 0);
-        }
+        StepTimer::new(rt, capacity, Timing::Marks).map(|timer| StageTimer { timer, log: Vec::new() })
     }
 
     /// Read the last recording's stage times (after its submission) into the log, as a
     /// recording of `kind`: milliseconds per stage, summed over the stage's marks.
     pub(super) async fn collect(&mut self, rt: &Runtime, kind: &'static str) -> Result<()> {
-        let mut stages = BTreeMap::new();
-        if self.labels.len() >= 2 {
-            let ticks: Vec<u64> = rt.read(&self.resolve, 0, self.labels.len() as u64).await?;
-            for (i, stage) in self.labels.iter().enumerate().skip(1) {
-                let ms = ticks[i].saturating_sub(ticks[i - 1]) as f64 * self.period_ns * 1e-6;
-                *stages.entry(*stage).or_insert(0.0) += ms;
-            }
-        }
+        let stages = self.timer.read(rt).await?;
         self.log.push((kind, stages));
         Ok(())
     }
@@ -90,38 +44,9 @@ impl StageTimer {
 #[cfg(not(target_arch = "wasm32"))]
 pub const PROFILED_STEPS: u32 = 5;
 
-/// The marks of one recording: the timer's first timestamp written by [`StageMarks::begin`], one
-/// per stage by [`StageMarks::mark`], resolved by [`StageMarks::finish`]; all no-ops when stages
-/// are not timed.
-pub(super) struct StageMarks<'a>(Option<&'a mut StageTimer>);
-
-impl<'a> StageMarks<'a> {
-    /// Start `timer`'s recording in `enc`.
-    pub(super) fn begin(mut timer: Option<&'a mut StageTimer>, enc: &mut wgpu::CommandEncoder) -> Self {
-        if let Some(t) = timer.as_deref_mut() {
-            t.start(enc);
-        }
-        StageMarks(timer)
-    }
-
-    /// End `stage` (the work recorded since the previous mark).
-    pub(super) fn mark(&mut self, enc: &mut wgpu::CommandEncoder, stage: &'static str) {
-        if let Some(t) = self.0.as_deref_mut() {
-            t.mark(enc, stage);
-        }
-    }
-
-    /// Resolve the recording's timestamps (after its last mark).
-    pub(super) fn finish(self, enc: &mut wgpu::CommandEncoder) {
-        if let Some(t) = self.0 {
-            t.finish(enc);
-        }
-    }
-}
-
 /// Timestamps a step or prefill chunk of `layers` layers writes at most.
 pub(super) fn marks_per_recording(layers: u32) -> u32 {
-    8 * layers + 4
+    12 * layers + 8
 }
 
 /// The log's recordings of `kind`: their count, each stage's median milliseconds per
@@ -152,17 +77,24 @@ impl GpuLlama {
     /// the device writes timestamps between passes, the last five steps of the
     /// untimed half are also timed stage by stage (each read back before the next, so they
     /// are not in the wall time): `gpu` holds each stage's median GPU milliseconds per step.
-    /// The steps' K/V stay in the pool and the positions advance; the per-expert counts are not
-    /// updated. Not with an evicting scheduler (it runs between steps).
+    /// The steps' K/V stay in the pool and the positions advance (an evicting scheduler evicts
+    /// in every step, as in [`GpuLlama::forward`]); the per-expert counts are not updated. Not
+    /// with a host tier or an expert cache (the host acts between layers), nor while every
+    /// eviction is checked ([`GpuLlama::verify_evictions`]).
     #[cfg(not(target_arch = "wasm32"))]
     pub async fn time_steps(&mut self, rt: &Runtime, token: u32, n: u32) -> Result<serde_json::Value> {
-        if self.scheduler.is_some() || self.flexgen.is_some() || self.expert_cache().is_some() {
+        if self.kv.flexgen.is_some() || self.expert_cache().is_some() || self.verify_evictions {
             return Err(Error::Input(
-                "timing back-to-back steps needs no evicting scheduler, host tier or expert cache (they run between steps or layers)"
+                "timing back-to-back steps needs no host tier, expert cache or eviction check (the host acts between layers or after the eviction)"
                     .into(),
             ));
         }
-        let cap = (self.pool.cfg.ring_capacity - 1) * self.pool.cfg.page_size - self.pool.cfg.page_size;
+        let c = &self.kv.pool.cfg;
+        // Under a budget the pool holds the budget and positions run on to the context.
+        let cap = match self.kept_per_list {
+            Some(_) => self.max_context,
+            None => (c.ring_capacity - 1) * c.page_size - c.page_size,
+        };
         let room = cap.saturating_sub(self.positions.iter().copied().max().unwrap_or(0));
         if n < 2 || n > room {
             return Err(Error::Input(format!("time_steps: {n} steps, the context has room for {room} (at least 2)")));
@@ -208,7 +140,7 @@ impl GpuLlama {
         let wall = t0.elapsed();
         self.timer = outer;
         rt.check("model forward")?;
-        self.pool.check_errors(rt, self.n_seqs * self.cfg.block_count).await?;
+        self.kv.pool.check_errors(rt, self.n_seqs * self.cfg.block_count).await?;
         let timed = f64::from(n - warmup);
         let dispatches = (dispatches_encoded() - d0) / u64::from(n);
         Ok(serde_json::json!({

@@ -183,7 +183,7 @@ impl crate::forward::GpuLlama {
     /// Record every later pass (prefill chunk or decode step) into `sink`, one line each, written
     /// when the pass has finished. Reading the pool's page count back costs one wait per pass.
     pub fn record_trace(&mut self, mut sink: TraceSink) {
-        if let Some((fg, _)) = &self.flexgen {
+        if let Some((fg, _)) = &self.kv.flexgen {
             let t = &fg.stats;
             sink.tier = [t.offloaded_pages, t.fetched_pages, t.pages_to_spill, t.pages_from_spill];
         }
@@ -199,8 +199,8 @@ impl crate::forward::GpuLlama {
         fed: Option<&[u32]>,
         seq: Option<u32>,
     ) -> Result<()> {
-        let ctl = self.pool.read_ctl(rt).await?;
-        let c = &self.pool.cfg;
+        let ctl = self.kv.pool.read_ctl(rt).await?;
+        let c = &self.kv.pool.cfg;
         let kv_pages_in_use = c.pages_in_use(&ctl);
         let layers = self.cfg.block_count as usize;
         let mut r = PassRecord {
@@ -223,7 +223,7 @@ impl crate::forward::GpuLlama {
             }
         }
         let Some(sink) = self.trace.as_mut() else { return Ok(()) };
-        if let Some((fg, _)) = &self.flexgen {
+        if let Some((fg, _)) = &self.kv.flexgen {
             let t = &fg.stats;
             let now = [t.offloaded_pages, t.fetched_pages, t.pages_to_spill, t.pages_from_spill];
             [r.kv_to_host, r.kv_to_gpu, r.kv_to_spill, r.kv_from_spill] = std::array::from_fn(|i| now[i].saturating_sub(sink.tier[i]));

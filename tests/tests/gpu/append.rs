@@ -155,7 +155,7 @@ fn append_routed(rt: &Runtime, rng: &mut Rng, pool: &mut KvPool, tokens: &[NewTo
         .map(|t| NewToken { experts: t.experts.iter().map(|e| e ^ 5).collect(), gates: vec![f32::NAN; k], ..t.clone() })
         .collect();
     let (eb, gb) = (rt.storage_init("routed experts", &experts), rt.storage_init("routed gates", &gates));
-    let routed = Routed { experts: &eb, gates: &gb, per_layer, row_stride };
+    let routed = Routed { experts: &eb, gates: &gb, per_layer, row_stride, first_layer: 0 };
     pool.append_timed(rt, &host, kv, step, Some(routed), None)
         .unwrap_or_else(|e| panic!("{ctx}: routed append ({per_layer} per block, stride {row_stride}): {e}"));
 }

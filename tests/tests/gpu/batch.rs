@@ -75,8 +75,8 @@ fn batched_prompts_decode_as_each_alone() {
             if batch > 1 && !chunked {
                 assert_ne!(order, (0..prompts.len()).collect::<Vec<_>>(), "{ctx}: finishing order is prompt order");
             }
-            let ctl = pollster::block_on(m.pool.read_ctl(rt)).expect("ctl");
-            assert_eq!(ctl.free_top, m.pool.cfg.n_pages, "{ctx}, batch {batch}: pages still held after the batch");
+            let ctl = pollster::block_on(m.kv.pool.read_ctl(rt)).expect("ctl");
+            assert_eq!(ctl.free_top, m.kv.pool.cfg.n_pages, "{ctx}, batch {batch}: pages still held after the batch");
             assert!(m.positions.iter().all(|&p| p == 0), "{ctx}: positions {:?}", m.positions);
         }
     }

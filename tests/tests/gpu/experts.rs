@@ -371,7 +371,7 @@ fn one_schedule_moves_kv_pages_and_experts_in_the_same_step() {
         let t = cached.transfer_totals();
         assert_eq!((t.steps_moving_both, t.pages, t.experts, t.experts_ahead), (u64::from(both), pages, experts, ahead), "{ctx}");
         assert_eq!(ahead > 0, prefetch == ExpertPrefetch::Pregate, "{ctx}");
-        let (fa, fc) = (&all.flexgen.as_ref().expect("flexgen").0.stats, &cached.flexgen.as_ref().expect("flexgen").0.stats);
+        let (fa, fc) = (&all.kv.flexgen.as_ref().expect("flexgen").0.stats, &cached.kv.flexgen.as_ref().expect("flexgen").0.stats);
         assert_eq!((fa.fetched_pages, fa.offloaded_pages), (fc.fetched_pages, fc.offloaded_pages), "{ctx}");
     }
 }

@@ -101,7 +101,7 @@ fn route_stage_labels_and_pool_match_the_cpu_reference() {
                 (None, _) => {}
             }
             assert_eq!(m.label_source(), Some(source), "{ctx}");
-            let mut model = PoolModel::new(&m.pool.cfg);
+            let mut model = PoolModel::new(&m.kv.pool.cfg);
             let mut caches = [cpu.new_cache(), cpu.new_cache()];
             let (mut compared, mut close) = (0, 0);
             let tokens: Vec<[u32; 2]> = (0..20u32).map(|i| [(i * 37 + 5) % 256, (i * 11 + seed as u32) % 256]).collect();
@@ -162,7 +162,7 @@ fn route_stage_labels_and_pool_match_the_cpu_reference() {
             }
             println!("{ctx}: {compared} labels compared, {close} within rounding of a tie");
             assert!(compared >= 8 * close.max(1), "{ctx}: most labels are clear of ties ({compared} compared, {close} close)");
-            let snap = pollster::block_on(m.pool.snapshot(rt)).expect("snapshot");
+            let snap = pollster::block_on(m.kv.pool.snapshot(rt)).expect("snapshot");
             assert_eq!(snap.rings, model.rings, "{ctx}: rings");
             assert_eq!(snap.ring_pages, model.ring_pages, "{ctx}: ring pages");
             assert_eq!(snap.page_meta, model.page_meta, "{ctx}: page metadata");
@@ -217,7 +217,7 @@ fn route_stage_routers_and_ekva_on_the_model() {
     assert_ne!(ca_labels, topk_labels, "seed {seed}: cache-aware avoids the experts with misses");
     assert_eq!(&ca_labels[..2 * c.k as usize], &topk_labels[..2 * c.k as usize], "seed {seed}: no misses yet at the first token: as top-k");
     let (ekva, _) = run(RouterConfig::Topk, Some(EkvaConfig::default()));
-    let lists = pollster::block_on(ekva.scheduler.as_ref().expect("scheduler").read_lists(rt)).expect("lists");
+    let lists = pollster::block_on(ekva.kv.scheduler.as_ref().expect("scheduler").read_lists(rt)).expect("lists");
     for (i, l) in lists.iter().enumerate() {
         assert!(l.tokens - l.evicted <= l.budget, "seed {seed}: list {i} keeps its EKVA budget: {l:?}");
     }

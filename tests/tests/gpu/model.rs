@@ -82,7 +82,7 @@ fn smollm2_says_paris_at_the_pinned_perplexity() {
     assert_eq!(text, " Paris.", "greedy continuation");
     assert!((gpu_ppl / cpu_ppl - 1.0).abs() < 5e-3, "GPU perplexity {gpu_ppl} against the CPU reference's {cpu_ppl}");
     assert!((cpu_ppl / PINNED - 1.0).abs() < 1e-4, "CPU perplexity {cpu_ppl}, pinned {PINNED}");
-    let ctl = pollster::block_on(m.pool.read_ctl(rt)).expect("ctl");
+    let ctl = pollster::block_on(m.kv.pool.read_ctl(rt)).expect("ctl");
     assert_eq!(ctl.tokens_appended as usize, (prompt.len() + 1) * m.cfg.block_count as usize);
 }
 
@@ -369,7 +369,7 @@ fn codecs_compress_the_models_own_kv() {
     let got: Vec<Vec<f32>> = ids.iter().map(|&t| pollster::block_on(m.forward(rt, &[t])).expect("forward")).collect();
     let bytes = pollster::block_on(m.kv_bytes_in_use(rt)).expect("bytes");
     let basis = m.codec_basis_bytes();
-    assert!(m.pool.calibrated, "{codec:?}: the basis was fitted");
+    assert!(m.kv.pool.calibrated, "{codec:?}: the basis was fitted");
     assert!(basis > 0 && bytes - basis < base_bytes, "{codec:?}: {bytes} bytes in use ({basis} of basis), f16 pool {base_bytes}");
     assert_eq!(got[..16], base[..16], "{codec:?}: logits before the calibration");
     let mut worst = 0f32;
@@ -404,13 +404,13 @@ fn h2o_evicts_the_models_own_kv_down_to_the_budget() {
         pollster::block_on(GpuLlama::load(rt, &g, ModelOptions::new(1, 256).scheduler(Some((sched.clone(), budget))))).expect("load");
     // Three times over: past the pages of a pool sized for the budget (its lists' rings wrap).
     let ids = tok.encode(&"The quick brown fox jumps over the lazy dog. ".repeat(3));
-    let ring_tokens = (m.pool.cfg.ring_capacity * m.pool.cfg.page_size) as usize;
+    let ring_tokens = (m.kv.pool.cfg.ring_capacity * m.kv.pool.cfg.page_size) as usize;
     assert!(ids.len() > ring_tokens, "the prompt must outgrow the pool's rings: {} tokens, {ring_tokens}", ids.len());
     for &t in &ids {
         let logits = pollster::block_on(m.forward(rt, &[t])).expect("forward");
         assert!(logits.iter().all(|x| x.is_finite()));
     }
-    let s = m.scheduler.as_ref().expect("scheduler");
+    let s = m.kv.scheduler.as_ref().expect("scheduler");
     let lists = pollster::block_on(s.read_lists(rt)).expect("lists");
     assert_eq!(lists.len() as u32, m.cfg.block_count * m.cfg.head_count_kv);
     for (li, l) in lists.iter().enumerate() {
@@ -418,15 +418,15 @@ fn h2o_evicts_the_models_own_kv_down_to_the_budget() {
         assert_eq!(l.tokens - l.evicted, budget, "list {li}: {l:?}");
         assert!(l.evicted_total > 0, "list {li} evicted");
     }
-    let ctl = pollster::block_on(m.pool.read_ctl(rt)).expect("ctl");
+    let ctl = pollster::block_on(m.kv.pool.read_ctl(rt)).expect("ctl");
     let lists_n = m.cfg.block_count * m.cfg.head_count_kv;
-    assert!(m.pool.cfg.n_pages - ctl.free_top <= lists_n * budget.div_ceil(m.pool.cfg.page_size), "pages in use within the budget");
+    assert!(m.kv.pool.cfg.n_pages - ctl.free_top <= lists_n * budget.div_ceil(m.kv.pool.cfg.page_size), "pages in use within the budget");
     // The pool itself is the budget's: pages for the budget per list, not for the context of
     // 256, and its allocated bytes are fewer than the full cache's pool.
     let full = ModelOptions::new(1, 256);
     let sized = full.clone().scheduler(Some((sched, budget)));
     let (full_cfg, sized_cfg) = (full.pool_config(&m.cfg), sized.pool_config(&m.cfg));
-    assert_eq!(m.pool.cfg.n_pages, sized_cfg.n_pages);
+    assert_eq!(m.kv.pool.cfg.n_pages, sized_cfg.n_pages);
     assert!(sized_cfg.n_pages < full_cfg.n_pages, "{} pages against the full cache's {}", sized_cfg.n_pages, full_cfg.n_pages);
     let max_binding = rt.max_binding_bytes();
     assert_eq!(m.kv_bytes_allocated(), sized.kv_bytes(&m.cfg, max_binding).expect("kv bytes"));
@@ -453,7 +453,7 @@ fn pyramid_and_thresholds_shape_the_models_budgets() {
             let logits = pollster::block_on(m.forward(rt, &[t])).expect("forward");
             assert!(logits.iter().all(|x| x.is_finite()));
         }
-        pollster::block_on(m.scheduler.as_ref().expect("scheduler").read_lists(rt)).expect("lists")
+        pollster::block_on(m.kv.scheduler.as_ref().expect("scheduler").read_lists(rt)).expect("lists")
     };
     let lists = run(ModelOptions::new(1, 64).scheduler(sched.clone()).pyramid(Some(2.0)));
     // Two layers of one KV head: budgets 32 and 16 average 24.
@@ -492,13 +492,13 @@ fn quest_selects_the_models_pages() {
     let (m, two) = run(Some(32));
     assert_ne!(two.last(), full.last(), "two of four pages: other logits");
     assert!(two.iter().flatten().all(|x| x.is_finite()));
-    let q = m.quest.as_ref().expect("quest");
+    let q = m.kv.quest.as_ref().expect("quest");
     let counts: Vec<u32> =
         pollster::block_on(rt.read(&q.sel_counts, 0, u64::from(m.cfg.block_count * m.cfg.head_count_kv))).expect("counts");
     assert!(counts.iter().all(|&c| c == 2), "each list attends its two best pages: {counts:?}");
-    let ctl = pollster::block_on(m.pool.read_ctl(rt)).expect("ctl");
+    let ctl = pollster::block_on(m.kv.pool.read_ctl(rt)).expect("ctl");
     let lists = m.cfg.block_count * m.cfg.head_count_kv;
-    assert_eq!(m.pool.cfg.n_pages - ctl.free_top, lists * 60u32.div_ceil(16), "QUEST keeps the whole cache");
+    assert_eq!(m.kv.pool.cfg.n_pages - ctl.free_top, lists * 60u32.div_ceil(16), "QUEST keeps the whole cache");
 }
 
 /// The pipeline's routers over a MoEfied model's own experts (a synthetic dense file's): `topk`
@@ -646,17 +646,17 @@ fn every_evicting_scheduler_evicts_the_models_kv_as_the_reference_does() {
         let steps = if name.starts_with("pyramid") { ids.len() } else { budget + 8 };
         for (i, &t) in ids[..steps].iter().enumerate() {
             if i == verify_from {
-                let lists = pollster::block_on(m.scheduler.as_ref().expect("scheduler").read_lists(rt)).expect("lists");
+                let lists = pollster::block_on(m.kv.scheduler.as_ref().expect("scheduler").read_lists(rt)).expect("lists");
                 assert!(lists.iter().all(|l| l.evicted_total == 0), "seed {seed}: {name}: evicted before step {verify_from}, unchecked");
             }
             m.verify_evictions = i >= verify_from;
             let logits = pollster::block_on(m.forward(rt, &[t])).unwrap_or_else(|e| panic!("seed {seed}: {name}: token {i}: {e}"));
             assert!(logits.iter().all(|x| x.is_finite()), "seed {seed}: {name}");
         }
-        let lists = pollster::block_on(m.scheduler.as_ref().expect("scheduler").read_lists(rt)).expect("lists");
+        let lists = pollster::block_on(m.kv.scheduler.as_ref().expect("scheduler").read_lists(rt)).expect("lists");
         let evicted: u32 = lists.iter().map(|l| l.evicted_total).sum();
         assert!(evicted > 0, "seed {seed}: {name}: the scheduler evicted ({lists:?})");
-        let thaw = pollster::block_on(m.scheduler.as_ref().expect("scheduler").read_thaw(rt)).expect("thaw");
+        let thaw = pollster::block_on(m.kv.scheduler.as_ref().expect("scheduler").read_thaw(rt)).expect("thaw");
         if codec != Codec::None {
             let t = thaw.expect("a codec thaws");
             assert!(t.pages_total > 0 && t.deferred_rings_total == 0, "seed {seed}: {name}: {t:?}");
@@ -689,9 +689,9 @@ fn flexgen_moves_the_models_pages_between_tiers() {
     let (_, roomy) = run(Some(64));
     assert_eq!(roomy, full, "seed {seed}: FlexGen with room for the whole context is the full cache");
     let (m, tight) = run(Some(16));
-    let (fg, _) = m.flexgen.as_ref().expect("flexgen");
+    let (fg, _) = m.kv.flexgen.as_ref().expect("flexgen");
     assert!(fg.stats.offloaded_pages > 0 && fg.stats.fetched_pages > 0, "seed {seed}: {:?}", fg.stats);
-    let c = &m.pool.cfg;
+    let c = &m.kv.pool.cfg;
     let r = pollster::block_on(m.step_report(rt)).expect("report");
     let lists = c.layers * c.kv_heads;
     assert!(r.pages_in_use <= lists * (1 + c.n_shards), "seed {seed}: {} GPU pages for {lists} lists", r.pages_in_use);

@@ -33,7 +33,7 @@ fn demo_pipeline_matches_reference() {
         let v = pollster::block_on(p.verify(rt)).expect("verify").expect("verification enabled");
         assert!(v.attention_checked > 0, "seed {seed}: {v:?}");
         // Routing ran on the GPU for every prompt and decode token of every layer.
-        let stats = pollster::block_on(p.router.read_stats(rt)).expect("stats");
+        let stats = pollster::block_on(p.router().read_stats(rt)).expect("stats");
         let appended: u32 = stats.iter().map(|s| s.appended).sum();
         assert_eq!(appended, 155 * 3 * 2 * 2, "seed {seed}: routing slots counted (tokens x layers x top_k)");
         assert!(r.routing_entropy > 0.0, "seed {seed}");
@@ -123,7 +123,7 @@ fn pyramid_budgets_shrink_with_depth_and_fastv_keeps_early_layers_whole() {
         for _ in 0..3 {
             pollster::block_on(p.step(rt)).expect("step");
         }
-        let s = p.scheduler.as_ref().expect("scheduler");
+        let s = p.kv.scheduler.as_ref().expect("scheduler");
         let lists = pollster::block_on(s.read_lists(rt)).expect("lists");
         let per_layer = lists.len() / layers as usize;
         // Tokens kept per layer (summed over sequences and heads): lists are layer-major.
@@ -168,7 +168,7 @@ fn flexgen_keeps_the_gpu_tier_in_budget_and_fetches_selected_pages() {
         last = Some(pollster::block_on(p.step(rt)).expect("step"));
     }
     let r = last.expect("steps");
-    let (fg, _) = p.flexgen.as_ref().expect("flexgen");
+    let (fg, _) = p.kv.flexgen.as_ref().expect("flexgen");
     let lists = cfg.workload.n_seqs * cfg.workload.kv_heads;
     // GPU tier: the budget's pages plus the newest page of each shard ring, per list.
     let max_pages = lists * (64u32.div_ceil(cfg.page_size) + cfg.n_shards);
@@ -258,11 +258,11 @@ fn codec_pages_under_eviction_thaw_and_match_the_reference() {
             let r = pollster::block_on(p.step(rt)).expect("step");
             evicted += r.evicted;
             // Some of the pages in use are compressed ones.
-            let raw_page = u64::from(p.pool.cfg.page_words()) * 4;
+            let raw_page = u64::from(p.kv.pool.cfg.page_words()) * 4;
             assert!(r.kv_bytes_resident < u64::from(r.pages_in_use) * raw_page, "seed {seed} {sched} {codec:?}: {r:?}");
         }
         assert!(evicted > 0, "seed {seed} {sched} {codec:?}: the budget evicts");
-        let s = p.scheduler.as_ref().expect("scheduler");
+        let s = p.kv.scheduler.as_ref().expect("scheduler");
         let thaw = pollster::block_on(s.read_thaw(rt)).expect("thaw").expect("a codec thaws");
         assert!(thaw.pages_total > 0, "seed {seed} {sched} {codec:?}: evictions touched compressed pages: {thaw:?}");
         assert_eq!(thaw.deferred_rings_total, 0, "seed {seed} {sched} {codec:?}: the raw pages sufficed");

@@ -198,7 +198,7 @@ fn a_prefix_from_the_store_gives_the_cold_prefill_logits() {
 }
 
 fn c_token_bytes(m: &GpuLlama) -> u64 {
-    m.pool.cfg.token_kv_bytes() * u64::from(m.cfg.block_count)
+    m.kv.pool.cfg.token_kv_bytes() * u64::from(m.cfg.block_count)
 }
 
 /// A page gone from the store (evicted) ends the reused prefix there, and a value replaced by
@@ -316,7 +316,7 @@ fn flexgen_spills_its_coldest_host_pages_to_the_store() {
     let decode = |spill: Option<(Box<dyn PageStore>, u32)>, kill_at: Option<(usize, &mut Server)>| {
         let mut m = c.load(rt);
         if let Some((store, limit)) = spill {
-            let (fg, _) = m.flexgen.as_mut().expect("flexgen");
+            let (fg, _) = m.kv.flexgen.as_mut().expect("flexgen");
             fg.set_spill(Box::new(StoreSpill::new(store, "spill", seed).expect("spill")), limit).expect("set_spill");
         }
         let mut kill_at = kill_at;
@@ -329,7 +329,7 @@ fn flexgen_spills_its_coldest_host_pages_to_the_store() {
             }
             out.push(pollster::block_on(m.forward(rt, &[t])).expect("forward"));
         }
-        (m.flexgen.as_ref().expect("flexgen").0.stats.clone(), out)
+        (m.kv.flexgen.as_ref().expect("flexgen").0.stats.clone(), out)
     };
     let (alone, want) = decode(None, None);
     assert!(alone.fetched_pages > 0, "seed {seed}: {alone:?}");

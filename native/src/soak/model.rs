@@ -1,11 +1,10 @@
 //! `expertkv soak --model FILE`: the whole model engine under continuous churn. Rounds of random
 //! prompts (random words, random lengths) are decoded `--seqs` at a time by the batch decoder
 //! (`expertkv_model::batch`): every step feeds each sequence a token, a finished sequence frees
-//! its pages and the next prompt takes its slot, under the scheduler and codec given. Every
-//! `--check-every` steps the pool is read back and its invariants checked (every page free or in
-//! one ring, free + used = total, no token duplicated, fills consistent); after every round the
-//! pool must be empty again. Host RSS, the GPU memory the device reports and steps per second
-//! are printed per window, as the pool soak prints them.
+//! its pages and the next prompt takes its slot, under the scheduler and codec given. The
+//! soak's [`Checker`] reads the pool every `--check-every` steps (no token duplicated: the
+//! model's K/V are its own, so which were appended is not known here); after every round the
+//! pool must be empty again.
 
 use std::collections::HashSet;
 
@@ -18,8 +17,8 @@ use expertkv_model::forward::{GpuLlama, ModelOptions};
 use expertkv_model::gguf::Gguf;
 use expertkv_model::tokenizer::Tokenizer;
 
+use super::{Checker, SoakArgs};
 use crate::GpuArgs;
-use crate::soak::{SoakArgs, Window, rss_mib};
 
 /// Random lowercase words, about `chars` characters.
 fn random_text(rng: &mut Rng, chars: u32) -> String {
@@ -35,7 +34,7 @@ fn random_text(rng: &mut Rng, chars: u32) -> String {
     s
 }
 
-pub fn run(gpu: &GpuArgs, a: &SoakArgs, model: &std::path::Path, (min_len, max_len): (u32, u32)) -> Result<()> {
+pub(super) fn run(gpu: &GpuArgs, a: &SoakArgs, model: &std::path::Path, (min_len, max_len): (u32, u32)) -> Result<()> {
     let (path, bytes) = crate::run::read_model(Some(model))?;
     let g = Gguf::parse(&bytes).with_context(|| format!("{} is not a readable GGUF file", path.display()))?;
     let tok = Tokenizer::from_gguf(&g).context("the model's tokenizer")?;
@@ -52,7 +51,7 @@ pub fn run(gpu: &GpuArgs, a: &SoakArgs, model: &std::path::Path, (min_len, max_l
     let context = max_len + 8;
     let opts = ModelOptions::new(a.seqs, context).dtype(KvDtype::F16).scheduler(scheduler).codec(codec);
     let mut m = pollster::block_on(GpuLlama::load(&rt, &g, opts)).context("loading the model onto the GPU")?;
-    let cfg = m.pool.cfg.clone();
+    let cfg = m.kv.pool.cfg.clone();
     println!(
         "soak: {} steps of {} ({} layers), {} sequences of {min_len}..={max_len} tokens (prompt and generated), scheduler {}, codec {}; pool {} pages",
         a.steps,
@@ -63,15 +62,12 @@ pub fn run(gpu: &GpuArgs, a: &SoakArgs, model: &std::path::Path, (min_len, max_l
         codec.name(),
         cfg.n_pages
     );
-    if !a.json {
-        println!("| step | cached | pages in use | finished | steps/s | host RSS | GPU allocated |");
-    }
     let mut rng = Rng::new(a.seed);
     let every_ring: HashSet<usize> = (0..cfg.n_keys() as usize).collect();
-    let (mut steps, mut checks, mut rounds) = (0u64, 0u32, 0u32);
+    let checker = std::cell::RefCell::new(Checker::new(&rt, a.json, cfg.clone(), every_ring));
+    let (mut steps, mut rounds) = (0u64, 0u32);
     // Sequences finished so far: counted as each completes (read by the step checks).
     let finished = std::cell::Cell::new(0u64);
-    let mut window = (std::time::Instant::now(), 0u64);
     while steps < u64::from(a.steps) {
         // A round: prompts of random lengths, a budget of generated tokens for the round.
         // Every sequence between min_len and max_len tokens, prompt and generated together.
@@ -91,41 +87,19 @@ pub fn run(gpu: &GpuArgs, a: &SoakArgs, model: &std::path::Path, (min_len, max_l
             if !total.is_multiple_of(u64::from(a.check_every)) {
                 return Ok(());
             }
-            let snap = pollster::block_on(llama.pool.snapshot(&rt))?;
-            let cached = snap
-                .check_invariants(&cfg, &|_| true, &every_ring)
-                .map_err(|e| expertkv_core::Error::Input(format!("step {total}: the pool's invariants broke: {e}")))?;
-            checks += 1;
-            let secs = window.0.elapsed().as_secs_f64();
-            let w = Window {
-                step: total as u32,
-                cached,
-                pages_in_use: cfg.pages_in_use(&snap.ctl),
-                finished: finished.get(),
-                steps_per_s: (total - window.1) as f64 / secs.max(1e-9),
-                host_rss_mib: rss_mib(),
-                gpu_allocated_mib: rt.device.generate_allocator_report().map(|r| r.total_allocated_bytes as f64 / (1024.0 * 1024.0)),
-            };
-            window = (std::time::Instant::now(), total);
-            if a.json {
-                println!("{}", serde_json::to_string(&w).unwrap_or_default());
-            } else {
-                println!("{}", w.row());
-            }
-            Ok(())
+            let snap = pollster::block_on(llama.kv.pool.snapshot(&rt))?;
+            checker.borrow_mut().window(total, &snap, &|_| true, finished.get()).map_err(|e| expertkv_core::Error::Input(format!("{e:#}")))
         };
         let (_, stats) = pollster::block_on(dec.run_checked(&rt, &prompts, |_| finished.set(finished.get() + 1), &mut on_step))?;
         steps += stats.steps;
         rounds += 1;
-        let ctl = pollster::block_on(m.pool.check_errors(&rt, 0))?;
+        let ctl = pollster::block_on(m.kv.pool.check_errors(&rt, 0))?;
         if ctl.free_top != cfg.n_pages || ctl.codec_free_top != cfg.n_ids() - cfg.n_pages {
             bail!("after round {rounds} (step {steps}) the pool still holds pages: free tops {} and {}", ctl.free_top, ctl.codec_free_top);
         }
     }
-    println!(
-        "soak: {steps} steps in {rounds} rounds, {checks} checks, the invariants held at every check and the pool was empty after every round; \
-{} sequences finished",
+    checker.into_inner().summary(&format!(
+        "{steps} steps in {rounds} rounds, the invariants held at every check and the pool was empty after every round; {} sequences finished",
         finished.get()
-    );
-    Ok(())
+    ))
 }

@@ -18,8 +18,8 @@ use expertkv_model::{LlamaConfig, Moefication};
 use expertkv_viewer::state::{ExpertResidency, RunInfo, Source};
 use expertkv_viewer::{Event, Snapshot, capture};
 
+use super::driver::{Driver, RunFlags};
 use crate::run::{MoeSpec, Moefied, Moefier, parse_moe};
-use crate::view::{Driver, RunFlags};
 use expertkv_model::moe::MoeConfig;
 
 /// The flags `view` takes for a model (the policies come from the run flags: --router is the
@@ -215,7 +215,7 @@ impl Driver for ModelDriver {
         }
         let info = RunInfo {
             config: self.cfg.clone(),
-            pool: m.pool.cfg.clone(),
+            pool: m.kv.pool.cfg.clone(),
             budget_tokens: self.opts.scheduler.as_ref().map(|(_, b)| *b),
             adapter: format!("{} ({:?})", rt.info.name, rt.info.backend),
             source: Source::Model { path: self.path.display().to_string(), labels: self.source.name().to_string() },
@@ -244,7 +244,7 @@ impl Driver for ModelDriver {
         let report = pollster::block_on(m.step_report(rt))?;
         let stats = pollster::block_on(m.label_stats(rt))?;
         let experts = m.label_router().map_or(0, |_| self.cfg.workload.n_experts as usize);
-        let mut snap = pollster::block_on(capture::capture_pool(rt, &m.pool, (&stats, experts), 0, report))?;
+        let mut snap = pollster::block_on(capture::capture_pool(rt, &m.kv.pool, (&stats, experts), 0, report))?;
         snap.text = Some(text);
         snap.residency = m.expert_cache().map(|c| {
             let resident = c.resident();
