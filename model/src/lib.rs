@@ -23,6 +23,8 @@ pub mod batch;
 pub mod budget;
 pub mod config;
 pub mod cpu;
+#[doc(hidden)]
+pub mod exercise;
 pub mod experts;
 pub mod forward;
 pub mod gguf;
