@@ -31,6 +31,7 @@ pub mod gguf;
 pub mod gpu_data;
 pub mod labels;
 pub mod math;
+mod matrix;
 pub mod moe;
 pub mod moe_file;
 pub mod ops;
@@ -43,9 +44,9 @@ pub mod weights;
 #[cfg(test)]
 mod test_fixtures;
 
-pub use config::LlamaConfig;
+pub use config::{Gating, LlamaConfig};
 pub use cpu::{CpuModel, KvCache, Probe, Stage};
 pub use expertkv_core::{Error, Result};
-pub use moe::{Gating, MoeConfig, MoeLayer, Moefication};
+pub use moe::{MoeConfig, MoeLayer, Moefication};
 pub use synthetic::SyntheticModel;
 pub use weights::{LayerWeights, LlamaWeights, LoadOptions, Matrix};
