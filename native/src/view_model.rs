@@ -18,7 +18,7 @@ use expertkv_model::{LlamaConfig, Moefication};
 use expertkv_viewer::state::{ExpertResidency, RunInfo, Source};
 use expertkv_viewer::{Event, Snapshot, capture};
 
-use crate::run::{MoeSpec, Moefied, Moefier, parse_moe};
+use crate::moe_spec::{MoeSpec, Moefied, Moefier, parse_moe};
 use crate::view::{Driver, RunFlags};
 use expertkv_model::moe::MoeConfig;
 
