@@ -80,6 +80,7 @@ pub mod digest;
 pub mod error;
 pub mod evict;
 pub mod gpu_data;
+mod page_passes;
 pub mod pipeline;
 pub mod plan;
 pub mod reference;

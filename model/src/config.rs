@@ -2,11 +2,25 @@
 
 use crate::Result;
 use crate::gguf::{Gguf, model_err};
-use crate::moe::Gating;
 
 /// The metadata key that marks a MoE file whose chosen experts weigh 1 (value `unit`), written by
 /// [`crate::moe_file::write_moefied`].
 pub const UNIT_GATING_KEY: &str = "expertkv.expert_gating";
+
+/// How a layer's router scores a token and weights the experts it chose.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gating {
+    /// MoEfication: the scores are cosines (the token normalised), every chosen expert weighs 1.
+    Unit,
+    /// A trained MoE: the scores are the router's raw logits `W x`, and the chosen experts weigh
+    /// the softmax of their logits ([`softmax_weights`](crate::moe::softmax_weights): Mixtral,
+    /// Qwen3-MoE).
+    Softmax,
+    /// A trained MoE whose chosen experts weigh their share of the softmax over all `E` logits,
+    /// not renormalised over the top k
+    /// ([`softmax_share_weights`](crate::moe::softmax_share_weights): OLMoE, Qwen2-MoE).
+    SoftmaxShare,
+}
 
 /// The transformer families this crate runs (`general.architecture`), each with llama.cpp's
 /// tensor names and metadata keys (`<arch>.block_count`, ...).

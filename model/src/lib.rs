@@ -23,12 +23,15 @@ pub mod batch;
 pub mod budget;
 pub mod config;
 pub mod cpu;
+#[doc(hidden)]
+pub mod exercise;
 pub mod experts;
 pub mod forward;
 pub mod gguf;
 pub mod gpu_data;
 pub mod labels;
 pub mod math;
+mod matrix;
 pub mod moe;
 pub mod moe_file;
 pub mod ops;
@@ -41,9 +44,9 @@ pub mod weights;
 #[cfg(test)]
 mod test_fixtures;
 
-pub use config::LlamaConfig;
+pub use config::{Gating, LlamaConfig};
 pub use cpu::{CpuModel, KvCache, Probe, Stage};
 pub use expertkv_core::{Error, Result};
-pub use moe::{Gating, MoeConfig, MoeLayer, Moefication};
+pub use moe::{MoeConfig, MoeLayer, Moefication};
 pub use synthetic::SyntheticModel;
 pub use weights::{LayerWeights, LlamaWeights, LoadOptions, Matrix};

@@ -2,7 +2,7 @@
 //! matrix-vector products (split over threads by rows on native targets), RMSNorm, SiLU, RoPE,
 //! argmax and the negative log-likelihood.
 
-use crate::weights::Matrix;
+use crate::matrix::Matrix;
 
 /// `dot(a, b)` with eight partial sums (vectorisable; a fixed order, so deterministic), then the
 /// tail. The slices must have equal lengths.

@@ -44,8 +44,10 @@
 //! `build_moe_ffn` for the llama architecture: a softmax over all `E` logits, the top `k` kept
 //! and renormalised, which equals a softmax over the `k` chosen logits).
 
-use super::weights::{LayerWeights, LlamaWeights, Matrix};
+pub use crate::config::Gating;
 use crate::math::{argmax, axpy, dot, matvec, silu};
+use crate::matrix::Matrix;
+use crate::weights::{LayerWeights, LlamaWeights};
 use crate::{Error, Result};
 use expertkv_core::rng::Rng;
 
@@ -97,19 +99,6 @@ impl MoeConfig {
         }
         Ok(())
     }
-}
-
-/// How a layer's router scores a token and weights the experts it chose.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Gating {
-    /// MoEfication: the scores are cosines (the token normalised), every chosen expert weighs 1.
-    Unit,
-    /// A trained MoE: the scores are the router's raw logits `W x`, and the chosen experts weigh
-    /// the softmax of their logits ([`softmax_weights`]: Mixtral, Qwen3-MoE).
-    Softmax,
-    /// A trained MoE whose chosen experts weigh their share of the softmax over all `E` logits,
-    /// not renormalised over the top k ([`softmax_share_weights`]: OLMoE, Qwen2-MoE).
-    SoftmaxShare,
 }
 
 /// One layer's experts and router.

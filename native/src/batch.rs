@@ -1,6 +1,8 @@
 //! `run --prompts FILE --batch N`: many prompts through one model of N sequences, continuously
 //! batched ([`expertkv_model::batch`]).
 
+use std::path::Path;
+
 use anyhow::{Context, Result, bail};
 use expertkv_core::runtime::Runtime;
 use expertkv_model::batch::BatchDecoder;
@@ -9,16 +11,26 @@ use expertkv_model::forward::MAX_SEQS;
 use expertkv_model::tokenizer::Tokenizer;
 use expertkv_store::PrefixStore;
 
-use crate::run::RunArgs;
+/// What of `run`'s options a batch reads: these rather than `RunArgs`, so that `run`, which
+/// calls into this module, stays the one that knows its whole command line.
+#[derive(Clone, Copy, Debug)]
+pub struct BatchOptions {
+    /// `--tokens`: generated per prompt at most.
+    pub tokens: u32,
+    /// `--json`: each completion and the figures as JSON lines.
+    pub json: bool,
+    /// `--time-steps`: decode steps timed back to back after the batch.
+    pub time_steps: u32,
+}
 
 /// The prompts of `--prompts` (one per non-blank line), or `None` without it; `--batch` checked.
-pub fn prompts(a: &RunArgs) -> Result<Option<Vec<String>>> {
-    if a.batch == 0 || a.batch > MAX_SEQS {
-        bail!("--batch {}: expected 1 to {MAX_SEQS} sequences", a.batch);
+pub fn prompts(batch: u32, path: Option<&Path>) -> Result<Option<Vec<String>>> {
+    if batch == 0 || batch > MAX_SEQS {
+        bail!("--batch {batch}: expected 1 to {MAX_SEQS} sequences");
     }
-    let Some(path) = &a.prompts else {
-        if a.batch > 1 {
-            bail!("--batch {} decodes the prompts of --prompts FILE (one per line)", a.batch);
+    let Some(path) = path else {
+        if batch > 1 {
+            bail!("--batch {batch} decodes the prompts of --prompts FILE (one per line)");
         }
         return Ok(None);
     };
@@ -52,7 +64,7 @@ pub fn run(
     tok: &Tokenizer,
     prompts: &[String],
     mut store: Option<&mut PrefixStore>,
-    a: &RunArgs,
+    a: BatchOptions,
 ) -> Result<()> {
     let layers = m.cfg.block_count;
     let n = m.n_seqs;

@@ -530,13 +530,13 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
     let variants = RouteVariants::parse(a)?;
     let mut moes = Vec::new();
     for spec in &a.moe {
-        if let Some(mc) = crate::run::parse_moe(spec)? {
+        if let Some(mc) = crate::moe_spec::parse_moe(spec)? {
             moes.push(mc);
         }
     }
     let mut labels = Vec::new();
     for spec in a.labels.iter().filter(|s| !s.trim().is_empty()) {
-        match crate::run::parse_moe(spec)? {
+        match crate::moe_spec::parse_moe(spec)? {
             Some(mc) => labels.push(mc),
             None => bail!("--labels: give E:K or E:K:fitted specs (the MoEfications whose routers label the tokens)"),
         }
@@ -561,9 +561,9 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
     let mut sources = vec![base.clone()];
     {
         // The f32 weights and the calibration are dropped before the GPU runs.
-        let mut moefier = crate::run::Moefier::new(&g, &bytes, &path);
+        let mut moefier = crate::moe_spec::Moefier::new(&g, &bytes, &path);
         for (spec, as_labels) in moes.iter().map(|s| (s, false)).chain(labels.iter().map(|s| (s, true))) {
-            let crate::run::Moefied { moe: m, how } = moefier.moefy(spec)?;
+            let crate::moe_spec::Moefied { moe: m, how } = moefier.moefy(spec)?;
             if !a.json {
                 println!("moefied E={} k={}: {how}", spec.config.experts, spec.config.top_k);
             }
@@ -744,7 +744,7 @@ mod tests {
 
     #[test]
     fn moe_specs_parse_or_say_why_not() {
-        use crate::run::parse_moe;
+        use crate::moe_spec::parse_moe;
         let s = parse_moe("8:2").unwrap().unwrap();
         assert_eq!((s.config.experts, s.config.top_k, s.fitted), (8, 2, false));
         assert!(parse_moe(" 16:4:fitted ").unwrap().unwrap().fitted);

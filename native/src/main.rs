@@ -15,6 +15,7 @@ mod experts_args;
 mod gpu_mem;
 mod info;
 mod mix;
+mod moe_spec;
 mod moefy;
 mod plan;
 mod plot;

@@ -8,7 +8,8 @@
 //! MoEfication from the cache), about 8x a 4-bit file's size, so an 8B model needs tens of GB.
 
 use crate::fmt_bytes;
-use crate::run::{Moefied, Moefier, parse_moe, read_model};
+use crate::moe_spec::{Moefied, Moefier, parse_moe};
+use crate::run::read_model;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use expertkv_model::LlamaConfig;

@@ -11,7 +11,7 @@ use expertkv_core::runtime::Runtime;
 use expertkv_model::forward::GpuLlama;
 use expertkv_model::labels::KvRouting;
 
-use crate::run::{MoeSpec, parse_moe};
+use crate::moe_spec::{MoeSpec, parse_moe};
 
 #[derive(Args, Clone, Debug, Default)]
 pub struct RoutingArgs {

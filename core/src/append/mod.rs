@@ -62,7 +62,7 @@ fn cast_words<T: bytemuck::Pod>(words: &[u32]) -> Vec<T> {
 /// The passes that compress full pages (`compress/plan.wgsl#count`, `#main`, `#assign`,
 /// `compress/encode`).
 pub(crate) struct CodecPasses {
-    pub(crate) passes: crate::compress::PagePasses,
+    pub(crate) passes: crate::page_passes::PagePasses,
     pub(crate) _buffers: [wgpu::Buffer; 3],
 }
 

@@ -352,7 +352,7 @@ fn sample_file() -> Vec<u8> {
 fn gguf_malformed_files_never_panic_cpu() {
     let base = sample_file();
     let header_end = Gguf::parse(&base).unwrap().data_offset() as usize;
-    assert!(super::exercise(&base));
+    assert!(crate::exercise::gguf(&base));
     let g = Gguf::parse(&base).unwrap();
     assert!(
         LlamaConfig::from_gguf(&g).is_ok() && crate::tokenizer::Tokenizer::from_gguf(&g).is_ok(),
@@ -408,7 +408,7 @@ fn gguf_malformed_files_never_panic_cpu() {
             }
         }
         alloc_track::reset();
-        let outcome = std::panic::catch_unwind(|| super::exercise(&v));
+        let outcome = std::panic::catch_unwind(|| crate::exercise::gguf(&v));
         let largest = alloc_track::largest();
         match outcome {
             Ok(true) => parsed += 1,

@@ -19,7 +19,7 @@ use expertkv_viewer::state::{ExpertResidency, RunInfo, Source};
 use expertkv_viewer::{Event, Snapshot, capture};
 
 use super::driver::{Driver, RunFlags};
-use crate::run::{MoeSpec, Moefied, Moefier, parse_moe};
+use crate::moe_spec::{MoeSpec, Moefied, Moefier, parse_moe};
 use expertkv_model::moe::MoeConfig;
 
 /// The flags `view` takes for a model (the policies come from the run flags: --router is the
