@@ -38,6 +38,7 @@ enable wgpu_cooperative_matrix;
 //!import common/pool.wgsl
 //!import attend/common.wgsl
 //!import common/compress.wgsl
+//!import attend/softmax.wgsl
 //!import attend/merge.wgsl
 
 @group(0) @binding(0) var<uniform> geo: Geometry;
@@ -416,10 +417,10 @@ fn main(
                 // accumulators move into its f32 sums, rescaled to them.
                 var corr: array<f32, GROUP>;
                 for (var h = 0u; h < GROUP; h++) {
-                    let mn = max(m_ref[h], subgroupMax(x[h]));
-                    corr[h] = exp(m_ref[h] - mn);
-                    m_ref[h] = mn;
-                    lsum[h] *= corr[h];
+                    let mv = softmax_move(m_ref[h], lsum[h], subgroupMax(x[h]));
+                    corr[h] = mv.corr;
+                    m_ref[h] = mv.m;
+                    lsum[h] = mv.l;
                     for (var g = 0u; g < NG; g++) {
                         minacc[h * NG + g] *= corr[h];
                     }
@@ -458,7 +459,7 @@ fn main(
             // Weights against the (possibly moved) references.
             var p: array<f32, GROUP>;
             for (var h = 0u; h < GROUP; h++) {
-                p[h] = select(0.0, exp(x[h] - m_ref[h]), valid);
+                p[h] = softmax_prob(x[h], m_ref[h], valid);
                 lsum[h] += p[h];
             }
             if (lane < 16u) {
@@ -541,7 +542,7 @@ fn main(
         for (var v = 0u; v < NW; v++) {
             mx = max(mx, ml_sh[(v * GROUP + h) * NM]);
         }
-        f[h] = exp(m_ref[h] - mx);
+        f[h] = softmax_rescale(m_ref[h], mx);
     }
     for (var v = 0u; v < NW; v++) {
         if (w == v) {
@@ -576,7 +577,7 @@ fn main(
         var l = 0.0;
         for (var v = 0u; v < NW; v++) {
             let at = (v * GROUP + t) * NM;
-            l += exp(ml_sh[at] - mx) * ml_sh[at + 1u];
+            l += softmax_rescale(ml_sh[at], mx) * ml_sh[at + 1u];
         }
         let o_at = partial_index(params, seq, kvh * GROUP + t, buffer, chunk) * stride;
         write_partial_stats(o_at, mx, l);

@@ -27,6 +27,7 @@ enable f16;
 //!import common/window.wgsl
 //!import attend/common.wgsl
 //!import common/compress.wgsl
+//!import attend/softmax.wgsl
 //!import attend/merge.wgsl
 
 @group(0) @binding(0) var<uniform> geo: Geometry;
@@ -261,7 +262,7 @@ fn put_probs(t: u32, p: array<f32, GROUP>, raw: bool, s_a: array<f32, NG>, sc16:
 fn probs(x: array<f32, GROUP>, m_ref: array<f32, GROUP>, valid: bool) -> array<f32, GROUP> {
     var p: array<f32, GROUP>;
     for (var h = 0u; h < GROUP; h++) {
-        p[h] = select(0.0, exp(x[h] - m_ref[h]), valid);
+        p[h] = softmax_prob(x[h], m_ref[h], valid);
     }
     return p;
 }
@@ -625,10 +626,10 @@ fn main(
             }
             var corr: array<f32, GROUP>;
             for (var h = 0u; h < GROUP; h++) {
-                let mn = max(m_ref[h], red[h]);
-                corr[h] = exp(m_ref[h] - mn);
-                m_ref[h] = mn;
-                lsum[h] *= corr[h];
+                let mv = softmax_move(m_ref[h], lsum[h], red[h]);
+                corr[h] = mv.corr;
+                m_ref[h] = mv.m;
+                lsum[h] = mv.l;
                 for (var g = 0u; g < NG; g++) {
                     minacc[h * NG + g] *= corr[h];
                 }
