@@ -68,6 +68,7 @@ sources! {
     COMPRESS_BASIS => "compress/basis.wgsl",
     ATTEND_COMMON => "attend/common.wgsl",
     ATTEND_SOFTMAX => "attend/softmax.wgsl",
+    ATTEND_CHUNK => "attend/chunk.wgsl",
     ATTEND_MERGE => "attend/merge.wgsl",
     ATTEND_ONLINE_SOFTMAX => "attend/online_softmax.wgsl",
     ATTEND_SPLIT_TILED => "attend/split_tiled.wgsl",

@@ -189,13 +189,6 @@ fn move_block(
     }
 }
 
-fn write_empty(seq: u32, kvh: u32, buffer: u32, chunk: u32, t: u32) {
-    if (t < GROUP) {
-        let o = partial_index(params, seq, kvh * GROUP + t, buffer, chunk) * partial_stride(HEAD_DIM);
-        write_partial_empty(o);
-    }
-}
-
 @compute @workgroup_size(WG)
 fn main(
     @builtin(workgroup_id) wg: vec3<u32>,
@@ -208,6 +201,8 @@ fn main(
     let w = t / 32u;
     let lane = t % 32u;
 
+    // The chunk's range as attend/chunk.wgsl's `chunk_of` reads it, written out: naga takes a
+    // function's result for non-uniform, and the cooperative matrices need uniform control flow.
     if (t == 0u) {
         count_sh = page_counts[list_index(geo, params.layer, seq, kvh)];
         atomicStore(&flag_sh, 0u);
@@ -215,7 +210,7 @@ fn main(
     let n_pages = workgroupUniformLoad(&count_sh);
     let first = chunk * params.chunk_pages;
     if (first >= n_pages) {
-        write_empty(seq, kvh, buffer, chunk, t);
+        write_chunk_empty(t, GROUP, seq, kvh, buffer, chunk, HEAD_DIM);
         return;
     }
     let list = list_index(geo, params.layer, seq, kvh) * geo.max_pages_per_seq;
@@ -246,7 +241,7 @@ fn main(
     }
     let n_live = workgroupUniformLoad(&live_sh);
     if (n_live == 0u) {
-        write_empty(seq, kvh, buffer, chunk, t);
+        write_chunk_empty(t, GROUP, seq, kvh, buffer, chunk, HEAD_DIM);
         return;
     }
     let q0 = (seq * params.q_heads + kvh * GROUP) * HEAD_DIM;
@@ -560,13 +555,12 @@ fn main(
         workgroupBarrier();
     }
     // Position 8i + 2m (+1) holds dimension 8i + m (+4).
-    let stride = partial_stride(HEAD_DIM);
     for (var e = t; e < GROUP * HEAD_DIM; e += WG) {
         let h = e / HEAD_DIM;
         let d = e % HEAD_DIM;
         let j = d % 8u;
         let pos = (d - j) + select(2u * j, 2u * (j - 4u) + 1u, j >= 4u);
-        let o_at = partial_index(params, seq, kvh * GROUP + h, buffer, chunk) * stride + 4u + d;
+        let o_at = partial_at(seq, kvh * GROUP + h, buffer, chunk, HEAD_DIM) + 4u + d;
         partials[o_at] = o_sh[h * HEAD_DIM + pos];
     }
     if (t < GROUP) {
@@ -579,7 +573,6 @@ fn main(
             let at = (v * GROUP + t) * NM;
             l += softmax_rescale(ml_sh[at], mx) * ml_sh[at + 1u];
         }
-        let o_at = partial_index(params, seq, kvh * GROUP + t, buffer, chunk) * stride;
-        write_partial_stats(o_at, mx, l);
+        write_partial_stats(partial_at(seq, kvh * GROUP + t, buffer, chunk, HEAD_DIM), mx, l);
     }
 }
