@@ -71,6 +71,7 @@ sources! {
     ATTEND_CHUNK => "attend/chunk.wgsl",
     ATTEND_MERGE => "attend/merge.wgsl",
     ATTEND_ONLINE_SOFTMAX => "attend/online_softmax.wgsl",
+    ATTEND_RAW_PAIRS => "attend/raw_pairs.wgsl",
     ATTEND_SPLIT_TILED => "attend/split_tiled.wgsl",
     ATTEND_SPLIT_SUBGROUP => "attend/split_subgroup.wgsl",
     ATTEND_SPLIT_CODEC => "attend/split_codec.wgsl",
