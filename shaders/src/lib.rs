@@ -72,6 +72,7 @@ sources! {
     ATTEND_MERGE => "attend/merge.wgsl",
     ATTEND_ONLINE_SOFTMAX => "attend/online_softmax.wgsl",
     ATTEND_RAW_PAIRS => "attend/raw_pairs.wgsl",
+    ATTEND_LANES => "attend/lanes.wgsl",
     ATTEND_SPLIT_TILED => "attend/split_tiled.wgsl",
     ATTEND_SPLIT_SUBGROUP => "attend/split_subgroup.wgsl",
     ATTEND_SPLIT_CODEC => "attend/split_codec.wgsl",
