@@ -57,8 +57,10 @@ fn lane_of_head(g: u32) -> u32 {
 // Whether this lane writes out the states it keeps, so that each is written once: TRANSPOSE,
 // the first of its head's LANES / GROUP replicas; else lane 0, which keeps every head.
 fn writes_kept(lane: u32) -> bool {
+    // A `let`, as the kernels had it: without TRANSPOSE, GROUP may exceed LANES (0 here, unused).
+    let replicas = LANES / GROUP;
     if (TRANSPOSE) {
-        return (lane % (LANES / GROUP)) == 0u;
+        return (lane % replicas) == 0u;
     }
     return lane == 0u;
 }
