@@ -4,6 +4,7 @@
 // invocations so long sequences (hundreds of chunks) merge in parallel.
 
 //!import attend/common.wgsl
+//!import attend/softmax.wgsl
 //!import common/reduce.wgsl
 
 @group(0) @binding(0) var<uniform> params: AttendParams;
@@ -36,7 +37,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     for (var r = t; r < n; r += WG) {
         let h = partials[(base + r) * stride4];
         if (h.y > 0.0) {
-            sum += h.y * exp(h.x - big_m);
+            sum += h.y * softmax_rescale(h.x, big_m);
         }
     }
     let big_l = workgroup_sum(t, sum);
@@ -50,7 +51,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
             let o = (base + r) * stride4;
             let h = partials[o];
             if (h.y > 0.0) {
-                a += partials[o + 1u + v] * exp(h.x - big_m);
+                a += partials[o + 1u + v] * softmax_rescale(h.x, big_m);
             }
         }
     }

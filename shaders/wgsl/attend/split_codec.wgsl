@@ -6,6 +6,7 @@
 //!import common/pool.wgsl
 //!import attend/common.wgsl
 //!import common/compress.wgsl
+//!import attend/chunk.wgsl
 //!import attend/online_softmax.wgsl
 //!import attend/merge.wgsl
 
@@ -19,15 +20,13 @@
 @group(0) @binding(7) var<storage, read_write> partials: array<f32>;
 @group(0) @binding(8) var<storage, read_write> scores: array<f32>;
 
-const WG: u32 = 64u;
-const MAX_PAIRS: u32 = 16u;
-const MAX_PAGE: u32 = 64u;
-
 var<workgroup> q_sh: array<f32, 2048>;
 var<workgroup> kp_sh: array<u32, 256>;  // key (min, scale) per channel of the current page
-var<workgroup> fill_sh: u32;
-var<workgroup> page_sh: u32;
-var<workgroup> count_sh: u32;
+
+// Compressed pages only (their ids follow the raw pages').
+fn attends(page: u32) -> bool {
+    return page >= geo.n_pages;
+}
 
 fn kv_word(page: u32, w: u32) -> u32 {
     return codec_kv[(page - geo.n_pages) * geo.codec_page_words + w];
@@ -72,34 +71,16 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     for (var i = t; i < G * D; i += WG) {
         q_sh[i] = queries[q0 + i] * params.scale;
     }
-    if (t < G) {
-        m_sh[t] = NEG_BIG;
-        l_sh[t] = 0.0;
-    }
-    if (t == 0u) {
-        count_sh = page_counts[list_index(geo, params.layer, seq, kvh)];
-    }
-    let n_pages = workgroupUniformLoad(&count_sh);
-    let first = chunk * params.chunk_pages;
-    let last = min(first + params.chunk_pages, n_pages);
-    let list = list_index(geo, params.layer, seq, kvh) * geo.max_pages_per_seq;
+    online_softmax_start(t, G);
+    let ch = chunk_of(t, seq, kvh, chunk);
     let n_pairs = G * half_d;
-    var acc: array<vec2<f32>, 16>;
+    var acc: array<vec2<f32>, MAX_PAIRS>;
     for (var k = 0u; k < MAX_PAIRS; k++) {
         acc[k] = vec2<f32>(0.0);
     }
 
-    for (var pi = first; pi < last; pi++) {
-        if (t == 0u) {
-            let page = page_list[list + pi];
-            page_sh = page;
-            var fill = 0u;
-            if (page >= geo.n_pages) {
-                fill = page_meta[page].fill;
-            }
-            fill_sh = fill;
-        }
-        let fill = workgroupUniformLoad(&fill_sh);
+    for (var pi = ch.first; pi < ch.last; pi++) {
+        let fill = page_fill(t, ch.list + pi);
         if (fill == 0u) {
             continue;
         }
@@ -147,18 +128,6 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     }
 
     let buffer = params.n_buffers - 1u;
-    let stride = partial_stride(D);
-    for (var k = 0u; k < MAX_PAIRS; k++) {
-        let e = t + k * WG;
-        if (e < n_pairs) {
-            let g = e / half_d;
-            let j = e % half_d;
-            let o = partial_index(params, seq, kvh * G + g, buffer, chunk) * stride + 4u + 2u * j;
-            write_partial_acc2(o, acc[k]);
-        }
-    }
-    if (t < G) {
-        let o = partial_index(params, seq, kvh * G + t, buffer, chunk) * stride;
-        write_partial_stats(o, m_sh[t], l_sh[t]);
-    }
+    write_pair_sums(t, acc, G, seq, kvh, buffer, chunk, D);
+    write_softmax_stats(t, G, seq, kvh, buffer, chunk, D);
 }

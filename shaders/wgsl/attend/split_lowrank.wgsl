@@ -7,6 +7,7 @@
 //!import common/pool.wgsl
 //!import attend/common.wgsl
 //!import common/compress.wgsl
+//!import attend/chunk.wgsl
 //!import attend/online_softmax.wgsl
 //!import attend/merge.wgsl
 
@@ -21,16 +22,16 @@
 @group(0) @binding(8) var<storage, read_write> scores: array<f32>;
 @group(0) @binding(9) var<storage, read> basis: array<f32>;
 
-const WG: u32 = 64u;
-const MAX_PAGE: u32 = 64u;
 const MAX_GR: u32 = 1024u;   // group * rank
 const MAX_SLOTS: u32 = 16u;  // ceil(MAX_GR / WG)
 
 var<workgroup> qr_sh: array<f32, 1024>;
 var<workgroup> acc_sh: array<f32, 1024>;
-var<workgroup> fill_sh: u32;
-var<workgroup> page_sh: u32;
-var<workgroup> count_sh: u32;
+
+// Compressed pages only (their ids follow the raw pages').
+fn attends(page: u32) -> bool {
+    return page >= geo.n_pages;
+}
 
 // Coefficient j of slot s, K (kv = 0) or V (kv = 1).
 fn coef(page: u32, kv: u32, s: u32, j: u32) -> f32 {
@@ -62,33 +63,15 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
         }
         qr_sh[e] = d * params.scale;
     }
-    if (t < G) {
-        m_sh[t] = NEG_BIG;
-        l_sh[t] = 0.0;
-    }
-    if (t == 0u) {
-        count_sh = page_counts[list_index(geo, params.layer, seq, kvh)];
-    }
-    let n_pages = workgroupUniformLoad(&count_sh);
-    let first = chunk * params.chunk_pages;
-    let last = min(first + params.chunk_pages, n_pages);
-    let list = list_index(geo, params.layer, seq, kvh) * geo.max_pages_per_seq;
+    online_softmax_start(t, G);
+    let ch = chunk_of(t, seq, kvh, chunk);
     var acc: array<f32, 16>;
     for (var k = 0u; k < MAX_SLOTS; k++) {
         acc[k] = 0.0;
     }
 
-    for (var pi = first; pi < last; pi++) {
-        if (t == 0u) {
-            let page = page_list[list + pi];
-            page_sh = page;
-            var fill = 0u;
-            if (page >= geo.n_pages) {
-                fill = page_meta[page].fill;
-            }
-            fill_sh = fill;
-        }
-        let fill = workgroupUniformLoad(&fill_sh);
+    for (var pi = ch.first; pi < ch.last; pi++) {
+        let fill = page_fill(t, ch.list + pi);
         if (fill == 0u) {
             continue;
         }
@@ -138,7 +121,6 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     }
     workgroupBarrier();
     let buffer = params.n_buffers - 1u;
-    let stride = partial_stride(D);
     for (var e = t; e < G * D; e += WG) {
         let g = e / D;
         let i = e % D;
@@ -146,10 +128,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
         for (var j = 0u; j < R; j++) {
             o += basis[vb + j * D + i] * acc_sh[g * R + j];
         }
-        partials[partial_index(params, seq, kvh * G + g, buffer, chunk) * stride + 4u + i] = o;
+        partials[partial_at(seq, kvh * G + g, buffer, chunk, D) + 4u + i] = o;
     }
-    if (t < G) {
-        let o = partial_index(params, seq, kvh * G + t, buffer, chunk) * stride;
-        write_partial_stats(o, m_sh[t], l_sh[t]);
-    }
+    write_softmax_stats(t, G, seq, kvh, buffer, chunk, D);
 }

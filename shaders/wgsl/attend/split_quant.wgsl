@@ -12,7 +12,9 @@
 //!import common/pool.wgsl
 //!import attend/common.wgsl
 //!import common/compress.wgsl
+//!import attend/chunk.wgsl
 //!import attend/merge.wgsl
+//!import attend/lanes.wgsl
 
 @group(0) @binding(0) var<uniform> geo: Geometry;
 @group(0) @binding(1) var<uniform> params: AttendParams;
@@ -45,20 +47,20 @@ const WPL: u32 = HEAD_DIM / (CPW * LANES);    // code words per lane per row
 const VPW: u32 = CPW / 4u;                    // vec4 of dimensions per code word
 const NV: u32 = WPL * VPW;                    // vec4 of dimensions per lane per row
 const CODE_MASK: u32 = (1u << BITS) - 1u;
-const HEADS_KEPT: u32 = select(GROUP, 1u, TRANSPOSE);
 const NVP: u32 = select(NV, WPL, VP_PER_WORD);  // value parameter words per lane per slot
 const MAX_CHUNK_PAGES: u32 = 64u;
 
 var<workgroup> chunk_page: array<u32, 64>;
 var<workgroup> chunk_fill: array<u32, 64>;
-var<workgroup> ml_sh: array<vec2<f32>, 256>;
-var<workgroup> acc_sh: array<vec4<f32>, 512>;  // the scaled queries first, the merge at the end
-var<workgroup> count_sh: u32;
 var<workgroup> live_sh: u32;
 
 // First dimension of vec4 n (0..NV) of this lane's slice of a row.
 fn dim_of(lane: u32, n: u32) -> u32 {
     return CPW * (lane + (n / VPW) * LANES) + 4u * (n % VPW);
+}
+
+fn dim4_of(lane: u32, n: u32) -> u32 {
+    return dim_of(lane, n) / 4u;
 }
 
 // The code at bit p of a code word, as a float, without an integer-to-float conversion (a
@@ -79,32 +81,6 @@ fn codes4(w: u32, sub: u32) -> vec4<f32> {
     return vec4<f32>(code_float(w, sh), code_float(w, sh + BITS), code_float(w, sh + 2u * BITS), code_float(w, sh + 3u * BITS));
 }
 
-fn log2u(x: u32) -> u32 {
-    return 31u - countLeadingZeros(x);
-}
-
-fn head_of_lane(lane: u32) -> u32 {
-    let k = log2u(GROUP);
-    var g = 0u;
-    for (var i = 0u; i < k; i++) {
-        if ((lane & (LANES >> (i + 1u))) != 0u) {
-            g |= 1u << (k - 1u - i);
-        }
-    }
-    return g;
-}
-
-fn lane_of_head(g: u32) -> u32 {
-    let k = log2u(GROUP);
-    var l = 0u;
-    for (var i = 0u; i < k; i++) {
-        if (((g >> (k - 1u - i)) & 1u) != 0u) {
-            l |= LANES >> (i + 1u);
-        }
-    }
-    return l;
-}
-
 @compute @workgroup_size(128)
 fn main(
     @builtin(workgroup_id) wg: vec3<u32>,
@@ -122,27 +98,19 @@ fn main(
     let tg = sg_id * (sg_size / LANES) + sg_lane / LANES;
     let n_tg = WG / LANES;
     let my_head = head_of_lane(lane);
-    let replicas = LANES / GROUP;
     let buffer = params.n_buffers - 1u;
 
-    if (t == 0u) {
-        count_sh = page_counts[list_index(geo, params.layer, seq, kvh)];
-    }
-    let n_pages = workgroupUniformLoad(&count_sh);
-    let first = chunk * params.chunk_pages;
-    if (first >= n_pages) {
-        if (t < GROUP) {
-            let o = partial_index(params, seq, kvh * GROUP + t, buffer, chunk) * partial_stride(HEAD_DIM);
-            write_partial_empty(o);
-        }
+    let ch = chunk_of(t, seq, kvh, chunk);
+    let first = ch.first;
+    if (first >= ch.n_pages) {
+        write_chunk_empty(t, GROUP, seq, kvh, buffer, chunk, HEAD_DIM);
         return;
     }
-    let list = list_index(geo, params.layer, seq, kvh) * geo.max_pages_per_seq;
     for (var c = t; c < params.chunk_pages; c += WG) {
         var page = 0u;
         var fill = 0u;
-        if (first + c < n_pages) {
-            page = page_list[list + first + c];
+        if (first + c < ch.n_pages) {
+            page = page_list[ch.list + first + c];
             if (page >= geo.n_pages) {
                 fill = page_meta[page].fill;
             }
@@ -161,10 +129,7 @@ fn main(
         live_sh = live;
     }
     if (workgroupUniformLoad(&live_sh) == 0u) {
-        if (t < GROUP) {
-            let o = partial_index(params, seq, kvh * GROUP + t, buffer, chunk) * partial_stride(HEAD_DIM);
-            write_partial_empty(o);
-        }
+        write_chunk_empty(t, GROUP, seq, kvh, buffer, chunk, HEAD_DIM);
         return;
     }
 
@@ -333,73 +298,19 @@ fn main(
                         part[u * GROUP + g] = x + bias[g];
                     }
                 }
-                var p: array<f32, U * GROUP>;
-                var corr: array<f32, GROUP>;
-                if (TRANSPOSE) {
-                    var sc: array<f32, U>;
-                    var m_new = m[0];
+                let x = lane_scores(part, lane);
+                if (params.write_scores != 0u && writes_kept(lane)) {
                     for (var u = 0u; u < U; u++) {
-                        var mask = LANES / 2u;
-                        for (var half = GROUP / 2u; half > 0u; half = half / 2u) {
-                            let upper = (lane & mask) != 0u;
-                            for (var j = 0u; j < half; j++) {
-                                let keep = select(part[u * GROUP + j], part[u * GROUP + j + half], upper);
-                                let send = select(part[u * GROUP + j + half], part[u * GROUP + j], upper);
-                                part[u * GROUP + j] = keep + subgroupShuffleXor(send, mask);
-                            }
-                            mask = mask / 2u;
-                        }
-                        var x = part[u * GROUP];
-                        for (; mask > 0u; mask = mask / 2u) {
-                            x += subgroupShuffleXor(x, mask);
-                        }
-                        sc[u] = select(NEG_BIG, x, valid[u]);
-                        m_new = max(m_new, sc[u]);
-                        if (valid[u] && params.write_scores != 0u && (lane % replicas) == 0u) {
-                            scores[(seq * params.q_heads + kvh * GROUP + my_head) * params.max_tokens + first * PAGE_SIZE + slot_of[u]] = x;
-                        }
-                    }
-                    let c_own = exp(m[0] - m_new);
-                    var lsum = l[0] * c_own;
-                    var p_own: array<f32, U>;
-                    for (var u = 0u; u < U; u++) {
-                        p_own[u] = select(0.0, exp(sc[u] - m_new), valid[u]);
-                        lsum += p_own[u];
-                    }
-                    m[0] = m_new;
-                    l[0] = lsum;
-                    for (var g = 0u; g < GROUP; g++) {
-                        let src = group_base + lane_of_head(g);
-                        corr[g] = subgroupShuffle(c_own, src);
-                        for (var u = 0u; u < U; u++) {
-                            p[u * GROUP + g] = subgroupShuffle(p_own[u], src);
-                        }
-                    }
-                } else {
-                    for (var g = 0u; g < GROUP; g++) {
-                        var sc: array<f32, U>;
-                        var m_new = m[g];
-                        for (var u = 0u; u < U; u++) {
-                            var x = part[u * GROUP + g];
-                            for (var mask = LANES / 2u; mask > 0u; mask = mask / 2u) {
-                                x += subgroupShuffleXor(x, mask);
-                            }
-                            sc[u] = select(NEG_BIG, x, valid[u]);
-                            m_new = max(m_new, sc[u]);
-                            if (valid[u] && params.write_scores != 0u && lane == 0u) {
-                                scores[(seq * params.q_heads + kvh * GROUP + g) * params.max_tokens + first * PAGE_SIZE + slot_of[u]] = x;
+                        for (var k = 0u; k < HEADS_KEPT; k++) {
+                            if (valid[u]) {
+                                scores[(seq * params.q_heads + kvh * GROUP + select(k, my_head, TRANSPOSE)) * params.max_tokens + first * PAGE_SIZE + slot_of[u]] = x[u * HEADS_KEPT + k];
                             }
                         }
-                        corr[g] = exp(m[g] - m_new);
-                        var lsum = l[g] * corr[g];
-                        for (var u = 0u; u < U; u++) {
-                            p[u * GROUP + g] = select(0.0, exp(sc[u] - m_new), valid[u]);
-                            lsum += p[u * GROUP + g];
-                        }
-                        m[g] = m_new;
-                        l[g] = lsum;
                     }
                 }
+                let st = lane_softmax(m, l, x, valid, group_base);
+                m = st.m;
+                l = st.l;
                 // Values: min + code * scale per token group of dimensions, shared by the heads.
                 var vdec: array<vec4<f32>, U * NV>;
                 for (var u = 0u; u < U; u++) {
@@ -410,9 +321,9 @@ fn main(
                 }
                 for (var g = 0u; g < GROUP; g++) {
                     for (var n = 0u; n < NV; n++) {
-                        var a = acc[g * NV + n] * corr[g];
+                        var a = acc[g * NV + n] * st.corr[g];
                         for (var u = 0u; u < U; u++) {
-                            a += p[u * GROUP + g] * vdec[u * NV + n];
+                            a += st.p[u * GROUP + g] * vdec[u * NV + n];
                         }
                         acc[g * NV + n] = a;
                     }
@@ -421,57 +332,5 @@ fn main(
         }
     }
 
-    // Merge the token groups of this workgroup.
-    if (TRANSPOSE) {
-        if ((lane % replicas) == 0u) {
-            ml_sh[tg * GROUP + my_head] = vec2<f32>(m[0], l[0]);
-        }
-    } else if (lane == 0u) {
-        for (var g = 0u; g < GROUP; g++) {
-            ml_sh[tg * GROUP + g] = vec2<f32>(m[g], l[g]);
-        }
-    }
-    workgroupBarrier();
-    var big_m: array<f32, GROUP>;
-    var big_l: array<f32, GROUP>;
-    for (var g = 0u; g < GROUP; g++) {
-        var mm = NEG_BIG;
-        for (var r = 0u; r < n_tg; r++) {
-            mm = max(mm, ml_sh[r * GROUP + g].x);
-        }
-        var ll = 0.0;
-        for (var r = 0u; r < n_tg; r++) {
-            let e = ml_sh[r * GROUP + g];
-            ll += e.y * exp(e.x - mm);
-        }
-        big_m[g] = mm;
-        big_l[g] = ll;
-    }
-    for (var r = 0u; r < n_tg; r++) {
-        if (tg == r) {
-            for (var g = 0u; g < GROUP; g++) {
-                let f = exp(ml_sh[tg * GROUP + g].x - big_m[g]);
-                for (var n = 0u; n < NV; n++) {
-                    let a = g * D4 + dim_of(lane, n) / 4u;
-                    var prev = vec4<f32>(0.0);
-                    if (r > 0u) {
-                        prev = acc_sh[a];
-                    }
-                    acc_sh[a] = prev + acc[g * NV + n] * f;
-                }
-            }
-        }
-        workgroupBarrier();
-    }
-    let stride = partial_stride(HEAD_DIM);
-    for (var e = t; e < GROUP * D4; e += WG) {
-        let g = e / D4;
-        let o = partial_index(params, seq, kvh * GROUP + g, buffer, chunk) * stride + 4u + 4u * (e % D4);
-        let a = acc_sh[e];
-        write_partial_acc4(o, a);
-    }
-    if (t < GROUP) {
-        let o = partial_index(params, seq, kvh * GROUP + t, buffer, chunk) * stride;
-        write_partial_stats(o, big_m[t], big_l[t]);
-    }
+    merge_token_groups(t, lane, tg, m, l, acc, seq, kvh, buffer, chunk, HEAD_DIM);
 }

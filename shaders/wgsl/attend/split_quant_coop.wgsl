@@ -38,6 +38,7 @@ enable wgpu_cooperative_matrix;
 //!import common/pool.wgsl
 //!import attend/common.wgsl
 //!import common/compress.wgsl
+//!import attend/softmax.wgsl
 //!import attend/merge.wgsl
 
 @group(0) @binding(0) var<uniform> geo: Geometry;
@@ -188,13 +189,6 @@ fn move_block(
     }
 }
 
-fn write_empty(seq: u32, kvh: u32, buffer: u32, chunk: u32, t: u32) {
-    if (t < GROUP) {
-        let o = partial_index(params, seq, kvh * GROUP + t, buffer, chunk) * partial_stride(HEAD_DIM);
-        write_partial_empty(o);
-    }
-}
-
 @compute @workgroup_size(WG)
 fn main(
     @builtin(workgroup_id) wg: vec3<u32>,
@@ -207,6 +201,8 @@ fn main(
     let w = t / 32u;
     let lane = t % 32u;
 
+    // The chunk's range as attend/chunk.wgsl's `chunk_of` reads it, written out: naga takes a
+    // function's result for non-uniform, and the cooperative matrices need uniform control flow.
     if (t == 0u) {
         count_sh = page_counts[list_index(geo, params.layer, seq, kvh)];
         atomicStore(&flag_sh, 0u);
@@ -214,7 +210,7 @@ fn main(
     let n_pages = workgroupUniformLoad(&count_sh);
     let first = chunk * params.chunk_pages;
     if (first >= n_pages) {
-        write_empty(seq, kvh, buffer, chunk, t);
+        write_chunk_empty(t, GROUP, seq, kvh, buffer, chunk, HEAD_DIM);
         return;
     }
     let list = list_index(geo, params.layer, seq, kvh) * geo.max_pages_per_seq;
@@ -245,7 +241,7 @@ fn main(
     }
     let n_live = workgroupUniformLoad(&live_sh);
     if (n_live == 0u) {
-        write_empty(seq, kvh, buffer, chunk, t);
+        write_chunk_empty(t, GROUP, seq, kvh, buffer, chunk, HEAD_DIM);
         return;
     }
     let q0 = (seq * params.q_heads + kvh * GROUP) * HEAD_DIM;
@@ -416,10 +412,10 @@ fn main(
                 // accumulators move into its f32 sums, rescaled to them.
                 var corr: array<f32, GROUP>;
                 for (var h = 0u; h < GROUP; h++) {
-                    let mn = max(m_ref[h], subgroupMax(x[h]));
-                    corr[h] = exp(m_ref[h] - mn);
-                    m_ref[h] = mn;
-                    lsum[h] *= corr[h];
+                    let mv = softmax_move(m_ref[h], lsum[h], subgroupMax(x[h]));
+                    corr[h] = mv.corr;
+                    m_ref[h] = mv.m;
+                    lsum[h] = mv.l;
                     for (var g = 0u; g < NG; g++) {
                         minacc[h * NG + g] *= corr[h];
                     }
@@ -458,7 +454,7 @@ fn main(
             // Weights against the (possibly moved) references.
             var p: array<f32, GROUP>;
             for (var h = 0u; h < GROUP; h++) {
-                p[h] = select(0.0, exp(x[h] - m_ref[h]), valid);
+                p[h] = softmax_prob(x[h], m_ref[h], valid);
                 lsum[h] += p[h];
             }
             if (lane < 16u) {
@@ -541,7 +537,7 @@ fn main(
         for (var v = 0u; v < NW; v++) {
             mx = max(mx, ml_sh[(v * GROUP + h) * NM]);
         }
-        f[h] = exp(m_ref[h] - mx);
+        f[h] = softmax_rescale(m_ref[h], mx);
     }
     for (var v = 0u; v < NW; v++) {
         if (w == v) {
@@ -559,13 +555,12 @@ fn main(
         workgroupBarrier();
     }
     // Position 8i + 2m (+1) holds dimension 8i + m (+4).
-    let stride = partial_stride(HEAD_DIM);
     for (var e = t; e < GROUP * HEAD_DIM; e += WG) {
         let h = e / HEAD_DIM;
         let d = e % HEAD_DIM;
         let j = d % 8u;
         let pos = (d - j) + select(2u * j, 2u * (j - 4u) + 1u, j >= 4u);
-        let o_at = partial_index(params, seq, kvh * GROUP + h, buffer, chunk) * stride + 4u + d;
+        let o_at = partial_at(seq, kvh * GROUP + h, buffer, chunk, HEAD_DIM) + 4u + d;
         partials[o_at] = o_sh[h * HEAD_DIM + pos];
     }
     if (t < GROUP) {
@@ -576,9 +571,8 @@ fn main(
         var l = 0.0;
         for (var v = 0u; v < NW; v++) {
             let at = (v * GROUP + t) * NM;
-            l += exp(ml_sh[at] - mx) * ml_sh[at + 1u];
+            l += softmax_rescale(ml_sh[at], mx) * ml_sh[at + 1u];
         }
-        let o_at = partial_index(params, seq, kvh * GROUP + t, buffer, chunk) * stride;
-        write_partial_stats(o_at, mx, l);
+        write_partial_stats(partial_at(seq, kvh * GROUP + t, buffer, chunk, HEAD_DIM), mx, l);
     }
 }

@@ -27,6 +27,8 @@ enable f16;
 //!import common/window.wgsl
 //!import attend/common.wgsl
 //!import common/compress.wgsl
+//!import attend/chunk.wgsl
+//!import attend/softmax.wgsl
 //!import attend/merge.wgsl
 
 @group(0) @binding(0) var<uniform> geo: Geometry;
@@ -130,7 +132,6 @@ var<workgroup> ab_sh: array<vec2<f32>, PPT * GROUP>;    // [page][head]: (alpha,
 var<workgroup> ps_sh: array<vec4<u32>, WG * NG * GQ>;   // [token][group][head quad]: p * scale, f16 pairs
 var<workgroup> red_sh: array<f32, MAX_SUBGROUPS * NSUM>;
 var<workgroup> flag_sh: atomic<u32>;
-var<workgroup> count_sh: u32;
 var<workgroup> codec_sh: atomic<u32>;
 var<workgroup> raw_sh: atomic<u32>;
 var<workgroup> slots_sh: u32;
@@ -261,16 +262,9 @@ fn put_probs(t: u32, p: array<f32, GROUP>, raw: bool, s_a: array<f32, NG>, sc16:
 fn probs(x: array<f32, GROUP>, m_ref: array<f32, GROUP>, valid: bool) -> array<f32, GROUP> {
     var p: array<f32, GROUP>;
     for (var h = 0u; h < GROUP; h++) {
-        p[h] = select(0.0, exp(x[h] - m_ref[h]), valid);
+        p[h] = softmax_prob(x[h], m_ref[h], valid);
     }
     return p;
-}
-
-fn write_empty(seq: u32, kvh: u32, buffer: u32, chunk: u32, t: u32) {
-    if (t < GROUP) {
-        let o = partial_index(params, seq, kvh * GROUP + t, buffer, chunk) * partial_stride(HEAD_DIM);
-        write_partial_empty(o);
-    }
 }
 
 @compute @workgroup_size(WG)
@@ -287,24 +281,22 @@ fn main(
     let buffer = params.n_buffers - 1u;
 
     if (t == 0u) {
-        count_sh = page_counts[list_index(geo, params.layer, seq, kvh)];
         atomicStore(&flag_sh, 0u);
         atomicStore(&codec_sh, 0u);
         atomicStore(&raw_sh, 0u);
         magic_sh = vec4<u32>(select(0x64006400u, 0x14001400u, DENORM), 0x54005400u, 0x80808080u, 0u);
     }
-    let n_pages = workgroupUniformLoad(&count_sh);
-    let first = chunk * params.chunk_pages;
-    if (first >= n_pages) {
-        write_empty(seq, kvh, buffer, chunk, t);
+    let ch = chunk_of(t, seq, kvh, chunk);
+    let first = ch.first;
+    if (first >= ch.n_pages) {
+        write_chunk_empty(t, GROUP, seq, kvh, buffer, chunk, HEAD_DIM);
         return;
     }
-    let list = list_index(geo, params.layer, seq, kvh) * geo.max_pages_per_seq;
     for (var c = t; c < params.chunk_pages; c += WG) {
         var page = 0u;
         var fill = 0u;
-        if (first + c < n_pages) {
-            page = page_list[list + first + c];
+        if (first + c < ch.n_pages) {
+            page = page_list[ch.list + first + c];
             if (page >= geo.n_pages) {
                 fill = page_meta[page].fill;
                 atomicAdd(&codec_sh, 1u);
@@ -354,7 +346,7 @@ fn main(
     let n_live = workgroupUniformLoad(&slots_sh);
     let raw_start = workgroupUniformLoad(&raw_start_sh);
     if (n_live == 0u) {
-        write_empty(seq, kvh, buffer, chunk, t);
+        write_chunk_empty(t, GROUP, seq, kvh, buffer, chunk, HEAD_DIM);
         return;
     }
     let q0 = (seq * params.q_heads + kvh * GROUP) * HEAD_DIM;
@@ -625,10 +617,10 @@ fn main(
             }
             var corr: array<f32, GROUP>;
             for (var h = 0u; h < GROUP; h++) {
-                let mn = max(m_ref[h], red[h]);
-                corr[h] = exp(m_ref[h] - mn);
-                m_ref[h] = mn;
-                lsum[h] *= corr[h];
+                let mv = softmax_move(m_ref[h], lsum[h], red[h]);
+                corr[h] = mv.corr;
+                m_ref[h] = mv.m;
+                lsum[h] = mv.l;
                 for (var g = 0u; g < NG; g++) {
                     minacc[h * NG + g] *= corr[h];
                 }
@@ -807,11 +799,10 @@ fn main(
         }
         workgroupBarrier();
     }
-    let stride = partial_stride(HEAD_DIM);
     for (var e = t; e < GROUP * D4; e += WG) {
         let h = e / D4;
         let g = (4u * (e % D4)) / VG;
-        let o = partial_index(params, seq, kvh * GROUP + h, buffer, chunk) * stride + 4u + 4u * (e % D4);
+        let o = partial_at(seq, kvh * GROUP + h, buffer, chunk, HEAD_DIM) + 4u + 4u * (e % D4);
         let a = q_sh[e] + vec4<f32>(sums[GROUP + h * NG + g]);
         write_partial_acc4(o, a);
     }
@@ -823,7 +814,6 @@ fn main(
             m = select(m, m_ref[h], t == h);
             l = select(l, sums[h], t == h);
         }
-        let o = partial_index(params, seq, kvh * GROUP + t, buffer, chunk) * stride;
-        write_partial_stats(o, m, l);
+        write_partial_stats(partial_at(seq, kvh * GROUP + t, buffer, chunk, HEAD_DIM), m, l);
     }
 }

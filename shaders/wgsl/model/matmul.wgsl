@@ -46,22 +46,6 @@ fn inputs4(b: u32, lb: u32, i0: u32) -> vec4<f32> {
     }
 }
 
-fn store(b: u32, row: u32, v: f32) {
-    let s1 = params.split1;
-    let s2 = params.split2;
-    if (row < s1) {
-        let o = b * s1 + row;
-        y[o] = select(v, y[o] + v, params.accumulate != 0u);
-    } else if (row < s1 + s2) {
-        let o = b * s2 + row - s1;
-        y2[o] = select(v, y2[o] + v, params.accumulate != 0u);
-    } else {
-        let s3 = params.rows - s1 - s2;
-        let o = b * s3 + row - s1 - s2;
-        y3[o] = select(v, y3[o] + v, params.accumulate != 0u);
-    }
-}
-
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t: u32) {
     let row0 = (wg.x + wg.y * 65535u) * TILE;
@@ -133,7 +117,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
         for (var c = 0u; c < 4u; c++) {
             let row = row0 + tx + 16u * c;
             if (lb < nt && row < params.rows) {
-                store(tok0 + lb, row, acc[4u * i + c]);
+                store_output(tok0 + lb, row, acc[4u * i + c]);
             }
         }
     }

@@ -110,20 +110,6 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     workgroupBarrier();
     reduce_tokens(t, nt);
     if (t < nt) {
-        let v = red[t * WG];
-        let b = tb + t;
-        let s1 = params.split1;
-        let s2 = params.split2;
-        if (row < s1) {
-            let o = b * s1 + row;
-            y[o] = select(v, y[o] + v, params.accumulate != 0u);
-        } else if (row < s1 + s2) {
-            let o = b * s2 + row - s1;
-            y2[o] = select(v, y2[o] + v, params.accumulate != 0u);
-        } else {
-            let s3 = params.rows - s1 - s2;
-            let o = b * s3 + row - s1 - s2;
-            y3[o] = select(v, y3[o] + v, params.accumulate != 0u);
-        }
+        store_output(tb + t, row, red[t * WG]);
     }
 }

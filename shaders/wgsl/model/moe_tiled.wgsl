@@ -60,6 +60,19 @@ fn pair_count(e: u32, t: u32) -> u32 {
     return workgroupUniformLoad(&listed);
 }
 
+// The tiled kernels' pairs: how many of expert e's, from p0 on, the workgroup takes (at most
+// TILE; 0 where the list ends before p0), uniform as pair_count.
+fn tile_pairs(e: u32, p0: u32, t: u32) -> u32 {
+    let count = pair_count(e, t);
+    return select(0u, min(count - p0, TILE), p0 < count);
+}
+
+// Whether a slot holds weights: one past the resident ones (an expert cache's; the prefill has
+// none) reads nothing.
+fn resident_slot(slot: u32) -> bool {
+    return slot < params.ffn / params.max_size;
+}
+
 @compute @workgroup_size(256)
 fn moe_group(@builtin(local_invocation_index) t: u32) {
     // Zeroed here: a trusted pipeline may skip zeroing workgroup memory.
@@ -103,14 +116,12 @@ fn moe_gate_up_tiled(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invoca
     if (e >= params.n_experts || s0 >= params.max_size) {
         return;
     }
-    let count = pair_count(e, t);
-    if (p0 >= count) {
+    let np = tile_pairs(e, p0, t);
+    if (np == 0u) {
         return;
     }
-    let np = min(count - p0, TILE);
     let slot = offsets[e];
-    // A slot past the resident ones (an expert cache's; the prefill has none) reads nothing.
-    let resident = slot < params.ffn / params.max_size;
+    let resident = resident_slot(slot);
     let tx = t % 16u;
     let ty = t / 16u;
     var g: array<f32, 16>; // [pair i][neuron c]
@@ -184,13 +195,12 @@ fn moe_down_tiled(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocatio
     if (e >= params.n_experts || h0 >= params.hidden) {
         return;
     }
-    let count = pair_count(e, t);
-    if (p0 >= count) {
+    let np = tile_pairs(e, p0, t);
+    if (np == 0u) {
         return;
     }
-    let np = min(count - p0, TILE);
     let slot = offsets[e];
-    let resident = slot < params.ffn / params.max_size;
+    let resident = resident_slot(slot);
     let tx = t % 16u;
     let ty = t / 16u;
     var acc: array<f32, 16>; // [pair i][feature c]

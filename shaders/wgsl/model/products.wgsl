@@ -1,5 +1,6 @@
 // Shared by the model's products (model/matvec.wgsl, the decode step's; model/matmul.wgsl, the
-// prefill's tiled ones): their parameters and bindings, and W's words for common/quant.wgsl.
+// prefill's tiled ones): their parameters and bindings, W's words for common/quant.wgsl, and
+// where an output row goes.
 
 // must match `MatVecParams` in model/src/gpu_data.rs
 struct MatVecParams {
@@ -23,4 +24,21 @@ struct MatVecParams {
 
 fn weight_word(i: u32) -> u32 {
     return w[i];
+}
+
+// Output `row` of token b: to y, y2 or y3 by the splits, added to what is there with `accumulate`.
+fn store_output(b: u32, row: u32, v: f32) {
+    let s1 = params.split1;
+    let s2 = params.split2;
+    if (row < s1) {
+        let o = b * s1 + row;
+        y[o] = select(v, y[o] + v, params.accumulate != 0u);
+    } else if (row < s1 + s2) {
+        let o = b * s2 + row - s1;
+        y2[o] = select(v, y2[o] + v, params.accumulate != 0u);
+    } else {
+        let s3 = params.rows - s1 - s2;
+        let o = b * s3 + row - s1 - s2;
+        y3[o] = select(v, y3[o] + v, params.accumulate != 0u);
+    }
 }
