@@ -156,5 +156,5 @@ pub fn resident_counts(pool: &PoolModel, n_experts: u32) -> Vec<u32> {
 /// `kv_heads`) no longer cached; 0 for an expert that was never routed to.
 pub fn miss_rate(appended: u32, kv_heads: u32, resident: u32) -> f32 {
     let vectors = appended * kv_heads;
-    if vectors > 0 { 1.0 - resident.min(vectors) as f32 / vectors as f32 } else { 0.0 }
+    if vectors > 0 { (vectors - resident.min(vectors)) as f32 / vectors as f32 } else { 0.0 }
 }

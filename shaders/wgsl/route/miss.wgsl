@@ -65,7 +65,9 @@ fn finish(@builtin(global_invocation_id) gid: vec3<u32>) {
     s.resident = r;
     let vectors = s.appended * geo.kv_heads;
     if (vectors > 0u) {
-        s.miss = 1.0 - f32(min(r, vectors)) / f32(vectors);
+        // The missing count first, in integers: 1 - r / v leaves -3e-8 for r = v where division
+        // is a reciprocal and a product (NVIDIA), and a miss rate below 0 reads as a hit bonus.
+        s.miss = f32(vectors - min(r, vectors)) / f32(vectors);
     } else {
         s.miss = 0.0;
     }
