@@ -182,6 +182,30 @@ fn eval_scores_a_model_per_scheduler() {
     let o = expertkv(&["eval", "--model", model, "--moe", "2:3"]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("--moe") && !err.contains("panicked"), "{err}");
+    // The retrieval checks, each row's: a fact at each depth, two in one context, the two-turn
+    // question, under the full cache and H2O. A random model finds nothing, so every check
+    // reports its answers and the row says missed (the cases' layout is unit-tested in
+    // eval/retrieval.rs; whether a trained model finds them is BENCHMARKS.md's).
+    let out = ok(&[
+        "eval", "--model", model, "--tokens", "8", "--schedulers", "h2o:sinks=2,window=2", "--budgets", "16", "--needle-filler", "24",
+        "--needle-depth", "10%,90%", "--needles", "2", "--json",
+    ]);
+    let rows: Vec<serde_json::Value> = out.lines().filter(|l| l.starts_with('{')).map(|l| serde_json::from_str(l).expect("json")).collect();
+    assert_eq!(rows.len(), 2, "{out}");
+    for r in &rows {
+        let cases: Vec<&str> = r["needles"].as_array().expect("needles").iter().map(|n| n["case"].as_str().unwrap_or("")).collect();
+        assert_eq!(cases, ["depth 10%", "depth 90%", "2 needles", "2 turns, depth 90%"], "{r}");
+        let found: Vec<bool> = r["needles"].as_array().expect("needles").iter().map(|n| n["found"].as_bool().expect("found")).collect();
+        assert_eq!(r["needle_found"].as_bool(), Some(found.iter().all(|&f| f)), "{r}");
+        // One answer a question: the two-needle check asks twice, the two-turn check once.
+        let answers: Vec<usize> = r["needles"].as_array().expect("needles").iter().map(|n| n["answers"].as_array().map_or(0, Vec::len)).collect();
+        assert_eq!(answers, [1, 1, 2, 1], "{r}");
+    }
+    for (args, why) in [(&["--needle-depth", "150%"][..], "--needle-depth"), (&["--needles", "9"][..], "--needles 9")] {
+        let o = expertkv(&[&["eval", "--model", model, "--tokens", "8", "--schedulers", "none"][..], args].concat());
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(why) && !err.contains("panicked"), "{args:?}: {err}");
+    }
 }
 
 /// A Mixture-of-Experts GGUF (a random one: no MoE file ships offline) through `run` and `eval`:

@@ -1,7 +1,10 @@
 //! `expertkv eval`: a real model's quality under each scheduler and budget, against its full
 //! cache: perplexity over a text (teacher forcing), the share of positions whose greedy token
-//! equals the full cache's, and a needle-retrieval check (a fact planted before filler text,
-//! asked for after it). Writes a table, JSON lines and, with --plot, a PNG.
+//! equals the full cache's, and retrieval checks (facts planted in filler text and asked for
+//! later: at several depths, several in one context, and asked only in a second turn;
+//! `retrieval.rs`). Writes a table, JSON lines and, with --plot, a PNG.
+
+mod retrieval;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
@@ -21,10 +24,7 @@ use serde::Serialize;
 use crate::{GpuArgs, fmt_bytes};
 
 /// The text the project ships for perplexity (written for expertkv; no license attached).
-const SHIPPED_TEXT: &str = include_str!("../data/eval.txt");
-const NEEDLE: &str = "The secret number is 7291.";
-const NEEDLE_QUESTION: &str = " The secret number is";
-const NEEDLE_ANSWER: &str = "7291";
+const SHIPPED_TEXT: &str = include_str!("../../data/eval.txt");
 
 #[derive(Args)]
 pub struct EvalArgs {
@@ -56,14 +56,22 @@ pub struct EvalArgs {
     /// --budgets.
     #[arg(long, value_delimiter = ',', conflicts_with = "budgets")]
     bytes: Vec<String>,
-    /// Filler tokens (from the text) between the planted fact and the question; 0 skips the
-    /// needle check.
+    /// Filler tokens (from the text) the retrieval checks plant their facts in; 0 skips them.
     #[arg(long, default_value_t = 64)]
     needle_filler: u32,
-    /// Where the fact sits in the needle's context: the share of the filler placed before it
-    /// (`20%`: a fifth of the filler, then the fact, then the rest and the question).
-    #[arg(long, default_value = "0%")]
+    /// Where a single fact sits, one check each: shares of the filler placed before it
+    /// (`20%`: a fifth of the filler, then the fact, then the rest and the question),
+    /// comma-separated.
+    #[arg(long, default_value = "10%,50%,90%")]
     needle_depth: String,
+    /// Facts planted in one context at evenly spread depths and asked one after another, each
+    /// question after the model's last answer (2 to 5; 0 or 1 skips this check).
+    #[arg(long, default_value_t = 3)]
+    needles: u32,
+    /// The two-turn check: the context ends a first turn that the model answers, and only then
+    /// is the fact (at the middle depth) asked for (`--two-turns false` skips it).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    two_turns: bool,
     /// Page codecs to add, at the full cache and under every evicting scheduler: int8, int4
     /// (with :group=G), fastv-dims (with :keep=D), low-rank or lora (with :rank=R; the basis is
     /// fitted on the text's first 64 tokens, which stay raw until then), comma-separated; with
@@ -139,8 +147,12 @@ struct Row {
     greedy_agreement: f64,
     /// K/V bytes of the pool's pages in use at the end of the text.
     kv_bytes: u64,
+    /// Whether every retrieval check found its facts (`None`: no checks).
     needle_found: Option<bool>,
+    /// The first check's first answer.
     needle_answer: Option<String>,
+    /// Every retrieval check: its case, whether it found its facts, its answers.
+    needles: Vec<retrieval::Found>,
     /// MoEfied: the share of a layer's routing slots its busiest expert took, averaged over the
     /// layers (an even spread is 1 / E).
     busiest_expert: Option<f64>,
@@ -453,23 +465,29 @@ fn score(rt: &Runtime, g: &Gguf<'_>, ids: &[u32], c: &Config, bar: &ProgressBar)
     })
 }
 
-fn needle(rt: &Runtime, g: &Gguf<'_>, prompt: &[u32], tok: &Tokenizer, c: &Config, bar: &ProgressBar) -> Result<String> {
-    let mut m = c.load(rt, g, prompt.len() as u32 + 8)?;
+/// A retrieval case on a fresh model of configuration `c`, fed token by token: each turn's tokens,
+/// then its answer generated greedily (fed back as it is written).
+fn retrieve(rt: &Runtime, g: &Gguf<'_>, case: &retrieval::Case, tok: &Tokenizer, c: &Config, bar: &ProgressBar) -> Result<retrieval::Found> {
+    let mut m = c.load(rt, g, case.tokens() + 1)?;
     let mut logits = Vec::new();
-    for &t in prompt {
-        logits = pollster::block_on(m.forward(rt, &[t]))?;
-        bar.inc(1);
-    }
-    // SmolLM2 writes digits one token each: room for a space and the four digits and a bit.
-    let mut out = Vec::new();
-    for i in 0..6 {
-        let next = argmax(&logits);
-        out.push(next);
-        if i < 5 {
-            logits = pollster::block_on(m.forward(rt, &[next]))?;
+    let mut answers = Vec::new();
+    for (ti, turn) in case.turns.iter().enumerate() {
+        for &t in &turn.feed {
+            logits = pollster::block_on(m.forward(rt, &[t]))?;
+            bar.inc(1);
         }
+        let mut out = Vec::new();
+        for i in 0..turn.generate {
+            let next = argmax(&logits);
+            out.push(next);
+            // The answer's last token is fed too when another turn follows it.
+            if i + 1 < turn.generate || ti + 1 < case.turns.len() {
+                logits = pollster::block_on(m.forward(rt, &[next]))?;
+            }
+        }
+        answers.push(String::from_utf8_lossy(&tok.decode_bytes(&out)?).into_owned());
     }
-    Ok(String::from_utf8_lossy(&tok.decode_bytes(&out)?).into_owned())
+    Ok(retrieval::judge(case, answers))
 }
 
 /// Split `a:k=1,v=2,b,c:x=3` into `a:k=1,v=2`, `b`, `c:x=3`.
@@ -590,36 +608,29 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
             s.layer_budgets(*b, lc.block_count, c.pyramid, MODEL_PAGE_SIZE)?;
         }
     }
-    let depth = match a.needle_depth.trim().strip_suffix('%').map(|p| p.trim().parse::<f64>()) {
-        Some(Ok(f)) if (0.0..=100.0).contains(&f) => f,
-        _ => bail!("--needle-depth: a share of the filler from 0% to 100%, not `{}`", a.needle_depth),
-    };
+    let depths = retrieval::parse_depths(&a.needle_depth)?;
     if a.needle_filler as usize > all.len() {
         bail!("--needle-filler {}: the text has {} tokens of filler", a.needle_filler, all.len());
     }
-    let needle_prompt: Vec<u32> = if a.needle_filler > 0 {
-        let filler = &all[..a.needle_filler as usize];
-        let before = (filler.len() as f64 * depth / 100.0).round() as usize;
-        let mut p = filler[..before].to_vec();
-        p.extend(tok.encode(NEEDLE));
-        p.extend(&filler[before..]);
-        p.extend(tok.encode(NEEDLE_QUESTION));
-        p
+    let checks = if a.needle_filler > 0 {
+        retrieval::cases(&all[..a.needle_filler as usize], &depths, a.needles, a.two_turns, &|s| tok.encode(s))?
     } else {
         Vec::new()
     };
     let rt = gpu.runtime()?;
     if !a.json {
         println!(
-            "adapter: {} ({:?}); model {}; {} text tokens, needle in {} filler tokens at {depth}% depth",
+            "adapter: {} ({:?}); model {}; {} text tokens; retrieval in {} filler tokens: {}",
             rt.info.name,
             rt.info.backend,
             path.display(),
             ids.len(),
-            a.needle_filler
+            a.needle_filler,
+            if checks.is_empty() { "none".to_string() } else { checks.iter().map(|c| c.name.as_str()).collect::<Vec<_>>().join(", ") }
         );
     }
-    let total = configs.len() as u64 * (ids.len() + needle_prompt.len()) as u64;
+    let fed: usize = checks.iter().flat_map(|c| &c.turns).map(|t| t.feed.len()).sum();
+    let total = configs.len() as u64 * (ids.len() + fed) as u64;
     let bar = if a.json { ProgressBar::hidden() } else { ProgressBar::new(total) };
     bar.set_style(ProgressStyle::with_template("eval {bar:40} {pos}/{len} tokens {msg}").unwrap_or_else(|_| ProgressStyle::default_bar()));
     let mut rows = Vec::new();
@@ -635,11 +646,10 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
         let o = score(&rt, &g, &ids, c, &bar).with_context(|| format!("scoring {name}"))?;
         let reference_greedy = reference.get_or_insert_with(|| o.greedy.clone());
         let agree = o.greedy.iter().zip(reference_greedy.iter()).filter(|(x, y)| x == y).count() as f64 / o.greedy.len() as f64;
-        let answer = if needle_prompt.is_empty() {
-            None
-        } else {
-            Some(needle(&rt, &g, &needle_prompt, &tok, c, &bar).with_context(|| format!("needle of {name}"))?)
-        };
+        let needles = checks
+            .iter()
+            .map(|case| retrieve(&rt, &g, case, &tok, c, &bar).with_context(|| format!("retrieval check {} of {name}", case.name)))
+            .collect::<Result<Vec<_>>>()?;
         let row = Row {
             ffn: c.ffn(),
             routing: c.routing(),
@@ -655,8 +665,9 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
             perplexity: o.perplexity,
             greedy_agreement: agree,
             kv_bytes: o.kv_bytes,
-            needle_found: answer.as_ref().map(|s| s.contains(NEEDLE_ANSWER)),
-            needle_answer: answer,
+            needle_found: (!needles.is_empty()).then(|| needles.iter().all(|n| n.found)),
+            needle_answer: needles.first().and_then(|n| n.answers.first()).cloned(),
+            needles,
             busiest_expert: o.busiest_expert,
             expert_hit_rate: o.experts.map(|e| e.0),
             expert_mb_per_token: o.experts.map(|e| e.1),
@@ -688,10 +699,7 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
                 r.perplexity,
                 100.0 * r.greedy_agreement,
                 fmt_bytes(r.kv_bytes),
-                match (&r.needle_found, &r.needle_answer) {
-                    (Some(f), Some(s)) => format!("{} ({s:?})", if *f { "found" } else { "missed" }),
-                    _ => "-".into(),
-                },
+                needles_cell(&r.needles),
                 r.busiest_expert.map_or("-".into(), |b| format!("{:.0}%", 100.0 * b)),
                 r.label_miss_rate.map_or("-".into(), |m| format!("{:.1}%", 100.0 * m)),
                 match (r.expert_hit_rate, r.expert_mb_per_token) {
@@ -736,6 +744,16 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The table's retrieval cell: `5/5 found`, or the count and what each missed check answered.
+fn needles_cell(needles: &[retrieval::Found]) -> String {
+    if needles.is_empty() {
+        return "-".into();
+    }
+    let found = needles.iter().filter(|n| n.found).count();
+    let missed: Vec<String> = needles.iter().filter(|n| !n.found).map(|n| format!("{}: {:?}", n.case, n.answers)).collect();
+    if missed.is_empty() { format!("{found}/{} found", needles.len()) } else { format!("{found}/{} found; missed {}", needles.len(), missed.join("; ")) }
 }
 
 #[cfg(test)]
