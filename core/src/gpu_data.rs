@@ -205,6 +205,22 @@ pub struct GatherParams {
 }
 const _: () = assert!(std::mem::size_of::<GatherParams>() == 16);
 
+/// Must match `TierParams` in `shaders/wgsl/common/recall.wgsl`: the recall tier's shape
+/// (`core/src/evict/recall.rs`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct TierParams {
+    /// Tier slots per page list, a multiple of the page size.
+    pub cap: u32,
+    /// Pages recalled per list and layer.
+    pub pages: u32,
+    /// The attention's partial buffer index the recall pass writes (its last).
+    pub slot: u32,
+    /// Padding to the WGSL struct's 16 bytes; zero.
+    pub _pad0: u32,
+}
+const _: () = assert!(std::mem::size_of::<TierParams>() == 16);
+
 /// Must match `ReleaseParams` in `shaders/wgsl/append/release.wgsl`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]

@@ -69,6 +69,11 @@ pub struct DemoArgs {
     /// adaptive:TARGET or adaptive:TARGET,STEP (TAU follows the kept-attention share) [default: fixed:0].
     #[arg(long)]
     threshold: Option<String>,
+    /// The recall tier under the scheduler: what it evicts is kept (in host memory where the
+    /// device reads it in place) and each list attends its PAGES best evicted pages at every layer
+    /// (0: no tier) [default: 0].
+    #[arg(long, value_name = "PAGES")]
+    recall: Option<u32>,
     /// Page codec: none, int8[:group=G], int4[:group=G], fastv-dims[:keep=R], low-rank[:rank=R],
     /// lora[:rank=R]; needs --scheduler
     /// none [default: none].
@@ -201,6 +206,7 @@ pub struct Overrides<'a> {
     pub pyramid: Option<f32>,
     pub allocator: Option<&'a str>,
     pub threshold: Option<&'a str>,
+    pub recall: Option<u32>,
     pub codec: Option<&'a str>,
     pub dtype: Option<&'a str>,
     pub shard_map: Option<&'a str>,
@@ -259,6 +265,9 @@ impl Overrides<'_> {
         if let Some(t) = self.threshold {
             cfg.threshold = parse_threshold(t)?;
         }
+        if let Some(r) = self.recall {
+            cfg.recall = r;
+        }
         if self.no_reference {
             cfg.reference_attention = false;
         }
@@ -315,6 +324,7 @@ fn build_config(a: &DemoArgs) -> Result<DemoConfig> {
         pyramid: a.pyramid,
         allocator: a.allocator.as_deref(),
         threshold: a.threshold.as_deref(),
+        recall: a.recall,
         codec: a.codec.as_deref(),
         dtype: a.dtype.as_deref(),
         shard_map: a.shard_map.as_deref(),

@@ -72,6 +72,11 @@ pub struct RunArgs {
     /// under budget), adaptive:TARGET or adaptive:TARGET,STEP [default: fixed:0].
     #[arg(long)]
     threshold: Option<String>,
+    /// The recall tier under --scheduler: what it evicts is kept (in host memory where the
+    /// device reads it in place) and each list attends its PAGES best evicted pages at every
+    /// layer [default: off].
+    #[arg(long, value_name = "PAGES")]
+    recall: Option<u32>,
     /// MoEfy the FFNs: E:K splits each layer's neurons into E experts (balanced spherical
     /// k-means of the gate rows) and evaluates only the top K per token, as ranked by the
     /// router (the token against each expert's centroid); E:K:fitted ranks them with a linear
@@ -237,6 +242,7 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
         .pyramid(a.pyramid)
         .threshold(threshold)
         .expert_cache(expert_cache)
+        .recall(a.recall)
         .prefill_chunk(a.prefill_chunk);
     // One budget for the pool and the experts: split before loading, measured after.
     let (opts, mut gpu_mem) = match a.gpu_mem.as_deref() {
@@ -532,6 +538,9 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
             "kv_bytes_in_use": bytes,
             "expert_cache": m.expert_cache().map(expert_cache_json),
             "flexgen": m.kv.flexgen.as_ref().map(|(fg, _)| &fg.stats),
+            "recall": m.kv.recall.as_ref().map(|t| serde_json::json!({
+                "pages": t.cfg.pages, "host_memory": t.host_memory, "host_bytes": t.host_bytes(), "gpu_bytes": t.gpu_bytes(),
+            })),
             "transfers": m.transfer_totals(),
             "expert_reuse": m.expert_reuse().map(|r| serde_json::json!({
                 "references": r.references(),

@@ -187,8 +187,22 @@ fn eval_scores_a_model_per_scheduler() {
     // reports its answers and the row says missed (the cases' layout is unit-tested in
     // eval/retrieval.rs; whether a trained model finds them is BENCHMARKS.md's).
     let out = ok(&[
-        "eval", "--model", model, "--tokens", "8", "--schedulers", "h2o:sinks=2,window=2", "--budgets", "16", "--needle-filler", "24",
-        "--needle-depth", "10%,90%", "--needles", "2", "--json",
+        "eval",
+        "--model",
+        model,
+        "--tokens",
+        "8",
+        "--schedulers",
+        "h2o:sinks=2,window=2",
+        "--budgets",
+        "16",
+        "--needle-filler",
+        "24",
+        "--needle-depth",
+        "10%,90%",
+        "--needles",
+        "2",
+        "--json",
     ]);
     let rows: Vec<serde_json::Value> = out.lines().filter(|l| l.starts_with('{')).map(|l| serde_json::from_str(l).expect("json")).collect();
     assert_eq!(rows.len(), 2, "{out}");
@@ -198,7 +212,8 @@ fn eval_scores_a_model_per_scheduler() {
         let found: Vec<bool> = r["needles"].as_array().expect("needles").iter().map(|n| n["found"].as_bool().expect("found")).collect();
         assert_eq!(r["needle_found"].as_bool(), Some(found.iter().all(|&f| f)), "{r}");
         // One answer a question: the two-needle check asks twice, the two-turn check once.
-        let answers: Vec<usize> = r["needles"].as_array().expect("needles").iter().map(|n| n["answers"].as_array().map_or(0, Vec::len)).collect();
+        let answers: Vec<usize> =
+            r["needles"].as_array().expect("needles").iter().map(|n| n["answers"].as_array().map_or(0, Vec::len)).collect();
         assert_eq!(answers, [1, 1, 2, 1], "{r}");
     }
     for (args, why) in [(&["--needle-depth", "150%"][..], "--needle-depth"), (&["--needles", "9"][..], "--needles 9")] {

@@ -42,6 +42,7 @@ sources! {
     COMMON_HALF => "common/half.wgsl",
     COMMON_QUANT => "common/quant.wgsl",
     COMMON_SCAN => "common/scan.wgsl",
+    COMMON_RECALL => "common/recall.wgsl",
     COMMON_RADIX => "common/radix.wgsl",
     COMMON_REDUCE => "common/reduce.wgsl",
     COMMON_ROUTE => "common/route.wgsl",
@@ -83,12 +84,15 @@ sources! {
     ATTEND_REDUCE => "attend/reduce.wgsl",
     ATTEND_PREFILL => "attend/prefill.wgsl",
     ATTEND_MASS => "attend/mass.wgsl",
+    ATTEND_RECALL => "attend/recall.wgsl",
     EVICT_SCORE => "evict/score.wgsl",
     EVICT_BUDGET => "evict/budget.wgsl",
     EVICT_SELECT => "evict/select.wgsl",
     EVICT_COMPACT => "evict/compact.wgsl",
     EVICT_MOVE => "evict/move.wgsl",
     EVICT_FREE => "evict/free.wgsl",
+    EVICT_CAPTURE => "evict/capture.wgsl",
+    EVICT_CAPTURE_COPY => "evict/capture_copy.wgsl",
     EVICT_EKVA => "evict/ekva.wgsl",
     EVICT_QUEST_SUMMARIZE => "evict/quest_summarize.wgsl",
     EVICT_QUEST_SELECT => "evict/quest_select.wgsl",
@@ -285,6 +289,9 @@ kernels! {
     /// Decode attention, mass pass: add each attended slot's attention to its metadata and record
     /// the access.
     AttendMass => "attend/mass.wgsl" [],
+    /// Decode attention, recall pass: each page list's best pages of its recall tier attended, one
+    /// more partial record per query head for the reduce pass.
+    AttendRecall => "attend/recall.wgsl" [],
     /// Evict, pass 1: every cached slot's utility key under the configured policy.
     EvictScore => "evict/score.wgsl" [],
     /// Evict, pass 2: each page list's token budget (AdaKV and Duo share it out over the heads).
@@ -299,6 +306,11 @@ kernels! {
     EvictMoveCross => "evict/move.wgsl" # "cross" [],
     /// Evict, pass 6: push the pages compaction emptied onto the free stack.
     EvictFree => "evict/free.wgsl" [],
+    /// Evict, capture into the recall tier (before compaction): each victim's tier slot, list by list.
+    EvictCapture => "evict/capture.wgsl" # "plan" [],
+    /// Evict, capture into the recall tier: copy the planned victims' K, V and positions, once per
+    /// pool buffer.
+    EvictCaptureCopy => "evict/capture_copy.wgsl" # "copy" [],
     /// EKVA allocator: tokens and attention-mass share of each expert group of each page list.
     EvictEkvaExperts => "evict/ekva.wgsl" # "experts" [],
     /// EKVA allocator: update each expert's importance, a moving average of routing and mass shares.

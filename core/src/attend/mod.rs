@@ -80,6 +80,10 @@ pub struct AttendOptions {
     /// is read, so the flag's barrier publishes them (one barrier per tile fewer; written again
     /// after a rescale); false: written after the rescale, behind a barrier of their own.
     pub tile_early_probs: bool,
+    /// One more partial buffer after the pool's, which the recall pass writes between the split
+    /// and the reduce passes ([`crate::evict::recall::RecallTier::encode_recall`]; the reduce
+    /// merges what it holds, empty records until it runs).
+    pub recall: bool,
 }
 
 impl Default for AttendOptions {
@@ -99,6 +103,7 @@ impl Default for AttendOptions {
             tile_subnormal_codes: true,
             tile_signed_high_nibbles: true,
             tile_early_probs: true,
+            recall: false,
         }
     }
 }
@@ -549,7 +554,7 @@ impl Attention {
             None
         };
         let raw_fused = quant_tile.is_some_and(|t| t.raw);
-        let n_buffers = if raw_fused { 1 } else { pool.n_buffers() as u32 + u32::from(has_codec) };
+        let n_buffers = if raw_fused { 1 } else { pool.n_buffers() as u32 + u32::from(has_codec) } + u32::from(opts.recall);
         let max_tokens = cfg.max_pages_per_seq() * cfg.page_size;
         let split = match variant {
             SplitVariant::Tiled => rt.pipeline(Kernel::AttendSplitTiled, &[]).await?,
@@ -974,6 +979,19 @@ impl Attention {
         Ok(())
     }
 
+    /// The partial buffer index the recall pass writes ([`AttendOptions::recall`]): after the raw
+    /// pool buffers', before the compressed pages' (whose kernels write the last).
+    pub fn recall_slot(&self) -> Option<u32> {
+        let codec = self.codec_kernel.is_some() || self.codec_split.is_some();
+        self.opts.recall.then(|| self.n_buffers - 1 - u32::from(codec))
+    }
+
+    /// The uniform every pass of the next call reads its layer, step and shape from (the recall
+    /// pass binds it too).
+    pub fn params_buffer(&self) -> &wgpu::Buffer {
+        &self.params
+    }
+
     /// The output buffer, `[seq][q_head][head_dim]` f32, which later kernels may read directly.
     pub fn output(&self) -> &wgpu::Buffer {
         &self.out
@@ -1050,6 +1068,20 @@ impl Attention {
         self.encode_split(pass);
         self.encode_reduce(pass);
         self.encode_mass(pass);
+    }
+
+    /// [`Attention::encode`] with `between` recorded after the split passes and before the
+    /// reduce: the recall pass, which writes the partial records of [`Attention::recall_slot`].
+    pub fn encode_with(
+        &self,
+        pass: &mut wgpu::ComputePass<'_>,
+        between: impl FnOnce(&mut wgpu::ComputePass<'_>) -> Result<()>,
+    ) -> Result<()> {
+        self.encode_split(pass);
+        between(pass)?;
+        self.encode_reduce(pass);
+        self.encode_mass(pass);
+        Ok(())
     }
 
     /// Encode the reduce pass alone: the split pass's partials merged into `out` and the final

@@ -5,6 +5,7 @@
 pub mod config;
 pub mod flexgen;
 pub mod quest;
+pub mod recall;
 
 use expertkv_shaders::Kernel;
 
@@ -54,6 +55,7 @@ pub struct AllocatorSpec<'a> {
 enum Work<'a> {
     Direct(&'a wgpu::ComputePipeline, &'a wgpu::BindGroup, [u32; 2]),
     Thaw(&'a Thaw),
+    Capture(&'a recall::Capture),
 }
 
 /// One eviction stage's dispatches.
@@ -68,6 +70,7 @@ fn dispatch_all(pass: &mut wgpu::ComputePass<'_>, dispatches: &Dispatches<'_>) {
                 pass.dispatch_counted(x, y, 1);
             }
             Work::Thaw(t) => t.encode(pass),
+            Work::Capture(c) => c.encode(pass),
         }
     }
 }
@@ -107,6 +110,9 @@ pub struct Scheduler {
     free: (wgpu::ComputePipeline, wgpu::BindGroup),
     /// With a page codec: the compressed pages compaction touches, decoded first.
     thaw: Option<Thaw>,
+    /// With a recall tier: every victim captured into it before compaction
+    /// ([`Scheduler::capture_into`]).
+    capture: Option<recall::Capture>,
     /// The EKVA allocator, when the scheduler was built with one.
     pub ekva: Option<Ekva>,
     n_lists: u32,
@@ -393,6 +399,7 @@ impl Scheduler {
             moves,
             free: (free_p, free_bg),
             thaw,
+            capture: None,
             ekva,
             n_lists,
             n_keys,
@@ -474,6 +481,9 @@ impl Scheduler {
         if let Some(t) = &self.thaw {
             out.push(("thaw", vec![Work::Thaw(t)]));
         }
+        if let Some(c) = &self.capture {
+            out.push(("capture", vec![Work::Capture(c)]));
+        }
         out.push(("compact", vec![Work::Direct(&self.compact.0, &self.compact.1, split_workgroups(self.n_keys))]));
         let (mx, my) = grid(self.max_moves);
         out.push(("move", self.moves.iter().map(|(p, bg)| Work::Direct(p, bg, [mx, my])).collect()));
@@ -482,7 +492,15 @@ impl Scheduler {
     }
 
     /// Stages [`Scheduler::encode_timed`] times at most.
-    pub const TIMED_STAGES: u32 = 8;
+    pub const TIMED_STAGES: u32 = 9;
+
+    /// Capture every victim into `tier` from now on (after select and a codec's thaw, before
+    /// compaction), so that an eviction loses nothing ([`recall`]).
+    pub async fn capture_into(&mut self, rt: &Runtime, pool: &KvPool, tier: &recall::RecallTier) -> Result<()> {
+        rt.check_owner(self.owner, "this scheduler")?;
+        self.capture = Some(tier.capture(rt, pool, &self._buffers[0]).await?);
+        Ok(())
+    }
 
     /// With a page codec: the compressed pages thawed (and the rings whose eviction was deferred
     /// for want of raw pages) by the last eviction and by all so far; `None` without a codec.

@@ -60,6 +60,10 @@ pub struct DemoConfig {
     pub calibration: u32,
     /// Low-rank codecs: subspace iterations of the fit.
     pub basis_iters: u32,
+    /// Pages of each list's recall tier attended at every layer (0: no tier): what the evicting
+    /// scheduler removes is kept (in host memory where the device reads it in place) and each
+    /// list's best evicted pages join its attention ([`crate::evict::recall`]).
+    pub recall: u32,
 }
 
 impl Default for DemoConfig {
@@ -85,6 +89,7 @@ impl Default for DemoConfig {
             codec: Codec::None,
             calibration: 256,
             basis_iters: crate::compress::DEFAULT_BASIS_ITERS,
+            recall: 0,
         }
     }
 }

@@ -9,8 +9,10 @@ use crate::append::KvPool;
 use crate::error::{Error, Result};
 use crate::evict::Scheduler;
 use crate::evict::quest::Quest;
+use crate::evict::recall::RecallTier;
 use crate::gpu_data::{ListState, meta};
 use crate::reference::PoolModel;
+use crate::reference::recall::{TierModel, attend_with_recall, choose};
 use crate::runtime::Runtime;
 
 /// What the CPU reference check found ([`Pipeline::verify`] returns an error instead where the
@@ -218,6 +220,51 @@ impl Pipeline {
         Ok(())
     }
 
+    /// The recall tier's part of the lockstep: every list's recalled pages those whose true
+    /// scores are the highest in the reference's tier (up to pages within a few f32 roundings of
+    /// each other, whose order the GPU's sums may swap), and the scores the GPU kept for them
+    /// within that. Returns each list's recalled pages (the GPU's choice).
+    async fn check_recall(
+        &self,
+        rt: &Runtime,
+        t: &RecallTier,
+        model: &PoolModel,
+        tier: &TierModel,
+        layer: u32,
+        q: &[f32],
+    ) -> Result<Vec<Vec<u32>>> {
+        let c = &self.kv.pool.cfg;
+        let (d, group, step) = (c.head_dim as usize, self.kv.attn.opts.group, self.step);
+        let scale = f64::from(self.kv.attn.scale());
+        let sel = t.read_selection(rt).await?;
+        let mut out = vec![Vec::new(); c.n_lists() as usize];
+        for seq in 0..self.kv.attn.opts.n_seqs {
+            for h in 0..c.kv_heads {
+                let li = model.list_index(layer, seq, h);
+                let heads: Vec<&[f32]> = (0..group).map(|g| &q[((seq * c.kv_heads + h) * group + g) as usize * d..][..d]).collect();
+                let scores = tier.page_scores(c, li, &heads, scale);
+                let want = choose(&scores, t.cfg.pages as usize);
+                let (pages, got_scores) = &sel[li as usize];
+                let got: Vec<u32> = pages.iter().copied().filter(|&p| p != u32::MAX).collect();
+                if got.len() != want.len() {
+                    return Err(verify_err(format!("step {step}, layer {layer}: list {li} recalled {got:?}, the reference {want:?}")));
+                }
+                for (r, (&g, &w)) in got.iter().zip(&want).enumerate() {
+                    let (sg, sw) = (scores[g as usize], scores[w as usize]);
+                    let tie = 1e-4 * (1.0 + sw.abs());
+                    if (g != w && (sg - sw).abs() > tie) || (f64::from(got_scores[r]) - sg).abs() > tie {
+                        return Err(verify_err(format!(
+                            "step {step}, layer {layer}: list {li} recalled page {g} (score {}, reference {sg}), the reference page {w} ({sw})",
+                            got_scores[r]
+                        )));
+                    }
+                }
+                out[li as usize] = got;
+            }
+        }
+        Ok(out)
+    }
+
     /// The CPU lockstep's check of one layer's attention, right after it ran: every output
     /// within its tolerance of the f64 reference over the same pages (QUEST: the GPU's
     /// selection), and the slot metadata equal to the reference's everywhere, with the masses
@@ -241,8 +288,23 @@ impl Pipeline {
         if let (Some(qs), Some((sel, counts))) = (&self.kv.quest, &selection) {
             self.check_quest(rt, qs, model, layer, q, sel, counts).await?;
         }
-        let reference = self.kv.attn.cpu_reference(model, layer, q, pages);
-        let tol = self.kv.attn.output_tolerance(model, layer, q, pages, &reference.out);
+        let (reference, tol) = match (&self.kv.recall, &model.tier) {
+            (Some(t), Some(tier)) => {
+                let recalled = self.check_recall(rt, t, model, tier, layer, q).await?;
+                let group = self.kv.attn.opts.group;
+                let r =
+                    attend_with_recall(model, tier, layer, self.kv.attn.opts.n_seqs, q, group, f64::from(self.kv.attn.scale()), &|li| {
+                        recalled[li as usize].clone()
+                    });
+                let tol = r.out.iter().map(|w| ATTENTION_ATOL + ATTENTION_RTOL * w.abs()).collect();
+                (r, tol)
+            }
+            _ => {
+                let r = self.kv.attn.cpu_reference(model, layer, q, pages);
+                let tol = self.kv.attn.output_tolerance(model, layer, q, pages, &r.out);
+                (r, tol)
+            }
+        };
         let step = self.step;
         for (i, ((g, w), t)) in out.iter().zip(&reference.out).zip(&tol).enumerate() {
             let err = (f64::from(*g) - w).abs();
@@ -301,6 +363,13 @@ impl Pipeline {
             return Ok(None);
         };
         compare_pool(rt, &self.kv.pool, model).await?;
+        if let (Some(t), Some(tier)) = (&self.kv.recall, &model.tier) {
+            let (kv, pos) = t.read_tier(rt).await?;
+            let counts = t.read_counts(rt).await?;
+            if counts != tier.count || pos != tier.pos || kv != tier.kv {
+                return Err(verify_err("the GPU's recall tier differs from the CPU reference's".into()));
+            }
+        }
         let layer = self.kv.pool.cfg.layers - 1;
         let tokens_checked = (0..self.cfg.workload.n_seqs).map(|s| model.tokens(layer, s, 0).len() as u64).sum();
         let c = self.checked;

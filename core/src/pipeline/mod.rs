@@ -24,7 +24,9 @@ use crate::attend::{AttendOptions, Attention};
 use crate::config::{Codec, KvDtype};
 use crate::error::{Error, Result};
 use crate::evict::config::SchedulerConfig;
+use crate::evict::recall::RecallConfig;
 use crate::reference::append::decode_words;
+use crate::reference::recall::TierModel;
 use crate::route::Router;
 use crate::runtime::Runtime;
 use crate::step::{KvSide, KvSideConfig, RouteSpec, StepTimer, Timing};
@@ -103,6 +105,13 @@ impl Pipeline {
         if cfg.verify && matches!(cfg.scheduler, Some(SchedulerConfig::FlexGen)) {
             return Err(Error::config("verify", true, "FlexGen moves pages through the host; run it with --no-verify"));
         }
+        if cfg.verify && cfg.recall > 0 && cfg.codec != Codec::None {
+            return Err(Error::config(
+                "verify",
+                true,
+                "the CPU lockstep checks the recall tier over raw pages; run a codec with recall with --no-verify",
+            ));
+        }
         let pool_cfg = cfg.pool_config();
         let workload = Workload::new(cfg.workload.clone())?;
         let w = &cfg.workload;
@@ -149,6 +158,7 @@ impl Pipeline {
                 max_tokens: positions * w.n_seqs,
                 ema: cfg.route_ema,
             }),
+            recall: (cfg.recall > 0).then(|| RecallConfig { pages: cfg.recall, tokens: w.prompt_len + cfg.steps }),
         };
         let kv = KvSide::new(rt, &kv_cfg).await?;
         let reference = match reference_pool {
@@ -166,7 +176,11 @@ impl Pipeline {
         kv.attn.run(rt, 0, 0)?;
         rt.wait()?;
         let timer = StepTimer::new(rt, timed_passes(w.layers), Timing::Passes);
-        let model = cfg.verify.then(|| PoolModel::new(&pool_cfg));
+        let model = cfg.verify.then(|| {
+            let mut m = PoolModel::new(&pool_cfg);
+            m.tier = kv.recall.as_ref().map(|t| TierModel::new(&pool_cfg, t.cap));
+            m
+        });
         // The first prefill batch is the calibration window (it holds at most `calibration`
         // positions).
         let calibration_window = positions.min(w.prompt_len).max(1);

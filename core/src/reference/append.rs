@@ -33,6 +33,8 @@ pub struct PoolModel {
     pub codec_basis: Vec<f32>,
     /// Compressed pages thawed under eviction (see [`PoolModel::thaw`]).
     pub thaw: crate::compress::ThawCounts,
+    /// The recall tier every eviction's victims go to, when the pool has one.
+    pub tier: Option<super::recall::TierModel>,
 }
 
 impl PoolModel {
@@ -55,6 +57,7 @@ impl PoolModel {
             codec_free: (cfg.n_pages..cfg.n_ids()).rev().collect(),
             codec_basis: Vec::new(),
             thaw: Default::default(),
+            tier: None,
         }
     }
 

@@ -435,6 +435,11 @@ impl PoolModel {
         }
         // Compressed pages compaction touches are decoded into raw pages first.
         self.thaw(&mut victim);
+        // Every victim goes to the recall tier before compaction moves the survivors.
+        if let Some(mut tier) = self.tier.take() {
+            tier.capture(self, &victim);
+            self.tier = Some(tier);
+        }
         // Compaction per ring, then free in key order.
         let r = cfg.ring_capacity;
         let vw = cfg.vec_words() as usize;

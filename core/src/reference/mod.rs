@@ -8,6 +8,7 @@ pub mod attend;
 pub mod compress;
 pub mod evict;
 pub mod quest;
+pub mod recall;
 pub mod route;
 
 pub use append::PoolModel;

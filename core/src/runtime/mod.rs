@@ -691,6 +691,22 @@ impl Runtime {
         })
     }
 
+    /// A storage buffer of `size` bytes that kernels read and write in place in host memory,
+    /// where the device allows it (`MAPPABLE_PRIMARY_BUFFERS`, native: a read-mappable buffer,
+    /// which Vulkan places in host memory), else in device memory; the flag says which. For data
+    /// the GPU touches a small part of each step (the recall tier), so it costs no device memory.
+    pub fn host_storage(&self, label: &str, size: u64) -> (wgpu::Buffer, bool) {
+        let host = self.device.features().contains(wgpu::Features::MAPPABLE_PRIMARY_BUFFERS);
+        let map = if host { wgpu::BufferUsages::MAP_READ } else { wgpu::BufferUsages::empty() };
+        let buf = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(label),
+            size: storage_size(size),
+            usage: map | wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        });
+        (buf, host)
+    }
+
     /// The arguments of an indirect dispatch (x, y, z), written by a kernel as storage.
     pub fn indirect_args(&self, label: &str) -> wgpu::Buffer {
         self.device.create_buffer(&wgpu::BufferDescriptor {

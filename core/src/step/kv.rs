@@ -10,6 +10,7 @@ use crate::error::{Error, Result};
 use crate::evict::config::{EkvaConfig, SchedulerConfig, Threshold};
 use crate::evict::flexgen::{FlexGen, PageFetch};
 use crate::evict::quest::Quest;
+use crate::evict::recall::{RecallConfig, RecallTier};
 use crate::evict::{AllocatorSpec, Scheduler};
 use crate::route::config::RouterConfig;
 use crate::route::{RouteShape, Router};
@@ -37,6 +38,9 @@ pub struct KvSideConfig {
     pub chunk_pages: u32,
     /// The route stage: every layer's new tokens routed to experts before their append.
     pub route: Option<RouteSpec>,
+    /// The recall tier under an evicting scheduler: every victim kept, each list's best evicted
+    /// pages attended at every layer ([`crate::evict::recall`]).
+    pub recall: Option<RecallConfig>,
 }
 
 /// The route stage's router ([`KvSideConfig::route`]).
@@ -78,6 +82,16 @@ impl KvSideConfig {
                 self.policy.as_ref().map_or("none", |(s, _)| s.name()),
                 "shapes an evicting scheduler's budget: give one (h2o, streaming-llm, lru, lru-plus, adakv, duo, fastv-tokens)",
             ));
+        }
+        if let Some(r) = &self.recall {
+            if evicting.is_none() {
+                return Err(Error::config(
+                    "recall",
+                    r.pages,
+                    "recalls what an evicting scheduler removes: give one (h2o, streaming-llm, lru, lru-plus, adakv, duo, fastv-tokens)",
+                ));
+            }
+            r.validate(self.pool.page_size, self.group)?;
         }
         if let Some(a) = &self.allocator {
             a.validate()?;
@@ -138,6 +152,8 @@ pub struct KvSide {
     pub quest: Option<Quest>,
     /// FlexGen's host tier, with the QUEST page bounds it scores host pages by.
     pub flexgen: Option<(FlexGen, Quest)>,
+    /// The recall tier: the scheduler's victims, and each list's best of them attended.
+    pub recall: Option<RecallTier>,
 }
 
 impl KvSide {
@@ -161,6 +177,7 @@ impl KvSide {
             // The attention mass feeds the evicting and placing policies (utilities, the host
             // tier's coldest pages); the whole cache and QUEST do without it.
             mass: cfg.policy.as_ref().is_some_and(|(s, _)| s.evicts()),
+            recall: cfg.recall.is_some(),
             ..Default::default()
         };
         let (mut attn, mut quest, mut flexgen, mut scheduler) = (None, None, None, None);
@@ -188,7 +205,16 @@ impl KvSide {
             Some(a) => a,
             None => Attention::new(rt, &pool, attend_opts).await?,
         };
-        Ok(KvSide { pool, attn, route, scheduler, quest, flexgen })
+        let recall = match (cfg.recall, &mut scheduler) {
+            (Some(rc), Some(s)) => {
+                let mut tier = RecallTier::new(rt, &pool, rc, cfg.group).await?;
+                s.capture_into(rt, &pool, &tier).await?;
+                tier.bind_attention(rt, &pool, &attn).await?;
+                Some(tier)
+            }
+            _ => None,
+        };
+        Ok(KvSide { pool, attn, route, scheduler, quest, flexgen, recall })
     }
 
     /// Stage a run of the stages (before it is recorded): the append of `tokens` (`[layer][token]`,
@@ -243,6 +269,24 @@ impl KvSide {
             return Ok(true);
         }
         Ok(false)
+    }
+
+    /// Release sequence `seq`: its pages back to the pool's free stacks and its recall tier
+    /// emptied (a host tier's pages are the caller's: FlexGen keeps its own).
+    pub fn release_sequence(&self, rt: &Runtime, seq: u32) -> Result<()> {
+        self.pool.release_sequence(rt, seq)?;
+        if let Some(t) = &self.recall {
+            t.release_sequence(rt, &self.pool, seq);
+        }
+        Ok(())
+    }
+
+    /// Bytes the K/V side holds in device memory besides the pool: QUEST's page bounds and lists
+    /// (under QUEST or FlexGen), the recall tier's counters (and the tier itself where the device
+    /// cannot read host memory in place).
+    pub fn side_bytes_allocated(&self) -> u64 {
+        let quest = self.quest.as_ref().or(self.flexgen.as_ref().map(|(_, q)| q)).map_or(0, Quest::bytes_allocated);
+        quest + self.recall.as_ref().map_or(0, RecallTier::gpu_bytes)
     }
 
     /// FlexGen, before layer `layer`'s page lists are gathered (its tokens appended, its queries

@@ -5,8 +5,9 @@
 //! Per layer: the source writes the layer's inputs (queries, K/V words, router logits), then
 //! route (`route/`), append (`append/`), compress (`compress/`), gather and attend (`attend/`,
 //! with QUEST's selection from `evict/quest`), then the source's output (a model's FFN). After
-//! the last layer: the source's end (a model's head), evict (`evict/`) and the experts' miss
-//! recount (`route/miss`). Where the host must act mid-step (the CPU lockstep, FlexGen's host
+//! the last layer: the source's end (a model's head), evict (`evict/`, the victims captured into
+//! the recall tier where one is kept) and the experts' miss recount (`route/miss`); with the recall
+//! tier, each layer's attention also reads its lists' best evicted pages (`attend/recall`). Where the host must act mid-step (the CPU lockstep, FlexGen's host
 //! tier, an expert cache), the recording is cut into segments ([`record::Recorder::cut`]);
 //! otherwise a step is one submission.
 
@@ -158,8 +159,8 @@ pub fn record<P: From<KvPause>, S: Source<P>>(kv: &KvSide, src: &S, rec: &mut Re
                             q.encode_summarize(p);
                             q.encode_select(p, l)?;
                         }
-                        kv.attn.encode(p);
-                        Ok(())
+                        // The recall tier's best pages join the softmax before the reduce.
+                        kv.attn.encode_with(p, |p| kv.recall.as_ref().map_or(Ok(()), |r| r.encode_recall(p)))
                     })?
                 }
             }

@@ -17,7 +17,6 @@ use crate::{Error, Result};
 use crate::{config::LlamaConfig, gguf::Gguf};
 use expertkv_core::append::format::NewToken;
 use expertkv_core::config::KvDtype;
-use expertkv_core::evict::quest::Quest;
 use expertkv_core::gpu_data::ExpertStats;
 use expertkv_core::pipeline::{ReportParts, StepReport};
 use expertkv_core::route::config::RouterConfig;
@@ -890,9 +889,7 @@ impl GpuLlama {
     /// page bounds and lists where QUEST or FlexGen selects pages ([`Quest::bytes_allocated`]):
     /// what [`ModelOptions::kv_bytes`] predicts.
     pub fn kv_bytes_allocated(&self) -> u64 {
-        let kv = &self.kv;
-        let quest = kv.quest.as_ref().or(kv.flexgen.as_ref().map(|(_, q)| q)).map_or(0, Quest::bytes_allocated);
-        kv.pool.pool_bytes_allocated() + quest
+        self.kv.pool.pool_bytes_allocated() + self.kv.side_bytes_allocated()
     }
 
     /// Bytes a MoE file's experts take on the GPU ([`MoeFfn::gpu_bytes`] of every layer: every
@@ -1044,7 +1041,7 @@ impl GpuLlama {
         if seq >= self.n_seqs {
             return Err(Error::Input(format!("sequence {seq}: the model decodes {} sequences", self.n_seqs)));
         }
-        self.kv.pool.release_sequence(rt, seq)?;
+        self.kv.release_sequence(rt, seq)?;
         if let Some((fg, _)) = &mut self.kv.flexgen {
             fg.release_sequence(&self.kv.pool.cfg, seq);
         }

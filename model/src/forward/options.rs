@@ -10,6 +10,7 @@ use crate::{Error, Result, config::LlamaConfig};
 use expertkv_core::config::{Codec, KvDtype, PoolConfig, ShardMap};
 use expertkv_core::evict::config::{SchedulerConfig, Threshold};
 use expertkv_core::evict::quest::Quest;
+use expertkv_core::evict::recall::RecallConfig;
 use expertkv_core::step::KvSideConfig;
 
 /// How [`GpuLlama::load`] sets the model's K/V pool up.
@@ -39,6 +40,11 @@ pub struct ModelOptions {
     /// A MoE file's experts in tiers: this many GPU slots per layer, the rest in host memory
     /// (see [`crate::experts`]); `None` uploads every expert.
     pub experts: Option<ExpertCacheConfig>,
+    /// The recall tier under an evicting scheduler: what it evicts is kept (in host memory where
+    /// the device reads it in place, up to `max_context` tokens a list) and each list attends
+    /// this many of its best evicted pages at every layer ([`expertkv_core::evict::recall`]);
+    /// `None`: evicted tokens are gone.
+    pub recall: Option<u32>,
     /// Prompt tokens one [`GpuLlama::prefill`] pass takes at most (1 to [`MAX_PREFILL_CHUNK`];
     /// [`PREFILL_CHUNK`] by default): larger chunks make fewer, larger products, smaller ones
     /// hold less scratch memory (llama.cpp's micro-batch). Fixed at load.
@@ -58,6 +64,7 @@ impl ModelOptions {
             pyramid: None,
             threshold: Threshold::default(),
             experts: None,
+            recall: None,
             prefill_chunk: PREFILL_CHUNK,
         }
     }
@@ -90,6 +97,7 @@ impl ModelOptions {
             group: cfg.head_count / cfg.head_count_kv.max(1),
             chunk_pages: 8,
             route: self.routing.as_ref().map(|r| r.route_spec(self.n_seqs)),
+            recall: self.recall.map(|pages| RecallConfig { pages, tokens: self.max_context }),
         }
     }
 
@@ -140,6 +148,12 @@ impl ModelOptions {
     /// evicting scheduler).
     pub fn pyramid(self, pyramid: Option<f32>) -> Self {
         ModelOptions { pyramid, ..self }
+    }
+
+    /// The same options with the recall tier attending `recall` pages a list and layer (`None`:
+    /// no tier).
+    pub fn recall(self, recall: Option<u32>) -> Self {
+        ModelOptions { recall, ..self }
     }
 
     /// The same options with prompts prefilled `prefill_chunk` tokens a pass.

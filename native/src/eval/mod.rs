@@ -72,6 +72,11 @@ pub struct EvalArgs {
     /// is the fact (at the middle depth) asked for (`--two-turns false` skips it).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     two_turns: bool,
+    /// The recall tier under every evicting scheduler, crossed: pages of each list's best
+    /// evicted tokens attended at every layer (what the scheduler evicts kept in host memory
+    /// where the device reads it in place), comma-separated; 0: no tier [default: 0].
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    recall: Vec<u32>,
     /// Page codecs to add, at the full cache and under every evicting scheduler: int8, int4
     /// (with :group=G), fastv-dims (with :keep=D), low-rank or lora (with :rank=R; the basis is
     /// fitted on the text's first 64 tokens, which stay raw until then), comma-separated; with
@@ -137,6 +142,11 @@ struct Row {
     /// The page codec (`none`: f16 pages).
     codec: String,
     scheduler: String,
+    /// Pages of the recall tier each list attends at every layer (`None`: no tier).
+    recall: Option<u32>,
+    /// Bytes of host memory the recall tier held at the end of the text (0: none, or in device
+    /// memory).
+    recall_host_bytes: u64,
     /// Tokens kept per (layer, KV head).
     budget: Option<u32>,
     /// The budget as given: tokens, or a share of the context (`25%`).
@@ -176,6 +186,8 @@ fn nll(logits: &[f32], target: u32) -> f64 {
 
 struct Outcome {
     perplexity: f64,
+    /// Host bytes the recall tier holds.
+    recall_host_bytes: u64,
     greedy: Vec<u32>,
     kv_bytes: u64,
     busiest_expert: Option<f64>,
@@ -209,6 +221,8 @@ struct Config {
     threshold: Threshold,
     /// A MoE file's experts in a GPU cache (not with `router`).
     experts: Option<ExpertCacheConfig>,
+    /// The recall tier's pages attended a list and layer, under an evicting `sched`.
+    recall: Option<u32>,
 }
 
 impl Config {
@@ -256,7 +270,8 @@ impl Config {
                 .routing(self.routing.clone())
                 .pyramid(self.sched.as_ref().and(self.pyramid))
                 .threshold(if self.sched.is_some() { self.threshold } else { Threshold::default() })
-                .expert_cache(self.experts.filter(|_| self.router.is_none())),
+                .expert_cache(self.experts.filter(|_| self.router.is_none()))
+                .recall(self.recall),
         ))?;
         if let Some(moe) = &self.moe {
             m.set_moe(rt, g, moe)?;
@@ -280,6 +295,8 @@ struct Policies {
     /// --bytes: shares of the full cache's pages.
     bytes: Vec<f64>,
     codecs: Vec<Codec>,
+    /// The recall tier's pages (`None`: without), crossed with the evicting schedulers.
+    recalls: Vec<Option<u32>>,
 }
 
 impl Policies {
@@ -300,7 +317,12 @@ impl Policies {
         }
         let codecs =
             split_specs(&a.codecs).iter().filter(|s| s.as_str() != "none").map(|s| Codec::parse(s)).collect::<Result<Vec<_>, _>>()?;
-        Ok(Policies { scheds, budgets, bytes, codecs })
+        let mut recalls: Vec<Option<u32>> = a.recall.iter().map(|&r| (r > 0).then_some(r)).collect();
+        recalls.dedup();
+        if recalls.is_empty() {
+            recalls.push(None);
+        }
+        Ok(Policies { scheds, budgets, bytes, codecs, recalls })
     }
 
     /// `src` under every policy; where it routes, every route variant under every scheduler
@@ -320,12 +342,20 @@ impl Policies {
                     None => vec![None],
                     Some(v) => v.iter().filter(|r| r.allocator.is_none() || evicting).cloned().map(Some).collect(),
                 };
-                for routing in variants {
+                let recalls: Vec<Option<u32>> = if evicting { self.recalls.clone() } else { vec![None] };
+                for (routing, recall) in variants.iter().flat_map(|v| recalls.iter().map(move |r| (v.clone(), *r))) {
                     if self.bytes.is_empty() {
                         for &budget in &self.budgets {
                             let b = budget.tokens(tokens);
                             let sc = SchedulerConfig::parse_for_budget(spec, b)?;
-                            out.push(Config { sched: Some((sc, b)), budget: Some(budget), routing: routing.clone(), codec, ..src.clone() });
+                            out.push(Config {
+                                sched: Some((sc, b)),
+                                budget: Some(budget),
+                                routing: routing.clone(),
+                                codec,
+                                recall,
+                                ..src.clone()
+                            });
                         }
                     }
                     for &share in &self.bytes {
@@ -334,7 +364,15 @@ impl Policies {
                         let sc = SchedulerConfig::parse_for_budget(spec, b)?;
                         sc.validate(b)?;
                         let (budget, bytes_share) = (Some(Budget::Tokens(b)), Some(Budget::Share(share)));
-                        out.push(Config { sched: Some((sc, b)), budget, bytes_share, routing: routing.clone(), codec, ..src.clone() });
+                        out.push(Config {
+                            sched: Some((sc, b)),
+                            budget,
+                            bytes_share,
+                            routing: routing.clone(),
+                            codec,
+                            recall,
+                            ..src.clone()
+                        });
                     }
                 }
             }
@@ -455,6 +493,7 @@ fn score(rt: &Runtime, g: &Gguf<'_>, ids: &[u32], c: &Config, bar: &ProgressBar)
     let label_agreement = (of > 0).then(|| same as f64 / of as f64);
     let experts = m.expert_cache().map(|c| (c.total.hit_rate(), c.total.bytes as f64 / 1e6 / ids.len().max(1) as f64));
     Ok(Outcome {
+        recall_host_bytes: m.kv.recall.as_ref().map_or(0, |t| t.host_bytes()),
         perplexity: (total / (ids.len() - 1) as f64).exp(),
         greedy,
         kv_bytes,
@@ -467,7 +506,14 @@ fn score(rt: &Runtime, g: &Gguf<'_>, ids: &[u32], c: &Config, bar: &ProgressBar)
 
 /// A retrieval case on a fresh model of configuration `c`, fed token by token: each turn's tokens,
 /// then its answer generated greedily (fed back as it is written).
-fn retrieve(rt: &Runtime, g: &Gguf<'_>, case: &retrieval::Case, tok: &Tokenizer, c: &Config, bar: &ProgressBar) -> Result<retrieval::Found> {
+fn retrieve(
+    rt: &Runtime,
+    g: &Gguf<'_>,
+    case: &retrieval::Case,
+    tok: &Tokenizer,
+    c: &Config,
+    bar: &ProgressBar,
+) -> Result<retrieval::Found> {
     let mut m = c.load(rt, g, case.tokens() + 1)?;
     let mut logits = Vec::new();
     let mut answers = Vec::new();
@@ -539,6 +585,7 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
         pyramid: a.pyramid,
         threshold: a.threshold.as_deref().map_or(Ok(Threshold::default()), crate::demo::parse_threshold)?,
         experts: a.experts.config(&lc)?,
+        recall: None,
     };
     let policies = Policies::parse(a, ids.len() as u32)?;
     if !policies.codecs.is_empty() && policies.scheds.iter().any(|s| SchedulerConfig::parse(s).is_ok_and(|s| !s.uses_evict_kernels())) {
@@ -659,6 +706,8 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
             label_agreement: o.label_agreement,
             codec: c.codec.spec(),
             scheduler: c.sched.as_ref().map_or("none".into(), |(s, _)| s.name().to_string()),
+            recall: c.recall,
+            recall_host_bytes: o.recall_host_bytes,
             budget: c.sched.as_ref().map(|(_, b)| *b),
             budget_spec: c.budget.map(|b| b.to_string()),
             tokens: ids.len(),
@@ -689,7 +738,10 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
                 r.ffn,
                 r.routing,
                 r.codec,
-                r.scheduler,
+                match r.recall {
+                    Some(p) => format!("{}, recall {p}", r.scheduler),
+                    None => r.scheduler.clone(),
+                },
                 match (r.budget, &r.budget_spec, &r.bytes_share) {
                     (Some(b), _, Some(share)) => format!("{b} ({share} of the bytes)"),
                     (Some(b), Some(spec), _) if *spec != b.to_string() => format!("{spec} ({b})"),
@@ -753,7 +805,11 @@ fn needles_cell(needles: &[retrieval::Found]) -> String {
     }
     let found = needles.iter().filter(|n| n.found).count();
     let missed: Vec<String> = needles.iter().filter(|n| !n.found).map(|n| format!("{}: {:?}", n.case, n.answers)).collect();
-    if missed.is_empty() { format!("{found}/{} found", needles.len()) } else { format!("{found}/{} found; missed {}", needles.len(), missed.join("; ")) }
+    if missed.is_empty() {
+        format!("{found}/{} found", needles.len())
+    } else {
+        format!("{found}/{} found; missed {}", needles.len(), missed.join("; "))
+    }
 }
 
 #[cfg(test)]

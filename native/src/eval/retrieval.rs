@@ -84,8 +84,7 @@ pub fn parse_depths(spec: &str) -> Result<Vec<f64>> {
 /// `filler` with `facts` inserted, fact i before the share `depths[i]` of the filler (at token
 /// boundaries of the filler, in depth order).
 fn plant(filler: &[u32], facts: &[(Vec<u32>, f64)]) -> Vec<u32> {
-    let mut at: Vec<(usize, &Vec<u32>)> =
-        facts.iter().map(|(f, d)| (((filler.len() as f64) * d / 100.0).round() as usize, f)).collect();
+    let mut at: Vec<(usize, &Vec<u32>)> = facts.iter().map(|(f, d)| (((filler.len() as f64) * d / 100.0).round() as usize, f)).collect();
     at.sort_by_key(|(i, _)| *i);
     let mut out = Vec::with_capacity(filler.len() + facts.iter().map(|f| f.0.len()).sum::<usize>());
     let mut from = 0;

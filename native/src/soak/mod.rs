@@ -50,6 +50,10 @@ pub struct SoakArgs {
     /// A page codec (int8, int4, fastv-dims), alone or under the scheduler [default: none].
     #[arg(long)]
     pub codec: Option<String>,
+    /// The recall tier under the scheduler: every victim kept, PAGES of each list's best
+    /// evicted pages attended at every layer [default: off].
+    #[arg(long, value_name = "PAGES")]
+    pub recall: Option<u32>,
     /// Steps between invariant checks (and report lines).
     #[arg(long, default_value_t = 1000)]
     pub check_every: u32,

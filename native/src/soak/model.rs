@@ -49,7 +49,7 @@ pub(super) fn run(gpu: &GpuArgs, a: &SoakArgs, model: &std::path::Path, (min_len
     let rt = gpu.runtime()?;
     // A prompt of up to half the longest length, then up to the rest generated.
     let context = max_len + 8;
-    let opts = ModelOptions::new(a.seqs, context).dtype(KvDtype::F16).scheduler(scheduler).codec(codec);
+    let opts = ModelOptions::new(a.seqs, context).dtype(KvDtype::F16).scheduler(scheduler).codec(codec).recall(a.recall);
     let mut m = pollster::block_on(GpuLlama::load(&rt, &g, opts)).context("loading the model onto the GPU")?;
     let cfg = m.kv.pool.cfg.clone();
     println!(

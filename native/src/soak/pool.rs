@@ -9,6 +9,7 @@ use expertkv_core::append::format::{NewToken, encode_values};
 use expertkv_core::append::invariants::TokenId;
 use expertkv_core::config::{Codec, KvDtype, PoolConfig, ShardMap};
 use expertkv_core::evict::config::{SchedulerConfig, Threshold};
+use expertkv_core::evict::recall::RecallConfig;
 use expertkv_core::rng::Rng;
 use expertkv_core::step::{self, Attend, Checks, HostSource, KvPause, KvSide, KvSideConfig, Recorder, Run};
 
@@ -64,6 +65,7 @@ pub(super) fn run(gpu: &GpuArgs, a: &SoakArgs, (min_len, max_len): (u32, u32)) -
         group: GROUP,
         chunk_pages: 8,
         route: None,
+        recall: a.recall.map(|pages| RecallConfig { pages, tokens: max_len.next_multiple_of(page) }),
     };
     kv_cfg.validate()?;
     let rt = gpu.runtime()?;
@@ -129,7 +131,7 @@ pub(super) fn run(gpu: &GpuArgs, a: &SoakArgs, (min_len, max_len): (u32, u32)) -
         for seq in 0..a.seqs as usize {
             positions[seq] += 1;
             if positions[seq] >= targets[seq] {
-                kv.pool.release_sequence(&rt, seq as u32)?;
+                kv.release_sequence(&rt, seq as u32)?;
                 appended.retain(|id| id.1 != seq as u32);
                 (positions[seq], targets[seq]) = (0, draw(&mut rng));
                 finished += 1;

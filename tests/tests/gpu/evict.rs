@@ -13,7 +13,7 @@ use expertkv_core::{append::format::NewToken, reference::PoolModel};
 use crate::append::{assert_same_state, random_kv};
 use crate::common::{POISON_U32, replaying, rt, seeds};
 
-fn random_scheduler(rng: &mut Rng) -> SchedulerConfig {
+pub fn random_scheduler(rng: &mut Rng) -> SchedulerConfig {
     let sinks = rng.below(4);
     let window = rng.below(12);
     match rng.below(7) {
@@ -34,7 +34,7 @@ fn random_scheduler(rng: &mut Rng) -> SchedulerConfig {
 }
 
 /// `long`: rings of 300 pages, so a list can outgrow several rounds of a 256-invocation walk.
-fn config(rng: &mut Rng, long: bool) -> PoolConfig {
+pub fn config(rng: &mut Rng, long: bool) -> PoolConfig {
     let n_shards = [1u32, 2, 4][rng.below(3) as usize];
     let mut cfg = PoolConfig {
         layers: 1 + rng.below(3),
@@ -65,7 +65,7 @@ fn config(rng: &mut Rng, long: bool) -> PoolConfig {
 }
 
 /// Append `n` tokens to every (layer, sequence), positions continuing from `lens`.
-fn append_round(rt: &Runtime, rng: &mut Rng, pool: &mut KvPool, model: &mut PoolModel, lens: &mut [u32], n: u32, step: u32) {
+pub fn append_round(rt: &Runtime, rng: &mut Rng, pool: &mut KvPool, model: &mut PoolModel, lens: &mut [u32], n: u32, step: u32) {
     let cfg = model.cfg.clone();
     let mut toks = Vec::new();
     for _ in 0..n {
@@ -90,7 +90,7 @@ fn append_round(rt: &Runtime, rng: &mut Rng, pool: &mut KvPool, model: &mut Pool
 /// sides (the GPU's slot metadata is overwritten with the model's). `ties`: masses in eighths,
 /// so that many tie (the tie-break is exercised) and every f32 sum of them is exact; otherwise
 /// any f32, so that sums depend on their order (the threshold's mean is the kernel's sum).
-fn randomise_meta(rt: &Runtime, rng: &mut Rng, pool: &KvPool, model: &mut PoolModel, step: u32, ties: bool) {
+pub fn randomise_meta(rt: &Runtime, rng: &mut Rng, pool: &KvPool, model: &mut PoolModel, step: u32, ties: bool) {
     let mw = model.cfg.meta_words() as usize;
     let k = model.cfg.top_k as usize;
     for slot in 0..model.slot_meta.len() / mw {

@@ -12,6 +12,7 @@ mod compress;
 mod devices;
 mod evict;
 mod quest;
+mod recall;
 mod route;
 
 // The decode step as a whole, the model's kernels and forward pass, and the runtime's edges.

@@ -435,6 +435,54 @@ fn h2o_evicts_the_models_own_kv_down_to_the_budget() {
     assert_eq!(sized.pyramid(Some(0.5)).pool_config(&m.cfg).n_pages, full_cfg.n_pages);
 }
 
+/// The recall tier under H2O on a model's own K/V: the pool keeps the budget's pages (the same
+/// bytes as without the tier), every token the model saw is either resident or in its list's
+/// tier, exactly once, and attending the recalled pages changes what the model computes.
+#[test]
+fn the_recall_tier_keeps_every_token_the_model_evicts() {
+    use expertkv_core::evict::config::SchedulerConfig;
+    let (_, file) = synthetic_dense(seeds("model_recall", 1)[0], GgmlType::Q4_1);
+    let g = Gguf::parse(&file).expect("gguf");
+    let tok = Tokenizer::from_gguf(&g).expect("tokenizer");
+    let rt = rt();
+    let sched = Some((SchedulerConfig::H2o { sinks: 2, window: 4 }, 16));
+    let plain_opts = ModelOptions::new(1, 256).scheduler(sched);
+    let mut plain = pollster::block_on(GpuLlama::load(rt, &g, plain_opts.clone())).expect("load");
+    let mut m = pollster::block_on(GpuLlama::load(rt, &g, plain_opts.recall(Some(2)))).expect("load with recall");
+    let ids = tok.encode(&"The quick brown fox jumps over the lazy dog. ".repeat(2));
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    for &t in &ids {
+        a = pollster::block_on(plain.forward(rt, &[t])).expect("forward");
+        b = pollster::block_on(m.forward(rt, &[t])).expect("forward with recall");
+        assert!(b.iter().all(|x| x.is_finite()));
+    }
+    assert_eq!(m.kv.pool.pool_bytes_allocated(), plain.kv.pool.pool_bytes_allocated(), "the tier takes no pool byte");
+    let t = m.kv.recall.as_ref().expect("tier");
+    let (_, pos) = pollster::block_on(t.read_tier(rt)).expect("tier");
+    let counts = pollster::block_on(t.read_counts(rt)).expect("counts");
+    let model = pollster::block_on(expertkv_core::pipeline::pool_model_of(rt, &m.kv.pool)).expect("pool");
+    let mw = m.kv.pool.cfg.meta_words() as usize;
+    for layer in 0..m.cfg.block_count {
+        for h in 0..m.cfg.head_count_kv {
+            let li = model.list_index(layer, 0, h) as usize;
+            let mut seen: Vec<u32> = model
+                .tokens(layer, 0, h)
+                .iter()
+                .map(|&(p, s)| model.slot_meta[(p * m.kv.pool.cfg.page_size + s) as usize * mw + expertkv_core::gpu_data::meta::POSITION])
+                .chain(pos[li * t.cap as usize..][..counts[li] as usize].iter().copied())
+                .collect();
+            seen.sort_unstable();
+            assert!(counts[li] > 0, "layer {layer} head {h}: H2O at 16 of {} tokens evicts", ids.len());
+            assert_eq!(
+                seen,
+                (0..ids.len() as u32).collect::<Vec<_>>(),
+                "layer {layer} head {h}: every position resident or recalled, once"
+            );
+        }
+    }
+    assert_ne!(a, b, "the recalled pages joined the softmax");
+}
+
 /// PyramidKV and the utility thresholds over the model's own attention (a synthetic file's):
 /// PyramidKV gives the first layer more of the budget than the last, the budgets averaging the
 /// budget, each list kept to its own; an adaptive threshold moves its tau off zero; both are

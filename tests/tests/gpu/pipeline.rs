@@ -426,3 +426,45 @@ fn quest_selects_and_attends_as_the_reference_does() {
         assert!(v.attention_checked >= u64::from(cfg.steps * w.layers), "seed {seed}: {v:?}");
     }
 }
+
+/// The recall tier in the pipeline, under the CPU lockstep: every victim captured as the
+/// reference captures it, every layer's recalled pages those the reference finds best (up to near
+/// ties), attention and masses over the resident and the recalled tokens within tolerance, the
+/// pool and the tier identical at the end; the pages in use stay the budget's, and recalling
+/// brings attention closer to the full cache's than the same budget without it.
+#[test]
+fn the_recall_tier_attends_what_eviction_removed_in_lockstep() {
+    use expertkv_core::evict::config::SchedulerConfig;
+    let rt = rt();
+    let runs = ["h2o", "streaming-llm", "lru", "adakv"];
+    for seed in seeds("pipeline_recall", 4) {
+        let sched = pick(seed, &runs);
+        let base = DemoConfig {
+            workload: WorkloadConfig { seed, n_seqs: 2, layers: 2, prompt_len: 96, ..Default::default() },
+            steps: 4,
+            scheduler: Some(SchedulerConfig::default_for(sched).expect("scheduler")),
+            budget: "32".into(),
+            ..Default::default()
+        };
+        let run = |recall: u32| {
+            let cfg = DemoConfig { recall, ..base.clone() };
+            let mut p = pollster::block_on(Pipeline::new(rt, cfg.clone())).unwrap_or_else(|e| panic!("seed {seed} {sched}: {e}"));
+            pollster::block_on(p.prefill(rt, &mut |_, _| {})).unwrap_or_else(|e| panic!("seed {seed} {sched}: prefill: {e}"));
+            let mut errors = Vec::new();
+            let mut pages = Vec::new();
+            for step in 0..4 {
+                let r = pollster::block_on(p.step(rt)).unwrap_or_else(|e| panic!("seed {seed} {sched} recall {recall}: step {step}: {e}"));
+                errors.push(r.attention_error.expect("reference attention"));
+                pages.push(r.pages_in_use);
+            }
+            let v = pollster::block_on(p.verify(rt)).unwrap_or_else(|e| panic!("seed {seed} {sched} recall {recall}: {e}"));
+            assert!(v.expect("lockstep").attention_checked >= 8, "seed {seed}");
+            (errors, pages)
+        };
+        let (plain, plain_pages) = run(0);
+        let (recalled, recall_pages) = run(2);
+        assert_eq!(recall_pages, plain_pages, "seed {seed} {sched}: the tier takes no pool page");
+        let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+        assert!(mean(&recalled) < mean(&plain), "seed {seed} {sched}: attention error {recalled:?} with recall, {plain:?} without");
+    }
+}

@@ -1,0 +1,174 @@
+//! References of the recall tier (`evict/capture.wgsl`, `evict/capture_copy.wgsl`,
+//! `attend/recall.wgsl`): which victims go where in the tier, which tier pages a query recalls,
+//! and decode attention over the resident pages and the recalled ones together.
+
+use super::append::{PoolModel, decode_words};
+use super::attend::AttentionOutput;
+use crate::config::PoolConfig;
+use crate::gpu_data::meta;
+
+/// A pool's recall tier on the CPU, laid out as the GPU's: `cap` slots a list, list after list,
+/// in pages of the pool's raw layout (K block then V block).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TierModel {
+    /// Slots per list.
+    pub cap: u32,
+    /// Tokens each list holds.
+    pub count: Vec<u32>,
+    /// K/V words of every slot, `page_words` a page of `page_size` slots.
+    pub kv: Vec<u32>,
+    /// Each slot's position.
+    pub pos: Vec<u32>,
+    /// Victims dropped past a full tier.
+    pub dropped: u64,
+}
+
+impl TierModel {
+    /// An empty tier of `cap` slots a list (a multiple of the page size) for `cfg`'s lists.
+    pub fn new(cfg: &PoolConfig, cap: u32) -> Self {
+        let lists = cfg.n_lists() as usize;
+        TierModel {
+            cap,
+            count: vec![0; lists],
+            kv: vec![0; lists * (cap / cfg.page_size) as usize * cfg.page_words() as usize],
+            pos: vec![0; lists * cap as usize],
+            dropped: 0,
+        }
+    }
+
+    /// `evict/capture.wgsl` and `evict/capture_copy.wgsl`: every victim (`victim[slot]`) of every
+    /// list, in list order, each list's shard rings in shard order and each ring in ring order,
+    /// appended to its list's tier; past the tier's end, dropped and counted.
+    pub fn capture(&mut self, model: &PoolModel, victim: &[bool]) {
+        let c = &model.cfg;
+        let (ps, r, vw, pw) = (c.page_size, c.ring_capacity, c.vec_words() as usize, c.page_words() as usize);
+        for li in 0..c.n_lists() {
+            for s in 0..c.n_shards {
+                let key = li * c.n_shards + s;
+                let ring = model.rings[key as usize];
+                if ring.count == 0 {
+                    continue;
+                }
+                let n = (ring.count - 1) * ps + ring.fill;
+                for i in 0..n {
+                    let page = model.ring_pages[(key * r + (ring.head + i / ps) % r) as usize];
+                    let slot = page * ps + i % ps;
+                    if !victim[slot as usize] {
+                        continue;
+                    }
+                    let at = self.count[li as usize];
+                    if at >= self.cap {
+                        self.dropped += 1;
+                        continue;
+                    }
+                    self.count[li as usize] += 1;
+                    let dst = li * self.cap + at;
+                    let (sp, ss) = (page as usize, (i % ps) as usize);
+                    let (dp, ds) = ((dst / ps) as usize, (dst % ps) as usize);
+                    for kv in 0..2 {
+                        let s0 = sp * pw + kv * ps as usize * vw + ss * vw;
+                        let d0 = dp * pw + kv * ps as usize * vw + ds * vw;
+                        self.kv[d0..d0 + vw].copy_from_slice(&model.kv[s0..s0 + vw]);
+                    }
+                    self.pos[dst as usize] = model.slot_meta[slot as usize * c.meta_words() as usize + meta::POSITION];
+                }
+            }
+        }
+    }
+
+    /// Tier slot `at`'s K (`kv` 0) or V (1) vector, decoded.
+    pub fn vector(&self, cfg: &PoolConfig, at: u32, kv: usize) -> Vec<f64> {
+        let (ps, vw, pw) = (cfg.page_size, cfg.vec_words() as usize, cfg.page_words() as usize);
+        let o = (at / ps) as usize * pw + kv * ps as usize * vw + (at % ps) as usize * vw;
+        decode_words(&self.kv[o..o + vw], cfg.dtype)
+    }
+
+    /// Empty sequence `seq`'s lists of every layer.
+    pub fn release_sequence(&mut self, cfg: &PoolConfig, seq: u32) {
+        for layer in 0..cfg.layers {
+            for h in 0..cfg.kv_heads {
+                self.count[((layer * cfg.max_seqs + seq) * cfg.kv_heads + h) as usize] = 0;
+            }
+        }
+    }
+
+    /// `attend/recall.wgsl`'s page scores of list `li` for its query heads `heads` (each
+    /// `[head_dim]`): per tier page, the largest scaled q.k over its tokens and the heads.
+    pub fn page_scores(&self, cfg: &PoolConfig, li: u32, heads: &[&[f32]], scale: f64) -> Vec<f64> {
+        let n = self.count[li as usize].min(self.cap);
+        let mut best = vec![f64::NEG_INFINITY; n.div_ceil(cfg.page_size) as usize];
+        for j in 0..n {
+            let k = self.vector(cfg, li * self.cap + j, 0);
+            for q in heads {
+                let s = k.iter().zip(q.iter()).map(|(k, q)| k * f64::from(*q)).sum::<f64>() * scale;
+                let b = &mut best[(j / cfg.page_size) as usize];
+                *b = b.max(s);
+            }
+        }
+        best
+    }
+}
+
+/// The `pages` highest of `scores` (page indices, the lowest page first among equal scores), as
+/// `attend/recall.wgsl` chooses them.
+pub fn choose(scores: &[f64], pages: usize) -> Vec<u32> {
+    let mut order: Vec<usize> = (0..scores.len()).collect();
+    order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+    order.into_iter().take(pages).map(|p| p as u32).collect()
+}
+
+/// Decode attention (as [`super::attend::attend_decode`]) over each list's resident pages and the
+/// tier pages `recalled(li)` names, in f64: `[seq][q_head][head_dim]`. The recalled tokens get
+/// no mass (they are not in the pool); the resident tokens' mass is normalised over both.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_with_recall(
+    model: &PoolModel,
+    tier: &TierModel,
+    layer: u32,
+    n_seqs: u32,
+    queries: &[f32],
+    group: u32,
+    scale: f64,
+    recalled: &dyn Fn(u32) -> Vec<u32>,
+) -> AttentionOutput {
+    let c = &model.cfg;
+    let (d, hkv, ps) = (c.head_dim as usize, c.kv_heads, c.page_size);
+    let hq = (hkv * group) as usize;
+    let mut out = vec![0.0; n_seqs as usize * hq * d];
+    let mut mass = Vec::new();
+    for seq in 0..n_seqs {
+        for h in 0..hkv {
+            let li = model.list_index(layer, seq, h);
+            let resident = model.tokens(layer, seq, h);
+            let n = tier.count[li as usize].min(tier.cap);
+            let from_tier: Vec<u32> =
+                recalled(li).into_iter().flat_map(|p| (p * ps..(p + 1) * ps).filter(move |&j| j < n)).map(|j| li * tier.cap + j).collect();
+            let mut masses = vec![0.0; resident.len()];
+            for g in 0..group {
+                let qh = (h * group + g) as usize;
+                let q0 = (seq as usize * hq + qh) * d;
+                let q = &queries[q0..q0 + d];
+                let dot = |k: Vec<f64>| k.iter().zip(q).map(|(k, q)| k * f64::from(*q)).sum::<f64>() * scale;
+                let scores: Vec<f64> = resident
+                    .iter()
+                    .map(|&(p, s)| dot(model.vector(p, s, 0)))
+                    .chain(from_tier.iter().map(|&at| dot(tier.vector(c, at, 0))))
+                    .collect();
+                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let w: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+                let l: f64 = w.iter().sum();
+                let values = resident.iter().map(|&(p, s)| model.vector(p, s, 1)).chain(from_tier.iter().map(|&at| tier.vector(c, at, 1)));
+                for (wt, v) in w.iter().zip(values) {
+                    for (o, x) in out[q0..q0 + d].iter_mut().zip(v) {
+                        *o += wt / l * x;
+                    }
+                }
+                for (m, wt) in masses.iter_mut().zip(&w) {
+                    *m += wt / l;
+                }
+            }
+            mass.extend(resident.iter().zip(masses).map(|(&(p, s), m)| (seq, h, p, s, m)));
+        }
+    }
+    AttentionOutput { out, mass }
+}

@@ -1,0 +1,193 @@
+// attend_decode, recall pass: between the split and the reduce passes, each page list's evicted
+// tokens in its recall tier (evict/capture.wgsl) are scored against the layer's queries, the
+// PAGES tier pages holding the highest scores are chosen, and their attention is written as one
+// more partial record per query head (the attention's last partial buffer), so the reduce pass
+// merges it with the resident pages' records: attention reads what eviction removed, straight
+// from the tier (host memory where the device reads it in place), and the mass pass normalises
+// the resident tokens' attention against the whole softmax.
+//
+// A page's score is its best token's, the largest q.k over the list's query heads: the true
+// score, not a bound. The chosen pages are the highest scores, the lowest page first among equal
+// ones; `recall_sel` keeps them (and their scores) for reports and tests. One workgroup per
+// (KV head, sequence).
+
+//!import common/pool.wgsl
+//!import attend/common.wgsl
+//!import attend/softmax.wgsl
+//!import common/recall.wgsl
+//!import common/reduce.wgsl
+
+// Query heads per KV head (at most 8), f16 storage, pages recalled per list (PAGES x page_size
+// at most 256).
+override GROUP: u32 = 1u;
+override F16: bool = true;
+override PAGES: u32 = 4u;
+
+@group(0) @binding(0) var<uniform> geo: Geometry;
+@group(0) @binding(1) var<uniform> params: AttendParams;
+@group(0) @binding(2) var<uniform> tier: TierParams;
+@group(0) @binding(3) var<storage, read> tier_count: array<u32>;
+@group(0) @binding(4) var<storage, read> tier_kv: array<u32>;
+@group(0) @binding(5) var<storage, read> queries: array<f32>;
+@group(0) @binding(6) var<storage, read_write> partials: array<f32>;
+@group(0) @binding(7) var<storage, read_write> recall_sel: array<u32>;
+
+const WG: u32 = 256u;
+// Tier pages a list may hold (the host sizes `tier.cap` within it).
+const MAX_TIER_PAGES: u32 = 1024u;
+
+var<workgroup> best: array<atomic<u32>, MAX_TIER_PAGES>;
+var<workgroup> pick_key: array<u32, WG>;
+var<workgroup> pick_idx: array<u32, WG>;
+var<workgroup> chosen: array<u32, 16>;
+var<workgroup> probs: array<f32, WG>;
+var<workgroup> n_sh: u32;
+
+// A float as a key whose unsigned order is the float order (0 for no page: every real score's
+// key is above it).
+fn key_of(x: f32) -> u32 {
+    let b = bitcast<u32>(x);
+    return select(b | 0x80000000u, ~b, (b & 0x80000000u) != 0u);
+}
+
+fn score_of(k: u32) -> f32 {
+    return bitcast<f32>(select(~k, k & 0x7fffffffu, (k & 0x80000000u) != 0u));
+}
+
+// Word of tier slot `at`'s K (kv = 0) or V (kv = 1) vector.
+fn tier_word(at: u32, kv: u32, w: u32) -> u32 {
+    let P = geo.page_size;
+    return tier_kv[(at / P) * geo.page_words + kv * P * geo.vec_words + (at % P) * geo.vec_words + w];
+}
+
+// q . k of tier slot `at` for the query at `queries[qo..]`.
+fn key_dot(at: u32, qo: u32) -> f32 {
+    var s = 0.0;
+    if (F16) {
+        for (var w = 0u; w < geo.vec_words; w++) {
+            let k = unpack2x16float(tier_word(at, 0u, w));
+            s += queries[qo + 2u * w] * k.x + queries[qo + 2u * w + 1u] * k.y;
+        }
+    } else {
+        for (var w = 0u; w < geo.vec_words; w++) {
+            s += queries[qo + w] * bitcast<f32>(tier_word(at, 0u, w));
+        }
+    }
+    return s;
+}
+
+// Dimension `i` of tier slot `at`'s V vector.
+fn value_at(at: u32, i: u32) -> f32 {
+    if (F16) {
+        let v = unpack2x16float(tier_word(at, 1u, i / 2u));
+        return select(v.x, v.y, (i & 1u) == 1u);
+    }
+    return bitcast<f32>(tier_word(at, 1u, i));
+}
+
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t: u32) {
+    let h = wg.x;
+    let seq = wg.y;
+    let P = geo.page_size;
+    let d = geo.head_dim;
+    let li = list_index(geo, params.layer, seq, h);
+    if (t == 0u) {
+        n_sh = min(tier_count[li], tier.cap);
+    }
+    let n = workgroupUniformLoad(&n_sh);
+    let pages = (n + P - 1u) / P;
+    let first = li * tier.cap;
+    let qbase = (seq * params.q_heads + h * GROUP) * d;
+    for (var p = t; p < MAX_TIER_PAGES; p += WG) {
+        atomicStore(&best[p], 0u);
+    }
+    workgroupBarrier();
+    for (var j = t; j < n; j += WG) {
+        var s = NEG_BIG;
+        for (var g = 0u; g < GROUP; g++) {
+            s = max(s, key_dot(first + j, qbase + g * d) * params.scale);
+        }
+        atomicMax(&best[j / P], key_of(s));
+    }
+    workgroupBarrier();
+    // The PAGES best pages, one workgroup argmax each.
+    for (var r = 0u; r < PAGES; r++) {
+        var k = 0u;
+        var idx = TIER_NONE;
+        for (var p = t; p < pages; p += WG) {
+            let v = atomicLoad(&best[p]);
+            if (v > k) {
+                k = v;
+                idx = p;
+            }
+        }
+        pick_key[t] = k;
+        pick_idx[t] = idx;
+        workgroupBarrier();
+        for (var off = WG / 2u; off > 0u; off = off / 2u) {
+            if (t < off) {
+                let ok = pick_key[t + off];
+                let oi = pick_idx[t + off];
+                if (ok > pick_key[t] || (ok == pick_key[t] && oi < pick_idx[t])) {
+                    pick_key[t] = ok;
+                    pick_idx[t] = oi;
+                }
+            }
+            workgroupBarrier();
+        }
+        if (t == 0u) {
+            let live = pick_key[0] > 0u;
+            let won = select(TIER_NONE, pick_idx[0], live);
+            chosen[r] = won;
+            recall_sel[li * 2u * PAGES + r] = won;
+            recall_sel[li * 2u * PAGES + PAGES + r] = select(0u, bitcast<u32>(score_of(pick_key[0])), live);
+            if (live) {
+                atomicStore(&best[won], 0u);
+            }
+        }
+        workgroupBarrier();
+    }
+    // Each query head's attention over the chosen pages' tokens: one partial record.
+    for (var g = 0u; g < GROUP; g++) {
+        let qh = h * GROUP + g;
+        var s = NEG_BIG;
+        var live = false;
+        if (t < PAGES * P) {
+            let page = chosen[t / P];
+            let j = page * P + t % P;
+            if (page != TIER_NONE && j < n) {
+                s = key_dot(first + j, qbase + g * d) * params.scale;
+                live = true;
+            }
+        }
+        let m = workgroup_max(t, s);
+        let e = softmax_prob(s, m, live);
+        probs[t] = e;
+        let l = workgroup_sum(t, e);
+        let o = partial_index(params, seq, qh, tier.slot, 0u) * partial_stride(d);
+        if (t < d && l > 0.0) {
+            var a = 0.0;
+            for (var c = 0u; c < PAGES * P; c++) {
+                let pr = probs[c];
+                if (pr > 0.0) {
+                    a += pr * value_at(first + chosen[c / P] * P + c % P, t);
+                }
+            }
+            partials[o + 4u + t] = a;
+        }
+        if (t == 0u) {
+            partials[o] = select(NEG_BIG, m, l > 0.0);
+            partials[o + 1u] = l;
+            partials[o + 2u] = 0.0;
+            partials[o + 3u] = 0.0;
+        }
+        // The slot's other chunks hold nothing.
+        for (var c = 1u + t; c < params.n_chunks; c += WG) {
+            let oc = partial_index(params, seq, qh, tier.slot, c) * partial_stride(d);
+            partials[oc] = NEG_BIG;
+            partials[oc + 1u] = 0.0;
+        }
+        workgroupBarrier();
+    }
+}

@@ -1,0 +1,199 @@
+//! The recall tier: every victim an eviction selects captured into its list's tier exactly as the
+//! CPU reference captures it (order, words, positions, and what a full tier drops), and the recall
+//! pass attending each list's best tier pages: the pages the reference chooses by the true q.k
+//! (up to near ties), the output and the resident tokens' masses those of attention over the
+//! resident and the recalled tokens together.
+
+use expertkv_core::append::KvPool;
+use expertkv_core::attend::{AttendOptions, Attention};
+use expertkv_core::evict::Scheduler;
+use expertkv_core::evict::config::Threshold;
+use expertkv_core::evict::recall::{RecallConfig, RecallTier};
+use expertkv_core::gpu_data::{ListState, meta};
+use expertkv_core::reference::PoolModel;
+use expertkv_core::reference::attend::{ATTENTION_ATOL, ATTENTION_RTOL};
+use expertkv_core::reference::recall::{TierModel, attend_with_recall, choose};
+use expertkv_core::rng::Rng;
+use expertkv_core::runtime::Runtime;
+
+use crate::append::assert_same_state;
+use crate::common::{POISON_F32, POISON_U32, rt, seeds};
+use crate::evict::{append_round, config, random_scheduler, randomise_meta};
+
+/// One round of appends and an eviction on both sides, the reference evicting with the GPU's
+/// utility keys and budgets (utilities and budgets are `evict.rs`'s to check).
+fn evict_round(rt: &Runtime, rng: &mut Rng, x: &mut Setup, round: u32) {
+    let n = 1 + rng.below(3 * x.s.budget / x.model.cfg.n_shards.max(1) + 4);
+    append_round(rt, rng, &mut x.pool, &mut x.model, &mut x.lens, n, round);
+    randomise_meta(rt, rng, &x.pool, &mut x.model, round + 3, false);
+    x.pool.gather(rt).expect("gather");
+    x.s.run(rt, round + 3, &x.lens).expect("evict");
+    let p = x.s.params(round + 3);
+    // The GPU's keys decide (LRU+'s float utilities may differ in the last bit): as the
+    // lockstep's eviction check does.
+    let got_keys = pollster::block_on(x.s.read_utility(rt)).expect("utility");
+    let want = x.model.evict_scores(&p, &x.lens);
+    let keys: Vec<u32> = want.iter().zip(&got_keys).map(|(w, &g)| if w.is_some() { g } else { 0 }).collect();
+    let got_lists = pollster::block_on(x.s.read_lists(rt)).expect("lists");
+    for (l, g) in x.lists.iter_mut().zip(&got_lists) {
+        (l.budget, l.kind) = (g.budget, g.kind);
+    }
+    x.model.evict_thresholded(&keys, &mut x.lists, &p, x.s.select_wg);
+}
+
+/// A pool, a scheduler capturing into a tier of `tokens` a list, and their references.
+struct Setup {
+    pool: KvPool,
+    model: PoolModel,
+    s: Scheduler,
+    tier: RecallTier,
+    lens: Vec<u32>,
+    lists: Vec<ListState>,
+}
+
+fn setup(rt: &Runtime, rng: &mut Rng, cfg: &expertkv_core::config::PoolConfig, rc: RecallConfig, group: u32) -> Option<Setup> {
+    let sched = random_scheduler(rng);
+    let budget = cfg.page_size * (1 + rng.below(3));
+    if sched.validate(budget).is_err() || sched.layer_budgets(budget, cfg.layers, None, cfg.page_size).is_err() {
+        return None;
+    }
+    let pool = pollster::block_on(KvPool::new(rt, cfg.clone())).expect("pool");
+    let mut s = pollster::block_on(Scheduler::new(rt, &pool, sched, budget, Threshold::default())).expect("scheduler");
+    let tier = pollster::block_on(RecallTier::new(rt, &pool, rc, group)).expect("tier");
+    pollster::block_on(s.capture_into(rt, &pool, &tier)).expect("capture");
+    let mut model = PoolModel::new(cfg);
+    model.tier = Some(TierModel::new(cfg, rc.cap(cfg.page_size)));
+    let lists = vec![ListState { budget, hit_rate: 1.0, ..Default::default() }; cfg.n_lists() as usize];
+    Some(Setup { pool, model, s, tier, lens: vec![0; cfg.max_seqs as usize], lists })
+}
+
+#[test]
+fn capture_gpu_match_cpu() {
+    let rt = rt();
+    let (mut captured, mut dropped, mut multi, mut runs) = (0u64, 0u64, 0, 0);
+    for seed in seeds("recall_capture", 12) {
+        let mut rng = Rng::new(seed);
+        let cfg = config(&mut rng, false);
+        // A tier too small for every victim in a third of the runs: the rest dropped, counted.
+        let tokens = if seed % 3 == 0 { cfg.page_size * (1 + rng.below(2)) } else { 512 };
+        let rc = RecallConfig { pages: 1, tokens };
+        let Some(mut x) = setup(rt, &mut rng, &cfg, rc, 1) else { continue };
+        runs += 1;
+        multi += usize::from(x.pool.n_buffers() > 1);
+        let ctx = format!("seed {seed}: {:?}, budget {}, tier of {tokens}, {cfg:?}", x.s.cfg, x.s.budget);
+        for round in 0..3u32 {
+            evict_round(rt, &mut rng, &mut x, round);
+            let ctx = format!("{ctx}, round {round}");
+            assert_same_state(rt, &x.pool, &x.model, &ctx);
+            let want = x.model.tier.as_ref().expect("tier");
+            let counts = pollster::block_on(x.tier.read_counts(rt)).expect("counts");
+            assert_eq!(counts, want.count, "{ctx}: tokens in each list's tier");
+            let (kv, pos) = pollster::block_on(x.tier.read_tier(rt)).expect("tier");
+            let (ps, pw, vw) = (cfg.page_size, cfg.page_words() as usize, cfg.vec_words() as usize);
+            for (li, &n) in want.count.iter().enumerate() {
+                for j in 0..n {
+                    let at = li as u32 * want.cap + j;
+                    assert_eq!(pos[at as usize], want.pos[at as usize], "{ctx}: position of list {li}'s tier slot {j}");
+                    for part in 0..2 {
+                        let o = (at / ps) as usize * pw + part * ps as usize * vw + (at % ps) as usize * vw;
+                        assert_eq!(&kv[o..o + vw], &want.kv[o..o + vw], "{ctx}: {} words of list {li}'s tier slot {j}", ["K", "V"][part]);
+                    }
+                }
+            }
+            let (d, c) = pollster::block_on(x.tier.read_stats(rt)).expect("stats");
+            let want_captured: u64 = want.count.iter().map(|&n| u64::from(n)).sum();
+            assert_eq!((d, c), (want.dropped, want_captured), "{ctx}: victims dropped past a full tier, captured");
+            (captured, dropped) = (c, d.max(dropped));
+        }
+    }
+    assert!(
+        runs >= 8 && captured > 0 && dropped > 0 && multi > 0,
+        "{runs} runs, {captured} captured, {dropped} dropped, {multi} multi-buffer"
+    );
+}
+
+#[test]
+fn recall_attends_the_best_tier_pages_as_the_reference_does() {
+    let rt = rt();
+    let (mut recalled_pages, mut near_ties, mut runs, mut empty_lists) = (0u64, 0u64, 0, 0u64);
+    for seed in seeds("recall_attend", 10) {
+        let mut rng = Rng::new(seed);
+        let cfg = config(&mut rng, false);
+        let group = 1 + rng.below(4);
+        let pages = 1 + rng.below(3.min(256 / cfg.page_size));
+        let rc = RecallConfig { pages, tokens: 512 };
+        let Some(mut x) = setup(rt, &mut rng, &cfg, rc, group) else { continue };
+        runs += 1;
+        let ctx = format!("seed {seed}: {:?}, budget {}, group {group}, {pages} pages recalled, {cfg:?}", x.s.cfg, x.s.budget);
+        for round in 0..3u32 {
+            evict_round(rt, &mut rng, &mut x, round);
+        }
+        let opts = AttendOptions { group, n_seqs: cfg.max_seqs, chunk_pages: 2, mass: true, recall: true, ..Default::default() };
+        let attn = pollster::block_on(Attention::new(rt, &x.pool, opts)).expect("attention");
+        pollster::block_on(x.tier.bind_attention(rt, &x.pool, &attn)).expect("bind");
+        x.pool.gather(rt).expect("gather");
+        let tier = x.model.tier.clone().expect("tier");
+        let scale = f64::from(attn.scale());
+        let (d, hq) = (cfg.head_dim as usize, (cfg.kv_heads * group) as usize);
+        for layer in 0..cfg.layers {
+            let ctx = format!("{ctx}, layer {layer}");
+            let q: Vec<f32> = (0..cfg.max_seqs as usize * hq * d).map(|_| rng.normal() as f32).collect();
+            attn.set_queries(rt, &q).expect("queries");
+            attn.prepare(rt, layer, 9);
+            rt.fill_u32(attn.output(), POISON_F32);
+            rt.fill_u32(&x.tier.recall_sel, POISON_U32);
+            let meta_before: Vec<u32> = pollster::block_on(rt.read_all(&x.pool.slot_meta)).expect("meta");
+            let mut enc = rt.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("recall test") });
+            attn.encode_with(&mut enc.begin_compute_pass(&wgpu::ComputePassDescriptor::default()), |p| x.tier.encode_recall(p))
+                .expect("encode");
+            rt.queue.submit([enc.finish()]);
+            let got = pollster::block_on(attn.read_output(rt)).expect("output");
+            let sel = pollster::block_on(x.tier.read_selection(rt)).expect("selection");
+            let mut chosen = vec![Vec::new(); cfg.n_lists() as usize];
+            for seq in 0..cfg.max_seqs {
+                for h in 0..cfg.kv_heads {
+                    let li = x.model.list_index(layer, seq, h);
+                    let heads: Vec<&[f32]> = (0..group).map(|g| &q[((seq * cfg.kv_heads + h) * group + g) as usize * d..][..d]).collect();
+                    let scores = tier.page_scores(&cfg, li, &heads, scale);
+                    let want = choose(&scores, pages as usize);
+                    let (gp, gs) = &sel[li as usize];
+                    let mine: Vec<u32> = gp.iter().copied().filter(|&p| p != u32::MAX).collect();
+                    assert_eq!(mine.len(), want.len(), "{ctx}: list {li}: {mine:?} chosen, the reference {want:?}");
+                    empty_lists += u64::from(want.is_empty());
+                    recalled_pages += mine.len() as u64;
+                    for (r, (&g, &w)) in mine.iter().zip(&want).enumerate() {
+                        let (sg, sw) = (scores[g as usize], scores[w as usize]);
+                        // The GPU's f32 dot products may order pages the f64 reference finds within
+                        // a few f32 roundings of each other differently; nothing further apart.
+                        let tie = 1e-4 * (1.0 + sw.abs());
+                        assert!(g == w || (sg - sw).abs() <= tie, "{ctx}: list {li} page {r}: chose {g} ({sg}), the reference {w} ({sw})");
+                        near_ties += u64::from(g != w);
+                        assert!((f64::from(gs[r]) - sg).abs() <= tie, "{ctx}: list {li}: score of page {g} {} against {sg}", gs[r]);
+                    }
+                    chosen[li as usize] = mine;
+                }
+            }
+            let reference = attend_with_recall(&x.model, &tier, layer, cfg.max_seqs, &q, group, scale, &|li| chosen[li as usize].clone());
+            for (i, (g, w)) in got.iter().zip(&reference.out).enumerate() {
+                let tol = ATTENTION_ATOL + ATTENTION_RTOL * w.abs();
+                assert!((f64::from(*g) - w).abs() <= tol, "{ctx}: output {i}: {g} against {w} (tolerance {tol:.1e})");
+            }
+            // The resident tokens' masses are shares of the whole softmax, the recalled tokens'
+            // scores in its denominator.
+            let meta_after: Vec<u32> = pollster::block_on(rt.read_all(&x.pool.slot_meta)).expect("meta");
+            let (mw, aw) = (cfg.meta_words() as usize, meta::attn(cfg.top_k as usize));
+            for &(_, _, page, slot, w) in &reference.mass {
+                let m = (page * cfg.page_size + slot) as usize * mw + aw;
+                let added = f64::from(f32::from_bits(meta_after[m])) - f64::from(f32::from_bits(meta_before[m]));
+                assert!(
+                    (added - w).abs() <= ATTENTION_ATOL + ATTENTION_RTOL * w.abs() + 1e-6,
+                    "{ctx}: mass of page {page} slot {slot}: {added} against {w}"
+                );
+            }
+        }
+    }
+    assert!(
+        runs >= 6 && recalled_pages > 0,
+        "{runs} runs, {recalled_pages} pages recalled ({near_ties} near ties, {empty_lists} empty lists)"
+    );
+}
