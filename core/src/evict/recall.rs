@@ -255,6 +255,15 @@ impl RecallTier {
         rt.read_all(&self.tier_count).await
     }
 
+    /// Bytes one step's recall passes read from the tier now (every layer's): each tier token's
+    /// key, and the values of the tokens of the pages each list recalls.
+    pub async fn bytes_read_per_step(&self, rt: &Runtime, pool: &KvPool) -> Result<u64> {
+        let token = u64::from(pool.cfg.vec_words()) * 4;
+        let recalled = self.cfg.pages * pool.cfg.page_size;
+        let counts = self.read_counts(rt).await?;
+        Ok(counts.iter().map(|&n| u64::from(n.min(self.cap)) * token + u64::from(n.min(recalled)) * token).sum())
+    }
+
     /// Victims dropped past a full tier and captured, over every eviction so far.
     pub async fn read_stats(&self, rt: &Runtime) -> Result<(u64, u64)> {
         let s: Vec<u32> = rt.read_all(&self.tier_stats).await?;

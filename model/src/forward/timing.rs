@@ -152,6 +152,14 @@ impl GpuLlama {
             "tokens_per_s": timed * f64::from(self.n_seqs) / wall.as_secs_f64(),
             "host_ms_per_step": host.as_secs_f64() * 1e3 / timed,
             "gpu": summary(&timer_log, "decode", false),
+            "recall": match &self.kv.recall {
+                Some(t) => serde_json::json!({
+                    "pages": t.cfg.pages,
+                    "host_memory": t.host_memory,
+                    "bytes_read_per_step": t.bytes_read_per_step(rt, &self.kv.pool).await?,
+                }),
+                None => serde_json::Value::Null,
+            },
         }))
     }
 
