@@ -148,8 +148,8 @@ pub(crate) fn run_info(rt: &Runtime, model: &TextModel, name: &str) -> RunInfo {
 pub(crate) async fn snapshot(rt: &Runtime, model: &TextModel, text: String) -> expertkv_core::Result<Snapshot> {
     let m = model.llama();
     let report = m.step_report(rt).await?;
-    let host = m.flexgen.as_ref().map_or(0, |(fg, _)| fg.stats.host_pages);
-    let mut snap = capture::capture_pool(rt, &m.pool, (&[], 0), host, report).await?;
+    let host = m.kv.flexgen.as_ref().map_or(0, |(fg, _)| fg.stats.host_pages);
+    let mut snap = capture::capture_pool(rt, &m.kv.pool, (&[], 0), host, report).await?;
     snap.text = Some(text);
     Ok(snap)
 }
