@@ -6,8 +6,8 @@
 # routers.
 # Needs .bin/expertkv and models/SmolLM2-135M-Instruct.Q4_1.gguf there. The file (98 MB) is larger
 # than one call carries (64 MiB), so it goes in two parts over two consecutive calls while the
-# machine stays warm: here `head -c 62000000 models/*.gguf > scratch/m1/a` and
-# `tail -c +62000001 models/*.gguf > scratch/m2/b`; a first call carries [.gl, scratch/m1], the
+# machine stays warm: here `head -c 58000000 models/*.gguf > scratch/m1/a` and
+# `tail -c +58000001 models/*.gguf > scratch/m2/b`; a first call carries [.gl, scratch/m1], the
 # second [.bin, scratch/m2] and runs `cat scratch/m1/a scratch/m2/b > models/<file>` then this
 # script, which prints the file's sha256 to check the join.
 for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# The recall tier on SmolLM2-135M, on the GPU machine, in one call:
+# The recall tier on SmolLM2-135M, on the GPU machine, in one call of about five minutes:
+#   - speed first, alone on the GPU: decode steps back to back (`run --time-steps`), H2O at 192
+#     tokens a list (10% of a 2,048-token context) without and with `--recall 4`: batch 1 after a
+#     1,500-word prompt, and batch 32 from short prompts (400 steps, the lists evicting from step
+#     193 on); the bytes the recall passes read a step (host memory) and the digests they score
+#     (device memory);
 #   - quality: `eval` over bench/data/harbour_town.txt (2,048 tokens) with the retrieval checks in
 #     2,000 filler tokens (a fact at 10%, 50% and 90% depth, three facts in one context, the
-#     two-turn question), K/V bytes held at 10% and 5% of the full cache's (`--bytes`), H2O and
-#     StreamingLLM without and with the recall tier (`--recall`); at most two eval processes at a
-#     time (more share the GPU badly), each scoring the full cache too, its reference;
-#   - speed: decode steps back to back (`run --time-steps`), H2O at 192 tokens a list (10% of a
-#     2,048-token context) without and with `--recall 4`: batch 1 after a 2,000-token prompt, and
-#     batch 32 from empty sequences (800 steps, the lists evicting from step 193 on); the bytes the
-#     recall passes read a step at the end.
+#     two-turn question), K/V bytes held at 10% and 5% of the full cache's (`--bytes`; the
+#     digests' device bytes come out of the budget), H2O without and with the recall tier
+#     (`--recall`); two eval processes at a time (more share the GPU badly), each scoring the full
+#     cache too, its reference, and printing each row as it finishes (LIMIT seconds each).
 # JSON rows to $OUT/r_*.jsonl and $OUT/speed.txt, then one table. The model goes in two parts over
 # two calls as bench/h200_model.sh says (/root/a from the first call, scratch/m2/b with this one);
 # the joined file's sha256 is printed. Needs .bin/expertkv.xz and the Vulkan loader in .gl/.
@@ -30,9 +32,6 @@ run() { # name, limit, eval arguments...
   # shellcheck disable=SC2086
   timeout "$limit" $B eval $C "$@" > "$OUT/r_$name.jsonl" 2> "$OUT/r_$name.err" &
 }
-run h2o_10 ${LIMIT:-330} --schedulers h2o:sinks=4 --bytes 10% --recall ${RECALL_10:-0,2,4}
-run h2o_5 ${LIMIT:-330} --schedulers h2o:sinks=4 --bytes 5% --recall ${RECALL_5:-0,4}
-wait
 LONG=$(python3 -c 'print(" ".join(open("bench/data/harbour_town.txt").read().split()[:1500]))')
 python3 -c 'import re; t=open("bench/data/harbour_town.txt").read(); s=[x.strip() for x in re.split(r"(?<=[.!?])\s+", t) if len(x.split()) > 4]; print("\n".join(s[:32]))' > /tmp/prompts32.txt
 speed() { # label, run arguments...
@@ -42,20 +41,18 @@ speed() { # label, run arguments...
 import json, sys
 j = json.loads(sys.stdin.read())
 r = j.get("recall") or {}
-print(sys.argv[1], "%.1f tokens/s, %.3f ms a step (wall), host %.3f ms, %d dispatches; recall reads %s bytes a step (host memory: %s)" % (
-    j["tokens_per_s"], j["wall_ms_per_step"], j["host_ms_per_step"], j["dispatches_per_step"], r.get("bytes_read_per_step", 0), r.get("host_memory")))' "$label"
+print(sys.argv[1], "%.1f tokens/s, %.3f ms a step (wall), host %.3f ms, %d dispatches; recall reads %s bytes a step from the tier (host memory: %s) and %s bytes of digests" % (
+    j["tokens_per_s"], j["wall_ms_per_step"], j["host_ms_per_step"], j["dispatches_per_step"], r.get("bytes_read_per_step", 0), r.get("host_memory"), r.get("digest_bytes_read_per_step", 0)))' "$label"
 }
 {
-  for rep in 1 2; do
-    speed "h2o batch 1" --prompt "$LONG" --tokens 2 --time-steps 400
-    speed "h2o+recall4 batch 1" --prompt "$LONG" --tokens 2 --time-steps 400 --recall 4
-    speed "h2o batch 32" --prompts /tmp/prompts32.txt --batch 32 --tokens 2 --time-steps 800
-    speed "h2o+recall4 batch 32" --prompts /tmp/prompts32.txt --batch 32 --tokens 2 --time-steps 800 --recall 4
-  done
+  speed "h2o batch 1" --prompt "$LONG" --tokens 2 --time-steps 300
+  speed "h2o+recall4 batch 1" --prompt "$LONG" --tokens 2 --time-steps 300 --recall 4
+  speed "h2o batch 32" --prompts /tmp/prompts32.txt --batch 32 --tokens 2 --time-steps 400
+  speed "h2o+recall4 batch 32" --prompts /tmp/prompts32.txt --batch 32 --tokens 2 --time-steps 400 --recall 4
 } > "$OUT/speed.txt" 2>&1
 cat "$OUT/speed.txt"
-# StreamingLLM last, alone: the speed rows above ran with no eval beside them.
-run sllm_10 ${LIMIT_SLLM:-170} --schedulers streaming-llm:sinks=4 --bytes 10% --recall ${RECALL_SLLM:-0,4}
+run h2o_10 ${LIMIT:-200} --schedulers h2o:sinks=4 --bytes 10% --recall ${RECALL_10:-0,4}
+run h2o_5 ${LIMIT:-200} --schedulers h2o:sinks=4 --bytes 5% --recall ${RECALL_5:-4,0}
 wait
 python3 - "$OUT" <<'PY'
 import glob, json, os, sys
@@ -83,10 +80,11 @@ def needles(r):
     missed = [f"{x['case']}: {x['answers']!r}" for x in n if not x["found"]]
     return f"{sum(x['found'] for x in n)}/{len(n)} found" + (f"; missed {'; '.join(missed)}" if missed else "")
 print(f"full cache: perplexity {full['perplexity']:.4f}, K/V {full['kv_bytes']} bytes, retrieval {needles(full)}")
-print("| group | scheduler | recall | budget | bytes | perplexity | vs full | agreement | K/V in use | tier in host memory | retrieval |")
-print("|---|---|---|---|---|---|---|---|---|---|---|")
+print("| group | scheduler | recall | budget | bytes | perplexity | vs full | agreement | K/V in use (digests included) | tier in host memory | digest recall (best pages / best page) | retrieval |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|")
 for r in rows:
     d = 100 * (r["perplexity"] / full["perplexity"] - 1)
     print(f"| {r['group']} | {r['scheduler']} | {r.get('recall') or '-'} | {r['budget']} | {r['bytes_share']} | {r['perplexity']:.4f} | {d:+.2f}% | "
-          f"{100*r['greedy_agreement']:.1f}% | {100*r['kv_bytes']/full['kv_bytes']:.1f}% | {r.get('recall_host_bytes', 0) / 2**20:.1f} MiB | {needles(r)} |")
+          f"{100*r['greedy_agreement']:.1f}% | {100*r['kv_bytes']/full['kv_bytes']:.1f}% | {r.get('recall_host_bytes', 0) / 2**20:.1f} MiB | "
+          + (f"{100*r['digest_recall']:.1f}% / {100*r['digest_top_recall']:.1f}%" if r.get('digest_recall') is not None else "-") + f" | {needles(r)} |")
 PY

@@ -216,8 +216,9 @@ pub struct TierParams {
     pub pages: u32,
     /// The attention's partial buffer index the recall pass writes (its last).
     pub slot: u32,
-    /// Padding to the WGSL struct's 16 bytes; zero.
-    pub _pad0: u32,
+    /// 1: the recall pass also finds the pages the true scores would choose and counts how many
+    /// of them the digest chose (`tier_stats`); 0: the digest alone.
+    pub audit: u32,
 }
 const _: () = assert!(std::mem::size_of::<TierParams>() == 16);
 

@@ -540,6 +540,7 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
             "flexgen": m.kv.flexgen.as_ref().map(|(fg, _)| &fg.stats),
             "recall": m.kv.recall.as_ref().map(|t| serde_json::json!({
                 "pages": t.cfg.pages, "host_memory": t.host_memory, "host_bytes": t.host_bytes(), "gpu_bytes": t.gpu_bytes(),
+                "digest_bytes": t.digest_bytes(),
             })),
             "transfers": m.transfer_totals(),
             "expert_reuse": m.expert_reuse().map(|r| serde_json::json!({

@@ -93,6 +93,7 @@ sources! {
     EVICT_FREE => "evict/free.wgsl",
     EVICT_CAPTURE => "evict/capture.wgsl",
     EVICT_CAPTURE_COPY => "evict/capture_copy.wgsl",
+    EVICT_DIGEST => "evict/digest.wgsl",
     EVICT_EKVA => "evict/ekva.wgsl",
     EVICT_QUEST_SUMMARIZE => "evict/quest_summarize.wgsl",
     EVICT_QUEST_SELECT => "evict/quest_select.wgsl",
@@ -311,6 +312,9 @@ kernels! {
     /// Evict, capture into the recall tier: copy the planned victims' K, V and positions, once per
     /// pool buffer.
     EvictCaptureCopy => "evict/capture_copy.wgsl" # "copy" [],
+    /// Evict, capture into the recall tier: the newly captured slots' key digests (a list's
+    /// centre and spread calibrated once).
+    EvictDigest => "evict/digest.wgsl" # "digest" [],
     /// EKVA allocator: tokens and attention-mass share of each expert group of each page list.
     EvictEkvaExperts => "evict/ekva.wgsl" # "experts" [],
     /// EKVA allocator: update each expert's importance, a moving average of routing and mass shares.

@@ -1,16 +1,20 @@
 //! The recall tier: nothing an eviction removes is lost. Between the scheduler's victim selection
 //! and its compaction, every victim's K, V and position are captured into its page list's tier
-//! (`evict/capture.wgsl`, `evict/capture_copy.wgsl`), laid out as the pool's raw pages; before
-//! every layer's reduce pass, each list's tier pages holding the best scores against the layer's
-//! queries are attended (`attend/recall.wgsl`), their attention one more partial record per query
-//! head that the reduce pass merges with the resident pages'. The scores are the true q.k, the
-//! best token's of a page, so a page is recalled for what it holds, not for a bound on it.
+//! (`evict/capture.wgsl`, `evict/capture_copy.wgsl`), laid out as the pool's raw pages, and each
+//! captured key leaves a one-bit-a-dimension digest in device memory (`evict/digest.wgsl`,
+//! against its list's centre, calibrated once on the first [`DIGEST_CALIB_TOKENS`] tokens). Before
+//! every layer's reduce pass, each list's tier tokens are scored against the layer's queries by
+//! their digests, and the pages holding the best scores are attended over their true keys and
+//! values (`attend/recall.wgsl`), one more partial record per query head that the reduce pass
+//! merges with the resident pages'.
 //!
 //! Where the device can read host memory in place (`MAPPABLE_PRIMARY_BUFFERS`, native), the tier
-//! lives there: the GPU's K/V bytes stay the scheduler's budget, and a recall reads the tier's keys
-//! and the chosen pages' values over the bus, with no host stop and no copy. Elsewhere (the
-//! browser) the tier is device memory: the same answers, no bytes saved, and
-//! [`RecallTier::host_memory`] says so.
+//! lives there: the GPU holds the pool within its budget and the digests (an f16 key's sixteenth,
+//! counted in the K/V bytes: [`RecallTier::digest_bytes`]), and a recall reads only the chosen
+//! pages' K and V over the bus, with no host stop and no copy. Elsewhere (the browser) the tier is
+//! device memory: the same answers, no bytes saved, and [`RecallTier::host_memory`] says so.
+//! [`RecallTier::set_audit`] has the pass also find the pages the true scores would choose and
+//! count the digest's hits ([`DigestAudit`]).
 
 use expertkv_shaders::Kernel;
 
@@ -31,8 +35,39 @@ pub const MAX_TIER_PAGES: u32 = 1024;
 /// Query heads per KV head the recall pass handles.
 pub const MAX_RECALL_GROUP: u32 = 8;
 
-/// `tier_stats` words: victims dropped past a full tier, victims captured.
-const STATS: u64 = 2;
+/// `tier_stats` words: victims dropped past a full tier, victims captured, then the audit's
+/// counters ([`DigestAudit`]).
+const STATS: u64 = 6;
+
+/// Tier tokens a list's digest calibrates on (`common/recall.wgsl`'s `DIGEST_CALIB_TOKENS`).
+pub const DIGEST_CALIB_TOKENS: u32 = 64;
+
+/// How well the digests chose, over every audited recall pass since the audit was turned on
+/// ([`RecallTier::set_audit`]): of the pages the true q.k would recall, how many the digest
+/// recalled.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct DigestAudit {
+    /// Recall passes audited (a list with tier pages, at a layer, at a step).
+    pub passes: u64,
+    /// Passes whose truly best page the digest recalled.
+    pub top_hits: u64,
+    /// The truly best pages (up to the pages recalled a list), summed over the passes.
+    pub want: u64,
+    /// ... of which the digest recalled.
+    pub hits: u64,
+}
+
+impl DigestAudit {
+    /// The share of the truly best pages the digest recalled (1 with none audited).
+    pub fn recall(&self) -> f64 {
+        if self.want == 0 { 1.0 } else { self.hits as f64 / self.want as f64 }
+    }
+
+    /// The share of passes whose truly best page the digest recalled (1 with none audited).
+    pub fn top_recall(&self) -> f64 {
+        if self.passes == 0 { 1.0 } else { self.top_hits as f64 / self.passes as f64 }
+    }
+}
 
 /// What the recall tier keeps and attends.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -46,7 +81,10 @@ pub struct RecallConfig {
 
 impl RecallConfig {
     /// Refuse shapes the kernels cannot take, naming the field.
-    pub fn validate(&self, page_size: u32, group: u32) -> Result<()> {
+    pub fn validate(&self, page_size: u32, group: u32, head_dim: u32) -> Result<()> {
+        if head_dim > 256 {
+            return Err(Error::config("head_dim", head_dim, "the recall tier's key digests take head dimensions up to 256"));
+        }
         if self.pages == 0 || self.pages > MAX_RECALL_PAGES || self.pages * page_size > 256 {
             return Err(Error::config(
                 "recall",
@@ -72,6 +110,12 @@ impl RecallConfig {
         self.tokens.div_ceil(page_size) * page_size
     }
 
+    /// Bytes of the key digests and their calibration for `pool`'s lists, in device memory
+    /// (they count in the GPU's K/V bytes).
+    pub fn digest_bytes(&self, pool: &crate::config::PoolConfig) -> u64 {
+        u64::from(pool.n_lists()) * digest_bytes_per_list(self.cap(pool.page_size), pool.head_dim)
+    }
+
     /// Bytes of the tier's K/V and positions for `pool`'s lists (host memory where the device
     /// reads it in place).
     pub fn tier_bytes(&self, pool: &crate::config::PoolConfig) -> u64 {
@@ -85,11 +129,12 @@ impl RecallConfig {
 pub(crate) struct Capture {
     plan: (wgpu::ComputePipeline, wgpu::BindGroup),
     copies: Vec<(wgpu::ComputePipeline, wgpu::BindGroup, [u32; 2])>,
+    digest: (wgpu::ComputePipeline, wgpu::BindGroup),
     n_lists: u32,
 }
 
 impl Capture {
-    /// Plan then copy every victim into its list's tier.
+    /// Plan then copy every victim into its list's tier, then digest the new slots' keys.
     pub(crate) fn encode(&self, pass: &mut wgpu::ComputePass<'_>) {
         pass.set_pipeline(&self.plan.0);
         pass.set_bind_group(0, &self.plan.1, &[]);
@@ -100,6 +145,9 @@ impl Capture {
             pass.set_bind_group(0, bg, &[]);
             pass.dispatch_counted(*x, *y, 1);
         }
+        pass.set_pipeline(&self.digest.0);
+        pass.set_bind_group(0, &self.digest.1, &[]);
+        pass.dispatch_counted(x, y, 1);
     }
 }
 
@@ -117,6 +165,14 @@ pub struct RecallTier {
     pub tier_pos: wgpu::Buffer,
     /// Tokens each list's tier holds.
     pub tier_count: wgpu::Buffer,
+    /// Each tier slot's key digest, `head_dim.div_ceil(32)` words (device memory).
+    pub tier_digest: wgpu::Buffer,
+    /// Per list: the digests' centre, spread and key sums, `head_dim` floats each.
+    pub tier_calib: wgpu::Buffer,
+    /// Per list: the slots digested and the tokens the digest calibrated on (0: not yet).
+    pub tier_digested: wgpu::Buffer,
+    audit: bool,
+    slot: u32,
     /// Per pool slot: the tier slot its victim goes to (`u32::MAX`: none), cleared once copied.
     capture_dst: wgpu::Buffer,
     /// Victims dropped past a full tier, victims captured.
@@ -134,7 +190,7 @@ impl RecallTier {
     /// The tier of `pool`: empty, in host memory where the device reads it in place.
     pub async fn new(rt: &Runtime, pool: &KvPool, cfg: RecallConfig, group: u32) -> Result<RecallTier> {
         let c = &pool.cfg;
-        cfg.validate(c.page_size, group)?;
+        cfg.validate(c.page_size, group, c.head_dim)?;
         let cap = cfg.cap(c.page_size);
         let n_lists = c.n_lists();
         let kv_bytes = u64::from(n_lists) * u64::from(cap / c.page_size) * u64::from(c.page_words()) * 4;
@@ -142,10 +198,15 @@ impl RecallTier {
         let (tier_kv, host_memory) = rt.host_storage("evict/recall tier", kv_bytes);
         let (tier_pos, _) = rt.host_storage("evict/recall tier positions", u64::from(n_lists) * u64::from(cap) * 4);
         let tier_count = rt.storage("evict/recall tier counts", u64::from(n_lists) * 4);
+        let digest_bytes = u64::from(n_lists) * u64::from(cap) * u64::from(c.head_dim.div_ceil(32)) * 4;
+        rt.fits_binding("the recall tier's key digests (fewer tokens per list, sequences or layers fit)", digest_bytes)?;
+        let tier_digest = rt.storage("evict/recall key digests", digest_bytes);
+        let tier_calib = rt.storage_init("evict/recall digest calibration", &uncalibrated(n_lists, c.head_dim));
+        let tier_digested = rt.storage("evict/recall digested", u64::from(n_lists) * 8);
         let capture_dst = rt.storage_init("evict/recall capture plan", &vec![u32::MAX; (c.n_ids() * c.page_size) as usize]);
         let tier_stats = rt.storage("evict/recall stats", STATS * 4);
         let slot = 0;
-        let params = rt.uniform("evict/recall tier params", &TierParams { cap, pages: cfg.pages, slot, _pad0: 0 });
+        let params = rt.uniform("evict/recall tier params", &TierParams { cap, pages: cfg.pages, slot, audit: 0 });
         let recall_sel = rt.storage("attend/recall selection", u64::from(n_lists) * 2 * u64::from(cfg.pages) * 4);
         rt.check("recall tier")?;
         Ok(RecallTier {
@@ -155,6 +216,11 @@ impl RecallTier {
             tier_kv,
             tier_pos,
             tier_count,
+            tier_digest,
+            tier_calib,
+            tier_digested,
+            audit: false,
+            slot,
             capture_dst,
             tier_stats,
             params,
@@ -191,7 +257,13 @@ impl RecallTier {
                 (copy_p.clone(), bg, [x, y])
             })
             .collect();
-        Ok(Capture { plan: (plan_p, plan_bg), copies, n_lists: self.n_lists })
+        let dig_p = rt.pipeline(Kernel::EvictDigest, &[("F16", f64::from(u8::from(c.dtype == crate::config::KvDtype::F16)))]).await?;
+        let dig_bg = rt.bind(
+            Kernel::EvictDigest.label(),
+            &dig_p,
+            &[&pool.geometry, &self.params, &self.tier_count, &self.tier_kv, &self.tier_digested, &self.tier_calib, &self.tier_digest],
+        );
+        Ok(Capture { plan: (plan_p, plan_bg), copies, digest: (dig_p, dig_bg), n_lists: self.n_lists })
     }
 
     /// Bind the recall pass to `attn` (built with [`crate::attend::AttendOptions::recall`]).
@@ -210,7 +282,8 @@ impl RecallTier {
                 ],
             )
             .await?;
-        rt.queue.write_buffer(&self.params, 0, bytemuck::bytes_of(&TierParams { cap: self.cap, pages: self.cfg.pages, slot, _pad0: 0 }));
+        self.slot = slot;
+        self.write_params(rt);
         let bg = rt.bind(
             Kernel::AttendRecall.label(),
             &p,
@@ -223,10 +296,45 @@ impl RecallTier {
                 &attn.queries,
                 &attn.partials,
                 &self.recall_sel,
+                &self.tier_digest,
+                &self.tier_calib,
+                &self.tier_stats,
             ],
         );
         self.recall = Some((p, bg, [pool.cfg.kv_heads, attn.opts.n_seqs]));
         Ok(())
+    }
+
+    fn write_params(&self, rt: &Runtime) {
+        let p = TierParams { cap: self.cap, pages: self.cfg.pages, slot: self.slot, audit: u32::from(self.audit) };
+        rt.queue.write_buffer(&self.params, 0, bytemuck::bytes_of(&p));
+    }
+
+    /// Turn the audit on or off: with it, every recall pass also finds the pages the true q.k
+    /// would choose (reading every tier key, as a recall without digests would) and counts the
+    /// digest's hits ([`RecallTier::read_audit`]); the choice and the attention stay the
+    /// digest's. Turning it on clears the counters.
+    pub fn set_audit(&mut self, rt: &Runtime, on: bool) {
+        self.audit = on;
+        self.write_params(rt);
+        if on {
+            rt.queue.write_buffer(&self.tier_stats, 8, bytemuck::cast_slice(&[0u32; 4]));
+        }
+    }
+
+    /// The audit's counters since it was turned on.
+    pub async fn read_audit(&self, rt: &Runtime) -> Result<DigestAudit> {
+        let s: Vec<u32> = rt.read_all(&self.tier_stats).await?;
+        Ok(DigestAudit { passes: u64::from(s[2]), top_hits: u64::from(s[3]), want: u64::from(s[4]), hits: u64::from(s[5]) })
+    }
+
+    /// The digests of every tier slot and each list's calibration (centre, spread, key sums,
+    /// then per list the slots digested and the tokens calibrated on): tests and audits.
+    pub async fn read_digests(&self, rt: &Runtime) -> Result<(Vec<u32>, Vec<f32>, Vec<u32>)> {
+        let bits: Vec<u32> = rt.read_all(&self.tier_digest).await?;
+        let calib: Vec<f32> = rt.read_all(&self.tier_calib).await?;
+        let state: Vec<u32> = rt.read_all(&self.tier_digested).await?;
+        Ok((bits, calib, state))
     }
 
     /// The recall pass of the layer whose parameters the attention holds (between its split and
@@ -247,6 +355,12 @@ impl RecallTier {
         for layer in 0..c.layers {
             let first = (layer * c.max_seqs + seq) * c.kv_heads;
             rt.queue.write_buffer(&self.tier_count, u64::from(first) * 4, bytemuck::cast_slice(&vec![0u32; c.kv_heads as usize]));
+            rt.queue.write_buffer(&self.tier_digested, u64::from(first) * 8, bytemuck::cast_slice(&vec![0u32; 2 * c.kv_heads as usize]));
+            rt.queue.write_buffer(
+                &self.tier_calib,
+                u64::from(first) * u64::from(3 * c.head_dim) * 4,
+                bytemuck::cast_slice(&uncalibrated(c.kv_heads, c.head_dim)),
+            );
         }
     }
 
@@ -255,13 +369,26 @@ impl RecallTier {
         rt.read_all(&self.tier_count).await
     }
 
-    /// Bytes one step's recall passes read from the tier now (every layer's): each tier token's
-    /// key, and the values of the tokens of the pages each list recalls.
+    /// Bytes one step's recall passes read from the tier now (every layer's, the audit off): the
+    /// keys and values of the tokens of the pages each list recalls. (The digests they score
+    /// every tier token by are device memory: [`RecallTier::digest_bytes_read_per_step`].)
     pub async fn bytes_read_per_step(&self, rt: &Runtime, pool: &KvPool) -> Result<u64> {
         let token = u64::from(pool.cfg.vec_words()) * 4;
         let recalled = self.cfg.pages * pool.cfg.page_size;
         let counts = self.read_counts(rt).await?;
-        Ok(counts.iter().map(|&n| u64::from(n.min(self.cap)) * token + u64::from(n.min(recalled)) * token).sum())
+        Ok(counts.iter().map(|&n| 2 * u64::from(n.min(self.cap).min(recalled)) * token).sum())
+    }
+
+    /// Bytes of digests one step's recall passes read from device memory now (every layer's).
+    pub async fn digest_bytes_read_per_step(&self, rt: &Runtime, pool: &KvPool) -> Result<u64> {
+        let counts = self.read_counts(rt).await?;
+        Ok(counts.iter().map(|&n| u64::from(n.min(self.cap)) * u64::from(pool.cfg.head_dim.div_ceil(32)) * 4).sum())
+    }
+
+    /// Bytes of the key digests and their calibration (device memory, counted in the GPU's K/V
+    /// bytes).
+    pub fn digest_bytes(&self) -> u64 {
+        self.tier_digest.size() + self.tier_calib.size() + self.tier_digested.size()
     }
 
     /// Victims dropped past a full tier and captured, over every eviction so far.
@@ -286,10 +413,10 @@ impl RecallTier {
         Ok(w.chunks(2 * r).map(|c| (c[..r].to_vec(), c[r..].iter().map(|&b| f32::from_bits(b)).collect())).collect())
     }
 
-    /// Bytes of the tier in device memory: its counters and plan, and the tier itself where the
-    /// device cannot read host memory in place.
+    /// Bytes of the tier in device memory: its digests, counters and plan, and the tier itself
+    /// where the device cannot read host memory in place.
     pub fn gpu_bytes(&self) -> u64 {
-        let own = self.tier_count.size() + self.capture_dst.size() + self.tier_stats.size() + self.recall_sel.size();
+        let own = self.tier_count.size() + self.capture_dst.size() + self.tier_stats.size() + self.recall_sel.size() + self.digest_bytes();
         if self.host_memory { own } else { own + self.tier_kv.size() + self.tier_pos.size() }
     }
 
@@ -297,4 +424,17 @@ impl RecallTier {
     pub fn host_bytes(&self) -> u64 {
         if self.host_memory { self.tier_kv.size() + self.tier_pos.size() } else { 0 }
     }
+}
+
+/// Device bytes one list's key digests take for a tier of `cap` slots and keys of `head_dim`:
+/// a bit a dimension a slot, the calibration (centre, spread, sums) and two counters.
+pub fn digest_bytes_per_list(cap: u32, head_dim: u32) -> u64 {
+    u64::from(cap) * u64::from(head_dim.div_ceil(32)) * 4 + u64::from(3 * head_dim) * 4 + 8
+}
+
+/// A calibration buffer's words for `lists` lists not yet calibrated: centre 0, spread 1, sums 0.
+fn uncalibrated(lists: u32, head_dim: u32) -> Vec<f32> {
+    let d = head_dim as usize;
+    let one: Vec<f32> = (0..3 * d).map(|i| if (d..2 * d).contains(&i) { 1.0 } else { 0.0 }).collect();
+    one.repeat(lists as usize)
 }

@@ -220,10 +220,11 @@ impl Pipeline {
         Ok(())
     }
 
-    /// The recall tier's part of the lockstep: every list's recalled pages those whose true
-    /// scores are the highest in the reference's tier (up to pages within a few f32 roundings of
-    /// each other, whose order the GPU's sums may swap), and the scores the GPU kept for them
-    /// within that. Returns each list's recalled pages (the GPU's choice).
+    /// The recall tier's part of the lockstep: every list's recalled pages those whose digest
+    /// scores are the highest in the reference's tier (its own digests, calibration and scores;
+    /// up to pages within a few f32 roundings of each other, whose order the GPU's sums may
+    /// swap), and the scores the GPU kept for them within that. Returns each list's recalled
+    /// pages (the GPU's choice).
     async fn check_recall(
         &self,
         rt: &Runtime,
@@ -242,7 +243,7 @@ impl Pipeline {
             for h in 0..c.kv_heads {
                 let li = model.list_index(layer, seq, h);
                 let heads: Vec<&[f32]> = (0..group).map(|g| &q[((seq * c.kv_heads + h) * group + g) as usize * d..][..d]).collect();
-                let scores = tier.page_scores(c, li, &heads, scale);
+                let scores = tier.digest_page_scores(c, li, &heads, scale);
                 let want = choose(&scores, t.cfg.pages as usize);
                 let (pages, got_scores) = &sel[li as usize];
                 let got: Vec<u32> = pages.iter().copied().filter(|&p| p != u32::MAX).collect();
@@ -368,6 +369,16 @@ impl Pipeline {
             let counts = t.read_counts(rt).await?;
             if counts != tier.count || pos != tier.pos || kv != tier.kv {
                 return Err(verify_err("the GPU's recall tier differs from the CPU reference's".into()));
+            }
+            let (bits, calib, state) = t.read_digests(rt).await?;
+            let want_state: Vec<u32> = tier.digested.iter().flatten().copied().collect();
+            if bits != tier.digest || state != want_state {
+                return Err(verify_err("the GPU's key digests differ from the CPU reference's".into()));
+            }
+            if let Some((i, (g, w))) =
+                calib.iter().zip(&tier.calib).enumerate().find(|(_, (g, w))| (*g - *w).abs() > 1e-4 * (1.0 + w.abs()))
+            {
+                return Err(verify_err(format!("the GPU's digest calibration word {i} is {g}, the CPU reference's {w}")));
             }
         }
         let layer = self.kv.pool.cfg.layers - 1;

@@ -91,7 +91,7 @@ impl KvSideConfig {
                     "recalls what an evicting scheduler removes: give one (h2o, streaming-llm, lru, lru-plus, adakv, duo, fastv-tokens)",
                 ));
             }
-            r.validate(self.pool.page_size, self.group)?;
+            r.validate(self.pool.page_size, self.group, self.pool.head_dim)?;
         }
         if let Some(a) = &self.allocator {
             a.validate()?;

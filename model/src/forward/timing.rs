@@ -157,6 +157,8 @@ impl GpuLlama {
                     "pages": t.cfg.pages,
                     "host_memory": t.host_memory,
                     "bytes_read_per_step": t.bytes_read_per_step(rt, &self.kv.pool).await?,
+                    "digest_bytes_read_per_step": t.digest_bytes_read_per_step(rt, &self.kv.pool).await?,
+                    "digest_bytes": t.digest_bytes(),
                 }),
                 None => serde_json::Value::Null,
             },

@@ -10,6 +10,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use expertkv_core::config::{Codec, ShardMap};
 use expertkv_core::evict::config::{Budget, SchedulerConfig, Threshold};
+use expertkv_core::evict::recall::{DigestAudit, digest_bytes_per_list};
 use expertkv_core::route::config::RouterConfig;
 use expertkv_core::runtime::Runtime;
 use expertkv_model::Moefication;
@@ -147,6 +148,11 @@ struct Row {
     /// Bytes of host memory the recall tier held at the end of the text (0: none, or in device
     /// memory).
     recall_host_bytes: u64,
+    /// With recall, over every scoring step, layer and list: the share of the pages the true
+    /// q.k would recall that the key digests recalled.
+    digest_recall: Option<f64>,
+    /// ... and the share of recalls whose truly best page the digests recalled.
+    digest_top_recall: Option<f64>,
     /// Tokens kept per (layer, KV head).
     budget: Option<u32>,
     /// The budget as given: tokens, or a share of the context (`25%`).
@@ -155,7 +161,8 @@ struct Row {
     perplexity: f64,
     /// Share of positions whose greedy (argmax) token equals the full cache's.
     greedy_agreement: f64,
-    /// K/V bytes of the pool's pages in use at the end of the text.
+    /// K/V bytes of the pool's pages in use at the end of the text, and of the recall tier's
+    /// key digests (device memory).
     kv_bytes: u64,
     /// Whether every retrieval check found its facts (`None`: no checks).
     needle_found: Option<bool>,
@@ -188,6 +195,8 @@ struct Outcome {
     perplexity: f64,
     /// Host bytes the recall tier holds.
     recall_host_bytes: u64,
+    /// The recall tier's digest audit over the text.
+    digest: Option<DigestAudit>,
     greedy: Vec<u32>,
     kv_bytes: u64,
     busiest_expert: Option<f64>,
@@ -360,7 +369,13 @@ impl Policies {
                     }
                     for &share in &self.bytes {
                         let shards = routing.as_ref().map_or(1, |r| r.n_shards);
-                        let b = budget_for_bytes(share, tokens, shards, codec_page_ratio(codec, head_dim))?;
+                        // The recall tier's key digests live in device memory: their bytes come
+                        // out of the budget (a tier of the whole context, as `load` sizes it).
+                        let side = recall.map_or(0.0, |_| {
+                            let cap = (tokens + 1).next_multiple_of(MODEL_PAGE_SIZE);
+                            digest_bytes_per_list(cap, head_dim) as f64 / f64::from(4 * MODEL_PAGE_SIZE * head_dim)
+                        });
+                        let b = budget_for_bytes(share, tokens, shards, codec_page_ratio(codec, head_dim), side)?;
                         let sc = SchedulerConfig::parse_for_budget(spec, b)?;
                         sc.validate(b)?;
                         let (budget, bytes_share) = (Some(Budget::Tokens(b)), Some(Budget::Share(share)));
@@ -394,14 +409,15 @@ fn codec_page_ratio(codec: Codec, head_dim: u32) -> f64 {
 }
 
 /// The most tokens per (layer, KV head) whose pages fit `share` percent of the full cache's
-/// K/V bytes of a `tokens`-token context, when the list is spread over `shards` rings and a
-/// compressed page takes `ratio` of a raw page's bytes. Every ring keeps its newest page raw (and
+/// K/V bytes of a `tokens`-token context, when the list is spread over `shards` rings, a
+/// compressed page takes `ratio` of a raw page's bytes and `side` raw pages' worth of device
+/// bytes a list go to the recall tier's digests. Every ring keeps its newest page raw (and
 /// partly filled), so a budget of b tokens holds at most `shards` raw pages and
 /// `ceil(b / P) - 1` others: (target - shards) x (1 / ratio) + 1 pages of the budget (without a
 /// codec: target - (shards - 1)).
-fn budget_for_bytes(share: f64, tokens: u32, shards: u32, ratio: f64) -> Result<u32> {
+fn budget_for_bytes(share: f64, tokens: u32, shards: u32, ratio: f64, side: f64) -> Result<u32> {
     let page = MODEL_PAGE_SIZE;
-    let target = (f64::from(tokens.div_ceil(page)) * share / 100.0).floor() as u32;
+    let target = (f64::from(tokens.div_ceil(page)) * share / 100.0 - side).floor().max(0.0) as u32;
     if target < shards {
         bail!(
             "--bytes {share}%: {target} of the full cache's {} pages per (layer, KV head) leave none for tokens with {shards} shards (each keeps a partly filled page): raise --bytes or --tokens, or lower --shards",
@@ -467,6 +483,11 @@ impl RouteVariants {
 
 fn score(rt: &Runtime, g: &Gguf<'_>, ids: &[u32], c: &Config, bar: &ProgressBar) -> Result<Outcome> {
     let mut m = c.load(rt, g, ids.len() as u32 + 1)?;
+    // The digest audit finds the pages the true scores would recall too (reading every tier
+    // key): the answers stay the digest's.
+    if let Some(t) = m.kv.recall.as_mut() {
+        t.set_audit(rt, true);
+    }
     let mut total = 0.0;
     let mut greedy = Vec::new();
     for (i, &t) in ids.iter().enumerate() {
@@ -477,7 +498,11 @@ fn score(rt: &Runtime, g: &Gguf<'_>, ids: &[u32], c: &Config, bar: &ProgressBar)
         }
         bar.inc(1);
     }
-    let kv_bytes = pollster::block_on(m.kv_bytes_in_use(rt))?;
+    let digest = match &m.kv.recall {
+        Some(t) => Some(pollster::block_on(t.read_audit(rt))?),
+        None => None,
+    };
+    let kv_bytes = pollster::block_on(m.kv_bytes_in_use(rt))? + m.kv.recall.as_ref().map_or(0, |t| t.digest_bytes());
     let busiest_expert = m.moe_shape().map(|(e, _)| {
         let shares: Vec<f64> = m
             .expert_counts()
@@ -494,6 +519,7 @@ fn score(rt: &Runtime, g: &Gguf<'_>, ids: &[u32], c: &Config, bar: &ProgressBar)
     let experts = m.expert_cache().map(|c| (c.total.hit_rate(), c.total.bytes as f64 / 1e6 / ids.len().max(1) as f64));
     Ok(Outcome {
         recall_host_bytes: m.kv.recall.as_ref().map_or(0, |t| t.host_bytes()),
+        digest,
         perplexity: (total / (ids.len() - 1) as f64).exp(),
         greedy,
         kv_bytes,
@@ -708,6 +734,8 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
             scheduler: c.sched.as_ref().map_or("none".into(), |(s, _)| s.name().to_string()),
             recall: c.recall,
             recall_host_bytes: o.recall_host_bytes,
+            digest_recall: o.digest.map(|d| d.recall()),
+            digest_top_recall: o.digest.map(|d| d.top_recall()),
             budget: c.sched.as_ref().map(|(_, b)| *b),
             budget_spec: c.budget.map(|b| b.to_string()),
             tokens: ids.len(),
@@ -739,7 +767,12 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
                 r.routing,
                 r.codec,
                 match r.recall {
-                    Some(p) => format!("{}, recall {p}", r.scheduler),
+                    Some(p) => format!(
+                        "{}, recall {p} (digest {:.0}% of the best pages, {:.0}% of the best page)",
+                        r.scheduler,
+                        100.0 * r.digest_recall.unwrap_or(1.0),
+                        100.0 * r.digest_top_recall.unwrap_or(1.0)
+                    ),
                     None => r.scheduler.clone(),
                 },
                 match (r.budget, &r.budget_spec, &r.bytes_share) {

@@ -1,15 +1,20 @@
 // attend_decode, recall pass: between the split and the reduce passes, each page list's evicted
-// tokens in its recall tier (evict/capture.wgsl) are scored against the layer's queries, the
-// PAGES tier pages holding the highest scores are chosen, and their attention is written as one
+// tokens in its recall tier (evict/capture.wgsl) are scored against the layer's queries by their
+// key digests (evict/digest.wgsl, in device memory), the PAGES tier pages holding the highest
+// scores are chosen, and their attention, over their true keys and values, is written as one
 // more partial record per query head (the attention's last partial buffer), so the reduce pass
-// merges it with the resident pages' records: attention reads what eviction removed, straight
-// from the tier (host memory where the device reads it in place), and the mass pass normalises
-// the resident tokens' attention against the whole softmax.
+// merges it with the resident pages' records: attention reads what eviction removed straight
+// from the tier (host memory where the device reads it in place), only the chosen pages' K and V
+// crossing the bus, and the mass pass normalises the resident tokens' attention against the
+// whole softmax.
 //
-// A page's score is its best token's, the largest q.k over the list's query heads: the true
-// score, not a bound. The chosen pages are the highest scores, the lowest page first among equal
-// ones; `recall_sel` keeps them (and their scores) for reports and tests. One workgroup per
-// (KV head, sequence).
+// A token's digest score is q.centre + sum_i q_i x spread_i x (+1 where its bit is set, else -1),
+// the list's calibration standing in for the key; a page's score is its best token's over the
+// list's query heads. The chosen pages are the highest scores, the lowest page first among equal
+// ones; `recall_sel` keeps them (and their digest scores) for reports and tests. With
+// `tier.audit`, the pass first finds the pages the true q.k would choose (reading every tier key)
+// and counts in `tier_stats` how many of them the digest chose. One workgroup per (KV head,
+// sequence).
 
 //!import common/pool.wgsl
 //!import attend/common.wgsl
@@ -31,6 +36,9 @@ override PAGES: u32 = 4u;
 @group(0) @binding(5) var<storage, read> queries: array<f32>;
 @group(0) @binding(6) var<storage, read_write> partials: array<f32>;
 @group(0) @binding(7) var<storage, read_write> recall_sel: array<u32>;
+@group(0) @binding(8) var<storage, read> tier_digest: array<u32>;
+@group(0) @binding(9) var<storage, read> tier_calib: array<f32>;
+@group(0) @binding(10) var<storage, read_write> tier_stats: array<atomic<u32>>;
 
 const WG: u32 = 256u;
 // Tier pages a list may hold (the host sizes `tier.cap` within it).
@@ -40,6 +48,7 @@ var<workgroup> best: array<atomic<u32>, MAX_TIER_PAGES>;
 var<workgroup> pick_key: array<u32, WG>;
 var<workgroup> pick_idx: array<u32, WG>;
 var<workgroup> chosen: array<u32, 16>;
+var<workgroup> truth: array<u32, 16>;
 var<workgroup> probs: array<f32, WG>;
 var<workgroup> n_sh: u32;
 
@@ -76,42 +85,28 @@ fn key_dot(at: u32, qo: u32) -> f32 {
     return s;
 }
 
-// Dimension `i` of tier slot `at`'s V vector.
-fn value_at(at: u32, i: u32) -> f32 {
-    if (F16) {
-        let v = unpack2x16float(tier_word(at, 1u, i / 2u));
-        return select(v.x, v.y, (i & 1u) == 1u);
+// The digest score of tier slot `at` for the query at `queries[qo..]` (list `li`'s calibration).
+fn digest_dot(at: u32, qo: u32, li: u32) -> f32 {
+    let d = geo.head_dim;
+    let dw = (d + 31u) / 32u;
+    let cb = 3u * d * li;
+    var s = 0.0;
+    for (var w = 0u; w < dw; w++) {
+        let bits = tier_digest[at * dw + w];
+        for (var b = 0u; b < min(32u, d - w * 32u); b++) {
+            let i = w * 32u + b;
+            let sp = tier_calib[cb + d + i];
+            s += queries[qo + i] * (tier_calib[cb + i] + select(-sp, sp, ((bits >> b) & 1u) == 1u));
+        }
     }
-    return bitcast<f32>(tier_word(at, 1u, i));
+    return s;
 }
 
-@compute @workgroup_size(256)
-fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t: u32) {
-    let h = wg.x;
-    let seq = wg.y;
-    let P = geo.page_size;
-    let d = geo.head_dim;
-    let li = list_index(geo, params.layer, seq, h);
-    if (t == 0u) {
-        n_sh = min(tier_count[li], tier.cap);
-    }
-    let n = workgroupUniformLoad(&n_sh);
-    let pages = (n + P - 1u) / P;
-    let first = li * tier.cap;
-    let qbase = (seq * params.q_heads + h * GROUP) * d;
-    for (var p = t; p < MAX_TIER_PAGES; p += WG) {
-        atomicStore(&best[p], 0u);
-    }
-    workgroupBarrier();
-    for (var j = t; j < n; j += WG) {
-        var s = NEG_BIG;
-        for (var g = 0u; g < GROUP; g++) {
-            s = max(s, key_dot(first + j, qbase + g * d) * params.scale);
-        }
-        atomicMax(&best[j / P], key_of(s));
-    }
-    workgroupBarrier();
-    // The PAGES best pages, one workgroup argmax each.
+// The PAGES best pages of `best` into `chosen` (`u32::MAX` past the live ones), their keys in
+// `pick_key`'s first PAGES entries' place (`chosen_key`), one workgroup argmax each; `best` is
+// left cleared where a page was taken.
+var<workgroup> chosen_key: array<u32, 16>;
+fn pick_pages(t: u32, pages: u32) {
     for (var r = 0u; r < PAGES; r++) {
         var k = 0u;
         var idx = TIER_NONE;
@@ -140,13 +135,96 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
             let live = pick_key[0] > 0u;
             let won = select(TIER_NONE, pick_idx[0], live);
             chosen[r] = won;
-            recall_sel[li * 2u * PAGES + r] = won;
-            recall_sel[li * 2u * PAGES + PAGES + r] = select(0u, bitcast<u32>(score_of(pick_key[0])), live);
+            chosen_key[r] = pick_key[0];
             if (live) {
                 atomicStore(&best[won], 0u);
             }
         }
         workgroupBarrier();
+    }
+}
+
+// Dimension `i` of tier slot `at`'s V vector.
+fn value_at(at: u32, i: u32) -> f32 {
+    if (F16) {
+        let v = unpack2x16float(tier_word(at, 1u, i / 2u));
+        return select(v.x, v.y, (i & 1u) == 1u);
+    }
+    return bitcast<f32>(tier_word(at, 1u, i));
+}
+
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t: u32) {
+    let h = wg.x;
+    let seq = wg.y;
+    let P = geo.page_size;
+    let d = geo.head_dim;
+    let li = list_index(geo, params.layer, seq, h);
+    if (t == 0u) {
+        n_sh = min(tier_count[li], tier.cap);
+    }
+    let n = workgroupUniformLoad(&n_sh);
+    let pages = (n + P - 1u) / P;
+    let first = li * tier.cap;
+    let qbase = (seq * params.q_heads + h * GROUP) * d;
+    if (tier.audit != 0u) {
+        // The pages the true scores choose, then how many of them the digest's choice holds.
+        for (var p = t; p < MAX_TIER_PAGES; p += WG) {
+            atomicStore(&best[p], 0u);
+        }
+        workgroupBarrier();
+        for (var j = t; j < n; j += WG) {
+            var s = NEG_BIG;
+            for (var g = 0u; g < GROUP; g++) {
+                s = max(s, key_dot(first + j, qbase + g * d) * params.scale);
+            }
+            atomicMax(&best[j / P], key_of(s));
+        }
+        workgroupBarrier();
+        pick_pages(t, pages);
+        if (t < PAGES) {
+            truth[t] = chosen[t];
+        }
+        workgroupBarrier();
+    }
+    for (var p = t; p < MAX_TIER_PAGES; p += WG) {
+        atomicStore(&best[p], 0u);
+    }
+    workgroupBarrier();
+    for (var j = t; j < n; j += WG) {
+        var s = NEG_BIG;
+        for (var g = 0u; g < GROUP; g++) {
+            s = max(s, digest_dot(first + j, qbase + g * d, li) * params.scale);
+        }
+        atomicMax(&best[j / P], key_of(s));
+    }
+    workgroupBarrier();
+    pick_pages(t, pages);
+    if (t < PAGES) {
+        let live = chosen_key[t] > 0u;
+        recall_sel[li * 2u * PAGES + t] = chosen[t];
+        recall_sel[li * 2u * PAGES + PAGES + t] = select(0u, bitcast<u32>(score_of(chosen_key[t])), live);
+    }
+    if (tier.audit != 0u && t == 0u && n > 0u) {
+        var want = 0u;
+        var hits = 0u;
+        for (var a = 0u; a < PAGES; a++) {
+            if (truth[a] == TIER_NONE) {
+                continue;
+            }
+            want += 1u;
+            for (var b = 0u; b < PAGES; b++) {
+                hits += select(0u, 1u, chosen[b] == truth[a]);
+            }
+        }
+        var top = 0u;
+        for (var b = 0u; b < PAGES; b++) {
+            top += select(0u, 1u, chosen[b] == truth[0]);
+        }
+        atomicAdd(&tier_stats[TIER_AUDIT_LISTS], 1u);
+        atomicAdd(&tier_stats[TIER_AUDIT_TOP], top);
+        atomicAdd(&tier_stats[TIER_AUDIT_WANT], want);
+        atomicAdd(&tier_stats[TIER_AUDIT_HITS], hits);
     }
     // Each query head's attention over the chosen pages' tokens: one partial record.
     for (var g = 0u; g < GROUP; g++) {

@@ -459,6 +459,11 @@ fn the_recall_tier_attends_what_eviction_removed_in_lockstep() {
             }
             let v = pollster::block_on(p.verify(rt)).unwrap_or_else(|e| panic!("seed {seed} {sched} recall {recall}: {e}"));
             assert!(v.expect("lockstep").attention_checked >= 8, "seed {seed}");
+            if let Some(t) = &p.kv.recall {
+                // The lockstep checked calibrated digests, not only the uncalibrated sign bits.
+                let (_, _, state) = pollster::block_on(t.read_digests(rt)).expect("digests");
+                assert!(state.chunks(2).any(|s| s[1] > 0), "seed {seed} {sched}: no list's digest calibrated");
+            }
             (errors, pages)
         };
         let (plain, plain_pages) = run(0);

@@ -1,14 +1,16 @@
 //! The recall tier: every victim an eviction selects captured into its list's tier exactly as the
-//! CPU reference captures it (order, words, positions, and what a full tier drops), and the recall
-//! pass attending each list's best tier pages: the pages the reference chooses by the true q.k
-//! (up to near ties), the output and the resident tokens' masses those of attention over the
-//! resident and the recalled tokens together.
+//! CPU reference captures it (order, words, positions, and what a full tier drops), with the key
+//! digests the reference sets (bits and counters exactly, the calibration within f32 roundings),
+//! and the recall pass attending each list's best tier pages: the pages the reference chooses by
+//! the digest scores (up to near ties), the output and the resident tokens' masses those of
+//! attention over the resident and the recalled tokens together, and the audit's counts of the
+//! truly best pages the digests found those the reference counts.
 
 use expertkv_core::append::KvPool;
 use expertkv_core::attend::{AttendOptions, Attention};
 use expertkv_core::evict::Scheduler;
 use expertkv_core::evict::config::Threshold;
-use expertkv_core::evict::recall::{RecallConfig, RecallTier};
+use expertkv_core::evict::recall::{DigestAudit, RecallConfig, RecallTier};
 use expertkv_core::gpu_data::{ListState, meta};
 use expertkv_core::reference::PoolModel;
 use expertkv_core::reference::attend::{ATTENTION_ATOL, ATTENTION_RTOL};
@@ -70,7 +72,7 @@ fn setup(rt: &Runtime, rng: &mut Rng, cfg: &expertkv_core::config::PoolConfig, r
 #[test]
 fn capture_gpu_match_cpu() {
     let rt = rt();
-    let (mut captured, mut dropped, mut multi, mut runs) = (0u64, 0u64, 0, 0);
+    let (mut captured, mut dropped, mut multi, mut runs, mut calibrated, mut most) = (0u64, 0u64, 0, 0, 0u64, 0u32);
     for seed in seeds("recall_capture", 12) {
         let mut rng = Rng::new(seed);
         let cfg = config(&mut rng, false);
@@ -81,7 +83,8 @@ fn capture_gpu_match_cpu() {
         runs += 1;
         multi += usize::from(x.pool.n_buffers() > 1);
         let ctx = format!("seed {seed}: {:?}, budget {}, tier of {tokens}, {cfg:?}", x.s.cfg, x.s.budget);
-        for round in 0..3u32 {
+        // Enough rounds for some lists' tiers to reach the digests' calibration.
+        for round in 0..if tokens == 512 { 8 } else { 3u32 } {
             evict_round(rt, &mut rng, &mut x, round);
             let ctx = format!("{ctx}, round {round}");
             assert_same_state(rt, &x.pool, &x.model, &ctx);
@@ -100,6 +103,21 @@ fn capture_gpu_match_cpu() {
                     }
                 }
             }
+            let (bits, calib, state) = pollster::block_on(x.tier.read_digests(rt)).expect("digests");
+            most = most.max(want.count.iter().copied().max().unwrap_or(0));
+            let dw = cfg.head_dim.div_ceil(32) as usize;
+            for (li, &[n, cal]) in want.digested.iter().enumerate() {
+                assert_eq!([state[2 * li], state[2 * li + 1]], [n, cal], "{ctx}: list {li}'s slots digested, tokens calibrated on");
+                calibrated += u64::from(cal > 0);
+                for j in 0..n as usize {
+                    let o = (li * want.cap as usize + j) * dw;
+                    assert_eq!(&bits[o..o + dw], &want.digest[o..o + dw], "{ctx}: digest of list {li}'s tier slot {j}");
+                }
+            }
+            for (i, (g, w)) in calib.iter().zip(&want.calib).enumerate() {
+                // Sums of up to 512 f16 keys in f32, and a centre and spread divided from them.
+                assert!((g - w).abs() <= 1e-5 * (1.0 + w.abs()), "{ctx}: calibration word {i}: {g} against {w}");
+            }
             let (d, c) = pollster::block_on(x.tier.read_stats(rt)).expect("stats");
             let want_captured: u64 = want.count.iter().map(|&n| u64::from(n)).sum();
             assert_eq!((d, c), (want.dropped, want_captured), "{ctx}: victims dropped past a full tier, captured");
@@ -107,15 +125,15 @@ fn capture_gpu_match_cpu() {
         }
     }
     assert!(
-        runs >= 8 && captured > 0 && dropped > 0 && multi > 0,
-        "{runs} runs, {captured} captured, {dropped} dropped, {multi} multi-buffer"
+        runs >= 8 && captured > 0 && dropped > 0 && multi > 0 && calibrated > 0,
+        "{runs} runs, {captured} captured, {dropped} dropped, {multi} multi-buffer, {calibrated} lists calibrated (the fullest tier list {most})"
     );
 }
 
 #[test]
 fn recall_attends_the_best_tier_pages_as_the_reference_does() {
     let rt = rt();
-    let (mut recalled_pages, mut near_ties, mut runs, mut empty_lists) = (0u64, 0u64, 0, 0u64);
+    let (mut recalled_pages, mut near_ties, mut runs, mut empty_lists, mut missed) = (0u64, 0u64, 0, 0u64, 0u64);
     for seed in seeds("recall_attend", 10) {
         let mut rng = Rng::new(seed);
         let cfg = config(&mut rng, false);
@@ -125,9 +143,11 @@ fn recall_attends_the_best_tier_pages_as_the_reference_does() {
         let Some(mut x) = setup(rt, &mut rng, &cfg, rc, group) else { continue };
         runs += 1;
         let ctx = format!("seed {seed}: {:?}, budget {}, group {group}, {pages} pages recalled, {cfg:?}", x.s.cfg, x.s.budget);
-        for round in 0..3u32 {
+        for round in 0..5u32 {
             evict_round(rt, &mut rng, &mut x, round);
         }
+        x.tier.set_audit(rt, true);
+        let mut want_audit = DigestAudit::default();
         let opts = AttendOptions { group, n_seqs: cfg.max_seqs, chunk_pages: 2, mass: true, recall: true, ..Default::default() };
         let attn = pollster::block_on(Attention::new(rt, &x.pool, opts)).expect("attention");
         pollster::block_on(x.tier.bind_attention(rt, &x.pool, &attn)).expect("bind");
@@ -154,8 +174,9 @@ fn recall_attends_the_best_tier_pages_as_the_reference_does() {
                 for h in 0..cfg.kv_heads {
                     let li = x.model.list_index(layer, seq, h);
                     let heads: Vec<&[f32]> = (0..group).map(|g| &q[((seq * cfg.kv_heads + h) * group + g) as usize * d..][..d]).collect();
-                    let scores = tier.page_scores(&cfg, li, &heads, scale);
+                    let scores = tier.digest_page_scores(&cfg, li, &heads, scale);
                     let want = choose(&scores, pages as usize);
+                    let truth = choose(&tier.page_scores(&cfg, li, &heads, scale), pages as usize);
                     let (gp, gs) = &sel[li as usize];
                     let mine: Vec<u32> = gp.iter().copied().filter(|&p| p != u32::MAX).collect();
                     assert_eq!(mine.len(), want.len(), "{ctx}: list {li}: {mine:?} chosen, the reference {want:?}");
@@ -170,9 +191,23 @@ fn recall_attends_the_best_tier_pages_as_the_reference_does() {
                         near_ties += u64::from(g != w);
                         assert!((f64::from(gs[r]) - sg).abs() <= tie, "{ctx}: list {li}: score of page {g} {} against {sg}", gs[r]);
                     }
+                    if !truth.is_empty() {
+                        want_audit.passes += 1;
+                        want_audit.top_hits += u64::from(mine.contains(&truth[0]));
+                        want_audit.want += truth.len() as u64;
+                        want_audit.hits += truth.iter().filter(|p| mine.contains(p)).count() as u64;
+                    }
                     chosen[li as usize] = mine;
                 }
             }
+            // The audit counts on the GPU's own choice (its near ties included) against the true
+            // best pages, which the f64 reference finds; a true near tie could swap one, so the
+            // counts may differ by the near ties' number, nothing more.
+            let audit = pollster::block_on(x.tier.read_audit(rt)).expect("audit");
+            assert_eq!(audit.passes, want_audit.passes, "{ctx}: audited passes");
+            assert_eq!(audit.want, want_audit.want, "{ctx}: truly best pages counted");
+            assert!(audit.hits.abs_diff(want_audit.hits) <= near_ties, "{ctx}: audit hits {audit:?}, the reference's {want_audit:?}");
+            missed += want_audit.want - want_audit.hits;
             let reference = attend_with_recall(&x.model, &tier, layer, cfg.max_seqs, &q, group, scale, &|li| chosen[li as usize].clone());
             for (i, (g, w)) in got.iter().zip(&reference.out).enumerate() {
                 let tol = ATTENTION_ATOL + ATTENTION_RTOL * w.abs();
@@ -194,6 +229,6 @@ fn recall_attends_the_best_tier_pages_as_the_reference_does() {
     }
     assert!(
         runs >= 6 && recalled_pages > 0,
-        "{runs} runs, {recalled_pages} pages recalled ({near_ties} near ties, {empty_lists} empty lists)"
+        "{runs} runs, {recalled_pages} pages recalled ({near_ties} near ties, {empty_lists} empty lists, {missed} best pages the digests missed)"
     );
 }

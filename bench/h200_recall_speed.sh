@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The recall tier's price in decode speed, on the GPU machine, in one short call that needs no
+# model file: a random Q4_1 model of SmolLM2-135M's shape (30 layers, hidden 576, 9 query and 3
+# KV heads of 64, FFN 1536; `synth`, whose byte-level vocabulary of 256 makes the LM head far
+# cheaper than SmolLM2's 49,152 rows), H2O at 192 tokens a list, without and with `--recall 4`:
+# batch 1 after a ~1,900-token prompt (the lists evicting every step), and batch 32 from short
+# prompts (400 steps, evicting from step 193 on); decode steps back to back (`run --time-steps`),
+# each pair twice in alternating order. Prints tokens/s, the recall's bytes a step from the tier
+# (host memory) and of digests (device memory). Needs .bin/expertkv.xz and .gl/.
+set -u
+. bench/lib.sh
+h200_binary || exit 1
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+M=/root/smol_shape.gguf
+[ -s "$M" ] || $B synth --out "$M" --experts 0 --layers 30 --hidden 576 --heads 9 --kv-heads 3 --ffn 1536 --weights q4_1 --untied-output | tail -1
+LONG=$(python3 -c 'print(" ".join(open("bench/data/harbour_town.txt").read().split()[:350]))')
+python3 -c 'import re; t=open("bench/data/harbour_town.txt").read(); s=[x.strip() for x in re.split(r"(?<=[.!?])\s+", t) if len(x.split()) > 4]; print("\n".join(s[:32]))' > /tmp/prompts32.txt
+speed() { # label, run arguments...
+  local label=$1
+  shift
+  timeout 60 $B run --model "$M" --scheduler h2o:sinks=4 --budget 192 --json "$@" 2>&1 | grep '"decode_steps"' | python3 -c '
+import json, sys
+j = json.loads(sys.stdin.read())
+r = j.get("recall") or {}
+print(sys.argv[1], "%.1f tokens/s, %.3f ms a step (wall), host %.3f ms, %d dispatches; recall reads %s bytes a step from the tier (host memory: %s), %s bytes of digests (%s allocated)" % (
+    j["tokens_per_s"], j["wall_ms_per_step"], j["host_ms_per_step"], j["dispatches_per_step"], r.get("bytes_read_per_step", 0), r.get("host_memory"), r.get("digest_bytes_read_per_step", 0), r.get("digest_bytes", 0)))' "$label"
+}
+rec() { [ "$1" = 0 ] || echo "--recall $1"; }
+for order in "0 4" "4 0"; do
+  for r in $order; do speed "h2o recall=$r batch 1" --prompt "$LONG" --tokens 2 --time-steps 300 $(rec $r); done
+  for r in $order; do speed "h2o recall=$r batch 32" --prompts /tmp/prompts32.txt --batch 32 --tokens 2 --time-steps 400 $(rec $r); done
+done
