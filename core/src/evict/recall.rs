@@ -4,14 +4,15 @@
 //! captured key leaves a one-bit-a-dimension digest in device memory (`evict/digest.wgsl`,
 //! against its list's centre, calibrated once on the first [`DIGEST_CALIB_TOKENS`] tokens). Before
 //! every layer's reduce pass, each list's tier tokens are scored against the layer's queries by
-//! their digests, and the pages holding the best scores are attended over their true keys and
-//! values (`attend/recall.wgsl`), one more partial record per query head that the reduce pass
-//! merges with the resident pages'.
+//! their digests, which nominate the best `candidates` pages; those pages' true q.k (their keys
+//! read from the tier) choose the `pages` attended over their true keys and values
+//! (`attend/recall.wgsl`), one more partial record per query head that the reduce pass merges
+//! with the resident pages'.
 //!
 //! Where the device can read host memory in place (`MAPPABLE_PRIMARY_BUFFERS`, native), the tier
 //! lives there: the GPU holds the pool within its budget and the digests (an f16 key's sixteenth,
-//! counted in the K/V bytes: [`RecallTier::digest_bytes`]), and a recall reads only the chosen
-//! pages' K and V over the bus, with no host stop and no copy. Elsewhere (the browser) the tier is
+//! counted in the K/V bytes: [`RecallTier::digest_bytes`]), and a recall reads only the nominated
+//! pages' keys and the chosen pages' values over the bus, with no host stop and no copy. Elsewhere (the browser) the tier is
 //! device memory: the same answers, no bytes saved, and [`RecallTier::host_memory`] says so.
 //! [`RecallTier::set_audit`] has the pass also find the pages the true scores would choose and
 //! count the digest's hits ([`DigestAudit`]).
@@ -31,6 +32,14 @@ pub const MAX_RECALL_PAGES: u32 = 16;
 
 /// Most tier pages a list may hold (`attend/recall.wgsl`'s workgroup table of page scores).
 pub const MAX_TIER_PAGES: u32 = 1024;
+
+/// Most pages the digests nominate per list and layer (`attend/recall.wgsl`'s candidates).
+pub const MAX_RECALL_CANDIDATES: u32 = 64;
+
+/// Pages the digests nominate by default: on SmolLM2 (bench/digest_reference.py) one-bit
+/// digests alone missed every planted fact, and nominating 32 pages whose true scores then chose
+/// 4 found every one.
+pub const DEFAULT_RECALL_CANDIDATES: u32 = 32;
 
 /// Query heads per KV head the recall pass handles.
 pub const MAX_RECALL_GROUP: u32 = 8;
@@ -74,12 +83,21 @@ impl DigestAudit {
 pub struct RecallConfig {
     /// Tier pages attended per list and layer (1..=[`MAX_RECALL_PAGES`]).
     pub pages: u32,
+    /// Tier pages the digests nominate per list and layer, among which the true scores choose
+    /// `pages` (`pages..=`[`MAX_RECALL_CANDIDATES`]).
+    pub candidates: u32,
     /// Tier tokens per list: the most a list may lose to eviction over a run (rounded up to
     /// whole pages; a victim past it is dropped and counted).
     pub tokens: u32,
 }
 
 impl RecallConfig {
+    /// `pages` attended a list and layer out of [`DEFAULT_RECALL_CANDIDATES`] nominated (or
+    /// `pages`, if more), a tier of `tokens` a list.
+    pub fn new(pages: u32, tokens: u32) -> RecallConfig {
+        RecallConfig { pages, candidates: DEFAULT_RECALL_CANDIDATES.max(pages).min(MAX_RECALL_CANDIDATES), tokens }
+    }
+
     /// Refuse shapes the kernels cannot take, naming the field.
     pub fn validate(&self, page_size: u32, group: u32, head_dim: u32) -> Result<()> {
         if head_dim > 256 {
@@ -90,6 +108,13 @@ impl RecallConfig {
                 "recall",
                 self.pages,
                 format!("pages recalled per list and layer: 1 to {} ({} tokens at most)", MAX_RECALL_PAGES.min(256 / page_size), 256),
+            ));
+        }
+        if self.candidates < self.pages || self.candidates > MAX_RECALL_CANDIDATES {
+            return Err(Error::config(
+                "recall candidates",
+                self.candidates,
+                format!("pages the digests nominate: from the pages recalled ({}) to {MAX_RECALL_CANDIDATES}", self.pages),
             ));
         }
         if self.tokens == 0 || self.tokens.div_ceil(page_size) > MAX_TIER_PAGES {
@@ -279,6 +304,7 @@ impl RecallTier {
                     ("GROUP", f64::from(group)),
                     ("F16", f64::from(u8::from(pool.cfg.dtype == crate::config::KvDtype::F16))),
                     ("PAGES", f64::from(self.cfg.pages)),
+                    ("CANDIDATES", f64::from(self.cfg.candidates)),
                 ],
             )
             .await?;
@@ -370,13 +396,14 @@ impl RecallTier {
     }
 
     /// Bytes one step's recall passes read from the tier now (every layer's, the audit off): the
-    /// keys and values of the tokens of the pages each list recalls. (The digests they score
-    /// every tier token by are device memory: [`RecallTier::digest_bytes_read_per_step`].)
+    /// keys of the tokens of the pages the digests nominate and the values of those of the pages
+    /// recalled. (The digests they score every tier token by are device memory:
+    /// [`RecallTier::digest_bytes_read_per_step`].)
     pub async fn bytes_read_per_step(&self, rt: &Runtime, pool: &KvPool) -> Result<u64> {
         let token = u64::from(pool.cfg.vec_words()) * 4;
-        let recalled = self.cfg.pages * pool.cfg.page_size;
+        let (nominated, recalled) = (self.cfg.candidates * pool.cfg.page_size, self.cfg.pages * pool.cfg.page_size);
         let counts = self.read_counts(rt).await?;
-        Ok(counts.iter().map(|&n| 2 * u64::from(n.min(self.cap).min(recalled)) * token).sum())
+        Ok(counts.iter().map(|&n| u64::from(n.min(self.cap).min(nominated) + n.min(self.cap).min(recalled)) * token).sum())
     }
 
     /// Bytes of digests one step's recall passes read from device memory now (every layer's).

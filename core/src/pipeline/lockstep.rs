@@ -12,7 +12,7 @@ use crate::evict::quest::Quest;
 use crate::evict::recall::RecallTier;
 use crate::gpu_data::{ListState, meta};
 use crate::reference::PoolModel;
-use crate::reference::recall::{TierModel, attend_with_recall, choose};
+use crate::reference::recall::{TierModel, attend_with_recall, check_choice};
 use crate::runtime::Runtime;
 
 /// What the CPU reference check found ([`Pipeline::verify`] returns an error instead where the
@@ -220,11 +220,11 @@ impl Pipeline {
         Ok(())
     }
 
-    /// The recall tier's part of the lockstep: every list's recalled pages those whose digest
-    /// scores are the highest in the reference's tier (its own digests, calibration and scores;
-    /// up to pages within a few f32 roundings of each other, whose order the GPU's sums may
-    /// swap), and the scores the GPU kept for them within that. Returns each list's recalled
-    /// pages (the GPU's choice).
+    /// The recall tier's part of the lockstep: every list's recalled pages those the reference
+    /// chooses from its own tier, digests and calibration (the best true scores among the pages
+    /// the best digest scores nominate; up to near ties the GPU's f32 sums may order
+    /// differently: [`check_choice`]), and the true scores the GPU kept for them. Returns each
+    /// list's recalled pages (the GPU's choice).
     async fn check_recall(
         &self,
         rt: &Runtime,
@@ -243,23 +243,12 @@ impl Pipeline {
             for h in 0..c.kv_heads {
                 let li = model.list_index(layer, seq, h);
                 let heads: Vec<&[f32]> = (0..group).map(|g| &q[((seq * c.kv_heads + h) * group + g) as usize * d..][..d]).collect();
-                let scores = tier.digest_page_scores(c, li, &heads, scale);
-                let want = choose(&scores, t.cfg.pages as usize);
+                let digest = tier.digest_page_scores(c, li, &heads, scale);
+                let exact = tier.page_scores(c, li, &heads, scale);
                 let (pages, got_scores) = &sel[li as usize];
                 let got: Vec<u32> = pages.iter().copied().filter(|&p| p != u32::MAX).collect();
-                if got.len() != want.len() {
-                    return Err(verify_err(format!("step {step}, layer {layer}: list {li} recalled {got:?}, the reference {want:?}")));
-                }
-                for (r, (&g, &w)) in got.iter().zip(&want).enumerate() {
-                    let (sg, sw) = (scores[g as usize], scores[w as usize]);
-                    let tie = 1e-4 * (1.0 + sw.abs());
-                    if (g != w && (sg - sw).abs() > tie) || (f64::from(got_scores[r]) - sg).abs() > tie {
-                        return Err(verify_err(format!(
-                            "step {step}, layer {layer}: list {li} recalled page {g} (score {}, reference {sg}), the reference page {w} ({sw})",
-                            got_scores[r]
-                        )));
-                    }
-                }
+                check_choice(&got, got_scores, &digest, &exact, t.cfg.candidates as usize, t.cfg.pages as usize)
+                    .map_err(|e| verify_err(format!("step {step}, layer {layer}: list {li}: {e}")))?;
                 out[li as usize] = got;
             }
         }

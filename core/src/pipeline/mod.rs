@@ -158,7 +158,7 @@ impl Pipeline {
                 max_tokens: positions * w.n_seqs,
                 ema: cfg.route_ema,
             }),
-            recall: (cfg.recall > 0).then(|| RecallConfig { pages: cfg.recall, tokens: w.prompt_len + cfg.steps }),
+            recall: (cfg.recall > 0).then(|| RecallConfig::new(cfg.recall, w.prompt_len + cfg.steps)),
         };
         let kv = KvSide::new(rt, &kv_cfg).await?;
         let reference = match reference_pool {

@@ -209,6 +209,56 @@ pub fn choose(scores: &[f64], pages: usize) -> Vec<u32> {
     order.into_iter().take(pages).map(|p| p as u32).collect()
 }
 
+/// `attend/recall.wgsl`'s two-stage choice: the `candidates` best pages by `digest` scores, then
+/// the `pages` best of those by `exact` scores (the lowest page first among equal ones, both
+/// stages).
+pub fn choose_two_stage(digest: &[f64], exact: &[f64], candidates: usize, pages: usize) -> Vec<u32> {
+    let mut cands = choose(digest, candidates);
+    cands.sort_by(|&a, &b| exact[b as usize].total_cmp(&exact[a as usize]).then(a.cmp(&b)));
+    cands.truncate(pages);
+    cands
+}
+
+/// Check a GPU's two-stage choice `got` (and the true scores it kept, `got_scores`) against the
+/// reference's over the same list (`digest` and `exact` page scores, f64): the same pages in
+/// order, up to near ties the GPU's f32 sums may order differently (true scores within 1e-4 of
+/// each other, or a page whose digest score is that close to the last candidate's, which either
+/// side may nominate), and every kept score within 1e-4 of the reference's. Returns the near
+/// ties taken, or what differs.
+pub fn check_choice(
+    got: &[u32],
+    got_scores: &[f32],
+    digest: &[f64],
+    exact: &[f64],
+    candidates: usize,
+    pages: usize,
+) -> Result<u64, String> {
+    let want = choose_two_stage(digest, exact, candidates, pages);
+    if got.len() != want.len() {
+        return Err(format!("recalled {got:?}, the reference {want:?}"));
+    }
+    let tie = |x: f64| 1e-4 * (1.0 + x.abs());
+    let cands = choose(digest, candidates);
+    let edge = cands.last().map_or(f64::NEG_INFINITY, |&c| digest[c as usize]);
+    let on_edge = |p: u32| (digest[p as usize] - edge).abs() <= tie(edge);
+    let mut near = 0;
+    for (r, (&g, &w)) in got.iter().zip(&want).enumerate() {
+        let (sg, sw) = (exact[g as usize], exact[w as usize]);
+        if g != w {
+            if (sg - sw).abs() > tie(sw) && !on_edge(g) && !on_edge(w) {
+                return Err(format!(
+                    "recalled page {g} (true score {sg}) where the reference recalls {w} ({sw}); the reference's {want:?}"
+                ));
+            }
+            near += 1;
+        }
+        if (f64::from(got_scores[r]) - sg).abs() > tie(sg) {
+            return Err(format!("page {g}'s kept score {} against the reference's {sg}", got_scores[r]));
+        }
+    }
+    Ok(near)
+}
+
 /// Decode attention (as [`super::attend::attend_decode`]) over each list's resident pages and the
 /// tier pages `recalled(li)` names, in f64: `[seq][q_head][head_dim]`. The recalled tokens get
 /// no mass (they are not in the pool); the resident tokens' mass is normalised over both.

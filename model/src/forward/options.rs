@@ -97,7 +97,7 @@ impl ModelOptions {
             group: cfg.head_count / cfg.head_count_kv.max(1),
             chunk_pages: 8,
             route: self.routing.as_ref().map(|r| r.route_spec(self.n_seqs)),
-            recall: self.recall.map(|pages| RecallConfig { pages, tokens: self.max_context }),
+            recall: self.recall.map(|pages| RecallConfig::new(pages, self.max_context)),
         }
     }
 

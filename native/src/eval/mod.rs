@@ -126,6 +126,11 @@ pub struct EvalArgs {
     /// One JSON object per configuration instead of a table.
     #[arg(long)]
     json: bool,
+    /// Write the scored text's token ids and every retrieval case (each turn's ids fed, tokens
+    /// generated, the number expected) to this file as JSON, then stop before any GPU work: the
+    /// same inputs for another implementation (bench/digest_reference.py).
+    #[arg(long, value_name = "FILE")]
+    write_cases: Option<std::path::PathBuf>,
 }
 
 #[derive(Serialize)]
@@ -149,9 +154,10 @@ struct Row {
     /// memory).
     recall_host_bytes: u64,
     /// With recall, over every scoring step, layer and list: the share of the pages the true
-    /// q.k would recall that the key digests recalled.
+    /// q.k would recall (among every tier page) that the recall chose (the digests nominating,
+    /// the nominees' true scores choosing).
     digest_recall: Option<f64>,
-    /// ... and the share of recalls whose truly best page the digests recalled.
+    /// ... and the share of recalls that chose the truly best page.
     digest_top_recall: Option<f64>,
     /// Tokens kept per (layer, KV head).
     budget: Option<u32>,
@@ -690,6 +696,20 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
     } else {
         Vec::new()
     };
+    if let Some(out) = &a.write_cases {
+        let cases: Vec<serde_json::Value> = checks
+            .iter()
+            .map(|c| {
+                let turns: Vec<serde_json::Value> =
+                    c.turns.iter().map(|t| serde_json::json!({ "feed": t.feed, "generate": t.generate, "expect": t.expect })).collect();
+                serde_json::json!({ "name": c.name, "turns": turns })
+            })
+            .collect();
+        let doc = serde_json::json!({ "model": path.display().to_string(), "text_ids": ids, "cases": cases });
+        std::fs::write(out, serde_json::to_string(&doc)?).with_context(|| format!("--write-cases: cannot write {}", out.display()))?;
+        println!("wrote {} ({} text tokens, {} retrieval cases)", out.display(), ids.len(), checks.len());
+        return Ok(());
+    }
     let rt = gpu.runtime()?;
     if !a.json {
         println!(

@@ -65,7 +65,7 @@ pub(super) fn run(gpu: &GpuArgs, a: &SoakArgs, (min_len, max_len): (u32, u32)) -
         group: GROUP,
         chunk_pages: 8,
         route: None,
-        recall: a.recall.map(|pages| RecallConfig { pages, tokens: max_len.next_multiple_of(page) }),
+        recall: a.recall.map(|pages| RecallConfig::new(pages, max_len.next_multiple_of(page))),
     };
     kv_cfg.validate()?;
     let rt = gpu.runtime()?;

@@ -1,20 +1,21 @@
 // attend_decode, recall pass: between the split and the reduce passes, each page list's evicted
-// tokens in its recall tier (evict/capture.wgsl) are scored against the layer's queries by their
-// key digests (evict/digest.wgsl, in device memory), the PAGES tier pages holding the highest
-// scores are chosen, and their attention, over their true keys and values, is written as one
-// more partial record per query head (the attention's last partial buffer), so the reduce pass
-// merges it with the resident pages' records: attention reads what eviction removed straight
-// from the tier (host memory where the device reads it in place), only the chosen pages' K and V
-// crossing the bus, and the mass pass normalises the resident tokens' attention against the
-// whole softmax.
+// tokens in its recall tier (evict/capture.wgsl) are scored against the layer's queries in two
+// stages: by their key digests (evict/digest.wgsl, in device memory), which nominate the
+// CANDIDATES best pages, then by the true q.k of those pages' keys, read from the tier, which
+// choose the PAGES best of them. Their attention, over their true keys and values, is written as
+// one more partial record per query head (the attention's last partial buffer), so the reduce
+// pass merges it with the resident pages' records: attention reads what eviction removed straight
+// from the tier (host memory where the device reads it in place), only the candidates' keys and
+// the chosen pages' values crossing the bus, and the mass pass normalises the resident tokens'
+// attention against the whole softmax.
 //
 // A token's digest score is q.centre + sum_i q_i x spread_i x (+1 where its bit is set, else -1),
-// the list's calibration standing in for the key; a page's score is its best token's over the
-// list's query heads. The chosen pages are the highest scores, the lowest page first among equal
-// ones; `recall_sel` keeps them (and their digest scores) for reports and tests. With
-// `tier.audit`, the pass first finds the pages the true q.k would choose (reading every tier key)
-// and counts in `tier_stats` how many of them the digest chose. One workgroup per (KV head,
-// sequence).
+// the list's calibration standing in for the key; a page's score (digest or true) is its best
+// token's over the list's query heads. Both stages take the highest scores, the lowest page first
+// among equal ones; `recall_sel` keeps the chosen pages and their true scores for reports and
+// tests. With `tier.audit`, the pass first finds the pages the true q.k would choose among all
+// (reading every tier key) and counts in `tier_stats` how many of them it chose. One workgroup
+// per (KV head, sequence).
 
 //!import common/pool.wgsl
 //!import attend/common.wgsl
@@ -23,10 +24,11 @@
 //!import common/reduce.wgsl
 
 // Query heads per KV head (at most 8), f16 storage, pages recalled per list (PAGES x page_size
-// at most 256).
+// at most 256), pages the digests nominate (PAGES to MAX_CANDIDATES).
 override GROUP: u32 = 1u;
 override F16: bool = true;
 override PAGES: u32 = 4u;
+override CANDIDATES: u32 = 32u;
 
 @group(0) @binding(0) var<uniform> geo: Geometry;
 @group(0) @binding(1) var<uniform> params: AttendParams;
@@ -47,7 +49,8 @@ const MAX_TIER_PAGES: u32 = 1024u;
 var<workgroup> best: array<atomic<u32>, MAX_TIER_PAGES>;
 var<workgroup> pick_key: array<u32, WG>;
 var<workgroup> pick_idx: array<u32, WG>;
-var<workgroup> chosen: array<u32, 16>;
+const MAX_CANDIDATES: u32 = 64u;
+var<workgroup> chosen: array<u32, MAX_CANDIDATES>;
 var<workgroup> truth: array<u32, 16>;
 var<workgroup> probs: array<f32, WG>;
 var<workgroup> n_sh: u32;
@@ -102,12 +105,11 @@ fn digest_dot(at: u32, qo: u32, li: u32) -> f32 {
     return s;
 }
 
-// The PAGES best pages of `best` into `chosen` (`u32::MAX` past the live ones), their keys in
-// `pick_key`'s first PAGES entries' place (`chosen_key`), one workgroup argmax each; `best` is
-// left cleared where a page was taken.
-var<workgroup> chosen_key: array<u32, 16>;
-fn pick_pages(t: u32, pages: u32) {
-    for (var r = 0u; r < PAGES; r++) {
+// The `count` best pages of `best` into `chosen` (`u32::MAX` past the live ones), their keys
+// into `chosen_key`, one workgroup argmax each; `best` is left cleared where a page was taken.
+var<workgroup> chosen_key: array<u32, MAX_CANDIDATES>;
+fn pick_pages(t: u32, pages: u32, count: u32) {
+    for (var r = 0u; r < count; r++) {
         var k = 0u;
         var idx = TIER_NONE;
         for (var p = t; p < pages; p += WG) {
@@ -181,12 +183,13 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
             atomicMax(&best[j / P], key_of(s));
         }
         workgroupBarrier();
-        pick_pages(t, pages);
+        pick_pages(t, pages, PAGES);
         if (t < PAGES) {
             truth[t] = chosen[t];
         }
         workgroupBarrier();
     }
+    // Stage 1: the digests nominate CANDIDATES pages.
     for (var p = t; p < MAX_TIER_PAGES; p += WG) {
         atomicStore(&best[p], 0u);
     }
@@ -199,7 +202,25 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
         atomicMax(&best[j / P], key_of(s));
     }
     workgroupBarrier();
-    pick_pages(t, pages);
+    pick_pages(t, pages, CANDIDATES);
+    // Stage 2: the candidates' true scores (their keys read from the tier) choose PAGES.
+    for (var p = t; p < MAX_TIER_PAGES; p += WG) {
+        atomicStore(&best[p], 0u);
+    }
+    workgroupBarrier();
+    for (var c = t; c < CANDIDATES * P; c += WG) {
+        let page = chosen[c / P];
+        let j = page * P + c % P;
+        if (page != TIER_NONE && j < n) {
+            var s = NEG_BIG;
+            for (var g = 0u; g < GROUP; g++) {
+                s = max(s, key_dot(first + j, qbase + g * d) * params.scale);
+            }
+            atomicMax(&best[page], key_of(s));
+        }
+    }
+    workgroupBarrier();
+    pick_pages(t, pages, PAGES);
     if (t < PAGES) {
         let live = chosen_key[t] > 0u;
         recall_sel[li * 2u * PAGES + t] = chosen[t];
