@@ -222,6 +222,9 @@ pub struct TierParams {
 }
 const _: () = assert!(std::mem::size_of::<TierParams>() == 16);
 
+/// Tier tokens a list's key digests calibrate on (`common/recall.wgsl`'s `DIGEST_CALIB_TOKENS`).
+pub const DIGEST_CALIB_TOKENS: u32 = 64;
+
 /// Must match `ReleaseParams` in `shaders/wgsl/append/release.wgsl`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]

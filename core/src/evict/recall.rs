@@ -48,8 +48,7 @@ pub const MAX_RECALL_GROUP: u32 = 8;
 /// counters ([`DigestAudit`]).
 const STATS: u64 = 6;
 
-/// Tier tokens a list's digest calibrates on (`common/recall.wgsl`'s `DIGEST_CALIB_TOKENS`).
-pub const DIGEST_CALIB_TOKENS: u32 = 64;
+pub use crate::gpu_data::DIGEST_CALIB_TOKENS;
 
 /// How well the digests chose, over every audited recall pass since the audit was turned on
 /// ([`RecallTier::set_audit`]): of the pages the true q.k would recall, how many the digest

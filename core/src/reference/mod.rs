@@ -10,6 +10,8 @@ pub mod evict;
 pub mod quest;
 pub mod recall;
 pub mod route;
+pub mod tier;
+pub mod words;
 
 pub use append::PoolModel;
 pub use attend::{
