@@ -15,7 +15,10 @@
 # the wasm32 build go on in the background while the native tests build. The whole suite then
 # runs the GPU tests' binary beside every other binary and the browser test (two cores kept
 # busy). Each phase is timed; the summary at the end lists the phases, each test binary and every
-# test that could not run here (skipped, by name). Logs: target/test-logs/.
+# test that could not run here (skipped, by name). The whole suite fails when the skips differ
+# from those its adapter's list expects (tests/expected-skips/lavapipe.txt on lavapipe, or the
+# file EXPERTKV_EXPECTED_SKIPS names): a skip not listed, or a listed one that did not happen.
+# Logs: target/test-logs/.
 set -euo pipefail
 # Background phases run in their own process groups, so a failure can stop them whole.
 set -m
@@ -28,7 +31,7 @@ for a in "$@"; do
     case "$a" in
         --quick) quick=1 ;;
         -h | --help)
-            sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'
+            sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'
             exit 0
             ;;
         *) cargo_args+=("$a") ;;
@@ -140,6 +143,31 @@ run_lane() {
     return $st
 }
 
+# check_skips LIST: this run's skips (the file EXPERTKV_SKIPPED names, "test: why" lines) against
+# LIST (the same form; blank and # lines ignored): prints every skip LIST does not expect and every
+# listed skip that did not happen, and returns 1 if there is any.
+check_skips() {
+    python3 - "$1" "$EXPERTKV_SKIPPED" <<'EOF'
+import sys
+
+def names(path):
+    out = {}
+    for line in open(path):
+        line = line.rstrip("\n")
+        if line.strip() and not line.lstrip().startswith("#"):
+            name, _, why = line.partition(": ")
+            out.setdefault(name.strip(), why.strip())
+    return out
+
+listed, got = names(sys.argv[1]), names(sys.argv[2])
+for n in sorted(set(got) - set(listed)):
+    print(f"  a skip {sys.argv[1]} does not list: {n}: {got[n]}")
+for n in sorted(set(listed) - set(got)):
+    print(f"  a skip {sys.argv[1]} lists did not happen (runs now? then remove its line): {n}: {listed[n]}")
+sys.exit(1 if set(got) != set(listed) else 0)
+EOF
+}
+
 # Background 1: Debian packages (lavapipe where no Vulkan driver exists; the browser test's
 # compiler, linker and Chromium), then the wasm32 build and its JS glue.
 web=$((1 - quick))
@@ -205,6 +233,12 @@ have_vulkan_icd || {
 [ -z "$model_pid" ] || wait_job "$model_pid" "the model download" "$logs/fetch-model.log"
 phase "waiting for set-up" "$s" "(packages, model; the rest ran beside the build)"
 quiet_mesa
+
+# The adapter the tests will run on, and the skips expected there.
+adapter=$(target/debug/expertkv info 2>/dev/null | sed -n 's/^chosen: //p' || true)
+skip_list=${EXPERTKV_EXPECTED_SKIPS:-}
+case "$adapter" in *llvmpipe*) skip_list=${skip_list:-tests/expected-skips/lavapipe.txt} ;; esac
+echo "test.sh: adapter ${adapter:-unknown}; expected skips: ${skip_list:-no list for this adapter (EXPERTKV_EXPECTED_SKIPS names one)}"
 
 # The KV page store's tests talk to a Redis server of their own on a free loopback port,
 # stopped when this script exits (and start further servers themselves to kill them).
@@ -303,4 +337,18 @@ fi
 if [ $browser = 1 ]; then
     failed="the browser test"
     exit 1
+fi
+# The skips against the list for this adapter: enforced in the whole suite only (--quick does not
+# fetch the model, and a filter leaves listed tests out).
+if [ -n "$skip_list" ]; then
+    if [ $quick = 0 ] && [ ${#cargo_args[@]} = 0 ]; then
+        if ! check_skips "$skip_list"; then
+            failed="the skips differ from $skip_list"
+            exit 1
+        fi
+    elif ! check_skips "$skip_list" >"$logs/skip-check.txt"; then
+        echo "note: the skips differ from $skip_list (not enforced with --quick or a filter; see $logs/skip-check.txt)"
+    fi
+elif [ $quick = 0 ] && [ ${#cargo_args[@]} = 0 ]; then
+    echo "note: no expected-skip list for adapter ${adapter:-unknown}: skips not checked (EXPERTKV_EXPECTED_SKIPS names a list)"
 fi
