@@ -2,7 +2,9 @@
 //! `fuzz_targets/` call these, and the test suite replays every corpus through them
 //! (`tests/tests/fuzz_corpora.rs`, on the stable compiler, no sanitizers), so an input kept in
 //! `fuzz/corpus/TARGET` stays fixed. Included by `#[path]` in both places, so it depends only on
-//! what both have: `expertkv-core`, `expertkv-model` and `toml`.
+//! what both have: `expertkv-core`, `expertkv-model` and `toml`. Its fixtures (synthetic models)
+//! are built with `expect`: a harness, where a panic is the report.
+#![allow(clippy::expect_used)]
 
 use std::sync::OnceLock;
 
@@ -12,8 +14,11 @@ use expertkv_model::moe::MoeConfig;
 use expertkv_model::tokenizer::{PreTokenizer, Tokenizer};
 use expertkv_model::{LlamaConfig, LlamaWeights, Moefication, SyntheticModel};
 
+/// A target's name and its body.
+pub type Target = (&'static str, fn(&[u8]));
+
 /// Every target by name, with its function: the `[[bin]]`s of `fuzz/Cargo.toml` but `seeds`.
-pub const TARGETS: [(&str, fn(&[u8])); 6] = [
+pub const TARGETS: [Target; 6] = [
     ("gguf", gguf),
     ("tokenizer", tokenizer),
     ("trace", trace),
