@@ -6,6 +6,8 @@
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
+use expertkv_tests::skip;
+
 fn expertkv(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_expertkv")).args(args).output().expect("running expertkv")
 }
@@ -672,16 +674,6 @@ fn bench_upload_measures_the_host_to_gpu_path() {
     for up in &recs[1..] {
         assert_eq!(up["bytes"].as_u64(), Some(32 << 20), "{up}");
         assert!(up["gbps"].as_f64().is_some_and(|g| g.is_finite() && g > 0.0), "{up}");
-    }
-}
-
-/// Record a test that could not run here (`scripts/test.sh` lists them).
-fn skip(test: &str, why: &str) {
-    eprintln!("skipped {test}: {why}");
-    if let Ok(path) = std::env::var("EXPERTKV_SKIPPED") {
-        use std::io::Write;
-        let mut f = std::fs::OpenOptions::new().append(true).create(true).open(&path).expect("the skip file");
-        writeln!(f, "{test}: {why}").expect("the skip file");
     }
 }
 

@@ -1111,7 +1111,8 @@ pub mod writer;
 pub use dequant::dequantize;
 use dequant::unsupported;
 
-/// The real model of RECIPES.md, read once per test binary: `None` (with a notice) when
+/// The real model of RECIPES.md, read once per test binary: `None` (a skip of `test`, recorded
+/// as every test's skip is: `expertkv_tests::skip`) when
 /// `models/SmolLM2-135M-Instruct.Q4_1.gguf` is missing, unless `EXPERTKV_REQUIRE_MODEL` is set,
 /// in which case a missing file fails the test. `EXPERTKV_MODELS_DIR` moves the folder, as it does
 /// for `scripts/fetch_model.sh`.
@@ -1130,7 +1131,10 @@ pub(crate) fn test_model_bytes(test: &str) -> Option<&'static [u8]> {
             panic!("{test}: EXPERTKV_REQUIRE_MODEL is set but the model cannot be read ({e}); run scripts/fetch_model.sh")
         }
         Err(e) => {
-            eprintln!("{test}: skipped, no model ({e}); run scripts/fetch_model.sh (set EXPERTKV_REQUIRE_MODEL=1 to make this a failure)");
+            expertkv_tests::skip(
+                test,
+                format!("no model ({e}); run scripts/fetch_model.sh (EXPERTKV_REQUIRE_MODEL=1 makes this a failure)"),
+            );
             None
         }
     }

@@ -11,7 +11,7 @@ use expertkv_core::{
     reference::PoolModel,
 };
 
-use crate::common::{POISON_U32, replaying, rt, seeds};
+use crate::common::{POISON_U32, fixed_seeds, rt, seeds};
 
 fn pick<T: Copy>(rng: &mut Rng, items: &[T]) -> T {
     items[rng.below(items.len() as u32) as usize]
@@ -243,7 +243,7 @@ fn append_release_gather_gpu_match_cpu() {
         }
     }
     // The random cases must reach every path, or this test proves less than it claims.
-    if !replaying() {
+    if fixed_seeds() {
         assert!(
             cov.recycles > 0
                 && cov.exhausted > 0

@@ -22,7 +22,7 @@ use expertkv_core::evict::quest::Quest;
 use expertkv_core::rng::Rng;
 
 use crate::append::{random_batch, random_kv};
-use crate::common::{replaying, rt, seeds};
+use crate::common::{fixed_seeds, rt, seeds};
 
 #[test]
 fn pool_invariants_hold_under_churn() {
@@ -134,7 +134,7 @@ fn pool_invariants_hold_under_churn() {
             ops += 1;
         }
     }
-    if !replaying() {
+    if fixed_seeds() {
         assert!(
             ops >= 100 && evictions > 5 && releases > 5 && sequence_releases > 1 && selections > 3 && peak > 100,
             "coverage: {ops} operations, {evictions} evictions, {releases} ring releases, {sequence_releases} sequence releases, \
@@ -236,7 +236,7 @@ fn compressed_pool_invariants_hold_under_churn() {
             pollster::block_on(expertkv_core::pipeline::compare_pool(rt, &pool, &model)).unwrap_or_else(|e| panic!("{ctx}: {e}"));
             compressed_peak = compressed_peak.max(cfg.codec_pages - snap.ctl.codec_free_top);
         }
-        if !replaying() {
+        if fixed_seeds() {
             assert!(
                 compressed_peak > 4 && sequence_releases > 0 && thawed > 0,
                 "{ctx0}: {compressed_peak} compressed pages at most, {sequence_releases} sequence releases, {thawed} pages thawed"
@@ -343,7 +343,7 @@ fn host_tier_keeps_every_token_once_under_churn() {
         }
         fetched += fg.stats.fetched_pages;
     }
-    if !replaying() {
+    if fixed_seeds() {
         assert!(offloads > 5 && fetched > 0, "coverage: {offloads} offloads, {fetched} pages fetched");
     }
 }

@@ -1,7 +1,7 @@
 use std::sync::OnceLock;
 
 use expertkv_core::runtime::{Runtime, RuntimeOptions, ShaderChecks};
-pub use expertkv_tests::{POISON_F32, POISON_U32, pick, replaying, seeds, skip};
+pub use expertkv_tests::{POISON_F32, POISON_U32, case_index, fixed_seeds, pick, seeds, skip};
 
 fn open(checks: ShaderChecks) -> Runtime {
     let mut opts = RuntimeOptions::from_env().expect("EXPERTKV_* environment variables");

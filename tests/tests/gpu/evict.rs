@@ -11,7 +11,7 @@ use expertkv_core::runtime::Runtime;
 use expertkv_core::{append::format::NewToken, reference::PoolModel};
 
 use crate::append::{assert_same_state, random_kv};
-use crate::common::{POISON_U32, replaying, rt, seeds};
+use crate::common::{POISON_U32, fixed_seeds, rt, seeds};
 
 pub fn random_scheduler(rng: &mut Rng) -> SchedulerConfig {
     let sinks = rng.below(4);
@@ -243,7 +243,7 @@ fn evict_gpu_match_cpu() {
         }
         pages_freed += u64::from(model.ctl.pages_evicted);
     }
-    if !replaying() {
+    if fixed_seeds() {
         assert!(
             evicted > 100
                 && pages_freed > 10
@@ -619,7 +619,7 @@ fn ekva_gpu_match_cpu() {
         }
     }
     println!("ekva: {split_lists} lists split, {uneven} unevenly, {evicted} tokens evicted, {inexact} splits off by a token");
-    if !replaying() {
+    if fixed_seeds() {
         assert!(
             split_lists > 20 && uneven > 10 && evicted > 100 && folded > 0,
             "coverage: {split_lists} split, {uneven} uneven, {evicted} evicted, {folded} folded"

@@ -10,7 +10,7 @@ use expertkv_model::experts::{ExpertCacheConfig, ExpertPolicy, ExpertPrefetch, m
 use expertkv_model::forward::{GpuLlama, ModelOptions};
 use expertkv_model::gguf::{GgmlType, Gguf};
 
-use crate::common::{rt, seeds};
+use crate::common::{pick, rt, seeds};
 
 /// Q8_0 and Q4_K files of 8 experts (top 2), 1 and 2 sequences, each policy, with and without
 /// pre-gating prefetch, at the fewest slots a step allows (misses nearly every step): every
@@ -27,7 +27,8 @@ fn an_expert_cache_smaller_than_the_experts_gives_the_all_resident_logits() {
         (GgmlType::Q8_0, 1, ExpertPolicy::Score, ExpertPrefetch::None),
         (GgmlType::Q8_0, 2, ExpertPolicy::Lru, ExpertPrefetch::None),
     ];
-    for ((weights, n_seqs, policy, prefetch), seed) in cases.into_iter().zip(seeds("model_expert_cache", cases.len() as u64)) {
+    for seed in seeds("model_expert_cache", cases.len() as u64) {
+        let (weights, n_seqs, policy, prefetch) = pick(seed, &cases);
         let mut rng = Rng::new(seed);
         let base = SyntheticModel::moe(seed, 8, 2);
         // K-quant rows are whole super-blocks of 256.
@@ -307,7 +308,8 @@ fn one_schedule_moves_kv_pages_and_experts_in_the_same_step() {
     use expertkv_model::forward::{Moved, Stage};
     let rt = rt();
     let cases = [(1, ExpertPolicy::Lru, ExpertPrefetch::Pregate, 64), (2, ExpertPolicy::Score, ExpertPrefetch::None, 40)];
-    for ((n_seqs, policy, prefetch, steps), seed) in cases.into_iter().zip(seeds("model_flexgen_experts", cases.len() as u64)) {
+    for seed in seeds("model_flexgen_experts", cases.len() as u64) {
+        let (n_seqs, policy, prefetch, steps) = pick(seed, &cases);
         let mut rng = Rng::new(seed);
         let spec = SyntheticModel::moe(seed, 8, 2).with_weights(GgmlType::Q8_0);
         let file = spec.gguf();

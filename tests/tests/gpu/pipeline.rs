@@ -316,13 +316,12 @@ fn a_fused_step_does_what_the_staged_step_does() {
     use expertkv_core::config::Codec;
     use expertkv_core::evict::config::SchedulerConfig;
     let rt = rt();
-    let seeds = seeds("fused_step", 3);
     let cases = [
         (Some(SchedulerConfig::H2o { sinks: 4, window: 8 }), Codec::None),
         (Some(SchedulerConfig::AdaKv { floor: 0.2, sinks: 2, window: 8 }), Codec::None),
         (None, Codec::Int8 { group: 16 }),
     ];
-    for seed in seeds {
+    for seed in seeds("fused_step", cases.len() as u64) {
         let (sched, codec) = pick(seed, &cases);
         let base = DemoConfig {
             workload: WorkloadConfig { seed, n_seqs: 2, layers: 2, prompt_len: 96, ..Default::default() },

@@ -19,7 +19,7 @@ use expertkv_core::rng::Rng;
 use expertkv_core::runtime::Runtime;
 
 use crate::append::assert_same_state;
-use crate::common::{POISON_F32, POISON_U32, rt, seeds};
+use crate::common::{POISON_F32, POISON_U32, fixed_seeds, rt, seeds};
 use crate::evict::{append_round, config, random_scheduler, randomise_meta};
 
 /// One round of appends and an eviction on both sides, the reference evicting with the GPU's
@@ -124,10 +124,13 @@ fn capture_gpu_match_cpu() {
             (captured, dropped) = (c, d.max(dropped));
         }
     }
-    assert!(
-        runs >= 8 && captured > 0 && dropped > 0 && multi > 0 && calibrated > 0,
-        "{runs} runs, {captured} captured, {dropped} dropped, {multi} multi-buffer, {calibrated} lists calibrated (the fullest tier list {most})"
-    );
+    // Coverage over the fixed seeds (one replayed or fresh seeds may draw no case of a kind).
+    if fixed_seeds() {
+        assert!(
+            runs >= 8 && captured > 0 && dropped > 0 && multi > 0 && calibrated > 0,
+            "{runs} runs, {captured} captured, {dropped} dropped, {multi} multi-buffer, {calibrated} lists calibrated (the fullest tier list {most})"
+        );
+    }
 }
 
 #[test]

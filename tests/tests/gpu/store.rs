@@ -17,7 +17,7 @@ use expertkv_model::tokenizer::Tokenizer;
 use expertkv_store::prefix::model_hash;
 use expertkv_store::{MemoryStore, PageStore, PrefixStore, RedisStore, StoreCodec, StoreError};
 
-use crate::common::{rt, seeds, skip};
+use crate::common::{case_index, pick, rt, seeds, skip};
 
 const TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -130,9 +130,10 @@ fn max_rel(a: &[f32], b: &[f32]) -> f32 {
 fn a_prefix_from_the_store_gives_the_cold_prefill_logits() {
     let rt = rt();
     let redis = shared_url("a_prefix_from_the_store_gives_the_cold_prefill_logits");
-    for (i, seed) in seeds("store_prefix", 4).into_iter().enumerate() {
+    for seed in seeds("store_prefix", 4) {
         let mut rng = Rng::new(seed);
-        let dtype = if i % 2 == 0 { KvDtype::F16 } else { KvDtype::F32 };
+        let i = case_index(seed);
+        let dtype = pick(seed, &[KvDtype::F16, KvDtype::F32]);
         let c = case(seed, dtype);
         // Past a prefill chunk, ending mid-page (or on a page boundary every other case).
         let n = CHUNK + 16 * (1 + rng.below(4)) + if i < 2 { 1 + rng.below(15) } else { 0 };
