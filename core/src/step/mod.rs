@@ -1,6 +1,6 @@
 //! The decode step's stage sequence, written once for every source of K/V: the synthetic
 //! workload ([`crate::pipeline`]) and a trained model (`expertkv-model`) record their steps and
-//! prefill passes through [`record`], each plugging its own products in as a [`Source`].
+//! prefill passes through [`record()`], each plugging its own products in as a [`Source`].
 //!
 //! Per layer: the source writes the layer's inputs (queries, K/V words, router logits), then
 //! route (`route/`), append (`append/`), compress (`compress/`), gather and attend (`attend/`,

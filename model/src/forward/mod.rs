@@ -240,7 +240,7 @@ struct RoutedMoe {
     after: Vec<Recorded>,
 }
 
-/// A Llama-family model on the GPU whose K/V live in an expertkv [`KvPool`]: the weights as
+/// A Llama-family model on the GPU whose K/V live in an expertkv [`KvPool`](expertkv_core::append::KvPool): the weights as
 /// stored in the GGUF file, the model kernels with every step's dispatches recorded at load, and
 /// the pool's scheduler, codec and route stage as [`ModelOptions`] set them up. It decodes
 /// [`GpuLlama::n_seqs`] sequences together, one token each per [`GpuLlama::forward`].
@@ -885,8 +885,8 @@ impl GpuLlama {
         rt.check("moe router")
     }
 
-    /// Bytes of the K/V pool's pages and tables ([`KvPool::pool_bytes_allocated`]) and of QUEST's
-    /// page bounds and lists where QUEST or FlexGen selects pages ([`Quest::bytes_allocated`]):
+    /// Bytes of the K/V pool's pages and tables ([`KvPool::pool_bytes_allocated`](expertkv_core::append::KvPool::pool_bytes_allocated)) and of QUEST's
+    /// page bounds and lists where QUEST or FlexGen selects pages ([`Quest::bytes_allocated`](expertkv_core::evict::quest::Quest::bytes_allocated)):
     /// what [`ModelOptions::kv_bytes`] predicts.
     pub fn kv_bytes_allocated(&self) -> u64 {
         self.kv.pool.pool_bytes_allocated() + self.kv.side_bytes_allocated()
@@ -969,7 +969,7 @@ impl GpuLlama {
 
     /// One token per sequence at its next position; returns the logits, `[seq][vocab]`.
     ///
-    /// The step runs the decode step's stage sequence ([`expertkv_core::step::record`]) with the
+    /// The step runs the decode step's stage sequence ([`expertkv_core::step::record()`]) with the
     /// model's products as its source: per layer the projections, RoPE and the K/V packed into
     /// the pool's layout ([`ModelKernels::kv_pack`]; the Q projection and RoPE write the
     /// attention's query buffer), the route stage, the pool's append of the layer's tokens,

@@ -2,7 +2,7 @@
 //! (wgpu renderer) beside a pipeline run on a worker thread, live on the synthetic workload or
 //! re-running a recorded trace and comparing every step with the recording.
 //!
-//! The worker owns its own [`Runtime`] and [`Pipeline`]; the window only exchanges plain messages
+//! The worker owns its own [`Runtime`] and [`Pipeline`](expertkv_core::pipeline::Pipeline); the window only exchanges plain messages
 //! with it (viewer [`Event`]s one way, [`Cmd`]s the other), so a slow prefill never blocks the
 //! window and pausing, stepping and rebuilding with a new configuration are requests the worker
 //! acts on between steps.
