@@ -34,16 +34,7 @@ run() { # name, limit, eval arguments...
 }
 LONG=$(python3 -c 'print(" ".join(open("bench/data/harbour_town.txt").read().split()[:1500]))')
 python3 -c 'import re; t=open("bench/data/harbour_town.txt").read(); s=[x.strip() for x in re.split(r"(?<=[.!?])\s+", t) if len(x.split()) > 4]; print("\n".join(s[:32]))' > /tmp/prompts32.txt
-speed() { # label, run arguments...
-  local label=$1
-  shift
-  timeout 120 $B run --model "$M" --scheduler h2o:sinks=4 --budget 192 --json "$@" 2>&1 | grep '"decode_steps"' | python3 -c '
-import json, sys
-j = json.loads(sys.stdin.read())
-r = j.get("recall") or {}
-print(sys.argv[1], "%.1f tokens/s, %.3f ms a step (wall), host %.3f ms, %d dispatches; recall reads %s bytes a step from the tier (host memory: %s) and %s bytes of digests" % (
-    j["tokens_per_s"], j["wall_ms_per_step"], j["host_ms_per_step"], j["dispatches_per_step"], r.get("bytes_read_per_step", 0), r.get("host_memory"), r.get("digest_bytes_read_per_step", 0)))' "$label"
-}
+speed() { recall_speed_row 120 "$@"; }
 {
   speed "h2o batch 1" --prompt "$LONG" --tokens 2 --time-steps 300
   speed "h2o+recall4 batch 1" --prompt "$LONG" --tokens 2 --time-steps 300 --recall 4

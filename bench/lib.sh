@@ -92,3 +92,17 @@ print(sys.argv[1], sys.argv[2], "chunk", sys.argv[3], "run", sys.argv[4],
       "chunked", run["prefill_chunked"], "passes", pf.get("recordings"), "stages", stages)
 ' "$@"
 }
+
+# recall_speed_row LIMIT LABEL RUN-ARGS...: one line from `$B run --json --time-steps ...` (H2O at
+# 192 tokens a list, the model in $M): tokens/s, wall and host ms a step, dispatches, and the
+# recall tier's bytes a step read from the tier (host memory) and of digests (device memory).
+recall_speed_row() {
+    local limit=$1 label=$2
+    shift 2
+    timeout "$limit" $B run --model "$M" --scheduler h2o:sinks=4 --budget 192 --json "$@" 2>&1 | grep '"decode_steps"' | python3 -c '
+import json, sys
+j = json.loads(sys.stdin.read())
+r = j.get("recall") or {}
+print(sys.argv[1], "%.1f tokens/s, %.3f ms a step (wall), host %.3f ms, %d dispatches; recall reads %s bytes a step from the tier (host memory: %s), %s bytes of digests (%s allocated)" % (
+    j["tokens_per_s"], j["wall_ms_per_step"], j["host_ms_per_step"], j["dispatches_per_step"], r.get("bytes_read_per_step", 0), r.get("host_memory"), r.get("digest_bytes_read_per_step", 0), r.get("digest_bytes", 0)))' "$label"
+}

@@ -225,6 +225,14 @@ const _: () = assert!(std::mem::size_of::<TierParams>() == 16);
 /// Tier tokens a list's key digests calibrate on (`common/recall.wgsl`'s `DIGEST_CALIB_TOKENS`).
 pub const DIGEST_CALIB_TOKENS: u32 = 64;
 
+/// The digest calibration words of `lists` lists not yet calibrated (`common/recall.wgsl`): per
+/// list, centre 0, spread 1 and key sums 0, `head_dim` floats each.
+pub fn uncalibrated_digests(lists: u32, head_dim: u32) -> Vec<f32> {
+    let d = head_dim as usize;
+    let one: Vec<f32> = (0..3 * d).map(|i| if (d..2 * d).contains(&i) { 1.0 } else { 0.0 }).collect();
+    one.repeat(lists as usize)
+}
+
 /// Must match `ReleaseParams` in `shaders/wgsl/append/release.wgsl`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]

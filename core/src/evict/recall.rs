@@ -22,7 +22,7 @@ use expertkv_shaders::Kernel;
 use crate::append::KvPool;
 use crate::attend::Attention;
 use crate::error::{Error, Result};
-use crate::gpu_data::TierParams;
+use crate::gpu_data::{TierParams, uncalibrated_digests};
 use crate::runtime::dispatch::CountedDispatch;
 use crate::runtime::{Runtime, split_workgroups};
 
@@ -225,7 +225,7 @@ impl RecallTier {
         let digest_bytes = u64::from(n_lists) * u64::from(cap) * u64::from(c.head_dim.div_ceil(32)) * 4;
         rt.fits_binding("the recall tier's key digests (fewer tokens per list, sequences or layers fit)", digest_bytes)?;
         let tier_digest = rt.storage("evict/recall key digests", digest_bytes);
-        let tier_calib = rt.storage_init("evict/recall digest calibration", &uncalibrated(n_lists, c.head_dim));
+        let tier_calib = rt.storage_init("evict/recall digest calibration", &uncalibrated_digests(n_lists, c.head_dim));
         let tier_digested = rt.storage("evict/recall digested", u64::from(n_lists) * 8);
         let capture_dst = rt.storage_init("evict/recall capture plan", &vec![u32::MAX; (c.n_ids() * c.page_size) as usize]);
         let tier_stats = rt.storage("evict/recall stats", STATS * 4);
@@ -384,7 +384,7 @@ impl RecallTier {
             rt.queue.write_buffer(
                 &self.tier_calib,
                 u64::from(first) * u64::from(3 * c.head_dim) * 4,
-                bytemuck::cast_slice(&uncalibrated(c.kv_heads, c.head_dim)),
+                bytemuck::cast_slice(&uncalibrated_digests(c.kv_heads, c.head_dim)),
             );
         }
     }
@@ -456,11 +456,4 @@ impl RecallTier {
 /// a bit a dimension a slot, the calibration (centre, spread, sums) and two counters.
 pub fn digest_bytes_per_list(cap: u32, head_dim: u32) -> u64 {
     u64::from(cap) * u64::from(head_dim.div_ceil(32)) * 4 + u64::from(3 * head_dim) * 4 + 8
-}
-
-/// A calibration buffer's words for `lists` lists not yet calibrated: centre 0, spread 1, sums 0.
-fn uncalibrated(lists: u32, head_dim: u32) -> Vec<f32> {
-    let d = head_dim as usize;
-    let one: Vec<f32> = (0..3 * d).map(|i| if (d..2 * d).contains(&i) { 1.0 } else { 0.0 }).collect();
-    one.repeat(lists as usize)
 }

@@ -4,13 +4,7 @@
 
 use super::words::decode_words;
 use crate::config::PoolConfig;
-use crate::gpu_data::DIGEST_CALIB_TOKENS;
-
-/// A calibration for `lists` lists not yet calibrated: centre 0, spread 1, sums 0.
-fn uncalibrated(lists: usize, d: usize) -> Vec<f32> {
-    let one: Vec<f32> = (0..3 * d).map(|i| if (d..2 * d).contains(&i) { 1.0 } else { 0.0 }).collect();
-    one.repeat(lists)
-}
+use crate::gpu_data::{DIGEST_CALIB_TOKENS, uncalibrated_digests};
 
 /// A pool's recall tier on the CPU, laid out as the GPU's: `cap` slots a list, list after list,
 /// in pages of the pool's raw layout (K block then V block).
@@ -45,7 +39,7 @@ impl TierModel {
             pos: vec![0; lists * cap as usize],
             dropped: 0,
             digest: vec![0; lists * cap as usize * cfg.head_dim.div_ceil(32) as usize],
-            calib: uncalibrated(lists, cfg.head_dim as usize),
+            calib: uncalibrated_digests(lists as u32, cfg.head_dim),
             digested: vec![[0; 2]; lists],
         }
     }
@@ -135,7 +129,7 @@ impl TierModel {
                 let li = ((layer * cfg.max_seqs + seq) * cfg.kv_heads + h) as usize;
                 self.count[li] = 0;
                 self.digested[li] = [0; 2];
-                self.calib[3 * d * li..3 * d * (li + 1)].copy_from_slice(&uncalibrated(1, d));
+                self.calib[3 * d * li..3 * d * (li + 1)].copy_from_slice(&uncalibrated_digests(1, cfg.head_dim));
             }
         }
     }

@@ -697,15 +697,7 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
         Vec::new()
     };
     if let Some(out) = &a.write_cases {
-        let cases: Vec<serde_json::Value> = checks
-            .iter()
-            .map(|c| {
-                let turns: Vec<serde_json::Value> =
-                    c.turns.iter().map(|t| serde_json::json!({ "feed": t.feed, "generate": t.generate, "expect": t.expect })).collect();
-                serde_json::json!({ "name": c.name, "turns": turns })
-            })
-            .collect();
-        let doc = serde_json::json!({ "model": path.display().to_string(), "text_ids": ids, "cases": cases });
+        let doc = serde_json::json!({ "model": path.display().to_string(), "text_ids": ids, "cases": checks });
         std::fs::write(out, serde_json::to_string(&doc)?).with_context(|| format!("--write-cases: cannot write {}", out.display()))?;
         println!("wrote {} ({} text tokens, {} retrieval cases)", out.display(), ids.len(), checks.len());
         return Ok(());

@@ -36,7 +36,7 @@ pub const FIRST_TURN_TOKENS: u32 = 8;
 
 /// One turn of a case: tokens fed, then tokens generated; with `expect`, the generated text must
 /// hold that number.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct Turn {
     pub feed: Vec<u32>,
     pub generate: u32,
@@ -44,7 +44,7 @@ pub struct Turn {
 }
 
 /// A retrieval case: its name (as the tables and JSON show it) and its turns.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct Case {
     pub name: String,
     pub turns: Vec<Turn>,

@@ -105,6 +105,32 @@ fn digest_dot(at: u32, qo: u32, li: u32) -> f32 {
     return s;
 }
 
+// Tier slot `at`'s score for the list's query heads from `qbase`: the largest scaled q.k over
+// the group, from its true key (`exact`) or its digest (list `li`'s calibration).
+fn group_score(at: u32, qbase: u32, li: u32, exact: bool) -> f32 {
+    var s = NEG_BIG;
+    for (var g = 0u; g < GROUP; g++) {
+        let qo = qbase + g * geo.head_dim;
+        // (Not `select`, which would evaluate both and read the tier's key for a digest score.)
+        var x = 0.0;
+        if (exact) {
+            x = key_dot(at, qo);
+        } else {
+            x = digest_dot(at, qo, li);
+        }
+        s = max(s, x * params.scale);
+    }
+    return s;
+}
+
+// Empty the page score table (every page's key 0, below every real score's).
+fn clear_best(t: u32) {
+    for (var p = t; p < MAX_TIER_PAGES; p += WG) {
+        atomicStore(&best[p], 0u);
+    }
+    workgroupBarrier();
+}
+
 // The `count` best pages of `best` into `chosen` (`u32::MAX` past the live ones), their keys
 // into `chosen_key`, one workgroup argmax each; `best` is left cleared where a page was taken.
 var<workgroup> chosen_key: array<u32, MAX_CANDIDATES>;
@@ -171,16 +197,9 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     let qbase = (seq * params.q_heads + h * GROUP) * d;
     if (tier.audit != 0u) {
         // The pages the true scores choose, then how many of them the digest's choice holds.
-        for (var p = t; p < MAX_TIER_PAGES; p += WG) {
-            atomicStore(&best[p], 0u);
-        }
-        workgroupBarrier();
+        clear_best(t);
         for (var j = t; j < n; j += WG) {
-            var s = NEG_BIG;
-            for (var g = 0u; g < GROUP; g++) {
-                s = max(s, key_dot(first + j, qbase + g * d) * params.scale);
-            }
-            atomicMax(&best[j / P], key_of(s));
+            atomicMax(&best[j / P], key_of(group_score(first + j, qbase, li, true)));
         }
         workgroupBarrier();
         pick_pages(t, pages, PAGES);
@@ -190,33 +209,19 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
         workgroupBarrier();
     }
     // Stage 1: the digests nominate CANDIDATES pages.
-    for (var p = t; p < MAX_TIER_PAGES; p += WG) {
-        atomicStore(&best[p], 0u);
-    }
-    workgroupBarrier();
+    clear_best(t);
     for (var j = t; j < n; j += WG) {
-        var s = NEG_BIG;
-        for (var g = 0u; g < GROUP; g++) {
-            s = max(s, digest_dot(first + j, qbase + g * d, li) * params.scale);
-        }
-        atomicMax(&best[j / P], key_of(s));
+        atomicMax(&best[j / P], key_of(group_score(first + j, qbase, li, false)));
     }
     workgroupBarrier();
     pick_pages(t, pages, CANDIDATES);
     // Stage 2: the candidates' true scores (their keys read from the tier) choose PAGES.
-    for (var p = t; p < MAX_TIER_PAGES; p += WG) {
-        atomicStore(&best[p], 0u);
-    }
-    workgroupBarrier();
+    clear_best(t);
     for (var c = t; c < CANDIDATES * P; c += WG) {
         let page = chosen[c / P];
         let j = page * P + c % P;
         if (page != TIER_NONE && j < n) {
-            var s = NEG_BIG;
-            for (var g = 0u; g < GROUP; g++) {
-                s = max(s, key_dot(first + j, qbase + g * d) * params.scale);
-            }
-            atomicMax(&best[page], key_of(s));
+            atomicMax(&best[page], key_of(group_score(first + j, qbase, li, true)));
         }
     }
     workgroupBarrier();
