@@ -567,7 +567,8 @@ pub struct GroupState {
     pub mass: u32,
     /// Tokens the group may keep (`KEEP_ALL`: the list keeps everything).
     pub budget: u32,
-    /// Tokens evicted from the group by the last eviction.
+    /// Tokens the last eviction took from the group down to its own budget (not those the list
+    /// then took to keep its own budget where protected tokens held a group above its share).
     pub evicted: u32,
 }
 const _: () = assert!(std::mem::size_of::<GroupState>() == 16);

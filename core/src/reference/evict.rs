@@ -404,6 +404,19 @@ impl PoolModel {
                                 gst.evicted = want;
                                 chosen.extend(mine[..want as usize].iter().map(|i| (i.2, i.3)));
                             }
+                            // Protected tokens held a group above its share: the list still
+                            // keeps its budget, the rest the lowest keys not yet chosen (not
+                            // counted in any group's `evicted`).
+                            let budget = lists[li].budget;
+                            let kept = n - chosen.len() as u32;
+                            if budget != KEEP_ALL && kept > budget {
+                                let prot = items.iter().filter(|i| i.0 == PROTECTED).count() as u32;
+                                let rest = (kept - budget).min(kept - prot);
+                                let taken: std::collections::HashSet<(u32, u32)> = chosen.iter().copied().collect();
+                                let more: Vec<(u32, u32)> =
+                                    items.iter().map(|i| (i.2, i.3)).filter(|x| !taken.contains(x)).take(rest as usize).collect();
+                                chosen.extend(more);
+                            }
                             chosen
                         }
                     };

@@ -32,7 +32,7 @@ struct GroupState {
     tokens: u32,   // tokens of the group before eviction
     mass: u32,     // the group's share of the list's attention mass, units of 2^-24
     budget: u32,   // tokens the group may keep (KEEP_ALL: the list keeps everything)
-    evicted: u32,  // tokens evicted from the group by the last eviction
+    evicted: u32,  // tokens the last eviction took down to the group's own budget
 }
 
 const GROUP_MASS_ONE: f32 = 16777216.0;

@@ -4,7 +4,8 @@
 // to the hit rate) may evict more among mass-scored tokens; protected slots are never victims.
 // Records the list's hit rate (share of its attention mass kept) and adapts its threshold.
 // Under the EKVA allocator (n_groups > 0) the same select runs per expert group, each group
-// evicting down to its own budget (`evict/ekva.wgsl#split`); no threshold then.
+// evicting down to its own budget (`evict/ekva.wgsl#split`), then the list down to its budget
+// where protected tokens held a group above its share; no threshold then.
 
 //!import common/pool.wgsl
 //!import common/evict.wgsl
@@ -67,8 +68,15 @@ fn digit(hi: u32, lo: u32, p: u32) -> u32 {
 }
 
 const ALL_GROUPS: u32 = 0xffffffffu;
+// Every slot not yet a victim (EKVA's list-wide pass after the groups' own). `victim` is zero on
+// entry (compaction clears it), and each invocation reads back only the slots it wrote itself
+// (every walk gives slot j to invocation j % WG).
+const NOT_VICTIMS: u32 = 0xfffffffeu;
 
 fn in_group(slot: u32, g: u32) -> bool {
+    if (g == NOT_VICTIMS) {
+        return victim[slot] == 0u;
+    }
     return g == ALL_GROUPS || expert_group(slot_meta[slot * geo.meta_words + META_EXPERTS], params.n_groups) == g;
 }
 
@@ -286,6 +294,16 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
                 groups[li * G + g].evicted = want_g;
             }
             want += want_g;
+        }
+        // A group whose protected tokens (sinks, recent window) exceed its share cannot evict
+        // down to it: the list still keeps its own budget, the rest of its victims the lowest
+        // keys among every group's tokens not yet chosen.
+        if (st.budget != KEEP_ALL && tokens - want > st.budget) {
+            let rest = uniform_u32(t, min(tokens - want - st.budget, tokens - protected_n - want));
+            if (rest > 0u) {
+                evicted_mass += pick(t, base, n_slots, rest, NOT_VICTIMS);
+                want += rest;
+            }
         }
     }
     if (t == 0u) {

@@ -514,6 +514,7 @@ fn thresholds_fixed_and_adaptive() {
 fn ekva_gpu_match_cpu() {
     let rt = rt();
     let (mut split_lists, mut uneven, mut evicted, mut folded, mut inexact) = (0u64, 0u64, 0u64, 0, 0u64);
+    let mut rest_lists = 0u64;
     for seed in seeds("ekva", 16) {
         let mut rng = Rng::new(seed);
         let ties = seed % 2 == 0;
@@ -603,6 +604,18 @@ fn ekva_gpu_match_cpu() {
                     uneven += u64::from(hi.unwrap_or(0) > lo.unwrap_or(0) + 1);
                 }
             }
+            // Every list keeps its own budget, or its protected tokens where they are more: a
+            // group whose protected tokens exceed its share leaves the rest to the list's pass.
+            let prot: Vec<usize> = (0..lists.len()).map(|li| protected_in_list(&model, &keys, li)).collect();
+            for (li, st) in lists.iter().enumerate() {
+                if st.budget == KEEP_ALL {
+                    continue;
+                }
+                let want_kept = if st.tokens > st.budget { st.budget.max(prot[li] as u32) } else { st.tokens };
+                assert_eq!(st.tokens - st.evicted, want_kept, "{ctx}: list {li} keeps its budget {} ({} protected)", st.budget, prot[li]);
+                let by_groups: u32 = groups[li * g_n..(li + 1) * g_n].iter().map(|x| x.evicted).sum();
+                rest_lists += u64::from(by_groups < st.evicted);
+            }
             // Victims per group, compaction and freeing: identical pools.
             let mut want_lists = lists.clone();
             let mut want_groups = groups.clone();
@@ -618,11 +631,13 @@ fn ekva_gpu_match_cpu() {
             evicted += lists.iter().map(|l| u64::from(l.evicted)).sum::<u64>();
         }
     }
-    println!("ekva: {split_lists} lists split, {uneven} unevenly, {evicted} tokens evicted, {inexact} splits off by a token");
+    println!(
+        "ekva: {split_lists} lists split, {uneven} unevenly, {evicted} tokens evicted, {inexact} splits off by a token, {rest_lists} lists evicting past their groups' shares"
+    );
     if fixed_seeds() {
         assert!(
-            split_lists > 20 && uneven > 10 && evicted > 100 && folded > 0,
-            "coverage: {split_lists} split, {uneven} uneven, {evicted} evicted, {folded} folded"
+            split_lists > 20 && uneven > 10 && evicted > 100 && folded > 0 && rest_lists > 0,
+            "coverage: {split_lists} split, {uneven} uneven, {evicted} evicted, {folded} folded, {rest_lists} past the groups' shares"
         );
         // Float division may round differently on a device (and move a token between two
         // groups), rarely: at most one split list in 50 (lavapipe: none).
