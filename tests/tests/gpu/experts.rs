@@ -180,7 +180,8 @@ fn config_and_expert_bytes(g: &Gguf<'_>) -> (expertkv_model::LlamaConfig, expert
 /// full cache, then 3 slots and H2O's budget-sized pool, then 3 slots (kept, with their experts)
 /// and the full cache again; then once more with the slots emptied (`empty_expert_slots`). After each, a fresh sequence's logits equal those of a model loaded
 /// with the same options bit for bit, the pool and slots allocate exactly what the options
-/// predict (the budget's bytes, measured), and a refused change leaves the model usable.
+/// predict (the budget's bytes, measured), kept slots keep their experts and new or emptied ones
+/// start empty, and a refused change leaves the model usable.
 #[test]
 fn a_reconfigured_model_decodes_as_a_fresh_load_with_its_options() {
     use expertkv_core::evict::config::SchedulerConfig;
@@ -202,11 +203,22 @@ fn a_reconfigured_model_decodes_as_a_fresh_load_with_its_options() {
                 assert!(m.check_reconfigure(&bad).is_err_and(|e| e.to_string().contains("expert cache")), "{ctx}");
                 let few = opts.clone().expert_cache(lru(1));
                 assert!(m.check_reconfigure(&few).is_err_and(|e| e.to_string().contains("at least 2")), "{ctx}");
+                let resident = m.expert_cache().expect("cache").resident();
                 m = pollster::block_on(m.reconfigure(rt, opts.clone())).expect("reconfigure");
+                // The slots kept across a change (3 to 3) keep their experts; new ones start
+                // empty.
+                let now = m.expert_cache().expect("cache").resident();
+                if i >= 2 {
+                    assert_eq!(now, resident, "{ctx}: the kept slots' experts");
+                    assert!(now.iter().flatten().any(Option::is_some), "{ctx}: the kept slots hold experts");
+                } else {
+                    assert!(now.iter().flatten().all(Option::is_none), "{ctx}: new slots start empty: {now:?}");
+                }
             }
             if i == 3 {
                 // The same 3 slots again, emptied: a cold start like a fresh load's.
                 m.empty_expert_slots(rt);
+                assert!(m.expert_cache().expect("cache").resident().iter().flatten().all(Option::is_none), "{ctx}: emptied");
             }
             let max_binding = rt.max_binding_bytes();
             assert_eq!(m.kv_bytes_allocated(), opts.kv_bytes(&c, max_binding).expect("kv bytes"), "{ctx}");
@@ -221,11 +233,11 @@ fn a_reconfigured_model_decodes_as_a_fresh_load_with_its_options() {
                 assert!(want.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()), "{ctx}: step {step}: logits differ");
             }
             let (now, f) = (m.expert_cache().expect("cache").total, fresh.expert_cache().expect("cache").total);
-            // The slots kept across the last change (3 to 3) start warm: fewer misses than cold.
+            // Empty slots miss as a fresh load's do, step for step. Warm ones (kept across the
+            // 3-to-3 change) usually miss less, but need not: LRU from another start may evict
+            // differently later (a fresh seed drew 60 and 60), so their contents are checked above.
             let misses = now.misses - before.misses;
-            if i == 2 {
-                assert!(misses < f.misses, "{ctx}: {misses} misses kept, {} cold", f.misses);
-            } else {
+            if i != 2 {
                 assert_eq!(misses, f.misses, "{ctx}: new slots start empty");
             }
         }

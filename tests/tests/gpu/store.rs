@@ -388,17 +388,22 @@ fn continuous_batching_reuses_prefixes_within_and_across_runs() {
         }
         pollster::block_on(dec.run(rt, &prompts, |_| ())).expect("batch")
     };
+    // Token for token: a reused prefix is not fed again, so a sequence may finish (and the
+    // next prompt take its slot) at other steps than without a store.
+    let tokens = |c: &[Completion]| -> Vec<(usize, Vec<u32>, Vec<u32>, String, &'static str)> {
+        c.iter().map(|c| (c.prompt, c.prompt_ids.clone(), c.generated_ids.clone(), c.text.clone(), c.stop)).collect()
+    };
     let (alone, _) = run(None);
     let ids: Vec<usize> = alone.iter().map(|c| c.prompt_ids.len()).collect();
     let full = |i: usize| ((ids[i] - 1) / 16 * 16) as u64;
     let mut store = PrefixStore::new(Box::new(MemoryStore::new()), "batch", model_hash(&file), StoreCodec::Raw, None).expect("store");
     let (first, stats) = run(Some(&mut store));
     store.finish();
-    assert_eq!(first, alone, "seed {seed}: the first run with a store");
+    assert_eq!(tokens(&first), tokens(&alone), "seed {seed}: the first run with a store");
     // Prompt 3 shares prompt 0's full pages (prompt 0 is a prefix of it).
     assert!(stats.prefix_tokens_reused >= (ids[0] / 16 * 16) as u64, "seed {seed}: reused {} within the run", stats.prefix_tokens_reused);
     let (second, stats) = run(Some(&mut store));
-    assert_eq!(second, alone, "seed {seed}: the second run");
+    assert_eq!(tokens(&second), tokens(&alone), "seed {seed}: the second run");
     assert_eq!(stats.prefix_tokens_reused, (0..4).map(full).sum::<u64>(), "seed {seed}: the second run reuses every full page");
     assert_eq!(store.report.refused, 0);
     // A scheduler evicts between tokens: a restored prefix would not be where it put it.
