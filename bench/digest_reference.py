@@ -152,6 +152,19 @@ class Digest:
         if kind == "int4":
             sc = np.abs(k).max(1, keepdims=True) / 7
             self.kh = np.round(k / sc) * sc
+        if kind.startswith("bound"):
+            # Per page and dimension, the keys' max rounded up and min rounded down to B bits
+            # on the list's calibrated grid (centre +- 3 spreads, clamped to its ends).
+            b = int(kind.split(":")[-1])
+            n_pages = (len(k) + PAGE - 1) // PAGE
+            pad = np.full((n_pages * PAGE, k.shape[1]), np.nan, np.float32)
+            pad[: len(k)] = k
+            pages = pad.reshape(n_pages, PAGE, -1)
+            hi, lo = np.nanmax(pages, 1), np.nanmin(pages, 1)
+            base, step = self.centre - 3 * self.spread, 6 * self.spread / (2**b - 1)
+            top_lv = 2**b - 1
+            self.hi = base + np.clip(np.ceil((hi - base) / step), 0, top_lv) * step
+            self.lo = base + np.clip(np.floor((lo - base) / step), 0, top_lv) * step
 
     def scores(self, q):
         """q [G, D] -> [n], the best over the group."""
@@ -160,9 +173,16 @@ class Digest:
         signed = np.where(self.bits[None], self.spread, -self.spread)  # [1, n, D]
         return ((self.centre[None, None] + signed) * q[:, None, :]).sum(-1).max(0)
 
+    def page_scores(self, q, n_pages):
+        """q [G, D] -> [n_pages]: a bound kind's page upper bound (best over the group), else
+        the page's best token score."""
+        if self.kind.startswith("bound"):
+            return np.maximum(q[:, None, :] * self.hi[None], q[:, None, :] * self.lo[None]).sum(-1).max(0)
+        return page_best(self.scores(q), n_pages)
+
     def choose(self, q, n_pages, pages):
-        est = page_best(self.scores(q), n_pages)
-        if not self.kind.startswith("two-stage:"):
+        est = self.page_scores(q, n_pages)
+        if not (self.kind.startswith("two-stage:") or self.kind.startswith("bound-two:")):
             return top(est, pages)
         cand = top(est, int(self.kind.split(":")[1]))
         true = page_best((q @ self.k.T).max(0), n_pages)
@@ -240,7 +260,7 @@ def main():
     ap.add_argument(
         "--variants",
         default="resident,+true,+recall,+digest=1bit,full",
-        help="resident, +true, +recall, +digest=KIND (1bit, 1bit-all, int4, two-stage:C), full",
+        help="resident, +true, +recall, +digest=KIND (1bit, 1bit-all, int4, two-stage:C, bound:B, bound-two:C:B), full",
     )
     a = ap.parse_args()
     m = Model(a.model)

@@ -35,15 +35,19 @@ run() { # name, limit, eval arguments...
 LONG=$(python3 -c 'print(" ".join(open("bench/data/harbour_town.txt").read().split()[:1500]))')
 python3 -c 'import re; t=open("bench/data/harbour_town.txt").read(); s=[x.strip() for x in re.split(r"(?<=[.!?])\s+", t) if len(x.split()) > 4]; print("\n".join(s[:32]))' > /tmp/prompts32.txt
 speed() { recall_speed_row 120 "$@"; }
-{
-  speed "h2o batch 1" --prompt "$LONG" --tokens 2 --time-steps 300
-  speed "h2o+recall4 batch 1" --prompt "$LONG" --tokens 2 --time-steps 300 --recall 4
-  speed "h2o batch 32" --prompts /tmp/prompts32.txt --batch 32 --tokens 2 --time-steps 400
-  speed "h2o+recall4 batch 32" --prompts /tmp/prompts32.txt --batch 32 --tokens 2 --time-steps 400 --recall 4
-} > "$OUT/speed.txt" 2>&1
-cat "$OUT/speed.txt"
-run h2o_10 ${LIMIT:-200} --schedulers h2o:sinks=4 --bytes 10% --recall ${RECALL_10:-0,4}
-run h2o_5 ${LIMIT:-200} --schedulers h2o:sinks=4 --bytes 5% --recall ${RECALL_5:-4,0}
+rec() { [ "$1" = 0 ] || echo "--recall $1"; }
+if [ "${SPEED:-1}" = 1 ]; then
+  {
+    for r in 0 ${RECALL:-16}; do speed "h2o recall=$r batch 1" --prompt "$LONG" --tokens 2 --time-steps 300 $(rec "$r"); done
+    for r in 0 ${RECALL:-16}; do speed "h2o recall=$r batch 32" --prompts /tmp/prompts32.txt --batch 32 --tokens 2 --time-steps 400 $(rec "$r"); done
+  } > "$OUT/speed.txt" 2>&1
+  cat "$OUT/speed.txt"
+fi
+# Three eval processes: f16 pages at 10% without and with the tier; int4 pages (and the f16
+# row again, which `eval` crosses in) at 10% and at 5% with the tier.
+run f16_10 ${LIMIT:-280} --schedulers h2o:sinks=4 --bytes 10% --recall 0,${RECALL:-16}
+run int4_10 ${LIMIT:-280} --schedulers h2o:sinks=4 --bytes 10% --recall ${RECALL:-16} --codecs int4
+run int4_5 ${LIMIT:-280} --schedulers h2o:sinks=4 --bytes 5% --recall ${RECALL:-16} --codecs int4
 wait
 python3 - "$OUT" <<'PY'
 import glob, json, os, sys
@@ -57,7 +61,7 @@ for f in sorted(glob.glob(f"{out}/r_*.jsonl")):
             continue
         r = json.loads(line)
         r["group"] = name
-        if r["scheduler"] == "none":
+        if r["scheduler"] == "none" and r.get("codec", "none") in ("none", None):
             full = full or r
             continue
         rows.append(r)
@@ -71,11 +75,11 @@ def needles(r):
     missed = [f"{x['case']}: {x['answers']!r}" for x in n if not x["found"]]
     return f"{sum(x['found'] for x in n)}/{len(n)} found" + (f"; missed {'; '.join(missed)}" if missed else "")
 print(f"full cache: perplexity {full['perplexity']:.4f}, K/V {full['kv_bytes']} bytes, retrieval {needles(full)}")
-print("| group | scheduler | recall | budget | bytes | perplexity | vs full | agreement | K/V in use (digests included) | tier in host memory | digest recall (best pages / best page) | retrieval |")
-print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+print("| group | scheduler | codec | recall | budget | bytes | perplexity | vs full | agreement | K/V in use (digests included) | tier in host memory | digest recall (best pages / best page) | retrieval |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 for r in rows:
     d = 100 * (r["perplexity"] / full["perplexity"] - 1)
-    print(f"| {r['group']} | {r['scheduler']} | {r.get('recall') or '-'} | {r['budget']} | {r['bytes_share']} | {r['perplexity']:.4f} | {d:+.2f}% | "
+    print(f"| {r['group']} | {r['scheduler']} | {r.get('codec') or 'none'} | {r.get('recall') or '-'} | {r['budget']} | {r['bytes_share']} | {r['perplexity']:.4f} | {d:+.2f}% | "
           f"{100*r['greedy_agreement']:.1f}% | {100*r['kv_bytes']/full['kv_bytes']:.1f}% | {r.get('recall_host_bytes', 0) / 2**20:.1f} MiB | "
           + (f"{100*r['digest_recall']:.1f}% / {100*r['digest_top_recall']:.1f}%" if r.get('digest_recall') is not None else "-") + f" | {needles(r)} |")
 PY

@@ -2,7 +2,7 @@
 # The recall tier's price in decode speed, on the GPU machine, in one short call that needs no
 # model file: a random Q4_1 model of SmolLM2-135M's shape (30 layers, hidden 576, 9 query and 3
 # KV heads of 64, FFN 1536; `synth`, whose byte-level vocabulary of 256 makes the LM head far
-# cheaper than SmolLM2's 49,152 rows), H2O at 192 tokens a list, without and with `--recall 4`:
+# cheaper than SmolLM2's 49,152 rows), H2O at 192 tokens a list, without and with `--recall 4` and `--recall 16`:
 # batch 1 after a ~1,900-token prompt (the lists evicting every step), and batch 32 from short
 # prompts (400 steps, evicting from step 193 on); decode steps back to back (`run --time-steps`),
 # each pair twice in alternating order. Prints tokens/s, the recall's bytes a step from the tier
@@ -17,7 +17,10 @@ LONG=$(python3 -c 'print(" ".join(open("bench/data/harbour_town.txt").read().spl
 python3 -c 'import re; t=open("bench/data/harbour_town.txt").read(); s=[x.strip() for x in re.split(r"(?<=[.!?])\s+", t) if len(x.split()) > 4]; print("\n".join(s[:32]))' > /tmp/prompts32.txt
 speed() { recall_speed_row 60 "$@"; }
 rec() { [ "$1" = 0 ] || echo "--recall $1"; }
-for order in "0 4" "4 0"; do
+# RECALLS: the tier's pages to compare (default 0 4 16), run in that order and then reversed.
+R=${RECALLS:-0 4 16}
+REV=$(echo "$R" | tr ' ' '\n' | tac | tr '\n' ' ')
+for order in "$R" "$REV"; do
   for r in $order; do speed "h2o recall=$r batch 1" --prompt "$LONG" --tokens 2 --time-steps 300 $(rec $r); done
   for r in $order; do speed "h2o recall=$r batch 32" --prompts /tmp/prompts32.txt --batch 32 --tokens 2 --time-steps 400 $(rec $r); done
 done

@@ -13,8 +13,8 @@
 #   scripts/test.sh --fresh-seeds   draws fresh seeds: sets EXPERTKV_SEED_SALT to a new random
 #                             number (unless it or EXPERTKV_TEST_SEED is set already); the salt
 #                             is printed first and in the summary. EXPERTKV_SEED_SALT=N replays
-#                             that run's seeds, EXPERTKV_TEST_SEED=S one failing case. Not yet
-#                             CI's default: with EXPERTKV_SEED_SALT=1 four GPU tests fail
+#                             that run's seeds, EXPERTKV_TEST_SEED=S one failing case. The
+#                             four GPU tests EXPERTKV_SEED_SALT=1 failed are mended
 #                             (RELIABILITY.md, "Tests that fail when they should").
 # Other arguments go to `cargo test` (a test-name filter, say), which then runs the binaries one
 # after another. The slow set-up runs beside the build: Debian packages, the model download and
