@@ -846,7 +846,8 @@ impl Attention {
     /// Every output element's tolerance against [`Attention::cpu_reference`]'s `out` (same
     /// arguments): [`crate::reference::attend::ATTENTION_ATOL`] and `_RTOL` of the reference,
     /// plus, where this kernel sums values in f16, [`crate::reference::attend::F16_SUMS_TOL`] of
-    /// what those sums hold.
+    /// what those sums hold; and then what those sums hold, element by element, for the
+    /// per-vector check ([`crate::reference::attend::f16_sums_vector_excess`]).
     pub fn output_tolerance(
         &self,
         model: &crate::reference::PoolModel,
@@ -854,18 +855,19 @@ impl Attention {
         queries: &[f32],
         pages: Option<&dyn Fn(u32, u32) -> Vec<u32>>,
         reference: &[f64],
-    ) -> Vec<f64> {
+    ) -> (Vec<f64>, Option<Vec<f64>>) {
         use crate::reference::attend::{ATTENTION_ATOL, ATTENTION_RTOL, F16_SUMS_TOL, attend_decode_int8_query_code_part_over};
         let mut tol: Vec<f64> = reference.iter().map(|w| ATTENTION_ATOL + ATTENTION_RTOL * w.abs()).collect();
-        if self.f16_value_sums() {
-            let list = |seq, head| model.page_list(layer, seq, head);
-            let pages = pages.unwrap_or(&list);
-            let part = attend_decode_int8_query_code_part_over(model, self.opts.n_seqs, queries, self.opts.group, self.scale, pages);
-            for (t, c) in tol.iter_mut().zip(part) {
-                *t += F16_SUMS_TOL * c.abs();
-            }
+        if !self.f16_value_sums() {
+            return (tol, None);
         }
-        tol
+        let list = |seq, head| model.page_list(layer, seq, head);
+        let pages = pages.unwrap_or(&list);
+        let part = attend_decode_int8_query_code_part_over(model, self.opts.n_seqs, queries, self.opts.group, self.scale, pages);
+        for (t, c) in tol.iter_mut().zip(&part) {
+            *t += F16_SUMS_TOL * c.abs();
+        }
+        (tol, Some(part))
     }
 
     /// Scale applied to q.k (1/sqrt(head_dim)).

@@ -287,7 +287,7 @@ impl Pipeline {
                         recalled[li as usize].clone()
                     });
                 let tol = r.out.iter().map(|w| ATTENTION_ATOL + ATTENTION_RTOL * w.abs()).collect();
-                (r, tol)
+                (r, (tol, None))
             }
             _ => {
                 let r = self.kv.attn.cpu_reference(model, layer, q, pages);
@@ -295,7 +295,19 @@ impl Pipeline {
                 (r, tol)
             }
         };
+        let (tol, held) = tol;
         let step = self.step;
+        // Where the kernel sums values in f16, each output vector's error norm too: a dropped
+        // or doubled token moves every element of its vectors, which the per-element bound
+        // lets through where what the f16 sums hold is large.
+        if let Some(held) = &held
+            && let Some((v, err, bound)) =
+                crate::reference::attend::f16_sums_vector_excess(&out, &reference.out, held, self.kv.pool.cfg.head_dim as usize)
+        {
+            return Err(verify_err(format!(
+                "step {step}, layer {layer}: attention output vector {v}'s error norm is {err:.3e}, over its bound {bound:.3e} (f16 sums)"
+            )));
+        }
         for (i, ((g, w), t)) in out.iter().zip(&reference.out).zip(&tol).enumerate() {
             let err = (f64::from(*g) - w).abs();
             if err.is_nan() || err > *t {

@@ -14,6 +14,25 @@ pub const ATTENTION_RTOL: f64 = 1e-4;
 /// what those sums hold ([`attend_decode_int8_query_code_part_over`]) on top: f16's 2^-11 per
 /// rounding over at most a few dozen terms.
 pub const F16_SUMS_TOL: f64 = 4e-3;
+/// Where a kernel sums values in f16, one output vector's (a query head's `head_dim` outputs)
+/// error norm may exceed the norm of its elements' f32 tolerances by at most this share of the
+/// norm of what its f16 sums hold: a quarter of [`F16_SUMS_TOL`]. Rounding errors spread over
+/// the elements and partly cancel in the norm; a token dropped from the sums moves every element
+/// by p_t (v_t - out), which the per-element bound lets through in about half the vectors
+/// (tests/tests/gpu/compress.rs measures both).
+pub const F16_SUMS_VECTOR_TOL: f64 = 1e-3;
+
+/// The first output vector of `d` elements whose error norm against `want` exceeds
+/// `norm(ATTENTION_ATOL + ATTENTION_RTOL |want|) + F16_SUMS_VECTOR_TOL x norm(held)`, `held`
+/// being what each element's f16 sums hold: its index, error norm and bound.
+pub fn f16_sums_vector_excess(got: &[f32], want: &[f64], held: &[f64], d: usize) -> Option<(usize, f64, f64)> {
+    got.chunks(d).zip(want.chunks(d)).zip(held.chunks(d)).enumerate().find_map(|(v, ((g, w), c))| {
+        let err = g.iter().zip(w).map(|(g, w)| (f64::from(*g) - w).powi(2)).sum::<f64>().sqrt();
+        let base = w.iter().map(|w| (ATTENTION_ATOL + ATTENTION_RTOL * w.abs()).powi(2)).sum::<f64>().sqrt();
+        let bound = base + F16_SUMS_VECTOR_TOL * c.iter().map(|c| c * c).sum::<f64>().sqrt();
+        (err.is_nan() || err > bound).then_some((v, err, bound))
+    })
+}
 
 /// What the reference decode attention computes: the output and each attended token's mass.
 pub struct AttentionOutput {

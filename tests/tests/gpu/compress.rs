@@ -18,9 +18,9 @@ fn out_close(got: f32, want: f64, code_part: f64) -> bool {
     (f64::from(got) - want).abs() <= 2e-5 + 1e-4 * want.abs() + 4e-3 * code_part.abs()
 }
 
-/// The bound on one output vector's error norm over the norm of what its f16 sums hold (see
-/// `check_int4_layers`).
-const VECTOR_TOL: f64 = 1e-3;
+// The bound on one output vector's error norm over the norm of what its f16 sums hold (see
+// `check_int4_layers`), the lockstep's too.
+use expertkv_core::reference::attend::F16_SUMS_VECTOR_TOL as VECTOR_TOL;
 
 /// [`attend_decode_int8_query_code_part_over`] of `attn`'s lists when it sums values in f16,
 /// zeros otherwise.
@@ -163,6 +163,12 @@ fn compression_gpu_match_cpu_and_attention_decodes_in_kernel() {
                 let cp = code_part(&attn, &model, layer, &q);
                 for (i, (g, w)) in got.iter().zip(&want.out).enumerate() {
                     assert!(out_close(*g, *w, cp[i]), "{ctx0}: {} layer {layer} out[{i}] = {g}, reference {w}", attn.describe());
+                }
+                // And per output vector where the kernel sums values in f16 (as the lockstep
+                // checks it): a dropped token moves a whole vector.
+                if attn.f16_value_sums() {
+                    let excess = expertkv_core::reference::attend::f16_sums_vector_excess(&got, &want.out, &cp, cfg.head_dim as usize);
+                    assert!(excess.is_none(), "{ctx0}: {} layer {layer}: (vector, error norm, bound) {excess:?}", attn.describe());
                 }
             }
         }

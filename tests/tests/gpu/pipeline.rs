@@ -5,7 +5,7 @@ use expertkv_core::pipeline::{DemoConfig, Pipeline};
 use expertkv_core::route::config::RouterConfig;
 use expertkv_core::workload::WorkloadConfig;
 
-use crate::common::{pick, rt, seeds};
+use crate::common::{fixed_seeds, pick, rt, seeds};
 
 #[test]
 fn demo_pipeline_matches_reference() {
@@ -188,17 +188,24 @@ fn demo_pipeline_with_a_codec_compresses_and_matches_reference() {
     use expertkv_core::config::Codec;
     let rt = rt();
     let codecs = [Codec::Int4 { group: 32 }, Codec::Int8 { group: 16 }, Codec::LowRank { rank: 32 }, Codec::Lora { rank: 16 }];
+    let mut f16_sums = 0;
     for seed in seeds("demo_pipeline_codec", 4) {
         let codec = pick(seed, &codecs);
         // The quantisers' error is small; the synthetic K/V are near-isotropic, so a rank-r basis
         // of d = 64 dimensions keeps about r / d of their energy (the planted-structure test in
         // codec.rs checks the fit itself).
         let bound = if codec.is_low_rank() { 0.95 } else { 0.2 };
+        // int4 on pages of 32: where the device has f16 and subgroups the tile kernel attends
+        // (its values summed in f16), so the lockstep's per-vector check runs.
+        // (twice the prompt, so that compressed pages outweigh each list's raw tail).
+        let int4 = matches!(codec, Codec::Int4 { .. });
+        let (page_size, prompt_len) = if int4 { (32, 320) } else { (DemoConfig::default().page_size, 160) };
         let cfg = DemoConfig {
-            workload: WorkloadConfig { seed, n_seqs: 2, layers: 2, prompt_len: 160, ..Default::default() },
+            workload: WorkloadConfig { seed, n_seqs: 2, layers: 2, prompt_len, ..Default::default() },
             steps: 3,
             scheduler: None,
             codec,
+            page_size,
             ..Default::default()
         };
         let mut p = pollster::block_on(Pipeline::new(rt, cfg)).expect("pipeline");
@@ -221,6 +228,10 @@ fn demo_pipeline_with_a_codec_compresses_and_matches_reference() {
         assert!(ek > 0.0 && ek < bound && ev > 0.0 && ev < bound, "seed {seed} {codec:?}: reconstruction {ek} {ev}");
         let v = pollster::block_on(p.verify(rt)).expect("verify").expect("verification enabled");
         assert!(v.attention_checked > 0, "seed {seed} {codec:?}: {v:?}");
+        f16_sums += usize::from(p.kv.attn.f16_value_sums());
+    }
+    if fixed_seeds() && expertkv_core::attend::subgroup_layout(rt, 128, expertkv_core::config::KvDtype::F16).is_some() {
+        assert!(f16_sums > 0, "no case ran an attention that sums values in f16 under the lockstep");
     }
 }
 
