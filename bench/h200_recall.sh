@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# The recall tier on SmolLM2-135M, on the GPU machine, in one call of about five minutes:
-#   - speed first, alone on the GPU: decode steps back to back (`run --time-steps`), H2O at 192
-#     tokens a list (10% of a 2,048-token context) without and with `--recall 4`: batch 1 after a
-#     1,500-word prompt, and batch 32 from short prompts (400 steps, the lists evicting from step
-#     193 on); the bytes the recall passes read a step (host memory) and the digests they score
-#     (device memory);
-#   - quality: `eval` over bench/data/harbour_town.txt (2,048 tokens) with the retrieval checks in
-#     2,000 filler tokens (a fact at 10%, 50% and 90% depth, three facts in one context, the
+# The recall tier on SmolLM2-135M, on the GPU machine, in one call of about eight minutes:
+#   - speed first, alone on the GPU (SPEED=0 skips it): decode steps back to back (`run
+#     --time-steps`), H2O at 192 tokens a list (10% of a 2,048-token context) without and with
+#     `--recall ${RECALL:-16}`: batch 1 after a 1,500-word prompt, and batch 32 from short prompts
+#     (400 steps, the lists evicting from step 193 on); the bytes the recall passes read a step
+#     (host memory) and the digests they score (device memory);
+#   - quality: `eval` over bench/data/harbour_town.txt (2,048 tokens), with FILLER > 0 the
+#     retrieval checks too (a fact at 10%, 50% and 90% depth, three facts in one context, the
 #     two-turn question), K/V bytes held at 10% and 5% of the full cache's (`--bytes`; the
-#     digests' device bytes come out of the budget), H2O without and with the recall tier
-#     (`--recall`); two eval processes at a time (more share the GPU badly), each scoring the full
-#     cache too, its reference, and printing each row as it finishes (LIMIT seconds each).
+#     digests' device bytes come out of the budget), H2O without and with the recall tier, f16 and
+#     int4 pages; three eval processes (groups f16_10, int4_10, int4_5; GROUP_ONLY picks one),
+#     each scoring the full cache too, its reference, and printing each row as it finishes (LIMIT
+#     seconds each).
 # JSON rows to $OUT/r_*.jsonl and $OUT/speed.txt, then one table. The model goes in two parts over
 # two calls as bench/h200_model.sh says (/root/a from the first call, scratch/m2/b with this one);
 # the joined file's sha256 is printed. Needs .bin/expertkv.xz and the Vulkan loader in .gl/.
@@ -25,10 +26,15 @@ if [ ! -s "$M" ]; then
 fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 sha256sum "$M"
-C="--model $M --text bench/data/harbour_town.txt --tokens 2048 --needle-filler 2000 --needle-depth 10%,50%,90% --needles 3 --json"
+# FILLER: the retrieval checks' filler tokens (0, the default: the scored text alone). With the
+# tier a step takes 26 ms at batch 1 on the H100 (2026-12-07), so one row of the text and the five
+# retrieval cases (~12,000 tokens) does not finish in a call's 490 s: run FILLER=2000 with one
+# group at a time (GROUP_ONLY=f16_10, say).
+C="--model $M --text bench/data/harbour_town.txt --tokens 2048 --needle-filler ${FILLER:-0} --needle-depth 10%,50%,90% --needles 3 --json"
 run() { # name, limit, eval arguments...
   local name=$1 limit=$2
   shift 2
+  [ -z "${GROUP_ONLY:-}" ] || [ "$GROUP_ONLY" = "$name" ] || return 0
   # shellcheck disable=SC2086
   timeout "$limit" $B eval $C "$@" > "$OUT/r_$name.jsonl" 2> "$OUT/r_$name.err" &
 }
