@@ -29,6 +29,8 @@ override GROUP: u32 = 1u;
 override F16: bool = true;
 override PAGES: u32 = 4u;
 override CANDIDATES: u32 = 32u;
+// GROUP's bound (the per-head scores of a token are held in an array of this size).
+const MAX_GROUP: u32 = 8u;
 
 @group(0) @binding(0) var<uniform> geo: Geometry;
 @group(0) @binding(1) var<uniform> params: AttendParams;
@@ -72,22 +74,6 @@ fn tier_word(at: u32, kv: u32, w: u32) -> u32 {
     return tier_kv[(at / P) * geo.page_words + kv * P * geo.vec_words + (at % P) * geo.vec_words + w];
 }
 
-// q . k of tier slot `at` for the query at `queries[qo..]`.
-fn key_dot(at: u32, qo: u32) -> f32 {
-    var s = 0.0;
-    if (F16) {
-        for (var w = 0u; w < geo.vec_words; w++) {
-            let k = unpack2x16float(tier_word(at, 0u, w));
-            s += queries[qo + 2u * w] * k.x + queries[qo + 2u * w + 1u] * k.y;
-        }
-    } else {
-        for (var w = 0u; w < geo.vec_words; w++) {
-            s += queries[qo + w] * bitcast<f32>(tier_word(at, 0u, w));
-        }
-    }
-    return s;
-}
-
 // The digest score of tier slot `at` for the query at `queries[qo..]` (list `li`'s calibration).
 fn digest_dot(at: u32, qo: u32, li: u32) -> f32 {
     let d = geo.head_dim;
@@ -105,20 +91,42 @@ fn digest_dot(at: u32, qo: u32, li: u32) -> f32 {
     return s;
 }
 
+// q . k of tier slot `at` for each of the group's query heads from `qbase`, its key read from the
+// tier once (host memory, where every read crosses the bus) for all of them.
+fn key_dots(at: u32, qbase: u32) -> array<f32, MAX_GROUP> {
+    var s: array<f32, MAX_GROUP>;
+    let d = geo.head_dim;
+    for (var w = 0u; w < geo.vec_words; w++) {
+        let word = tier_word(at, 0u, w);
+        if (F16) {
+            let k = unpack2x16float(word);
+            for (var g = 0u; g < GROUP; g++) {
+                s[g] += queries[qbase + g * d + 2u * w] * k.x + queries[qbase + g * d + 2u * w + 1u] * k.y;
+            }
+        } else {
+            let k = bitcast<f32>(word);
+            for (var g = 0u; g < GROUP; g++) {
+                s[g] += queries[qbase + g * d + w] * k;
+            }
+        }
+    }
+    return s;
+}
+
 // Tier slot `at`'s score for the list's query heads from `qbase`: the largest scaled q.k over
-// the group, from its true key (`exact`) or its digest (list `li`'s calibration).
+// the group, from its true key (`exact`, read once) or its digest (list `li`'s calibration).
 fn group_score(at: u32, qbase: u32, li: u32, exact: bool) -> f32 {
     var s = NEG_BIG;
-    for (var g = 0u; g < GROUP; g++) {
-        let qo = qbase + g * geo.head_dim;
-        // (Not `select`, which would evaluate both and read the tier's key for a digest score.)
-        var x = 0.0;
-        if (exact) {
-            x = key_dot(at, qo);
-        } else {
-            x = digest_dot(at, qo, li);
+    // (Not `select`, which would evaluate both and read the tier's key for a digest score.)
+    if (exact) {
+        let x = key_dots(at, qbase);
+        for (var g = 0u; g < GROUP; g++) {
+            s = max(s, x[g] * params.scale);
         }
-        s = max(s, x * params.scale);
+    } else {
+        for (var g = 0u; g < GROUP; g++) {
+            s = max(s, digest_dot(at, qbase + g * geo.head_dim, li) * params.scale);
+        }
     }
     return s;
 }
@@ -170,15 +178,6 @@ fn pick_pages(t: u32, pages: u32, count: u32) {
         }
         workgroupBarrier();
     }
-}
-
-// Dimension `i` of tier slot `at`'s V vector.
-fn value_at(at: u32, i: u32) -> f32 {
-    if (F16) {
-        let v = unpack2x16float(tier_word(at, 1u, i / 2u));
-        return select(v.x, v.y, (i & 1u) == 1u);
-    }
-    return bitcast<f32>(tier_word(at, 1u, i));
 }
 
 @compute @workgroup_size(256)
@@ -252,33 +251,65 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
         atomicAdd(&tier_stats[TIER_AUDIT_WANT], want);
         atomicAdd(&tier_stats[TIER_AUDIT_HITS], hits);
     }
-    // Each query head's attention over the chosen pages' tokens: one partial record.
+    // Each query head's attention over the chosen pages' tokens: one partial record. Invocation
+    // t < PAGES x P scores token t for every query head, its key read once; the values are then
+    // read word by word across the workgroup (invocation t takes word t % VW of every
+    // (WG / VW)-th token), so consecutive invocations read consecutive words of a vector, and a
+    // reduction over the token lanes sums each word.
+    var sg: array<f32, MAX_GROUP>;
+    var live = false;
+    if (t < PAGES * P) {
+        let page = chosen[t / P];
+        let j = page * P + t % P;
+        if (page != TIER_NONE && j < n) {
+            sg = key_dots(first + j, qbase);
+            live = true;
+        }
+    }
+    let vw = geo.vec_words;
+    let lanes = WG / vw;
+    let word = t % vw;
+    let lane = t / vw;
     for (var g = 0u; g < GROUP; g++) {
         let qh = h * GROUP + g;
-        var s = NEG_BIG;
-        var live = false;
-        if (t < PAGES * P) {
-            let page = chosen[t / P];
-            let j = page * P + t % P;
-            if (page != TIER_NONE && j < n) {
-                s = key_dot(first + j, qbase + g * d) * params.scale;
-                live = true;
-            }
-        }
+        let s = select(NEG_BIG, sg[g] * params.scale, live);
         let m = workgroup_max(t, s);
         let e = softmax_prob(s, m, live);
         probs[t] = e;
         let l = workgroup_sum(t, e);
-        let o = partial_index(params, seq, qh, tier.slot, 0u) * partial_stride(d);
-        if (t < d && l > 0.0) {
-            var a = 0.0;
-            for (var c = 0u; c < PAGES * P; c++) {
+        var a = vec2<f32>(0.0, 0.0);
+        if (lane < lanes) {
+            for (var c = lane; c < PAGES * P; c += lanes) {
                 let pr = probs[c];
                 if (pr > 0.0) {
-                    a += pr * value_at(first + chosen[c / P] * P + c % P, t);
+                    let v = tier_word(first + chosen[c / P] * P + c % P, 1u, word);
+                    if (F16) {
+                        a += pr * unpack2x16float(v);
+                    } else {
+                        a.x += pr * bitcast<f32>(v);
+                    }
                 }
             }
-            partials[o + 4u + t] = a;
+        }
+        pick_key[t] = bitcast<u32>(a.x);
+        pick_idx[t] = bitcast<u32>(a.y);
+        workgroupBarrier();
+        let o = partial_index(params, seq, qh, tier.slot, 0u) * partial_stride(d);
+        if (t < vw && l > 0.0) {
+            var x = 0.0;
+            var y = 0.0;
+            for (var r = 0u; r < lanes; r++) {
+                x += bitcast<f32>(pick_key[r * vw + t]);
+                y += bitcast<f32>(pick_idx[r * vw + t]);
+            }
+            if (F16) {
+                partials[o + 4u + 2u * t] = x;
+                if (2u * t + 1u < d) {
+                    partials[o + 4u + 2u * t + 1u] = y;
+                }
+            } else {
+                partials[o + 4u + t] = x;
+            }
         }
         if (t == 0u) {
             partials[o] = select(NEG_BIG, m, l > 0.0);
