@@ -298,12 +298,13 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
         // A group whose protected tokens (sinks, recent window) exceed its share cannot evict
         // down to it: the list still keeps its own budget, the rest of its victims the lowest
         // keys among every group's tokens not yet chosen.
-        if (st.budget != KEEP_ALL && tokens - want > st.budget) {
-            let rest = uniform_u32(t, min(tokens - want - st.budget, tokens - protected_n - want));
-            if (rest > 0u) {
-                evicted_mass += pick(t, base, n_slots, rest, NOT_VICTIMS);
-                want += rest;
-            }
+        // (The condition through a uniform load: `pick` holds barriers, and a browser's
+        // validator counts `st`, read from storage, as non-uniform.)
+        let over = st.budget != KEEP_ALL && tokens - want > st.budget;
+        let rest = uniform_u32(t, select(0u, min(tokens - want - st.budget, tokens - protected_n - want), over));
+        if (rest > 0u) {
+            evicted_mass += pick(t, base, n_slots, rest, NOT_VICTIMS);
+            want += rest;
         }
     }
     if (t == 0u) {
