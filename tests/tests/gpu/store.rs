@@ -390,7 +390,8 @@ fn continuous_batching_reuses_prefixes_within_and_across_runs() {
     };
     // Token for token: a reused prefix is not fed again, so a sequence may finish (and the
     // next prompt take its slot) at other steps than without a store.
-    let tokens = |c: &[Completion]| -> Vec<(usize, Vec<u32>, Vec<u32>, String, &'static str)> {
+    type Said = (usize, Vec<u32>, Vec<u32>, String, &'static str);
+    let tokens = |c: &[Completion]| -> Vec<Said> {
         c.iter().map(|c| (c.prompt, c.prompt_ids.clone(), c.generated_ids.clone(), c.text.clone(), c.stop)).collect()
     };
     let (alone, _) = run(None);
