@@ -14,7 +14,8 @@ each layer's attention also takes R tier pages of 16 (capture order), chosen as
 tokens when it first holds 64) nominate the 32 best pages, their true q.k choose R.
 
 Configurations (--configs): `full`, `h2o@B` and `h2o@B+recallR` (`h2o@B+recallR/C`: C pages
-nominated, 1024 for every tier page, the true scores alone); `eval --bytes 10%` of a 2,048-token
+nominated, 1024 for every tier page, the true scores alone; `h2o@B+recallR/C:bound`: nominated by
+each page's exact per-dimension key bounds, Quest's, instead of the one-bit digests); `eval --bytes 10%` of a 2,048-token
 context is h2o@192 alone and h2o@128+recall4 with the digests' bytes taken out, 5% h2o@96 and
 h2o@32+recall4.
 
@@ -86,18 +87,27 @@ class List:
         self.pos[:r], self.mass[:r] = self.pos[: self.n][keep], self.mass[: self.n][keep]
         self.n = r
 
-    def recalled(self, q, pages, candidates=CANDIDATES):
-        """Tier rows of the pages chosen for the group's queries q [G, D]."""
+    def recalled(self, q, pages, candidates=CANDIDATES, nominate="1bit"):
+        """Tier rows of the pages chosen for the group's queries q [G, D]; `nominate`: the
+        one-bit digests (`1bit`) or each page's exact key bounds (`bound`, Quest's upper bound
+        of q.k from the per-dimension max and min)."""
         n = self.tn
         if n == 0 or pages == 0:
             return np.zeros(0, np.int64)
         n_pages = (n + PAGE - 1) // PAGE
-        est = (self.signs[:n] @ (q * self.spread).T).max(1) if len(q) == 1 else ((q @ self.centre)[None, :] + self.signs[:n] @ (q * self.spread).T).max(1)
-        if len(q) == 1:
-            est = est + float(q[0] @ self.centre)
-        pad = np.full(n_pages * PAGE, -np.inf)
-        pad[:n] = est
-        best = pad.reshape(n_pages, PAGE).max(1)
+        if nominate == "bound":
+            pad = np.full((n_pages * PAGE, self.d), np.nan, np.float32)
+            pad[:n] = self.tk[:n]
+            pg = pad.reshape(n_pages, PAGE, self.d)
+            hi, lo = np.nanmax(pg, 1), np.nanmin(pg, 1)
+            best = np.maximum(q[:, None, :] * hi[None], q[:, None, :] * lo[None]).sum(-1).max(0)
+        else:
+            est = (self.signs[:n] @ (q * self.spread).T).max(1) if len(q) == 1 else ((q @ self.centre)[None, :] + self.signs[:n] @ (q * self.spread).T).max(1)
+            if len(q) == 1:
+                est = est + float(q[0] @ self.centre)
+            pad = np.full(n_pages * PAGE, -np.inf)
+            pad[:n] = est
+            best = pad.reshape(n_pages, PAGE).max(1)
         cand = np.lexsort((np.arange(n_pages), -best))[:candidates]
         rows = np.concatenate([np.arange(c * PAGE, min((c + 1) * PAGE, n)) for c in cand])
         true = (self.tk[rows] @ q.T).max(1)
@@ -111,11 +121,13 @@ class List:
 class Config:
     def __init__(self, spec, m):
         self.name = spec
-        self.budget, self.pages, self.candidates = None, 0, CANDIDATES
+        self.budget, self.pages, self.candidates, self.nominate = None, 0, CANDIDATES, "1bit"
         if spec != "full":
             body = spec.split("@", 1)[1]
             b, _, r = body.partition("+recall")
             r, _, c = r.partition("/")
+            c, _, self.nominate = c.partition(":")
+            self.nominate = self.nominate or "1bit"
             self.budget, self.pages = int(b), int(r or 0)
             self.candidates = int(c) if c else CANDIDATES
         self.lists = [[List(m.d) for _ in range(m.kv_heads)] for _ in range(m.layers)]
@@ -135,7 +147,7 @@ def step(m, configs, tok, p):
                 L = c.lists[l][h]
                 L.append(k[ci, h], v[ci, h], p)
                 qg = q[ci, h * group : (h + 1) * group]
-                rows = L.recalled(qg, c.pages, c.candidates)
+                rows = L.recalled(qg, c.pages, c.candidates, c.nominate)
                 n = L.n
                 s = (qg @ L.k[:n].T) * scale  # [G, n]
                 if len(rows):
