@@ -51,6 +51,16 @@ pub struct PrefillAttention {
 }
 
 impl PrefillAttention {
+    /// Bytes of the partials [`PrefillAttention::new`] allocates (and refuses past one binding):
+    /// queries x query heads x pool buffers x page chunks x (head_dim + 4) floats.
+    pub fn partial_bytes(pool: &KvPool, group: u32, max_queries: u32, chunk_pages: u32) -> u64 {
+        let cfg = &pool.cfg;
+        [max_queries, cfg.kv_heads * group, pool.n_buffers() as u32, cfg.max_pages_per_seq().div_ceil(chunk_pages), cfg.head_dim + 4, 4]
+            .into_iter()
+            .map(u64::from)
+            .product()
+    }
+
     /// For `pool`'s layers, `group` query heads per KV head, chunks of up to `max_queries`
     /// queries, and `chunk_pages` pages per split workgroup (1 to
     /// [`super::MAX_CHUNK_PAGES`]; [`PREFILL_CHUNK_PAGES`] for the model).
@@ -71,7 +81,7 @@ impl PrefillAttention {
         let n_chunks = cfg.max_pages_per_seq().div_ceil(chunk_pages);
         let n_buffers = pool.n_buffers() as u32;
         let (nq, qh) = (u64::from(max_queries), u64::from(q_heads));
-        let partial_floats = nq * qh * u64::from(n_buffers) * u64::from(n_chunks) * u64::from(d + 4);
+        let partial_floats = Self::partial_bytes(pool, group, max_queries, chunk_pages) / 4;
         rt.fits_binding("prefill attention partials", partial_floats * 4)?;
         let split = rt.pipeline(Kernel::AttendPrefill, &[]).await?;
         let reduce = rt.pipeline(Kernel::AttendReduce, &[]).await?;

@@ -288,12 +288,7 @@ fn attend_prefill_gpu_match_cpu() {
         // to more than any list holds; among those whose partials (queries x query heads x
         // buffers x page chunks x (d + 4) floats) fit one binding of this device (a large pool
         // split page by page does not, and `new` refuses it by name).
-        let partial_bytes = |c: u32| {
-            [n, cfg.kv_heads * case.group, pool.n_buffers() as u32, cfg.max_pages_per_seq().div_ceil(c), cfg.head_dim + 4, 4]
-                .into_iter()
-                .map(u64::from)
-                .product::<u64>()
-        };
+        let partial_bytes = |c: u32| PrefillAttention::partial_bytes(&pool, case.group, n, c);
         let fitting: Vec<u32> =
             [1u32, 2, 3, 8, PREFILL_CHUNK_PAGES].into_iter().filter(|&c| partial_bytes(c) <= rt.max_binding_bytes()).collect();
         assert!(!fitting.is_empty(), "seed {seed}: no split fits a binding");
