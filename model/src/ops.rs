@@ -13,7 +13,9 @@ use expertkv_core::runtime::dispatch::CountedDispatch;
 
 /// Tokens one matrix-vector workgroup takes (`MAX_TOKENS` in `model/matvec.wgsl`): a call takes
 /// any number, in groups of this many (a decode step's sequences; the prefill's products are
-/// tiled, [`ModelKernels::for_prefill`]).
+/// tiled, [`ModelKernels::for_prefill`]). A call of one token (a decode step at batch 1) runs
+/// the kernel built for one (`MAX_TOKENS` 1): no per-token arrays to index, a smaller
+/// workgroup array, the same sums in the same order.
 pub const MATVEC_MAX_TOKENS: u32 = 8;
 
 /// Tokens and rows of one workgroup of the prefill's tiled products (`TILE` in
@@ -532,8 +534,10 @@ enum MatVecInput<'a> {
 /// The compiled model kernels.
 #[derive(Clone)]
 pub struct ModelKernels {
-    /// Per weight format (`WeightFormat::define`), for the formats asked for.
+    /// Per weight format (`WeightFormat::define`), for the formats asked for: the
+    /// matrix-vector kernel for groups of [`MATVEC_MAX_TOKENS`] tokens and for one token.
     matvec: Vec<Option<wgpu::ComputePipeline>>,
+    matvec1: Vec<Option<wgpu::ComputePipeline>>,
     /// The weight formats asked for.
     formats: Vec<WeightFormat>,
     /// The prefill's kernels, built by [`ModelKernels::for_prefill`] (a model that never
@@ -567,7 +571,7 @@ impl ModelKernels {
     /// The kernels, the weight-reading ones for each of `formats`.
     pub async fn new(rt: &Runtime, formats: &[WeightFormat]) -> Result<ModelKernels> {
         let n = WeightFormat::ALL.len();
-        let (mut matvec, mut embed) = (vec![None; n], vec![None; n]);
+        let (mut matvec, mut matvec1, mut embed) = (vec![None; n], vec![None; n], vec![None; n]);
         let (mut moe_gate_up, mut moe_down_q) = (vec![None; n], vec![None; n]);
         for f in formats {
             let i = f.define() as usize;
@@ -576,12 +580,15 @@ impl ModelKernels {
             }
             let d = [("FORMAT", format!("{i}u"))];
             matvec[i] = Some(rt.pipeline_with(Kernel::ModelMatVec, &d, &[]).await?);
+            let one = [("FORMAT", format!("{i}u")), ("MAX_TOKENS", "1u".to_string())];
+            matvec1[i] = Some(rt.pipeline_with(Kernel::ModelMatVec, &one, &[]).await?);
             embed[i] = Some(rt.pipeline_with(Kernel::ModelEmbed, &d, &[]).await?);
             moe_gate_up[i] = Some(rt.pipeline_with(Kernel::ModelMoeGateUp, &d, &[]).await?);
             moe_down_q[i] = Some(rt.pipeline_with(Kernel::ModelMoeDownQ, &d, &[]).await?);
         }
         Ok(ModelKernels {
             matvec,
+            matvec1,
             formats: formats.to_vec(),
             matmul: vec![None; n],
             tiled: false,
@@ -840,6 +847,8 @@ impl ModelKernels {
         let buffers = [&p, &w.buffer, x, outputs[0].0, g, y2, y3];
         let (kernel, pipes, rows, tokens) = if self.tiled {
             (Kernel::ModelMatMul, &self.matmul, MATMUL_TILE, MATMUL_TILE)
+        } else if n_tokens == 1 {
+            (Kernel::ModelMatVec, &self.matvec1, 1, 1)
         } else {
             (Kernel::ModelMatVec, &self.matvec, 1, MATVEC_MAX_TOKENS)
         };

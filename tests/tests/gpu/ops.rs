@@ -142,6 +142,19 @@ fn matvec_and_embed_match_cpu_in_every_weight_format() {
             let same = got.len() == parts.len() && got.iter().zip(&parts).all(|(a, b)| a.to_bits() == b.to_bits());
             assert!(same, "{ctx}: tiled in calls of {size} tokens, the products differ");
         }
+        // Not tiled, a token alone (the one-token kernel, a decode step at batch 1) gives the
+        // bits it got among its group: the same sums in the same order.
+        if !tiled {
+            let b = rng.below(n) as usize;
+            let one = &x[b * cols as usize..(b + 1) * cols as usize];
+            let (xo, yo) = (rt.storage_init("x one", one), rt.storage("y one", u64::from(rows) * 4));
+            rt.fill_u32(&yo, POISON_F32);
+            run(rt, "matvec one", |p| k.matvec(rt, p, &w, &xo, &yo, 1).expect("matvec"));
+            let alone: Vec<f32> = pollster::block_on(rt.read_all(&yo)).expect("read");
+            let among = &got[b * rows as usize..(b + 1) * rows as usize];
+            let same = alone.iter().zip(among).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{ctx}: token {b} alone differs from its products among {n} tokens");
+        }
         // The same product added to what y holds (the residual stream).
         let y0 = normals(&mut rng, (n * rows) as usize);
         rt.queue.write_buffer(&y, 0, bytemuck::cast_slice(&y0));
