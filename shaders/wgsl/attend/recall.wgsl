@@ -54,7 +54,11 @@ var<workgroup> pick_idx: array<u32, WG>;
 const MAX_CANDIDATES: u32 = 64u;
 var<workgroup> chosen: array<u32, MAX_CANDIDATES>;
 var<workgroup> truth: array<u32, 16>;
-var<workgroup> probs: array<f32, WG>;
+// Query heads whose attention one read of the chosen values serves.
+const PG: u32 = 4u;
+var<workgroup> probs: array<f32, PG * WG>;
+// The tier slot each chosen token's value is read from.
+var<workgroup> slot_of: array<u32, WG>;
 var<workgroup> n_sh: u32;
 
 // A float as a key whose unsigned order is the float order (0 for no page: every real score's
@@ -91,22 +95,39 @@ fn digest_dot(at: u32, qo: u32, li: u32) -> f32 {
     return s;
 }
 
+// Tier words read before any is used: a tier read crosses the bus (host memory), so an
+// invocation keeps U of them in flight where reading one and using it would wait for each.
+const U: u32 = 8u;
+
 // q . k of tier slot `at` for each of the group's query heads from `qbase`, its key read from the
-// tier once (host memory, where every read crosses the bus) for all of them.
+// tier once (host memory, where every read crosses the bus) for all of them, U words at a time.
 fn key_dots(at: u32, qbase: u32) -> array<f32, MAX_GROUP> {
     var s: array<f32, MAX_GROUP>;
     let d = geo.head_dim;
-    for (var w = 0u; w < geo.vec_words; w++) {
-        let word = tier_word(at, 0u, w);
-        if (F16) {
-            let k = unpack2x16float(word);
-            for (var g = 0u; g < GROUP; g++) {
-                s[g] += queries[qbase + g * d + 2u * w] * k.x + queries[qbase + g * d + 2u * w + 1u] * k.y;
-            }
-        } else {
-            let k = bitcast<f32>(word);
-            for (var g = 0u; g < GROUP; g++) {
-                s[g] += queries[qbase + g * d + w] * k;
+    let vw = geo.vec_words;
+    let base = (at / geo.page_size) * geo.page_words + (at % geo.page_size) * vw;
+    for (var w0 = 0u; w0 < vw; w0 += U) {
+        // Every load in range (the last word again past the vector's end, never used).
+        var k: array<u32, U>;
+        //!unroll
+        for (var i = 0u; i < U; i++) {
+            k[i] = tier_kv[base + min(w0 + i, vw - 1u)];
+        }
+        //!unroll
+        for (var i = 0u; i < U; i++) {
+            let w = w0 + i;
+            if (w < vw) {
+                if (F16) {
+                    let kv = unpack2x16float(k[i]);
+                    for (var g = 0u; g < GROUP; g++) {
+                        s[g] += queries[qbase + g * d + 2u * w] * kv.x + queries[qbase + g * d + 2u * w + 1u] * kv.y;
+                    }
+                } else {
+                    let kv = bitcast<f32>(k[i]);
+                    for (var g = 0u; g < GROUP; g++) {
+                        s[g] += queries[qbase + g * d + w] * kv;
+                    }
+                }
             }
         }
     }
@@ -253,76 +274,100 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     }
     // Each query head's attention over the chosen pages' tokens: one partial record. Invocation
     // t < PAGES x P scores token t for every query head, its key read once; the values are then
-    // read word by word across the workgroup (invocation t takes word t % VW of every
-    // (WG / VW)-th token), so consecutive invocations read consecutive words of a vector, and a
-    // reduction over the token lanes sums each word.
+    // read once for up to PG query heads, word by word across the workgroup (invocation t takes
+    // word t % VW of every (WG / VW)-th token, U tokens in flight), so consecutive invocations
+    // read consecutive words of a vector, and a reduction over the token lanes sums each word.
+    let nt = PAGES * P;
     var sg: array<f32, MAX_GROUP>;
     var live = false;
-    if (t < PAGES * P) {
+    if (t < nt) {
         let page = chosen[t / P];
         let j = page * P + t % P;
-        if (page != TIER_NONE && j < n) {
+        live = page != TIER_NONE && j < n;
+        // A token not attended reads the list's first slot (its probability is 0).
+        slot_of[t] = select(first, first + j, live);
+        if (live) {
             sg = key_dots(first + j, qbase);
-            live = true;
         }
     }
     let vw = geo.vec_words;
     let lanes = WG / vw;
     let word = t % vw;
     let lane = t / vw;
-    for (var g = 0u; g < GROUP; g++) {
-        let qh = h * GROUP + g;
-        let s = select(NEG_BIG, sg[g] * params.scale, live);
-        let m = workgroup_max(t, s);
-        let e = softmax_prob(s, m, live);
-        probs[t] = e;
-        let l = workgroup_sum(t, e);
-        var a = vec2<f32>(0.0, 0.0);
+    for (var g0 = 0u; g0 < GROUP; g0 += PG) {
+        let gn = min(PG, GROUP - g0);
+        var ms: array<f32, PG>;
+        var ls: array<f32, PG>;
+        for (var gi = 0u; gi < gn; gi++) {
+            let s = select(NEG_BIG, sg[g0 + gi] * params.scale, live);
+            let m = workgroup_max(t, s);
+            let e = softmax_prob(s, m, live);
+            probs[gi * WG + t] = e;
+            ms[gi] = m;
+            // (Its barriers publish `probs`.)
+            ls[gi] = workgroup_sum(t, e);
+        }
+        var a: array<vec2<f32>, PG>;
         if (lane < lanes) {
-            for (var c = lane; c < PAGES * P; c += lanes) {
-                let pr = probs[c];
-                if (pr > 0.0) {
-                    let v = tier_word(first + chosen[c / P] * P + c % P, 1u, word);
-                    if (F16) {
-                        a += pr * unpack2x16float(v);
-                    } else {
-                        a.x += pr * bitcast<f32>(v);
+            for (var c0 = lane; c0 < nt; c0 += lanes * U) {
+                var vv: array<u32, U>;
+                //!unroll
+                for (var i = 0u; i < U; i++) {
+                    vv[i] = tier_word(slot_of[min(c0 + i * lanes, nt - 1u)], 1u, word);
+                }
+                //!unroll
+                for (var i = 0u; i < U; i++) {
+                    let c = c0 + i * lanes;
+                    if (c < nt) {
+                        var v = vec2<f32>(bitcast<f32>(vv[i]), 0.0);
+                        if (F16) {
+                            v = unpack2x16float(vv[i]);
+                        }
+                        for (var gi = 0u; gi < gn; gi++) {
+                            let pr = probs[gi * WG + c];
+                            // (`select`, not a product: a slot not attended may hold any bits.)
+                            a[gi] += select(vec2<f32>(0.0), pr * v, pr > 0.0);
+                        }
                     }
                 }
             }
         }
-        pick_key[t] = bitcast<u32>(a.x);
-        pick_idx[t] = bitcast<u32>(a.y);
-        workgroupBarrier();
-        let o = partial_index(params, seq, qh, tier.slot, 0u) * partial_stride(d);
-        if (t < vw && l > 0.0) {
-            var x = 0.0;
-            var y = 0.0;
-            for (var r = 0u; r < lanes; r++) {
-                x += bitcast<f32>(pick_key[r * vw + t]);
-                y += bitcast<f32>(pick_idx[r * vw + t]);
-            }
-            if (F16) {
-                partials[o + 4u + 2u * t] = x;
-                if (2u * t + 1u < d) {
-                    partials[o + 4u + 2u * t + 1u] = y;
+        for (var gi = 0u; gi < gn; gi++) {
+            let qh = h * GROUP + g0 + gi;
+            let l = ls[gi];
+            pick_key[t] = bitcast<u32>(a[gi].x);
+            pick_idx[t] = bitcast<u32>(a[gi].y);
+            workgroupBarrier();
+            let o = partial_index(params, seq, qh, tier.slot, 0u) * partial_stride(d);
+            if (t < vw && l > 0.0) {
+                var x = 0.0;
+                var y = 0.0;
+                for (var r = 0u; r < lanes; r++) {
+                    x += bitcast<f32>(pick_key[r * vw + t]);
+                    y += bitcast<f32>(pick_idx[r * vw + t]);
                 }
-            } else {
-                partials[o + 4u + t] = x;
+                if (F16) {
+                    partials[o + 4u + 2u * t] = x;
+                    if (2u * t + 1u < d) {
+                        partials[o + 4u + 2u * t + 1u] = y;
+                    }
+                } else {
+                    partials[o + 4u + t] = x;
+                }
             }
+            if (t == 0u) {
+                partials[o] = select(NEG_BIG, ms[gi], l > 0.0);
+                partials[o + 1u] = l;
+                partials[o + 2u] = 0.0;
+                partials[o + 3u] = 0.0;
+            }
+            // The slot's other chunks hold nothing.
+            for (var c = 1u + t; c < params.n_chunks; c += WG) {
+                let oc = partial_index(params, seq, qh, tier.slot, c) * partial_stride(d);
+                partials[oc] = NEG_BIG;
+                partials[oc + 1u] = 0.0;
+            }
+            workgroupBarrier();
         }
-        if (t == 0u) {
-            partials[o] = select(NEG_BIG, m, l > 0.0);
-            partials[o + 1u] = l;
-            partials[o + 2u] = 0.0;
-            partials[o + 3u] = 0.0;
-        }
-        // The slot's other chunks hold nothing.
-        for (var c = 1u + t; c < params.n_chunks; c += WG) {
-            let oc = partial_index(params, seq, qh, tier.slot, c) * partial_stride(d);
-            partials[oc] = NEG_BIG;
-            partials[oc + 1u] = 0.0;
-        }
-        workgroupBarrier();
     }
 }

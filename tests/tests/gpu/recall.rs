@@ -140,8 +140,10 @@ fn recall_attends_the_best_tier_pages_as_the_reference_does() {
     for seed in seeds("recall_attend", 10) {
         let mut rng = Rng::new(seed);
         let cfg = config(&mut rng, false);
-        let group = 1 + rng.below(4);
-        let pages = 1 + rng.below(3.min(256 / cfg.page_size));
+        // Up to the pass's eight query heads per KV head (two rounds of its value reads) and
+        // up to eight pages (its value reads looping past one round of loads in flight).
+        let group = 1 + rng.below(expertkv_core::evict::recall::MAX_RECALL_GROUP);
+        let pages = 1 + rng.below(8.min(256 / cfg.page_size));
         // Few candidates as often as many: the true scores then choose among a short list.
         let candidates = pages + rng.below(if seed % 2 == 0 { 3 } else { 40 });
         let rc = RecallConfig { pages, candidates, tokens: 512 };
