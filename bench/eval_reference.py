@@ -15,7 +15,8 @@ tokens when it first holds 64) nominate the 32 best pages, their true q.k choose
 
 Configurations (--configs): `full`, `h2o@B` and `h2o@B+recallR` (`h2o@B+recallR/C`: C pages
 nominated, 1024 for every tier page, the true scores alone; `h2o@B+recallR/C:bound`: nominated by
-each page's exact per-dimension key bounds, Quest's, instead of the one-bit digests); `eval --bytes 10%` of a 2,048-token
+each page's exact per-dimension key bounds, Quest's, instead of the one-bit digests; `:union`:
+half the candidates by the bounds, the rest by the digests); `eval --bytes 10%` of a 2,048-token
 context is h2o@192 alone and h2o@128+recall4 with the digests' bytes taken out, 5% h2o@96 and
 h2o@32+recall4.
 
@@ -95,20 +96,31 @@ class List:
         if n == 0 or pages == 0:
             return np.zeros(0, np.int64)
         n_pages = (n + PAGE - 1) // PAGE
-        if nominate == "bound":
+        def by_bound():
             pad = np.full((n_pages * PAGE, self.d), np.nan, np.float32)
             pad[:n] = self.tk[:n]
             pg = pad.reshape(n_pages, PAGE, self.d)
             hi, lo = np.nanmax(pg, 1), np.nanmin(pg, 1)
-            best = np.maximum(q[:, None, :] * hi[None], q[:, None, :] * lo[None]).sum(-1).max(0)
-        else:
-            est = (self.signs[:n] @ (q * self.spread).T).max(1) if len(q) == 1 else ((q @ self.centre)[None, :] + self.signs[:n] @ (q * self.spread).T).max(1)
-            if len(q) == 1:
-                est = est + float(q[0] @ self.centre)
+            return np.maximum(q[:, None, :] * hi[None], q[:, None, :] * lo[None]).sum(-1).max(0)
+
+        def by_digest():
+            est = ((q @ self.centre)[None, :] + self.signs[:n] @ (q * self.spread).T).max(1)
             pad = np.full(n_pages * PAGE, -np.inf)
             pad[:n] = est
-            best = pad.reshape(n_pages, PAGE).max(1)
-        cand = np.lexsort((np.arange(n_pages), -best))[:candidates]
+            return pad.reshape(n_pages, PAGE).max(1)
+
+        def top(best, k):
+            return np.lexsort((np.arange(n_pages), -best))[:k]
+
+        if nominate == "bound":
+            cand = top(by_bound(), candidates)
+        elif nominate == "union":
+            # Half the candidates by each, the bounds' first, then the digests' best not taken.
+            a = list(top(by_bound(), (candidates + 1) // 2))
+            b = [p for p in top(by_digest(), candidates) if p not in set(a)]
+            cand = np.array(a + b[: candidates - len(a)], np.int64)
+        else:
+            cand = top(by_digest(), candidates)
         rows = np.concatenate([np.arange(c * PAGE, min((c + 1) * PAGE, n)) for c in cand])
         true = (self.tk[rows] @ q.T).max(1)
         page_true = {}
@@ -192,7 +204,7 @@ def main():
     ap.add_argument("--cases", required=True, help="expertkv eval --write-cases FILE")
     ap.add_argument("--configs", default="full,h2o@192,h2o@128+recall4,h2o@96,h2o@32+recall4")
     ap.add_argument("--text-tokens", type=int, default=2048, help="tokens of the scored text (0: none)")
-    ap.add_argument("--only", default="", help="case names to run, comma-separated (default: all)")
+    ap.add_argument("--only", default="", help="case names to run, separated by | (default: all)")
     a = ap.parse_args()
     m = Model(a.model)
     doc = json.load(open(a.cases))
@@ -217,7 +229,7 @@ def main():
         for ci, s in enumerate(specs):
             agree = np.mean([g == r for g, r in zip(greedy[ci], greedy[0])])
             print(f"  {s}: perplexity {ppl[ci]:.4f} ({100 * (ppl[ci] / ppl[0] - 1):+.2f}% against {specs[0]}), greedy agreement {100 * agree:.1f}%", flush=True)
-    only = [o.strip() for o in a.only.split(",") if o.strip()]
+    only = [o.strip() for o in a.only.split("|") if o.strip()]
     for case in doc["cases"]:
         if only and case["name"] not in only:
             continue

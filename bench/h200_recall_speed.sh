@@ -21,7 +21,14 @@ rec() { [ "$1" = 0 ] || echo "--recall $1"; }
 # RECALLS: the tier's pages to compare (default 0 4 16), run in that order and then reversed.
 R=${RECALLS:-0 4 16}
 REV=$(echo "$R" | tr ' ' '\n' | tac | tr '\n' ' ')
+# With .bin/old.xz carried (an earlier release binary), each order runs the old binary's rows
+# and then the new one's, labelled.
+h200_bins
 for order in "$R" "$REV"; do
-  for r in $order; do speed "h2o recall=$r batch 1" --prompt "$LONG" --tokens 2 --time-steps 300 $(rec $r); done
-  for r in $order; do speed "h2o recall=$r batch 32" --prompts /tmp/prompts32.txt --batch 32 --tokens 2 --time-steps 400 $(rec $r); done
+  for bin in $bins; do
+    B=${bin#*:}
+    tag=${bin%%:*}
+    for r in $order; do speed "$tag h2o recall=$r batch 1" --prompt "$LONG" --tokens 2 --time-steps 300 $(rec $r); done
+    for r in $order; do speed "$tag h2o recall=$r batch 32" --prompts /tmp/prompts32.txt --batch 32 --tokens 2 --time-steps 400 $(rec $r); done
+  done
 done
