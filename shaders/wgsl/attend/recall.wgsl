@@ -22,6 +22,7 @@
 //!import attend/softmax.wgsl
 //!import common/recall.wgsl
 //!import common/reduce.wgsl
+//!import attend/merge.wgsl
 
 // Query heads per KV head (at most 8), f16 storage, pages recalled per list (PAGES x page_size
 // at most 256), pages the digests nominate (PAGES to MAX_CANDIDATES).
@@ -38,9 +39,9 @@ const MAX_GROUP: u32 = 8u;
 @group(0) @binding(3) var<storage, read> tier_count: array<u32>;
 @group(0) @binding(4) var<storage, read> tier_kv: array<u32>;
 @group(0) @binding(5) var<storage, read> queries: array<f32>;
-@group(0) @binding(6) var<storage, read_write> partials: array<f32>;
+@group(0) @binding(6) var<storage, read> tier_digest: array<u32>;
 @group(0) @binding(7) var<storage, read_write> recall_sel: array<u32>;
-@group(0) @binding(8) var<storage, read> tier_digest: array<u32>;
+@group(0) @binding(8) var<storage, read_write> partials: array<f32>;
 @group(0) @binding(9) var<storage, read> tier_calib: array<f32>;
 @group(0) @binding(10) var<storage, read_write> tier_stats: array<atomic<u32>>;
 
@@ -338,7 +339,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
             pick_key[t] = bitcast<u32>(a[gi].x);
             pick_idx[t] = bitcast<u32>(a[gi].y);
             workgroupBarrier();
-            let o = partial_index(params, seq, qh, tier.slot, 0u) * partial_stride(d);
+            let o = partial_at(seq, qh, tier.slot, 0u, d);
             if (t < vw && l > 0.0) {
                 var x = 0.0;
                 var y = 0.0;
@@ -347,25 +348,21 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
                     y += bitcast<f32>(pick_idx[r * vw + t]);
                 }
                 if (F16) {
-                    partials[o + 4u + 2u * t] = x;
                     if (2u * t + 1u < d) {
-                        partials[o + 4u + 2u * t + 1u] = y;
+                        write_partial_acc2(o + 4u + 2u * t, vec2<f32>(x, y));
+                    } else {
+                        partials[o + 4u + 2u * t] = x;
                     }
                 } else {
                     partials[o + 4u + t] = x;
                 }
             }
             if (t == 0u) {
-                partials[o] = select(NEG_BIG, ms[gi], l > 0.0);
-                partials[o + 1u] = l;
-                partials[o + 2u] = 0.0;
-                partials[o + 3u] = 0.0;
+                write_partial_stats(o, select(NEG_BIG, ms[gi], l > 0.0), l);
             }
             // The slot's other chunks hold nothing.
             for (var c = 1u + t; c < params.n_chunks; c += WG) {
-                let oc = partial_index(params, seq, qh, tier.slot, c) * partial_stride(d);
-                partials[oc] = NEG_BIG;
-                partials[oc + 1u] = 0.0;
+                write_partial_empty(partial_at(seq, qh, tier.slot, c, d));
             }
             workgroupBarrier();
         }
