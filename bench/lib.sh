@@ -103,6 +103,8 @@ recall_speed_row() {
 import json, sys
 j = json.loads(sys.stdin.read())
 r = j.get("recall") or {}
-print(sys.argv[1], "%.1f tokens/s, %.3f ms a step (wall), host %.3f ms, %d dispatches; recall reads %s bytes a step from the tier (host memory: %s), %s bytes of digests (%s allocated)" % (
-    j["tokens_per_s"], j["wall_ms_per_step"], j["host_ms_per_step"], j["dispatches_per_step"], r.get("bytes_read_per_step", 0), r.get("host_memory"), r.get("digest_bytes_read_per_step", 0), r.get("digest_bytes", 0)))' "$label"
+st = (j.get("gpu") or {}).get("stages_ms") or {}
+print(sys.argv[1], "%.1f tokens/s, %.3f ms a step (wall), host %.3f ms, %d dispatches; recall reads %s bytes a step from the tier (host memory: %s), %s bytes of digests (%s allocated); GPU ms a step: %s" % (
+    j["tokens_per_s"], j["wall_ms_per_step"], j["host_ms_per_step"], j["dispatches_per_step"], r.get("bytes_read_per_step", 0), r.get("host_memory"), r.get("digest_bytes_read_per_step", 0), r.get("digest_bytes", 0),
+    " ".join("%s %.3f" % (k, v) for k, v in sorted(st.items()))))' "$label"
 }

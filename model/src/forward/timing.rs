@@ -46,7 +46,7 @@ pub const PROFILED_STEPS: u32 = 5;
 
 /// Timestamps a step or prefill chunk of `layers` layers writes at most.
 pub(super) fn marks_per_recording(layers: u32) -> u32 {
-    12 * layers + 8
+    14 * layers + 8
 }
 
 /// The log's recordings of `kind`: their count, each stage's median milliseconds per
