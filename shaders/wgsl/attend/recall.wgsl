@@ -135,6 +135,60 @@ fn key_dots(at: u32, qbase: u32) -> array<f32, MAX_GROUP> {
     return s;
 }
 
+// The digest score written as base_g + sum over the set bits i of 2 q_i spread_i, with
+// base_g = q.(centre - spread): `dig_w` (the `probs` table, free until the attention) holds
+// 2 q_i spread_i of every query head g at g x head_dim + i and `dig_base` each head's base, so
+// a token's score reads its digest words and the table, not the calibration and the queries
+// once a bit.
+var<workgroup> dig_base: array<f32, MAX_GROUP>;
+
+// Whether the table holds the group's weights (GROUP x head_dim at most PG x WG).
+fn digest_table_fits() -> bool {
+    return GROUP * geo.head_dim <= PG * WG;
+}
+
+// Fill the table and the bases for the queries from `qbase` and list `li`'s calibration.
+fn digest_table(t: u32, qbase: u32, li: u32) {
+    let d = geo.head_dim;
+    let cb = 3u * d * li;
+    for (var i = t; i < GROUP * d; i += WG) {
+        probs[i] = 2.0 * queries[qbase + i] * tier_calib[cb + d + i % d];
+    }
+    if (t < GROUP) {
+        var b = 0.0;
+        for (var i = 0u; i < d; i++) {
+            b += queries[qbase + t * d + i] * (tier_calib[cb + i] - tier_calib[cb + d + i]);
+        }
+        dig_base[t] = b;
+    }
+    workgroupBarrier();
+}
+
+// Tier slot `at`'s digest score for the group's query heads, the largest scaled, from the table.
+fn digest_score_table(at: u32) -> f32 {
+    let d = geo.head_dim;
+    let dw = (d + 31u) / 32u;
+    var sg: array<f32, MAX_GROUP>;
+    for (var g = 0u; g < GROUP; g++) {
+        sg[g] = dig_base[g];
+    }
+    for (var w = 0u; w < dw; w++) {
+        var bits = tier_digest[at * dw + w];
+        while (bits != 0u) {
+            let i = w * 32u + firstTrailingBit(bits);
+            for (var g = 0u; g < GROUP; g++) {
+                sg[g] += probs[g * d + i];
+            }
+            bits &= bits - 1u;
+        }
+    }
+    var s = NEG_BIG;
+    for (var g = 0u; g < GROUP; g++) {
+        s = max(s, sg[g] * params.scale);
+    }
+    return s;
+}
+
 // Tier slot `at`'s score for the list's query heads from `qbase`: the largest scaled q.k over
 // the group, from its true key (`exact`, read once) or its digest (list `li`'s calibration).
 fn group_score(at: u32, qbase: u32, li: u32, exact: bool) -> f32 {
@@ -231,8 +285,15 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     }
     // Stage 1: the digests nominate CANDIDATES pages.
     clear_best(t);
-    for (var j = t; j < n; j += WG) {
-        atomicMax(&best[j / P], key_of(group_score(first + j, qbase, li, false)));
+    if (digest_table_fits()) {
+        digest_table(t, qbase, li);
+        for (var j = t; j < n; j += WG) {
+            atomicMax(&best[j / P], key_of(digest_score_table(first + j)));
+        }
+    } else {
+        for (var j = t; j < n; j += WG) {
+            atomicMax(&best[j / P], key_of(group_score(first + j, qbase, li, false)));
+        }
     }
     workgroupBarrier();
     pick_pages(t, pages, CANDIDATES);

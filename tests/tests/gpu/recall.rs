@@ -19,7 +19,7 @@ use expertkv_core::rng::Rng;
 use expertkv_core::runtime::Runtime;
 
 use crate::append::assert_same_state;
-use crate::common::{POISON_F32, POISON_U32, fixed_seeds, rt, seeds};
+use crate::common::{POISON_F32, POISON_U32, fixed_seeds, pick, rt, seeds};
 use crate::evict::{append_round, config, random_scheduler, randomise_meta};
 
 /// One round of appends and an eviction on both sides, the reference evicting with the GPU's
@@ -137,21 +137,36 @@ fn capture_gpu_match_cpu() {
 fn recall_attends_the_best_tier_pages_as_the_reference_does() {
     let rt = rt();
     let (mut recalled_pages, mut near_ties, mut runs, mut empty_lists, mut missed) = (0u64, 0u64, 0, 0u64, 0u64);
+    // Runs whose digest weights (heads x dimensions) pass the pass's table (1,024 floats).
+    let mut direct = 0u32;
     for seed in seeds("recall_attend", 10) {
         let mut rng = Rng::new(seed);
-        let cfg = config(&mut rng, false);
-        // Up to the pass's eight query heads per KV head (two rounds of its value reads) and
-        // up to eight pages (its value reads looping past one round of loads in flight).
-        let group = 1 + rng.below(expertkv_core::evict::recall::MAX_RECALL_GROUP);
+        let mut cfg = config(&mut rng, false);
+        // Keys of several digest words, a last word partly used, vectors past the pass's loads
+        // in flight, and (256 with five or more heads) a digest table too large for the pass's
+        // workgroup memory, scored the direct way.
+        let dim = pick(seed, &[8u32, 40, 64, 256]);
+        // (The pool's buffer bound, in pages, kept.)
+        cfg.max_buffer_bytes = cfg.max_buffer_bytes.map(|b| b / 8 * u64::from(dim));
+        cfg.head_dim = dim;
+        // Up to the pass's eight query heads per KV head (two rounds of its value reads), five
+        // or more at 256 dimensions, and up to eight pages (its value reads looping past one
+        // round of loads in flight).
+        let group = if dim == 256 { 5 + rng.below(4) } else { 1 + rng.below(expertkv_core::evict::recall::MAX_RECALL_GROUP) };
         let pages = 1 + rng.below(8.min(256 / cfg.page_size));
         // Few candidates as often as many: the true scores then choose among a short list.
-        let candidates = pages + rng.below(if seed % 2 == 0 { 3 } else { 40 });
+        // (Few at 256 dimensions, so that the direct scores' nomination decides.)
+        let spread = if dim == 256 || rng.below(2) == 0 { 3 } else { 40 };
+        let candidates = pages + rng.below(spread);
         let rc = RecallConfig { pages, candidates, tokens: 512 };
         let Some(mut x) = setup(rt, &mut rng, &cfg, rc, group) else { continue };
         runs += 1;
+        direct += u32::from(group * dim > 1024);
         let ctx =
             format!("seed {seed}: {:?}, budget {}, group {group}, {pages} pages recalled of {candidates}, {cfg:?}", x.s.cfg, x.s.budget);
-        for round in 0..5u32 {
+        // Few candidates among a tier of more pages than that, so that the digests' nomination
+        // decides: more rounds of eviction.
+        for round in 0..if spread == 3 { 12 } else { 5 } {
             evict_round(rt, &mut rng, &mut x, round);
         }
         x.tier.set_audit(rt, true);
@@ -231,4 +246,7 @@ fn recall_attends_the_best_tier_pages_as_the_reference_does() {
         runs >= 6 && recalled_pages > 0,
         "{runs} runs, {recalled_pages} pages recalled ({near_ties} near ties, {empty_lists} empty lists, {missed} best pages the digests missed)"
     );
+    if fixed_seeds() {
+        assert!(direct > 0, "{runs} runs, none scoring digests without the table");
+    }
 }
