@@ -24,7 +24,10 @@ REV=$(echo "$R" | tr ' ' '\n' | tac | tr '\n' ' ')
 # With .bin/old.xz carried (an earlier release binary), each order runs the old binary's rows
 # and then the new one's, labelled.
 h200_bins
-for order in "$R" "$REV"; do
+# ONCE=1: the given order only (half the rows, for a short call).
+ORDERS=("$R" "$REV")
+[ "${ONCE:-0}" = 1 ] && ORDERS=("$R")
+for order in "${ORDERS[@]}"; do
   for bin in $bins; do
     B=${bin#*:}
     tag=${bin%%:*}

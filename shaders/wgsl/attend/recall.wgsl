@@ -57,7 +57,9 @@ var<workgroup> chosen: array<u32, MAX_CANDIDATES>;
 var<workgroup> truth: array<u32, 16>;
 // Query heads whose attention one read of the chosen values serves.
 const PG: u32 = 4u;
-var<workgroup> probs: array<f32, PG * WG>;
+// Words: the attention's probabilities (f32 bits), the digest table before them (f32 bits), and
+// while pages are chosen the page index beside each sorted score (PG x WG >= MAX_TIER_PAGES).
+var<workgroup> probs: array<u32, PG * WG>;
 // The tier slot each chosen token's value is read from.
 var<workgroup> slot_of: array<u32, WG>;
 var<workgroup> n_sh: u32;
@@ -152,7 +154,7 @@ fn digest_table(t: u32, qbase: u32, li: u32) {
     let d = geo.head_dim;
     let cb = 3u * d * li;
     for (var i = t; i < GROUP * d; i += WG) {
-        probs[i] = 2.0 * queries[qbase + i] * tier_calib[cb + d + i % d];
+        probs[i] = bitcast<u32>(2.0 * queries[qbase + i] * tier_calib[cb + d + i % d]);
     }
     if (t < GROUP) {
         var b = 0.0;
@@ -177,7 +179,7 @@ fn digest_score_table(at: u32) -> f32 {
         while (bits != 0u) {
             let i = w * 32u + firstTrailingBit(bits);
             for (var g = 0u; g < GROUP; g++) {
-                sg[g] += probs[g * d + i];
+                sg[g] += bitcast<f32>(probs[g * d + i]);
             }
             bits &= bits - 1u;
         }
@@ -215,45 +217,58 @@ fn clear_best(t: u32) {
     workgroupBarrier();
 }
 
-// The `count` best pages of `best` into `chosen` (`u32::MAX` past the live ones), their keys
-// into `chosen_key`, one workgroup argmax each; `best` is left cleared where a page was taken.
+// The `count` best pages of `best` into `chosen` (`u32::MAX` past the live ones) and their keys
+// into `chosen_key`: the first `pages` entries of `best` sorted with their page indices (in
+// `probs`), the highest key first and the lowest page first among equal keys, by a bitonic sort
+// over the next power of two (log2(N) (log2(N) + 1) / 2 barriers, where one argmax a page took
+// a reduction's eight each). `best` is left permuted.
 var<workgroup> chosen_key: array<u32, MAX_CANDIDATES>;
+
+// Whether entry a (key ka, page ia) comes before entry b.
+fn sorted_before(ka: u32, ia: u32, kb: u32, ib: u32) -> bool {
+    return ka > kb || (ka == kb && ia < ib);
+}
+
 fn pick_pages(t: u32, pages: u32, count: u32) {
-    for (var r = 0u; r < count; r++) {
-        var k = 0u;
-        var idx = TIER_NONE;
-        for (var p = t; p < pages; p += WG) {
-            let v = atomicLoad(&best[p]);
-            if (v > k) {
-                k = v;
-                idx = p;
-            }
+    var n = 1u;
+    while (n < pages) {
+        n = n << 1u;
+    }
+    for (var p = t; p < n; p += WG) {
+        probs[p] = p;
+        if (p >= pages) {
+            atomicStore(&best[p], 0u);
         }
-        pick_key[t] = k;
-        pick_idx[t] = idx;
-        workgroupBarrier();
-        for (var off = WG / 2u; off > 0u; off = off / 2u) {
-            if (t < off) {
-                let ok = pick_key[t + off];
-                let oi = pick_idx[t + off];
-                if (ok > pick_key[t] || (ok == pick_key[t] && oi < pick_idx[t])) {
-                    pick_key[t] = ok;
-                    pick_idx[t] = oi;
+    }
+    workgroupBarrier();
+    for (var k = 2u; k <= n; k = k << 1u) {
+        for (var j = k >> 1u; j > 0u; j = j >> 1u) {
+            for (var i = t; i < n; i += WG) {
+                let l = i ^ j;
+                if (l > i) {
+                    let ki = atomicLoad(&best[i]);
+                    let kl = atomicLoad(&best[l]);
+                    let ii = probs[i];
+                    let il = probs[l];
+                    // Ascending in the sorted order where i & k is 0, descending elsewhere.
+                    let swap = select(sorted_before(ki, ii, kl, il), sorted_before(kl, il, ki, ii), (i & k) == 0u);
+                    if (swap) {
+                        atomicStore(&best[i], kl);
+                        atomicStore(&best[l], ki);
+                        probs[i] = il;
+                        probs[l] = ii;
+                    }
                 }
             }
             workgroupBarrier();
         }
-        if (t == 0u) {
-            let live = pick_key[0] > 0u;
-            let won = select(TIER_NONE, pick_idx[0], live);
-            chosen[r] = won;
-            chosen_key[r] = pick_key[0];
-            if (live) {
-                atomicStore(&best[won], 0u);
-            }
-        }
-        workgroupBarrier();
     }
+    for (var r = t; r < count; r += WG) {
+        let k = select(0u, atomicLoad(&best[r]), r < n);
+        chosen[r] = select(TIER_NONE, probs[r], k > 0u);
+        chosen_key[r] = k;
+    }
+    workgroupBarrier();
 }
 
 @compute @workgroup_size(256)
@@ -364,7 +379,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
             let s = select(NEG_BIG, sg[g0 + gi] * params.scale, live);
             let m = workgroup_max(t, s);
             let e = softmax_prob(s, m, live);
-            probs[gi * WG + t] = e;
+            probs[gi * WG + t] = bitcast<u32>(e);
             ms[gi] = m;
             // (Its barriers publish `probs`.)
             ls[gi] = workgroup_sum(t, e);
@@ -386,7 +401,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
                             v = unpack2x16float(vv[i]);
                         }
                         for (var gi = 0u; gi < gn; gi++) {
-                            let pr = probs[gi * WG + c];
+                            let pr = bitcast<f32>(probs[gi * WG + c]);
                             // (`select`, not a product: a slot not attended may hold any bits.)
                             a[gi] += select(vec2<f32>(0.0), pr * v, pr > 0.0);
                         }
