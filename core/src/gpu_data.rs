@@ -348,6 +348,9 @@ pub mod pool_errors {
     pub const POOL_EXHAUSTED: u32 = 1;
     /// An append batch held a token whose layer or sequence is out of range; the batch was refused.
     pub const BAD_TOKEN: u32 = 2;
+    /// A full ring of a pool with a page codec would have recycled a compressed page as a raw
+    /// one; the batch was refused.
+    pub const RING_FULL: u32 = 4;
 }
 
 /// `PageMeta::owner` of a free page; must match `NO_OWNER` in `shaders/wgsl/common/pool.wgsl`.

@@ -769,6 +769,13 @@ impl KvPool {
             if ctl.error_flags & pool_errors::POOL_EXHAUSTED != 0 {
                 return Err(Error::PoolExhausted { needed: needed_hint, free: ctl.free_top, total: self.cfg.n_pages });
             }
+            if ctl.error_flags & pool_errors::RING_FULL != 0 {
+                return Err(Error::Input(format!(
+                    "a sequence outgrew its ring of {} pages in a pool with the {} codec (its oldest page is compressed and cannot be recycled); the batch was refused: give the pool room for the longest sequence",
+                    self.cfg.ring_capacity,
+                    self.cfg.codec.name()
+                )));
+            }
             return Err(Error::Input(format!(
                 "a token named a layer or sequence outside the pool (layers = {}, max_seqs = {}); the batch was refused",
                 self.cfg.layers, self.cfg.max_seqs

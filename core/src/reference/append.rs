@@ -149,6 +149,16 @@ impl PoolModel {
             self.ctl.abort = 1;
             return Ok(plan);
         }
+        // A full ring would recycle its oldest page; a compressed one (an id past the raw
+        // pages) cannot take raw tokens.
+        let recycles_compressed = |p: &crate::gpu_data::TokenPlan| {
+            p.flags & plan_flags::RECYCLES != 0 && self.ring_pages[(p.key * cfg.ring_capacity + p.ring_index) as usize] >= cfg.n_pages
+        };
+        if plan.iter().any(recycles_compressed) {
+            self.ctl.error_flags |= pool_errors::RING_FULL;
+            self.ctl.abort = 1;
+            return Ok(plan);
+        }
         self.ctl.abort = 0;
 
         // Pass 2: pages and rings, items in batch order.

@@ -1,7 +1,9 @@
 // shard_append, pass 2 of 3: take pages for the items that open one, in batch order, from the
 // GPU-resident free stack (no host round trip), and advance each ring. One workgroup.
 // If the free stack cannot cover the batch, nothing changes: the batch is refused with
-// ERR_POOL_EXHAUSTED and `abort` set, so no cached token is lost or half-written.
+// ERR_POOL_EXHAUSTED and `abort` set, so no cached token is lost or half-written; likewise with
+// ERR_RING_FULL where a full ring would recycle a compressed page (an id past the raw pages) as
+// a raw one.
 
 //!import common/pool.wgsl
 //!import common/append.wgsl
@@ -40,21 +42,29 @@ fn main(@builtin(local_invocation_index) t: u32) {
     // Count pages wanted from the free stack; refuse the whole batch if they are not there.
     var wanted = 0u;
     var invalid = 0u;
+    var full = 0u;
     for (var r = 0u; r < rounds; r++) {
         let i = r * WG + t;
         wanted += needs_free(i);
         if (i < n && (plan[i].flags & PLAN_INVALID) != 0u) {
             invalid = 1u;
         }
+        if (i < n && (plan[i].flags & (PLAN_RECYCLES | PLAN_INVALID)) == PLAN_RECYCLES
+            && ring_pages[plan[i].key * geo.ring_capacity + plan[i].ring_index] >= geo.n_pages) {
+            full = 1u;
+        }
     }
     let total = workgroup_scan(t, wanted);
     let any_invalid = workgroup_scan(t, invalid);
+    let any_full = workgroup_scan(t, full);
     if (t == WG - 1u) {
         var v = 0u;
         if (any_invalid != 0u) {
             v = ERR_BAD_TOKEN;
         } else if (total > ctl.free_top) {
             v = ERR_POOL_EXHAUSTED;
+        } else if (any_full != 0u) {
+            v = ERR_RING_FULL;
         }
         verdict = v;
         if (v != 0u) {

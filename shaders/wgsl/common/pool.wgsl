@@ -64,6 +64,9 @@ const SHARD_MAP_TOKEN_BLOCK: u32 = 2u;
 const NO_OWNER: u32 = 0xffffffffu;
 const ERR_POOL_EXHAUSTED: u32 = 1u;
 const ERR_BAD_TOKEN: u32 = 2u;
+// A full ring of a pool with a page codec would recycle a compressed page (its oldest) as a raw
+// one: the batch is refused (give the rings room for the longest sequence).
+const ERR_RING_FULL: u32 = 4u;
 
 // Slot metadata: `meta_words` u32 per slot (of one head's page), laid out as
 // [position, last_access, access_count, experts[top_k], gates[top_k] (f32 bits), attn (f32 bits)].
