@@ -45,13 +45,21 @@ pub struct KvCache {
     layers: Vec<LayerKv>,
     /// `kv_heads * head_dim`: floats per position per layer in `k` (and in `v`).
     kv_dim: usize,
+    /// Whether K/V are rounded to f16 as they are cached (as a pool of f16 pages stores them).
+    f16: bool,
 }
 
 impl KvCache {
     /// An empty cache for `config`: one [`LayerKv`] per layer, `head_count_kv * head_dim` floats
     /// per position.
     pub fn new(config: &LlamaConfig) -> Self {
-        KvCache { layers: vec![LayerKv::default(); config.block_count as usize], kv_dim: (config.head_count_kv * config.head_dim) as usize }
+        KvCache { layers: vec![LayerKv::default(); config.block_count as usize], kv_dim: (config.head_count_kv * config.head_dim) as usize, f16: false }
+    }
+
+    /// The same cache storing K/V rounded to f16 (to nearest, as the GPU's f16 pages hold them),
+    /// so a reference of an f16 pool differs from the GPU by f32 arithmetic only.
+    pub fn rounding_to_f16(self) -> Self {
+        KvCache { f16: true, ..self }
     }
 
     /// Positions cached in layer 0 (every layer, after full forward steps).
@@ -346,9 +354,16 @@ impl CpuModel {
             p(Stage::Q, &s.q, probe);
             p(Stage::K, &s.k, probe);
             p(Stage::V, &s.v, probe);
+            let f16 = cache.f16;
             let kv = &mut cache.layers[l];
-            kv.k.extend_from_slice(&s.k);
-            kv.v.extend_from_slice(&s.v);
+            if f16 {
+                let round = |x: &f32| half::f16::from_f32(*x).to_f32();
+                kv.k.extend(s.k.iter().map(round));
+                kv.v.extend(s.v.iter().map(round));
+            } else {
+                kv.k.extend_from_slice(&s.k);
+                kv.v.extend_from_slice(&s.v);
+            }
             let n_pos = kv.k.len() / kv_dim;
             let mut weights = vec![0f32; n_pos];
             for head in 0..heads {

@@ -100,13 +100,19 @@ fn gpu_forward_matches_the_cpu_reference() {
         let dtype = pick(seed / 3, &[KvDtype::F32, KvDtype::F16]);
         let ctx = format!("seed {seed}: {:?} matrices, {dtype:?} K/V", spec.weights);
         let mut m = pollster::block_on(GpuLlama::load(rt, &g, ModelOptions::new(1, 32).dtype(dtype))).expect("load");
-        let mut cache_c = cpu.new_cache();
+        // The reference's K/V rounded as the pool stores them, so the two differ by f32
+        // arithmetic (and the f16 kernels' own sums) only.
+        let mut cache_c = if dtype == KvDtype::F16 { cpu.new_cache().rounding_to_f16() } else { cpu.new_cache() };
         let ids = tok.encode("Water boils at 100 degrees");
         for (pos, &t) in ids.iter().enumerate() {
             let gpu = pollster::block_on(m.forward(rt, &[t])).expect("gpu forward");
             let want = cpu.forward(t, pos as u32, &mut cache_c).expect("cpu forward");
             let (err, max) = (max_diff(&gpu, &want), max_abs(&want));
-            let tol = if dtype == KvDtype::F32 { 2e-5 } else { 2e-3 };
+            // f32 products and sums (2e-5 of the largest logit); over f16 pages, the attention
+            // kernels' f16 dot products too (2.3e-4 the most seen over the fixed seeds and five
+            // salts, 2026-12-07). Before the reference rounded its K/V to f16, 2e-3 failed a
+            // fresh seed at 2.1e-3: the reference's error, not the GPU's.
+            let tol = if dtype == KvDtype::F32 { 2e-5 } else { 1e-3 };
             assert!(err <= tol * max, "{ctx}: position {pos}: logits differ by {err} (max {max})");
             assert_eq!(expertkv_model::forward::argmax(&gpu), expertkv_model::forward::argmax(&want), "{ctx}: position {pos}: top token");
         }
