@@ -53,7 +53,11 @@ impl KvCache {
     /// An empty cache for `config`: one [`LayerKv`] per layer, `head_count_kv * head_dim` floats
     /// per position.
     pub fn new(config: &LlamaConfig) -> Self {
-        KvCache { layers: vec![LayerKv::default(); config.block_count as usize], kv_dim: (config.head_count_kv * config.head_dim) as usize, f16: false }
+        KvCache {
+            layers: vec![LayerKv::default(); config.block_count as usize],
+            kv_dim: (config.head_count_kv * config.head_dim) as usize,
+            f16: false,
+        }
     }
 
     /// The same cache storing K/V rounded to f16 (to nearest, as the GPU's f16 pages hold them),

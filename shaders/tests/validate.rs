@@ -222,7 +222,8 @@ fn model_kernels_validate_for_every_weight_format() {
     }
     // The one-token matrix-vector kernel (a decode step at batch 1).
     for format in 0..9u32 {
-        let text = Kernel::ModelMatVec.resolved_with(&[("FORMAT", format!("{format}u")), ("MAX_TOKENS", "1u".into())]).expect("defines resolve");
+        let text =
+            Kernel::ModelMatVec.resolved_with(&[("FORMAT", format!("{format}u")), ("MAX_TOKENS", "1u".into())]).expect("defines resolve");
         if let Err(e) = validate(&format!("model/matvec.wgsl FORMAT={format} MAX_TOKENS=1"), &text) {
             failures.push(e);
         }
