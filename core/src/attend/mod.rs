@@ -1068,8 +1068,7 @@ impl Attention {
     /// Encode split (one dispatch per pool buffer), reduce and, if enabled, mass into one pass.
     pub fn encode(&self, pass: &mut wgpu::ComputePass<'_>) {
         self.encode_split(pass);
-        self.encode_reduce(pass);
-        self.encode_mass(pass);
+        self.encode_merge(pass);
     }
 
     /// [`Attention::encode`] with `between` recorded after the split passes and before the
@@ -1081,9 +1080,14 @@ impl Attention {
     ) -> Result<()> {
         self.encode_split(pass);
         between(pass)?;
+        self.encode_merge(pass);
+        Ok(())
+    }
+
+    /// Encode what follows the split pass (and a recall pass): the reduce, then the mass.
+    pub fn encode_merge(&self, pass: &mut wgpu::ComputePass<'_>) {
         self.encode_reduce(pass);
         self.encode_mass(pass);
-        Ok(())
     }
 
     /// Encode the reduce pass alone: the split pass's partials merged into `out` and the final

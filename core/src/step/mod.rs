@@ -159,22 +159,17 @@ pub fn record<P: From<KvPause>, S: Source<P>>(kv: &KvSide, src: &S, rec: &mut Re
                             q.encode_summarize(p);
                             q.encode_select(p, l)?;
                         }
-                        match &kv.recall {
-                            None => kv.attn.encode_with(p, |_| Ok(())),
-                            Some(_) => {
-                                kv.attn.encode_split(p);
-                                Ok(())
-                            }
+                        kv.attn.encode_split(p);
+                        if kv.recall.is_none() {
+                            kv.attn.encode_merge(p);
                         }
+                        Ok(())
                     })?;
                     // The recall tier's best pages join the softmax before the reduce, in a
                     // pass of their own (a stage of their own in the timings).
                     if let Some(r) = &kv.recall {
                         rec.pass("recall", |p| r.encode_recall(p))?;
-                        rec.pass("attention", |p| {
-                            kv.attn.encode_reduce(p);
-                            kv.attn.encode_mass(p);
-                        });
+                        rec.pass("attention", |p| kv.attn.encode_merge(p));
                     }
                 }
             }

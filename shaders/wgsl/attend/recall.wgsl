@@ -108,13 +108,12 @@ fn key_dots(at: u32, qbase: u32) -> array<f32, MAX_GROUP> {
     var s: array<f32, MAX_GROUP>;
     let d = geo.head_dim;
     let vw = geo.vec_words;
-    let base = (at / geo.page_size) * geo.page_words + (at % geo.page_size) * vw;
     for (var w0 = 0u; w0 < vw; w0 += U) {
         // Every load in range (the last word again past the vector's end, never used).
         var k: array<u32, U>;
         //!unroll
         for (var i = 0u; i < U; i++) {
-            k[i] = tier_kv[base + min(w0 + i, vw - 1u)];
+            k[i] = tier_word(at, 0u, min(w0 + i, vw - 1u));
         }
         //!unroll
         for (var i = 0u; i < U; i++) {
