@@ -503,7 +503,8 @@ impl PoolConfig {
 
     /// Bytes [`crate::append::KvPool::new`] allocates for this pool on a device whose storage
     /// bindings hold `max_binding` bytes: its K/V pages (raw and compressed) and the tables of
-    /// page state (rings, page tables and lists, slot metadata, free stacks, the low-rank basis).
+    /// page state (rings, page tables and lists, slot metadata, page generations, free stacks, the
+    /// low-rank basis).
     /// Not included: per-step scratch (sized by each append), uniforms and the release pass's
     /// per-ring counts (a word per ring). Equal to
     /// [`crate::append::KvPool::pool_bytes_allocated`] once allocated.
@@ -529,6 +530,7 @@ impl PoolConfig {
             codec_pages * 4,
             self.basis_words() * 4,
             slots * u64::from(self.meta_words()) * 4,
+            u64::from(self.n_pages) * 4,
             u64::from(self.n_lists()) * u64::from(self.max_pages_per_seq()) * 4,
             u64::from(self.n_lists()) * 4,
         ];

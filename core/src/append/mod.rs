@@ -120,6 +120,10 @@ pub struct KvPool {
     pub ctl: wgpu::Buffer,
     /// Slot metadata, `meta_words` u32 per slot of every page id ([`PoolSnapshot::slot_meta`]).
     pub slot_meta: wgpu::Buffer,
+    /// Per raw page: its generation (u32), raised by every pass that writes the page's K/V
+    /// (append, compaction's moves, thaw), so summaries of a page's contents (QUEST's bounds)
+    /// know when they are stale.
+    pub page_gen: wgpu::Buffer,
     /// Per (layer, seq, KV head): `max_pages_per_seq` page ids, built by `append/gather_pages`.
     pub page_list: wgpu::Buffer,
     /// Per (layer, seq, KV head): the length of its page list in pages (u32), as of the last gather.
@@ -233,6 +237,7 @@ impl KvPool {
         let codec_free: Vec<u32> = (cfg.n_pages..cfg.n_ids()).rev().collect();
         let codec_free = rt.storage_init("expertkv pool codec_free", &codec_free);
         let slot_meta = rt.storage("expertkv pool slot_meta", slots * u64::from(cfg.meta_words()) * 4);
+        let page_gen = rt.storage_init("expertkv pool page_gen", &vec![0u32; cfg.n_pages as usize]);
         let list_len = u64::from(cfg.n_lists()) * u64::from(cfg.max_pages_per_seq());
         let page_list = rt.storage("expertkv pool page_list", list_len * 4);
         let page_counts = rt.storage_init("expertkv pool page_counts", &vec![0u32; cfg.n_lists() as usize]);
@@ -278,6 +283,7 @@ impl KvPool {
             free_stack,
             ctl,
             slot_meta,
+            page_gen,
             page_list,
             page_counts,
             apply_pipe,
@@ -340,7 +346,17 @@ impl KvPool {
 
     /// Bytes allocated for everything else: rings, page tables, metadata, free stack.
     pub fn meta_bytes_allocated(&self) -> u64 {
-        [&self.rings, &self.ring_pages, &self.page_meta, &self.free_stack, &self.ctl, &self.slot_meta, &self.page_list, &self.page_counts]
+        [
+            &self.rings,
+            &self.ring_pages,
+            &self.page_meta,
+            &self.free_stack,
+            &self.ctl,
+            &self.slot_meta,
+            &self.page_gen,
+            &self.page_list,
+            &self.page_counts,
+        ]
             .iter()
             .map(|b| b.size())
             .sum()
@@ -364,7 +380,7 @@ impl KvPool {
         let alloc_bg = rt.bind(
             Kernel::AppendAlloc.label(),
             &self.alloc_pipe,
-            &[&self.geometry, &params, &plan, &self.rings, &self.ring_pages, &self.free_stack, &self.ctl, &self.page_meta],
+            &[&self.geometry, &params, &plan, &self.rings, &self.ring_pages, &self.free_stack, &self.ctl, &self.page_meta, &self.page_gen],
         );
         let write_bgs = self
             .kv_buffers

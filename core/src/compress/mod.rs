@@ -266,6 +266,7 @@ impl Thaw {
             codec_free,
             slot_meta,
             codec_basis,
+            page_gen,
             ..
         } = pool;
         if cfg.codec == Codec::None {
@@ -302,7 +303,7 @@ impl Thaw {
             kv_buffers
                 .iter()
                 .zip(window_bufs)
-                .map(|(kv, w)| vec![geometry, w, &jobs, kv, codec_kv, slot_meta, victim, page_meta, codec_basis]),
+                .map(|(kv, w)| vec![geometry, w, &jobs, kv, codec_kv, slot_meta, victim, page_meta, codec_basis, page_gen]),
             dispatch.clone(),
             n_keys,
         )

@@ -362,6 +362,7 @@ impl Scheduler {
                     (5, &counts),
                     (6, &pool.slot_meta),
                     (7, &pool.kv_buffers[bd]),
+                    (9, &pool.page_gen),
                 ];
                 if bs == bd {
                     let bg = rt.bind_at(Kernel::EvictMoveSame.label(), &same_p, &common);

@@ -79,7 +79,7 @@ impl Quest {
                     rt.bind(
                         Kernel::EvictQuestSummarize.label(),
                         &sp,
-                        &[&pool.geometry, w, &pool.page_meta, &pool.slot_meta, kv, &bounds, &tags],
+                        &[&pool.geometry, w, &pool.page_meta, &pool.page_gen, kv, &bounds, &tags],
                     ),
                     win.page_count,
                 )

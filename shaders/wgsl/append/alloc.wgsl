@@ -3,7 +3,8 @@
 // If the free stack cannot cover the batch, nothing changes: the batch is refused with
 // ERR_POOL_EXHAUSTED and `abort` set, so no cached token is lost or half-written; likewise with
 // ERR_RING_FULL where a full ring would recycle a compressed page (an id past the raw pages) as
-// a raw one.
+// a raw one. Every page the batch writes into has its generation (`page_gen`) raised, so a
+// summary of the page's contents (QUEST's bounds) knows it is stale.
 
 //!import common/pool.wgsl
 //!import common/append.wgsl
@@ -17,6 +18,7 @@
 @group(0) @binding(5) var<storage, read> free_stack: array<u32>;
 @group(0) @binding(6) var<storage, read_write> ctl: PoolCtl;
 @group(0) @binding(7) var<storage, read_write> page_meta: array<PageMeta>;
+@group(0) @binding(8) var<storage, read_write> page_gen: array<atomic<u32>>;
 
 const WG: u32 = 256u;
 var<workgroup> verdict: u32;
@@ -124,6 +126,17 @@ fn main(@builtin(local_invocation_index) t: u32) {
         }
         base += round_total;
         workgroupBarrier();
+    }
+    // Each item's page (taken above, possibly by another invocation) gains a generation.
+    storageBarrier();
+    for (var r = 0u; r < rounds; r++) {
+        let i = r * WG + t;
+        if (i < n) {
+            let page = ring_pages[plan[i].key * geo.ring_capacity + plan[i].ring_index];
+            if (page < geo.n_pages) {
+                atomicAdd(&page_gen[page], 1u);
+            }
+        }
     }
     let overflows = workgroup_scan(t, recycled);
     if (t == WG - 1u) {

@@ -19,6 +19,7 @@
 @group(0) @binding(6) var<storage, read_write> victim: array<u32>;
 @group(0) @binding(7) var<storage, read> page_meta: array<PageMeta>;
 @group(0) @binding(8) var<storage, read> basis: array<f32>;
+@group(0) @binding(9) var<storage, read_write> page_gen: array<atomic<u32>>;
 
 const WG: u32 = 64u;
 
@@ -71,6 +72,9 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     }
     let P = geo.page_size;
     let mw = geo.meta_words;
+    if (t == 0u) {
+        atomicAdd(&page_gen[raw], 1u);  // the raw page is rewritten
+    }
     for (var w = t; w < P * mw; w += WG) {
         slot_meta[raw * P * mw + w] = slot_meta[cid * P * mw + w];
     }

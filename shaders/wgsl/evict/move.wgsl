@@ -1,7 +1,8 @@
 // evict, pass 5: copy each mover (K, V and slot metadata) into its hole. Dispatched once per
 // (source buffer, destination buffer) pair of the pool; an invocation per possible move
 // (ring x slot) acts only on moves between those two buffers. `same` binds one pool buffer,
-// `cross` a source and a destination buffer. Metadata moves in the dispatch that moves the data.
+// `cross` a source and a destination buffer. Metadata moves in the dispatch that moves the data;
+// the destination page's generation (`page_gen`) rises.
 
 //!import common/pool.wgsl
 //!import common/window.wgsl
@@ -15,6 +16,7 @@
 @group(0) @binding(6) var<storage, read_write> slot_meta: array<u32>;
 @group(0) @binding(7) var<storage, read_write> pool: array<u32>;
 @group(0) @binding(8) var<storage, read> pool_src: array<u32>;
+@group(0) @binding(9) var<storage, read_write> page_gen: array<atomic<u32>>;
 
 struct Move {
     ok: bool,
@@ -43,6 +45,7 @@ fn move_meta(mv: Move) {
     for (var k = 0u; k < w; k++) {
         slot_meta[mv.dst * w + k] = slot_meta[mv.src * w + k];
     }
+    atomicAdd(&page_gen[mv.dst / geo.page_size], 1u);
 }
 
 // Word offset of a slot's K row (V follows block_words later) within its buffer.

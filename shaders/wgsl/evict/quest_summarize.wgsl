@@ -1,6 +1,9 @@
 // QUEST, pass 1: per-page bounds of the keys: min and max of every dimension over the page's
-// slots. A page is summarised again only when its (owner, fill, first position) changed since
-// its last summary. One workgroup per page, dispatched once per pool buffer.
+// slots. A page is summarised again only when its (owner, fill, generation) changed since its
+// last summary: every pass that writes a page's K/V (append, compaction's moves, thaw) raises
+// its generation, so a page rewritten with the same owner, fill and positions (a sequence
+// released and started again, tokens compacted into a full page) is summarised again. One
+// workgroup per page, dispatched once per pool buffer.
 
 //!import common/pool.wgsl
 //!import common/window.wgsl
@@ -8,10 +11,10 @@
 @group(0) @binding(0) var<uniform> geo: Geometry;
 @group(0) @binding(1) var<uniform> window: PoolWindow;
 @group(0) @binding(2) var<storage, read> page_meta: array<PageMeta>;
-@group(0) @binding(3) var<storage, read> slot_meta: array<u32>;
+@group(0) @binding(3) var<storage, read> page_gen: array<u32>;      // [page], raised by every write
 @group(0) @binding(4) var<storage, read> pool: array<u32>;
 @group(0) @binding(5) var<storage, read_write> bounds: array<f32>;      // [page][min d | max d]
-@group(0) @binding(6) var<storage, read_write> tags: array<vec4<u32>>;  // [page]: owner, fill, first position, valid
+@group(0) @binding(6) var<storage, read_write> tags: array<vec4<u32>>;  // [page]: owner, fill, generation, valid
 
 var<workgroup> go: u32;
 
@@ -33,7 +36,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     if (t == 0u) {
         var g = 0u;
         if (pm.owner != NO_OWNER && pm.fill > 0u) {
-            let tag = vec4<u32>(pm.owner, pm.fill, slot_meta[page * geo.page_size * geo.meta_words + META_POSITION], 1u);
+            let tag = vec4<u32>(pm.owner, pm.fill, page_gen[page], 1u);
             if (any(tag != tags[page])) {
                 tags[page] = tag;
                 g = 1u;
