@@ -91,6 +91,12 @@ impl KvCache {
         &self.layers[l]
     }
 
+    /// Layer `l`'s keys and values to rewrite in place (a test applying a page codec's round
+    /// trip, say; panics when `l` is not a layer of the model).
+    pub fn layer_mut(&mut self, l: usize) -> &mut LayerKv {
+        &mut self.layers[l]
+    }
+
     /// Keeps the first `n` positions of every layer (a rewind).
     pub fn truncate(&mut self, n: usize) {
         let d = self.kv_dim;

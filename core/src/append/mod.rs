@@ -357,9 +357,9 @@ impl KvPool {
             &self.page_list,
             &self.page_counts,
         ]
-            .iter()
-            .map(|b| b.size())
-            .sum()
+        .iter()
+        .map(|b| b.size())
+        .sum()
     }
 
     fn ensure_scratch(&mut self, rt: &Runtime, n_tokens: u32) {

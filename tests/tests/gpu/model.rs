@@ -333,38 +333,102 @@ fn a_mixtral_style_file_with_a_sentencepiece_vocabulary_decodes_as_the_reference
 }
 
 /// Page codecs on a model's own K/V (a synthetic file's): full pages are compressed as the text
-/// goes in, the pool holds fewer bytes than the f16 pool, and the logits stay close to the f16
-/// pool's.
+/// goes in, the pool holds fewer bytes than the f16 pool, and the logits are the CPU reference's
+/// whose cached K/V went through the same codec (int4) or differ from the f16 pool's (low rank).
 #[test]
 fn codecs_compress_the_models_own_kv() {
     use expertkv_core::config::Codec;
+    use expertkv_core::reference::compress::{decode_value, encode_page};
     let (_, file) = synthetic_dense(seeds("model_codecs", 1)[0], GgmlType::Q8_0);
     let g = Gguf::parse(&file).expect("gguf");
     let tok = Tokenizer::from_gguf(&g).expect("tokenizer");
     let rt = rt();
-    // 18 tokens: one full page per list compressed, two tokens in the raw head page (int4
-    // stands for the quantisers, whose kernels the GPU-vs-CPU codec tests cover bit for bit).
+    // 18 tokens: one full page per list compressed, two tokens in the raw head page.
     let ids = tok.encode("Water boils at 100 degrees");
     assert!(ids.len() >= 18, "the text fills a page and two more tokens: {}", ids.len());
     let ids = &ids[..18];
     let run = |codec: Codec| {
         let mut m = pollster::block_on(GpuLlama::load(rt, &g, ModelOptions::new(1, 32).codec(codec))).expect("load");
         let logits: Vec<Vec<f32>> = ids.iter().map(|&t| pollster::block_on(m.forward(rt, &[t])).expect("forward")).collect();
-        (logits, pollster::block_on(m.kv_bytes_in_use(rt)).expect("bytes"))
+        let bytes = pollster::block_on(m.kv_bytes_in_use(rt)).expect("bytes");
+        (logits, bytes, m)
     };
-    let (base, base_bytes) = run(Codec::None);
-    let codec = Codec::Int4 { group: 32 };
-    let (got, bytes) = run(codec);
-    assert!(bytes < base_bytes, "{codec:?}: {bytes} bytes in use, f16 pool {base_bytes}");
-    let mut worst = 0f32;
-    for (a, b) in got.iter().zip(&base) {
-        let max = b.iter().fold(0f32, |m, x| m.max(x.abs()));
-        worst = worst.max(a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / max);
+    let (base, base_bytes, base_m) = run(Codec::None);
+    // The reference of a KIVI codec: the CPU model over f16-rounded K/V whose first page
+    // (positions 0-15) of every (layer, KV head) is replaced, when position 16 arrives (the pool
+    // compresses the page right after that append, before attention reads it), by core's
+    // reference encoder and decoder (bit for bit the kernels') applied to the f16 pool's own
+    // page of those positions: the same K/V words the codec's pool compressed, whose logits
+    // before position 16 equal the f16 pool's. (From the reference's own K/V instead, one key a
+    // hair from an int4 level could take the other level.)
+    let cpu = cpu_model(&g);
+    let (kv_heads, d) = (cpu.config().head_count_kv as usize, cpu.config().head_dim as usize);
+    let pool = &base_m.kv.pool;
+    assert_eq!(pool.cfg.page_size, 16, "one page holds positions 0-15");
+    let snap = pollster::block_on(pool.snapshot(rt)).expect("snapshot");
+    let words = pollster::block_on(pool.read_kv(rt)).expect("kv");
+    let page_words = pool.cfg.page_bytes() as usize / 4;
+    let reference = |codec: Codec| -> Vec<Vec<f32>> {
+        let pc = expertkv_core::config::PoolConfig { head_dim: d as u32, page_size: 16, codec, ..Default::default() };
+        let mut cache = cpu.new_cache().rounding_to_f16();
+        let mut out = Vec::new();
+        for (pos, &t) in ids.iter().enumerate() {
+            for l in (0..cpu.config().block_count as usize).filter(|_| pos == 16) {
+                let layer = cache.layer_mut(l);
+                for h in 0..kv_heads {
+                    let key = (l * kv_heads + h) as u32;
+                    let page = (0..pool.cfg.n_pages as usize)
+                        .find(|&p| snap.page_meta[p].owner == key && snap.page_meta[p].fill == 16)
+                        .unwrap_or_else(|| panic!("layer {l} head {h}: no full page"));
+                    let enc = encode_page(&pc, &words[page * page_words..(page + 1) * page_words], &[]);
+                    for s in 0..16 {
+                        for i in 0..d {
+                            layer.k[(s * kv_heads + h) * d + i] = decode_value(&pc, &enc, &[], 0, s, i);
+                            layer.v[(s * kv_heads + h) * d + i] = decode_value(&pc, &enc, &[], 1, s, i);
+                        }
+                    }
+                }
+            }
+            out.push(cpu.forward(t, pos as u32, &mut cache).expect("cpu forward"));
+        }
+        out
+    };
+    let mut int8_bytes = 0;
+    for codec in [Codec::Int8 { group: 32 }, Codec::Int4 { group: 32 }] {
+        let (got, bytes, _) = run(codec);
+        let want = reference(codec);
+        assert!(bytes < base_bytes, "{codec:?}: {bytes} bytes in use, f16 pool {base_bytes}");
+        // Before the first page fills nothing is compressed: identical logits.
+        assert_eq!(got[..16], base[..16], "{codec:?}: logits before any page was compressed");
+        let mut worst = 0f32;
+        for pos in 16..ids.len() {
+            let (err, max) = (max_diff(&got[pos], &want[pos]), max_abs(&want[pos]));
+            let moved = max_diff(&base[pos], &want[pos]);
+            worst = worst.max(err / max);
+            assert!(moved > 0.0, "{codec:?}: position {pos}: the compressed page changes the logits");
+            if let Codec::Int8 { .. } = codec {
+                // f32 arithmetic and the f16 attention kernels' own sums: the f16 model check's
+                // 1e-3 of the largest logit.
+                assert!(err <= 1e-3 * max, "{codec:?}: position {pos}: logits differ from the reference's by {err} (max {max})");
+            } else {
+                // The fast int4 kernel quantises q x scale to int8 for its packed dot products
+                // (its own reference, `attend_decode_int8_query`, is held bit for bit in the
+                // attention tests), which this model reference does not: the logits need only
+                // sit nearer the int4 reference than the f16 pool's do (within 1.6e-2 of the
+                // largest logit of it on the fixed seed and salts 1-5 and 99991, 2026-12-07,
+                // where the f16 pool's sat up to 1.2e-1 away).
+                assert!(err <= 0.5 * moved, "{codec:?}: position {pos}: {err} from the reference, the f16 pool {moved}");
+            }
+        }
+        println!(
+            "{codec:?}: {bytes} bytes of K/V against {base_bytes} in f16; worst logit diff from its reference {worst:.2e} of max |logit|"
+        );
+        if let Codec::Int8 { .. } = codec {
+            int8_bytes = bytes;
+        } else {
+            assert!(bytes < int8_bytes, "{codec:?}: {bytes} bytes, int8 {int8_bytes}");
+        }
     }
-    println!("{codec:?}: {bytes} bytes of K/V against {base_bytes} in f16; worst logit diff {worst:.2e} of max |logit|");
-    // Before the first page fills nothing is compressed: identical logits.
-    assert_eq!(got[..16], base[..16], "{codec:?}: logits before any page was compressed");
-    assert!(worst > 0.0 && worst <= 0.25, "{codec:?}: logits moved by {worst} of their range");
     // The low-rank codec fits its basis on the model's own K/V of the first page (calibration
     // window of 16 positions, rank 8 of 64), then compresses that page at position 16.
     let codec = Codec::LowRank { rank: 8 };
