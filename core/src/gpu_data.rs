@@ -219,8 +219,12 @@ pub struct TierParams {
     /// 1: the recall pass also finds the pages the true scores would choose and counts how many
     /// of them the digest chose (`tier_stats`); 0: the digest alone.
     pub audit: u32,
+    /// Word of `tier_digest` where the tier pages' key bounds start (0: none kept).
+    pub bounds_at: u32,
+    /// Padding to 32 bytes (0).
+    pub _pad: [u32; 3],
 }
-const _: () = assert!(std::mem::size_of::<TierParams>() == 16);
+const _: () = assert!(std::mem::size_of::<TierParams>() == 32);
 
 /// Tier tokens a list's key digests calibrate on (`common/recall.wgsl`'s `DIGEST_CALIB_TOKENS`).
 pub const DIGEST_CALIB_TOKENS: u32 = 64;

@@ -82,9 +82,13 @@ impl DigestAudit {
 pub struct RecallConfig {
     /// Tier pages attended per list and layer (1..=[`MAX_RECALL_PAGES`]).
     pub pages: u32,
-    /// Tier pages the digests nominate per list and layer, among which the true scores choose
-    /// `pages` (`pages..=`[`MAX_RECALL_CANDIDATES`]).
+    /// Tier pages nominated per list and layer, among which the true scores choose `pages`
+    /// (`pages..=`[`MAX_RECALL_CANDIDATES`]).
     pub candidates: u32,
+    /// Of the candidates, how many the tier pages' key bounds nominate (the best upper bounds on
+    /// q.k, from an i8 minimum and maximum of every key dimension a page, kept in device memory
+    /// beside the digests); the digests nominate the rest. 0: the digests nominate all.
+    pub bound_candidates: u32,
     /// Tier tokens per list: the most a list may lose to eviction over a run (rounded up to
     /// whole pages; a victim past it is dropped and counted).
     pub tokens: u32,
@@ -92,9 +96,16 @@ pub struct RecallConfig {
 
 impl RecallConfig {
     /// `pages` attended a list and layer out of [`DEFAULT_RECALL_CANDIDATES`] nominated (or
-    /// `pages`, if more), a tier of `tokens` a list.
+    /// `pages`, if more), half of them by the pages' key bounds and half by the digests, a tier
+    /// of `tokens` a list.
     pub fn new(pages: u32, tokens: u32) -> RecallConfig {
-        RecallConfig { pages, candidates: DEFAULT_RECALL_CANDIDATES.max(pages).min(MAX_RECALL_CANDIDATES), tokens }
+        let candidates = DEFAULT_RECALL_CANDIDATES.max(pages).min(MAX_RECALL_CANDIDATES);
+        RecallConfig { pages, candidates, bound_candidates: candidates / 2, tokens }
+    }
+
+    /// The same, the digests nominating every candidate (no key bounds kept).
+    pub fn digests_only(self) -> RecallConfig {
+        RecallConfig { bound_candidates: 0, ..self }
     }
 
     /// Refuse shapes the kernels cannot take, naming the field.
@@ -116,6 +127,13 @@ impl RecallConfig {
                 format!("pages the digests nominate: from the pages recalled ({}) to {MAX_RECALL_CANDIDATES}", self.pages),
             ));
         }
+        if self.bound_candidates > self.candidates {
+            return Err(Error::config(
+                "recall bound candidates",
+                self.bound_candidates,
+                format!("candidates the key bounds nominate: 0 to the candidates ({})", self.candidates),
+            ));
+        }
         if self.tokens == 0 || self.tokens.div_ceil(page_size) > MAX_TIER_PAGES {
             return Err(Error::config(
                 "recall tier",
@@ -134,10 +152,15 @@ impl RecallConfig {
         self.tokens.div_ceil(page_size) * page_size
     }
 
-    /// Bytes of the key digests and their calibration for `pool`'s lists, in device memory
-    /// (they count in the GPU's K/V bytes).
+    /// Bytes of the key digests, their calibration and the pages' key bounds (when they
+    /// nominate) for `pool`'s lists, in device memory (they count in the GPU's K/V bytes).
     pub fn digest_bytes(&self, pool: &crate::config::PoolConfig) -> u64 {
-        u64::from(pool.n_lists()) * digest_bytes_per_list(self.cap(pool.page_size), pool.head_dim)
+        u64::from(pool.n_lists()) * digest_bytes_per_list(self.cap(pool.page_size), pool.head_dim, self.bounds_page_size(pool.page_size))
+    }
+
+    /// The page size whose key bounds the tier keeps (`None`: no bounds).
+    fn bounds_page_size(&self, page_size: u32) -> Option<u32> {
+        (self.bound_candidates > 0).then_some(page_size)
     }
 
     /// Bytes of the tier's K/V and positions for `pool`'s lists (host memory where the device
@@ -197,6 +220,8 @@ pub struct RecallTier {
     pub tier_digested: wgpu::Buffer,
     audit: bool,
     slot: u32,
+    /// Word of `tier_digest` where the pages' key bounds start (0: none kept).
+    bounds_at: u32,
     /// Per pool slot: the tier slot its victim goes to (`u32::MAX`: none), cleared once copied.
     capture_dst: wgpu::Buffer,
     /// Victims dropped past a full tier, victims captured.
@@ -222,15 +247,20 @@ impl RecallTier {
         let (tier_kv, host_memory) = rt.host_storage("evict/recall tier", kv_bytes);
         let (tier_pos, _) = rt.host_storage("evict/recall tier positions", u64::from(n_lists) * u64::from(cap) * 4);
         let tier_count = rt.storage("evict/recall tier counts", u64::from(n_lists) * 4);
-        let digest_bytes = u64::from(n_lists) * u64::from(cap) * u64::from(c.head_dim.div_ceil(32)) * 4;
-        rt.fits_binding("the recall tier's key digests (fewer tokens per list, sequences or layers fit)", digest_bytes)?;
-        let tier_digest = rt.storage("evict/recall key digests", digest_bytes);
+        let digest_words = u64::from(n_lists) * u64::from(cap) * u64::from(c.head_dim.div_ceil(32));
+        let bounds_at = if cfg.bound_candidates > 0 { digest_words } else { 0 };
+        let bound_words =
+            if cfg.bound_candidates > 0 { u64::from(n_lists) * u64::from(cap / c.page_size) * bound_words(c.head_dim) } else { 0 };
+        let digest_bytes = (digest_words + bound_words) * 4;
+        rt.fits_binding("the recall tier's key digests and bounds (fewer tokens per list, sequences or layers fit)", digest_bytes)?;
+        let bounds_at = u32::try_from(bounds_at).map_err(|_| Error::config("recall tier", cfg.tokens, "key digests past 2^32 words"))?;
+        let tier_digest = rt.storage("evict/recall key digests and bounds", digest_bytes);
         let tier_calib = rt.storage_init("evict/recall digest calibration", &uncalibrated_digests(n_lists, c.head_dim));
         let tier_digested = rt.storage("evict/recall digested", u64::from(n_lists) * 8);
         let capture_dst = rt.storage_init("evict/recall capture plan", &vec![u32::MAX; (c.n_ids() * c.page_size) as usize]);
         let tier_stats = rt.storage("evict/recall stats", STATS * 4);
         let slot = 0;
-        let params = rt.uniform("evict/recall tier params", &TierParams { cap, pages: cfg.pages, slot, audit: 0 });
+        let params = rt.uniform("evict/recall tier params", &TierParams { cap, pages: cfg.pages, slot, audit: 0, bounds_at, _pad: [0; 3] });
         let recall_sel = rt.storage("attend/recall selection", u64::from(n_lists) * 2 * u64::from(cfg.pages) * 4);
         rt.check("recall tier")?;
         Ok(RecallTier {
@@ -245,6 +275,7 @@ impl RecallTier {
             tier_digested,
             audit: false,
             slot,
+            bounds_at,
             capture_dst,
             tier_stats,
             params,
@@ -281,7 +312,15 @@ impl RecallTier {
                 (copy_p.clone(), bg, [x, y])
             })
             .collect();
-        let dig_p = rt.pipeline(Kernel::EvictDigest, &[("F16", f64::from(u8::from(c.dtype == crate::config::KvDtype::F16)))]).await?;
+        let dig_p = rt
+            .pipeline(
+                Kernel::EvictDigest,
+                &[
+                    ("F16", f64::from(u8::from(c.dtype == crate::config::KvDtype::F16))),
+                    ("BOUNDS", f64::from(u8::from(self.cfg.bound_candidates > 0))),
+                ],
+            )
+            .await?;
         let dig_bg = rt.bind(
             Kernel::EvictDigest.label(),
             &dig_p,
@@ -304,6 +343,7 @@ impl RecallTier {
                     ("F16", f64::from(u8::from(pool.cfg.dtype == crate::config::KvDtype::F16))),
                     ("PAGES", f64::from(self.cfg.pages)),
                     ("CANDIDATES", f64::from(self.cfg.candidates)),
+                    ("BOUND_CANDIDATES", f64::from(self.cfg.bound_candidates)),
                 ],
             )
             .await?;
@@ -331,7 +371,14 @@ impl RecallTier {
     }
 
     fn write_params(&self, rt: &Runtime) {
-        let p = TierParams { cap: self.cap, pages: self.cfg.pages, slot: self.slot, audit: u32::from(self.audit) };
+        let p = TierParams {
+            cap: self.cap,
+            pages: self.cfg.pages,
+            slot: self.slot,
+            audit: u32::from(self.audit),
+            bounds_at: self.bounds_at,
+            _pad: [0; 3],
+        };
         rt.queue.write_buffer(&self.params, 0, bytemuck::bytes_of(&p));
     }
 
@@ -360,6 +407,12 @@ impl RecallTier {
         let calib: Vec<f32> = rt.read_all(&self.tier_calib).await?;
         let state: Vec<u32> = rt.read_all(&self.tier_digested).await?;
         Ok((bits, calib, state))
+    }
+
+    /// Word of [`RecallTier::read_digests`]'s digest words where the tier pages' key bounds
+    /// start ([`bound_words`] a page, `cap / page_size` pages a list), when the tier keeps them.
+    pub fn bounds_at(&self) -> Option<usize> {
+        (self.cfg.bound_candidates > 0).then_some(self.bounds_at as usize)
     }
 
     /// The recall pass of the layer whose parameters the attention holds (between its split and
@@ -405,10 +458,13 @@ impl RecallTier {
         Ok(counts.iter().map(|&n| u64::from(n.min(self.cap).min(nominated) + n.min(self.cap).min(recalled)) * token).sum())
     }
 
-    /// Bytes of digests one step's recall passes read from device memory now (every layer's).
+    /// Bytes of digests (and key bounds) one step's recall passes read from device memory now
+    /// (every layer's).
     pub async fn digest_bytes_read_per_step(&self, rt: &Runtime, pool: &KvPool) -> Result<u64> {
+        let c = &pool.cfg;
         let counts = self.read_counts(rt).await?;
-        Ok(counts.iter().map(|&n| u64::from(n.min(self.cap)) * u64::from(pool.cfg.head_dim.div_ceil(32)) * 4).sum())
+        let bounds = |n: u32| if self.cfg.bound_candidates > 0 { u64::from(n.div_ceil(c.page_size)) * bound_words(c.head_dim) } else { 0 };
+        Ok(counts.iter().map(|&n| (u64::from(n.min(self.cap)) * u64::from(c.head_dim.div_ceil(32)) + bounds(n.min(self.cap))) * 4).sum())
     }
 
     /// Bytes of the key digests and their calibration (device memory, counted in the GPU's K/V
@@ -453,7 +509,15 @@ impl RecallTier {
 }
 
 /// Device bytes one list's key digests take for a tier of `cap` slots and keys of `head_dim`:
-/// a bit a dimension a slot, the calibration (centre, spread, sums) and two counters.
-pub fn digest_bytes_per_list(cap: u32, head_dim: u32) -> u64 {
-    u64::from(cap) * u64::from(head_dim.div_ceil(32)) * 4 + u64::from(3 * head_dim) * 4 + 8
+/// a bit a dimension a slot, the calibration (centre, spread, sums) and two counters; with
+/// `bounds_page_size`, the key bounds of each tier page of that size too ([`bound_words`]).
+pub fn digest_bytes_per_list(cap: u32, head_dim: u32, bounds_page_size: Option<u32>) -> u64 {
+    let bounds = bounds_page_size.map_or(0, |p| u64::from(cap / p) * bound_words(head_dim) * 4);
+    u64::from(cap) * u64::from(head_dim.div_ceil(32)) * 4 + u64::from(3 * head_dim) * 4 + 8 + bounds
+}
+
+/// Words of one tier page's key bounds (`common/recall.wgsl`'s `bound_words`): an exponent, then
+/// an i8 minimum and an i8 maximum of every key dimension, four a word.
+pub fn bound_words(head_dim: u32) -> u64 {
+    1 + 2 * u64::from(head_dim.div_ceil(4))
 }

@@ -12,7 +12,7 @@ use crate::evict::quest::Quest;
 use crate::evict::recall::RecallTier;
 use crate::gpu_data::{ListState, meta};
 use crate::reference::PoolModel;
-use crate::reference::recall::{TierModel, attend_with_recall, check_choice};
+use crate::reference::recall::{Nomination, TierModel, attend_with_recall, check_choice};
 use crate::runtime::Runtime;
 
 /// What the CPU reference check found ([`Pipeline::verify`] returns an error instead where the
@@ -221,8 +221,8 @@ impl Pipeline {
     }
 
     /// The recall tier's part of the lockstep: every list's recalled pages those the reference
-    /// chooses from its own tier, digests and calibration (the best true scores among the pages
-    /// the best digest scores nominate; up to near ties the GPU's f32 sums may order
+    /// chooses from its own tier, digests, calibration and page bounds (the best true scores
+    /// among the pages the best bound and digest scores nominate; up to near ties the GPU's f32 sums may order
     /// differently: [`check_choice`]), and the true scores the GPU kept for them. Returns each
     /// list's recalled pages (the GPU's choice).
     async fn check_recall(
@@ -244,10 +244,17 @@ impl Pipeline {
                 let li = model.list_index(layer, seq, h);
                 let heads: Vec<&[f32]> = (0..group).map(|g| &q[((seq * c.kv_heads + h) * group + g) as usize * d..][..d]).collect();
                 let digest = tier.digest_page_scores(c, li, &heads, scale);
+                let bounds = tier.bound_page_scores(c, li, &heads, scale);
                 let exact = tier.page_scores(c, li, &heads, scale);
                 let (pages, got_scores) = &sel[li as usize];
                 let got: Vec<u32> = pages.iter().copied().filter(|&p| p != u32::MAX).collect();
-                check_choice(&got, got_scores, &digest, &exact, t.cfg.candidates as usize, t.cfg.pages as usize)
+                let nom = Nomination {
+                    digest: &digest,
+                    bounds: &bounds,
+                    candidates: t.cfg.candidates as usize,
+                    bound_candidates: t.cfg.bound_candidates as usize,
+                };
+                check_choice(&got, got_scores, &nom, &exact, t.cfg.pages as usize)
                     .map_err(|e| verify_err(format!("step {step}, layer {layer}: list {li}: {e}")))?;
                 out[li as usize] = got;
             }
@@ -373,8 +380,12 @@ impl Pipeline {
             }
             let (bits, calib, state) = t.read_digests(rt).await?;
             let want_state: Vec<u32> = tier.digested.iter().flatten().copied().collect();
-            if bits != tier.digest || state != want_state {
+            let (digests, bounds) = bits.split_at(tier.digest.len().min(bits.len()));
+            if digests != tier.digest || state != want_state {
                 return Err(verify_err("the GPU's key digests differ from the CPU reference's".into()));
+            }
+            if t.bounds_at().is_some() && bounds != tier.bounds {
+                return Err(verify_err("the GPU's tier page key bounds differ from the CPU reference's".into()));
             }
             if let Some((i, (g, w))) =
                 calib.iter().zip(&tier.calib).enumerate().find(|(_, (g, w))| (*g - *w).abs() > 1e-4 * (1.0 + w.abs()))

@@ -59,38 +59,62 @@ pub fn choose(scores: &[f64], pages: usize) -> Vec<u32> {
     order.into_iter().take(pages).map(|p| p as u32).collect()
 }
 
-/// `attend/recall.wgsl`'s two-stage choice: the `candidates` best pages by `digest` scores, then
-/// the `pages` best of those by `exact` scores (the lowest page first among equal ones, both
-/// stages).
-pub fn choose_two_stage(digest: &[f64], exact: &[f64], candidates: usize, pages: usize) -> Vec<u32> {
-    let mut cands = choose(digest, candidates);
+/// How `attend/recall.wgsl` nominates a list's candidate pages: the `bound_candidates` best by
+/// the pages' key bounds, then the `candidates - bound_candidates` best of the other pages by
+/// their digests (page scores of each, f64; `bounds` may be empty when `bound_candidates` is 0).
+#[derive(Clone, Copy, Debug)]
+pub struct Nomination<'a> {
+    /// Digest page scores ([`TierModel::digest_page_scores`]).
+    pub digest: &'a [f64],
+    /// Bound page scores ([`TierModel::bound_page_scores`]).
+    pub bounds: &'a [f64],
+    /// Pages nominated in all.
+    pub candidates: usize,
+    /// Of which the bounds nominate.
+    pub bound_candidates: usize,
+}
+
+impl Nomination<'_> {
+    /// The pages the bounds nominate, then those the digests do (each the lowest page first
+    /// among equal scores).
+    pub fn nominate(&self) -> (Vec<u32>, Vec<u32>) {
+        let by_bounds = if self.bound_candidates > 0 { choose(self.bounds, self.bound_candidates) } else { Vec::new() };
+        let mut order: Vec<usize> = (0..self.digest.len()).filter(|&p| !by_bounds.contains(&(p as u32))).collect();
+        order.sort_by(|&a, &b| self.digest[b].total_cmp(&self.digest[a]).then(a.cmp(&b)));
+        let by_digest = order.into_iter().take(self.candidates - self.bound_candidates).map(|p| p as u32).collect();
+        (by_bounds, by_digest)
+    }
+}
+
+/// `attend/recall.wgsl`'s two-stage choice: the candidates `nom` nominates, then the `pages`
+/// best of those by `exact` scores (the lowest page first among equal ones).
+pub fn choose_two_stage(nom: &Nomination<'_>, exact: &[f64], pages: usize) -> Vec<u32> {
+    let (mut cands, by_digest) = nom.nominate();
+    cands.extend(by_digest);
     cands.sort_by(|&a, &b| exact[b as usize].total_cmp(&exact[a as usize]).then(a.cmp(&b)));
     cands.truncate(pages);
     cands
 }
 
 /// Check a GPU's two-stage choice `got` (and the true scores it kept, `got_scores`) against the
-/// reference's over the same list (`digest` and `exact` page scores, f64): the same pages in
-/// order, up to near ties the GPU's f32 sums may order differently (true scores within 1e-4 of
-/// each other, or a page whose digest score is that close to the last candidate's, which either
-/// side may nominate), and every kept score within 1e-4 of the reference's. Returns the near
-/// ties taken, or what differs.
-pub fn check_choice(
-    got: &[u32],
-    got_scores: &[f32],
-    digest: &[f64],
-    exact: &[f64],
-    candidates: usize,
-    pages: usize,
-) -> Result<u64, String> {
-    let want = choose_two_stage(digest, exact, candidates, pages);
+/// reference's over the same list (`nom`'s nominating scores and `exact` page scores, f64): the
+/// same pages in order, up to near ties the GPU's f32 sums may order differently (true scores
+/// within 1e-4 of each other, or a page whose bound or digest score is that close to the last
+/// page that ranking nominated, which either side may nominate), and every kept score within
+/// 1e-4 of the reference's. Returns the near ties taken, or what differs.
+pub fn check_choice(got: &[u32], got_scores: &[f32], nom: &Nomination<'_>, exact: &[f64], pages: usize) -> Result<u64, String> {
+    let want = choose_two_stage(nom, exact, pages);
     if got.len() != want.len() {
         return Err(format!("recalled {got:?}, the reference {want:?}"));
     }
     let tie = |x: f64| 1e-4 * (1.0 + x.abs());
-    let cands = choose(digest, candidates);
-    let edge = cands.last().map_or(f64::NEG_INFINITY, |&c| digest[c as usize]);
-    let on_edge = |p: u32| (digest[p as usize] - edge).abs() <= tie(edge);
+    let (by_bounds, by_digest) = nom.nominate();
+    let edge = |v: &[u32], s: &[f64]| v.last().map_or(f64::NEG_INFINITY, |&c| s[c as usize]);
+    let (bound_edge, digest_edge) = (edge(&by_bounds, nom.bounds), edge(&by_digest, nom.digest));
+    let on_edge = |p: u32| {
+        (nom.digest[p as usize] - digest_edge).abs() <= tie(digest_edge)
+            || (nom.bound_candidates > 0 && (nom.bounds[p as usize] - bound_edge).abs() <= tie(bound_edge))
+    };
     let mut near = 0;
     for (r, (&g, &w)) in got.iter().zip(&want).enumerate() {
         let (sg, sw) = (exact[g as usize], exact[w as usize]);

@@ -4,6 +4,7 @@
 
 use super::words::decode_words;
 use crate::config::PoolConfig;
+use crate::evict::recall::bound_words;
 use crate::gpu_data::{DIGEST_CALIB_TOKENS, uncalibrated_digests};
 
 /// A pool's recall tier on the CPU, laid out as the GPU's: `cap` slots a list, list after list,
@@ -26,6 +27,9 @@ pub struct TierModel {
     pub calib: Vec<f32>,
     /// Per list: slots digested, tokens calibrated on (0: not yet).
     pub digested: Vec<[u32; 2]>,
+    /// Each tier page's key bounds, [`bound_words`] words a page (`common/recall.wgsl`): the
+    /// GPU keeps them only when they nominate candidates; the reference always does.
+    pub bounds: Vec<u32>,
 }
 
 impl TierModel {
@@ -41,6 +45,7 @@ impl TierModel {
             digest: vec![0; lists * cap as usize * cfg.head_dim.div_ceil(32) as usize],
             calib: uncalibrated_digests(lists as u32, cfg.head_dim),
             digested: vec![[0; 2]; lists],
+            bounds: vec![0; lists * (cap / cfg.page_size) as usize * bound_words(cfg.head_dim) as usize],
         }
     }
 
@@ -55,6 +60,9 @@ impl TierModel {
             let first = li as u32 * self.cap;
             if from >= n && !(cal == 0 && n >= DIGEST_CALIB_TOKENS) {
                 continue;
+            }
+            for pg in from / cfg.page_size..n.div_ceil(cfg.page_size) {
+                self.page_bounds(cfg, li as u32, pg, n);
             }
             let keys: Vec<Vec<f32>> = (0..n).map(|j| self.vector(cfg, first + j, 0).iter().map(|&x| x as f32).collect()).collect();
             let cb = 3 * d * li;
@@ -85,6 +93,64 @@ impl TierModel {
             }
             self.digested[li] = [n, cal];
         }
+    }
+
+    /// `evict/digest.wgsl`'s key bounds of tier page `pg` of list `li` (its first `n` slots
+    /// live): the exponent e of the page's largest |key| m (the smallest with m <= 127 x 2^e, at
+    /// least -126), then each dimension's minimum rounded down and maximum rounded up to a multiple
+    /// of 2^e, as i8 codes, four a word (every scaling exact, so the words equal the GPU's).
+    fn page_bounds(&mut self, cfg: &PoolConfig, li: u32, pg: u32, n: u32) {
+        let (ps, d) = (cfg.page_size, cfg.head_dim as usize);
+        let first = li * self.cap;
+        let keys: Vec<Vec<f32>> =
+            (pg * ps..n.min((pg + 1) * ps)).map(|s| self.vector(cfg, first + s, 0).iter().map(|&x| x as f32).collect()).collect();
+        let m = keys.iter().flatten().fold(0f32, |m, &x| m.max(x.abs()));
+        let e = bound_exponent(m);
+        let inv = pow2(-e);
+        let qw = d.div_ceil(4);
+        let base = ((li * (self.cap / ps) + pg) as u64 * bound_words(cfg.head_dim)) as usize;
+        self.bounds[base] = e as u32;
+        for w in 0..qw {
+            let (mut lo_w, mut hi_w) = (0u32, 0u32);
+            for b in 0..4.min(d - 4 * w) {
+                let i = 4 * w + b;
+                let lo = keys.iter().fold(3.4e38f32, |a, k| a.min(k[i]));
+                let hi = keys.iter().fold(-3.4e38f32, |a, k| a.max(k[i]));
+                lo_w |= ((lo * inv).floor() as i32 as u32 & 0xff) << (8 * b);
+                hi_w |= ((hi * inv).ceil() as i32 as u32 & 0xff) << (8 * b);
+            }
+            self.bounds[base + 1 + w] = lo_w;
+            self.bounds[base + 1 + qw + w] = hi_w;
+        }
+    }
+
+    /// `attend/recall.wgsl`'s bound scores of list `li`'s tier pages for its query heads
+    /// `heads`: per page, the largest scaled sum_i max(q_i lo_i, q_i hi_i) over the heads, in f64.
+    pub fn bound_page_scores(&self, cfg: &PoolConfig, li: u32, heads: &[&[f32]], scale: f64) -> Vec<f64> {
+        let (ps, d) = (cfg.page_size, cfg.head_dim as usize);
+        let n = self.count[li as usize].min(self.cap);
+        let qw = d.div_ceil(4);
+        (0..n.div_ceil(ps))
+            .map(|pg| {
+                let base = ((li * (self.cap / ps) + pg) as u64 * bound_words(cfg.head_dim)) as usize;
+                let step = f64::from(pow2(self.bounds[base] as i32));
+                let code = |word: u32, b: usize| f64::from((word >> (8 * b)) as u8 as i8);
+                heads
+                    .iter()
+                    .map(|q| {
+                        (0..d)
+                            .map(|i| {
+                                let lo = code(self.bounds[base + 1 + i / 4], i % 4) * step;
+                                let hi = code(self.bounds[base + 1 + qw + i / 4], i % 4) * step;
+                                let q = f64::from(q[i]);
+                                if q >= 0.0 { q * hi } else { q * lo }
+                            })
+                            .sum::<f64>()
+                            * scale
+                    })
+                    .fold(f64::NEG_INFINITY, f64::max)
+            })
+            .collect()
     }
 
     /// `attend/recall.wgsl`'s digest page scores of list `li` for its query heads `heads`: per
@@ -149,4 +215,21 @@ impl TierModel {
         }
         best
     }
+}
+
+/// 2^e for e in -126..=127 (`common/recall.wgsl`'s `bound_pow2`).
+fn pow2(e: i32) -> f32 {
+    f32::from_bits(((e + 127) as u32) << 23)
+}
+
+/// `common/recall.wgsl`'s `bound_exponent`: the smallest e (at least -126) with m <= 127 x 2^e.
+fn bound_exponent(m: f32) -> i32 {
+    if m == 0.0 {
+        return 0;
+    }
+    let mut e = (((m.to_bits() >> 23) & 0xff) as i32 - 127 - 6).max(-126);
+    if m > 127.0 * pow2(e) {
+        e += 1;
+    }
+    e
 }

@@ -10,7 +10,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use expertkv_core::config::{Codec, ShardMap};
 use expertkv_core::evict::config::{Budget, SchedulerConfig, Threshold};
-use expertkv_core::evict::recall::{DigestAudit, digest_bytes_per_list};
+use expertkv_core::evict::recall::{DigestAudit, RecallConfig, digest_bytes_per_list};
 use expertkv_core::route::config::RouterConfig;
 use expertkv_core::runtime::Runtime;
 use expertkv_model::Moefication;
@@ -377,9 +377,11 @@ impl Policies {
                         let shards = routing.as_ref().map_or(1, |r| r.n_shards);
                         // The recall tier's key digests live in device memory: their bytes come
                         // out of the budget (a tier of the whole context, as `load` sizes it).
-                        let side = recall.map_or(0.0, |_| {
+                        // (Its pages' key bounds too, when they nominate, as `RecallConfig::new` has them.)
+                        let side = recall.map_or(0.0, |pages| {
                             let cap = (tokens + 1).next_multiple_of(MODEL_PAGE_SIZE);
-                            digest_bytes_per_list(cap, head_dim) as f64 / f64::from(4 * MODEL_PAGE_SIZE * head_dim)
+                            let bounds = (RecallConfig::new(pages, cap).bound_candidates > 0).then_some(MODEL_PAGE_SIZE);
+                            digest_bytes_per_list(cap, head_dim, bounds) as f64 / f64::from(4 * MODEL_PAGE_SIZE * head_dim)
                         });
                         let b = budget_for_bytes(share, tokens, shards, codec_page_ratio(codec, head_dim), side)?;
                         let sc = SchedulerConfig::parse_for_budget(spec, b)?;

@@ -9,6 +9,10 @@
 // the chosen pages' values crossing the bus, and the mass pass normalises the resident tokens'
 // attention against the whole softmax.
 //
+// With BOUND_CANDIDATES > 0, that many of the candidates are nominated first by the pages' key
+// bounds (common/recall.wgsl: a page's bound for a query head is sum_i max(q_i lo_i, q_i hi_i),
+// at least the q.k of each of its keys), and the digests nominate the rest among the other pages.
+//
 // A token's digest score is q.centre + sum_i q_i x spread_i x (+1 where its bit is set, else -1),
 // the list's calibration standing in for the key; a page's score (digest or true) is its best
 // token's over the list's query heads. Both stages take the highest scores, the lowest page first
@@ -30,6 +34,8 @@ override GROUP: u32 = 1u;
 override F16: bool = true;
 override PAGES: u32 = 4u;
 override CANDIDATES: u32 = 32u;
+// Candidates the pages' key bounds nominate (0: the digests nominate all).
+override BOUND_CANDIDATES: u32 = 0u;
 // GROUP's bound (the per-head scores of a token are held in an array of this size).
 const MAX_GROUP: u32 = 8u;
 
@@ -55,6 +61,8 @@ var<workgroup> pick_idx: array<u32, WG>;
 const MAX_CANDIDATES: u32 = 64u;
 var<workgroup> chosen: array<u32, MAX_CANDIDATES>;
 var<workgroup> truth: array<u32, 16>;
+// The pages the bounds nominated.
+var<workgroup> nominated: array<u32, MAX_CANDIDATES>;
 // Query heads whose attention one read of the chosen values serves.
 const PG: u32 = 4u;
 // Words: the attention's probabilities (f32 bits), the digest table before them (f32 bits), and
@@ -208,6 +216,34 @@ fn group_score(at: u32, qbase: u32, li: u32, exact: bool) -> f32 {
     return s;
 }
 
+// Tier page `pg` of list `li`'s bound score for the group's query heads from `qbase`: the largest
+// scaled sum_i max(q_i lo_i, q_i hi_i).
+fn bound_score(li: u32, pg: u32, qbase: u32) -> f32 {
+    let d = geo.head_dim;
+    let qw = (d + 3u) / 4u;
+    let base = tier.bounds_at + (li * (tier.cap / geo.page_size) + pg) * bound_words(d);
+    let step = bound_pow2(bitcast<i32>(tier_digest[base]));
+    var sg: array<f32, MAX_GROUP>;
+    for (var w = 0u; w < qw; w++) {
+        let lo_w = tier_digest[base + 1u + w];
+        let hi_w = tier_digest[base + 1u + qw + w];
+        for (var b = 0u; b < min(4u, d - 4u * w); b++) {
+            let i = 4u * w + b;
+            let lo = bound_code(lo_w, b) * step;
+            let hi = bound_code(hi_w, b) * step;
+            for (var g = 0u; g < GROUP; g++) {
+                let q = queries[qbase + g * d + i];
+                sg[g] += select(q * lo, q * hi, q >= 0.0);
+            }
+        }
+    }
+    var s = NEG_BIG;
+    for (var g = 0u; g < GROUP; g++) {
+        s = max(s, sg[g] * params.scale);
+    }
+    return s;
+}
+
 // Empty the page score table (every page's key 0, below every real score's).
 fn clear_best(t: u32) {
     for (var p = t; p < MAX_TIER_PAGES; p += WG) {
@@ -297,7 +333,20 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
         }
         workgroupBarrier();
     }
-    // Stage 1: the digests nominate CANDIDATES pages.
+    // Stage 1: the bounds nominate BOUND_CANDIDATES pages, then the digests the rest among the
+    // other pages (into `chosen` after the bounds' nominees, which follow them).
+    if (BOUND_CANDIDATES > 0u) {
+        clear_best(t);
+        for (var p = t; p < pages; p += WG) {
+            atomicStore(&best[p], key_of(bound_score(li, p, qbase)));
+        }
+        workgroupBarrier();
+        pick_pages(t, pages, BOUND_CANDIDATES);
+        for (var r = t; r < BOUND_CANDIDATES; r += WG) {
+            nominated[r] = chosen[r];
+        }
+        workgroupBarrier();
+    }
     clear_best(t);
     if (digest_table_fits()) {
         digest_table(t, qbase, li);
@@ -310,7 +359,19 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
         }
     }
     workgroupBarrier();
-    pick_pages(t, pages, CANDIDATES);
+    if (BOUND_CANDIDATES > 0u) {
+        for (var r = t; r < BOUND_CANDIDATES; r += WG) {
+            if (nominated[r] != TIER_NONE) {
+                atomicStore(&best[nominated[r]], 0u);
+            }
+        }
+        workgroupBarrier();
+    }
+    pick_pages(t, pages, CANDIDATES - BOUND_CANDIDATES);
+    for (var r = t; r < BOUND_CANDIDATES; r += WG) {
+        chosen[CANDIDATES - BOUND_CANDIDATES + r] = nominated[r];
+    }
+    workgroupBarrier();
     // Stage 2: the candidates' true scores (their keys read from the tier) choose PAGES.
     clear_best(t);
     for (var c = t; c < CANDIDATES * P; c += WG) {

@@ -7,6 +7,10 @@ struct TierParams {
     pages: u32,        // pages recalled per list and layer (R)
     slot: u32,         // the attention's partial buffer index the recall writes
     audit: u32,        // 1: the recall pass also finds the true best pages and counts the digest's hits
+    bounds_at: u32,    // word of `tier_digest` where the pages' key bounds start (0: none kept)
+    _pad0: u32,
+    _pad1: u32,
+    _pad2: u32,
 }
 
 const TIER_NONE: u32 = 0xffffffffu;
@@ -26,3 +30,36 @@ const TIER_AUDIT_HITS: u32 = 5u;   // ... of which the digest recalled
 // spread (their mean absolute deviation from it, d floats) and the key sums (d floats): 0, 1
 // and 0 until calibrated.
 const DIGEST_CALIB_TOKENS: u32 = 64u;
+
+// A tier page's key bounds (kept when the pages' bounds nominate candidates, after the digests in
+// `tier_digest` from `tier.bounds_at`, BOUND_WORDS(head_dim) words a page, list after list): an
+// exponent e (i32), then each dimension's smallest key over the page's slots as an i8 code c
+// (the bound c x 2^e, rounded down) and then its largest (rounded up), four codes a word. e is
+// the smallest with every |key| <= 127 x 2^e (at least -126), so codes sit in -127..=127 and
+// every scaling is exact: the CPU reference sets the same words, and the bounds hold every key
+// of the page (q.k <= sum_i max(q_i lo_i, q_i hi_i)).
+fn bound_words(d: u32) -> u32 {
+    return 1u + 2u * ((d + 3u) / 4u);
+}
+
+// 2^e for e in -126..=127, exact.
+fn bound_pow2(e: i32) -> f32 {
+    return bitcast<f32>(u32(e + 127) << 23u);
+}
+
+// The exponent of a page whose largest |key| is m.
+fn bound_exponent(m: f32) -> i32 {
+    if (m == 0.0) {
+        return 0;
+    }
+    var e = max(i32((bitcast<u32>(m) >> 23u) & 0xffu) - 127 - 6, -126);
+    if (m > 127.0 * bound_pow2(e)) {
+        e += 1;
+    }
+    return e;
+}
+
+// Code b (0..4) of a word of i8 codes, sign-extended.
+fn bound_code(word: u32, b: u32) -> f32 {
+    return f32(extractBits(bitcast<i32>(word), 8u * b, 8u));
+}

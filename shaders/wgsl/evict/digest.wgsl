@@ -4,12 +4,15 @@
 // holds DIGEST_CALIB_TOKENS tokens, it calibrates on all of them (the key sums, then the mean
 // absolute deviations) and digests them all again against that centre; it never calibrates
 // again. A bit compares k x n with the sum over n tokens (no division), so the CPU reference,
-// summing in the same order, sets the same bits. One workgroup per page list.
+// summing in the same order, sets the same bits. With BOUNDS, every tier page that gained slots
+// also gets its key bounds (common/recall.wgsl), which nominate candidates beside the digests.
+// One workgroup per page list.
 
 //!import common/pool.wgsl
 //!import common/recall.wgsl
 
 override F16: bool = true;
+override BOUNDS: bool = false;
 
 @group(0) @binding(0) var<uniform> geo: Geometry;
 @group(0) @binding(1) var<uniform> tier: TierParams;
@@ -89,8 +92,56 @@ fn digest(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index)
             tier_digest[(first + j) * dw + w] = bits;
         }
     }
+    if (BOUNDS) {
+        // Pages holding slots not digested before this pass (the first perhaps partly filled
+        // before, so bounded again over all its slots).
+        let P = geo.page_size;
+        for (var pg = state.x / P + t; pg < (n + P - 1u) / P; pg += WG) {
+            page_bounds(li, pg, n);
+        }
+    }
     if (t == 0u) {
         tier_digested[2u * li] = n;
         tier_digested[2u * li + 1u] = cal;
+    }
+}
+
+// Tier page `pg` of list `li` (its first `n` slots live): its key bounds.
+fn page_bounds(li: u32, pg: u32, n: u32) {
+    let P = geo.page_size;
+    let d = geo.head_dim;
+    let first = li * tier.cap;
+    let s0 = pg * P;
+    let s1 = min(n, s0 + P);
+    var m = 0.0;
+    for (var s = s0; s < s1; s++) {
+        for (var i = 0u; i < d; i++) {
+            m = max(m, abs(key_at(first + s, i)));
+        }
+    }
+    let e = bound_exponent(m);
+    let inv = bound_pow2(-e);
+    let qw = (d + 3u) / 4u;
+    let base = tier.bounds_at + (li * (tier.cap / P) + pg) * bound_words(d);
+    tier_digest[base] = bitcast<u32>(e);
+    for (var w = 0u; w < qw; w++) {
+        var lo_w = 0u;
+        var hi_w = 0u;
+        for (var b = 0u; b < 4u; b++) {
+            let i = w * 4u + b;
+            if (i < d) {
+                var lo = 3.4e38;
+                var hi = -3.4e38;
+                for (var s = s0; s < s1; s++) {
+                    let k = key_at(first + s, i);
+                    lo = min(lo, k);
+                    hi = max(hi, k);
+                }
+                lo_w |= (bitcast<u32>(i32(floor(lo * inv))) & 0xffu) << (8u * b);
+                hi_w |= (bitcast<u32>(i32(ceil(hi * inv))) & 0xffu) << (8u * b);
+            }
+        }
+        tier_digest[base + 1u + w] = lo_w;
+        tier_digest[base + 1u + qw + w] = hi_w;
     }
 }

@@ -1,8 +1,9 @@
 //! The recall tier: every victim an eviction selects captured into its list's tier exactly as the
 //! CPU reference captures it (order, words, positions, and what a full tier drops), with the key
-//! digests the reference sets (bits and counters exactly, the calibration within f32 roundings),
-//! and the recall pass attending each list's best tier pages: the pages the reference chooses
-//! (the best true scores among the pages the best digest scores nominate, up to near ties), the output and the resident tokens' masses those of
+//! digests and page key bounds the reference sets (bits, bound words and counters exactly, the
+//! calibration within f32 roundings), and the recall pass attending each list's best tier pages:
+//! the pages the reference chooses (the best true scores among the pages the best bound and
+//! digest scores nominate, up to near ties), the output and the resident tokens' masses those of
 //! attention over the resident and the recalled tokens together, and the audit's counts of the
 //! truly best pages the digests found those the reference counts.
 
@@ -14,7 +15,7 @@ use expertkv_core::evict::recall::{DigestAudit, RecallConfig, RecallTier};
 use expertkv_core::gpu_data::{ListState, meta};
 use expertkv_core::reference::PoolModel;
 use expertkv_core::reference::attend::{ATTENTION_ATOL, ATTENTION_RTOL};
-use expertkv_core::reference::recall::{TierModel, attend_with_recall, check_choice, choose};
+use expertkv_core::reference::recall::{Nomination, TierModel, attend_with_recall, check_choice, choose};
 use expertkv_core::rng::Rng;
 use expertkv_core::runtime::Runtime;
 
@@ -73,12 +74,14 @@ fn setup(rt: &Runtime, rng: &mut Rng, cfg: &expertkv_core::config::PoolConfig, r
 fn capture_gpu_match_cpu() {
     let rt = rt();
     let (mut captured, mut dropped, mut multi, mut runs, mut calibrated, mut most) = (0u64, 0u64, 0, 0, 0u64, 0u32);
+    let mut bounded = 0u64;
     for seed in seeds("recall_capture", 12) {
         let mut rng = Rng::new(seed);
         let cfg = config(&mut rng, false);
         // A tier too small for every victim in a third of the runs: the rest dropped, counted.
         let tokens = if seed % 3 == 0 { cfg.page_size * (1 + rng.below(2)) } else { 512 };
-        let rc = RecallConfig::new(1, tokens);
+        // Key bounds kept in two thirds of the runs (as `new` has them), digests alone in the rest.
+        let rc = if seed % 3 == 1 { RecallConfig::new(1, tokens).digests_only() } else { RecallConfig::new(1, tokens) };
         let Some(mut x) = setup(rt, &mut rng, &cfg, rc, 1) else { continue };
         runs += 1;
         multi += usize::from(x.pool.n_buffers() > 1);
@@ -114,6 +117,16 @@ fn capture_gpu_match_cpu() {
                     assert_eq!(&bits[o..o + dw], &want.digest[o..o + dw], "{ctx}: digest of list {li}'s tier slot {j}");
                 }
             }
+            if let Some(at) = x.tier.bounds_at() {
+                let (bw, per_list) = (expertkv_core::evict::recall::bound_words(cfg.head_dim) as usize, (want.cap / ps) as usize);
+                for (li, &n) in want.count.iter().enumerate() {
+                    for pg in 0..n.div_ceil(ps) as usize {
+                        let o = (li * per_list + pg) * bw;
+                        assert_eq!(&bits[at + o..at + o + bw], &want.bounds[o..o + bw], "{ctx}: key bounds of list {li}'s tier page {pg}");
+                        bounded += 1;
+                    }
+                }
+            }
             for (i, (g, w)) in calib.iter().zip(&want.calib).enumerate() {
                 // Sums of up to 512 f16 keys in f32, and a centre and spread divided from them.
                 assert!((g - w).abs() <= 1e-5 * (1.0 + w.abs()), "{ctx}: calibration word {i}: {g} against {w}");
@@ -127,8 +140,8 @@ fn capture_gpu_match_cpu() {
     // Coverage over the fixed seeds (one replayed or fresh seeds may draw no case of a kind).
     if fixed_seeds() {
         assert!(
-            runs >= 8 && captured > 0 && dropped > 0 && multi > 0 && calibrated > 0,
-            "{runs} runs, {captured} captured, {dropped} dropped, {multi} multi-buffer, {calibrated} lists calibrated (the fullest tier list {most})"
+            runs >= 8 && captured > 0 && dropped > 0 && multi > 0 && calibrated > 0 && bounded > 0,
+            "{runs} runs, {captured} captured, {dropped} dropped, {multi} multi-buffer, {calibrated} lists calibrated, {bounded} pages bounded (the fullest tier list {most})"
         );
     }
 }
@@ -139,6 +152,7 @@ fn recall_attends_the_best_tier_pages_as_the_reference_does() {
     let (mut recalled_pages, mut near_ties, mut runs, mut empty_lists, mut missed) = (0u64, 0u64, 0, 0u64, 0u64);
     // Runs whose digest weights (heads x dimensions) pass the pass's table (1,024 floats).
     let mut direct = 0u32;
+    let mut union_runs = 0u64;
     for seed in seeds("recall_attend", 10) {
         let mut rng = Rng::new(seed);
         let mut cfg = config(&mut rng, false);
@@ -158,12 +172,20 @@ fn recall_attends_the_best_tier_pages_as_the_reference_does() {
         // (Few at 256 dimensions, so that the direct scores' nomination decides.)
         let spread = if dim == 256 || rng.below(2) == 0 { 3 } else { 40 };
         let candidates = pages + rng.below(spread);
-        let rc = RecallConfig { pages, candidates, tokens: 512 };
+        // The pages' key bounds nominating none, some or all of the candidates.
+        let bound_candidates = match rng.below(3) {
+            0 => 0,
+            1 => candidates,
+            _ => rng.below(candidates + 1),
+        };
+        let rc = RecallConfig { pages, candidates, bound_candidates, tokens: 512 };
         let Some(mut x) = setup(rt, &mut rng, &cfg, rc, group) else { continue };
         runs += 1;
         direct += u32::from(group * dim > 1024);
-        let ctx =
-            format!("seed {seed}: {:?}, budget {}, group {group}, {pages} pages recalled of {candidates}, {cfg:?}", x.s.cfg, x.s.budget);
+        let ctx = format!(
+            "seed {seed}: {:?}, budget {}, group {group}, {pages} pages recalled of {candidates} ({bound_candidates} by the key bounds), {cfg:?}",
+            x.s.cfg, x.s.budget
+        );
         // Few candidates among a tier of more pages than that, so that the digests' nomination
         // decides: more rounds of eviction.
         for round in 0..if spread == 3 { 12 } else { 5 } {
@@ -198,14 +220,25 @@ fn recall_attends_the_best_tier_pages_as_the_reference_does() {
                     let li = x.model.list_index(layer, seq, h);
                     let heads: Vec<&[f32]> = (0..group).map(|g| &q[((seq * cfg.kv_heads + h) * group + g) as usize * d..][..d]).collect();
                     let digest = tier.digest_page_scores(&cfg, li, &heads, scale);
+                    let bounds = tier.bound_page_scores(&cfg, li, &heads, scale);
                     let exact = tier.page_scores(&cfg, li, &heads, scale);
+                    // The bounds hold every key of their page: no true page score above its bound.
+                    for (pg, (b, e)) in bounds.iter().zip(&exact).enumerate() {
+                        assert!(e <= &(b + 1e-9 * (1.0 + b.abs())), "{ctx}: list {li} page {pg}: true score {e} above its bound {b}");
+                    }
                     let truth = choose(&exact, pages as usize);
                     let (gp, gs) = &sel[li as usize];
                     let mine: Vec<u32> = gp.iter().copied().filter(|&p| p != u32::MAX).collect();
                     empty_lists += u64::from(truth.is_empty());
                     recalled_pages += mine.len() as u64;
-                    near_ties += check_choice(&mine, gs, &digest, &exact, candidates as usize, pages as usize)
-                        .unwrap_or_else(|e| panic!("{ctx}: list {li}: {e}"));
+                    let nom = Nomination {
+                        digest: &digest,
+                        bounds: &bounds,
+                        candidates: candidates as usize,
+                        bound_candidates: bound_candidates as usize,
+                    };
+                    union_runs += u64::from(bound_candidates > 0 && bound_candidates < candidates);
+                    near_ties += check_choice(&mine, gs, &nom, &exact, pages as usize).unwrap_or_else(|e| panic!("{ctx}: list {li}: {e}"));
                     if !truth.is_empty() {
                         want_audit.passes += 1;
                         want_audit.top_hits += u64::from(mine.contains(&truth[0]));
@@ -248,5 +281,6 @@ fn recall_attends_the_best_tier_pages_as_the_reference_does() {
     );
     if fixed_seeds() {
         assert!(direct > 0, "{runs} runs, none scoring digests without the table");
+        assert!(union_runs > 0, "{runs} runs, none nominating by key bounds and digests together");
     }
 }
