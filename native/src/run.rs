@@ -77,6 +77,11 @@ pub struct RunArgs {
     /// layer [default: off].
     #[arg(long, value_name = "PAGES")]
     recall: Option<u32>,
+    /// With --recall: of its 32 candidate pages, how many the tier pages' key bounds nominate
+    /// (an i8 minimum and maximum a key dimension a page, in device memory), the digests the
+    /// rest [default: 0, the digests all].
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    recall_bounds: u32,
     /// MoEfy the FFNs: E:K splits each layer's neurons into E experts (balanced spherical
     /// k-means of the gate rows) and evaluates only the top K per token, as ranked by the
     /// router (the token against each expert's centroid); E:K:fitted ranks them with a linear
@@ -226,6 +231,9 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
     if a.gpu_mem.is_some() && expert_cache.is_some() {
         bail!("--gpu-mem sets the expert slots from the budget: give it or --expert-slots, not both");
     }
+    if a.recall_bounds > 0 && a.recall.is_none() {
+        bail!("--recall-bounds shares out the recall tier's candidates: give --recall PAGES too");
+    }
     // An unreachable or misconfigured store is refused before the model loads. Under FlexGen
     // it is the tier below host memory; otherwise prompts share their prefix pages through it.
     let flexgen = matches!(scheduler, Some((SchedulerConfig::FlexGen, _)));
@@ -243,6 +251,7 @@ pub fn run(gpu: &GpuArgs, a: &RunArgs) -> Result<()> {
         .threshold(threshold)
         .expert_cache(expert_cache)
         .recall(a.recall)
+        .recall_bounds(a.recall_bounds)
         .prefill_chunk(a.prefill_chunk);
     // One budget for the pool and the experts: split before loading, measured after.
     let (opts, mut gpu_mem) = match a.gpu_mem.as_deref() {

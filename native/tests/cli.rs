@@ -279,6 +279,12 @@ fn run_and_eval_a_moe_file_with_its_own_experts() {
     let o = expertkv(&["run", "--model", model, "--tokens", "2", "--expert-prefetch", "pregate"]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("--expert-slots or --gpu-mem") && !err.contains("panicked"), "{err}");
+    // Key bounds for a recall tier that is not there: refused by name, in run and eval.
+    for cmd in ["run", "eval"] {
+        let o = expertkv(&[cmd, "--model", model, "--tokens", "2", "--recall-bounds", "8"]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains("give --recall PAGES too") && !err.contains("panicked"), "{cmd}: {err}");
+    }
     let out = ok(&["run", "--model", model, "--prompt", "Hello", "--tokens", "4", "--router", "load-balance"]);
     assert!(out.contains("router: load-balance over the file's own experts"), "{out}");
     // eval's rows for the file's own router and the pipeline's, with `extra` flags.

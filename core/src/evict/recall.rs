@@ -96,16 +96,18 @@ pub struct RecallConfig {
 
 impl RecallConfig {
     /// `pages` attended a list and layer out of [`DEFAULT_RECALL_CANDIDATES`] nominated (or
-    /// `pages`, if more), half of them by the pages' key bounds and half by the digests, a tier
-    /// of `tokens` a list.
+    /// `pages`, if more) by the digests, a tier of `tokens` a list.
     pub fn new(pages: u32, tokens: u32) -> RecallConfig {
-        let candidates = DEFAULT_RECALL_CANDIDATES.max(pages).min(MAX_RECALL_CANDIDATES);
-        RecallConfig { pages, candidates, bound_candidates: candidates / 2, tokens }
+        RecallConfig { pages, candidates: DEFAULT_RECALL_CANDIDATES.max(pages).min(MAX_RECALL_CANDIDATES), bound_candidates: 0, tokens }
     }
 
-    /// The same, the digests nominating every candidate (no key bounds kept).
-    pub fn digests_only(self) -> RecallConfig {
-        RecallConfig { bound_candidates: 0, ..self }
+    /// The same, `bound_candidates` of the candidates nominated by the tier pages' key bounds.
+    /// Their device bytes (an i8 minimum and maximum a key dimension a page: 8.25 bytes a token
+    /// at 16 slots a page and head_dim 64, beside the digests' 8) come out of the same budget;
+    /// on SmolLM2 at 10% of the K/V bytes that cost more than the better nomination gained
+    /// (H100, 2026-12-07: BENCHMARKS.md, "The recall tier"), so [`RecallConfig::new`] keeps none.
+    pub fn with_bound_candidates(self, bound_candidates: u32) -> RecallConfig {
+        RecallConfig { bound_candidates, ..self }
     }
 
     /// Refuse shapes the kernels cannot take, naming the field.

@@ -45,6 +45,10 @@ pub struct ModelOptions {
     /// this many of its best evicted pages at every layer ([`expertkv_core::evict::recall`]);
     /// `None`: evicted tokens are gone.
     pub recall: Option<u32>,
+    /// Of the candidate pages the recall tier nominates, how many the tier pages' key bounds
+    /// nominate (the digests the rest; 0, the default: the digests all). See
+    /// [`RecallConfig::with_bound_candidates`] for their bytes.
+    pub recall_bounds: u32,
     /// Prompt tokens one [`GpuLlama::prefill`] pass takes at most (1 to [`MAX_PREFILL_CHUNK`];
     /// [`PREFILL_CHUNK`] by default): larger chunks make fewer, larger products, smaller ones
     /// hold less scratch memory (llama.cpp's micro-batch). Fixed at load.
@@ -65,6 +69,7 @@ impl ModelOptions {
             threshold: Threshold::default(),
             experts: None,
             recall: None,
+            recall_bounds: 0,
             prefill_chunk: PREFILL_CHUNK,
         }
     }
@@ -97,7 +102,7 @@ impl ModelOptions {
             group: cfg.head_count / cfg.head_count_kv.max(1),
             chunk_pages: 8,
             route: self.routing.as_ref().map(|r| r.route_spec(self.n_seqs)),
-            recall: self.recall.map(|pages| RecallConfig::new(pages, self.max_context)),
+            recall: self.recall.map(|pages| RecallConfig::new(pages, self.max_context).with_bound_candidates(self.recall_bounds)),
         }
     }
 
@@ -154,6 +159,12 @@ impl ModelOptions {
     /// no tier).
     pub fn recall(self, recall: Option<u32>) -> Self {
         ModelOptions { recall, ..self }
+    }
+
+    /// The same options with `recall_bounds` of the recall tier's candidates nominated by the
+    /// tier pages' key bounds.
+    pub fn recall_bounds(self, recall_bounds: u32) -> Self {
+        ModelOptions { recall_bounds, ..self }
     }
 
     /// The same options with prompts prefilled `prefill_chunk` tokens a pass.

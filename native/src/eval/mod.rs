@@ -10,7 +10,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use expertkv_core::config::{Codec, ShardMap};
 use expertkv_core::evict::config::{Budget, SchedulerConfig, Threshold};
-use expertkv_core::evict::recall::{DigestAudit, RecallConfig, digest_bytes_per_list};
+use expertkv_core::evict::recall::{DigestAudit, digest_bytes_per_list};
 use expertkv_core::route::config::RouterConfig;
 use expertkv_core::runtime::Runtime;
 use expertkv_model::Moefication;
@@ -78,6 +78,11 @@ pub struct EvalArgs {
     /// where the device reads it in place), comma-separated; 0: no tier [default: 0].
     #[arg(long, value_delimiter = ',', default_value = "0")]
     recall: Vec<u32>,
+    /// Of the recall tier's 32 candidate pages, how many the tier pages' key bounds nominate (an
+    /// i8 minimum and maximum a key dimension a page, in device memory and counted in --bytes),
+    /// the digests the rest [default: 0, the digests all].
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    recall_bounds: u32,
     /// Page codecs to add, at the full cache and under every evicting scheduler: int8, int4
     /// (with :group=G), fastv-dims (with :keep=D), low-rank or lora (with :rank=R; the basis is
     /// fitted on the text's first 64 tokens, which stay raw until then), comma-separated; with
@@ -238,6 +243,8 @@ struct Config {
     experts: Option<ExpertCacheConfig>,
     /// The recall tier's pages attended a list and layer, under an evicting `sched`.
     recall: Option<u32>,
+    /// Of its candidates, those the key bounds nominate.
+    recall_bounds: u32,
 }
 
 impl Config {
@@ -286,7 +293,8 @@ impl Config {
                 .pyramid(self.sched.as_ref().and(self.pyramid))
                 .threshold(if self.sched.is_some() { self.threshold } else { Threshold::default() })
                 .expert_cache(self.experts.filter(|_| self.router.is_none()))
-                .recall(self.recall),
+                .recall(self.recall)
+                .recall_bounds(self.recall_bounds),
         ))?;
         if let Some(moe) = &self.moe {
             m.set_moe(rt, g, moe)?;
@@ -334,6 +342,9 @@ impl Policies {
             split_specs(&a.codecs).iter().filter(|s| s.as_str() != "none").map(|s| Codec::parse(s)).collect::<Result<Vec<_>, _>>()?;
         let mut recalls: Vec<Option<u32>> = a.recall.iter().map(|&r| (r > 0).then_some(r)).collect();
         recalls.dedup();
+        if a.recall_bounds > 0 && recalls.iter().all(Option::is_none) {
+            bail!("--recall-bounds shares out the recall tier's candidates: give --recall PAGES too");
+        }
         if recalls.is_empty() {
             recalls.push(None);
         }
@@ -377,10 +388,10 @@ impl Policies {
                         let shards = routing.as_ref().map_or(1, |r| r.n_shards);
                         // The recall tier's key digests live in device memory: their bytes come
                         // out of the budget (a tier of the whole context, as `load` sizes it).
-                        // (Its pages' key bounds too, when they nominate, as `RecallConfig::new` has them.)
-                        let side = recall.map_or(0.0, |pages| {
+                        // (Its pages' key bounds too, when they nominate.)
+                        let side = recall.map_or(0.0, |_| {
                             let cap = (tokens + 1).next_multiple_of(MODEL_PAGE_SIZE);
-                            let bounds = (RecallConfig::new(pages, cap).bound_candidates > 0).then_some(MODEL_PAGE_SIZE);
+                            let bounds = (src.recall_bounds > 0).then_some(MODEL_PAGE_SIZE);
                             digest_bytes_per_list(cap, head_dim, bounds) as f64 / f64::from(4 * MODEL_PAGE_SIZE * head_dim)
                         });
                         let b = budget_for_bytes(share, tokens, shards, codec_page_ratio(codec, head_dim), side)?;
@@ -620,6 +631,7 @@ pub fn run(gpu: &GpuArgs, a: &EvalArgs) -> Result<()> {
         threshold: a.threshold.as_deref().map_or(Ok(Threshold::default()), crate::demo::parse_threshold)?,
         experts: a.experts.config(&lc)?,
         recall: None,
+        recall_bounds: a.recall_bounds,
     };
     let policies = Policies::parse(a, ids.len() as u32)?;
     if !policies.codecs.is_empty() && policies.scheds.iter().any(|s| SchedulerConfig::parse(s).is_ok_and(|s| !s.uses_evict_kernels())) {

@@ -80,8 +80,8 @@ fn capture_gpu_match_cpu() {
         let cfg = config(&mut rng, false);
         // A tier too small for every victim in a third of the runs: the rest dropped, counted.
         let tokens = if seed % 3 == 0 { cfg.page_size * (1 + rng.below(2)) } else { 512 };
-        // Key bounds kept in two thirds of the runs (as `new` has them), digests alone in the rest.
-        let rc = if seed % 3 == 1 { RecallConfig::new(1, tokens).digests_only() } else { RecallConfig::new(1, tokens) };
+        // Key bounds kept in two thirds of the runs, digests alone (as `new` has it) in the rest.
+        let rc = if seed % 3 == 1 { RecallConfig::new(1, tokens) } else { RecallConfig::new(1, tokens).with_bound_candidates(16) };
         let Some(mut x) = setup(rt, &mut rng, &cfg, rc, 1) else { continue };
         runs += 1;
         multi += usize::from(x.pool.n_buffers() > 1);
