@@ -89,6 +89,7 @@ pub async fn check_eviction(
     match &s.ekva {
         Some(e) => {
             let mut groups = s.read_groups(rt).await?;
+            check_ekva_groups(rt, s, m, step, &p, after, &groups, e.n_experts).await?;
             m.evict_grouped(&keys, &mut lists, Some((&mut groups, e.n_experts)));
         }
         None => {
@@ -107,6 +108,50 @@ pub async fn check_eviction(
         let floats = (g.hit_rate - w.hit_rate).abs() < 1e-4 && (g.tau - w.tau).abs() < 1e-4;
         if (g.tokens, g.evicted, g.evicted_total) != (w.tokens, w.evicted, w.evicted_total) || !floats {
             return Err(verify_err(format!("step {step}: list {li} after eviction is {g:?}, the reference {w:?}")));
+        }
+    }
+    Ok(())
+}
+
+/// EKVA's groups against the reference before they decide the victims: every (list, expert
+/// group)'s tokens exactly (`ekva_groups`, over the pool as it was before the eviction), and each
+/// group's budget as the reference splits the list's budget from the GPU's tokens and importance
+/// (`ekva_split`; within one token, the f32 divisions may round a remainder the other way on some
+/// devices, with the list's budget kept exactly where its tokens exceed it).
+#[allow(clippy::too_many_arguments)]
+async fn check_ekva_groups(
+    rt: &Runtime,
+    s: &Scheduler,
+    m: &PoolModel,
+    step: u32,
+    p: &crate::gpu_data::EvictParams,
+    lists: &[ListState],
+    groups: &[crate::gpu_data::GroupState],
+    n_groups: u32,
+) -> Result<()> {
+    let importance = s.read_importance(rt).await?;
+    let g = n_groups as usize;
+    for (i, (got, want)) in groups.iter().zip(m.ekva_groups(n_groups, groups)).enumerate() {
+        if got.tokens != want.tokens {
+            return Err(verify_err(format!(
+                "step {step}: list {} expert group {}: {} tokens, the reference {}",
+                i / g,
+                i % g,
+                got.tokens,
+                want.tokens
+            )));
+        }
+    }
+    let want = m.ekva_split(p, lists, groups, &importance);
+    for (li, st) in lists.iter().enumerate() {
+        let (got, want) = (&groups[li * g..(li + 1) * g], &want[li * g..(li + 1) * g]);
+        if let Some((e, (a, b))) = got.iter().zip(want).enumerate().find(|(_, (a, b))| a.budget.abs_diff(b.budget) > 1) {
+            return Err(verify_err(format!("step {step}: list {li} expert group {e}: budget {}, the reference {}", a.budget, b.budget)));
+        }
+        let tokens: u32 = got.iter().map(|x| x.tokens).sum();
+        let sum: u32 = got.iter().map(|x| x.budget).sum();
+        if st.budget != crate::gpu_data::KEEP_ALL && tokens > st.budget && sum != st.budget {
+            return Err(verify_err(format!("step {step}: list {li}'s expert groups keep {sum} tokens of its budget {}", st.budget)));
         }
     }
     Ok(())
