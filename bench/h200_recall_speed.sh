@@ -24,14 +24,20 @@ REV=$(echo "$R" | tr ' ' '\n' | tac | tr '\n' ' ')
 # With .bin/old.xz carried (an earlier release binary), each order runs the old binary's rows
 # and then the new one's, labelled.
 h200_bins
-# ONCE=1: the given order only (half the rows, for a short call).
+# ONCE=1: the given order only (half the rows, for a short call). BATCHES: the batches to run
+# (default "1 32").
 ORDERS=("$R" "$REV")
 [ "${ONCE:-0}" = 1 ] && ORDERS=("$R")
 for order in "${ORDERS[@]}"; do
   for bin in $bins; do
     B=${bin#*:}
     tag=${bin%%:*}
-    for r in $order; do speed "$tag h2o recall=$r batch 1" --prompt "$LONG" --tokens 2 --time-steps 300 $(rec $r); done
-    for r in $order; do speed "$tag h2o recall=$r batch 32" --prompts /tmp/prompts32.txt --batch 32 --tokens 2 --time-steps 400 $(rec $r); done
+    for b in ${BATCHES:-1 32}; do
+      if [ "$b" = 1 ]; then
+        for r in $order; do speed "$tag h2o recall=$r batch 1" --prompt "$LONG" --tokens 2 --time-steps 300 $(rec $r); done
+      else
+        for r in $order; do speed "$tag h2o recall=$r batch 32" --prompts /tmp/prompts32.txt --batch 32 --tokens 2 --time-steps 400 $(rec $r); done
+      fi
+    done
   done
 done
