@@ -144,70 +144,6 @@ fn key_dots(at: u32, qbase: u32) -> array<f32, MAX_GROUP> {
     return s;
 }
 
-// Candidate tokens' keys staged in workgroup memory (`probs`, free until the attention) a round
-// at a time, so that consecutive invocations read consecutive words of the tier: a candidate
-// page's keys are one contiguous block of the tier, and a read of host memory that a warp makes
-// for one line of it costs one bus transaction where a word per token cost one each.
-fn staged_tokens() -> u32 {
-    return (PG * WG) / geo.vec_words;
-}
-
-// Stage the keys of candidate tokens c0 .. c0 + staged_tokens() (the c-th candidate token is
-// slot c % P of page `chosen[c / P]`): PG words an invocation, all in flight; a token past the
-// list's live ones (or of no page) reads the list's first slot instead and is never used. Ends
-// with a barrier.
-fn stage_keys(t: u32, c0: u32, first: u32, n: u32) {
-    let vw = geo.vec_words;
-    let P = geo.page_size;
-    let words = staged_tokens() * vw;
-    var k: array<u32, PG>;
-    //!unroll
-    for (var i = 0u; i < PG; i++) {
-        let w = t + i * WG;
-        let c = c0 + w / vw;
-        var at = first;
-        if (w < words && c < CANDIDATES * P) {
-            let page = chosen[c / P];
-            let j = page * P + c % P;
-            if (page != TIER_NONE && j < n) {
-                at = first + j;
-            }
-        }
-        k[i] = tier_word(at, 0u, w % vw);
-    }
-    //!unroll
-    for (var i = 0u; i < PG; i++) {
-        let w = t + i * WG;
-        if (w < words) {
-            probs[w] = k[i];
-        }
-    }
-    workgroupBarrier();
-}
-
-// q . k of the staged token at `s` for each of the group's query heads from `qbase` (the sums
-// in key_dots' order).
-fn staged_dots(s: u32, qbase: u32) -> array<f32, MAX_GROUP> {
-    var out: array<f32, MAX_GROUP>;
-    let d = geo.head_dim;
-    let vw = geo.vec_words;
-    for (var w = 0u; w < vw; w++) {
-        let word = probs[s * vw + w];
-        if (F16) {
-            let kv = unpack2x16float(word);
-            for (var g = 0u; g < GROUP; g++) {
-                out[g] += queries[qbase + g * d + 2u * w] * kv.x + queries[qbase + g * d + 2u * w + 1u] * kv.y;
-            }
-        } else {
-            let kv = bitcast<f32>(word);
-            for (var g = 0u; g < GROUP; g++) {
-                out[g] += queries[qbase + g * d + w] * kv;
-            }
-        }
-    }
-    return out;
-}
-
 // The digest score written as base_g + sum over the set bits i of 2 q_i spread_i, with
 // base_g = q.(centre - spread): `dig_w` (the `probs` table, free until the attention) holds
 // 2 q_i spread_i of every query head g at g x head_dim + i and `dig_base` each head's base, so
@@ -436,26 +372,16 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
         chosen[CANDIDATES - BOUND_CANDIDATES + r] = nominated[r];
     }
     workgroupBarrier();
-    // Stage 2: the candidates' true scores (their keys read from the tier, staged a round of
-    // tokens at a time) choose PAGES.
+    // Stage 2: the candidates' true scores (their keys read from the tier) choose PAGES.
     clear_best(t);
-    let per = staged_tokens();
-    for (var c0 = 0u; c0 < CANDIDATES * P; c0 += per) {
-        stage_keys(t, c0, first, n);
-        let c = c0 + t;
-        if (t < per && c < CANDIDATES * P) {
-            let page = chosen[c / P];
-            if (page != TIER_NONE && page * P + c % P < n) {
-                let x = staged_dots(t, qbase);
-                var s = NEG_BIG;
-                for (var g = 0u; g < GROUP; g++) {
-                    s = max(s, x[g] * params.scale);
-                }
-                atomicMax(&best[page], key_of(s));
-            }
+    for (var c = t; c < CANDIDATES * P; c += WG) {
+        let page = chosen[c / P];
+        let j = page * P + c % P;
+        if (page != TIER_NONE && j < n) {
+            atomicMax(&best[page], key_of(group_score(first + j, qbase, li, true)));
         }
-        workgroupBarrier();
     }
+    workgroupBarrier();
     pick_pages(t, pages, PAGES);
     if (t < PAGES) {
         let live = chosen_key[t] > 0u;
@@ -497,14 +423,9 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
         live = page != TIER_NONE && j < n;
         // A token not attended reads the list's first slot (its probability is 0).
         slot_of[t] = select(first, first + j, live);
-    }
-    // The chosen tokens' keys, staged a round at a time as the candidates' were.
-    for (var c0 = 0u; c0 < nt; c0 += per) {
-        stage_keys(t, c0, first, n);
-        if (live && t >= c0 && t < c0 + per) {
-            sg = staged_dots(t - c0, qbase);
+        if (live) {
+            sg = key_dots(first + j, qbase);
         }
-        workgroupBarrier();
     }
     let vw = geo.vec_words;
     let lanes = WG / vw;
