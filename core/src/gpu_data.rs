@@ -226,6 +226,12 @@ pub struct TierParams {
 }
 const _: () = assert!(std::mem::size_of::<TierParams>() == 32);
 
+/// Words of one tier page's key bounds (`common/recall.wgsl`'s `bound_words`): an exponent, then
+/// an i8 minimum and an i8 maximum of every key dimension, four a word.
+pub fn bound_words(head_dim: u32) -> u64 {
+    1 + 2 * u64::from(head_dim.div_ceil(4))
+}
+
 /// Tier tokens a list's key digests calibrate on (`common/recall.wgsl`'s `DIGEST_CALIB_TOKENS`).
 pub const DIGEST_CALIB_TOKENS: u32 = 64;
 

@@ -7,7 +7,8 @@
 //! their digests, which nominate the best `candidates` pages; those pages' true q.k (their keys
 //! read from the tier) choose the `pages` attended over their true keys and values
 //! (`attend/recall.wgsl`), one more partial record per query head that the reduce pass merges
-//! with the resident pages'.
+//! with the resident pages'. Optionally ([`RecallConfig::with_bound_candidates`]) part of the
+//! candidates are nominated first by each tier page's i8 key bounds, kept after the digests.
 //!
 //! Where the device can read host memory in place (`MAPPABLE_PRIMARY_BUFFERS`, native), the tier
 //! lives there: the GPU holds the pool within its budget and the digests (an f16 key's sixteenth,
@@ -48,7 +49,7 @@ pub const MAX_RECALL_GROUP: u32 = 8;
 /// counters ([`DigestAudit`]).
 const STATS: u64 = 6;
 
-pub use crate::gpu_data::DIGEST_CALIB_TOKENS;
+pub use crate::gpu_data::{DIGEST_CALIB_TOKENS, bound_words};
 
 /// How well the digests chose, over every audited recall pass since the audit was turned on
 /// ([`RecallTier::set_audit`]): of the pages the true q.k would recall, how many the digest
@@ -251,9 +252,9 @@ impl RecallTier {
         let tier_count = rt.storage("evict/recall tier counts", u64::from(n_lists) * 4);
         let digest_words = u64::from(n_lists) * u64::from(cap) * u64::from(c.head_dim.div_ceil(32));
         let bounds_at = if cfg.bound_candidates > 0 { digest_words } else { 0 };
-        let bound_words =
+        let bounds_words =
             if cfg.bound_candidates > 0 { u64::from(n_lists) * u64::from(cap / c.page_size) * bound_words(c.head_dim) } else { 0 };
-        let digest_bytes = (digest_words + bound_words) * 4;
+        let digest_bytes = (digest_words + bounds_words) * 4;
         rt.fits_binding("the recall tier's key digests and bounds (fewer tokens per list, sequences or layers fit)", digest_bytes)?;
         let bounds_at = u32::try_from(bounds_at).map_err(|_| Error::config("recall tier", cfg.tokens, "key digests past 2^32 words"))?;
         let tier_digest = rt.storage("evict/recall key digests and bounds", digest_bytes);
@@ -469,8 +470,8 @@ impl RecallTier {
         Ok(counts.iter().map(|&n| (u64::from(n.min(self.cap)) * u64::from(c.head_dim.div_ceil(32)) + bounds(n.min(self.cap))) * 4).sum())
     }
 
-    /// Bytes of the key digests and their calibration (device memory, counted in the GPU's K/V
-    /// bytes).
+    /// Bytes of the key digests (and the pages' key bounds, when kept) and their calibration
+    /// (device memory, counted in the GPU's K/V bytes).
     pub fn digest_bytes(&self) -> u64 {
         self.tier_digest.size() + self.tier_calib.size() + self.tier_digested.size()
     }
@@ -516,10 +517,4 @@ impl RecallTier {
 pub fn digest_bytes_per_list(cap: u32, head_dim: u32, bounds_page_size: Option<u32>) -> u64 {
     let bounds = bounds_page_size.map_or(0, |p| u64::from(cap / p) * bound_words(head_dim) * 4);
     u64::from(cap) * u64::from(head_dim.div_ceil(32)) * 4 + u64::from(3 * head_dim) * 4 + 8 + bounds
-}
-
-/// Words of one tier page's key bounds (`common/recall.wgsl`'s `bound_words`): an exponent, then
-/// an i8 minimum and an i8 maximum of every key dimension, four a word.
-pub fn bound_words(head_dim: u32) -> u64 {
-    1 + 2 * u64::from(head_dim.div_ceil(4))
 }

@@ -4,8 +4,7 @@
 
 use super::words::decode_words;
 use crate::config::PoolConfig;
-use crate::evict::recall::bound_words;
-use crate::gpu_data::{DIGEST_CALIB_TOKENS, uncalibrated_digests};
+use crate::gpu_data::{DIGEST_CALIB_TOKENS, bound_words, uncalibrated_digests};
 
 /// A pool's recall tier on the CPU, laid out as the GPU's: `cap` slots a list, list after list,
 /// in pages of the pool's raw layout (K block then V block).
