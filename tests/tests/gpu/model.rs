@@ -259,7 +259,9 @@ fn qwen2_qwen3_olmoe_and_qwen2moe_files_decode_as_the_reference() {
         let cpu = cpu_model(&g);
         for dtype in [KvDtype::F32, KvDtype::F16] {
             let mut m = pollster::block_on(GpuLlama::load(rt, &g, ModelOptions::new(2, 32).dtype(dtype))).expect("load");
-            let mut caches = [cpu.new_cache(), cpu.new_cache()];
+            // The reference's K/V rounded as the pool stores them (f16 pages), as in the Llama check.
+            let cache = || if dtype == KvDtype::F16 { cpu.new_cache().rounding_to_f16() } else { cpu.new_cache() };
+            let mut caches = [cache(), cache()];
             let tokens: [[u32; 2]; 5] = [[72, 1], [101, 200], [108, 7], [108, 255], [111, 32]];
             for (pos, step) in tokens.iter().enumerate() {
                 let gpu = pollster::block_on(m.forward(rt, step)).expect("gpu forward");
@@ -267,7 +269,10 @@ fn qwen2_qwen3_olmoe_and_qwen2moe_files_decode_as_the_reference() {
                     let want = cpu.forward(t, pos as u32, &mut caches[seq]).expect("cpu forward");
                     let got = &gpu[seq * 256..(seq + 1) * 256];
                     let (err, max) = (max_diff(got, &want), max_abs(&want));
-                    let tol = if dtype == KvDtype::F32 { 1e-4 } else { 1e-2 };
+                    // f32 products and sums; over f16 pages, the attention kernels' f16 dot
+                    // products too: the Llama check's 1e-3 of the largest logit (1e-2 before the
+                    // reference rounded its K/V to f16).
+                    let tol = if dtype == KvDtype::F32 { 1e-4 } else { 1e-3 };
                     assert!(
                         err <= tol * max,
                         "seed {seed} {arch:?} {dtype:?}: position {pos}, sequence {seq}: logits differ by {err} (max {max})"
