@@ -137,10 +137,17 @@ fn route_stage_labels_and_pool_match_the_cpu_reference() {
                             let mx = want.iter().map(|&e| f64::from(scores[e as usize])).fold(f64::NEG_INFINITY, f64::max);
                             let ex: Vec<f64> = want.iter().map(|&e| (f64::from(scores[e as usize]) - mx).exp()).collect();
                             let sum: f64 = ex.iter().sum();
+                            // The router's input is the GPU's residual stream, within the f32 model
+                            // check's 2e-5 of the CPU's, so a score within 2e-5 of the largest
+                            // |score|; a softmax gate moves by at most half the largest score error
+                            // (plus f32 rounding of the gates themselves). Seen: 3e-6 at scores
+                            // up to 11 (fixed seeds and salts 1-3, 2026-12-07); 2e-3 before.
+                            let smax = scores.iter().fold(0f64, |m, &v| m.max(f64::from(v).abs()));
+                            let tol = 1e-5 * smax + 1e-6;
                             for (gg, x) in got_g.iter().zip(&ex) {
                                 assert!(
-                                    (f64::from(*gg) - x / sum).abs() < 2e-3,
-                                    "{ctx}: position {pos}, layer {l}: gate {gg} against {}",
+                                    (f64::from(*gg) - x / sum).abs() <= tol,
+                                    "{ctx}: position {pos}, layer {l}: gate {gg} against {} (tolerance {tol:.1e})",
                                     x / sum
                                 );
                             }
