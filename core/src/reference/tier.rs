@@ -60,10 +60,11 @@ impl TierModel {
             if from >= n && !(cal == 0 && n >= DIGEST_CALIB_TOKENS) {
                 continue;
             }
-            for pg in from / cfg.page_size..n.div_ceil(cfg.page_size) {
-                self.page_bounds(cfg, li as u32, pg, n);
-            }
             let keys: Vec<Vec<f32>> = (0..n).map(|j| self.vector(cfg, first + j, 0).iter().map(|&x| x as f32).collect()).collect();
+            let ps = cfg.page_size;
+            for pg in from / ps..n.div_ceil(ps) {
+                self.page_bounds(cfg, li as u32, pg, &keys[(pg * ps) as usize..n.min((pg + 1) * ps) as usize]);
+            }
             let cb = 3 * d * li;
             if cal == 0 && n >= DIGEST_CALIB_TOKENS {
                 (cal, from) = (n, 0);
@@ -94,15 +95,12 @@ impl TierModel {
         }
     }
 
-    /// `evict/digest.wgsl`'s key bounds of tier page `pg` of list `li` (its first `n` slots
-    /// live): the exponent e of the page's largest |key| m (the smallest with m <= 127 x 2^e, at
+    /// `evict/digest.wgsl`'s key bounds of tier page `pg` of list `li`, whose live slots hold
+    /// `keys`: the exponent e of the page's largest |key| m (the smallest with m <= 127 x 2^e, at
     /// least -126), then each dimension's minimum rounded down and maximum rounded up to a multiple
     /// of 2^e, as i8 codes, four a word (every scaling exact, so the words equal the GPU's).
-    fn page_bounds(&mut self, cfg: &PoolConfig, li: u32, pg: u32, n: u32) {
+    fn page_bounds(&mut self, cfg: &PoolConfig, li: u32, pg: u32, keys: &[Vec<f32>]) {
         let (ps, d) = (cfg.page_size, cfg.head_dim as usize);
-        let first = li * self.cap;
-        let keys: Vec<Vec<f32>> =
-            (pg * ps..n.min((pg + 1) * ps)).map(|s| self.vector(cfg, first + s, 0).iter().map(|&x| x as f32).collect()).collect();
         let m = keys.iter().flatten().fold(0f32, |m, &x| m.max(x.abs()));
         let e = bound_exponent(m);
         let inv = pow2(-e);
@@ -216,7 +214,7 @@ impl TierModel {
     }
 }
 
-/// 2^e for e in -126..=127 (`common/recall.wgsl`'s `bound_pow2`).
+/// 2^e for e in -126..=127 (`common/compress.wgsl`'s `pow2`).
 fn pow2(e: i32) -> f32 {
     f32::from_bits(((e + 127) as u32) << 23)
 }

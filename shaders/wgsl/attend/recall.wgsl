@@ -222,7 +222,7 @@ fn bound_score(li: u32, pg: u32, qbase: u32) -> f32 {
     let d = geo.head_dim;
     let qw = (d + 3u) / 4u;
     let base = tier.bounds_at + (li * (tier.cap / geo.page_size) + pg) * bound_words(d);
-    let step = bound_pow2(bitcast<i32>(tier_digest[base]));
+    let step = pow2(bitcast<i32>(tier_digest[base]));
     var sg: array<f32, MAX_GROUP>;
     for (var w = 0u; w < qw; w++) {
         let lo_w = tier_digest[base + 1u + w];

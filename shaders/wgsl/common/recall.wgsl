@@ -1,6 +1,8 @@
 // The recall tier's shared definitions (evict/capture.wgsl and evict/digest.wgsl write it,
 // attend/recall.wgsl reads it).
 
+//!import common/compress.wgsl
+
 // must match `TierParams` in core/src/gpu_data.rs
 struct TierParams {
     cap: u32,          // tier slots per page list, a multiple of the page size
@@ -42,18 +44,13 @@ fn bound_words(d: u32) -> u32 {
     return 1u + 2u * ((d + 3u) / 4u);
 }
 
-// 2^e for e in -126..=127, exact.
-fn bound_pow2(e: i32) -> f32 {
-    return bitcast<f32>(u32(e + 127) << 23u);
-}
-
 // The exponent of a page whose largest |key| is m.
 fn bound_exponent(m: f32) -> i32 {
     if (m == 0.0) {
         return 0;
     }
     var e = max(i32((bitcast<u32>(m) >> 23u) & 0xffu) - 127 - 6, -126);
-    if (m > 127.0 * bound_pow2(e)) {
+    if (m > 127.0 * pow2(e)) {
         e += 1;
     }
     return e;

@@ -120,7 +120,7 @@ fn page_bounds(li: u32, pg: u32, n: u32) {
         }
     }
     let e = bound_exponent(m);
-    let inv = bound_pow2(-e);
+    let inv = pow2(-e);
     let qw = (d + 3u) / 4u;
     let base = tier.bounds_at + (li * (tier.cap / P) + pg) * bound_words(d);
     tier_digest[base] = bitcast<u32>(e);
