@@ -158,12 +158,13 @@ impl RecallConfig {
     /// Bytes of the key digests, their calibration and the pages' key bounds (when they
     /// nominate) for `pool`'s lists, in device memory (they count in the GPU's K/V bytes).
     pub fn digest_bytes(&self, pool: &crate::config::PoolConfig) -> u64 {
-        u64::from(pool.n_lists()) * digest_bytes_per_list(self.cap(pool.page_size), pool.head_dim, self.bounds_page_size(pool.page_size))
+        u64::from(pool.n_lists()) * self.digest_bytes_per_list(pool.page_size, pool.head_dim)
     }
 
-    /// The page size whose key bounds the tier keeps (`None`: no bounds).
-    fn bounds_page_size(&self, page_size: u32) -> Option<u32> {
-        (self.bound_candidates > 0).then_some(page_size)
+    /// The same for one list of pages of `page_size` slots and keys of `head_dim`
+    /// ([`digest_bytes_per_list`], with the bounds when they nominate).
+    pub fn digest_bytes_per_list(&self, page_size: u32, head_dim: u32) -> u64 {
+        digest_bytes_per_list(self.cap(page_size), head_dim, (self.bound_candidates > 0).then_some(page_size))
     }
 
     /// Bytes of the tier's K/V and positions for `pool`'s lists (host memory where the device

@@ -289,7 +289,8 @@ impl Pipeline {
                 let li = model.list_index(layer, seq, h);
                 let heads: Vec<&[f32]> = (0..group).map(|g| &q[((seq * c.kv_heads + h) * group + g) as usize * d..][..d]).collect();
                 let digest = tier.digest_page_scores(c, li, &heads, scale);
-                let bounds = tier.bound_page_scores(c, li, &heads, scale);
+                // (Bound scores only where the tier's bounds nominate: `Nomination` reads none else.)
+                let bounds = if t.cfg.bound_candidates > 0 { tier.bound_page_scores(c, li, &heads, scale) } else { Vec::new() };
                 let exact = tier.page_scores(c, li, &heads, scale);
                 let (pages, got_scores) = &sel[li as usize];
                 let got: Vec<u32> = pages.iter().copied().filter(|&p| p != u32::MAX).collect();

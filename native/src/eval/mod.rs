@@ -10,7 +10,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use expertkv_core::config::{Codec, ShardMap};
 use expertkv_core::evict::config::{Budget, SchedulerConfig, Threshold};
-use expertkv_core::evict::recall::{DigestAudit, digest_bytes_per_list};
+use expertkv_core::evict::recall::{DigestAudit, RecallConfig};
 use expertkv_core::route::config::RouterConfig;
 use expertkv_core::runtime::Runtime;
 use expertkv_model::Moefication;
@@ -389,10 +389,9 @@ impl Policies {
                         // The recall tier's key digests live in device memory: their bytes come
                         // out of the budget (a tier of the whole context, as `load` sizes it).
                         // (Its pages' key bounds too, when they nominate.)
-                        let side = recall.map_or(0.0, |_| {
-                            let cap = (tokens + 1).next_multiple_of(MODEL_PAGE_SIZE);
-                            let bounds = (src.recall_bounds > 0).then_some(MODEL_PAGE_SIZE);
-                            digest_bytes_per_list(cap, head_dim, bounds) as f64 / f64::from(4 * MODEL_PAGE_SIZE * head_dim)
+                        let side = recall.map_or(0.0, |pages| {
+                            let rc = RecallConfig::new(pages, tokens + 1).with_bound_candidates(src.recall_bounds);
+                            rc.digest_bytes_per_list(MODEL_PAGE_SIZE, head_dim) as f64 / f64::from(4 * MODEL_PAGE_SIZE * head_dim)
                         });
                         let b = budget_for_bytes(share, tokens, shards, codec_page_ratio(codec, head_dim), side)?;
                         let sc = SchedulerConfig::parse_for_budget(spec, b)?;
