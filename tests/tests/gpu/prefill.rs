@@ -4,12 +4,18 @@
 use expertkv_core::config::KvDtype;
 use expertkv_core::evict::config::SchedulerConfig;
 use expertkv_core::rng::Rng;
-use expertkv_model::SyntheticModel;
 use expertkv_model::config::Arch;
 use expertkv_model::forward::{GpuLlama, MAX_PREFILL_CHUNK, ModelOptions};
 use expertkv_model::gguf::{GgmlType, Gguf};
+use expertkv_model::moe::top_k;
+use expertkv_model::{CpuModel, LlamaConfig, LlamaWeights, Probe, Stage, SyntheticModel};
 
 use crate::common::{pick, rt, seeds};
+
+fn cpu_model(g: &Gguf<'_>) -> CpuModel {
+    let cfg = LlamaConfig::from_gguf(g).expect("config");
+    CpuModel::new(std::sync::Arc::new(LlamaWeights::from_gguf(g, &cfg).expect("weights"))).expect("cpu model")
+}
 
 fn max_rel(a: &[f32], b: &[f32]) -> f32 {
     let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
@@ -44,9 +50,17 @@ fn check_stage_times(v: &serde_json::Value, prefill_chunks: u32, steps: u32, moe
 /// Llama (f32 K/V), Qwen2 (Q/K/V biases, f16 K/V) and Qwen3 (per-head Q/K norms, wider heads)
 /// files, and MoE files (Mixtral-style, OLMoE, Qwen2-MoE): a prompt of more than two chunks
 /// (chunks of 16, 20 or 24 tokens, crossing chunk and page boundaries and the products' groups
-/// of 8 tokens) prefilled in chunks gives the last token's logits of feeding it one token per
-/// forward pass (`prefill`), or every token's (`prefill_logits`), and the decode steps after it
-/// agree too (the pool holds every prompt token at its position).
+/// of 8 tokens) prefilled in chunks gives the last token's logits (`prefill`), or every token's
+/// (`prefill_logits`), of the CPU reference fed one token at a time, and the decode steps after
+/// it agree too (the pool holds every prompt token at its position); over f32 K/V they equal
+/// the GPU's own token-by-token run's as well.
+///
+/// Over f16 K/V the token-by-token run is no yardstick for the chunked one: its decode
+/// attention takes q.k in f16 (a score near 30 has an ulp of 2^-6, a softmax weight moved by up
+/// to 0.8%), so its logits drift from the reference as the prompt goes on (up to 1.6e-3 of the
+/// largest logit over 37 tokens, `EXPERTKV_TEST_SEED=14006913453725512323`) where the chunked
+/// prefill's f32 attention stays within 1e-6; a step checked against the other run would
+/// inherit that drift. Both are held to the reference instead, at the f16 model check's 1e-3.
 #[test]
 fn chunked_prefill_equals_token_by_token() {
     let rt = rt();
@@ -74,7 +88,24 @@ fn chunked_prefill_equals_token_by_token() {
         let ctx = format!("seed {seed}: {arch:?} {dtype:?}, {experts} experts, {n} prompt tokens in chunks of {chunk}");
         let opts = ModelOptions::new(1, 200).dtype(dtype).prefill_chunk(chunk);
         let mut one = pollster::block_on(GpuLlama::load(rt, &g, opts.clone())).expect("load");
-        let want: Vec<Vec<f32>> = ids.iter().map(|&t| pollster::block_on(one.forward(rt, &[t])).expect("forward")).collect();
+        let by_token: Vec<Vec<f32>> = ids.iter().map(|&t| pollster::block_on(one.forward(rt, &[t])).expect("forward")).collect();
+        // The reference: the CPU model one token at a time, its K/V rounded to f16 as the pool
+        // stores them where the pool does; every layer's router choices counted.
+        let cpu = cpu_model(&g);
+        let mut cache = if dtype == KvDtype::F16 { cpu.new_cache().rounding_to_f16() } else { cpu.new_cache() };
+        let mut cpu_counts = vec![0u64; (cpu.config().block_count * experts) as usize];
+        let mut cpu_forward = |t: u32, pos: u32| {
+            let k = cpu.config().expert_used_count as usize;
+            let mut probe = |p: Probe<'_>| {
+                if p.stage == Stage::RouterScores {
+                    for e in top_k(p.values, k) {
+                        cpu_counts[p.layer * experts as usize + e] += 1;
+                    }
+                }
+            };
+            cpu.forward_probed(t, pos, &mut cache, cpu.config().block_count as usize, true, &mut probe).expect("cpu forward")
+        };
+        let want: Vec<Vec<f32>> = ids.iter().enumerate().map(|(pos, &t)| cpu_forward(t, pos as u32)).collect();
         let mut chunked = pollster::block_on(GpuLlama::load(rt, &g, opts)).expect("load");
         assert_eq!(chunked.chunked_prefill_refusal(), None, "{ctx}");
         // The chunked model's prefill and decode steps are timed stage by stage: the timestamps
@@ -90,23 +121,42 @@ fn chunked_prefill_equals_token_by_token() {
             pollster::block_on(chunked.prefill(rt, 0, &ids)).expect("prefill")
         };
         assert_eq!(chunked.positions, vec![n], "{ctx}");
-        // The products sum in another order than the decode step's (tiled, a fixed order over
-        // the columns, against a tree): f32 rounding, which f16 K/V round again (2^-11).
-        let tol = if dtype == KvDtype::F16 { 5e-4 } else { 1e-4 };
+        // Against the reference: f32 products summed in another order (tiled, a fixed order over
+        // the columns, against a sequential sum), the model check's 1e-4 of the largest logit;
+        // over f16 K/V the decode steps' attention takes q.k in f16 (the f16 model check's 1e-3).
+        let tol = if dtype == KvDtype::F16 { 1e-3 } else { 1e-4 };
         let rows: Vec<&[f32]> = if every { got.chunks(want[0].len()).collect() } else { vec![&got] };
-        let wanted_rows = &want[want.len() - rows.len()..];
-        assert_eq!(rows.len(), wanted_rows.len(), "{ctx}: every={every}");
-        for (p, (g, w)) in rows.iter().zip(wanted_rows).enumerate() {
-            assert!(max_rel(g, w) <= tol, "{ctx}: every={every}: prefill logits {p} differ by {} of their scale", max_rel(g, w));
+        let first = want.len() - rows.len();
+        for (p, g) in rows.iter().enumerate() {
+            let err = max_rel(g, &want[first + p]);
+            assert!(
+                err <= tol,
+                "{ctx}: every={every}: prefill logits of position {} differ from the reference's by {err} of their scale",
+                first + p
+            );
+            if dtype == KvDtype::F32 {
+                let err = max_rel(g, &by_token[first + p]);
+                assert!(err <= tol, "{ctx}: every={every}: prefill logits of position {} differ from token by token by {err}", first + p);
+            }
         }
         assert!(chunked.dispatches_per_step() > 0, "{ctx}");
         for step in 0..3 {
             let t = rng.below(256);
             let (a, b) = (pollster::block_on(one.forward(rt, &[t])).expect("a"), pollster::block_on(chunked.forward(rt, &[t])).expect("b"));
-            assert!(max_rel(&b, &a) <= tol, "{ctx}: decode step {step} after the prefill differs by {}", max_rel(&b, &a));
+            let c = cpu_forward(t, n + step);
+            assert!(
+                max_rel(&b, &c) <= tol,
+                "{ctx}: decode step {step} after the prefill differs from the reference by {}",
+                max_rel(&b, &c)
+            );
+            if dtype == KvDtype::F32 {
+                assert!(max_rel(&b, &a) <= tol, "{ctx}: decode step {step} after the prefill differs by {}", max_rel(&b, &a));
+            }
         }
-        // The experts chosen in the prefill count as a decode step's do.
+        // The experts chosen in the prefill count as a decode step's do, and as the reference
+        // chose them.
         assert_eq!(chunked.expert_counts(), one.expert_counts(), "{ctx}: expert counts");
+        assert_eq!(chunked.expert_counts(), &cpu_counts[..], "{ctx}: expert counts against the reference's");
         let total: u64 = chunked.expert_counts().iter().sum();
         assert_eq!(total, if experts > 0 { u64::from((n + 3) * 2 * 2) } else { 0 }, "{ctx}: every choice counted");
         check_stage_times(&chunked.stage_times(), n.div_ceil(chunk), 3, experts > 0, rt.device.features().contains(wanted), &ctx);
