@@ -44,6 +44,54 @@ pub(super) fn verify_err(message: String) -> Error {
     Error::Gpu { during: "verification against the CPU reference".into(), message }
 }
 
+/// The lockstep's routing of one layer: the reference's bias from the statistics the step
+/// started from (`route/bias.wgsl`'s, in f64) against the bias the GPU routed with (within
+/// `1e-5 * (1 + |bias|)`: a few f32 operations, a logarithm at most), then the reference's top-k
+/// over the layer's logits with that f32 bias (`logit + bias` is one f32 addition on both sides,
+/// so the choice is exact): the GPU's experts must equal the reference's and its gates lie within
+/// 1e-6 (an f32 softmax over at most `top_k` values, against f64). Returns the experts the
+/// reference chose and the gates as the GPU rounded them to f32 once checked (the pool stores
+/// f32 gates, which the lockstep compares bit for bit), which the lockstep's pool then appends.
+#[allow(clippy::too_many_arguments)]
+pub fn check_routing(
+    p: &crate::gpu_data::RouteParams,
+    stats_before: &[crate::gpu_data::ExpertStats],
+    logits: &[f32],
+    gpu_bias: &[f32],
+    gpu_experts: &[u32],
+    gpu_gates: &[f32],
+    step: u32,
+) -> Result<(Vec<u32>, Vec<f32>)> {
+    use crate::reference::route::{bias, topk};
+    let (e, k) = (p.n_experts as usize, p.top_k as usize);
+    let layer = p.layer as usize;
+    let want_bias = bias(p, &stats_before[layer * e..(layer + 1) * e]);
+    for (x, (g, w)) in gpu_bias.iter().zip(&want_bias).enumerate() {
+        if (f64::from(*g) - w).abs() > 1e-5 * (1.0 + w.abs()) {
+            return Err(verify_err(format!("step {step}, layer {}: expert {x}'s routing bias is {g}, the reference {w}", p.layer)));
+        }
+    }
+    // The reference reads its layer's rows from the start of `logits`.
+    let local = crate::gpu_data::RouteParams { token_base: 0, ..*p };
+    let (experts, gates) = topk(&local, logits, gpu_bias);
+    for t in 0..p.n_tokens as usize {
+        let (got, want) = (&gpu_experts[t * k..(t + 1) * k], &experts[t * k..(t + 1) * k]);
+        if got != want {
+            return Err(verify_err(format!("step {step}, layer {}: token {t} routed to {got:?}, the reference {want:?}", p.layer)));
+        }
+        for i in 0..k {
+            let (g, w) = (gpu_gates[t * k + i], gates[t * k + i]);
+            if (f64::from(g) - w).abs() > 1e-6 {
+                return Err(verify_err(format!(
+                    "step {step}, layer {}: token {t}'s gate of expert {} is {g}, the reference {w}",
+                    p.layer, want[i]
+                )));
+            }
+        }
+    }
+    Ok((experts, gpu_gates[..gates.len()].to_vec()))
+}
+
 /// The lockstep's eviction: every slot's utility key and every list's budget against the
 /// reference (exactly; LRU+'s float utility within 1e-5, AdaKV's shares within a token), then
 /// the reference evicts with the GPU's keys and budgets (and EKVA groups) and the utility

@@ -5,7 +5,7 @@
 //! full-cache reference's attention, FlexGen's host tier. Prefill runs the same stages over
 //! batches of positions (attending and evicting only with a scheduler).
 
-use super::lockstep::{check_eviction, verify_err};
+use super::lockstep::{check_eviction, check_routing, verify_err};
 use super::{Pipeline, kv_words, rel_l2};
 use crate::append::format::NewToken;
 use crate::error::{Error, Result};
@@ -43,6 +43,11 @@ struct SideWork {
     before: Option<Vec<ListState>>,
     /// The attention error of every layer against the full-cache reference.
     errors: Vec<f64>,
+    /// The lockstep's: every token's router logits, the route stage's statistics before the
+    /// run, and the hash router's number of the run's first token.
+    gen_logits: Vec<Vec<f32>>,
+    route_stats: Vec<crate::gpu_data::ExpertStats>,
+    token_offset: u32,
 }
 
 impl Pipeline {
@@ -82,6 +87,12 @@ impl Pipeline {
         let words = kv_words(tokens, self.kv.pool.cfg.dtype);
         let stage = HostSource::stage(rt, &mut self.kv_stage, &words);
         let new: Vec<NewToken> = tokens.iter().map(|t| t.token.clone()).collect();
+        // The lockstep routes from the statistics the run starts from.
+        let (gen_logits, route_stats) = match (&self.model, &self.kv.route) {
+            (Some(_), Some(route)) => (tokens.iter().map(|t| t.logits.clone()).collect(), route.router.read_stats(rt).await?),
+            _ => (Vec::new(), Vec::new()),
+        };
+        let token_offset = self.routed_tokens;
         self.kv.prepare(rt, &new, per_layer, self.step, self.routed_tokens, st.attend.then_some(&lens[..]))?;
         self.routed_tokens = self.routed_tokens.wrapping_add(layers * per_layer);
         if st.attend {
@@ -103,7 +114,19 @@ impl Pipeline {
             rec.finish()
         };
         let compressing = self.kv.pool.ready_to_compress();
-        let mut side = SideWork { tokens: new, words, queries, per_layer, lens, compressing, before: None, errors: Vec::new() };
+        let mut side = SideWork {
+            tokens: new,
+            words,
+            queries,
+            per_layer,
+            lens,
+            compressing,
+            before: None,
+            errors: Vec::new(),
+            gen_logits,
+            route_stats,
+            token_offset,
+        };
         for seg in segments {
             rt.queue.submit([seg.cb]);
             if let Some(pause) = seg.then {
@@ -136,10 +159,20 @@ impl Pipeline {
                     r.pool.append_timed(rt, &s.tokens[lo..hi], words, step, Some(route.routed(l, s.per_layer)), None)?;
                 }
                 if let Some(m) = &mut self.model {
-                    // The lockstep appends the same tokens with the experts the GPU routed.
+                    // The lockstep routes the layer itself (checked against what the GPU routed)
+                    // and appends the same tokens with the reference's experts and gates.
                     let k = self.cfg.workload.top_k as usize;
-                    let ex = route.router.read_experts(rt, l, s.per_layer).await?;
-                    let ga = route.router.read_gates(rt, l, s.per_layer).await?;
+                    let p = route.router.params(l, s.per_layer, s.token_offset.wrapping_add(l * s.per_layer));
+                    let logits: Vec<f32> = s.gen_logits[lo..hi].iter().flatten().copied().collect();
+                    let (ex, ga) = check_routing(
+                        &p,
+                        &s.route_stats,
+                        &logits,
+                        &route.router.read_bias(rt).await?,
+                        &route.router.read_experts(rt, l, s.per_layer).await?,
+                        &route.router.read_gates(rt, l, s.per_layer).await?,
+                        step,
+                    )?;
                     let mut layer = s.tokens[lo..hi].to_vec();
                     for (i, t) in layer.iter_mut().enumerate() {
                         t.experts = ex[i * k..(i + 1) * k].to_vec();
