@@ -142,14 +142,15 @@ run_test() {
     # The JS API's check: a small synthetic model decoded natively, its token ids expected.
     local api=$out/api.json prompt="The capital of France is" n=12
     # An LM head of its own, so the tokens depend on the whole forward pass (a tied random model
-    # repeats its last token); H2O keeping 16 tokens, so the policy reaches the page too.
+    # repeats its last token); H2O keeping 16 tokens with the recall tier attending 2 of each
+    # list's evicted pages (in device memory on WebGPU), so the policy reaches the page too.
     "${run[@]}" synth --out "$out/model.gguf" --experts 0 --seed 4 --untied-output >/dev/null || die "writing the synthetic model failed"
-    "${run[@]}" run --model "$out/model.gguf" --prompt "$prompt" --tokens "$n" --scheduler h2o --budget 16 --json >"$out/api-native.out" ||
+    "${run[@]}" run --model "$out/model.gguf" --prompt "$prompt" --tokens "$n" --scheduler h2o --budget 16 --recall 2 --json >"$out/api-native.out" ||
         die "the native run of the synthetic model failed (see $out/api-native.out)"
     tail -1 "$out/api-native.out" | python3 -c '
 import json, sys
 r = json.loads(sys.stdin.read())
-json.dump({"prompt": sys.argv[1], "tokens": int(sys.argv[2]), "policy": {"scheduler": "h2o", "budget": "16"},
+json.dump({"prompt": sys.argv[1], "tokens": int(sys.argv[2]), "policy": {"scheduler": "h2o", "budget": "16", "recall": 2},
            "generated_ids": r["generated_ids"]}, sys.stdout)' "$prompt" "$n" >"$api" ||
         die "the native run printed no JSON (see $out/api-native.out)"
     local port

@@ -53,6 +53,14 @@ pub struct KvPolicy {
     pub budget: Option<String>,
     /// A page codec (`int8`, `int4`, `fastv-dims`, `low-rank`, `lora`; `name:key=value,...`).
     pub codec: Option<String>,
+    /// The recall tier under an evicting scheduler: every token it evicts is kept (in host memory
+    /// where the device reads host memory in place, natively; in device memory in the browser,
+    /// with no bytes saved), and this many of each (layer, KV head)'s best evicted pages are
+    /// attended at every layer (1 to 16) [default: no tier].
+    pub recall: Option<u32>,
+    /// With `recall`: how many of its candidate pages the tier pages' key bounds nominate (the
+    /// digests nominate the rest; the bounds' device bytes count in the K/V) [default: 0].
+    pub recall_bounds: Option<u32>,
 }
 
 impl KvPolicy {
@@ -75,7 +83,24 @@ impl KvPolicy {
                 Some((SchedulerConfig::parse_for_budget(spec, b)?, b))
             }
         };
-        Ok(ModelOptions::new(1, context).dtype(dtype).codec(codec).scheduler(scheduler))
+        // The recall tier keeps what an evicting scheduler removes: refused by name without one,
+        // before anything is loaded (its page counts are checked at load, against the pool).
+        if let Some(pages) = self.recall
+            && !scheduler.as_ref().is_some_and(|(s, _)| s.uses_evict_kernels())
+        {
+            return Err(Error::Input(format!(
+                "recall `{pages}` keeps what an evicting scheduler removes: give one (h2o, streaming-llm, lru, lru-plus, adakv, duo, fastv-tokens)"
+            )));
+        }
+        if let (Some(b), None) = (self.recall_bounds, self.recall) {
+            return Err(Error::Input(format!("recallBounds `{b}` shares out the recall tier's candidates: give recall too")));
+        }
+        Ok(ModelOptions::new(1, context)
+            .dtype(dtype)
+            .codec(codec)
+            .scheduler(scheduler)
+            .recall(self.recall)
+            .recall_bounds(self.recall_bounds.unwrap_or(0)))
     }
 }
 
@@ -146,6 +171,27 @@ pub struct KvStats {
     pub full_cache_bytes: u64,
     /// Token K/V the scheduler evicted so far (every layer and KV head); 0 without one.
     pub evicted: u64,
+    /// The recall tier, if one keeps the evicted K/V.
+    pub recall: Option<RecallStats>,
+}
+
+/// The recall tier as it stands ([`KvStats::recall`]).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct RecallStats {
+    /// Tier pages attended per (layer, KV head) at every layer.
+    pub pages: u32,
+    /// Whether the tier's K/V live in host memory (read in place over the bus); otherwise in
+    /// device memory, with no device bytes saved (the browser).
+    pub host_memory: bool,
+    /// Evicted token K/V kept in the tier so far (every layer and KV head).
+    pub captured: u64,
+    /// Evicted token K/V dropped because a list's tier was full: these are lost.
+    pub dropped: u64,
+    /// Device bytes of the tier (its digests, counters and plan; the tier itself outside host
+    /// memory), on top of [`KvStats::kv_bytes_in_use`].
+    pub gpu_bytes: u64,
+    /// Host bytes of the tier (allocated for its whole capacity).
+    pub host_bytes: u64,
 }
 
 /// A model and its tokenizer, decoding one sequence.
@@ -343,6 +389,20 @@ impl TextModel {
         let context = m.positions[0];
         // f16: 2 bytes for each of K and V per head dimension.
         let full = u64::from(context) * u64::from(m.cfg.block_count) * u64::from(m.cfg.head_count_kv) * u64::from(m.cfg.head_dim) * 4;
+        let recall = match &m.kv.recall {
+            Some(t) => {
+                let (dropped, captured) = t.read_stats(rt).await?;
+                Some(RecallStats {
+                    pages: t.cfg.pages,
+                    host_memory: t.host_memory,
+                    captured,
+                    dropped,
+                    gpu_bytes: t.gpu_bytes(),
+                    host_bytes: t.host_bytes(),
+                })
+            }
+            None => None,
+        };
         Ok(KvStats {
             context_tokens: context,
             max_context: m.max_context(),
@@ -350,6 +410,7 @@ impl TextModel {
             kv_bytes_in_use: m.kv_bytes_in_use(rt).await?,
             full_cache_bytes: full,
             evicted,
+            recall,
         })
     }
 }
@@ -407,6 +468,19 @@ mod tests {
         assert!(e.to_string().contains("budget"), "{e}");
         let e = KvPolicy { dtype: Some("f8".into()), ..Default::default() }.model_options(512).expect_err("f8");
         assert!(e.to_string().contains("f16"), "{e}");
+        // The recall tier: under an evicting scheduler, refused by name without one (QUEST and
+        // FlexGen evict nothing it could keep), its bounds only with it.
+        let p: KvPolicy = serde_json::from_str(r#"{"scheduler": "h2o", "budget": "64", "recall": 4, "recallBounds": 8}"#).expect("policy");
+        let o = p.model_options(2048).expect("options");
+        assert_eq!((o.recall, o.recall_bounds), (Some(4), 8));
+        for scheduler in [None, Some("quest"), Some("flexgen")] {
+            let p = KvPolicy { scheduler: scheduler.map(Into::into), recall: Some(4), ..Default::default() };
+            let e = p.model_options(512).expect_err("recall without an evicting scheduler");
+            assert!(e.to_string().contains("recall `4`") && e.to_string().contains("h2o"), "{scheduler:?}: {e}");
+        }
+        let p = KvPolicy { scheduler: Some("h2o".into()), recall_bounds: Some(8), ..Default::default() };
+        let e = p.model_options(512).expect_err("bounds without the tier");
+        assert!(e.to_string().contains("recallBounds `8`"), "{e}");
         let g: GenerateOptions = serde_json::from_str(r#"{"maxTokens": 5}"#).expect("generate options");
         assert_eq!(g, GenerateOptions { max_tokens: 5, stop_at_eos: true });
     }

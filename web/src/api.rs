@@ -91,8 +91,11 @@ pub async fn init() -> Result<String, JsValue> {
     Ok(name)
 }
 
-/// Load a GGUF file's bytes with a K/V policy (`{context, dtype, scheduler, budget, codec}`, all
-/// optional), replacing any model loaded before. Resolves to the model's shape and policy.
+/// Load a GGUF file's bytes with a K/V policy (`{context, dtype, scheduler, budget, codec,
+/// recall, recallBounds}`, all optional; `recall` keeps what an evicting scheduler removes and
+/// attends that many of each list's best evicted pages, in device memory here: the same answers,
+/// no device bytes saved), replacing any model loaded before. Resolves to the model's shape and
+/// policy.
 #[wasm_bindgen(js_name = loadModel)]
 pub async fn load_model(bytes: Vec<u8>, policy: JsValue) -> Result<JsValue, JsValue> {
     let policy: KvPolicy = options("loadModel options", &policy)?;
@@ -117,6 +120,10 @@ pub async fn load_model(bytes: Vec<u8>, policy: JsValue) -> Result<JsValue, JsVa
         "context": model.llama().max_context(),
         "scheduler": model.llama().kv.scheduler.as_ref().map(|s| s.cfg.name()),
         "codec": model.llama().kv.pool.cfg.codec.name(),
+        "recall": model.llama().kv.recall.as_ref().map(|t| serde_json::json!({
+            "pages": t.cfg.pages, "candidates": t.cfg.candidates, "boundCandidates": t.cfg.bound_candidates,
+            "hostMemory": t.host_memory,
+        })),
     });
     if model_view::shown() {
         model_view::send(Event::Started(Box::new(model_view::run_info(&rt, &model, "the GGUF file given to loadModel"))));
@@ -207,7 +214,8 @@ async fn generate_viewed(
 }
 
 /// The loaded model's K/V: `{contextTokens, maxContext, pagesInUse, kvBytesInUse,
-/// fullCacheBytes, evicted}` and the model's shape (`model`).
+/// fullCacheBytes, evicted, recall}` (`recall`: `null`, or the tier's `{pages, hostMemory,
+/// captured, dropped, gpuBytes, hostBytes}`) and the model's shape (`model`).
 #[wasm_bindgen]
 pub async fn stats() -> Result<JsValue, JsValue> {
     let rt = begin("stats")?;
@@ -227,6 +235,10 @@ pub async fn stats() -> Result<JsValue, JsValue> {
         "kvBytesInUse": st.kv_bytes_in_use,
         "fullCacheBytes": st.full_cache_bytes,
         "evicted": st.evicted,
+        "recall": st.recall.as_ref().map(|r| serde_json::json!({
+            "pages": r.pages, "hostMemory": r.host_memory, "captured": r.captured, "dropped": r.dropped,
+            "gpuBytes": r.gpu_bytes, "hostBytes": r.host_bytes,
+        })),
         "model": loaded,
     }))
 }

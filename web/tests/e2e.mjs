@@ -10,7 +10,7 @@
 // 2. The same page in a Chromium without WebGPU must say so in the page instead of failing, and
 //    a malformed URL option (`?steps=abc`, `?renderer=foo`) is named on the page.
 // 3. The JS API (examples/web/index.html's page, served at /examples/): init(), loadModel() of
-//    a small synthetic GGUF file served at /data/model.gguf under H2O, generate() streaming
+//    a small synthetic GGUF file served at /data/model.gguf under H2O with the recall tier, generate() streaming
 //    through its callback, stats(); the generated token ids must equal the native `expertkv run
 //    --json` of the same file, prompt and policy (API.json: {prompt, tokens, policy,
 //    generated_ids}), the viewer beside the model (showViewer) must have drawn one snapshot per
@@ -177,6 +177,11 @@ async function withApi() {
     if (JSON.stringify(r.streamed) !== JSON.stringify(r.out.tokens)) fail(`onToken saw ${JSON.stringify(r.streamed)}`);
     if (r.stats.contextTokens !== r.out.promptTokens + r.out.tokens.length - 1) fail(`stats: ${JSON.stringify(r.stats)}`);
     if (r.info.scheduler !== 'h2o' || !(r.stats.evicted > 0)) fail(`the policy did not reach the model: ${JSON.stringify(r.info)}, ${JSON.stringify(r.stats)}`);
+    // The recall tier kept every evicted token (in device memory: WebGPU cannot read host memory).
+    const rc = r.stats.recall;
+    if (!rc || rc.pages !== 2 || rc.captured !== r.stats.evicted || rc.dropped !== 0 || rc.hostMemory !== false) {
+      fail(`the recall tier did not keep what H2O evicted: ${JSON.stringify(rc)}, evicted ${r.stats.evicted}`);
+    }
     if (new Set(r.out.tokens).size < 4) fail(`a degenerate model: ${JSON.stringify(r.out.tokens)}`);
     if (r.viewerSteps !== r.out.tokens.length) fail(`the viewer beside the model drew ${r.viewerSteps} steps, not ${r.out.tokens.length}`);
     if (!/loadModel first/.test(r.early || '')) fail(`generate before loadModel: ${r.early}`);

@@ -555,6 +555,25 @@ fn the_recall_tier_keeps_every_token_the_model_evicts() {
         }
     }
     assert_ne!(a, b, "the recalled pages joined the softmax");
+    // The same tier through the library's policy in words (as the browser's JS API takes it):
+    // its stats count every evicted token as kept, none dropped, in the tier's own bytes.
+    use expertkv_model::text::{GenerateOptions, KvPolicy, TextModel};
+    let policy = KvPolicy {
+        context: Some(256),
+        scheduler: Some("h2o:sinks=2,window=4".into()),
+        budget: Some("16".into()),
+        recall: Some(2),
+        ..Default::default()
+    };
+    let mut tm = pollster::block_on(TextModel::load_with_policy(rt, &file, &policy)).expect("load with the policy");
+    let text = "The quick brown fox jumps over the lazy dog. ".repeat(2);
+    pollster::block_on(tm.generate(rt, &text, &GenerateOptions { max_tokens: 4, stop_at_eos: false }, |_| true)).expect("generate");
+    let stats = pollster::block_on(tm.stats(rt)).expect("stats");
+    let r = stats.recall.as_ref().expect("the tier's stats");
+    let t = tm.llama().kv.recall.as_ref().expect("tier");
+    assert!(stats.evicted > 0, "{stats:?}");
+    assert_eq!((r.pages, r.captured, r.dropped), (2, stats.evicted, 0), "{stats:?}");
+    assert_eq!((r.gpu_bytes, r.host_bytes, r.host_memory), (t.gpu_bytes(), t.host_bytes(), t.host_memory), "{stats:?}");
 }
 
 /// PyramidKV and the utility thresholds over the model's own attention (a synthetic file's):
