@@ -164,15 +164,8 @@ impl Pipeline {
                     let k = self.cfg.workload.top_k as usize;
                     let p = route.router.params(l, s.per_layer, s.token_offset.wrapping_add(l * s.per_layer));
                     let logits: Vec<f32> = s.gen_logits[lo..hi].iter().flatten().copied().collect();
-                    let (ex, ga) = check_routing(
-                        &p,
-                        &s.route_stats,
-                        &logits,
-                        &route.router.read_bias(rt).await?,
-                        &route.router.read_experts(rt, l, s.per_layer).await?,
-                        &route.router.read_gates(rt, l, s.per_layer).await?,
-                        step,
-                    )?;
+                    let (bias, experts, gates) = route.router.read_choice(rt, l, s.per_layer).await?;
+                    let (ex, ga) = check_routing(&p, &s.route_stats, &logits, &bias, &experts, &gates, step)?;
                     let mut layer = s.tokens[lo..hi].to_vec();
                     for (i, t) in layer.iter_mut().enumerate() {
                         t.experts = ex[i * k..(i + 1) * k].to_vec();

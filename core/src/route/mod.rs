@@ -346,6 +346,21 @@ impl Router {
         rt.read(&self.gates, u64::from(layer * self.shape.max_tokens) * k, u64::from(n_tokens) * k).await
     }
 
+    /// The last routed layer's bias, and the chosen experts and gates of the first `n_tokens`
+    /// tokens of `layer` (that layer, when checking what it just routed): one readback for
+    /// [`Router::read_bias`], [`Router::read_experts`] and [`Router::read_gates`].
+    pub async fn read_choice(&self, rt: &Runtime, layer: u32, n_tokens: u32) -> Result<(Vec<f32>, Vec<u32>, Vec<f32>)> {
+        let k = u64::from(self.shape.top_k);
+        let at = u64::from(layer * self.shape.max_tokens) * k;
+        let n = u64::from(n_tokens) * k;
+        let mut r =
+            rt.read_many::<u32>(&[(&self.bias, 0, u64::from(self.shape.n_experts)), (&self.experts, at, n), (&self.gates, at, n)]).await?;
+        let f = |w: Vec<u32>| w.into_iter().map(f32::from_bits).collect::<Vec<f32>>();
+        let gates = f(r.pop().unwrap_or_default());
+        let experts = r.pop().unwrap_or_default();
+        Ok((f(r.pop().unwrap_or_default()), experts, gates))
+    }
+
     /// The per-expert score bias of the last routed layer.
     pub async fn read_bias(&self, rt: &Runtime) -> Result<Vec<f32>> {
         rt.read(&self.bias, 0, u64::from(self.shape.n_experts)).await
