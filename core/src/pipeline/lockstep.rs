@@ -99,6 +99,64 @@ pub fn check_routing(
     Ok((experts, gpu_gates[..gates.len()].to_vec()))
 }
 
+/// The model path's carried check: between the pool the eviction check left at the last step
+/// (`prev`, equal to the GPU's then) and the GPU's pool before this step's eviction (`now`), only
+/// this step's appends and attention may have acted. Every ring still begins with the pages it
+/// had; every slot `prev` held is still in its page with the same K/V words, position, experts
+/// and gates, its accesses free to grow and its attention mass not smaller. Raw pages (a page
+/// codec moves a page to compressed storage as it fills; the caller checks only a pool without
+/// one).
+pub fn check_carried(prev: &PoolModel, now: &PoolModel, step: u32) -> Result<()> {
+    use crate::gpu_data::NO_OWNER;
+    let c = &prev.cfg;
+    let (ps, mw, pw, vw) = (c.page_size as usize, c.meta_words() as usize, c.page_words() as usize, c.vec_words() as usize);
+    let (r, attn) = (c.ring_capacity as usize, meta::attn(c.top_k as usize));
+    let bad = |what: String| Err(verify_err(format!("step {step}: since the last checked eviction, {what}")));
+    for (key, (a, b)) in prev.rings.iter().zip(&now.rings).enumerate() {
+        if b.count < a.count {
+            return bad(format!("ring {key} went from {} pages to {}", a.count, b.count));
+        }
+        for i in 0..a.count as usize {
+            let (pa, pb) = (prev.ring_pages[key * r + (a.head as usize + i) % r], now.ring_pages[key * r + (b.head as usize + i) % r]);
+            if pa != pb {
+                return bad(format!("ring {key}'s page {i} is {pb}, was {pa}"));
+            }
+        }
+    }
+    for (p, (a, b)) in prev.page_meta.iter().zip(&now.page_meta).enumerate() {
+        if a.owner == NO_OWNER {
+            continue;
+        }
+        if b.owner != a.owner || b.fill < a.fill {
+            return bad(format!("page {p} (owner {}, fill {}) became owner {}, fill {}", a.owner, a.fill, b.owner, b.fill));
+        }
+        for s in 0..a.fill as usize {
+            let m = (p * ps + s) * mw;
+            let changed = (0..mw)
+                .filter(|&w| w != meta::LAST_ACCESS && w != meta::ACCESS_COUNT && w != attn)
+                .find(|&w| prev.slot_meta[m + w] != now.slot_meta[m + w]);
+            if let Some(w) = changed {
+                return bad(format!(
+                    "slot {s} of page {p}: metadata word {w} is {:#010x}, was {:#010x}",
+                    now.slot_meta[m + w],
+                    prev.slot_meta[m + w]
+                ));
+            }
+            let (ma, mb) = (f32::from_bits(prev.slot_meta[m + attn]), f32::from_bits(now.slot_meta[m + attn]));
+            if mb.is_nan() || mb < ma {
+                return bad(format!("slot {s} of page {p}: attention mass {mb}, was {ma}"));
+            }
+            for kv in 0..2 {
+                let at = p * pw + kv * ps * vw + s * vw;
+                if prev.kv[at..at + vw] != now.kv[at..at + vw] {
+                    return bad(format!("slot {s} of page {p}: its {} words changed", ["K", "V"][kv]));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The lockstep's eviction: every slot's utility key and every list's budget against the
 /// reference (exactly; LRU+'s float utility within 1e-5, AdaKV's shares within a token), then
 /// the reference evicts with the GPU's keys and budgets (and EKVA groups) and the utility

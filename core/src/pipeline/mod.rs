@@ -13,7 +13,7 @@ mod report;
 mod run;
 
 pub use config::DemoConfig;
-pub use lockstep::{VerifyReport, check_eviction, compare_pool, pool_model_of};
+pub use lockstep::{VerifyReport, check_carried, check_eviction, compare_pool, pool_model_of};
 pub use report::{LayerRecord, ReportParts, StageTimes, StepReport};
 
 use lockstep::Checked;

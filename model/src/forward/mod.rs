@@ -274,6 +274,10 @@ pub struct GpuLlama {
     /// list counts are compared, and the whole pool after. Slow (the pool crosses to the host
     /// twice a step); for tests and audits.
     pub verify_evictions: bool,
+    /// The pool the last checked eviction left (the reference's, equal to the GPU's then), which
+    /// the next checked step compares with the GPU's pool before its eviction; dropped by any
+    /// step or call that changes the pool unchecked.
+    carried_pool: Option<expertkv_core::reference::PoolModel>,
     s: Scratch,
     recorded: Recording,
     moe: Option<GpuMoe>,
@@ -492,6 +496,7 @@ impl GpuLlama {
             labels,
             agreement: (0, 0),
             verify_evictions: false,
+            carried_pool: None,
             s,
             moe: None,
             n_seqs,
@@ -1042,6 +1047,7 @@ impl GpuLlama {
             return Err(Error::Input(format!("sequence {seq}: the model decodes {} sequences", self.n_seqs)));
         }
         self.kv.release_sequence(rt, seq)?;
+        self.carried_pool = None;
         if let Some((fg, _)) = &mut self.kv.flexgen {
             fg.release_sequence(&self.kv.pool.cfg, seq);
         }

@@ -139,6 +139,8 @@ impl GpuLlama {
         if seq >= self.n_seqs || self.positions[seq as usize] != 0 {
             return Err(Error::Input(format!("restoring a prefix into sequence {seq}: it must exist and be empty")));
         }
+        // The restored pages are not a step's appends: the next checked step starts afresh.
+        self.carried_pool = None;
         let tw = self.prefix_token_words();
         if kv.len() != self.cfg.block_count as usize || kv.iter().any(|l| l.len() != n as usize * tw) {
             return Err(Error::Input(format!(

@@ -28,7 +28,7 @@ use super::trace::ExpertFetch;
 use crate::Result;
 use crate::experts::ExpertPolicy;
 use expertkv_core::evict::flexgen::PageFetch;
-use expertkv_core::pipeline::{check_eviction, compare_pool, pool_model_of};
+use expertkv_core::pipeline::{check_carried, check_eviction, compare_pool, pool_model_of};
 use expertkv_core::reference::PoolModel;
 use expertkv_core::runtime::Runtime;
 use expertkv_core::step::{KvPause, Segment, StepStage};
@@ -183,6 +183,10 @@ impl GpuLlama {
     /// every layer's choices as the host read them, with an expert cache.
     pub(super) async fn submit_step(&mut self, rt: &Runtime, segments: Vec<Segment<Pause>>) -> Result<Option<Vec<u32>>> {
         self.transfers.clear();
+        if !self.verify_evictions {
+            // A step not checked leaves the carried pool behind it.
+            self.carried_pool = None;
+        }
         if let Some((fg, _)) = &mut self.kv.flexgen {
             fg.begin_step();
         }
@@ -245,8 +249,13 @@ impl GpuLlama {
                     }
                     if let (Some(sch), true) = (&self.kv.scheduler, self.verify_evictions) {
                         rt.wait()?;
-                        check =
-                            Some(EvictionCheck { reference: pool_model_of(rt, &self.kv.pool).await?, before: sch.read_lists(rt).await? });
+                        let reference = pool_model_of(rt, &self.kv.pool).await?;
+                        // The pool the last checked eviction left, against this one: only this
+                        // step's appends and attention acted between them.
+                        if let Some(prev) = self.carried_pool.take() {
+                            check_carried(&prev, &reference, self.step)?;
+                        }
+                        check = Some(EvictionCheck { reference, before: sch.read_lists(rt).await? });
                     }
                 }
                 Some(Pause::Kv(KvPause::Evicted)) => {
@@ -256,6 +265,11 @@ impl GpuLlama {
                         let lens: Vec<u32> = self.positions.iter().map(|p| p + 1).collect();
                         check_eviction(rt, sch, &mut c.reference, self.step, &lens, &c.before, &after).await?;
                         compare_pool(rt, &self.kv.pool, &c.reference).await?;
+                        // Carried to the next checked step (raw pages: a codec moves pages as it
+                        // compresses them).
+                        if self.kv.pool.cfg.codec == expertkv_core::config::Codec::None {
+                            self.carried_pool = Some(c.reference);
+                        }
                     }
                 }
                 Some(Pause::Experts(l)) => {
