@@ -698,8 +698,9 @@ fn the_pipelines_routers_choose_the_models_experts() {
 
 /// Every evicting scheduler over the model's own attention (synthetic files), each eviction
 /// (from a few steps before the budget fills) checked against the CPU reference (`GpuLlama::verify_evictions`: a CPU pool model started
-/// from the GPU's pool before the scheduler runs; utilities, budgets, victims and list counts
-/// compared, then the whole pool): H2O, StreamingLLM, LRU, LRU+, AdaKV, DuoAttention, FastV
+/// from the GPU's pool before the scheduler runs, after checking that pool against the one the
+/// last checked eviction left; utilities, budgets, victims and list counts compared, then the
+/// whole pool): H2O, StreamingLLM, LRU, LRU+, AdaKV, DuoAttention, FastV
 /// tokens, PyramidKV over H2O, and EKVA splitting H2O's budget over a MoE file's routed experts
 /// in four shards.
 #[test]
