@@ -59,7 +59,6 @@ pub(super) fn verify_err(message: String) -> Error {
 /// 1e-6 (an f32 softmax over at most `top_k` values, against f64). Returns the experts the
 /// reference chose and the gates as the GPU rounded them to f32 once checked (the pool stores
 /// f32 gates, which the lockstep compares bit for bit), which the lockstep's pool then appends.
-#[allow(clippy::too_many_arguments)]
 pub fn check_routing(
     p: &crate::gpu_data::RouteParams,
     stats_before: &[crate::gpu_data::ExpertStats],

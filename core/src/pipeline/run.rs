@@ -160,7 +160,8 @@ impl Pipeline {
                 }
                 if let Some(m) = &mut self.model {
                     // The lockstep routes the layer itself (checked against what the GPU routed)
-                    // and appends the same tokens with the reference's experts and gates.
+                    // and appends the same tokens with the experts it chose (their gates as the
+                    // GPU rounded them, once checked).
                     let k = self.cfg.workload.top_k as usize;
                     let p = route.router.params(l, s.per_layer, s.token_offset.wrapping_add(l * s.per_layer));
                     let logits: Vec<f32> = s.gen_logits[lo..hi].iter().flatten().copied().collect();
