@@ -22,6 +22,13 @@ pub fn rt_trusted() -> &'static Runtime {
     RT.get_or_init(|| open(ShaderChecks::TrustedTested))
 }
 
+/// The CPU f32 reference model of a GGUF file (the GPU tests' independent computation).
+pub fn cpu_model(g: &expertkv_model::gguf::Gguf<'_>) -> expertkv_model::CpuModel {
+    let cfg = expertkv_model::LlamaConfig::from_gguf(g).expect("config");
+    let weights = expertkv_model::LlamaWeights::from_gguf(g, &cfg).expect("weights");
+    expertkv_model::CpuModel::new(std::sync::Arc::new(weights)).expect("cpu model")
+}
+
 /// The SmolLM2 GGUF's bytes, or `None` (a skip of `test`) when the file is missing, unless
 /// `EXPERTKV_REQUIRE_MODEL` is set (see [`expertkv_tests::model_path`]).
 pub fn model_bytes(test: &str) -> Option<Vec<u8>> {

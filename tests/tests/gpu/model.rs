@@ -15,7 +15,7 @@ use expertkv_model::{
     gguf::{GgmlType, Gguf},
 };
 
-use crate::common::{model_bytes, pick, rt, seeds};
+use crate::common::{cpu_model, model_bytes, pick, rt, seeds};
 
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()))
@@ -37,11 +37,6 @@ fn synthetic_dense(seed: u64, weights: GgmlType) -> (SyntheticModel, Vec<u8>) {
     let spec = SyntheticModel::dense(seed).with_weights(weights);
     let file = spec.gguf();
     (spec, file)
-}
-
-fn cpu_model(g: &Gguf<'_>) -> CpuModel {
-    let cfg = LlamaConfig::from_gguf(g).expect("config");
-    CpuModel::new(Arc::new(LlamaWeights::from_gguf(g, &cfg).expect("weights"))).expect("cpu model")
 }
 
 /// SmolLM2's greedy answer (" Paris.") and the perplexity of the prompt and that answer, from

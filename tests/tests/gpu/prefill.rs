@@ -8,14 +8,9 @@ use expertkv_model::config::Arch;
 use expertkv_model::forward::{GpuLlama, MAX_PREFILL_CHUNK, ModelOptions};
 use expertkv_model::gguf::{GgmlType, Gguf};
 use expertkv_model::moe::top_k;
-use expertkv_model::{CpuModel, LlamaConfig, LlamaWeights, Probe, Stage, SyntheticModel};
+use expertkv_model::{Probe, Stage, SyntheticModel};
 
-use crate::common::{pick, rt, seeds};
-
-fn cpu_model(g: &Gguf<'_>) -> CpuModel {
-    let cfg = LlamaConfig::from_gguf(g).expect("config");
-    CpuModel::new(std::sync::Arc::new(LlamaWeights::from_gguf(g, &cfg).expect("weights"))).expect("cpu model")
-}
+use crate::common::{cpu_model, pick, rt, seeds};
 
 fn max_rel(a: &[f32], b: &[f32]) -> f32 {
     let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));

@@ -17,7 +17,7 @@ use expertkv_model::tokenizer::Tokenizer;
 use expertkv_store::prefix::model_hash;
 use expertkv_store::{MemoryStore, PageStore, PrefixStore, RedisStore, StoreCodec, StoreError};
 
-use crate::common::{case_index, pick, rt, seeds, skip};
+use crate::common::{case_index, cpu_model, pick, rt, seeds, skip};
 
 const TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -218,11 +218,9 @@ fn a_prefix_from_the_store_gives_the_cold_prefill_logits() {
 /// restored), then the last prompt token's logits and each of `next`'s.
 fn codec_reference(c: &Case, cold: &GpuLlama, rt: &Runtime, codec: StoreCodec, ids: &[u32], reused: u32, next: &[u32]) -> Vec<Vec<f32>> {
     use expertkv_core::reference::words::decode_words;
-    use expertkv_model::{CpuModel, LlamaConfig, LlamaWeights};
     use expertkv_store::value::{PageHeader, decode, encode};
-    let g = Gguf::parse(&c.file).expect("gguf");
-    let cfg = LlamaConfig::from_gguf(&g).expect("config");
-    let cpu = CpuModel::new(std::sync::Arc::new(LlamaWeights::from_gguf(&g, &cfg).expect("weights"))).expect("cpu model");
+    let cpu = cpu_model(&Gguf::parse(&c.file).expect("gguf"));
+    let cfg = cpu.config();
     let (hkv, d, ps) = (cfg.head_count_kv as usize, cfg.head_dim as usize, 16usize);
     let dtype = cold.kv.pool.cfg.dtype;
     let words = pollster::block_on(cold.read_prefix(rt, 0, reused)).expect("read prefix");
